@@ -1,0 +1,98 @@
+// Shared device helpers for every cupy-fused kernel.
+//
+// The kernels are compiled by NVRTC at run time.  To stay independent of where
+// (or whether) the CUDA toolkit headers are installed, nothing here includes a
+// toolkit header: half and bfloat16 are plain 16-bit storage types converted
+// with PTX / bit arithmetic, and all arithmetic is done in float.
+#pragma once
+
+namespace cf {
+
+typedef long long i64;
+
+// 16-bit storage types.  Layout-compatible with torch.float16 / torch.bfloat16.
+struct half { unsigned short bits; };
+struct bfloat16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(half x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(bfloat16 x) {
+  return __uint_as_float(static_cast<unsigned>(x.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float f);
+template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
+template <> __device__ __forceinline__ half from_float<half>(float f) {
+  half h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+  return h;
+}
+// Round-to-nearest-even in integer arithmetic: works on every architecture
+// (the cvt.rn.bf16.f32 instruction needs sm_80) and matches it bit for bit.
+template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float f) {
+  unsigned u = __float_as_uint(f);
+  bfloat16 b;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    b.bits = static_cast<unsigned short>((u >> 16) | 0x40u);  // quiet NaN
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    b.bits = static_cast<unsigned short>(u >> 16);
+  }
+  return b;
+}
+
+// Loads a value of a per-column / per-channel vector, or `fallback` when the
+// vector is absent (null pointer): chains name every vector they may use.
+template <typename T>
+__device__ __forceinline__ float load_or(const T* p, i64 i, float fallback) {
+  return p ? to_float(p[i]) : fallback;
+}
+
+// ---- activations and their derivatives (float, IEEE libm, no fast-math) ----
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float swishf(float x) { return x * sigmoidf(x); }
+// d/dx x*s(x) = s + x*s*(1-s)
+__device__ __forceinline__ float swish_grad(float x) {
+  const float s = sigmoidf(x);
+  return s + x * s * (1.0f - s);
+}
+// mish(x) = x * tanh(softplus(x)), softplus(x) = log1p(exp(x)) as in PyTorch.
+__device__ __forceinline__ float mishf(float x) { return x * tanhf(log1pf(expf(x))); }
+// d/dx mish = tanh(sp) + x * (1 - tanh(sp)^2) * sigmoid(x)
+__device__ __forceinline__ float mish_grad(float x) {
+  const float t = tanhf(log1pf(expf(x)));
+  return t + x * (1.0f - t * t) * sigmoidf(x);
+}
+__device__ __forceinline__ float hardtanhf(float x) { return fminf(fmaxf(x, -1.0f), 1.0f); }
+// PyTorch's hardtanh_backward passes the gradient only strictly inside (-1, 1).
+__device__ __forceinline__ float hardtanh_grad(float x) { return (x > -1.0f && x < 1.0f) ? 1.0f : 0.0f; }
+
+// ---- reductions ----
+// Sum over an aligned team of `team` lanes (a power of two <= 32) inside a
+// warp.  Every lane of the warp must call it (full mask); the xor pattern keeps
+// each team's lanes together, and the fixed order makes the result
+// bitwise reproducible.
+__device__ __forceinline__ float team_sum(float v, int team) {
+  for (int offset = team >> 1; offset > 0; offset >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024).  `scratch` holds
+// 32 floats of shared memory.  Result valid in every thread.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  v = team_sum(v, 32);
+  __syncthreads();  // scratch may still be read from a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.0f;
+  return team_sum(v, 32);
+}
+
+}  // namespace cf
