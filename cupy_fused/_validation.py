@@ -1,0 +1,114 @@
+"""Input validation, in one place.  Every check raises before anything is
+launched, with a message that names the argument and what was expected.
+
+Contiguity policy: inputs that are not contiguous are *copied* to a
+contiguous tensor (``Tensor.contiguous()``; for 4-D activations channels-last
+is kept as is), never rejected.  The copy is the only extra cost.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# C++ type of each supported dtype inside kernels_cu/ (see cf_common.cuh).
+CXX_TYPE = {torch.float32: "float", torch.float16: "cf::half", torch.bfloat16: "cf::bfloat16"}
+
+
+def cxx_type(dtype: torch.dtype) -> str:
+    return CXX_TYPE[dtype]
+
+
+def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """A CUDA float tensor (float32, float16 or bfloat16)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}"
+        )
+    if value.device.type != "cuda":
+        raise ValueError(
+            f"{name} must be on a CUDA device, got device {value.device}; cupy-fused kernels "
+            "run on the GPU only"
+        )
+    if ndim is not None and value.dim() not in ndim:
+        want = " or ".join(str(n) for n in ndim)
+        raise ValueError(f"{name} must be {want}-D, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_like(name: str, value, like: torch.Tensor, like_name: str) -> torch.Tensor:
+    """Same dtype and device as ``like``."""
+    check_tensor(name, value)
+    if value.dtype != like.dtype:
+        raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {value.dtype}")
+    if value.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device ({like.device}), got {value.device}")
+    return value
+
+
+def check_vector(name: str, value, length: int, like: torch.Tensor, like_name: str,
+                 optional: bool = True) -> Optional[torch.Tensor]:
+    """A per-channel vector of ``length`` elements (any shape with that many
+    elements, e.g. ``(C,)`` or ``(C, 1, 1)``); returned flat and contiguous."""
+    if value is None:
+        if optional:
+            return None
+        raise TypeError(f"{name} is required, got None")
+    check_like(name, value, like, like_name)
+    if value.numel() != length or sum(1 for s in value.shape if s != 1) > 1:
+        raise ValueError(
+            f"{name} must hold one value per channel ({length} values, shape ({length},) or "
+            f"({length}, 1, 1)), got shape {tuple(value.shape)}"
+        )
+    return value.reshape(length).contiguous()
+
+
+def check_groups(num_groups, channels: int) -> int:
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
+        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    if num_groups <= 0:
+        raise ValueError(f"num_groups must be positive, got {num_groups}")
+    if channels % num_groups != 0:
+        raise ValueError(
+            f"num_groups ({num_groups}) must divide the number of channels ({channels})"
+        )
+    return num_groups
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps <= 0.0:
+        raise ValueError(f"eps must be finite and positive, got {eps}")
+    return eps
+
+
+def check_finite_scalar(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_same_shape(name: str, value: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    if value.shape != like.shape:
+        raise ValueError(
+            f"{name} must have the shape of {like_name} {tuple(like.shape)}, got {tuple(value.shape)}"
+        )
+
+
+def dense_layout(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous in the standard or (4-D) channels-last order; copies otherwise."""
+    if t.is_contiguous():
+        return t
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return t
+    return t.contiguous()

@@ -1,0 +1,130 @@
+"""The five drop-in fused modules.  Each has the reference's constructor
+arguments (same order), parameter names and initialisation order, so
+``state_dict`` loads both ways and ``torch.manual_seed`` gives the same
+initial values.  The GEMM (cuBLAS, through ``F.linear`` without bias) and
+the convolution (cuDNN, ``F.conv2d`` without bias) stay in torch; everything
+after them — every bias included — is one fused kernel forward and one
+backward.
+
+Parameters are cast to the activation's dtype (a no-op after
+``model.to(dtype)``; what autocast needs otherwise).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops
+from ._validation import check_like, check_tensor
+
+
+def _as(param: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    return param if param.dtype == z.dtype else param.to(z.dtype)
+
+
+def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -> torch.Tensor:
+    check_tensor("x", x, ndim=(ndim,))
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled():
+        check_like("x", x, weight, "the model's parameters")
+    if x.device != weight.device:
+        raise ValueError(f"x must be on the model's device ({weight.device}), got {x.device}")
+    if x.shape[1 if ndim == 4 else -1] != features:
+        raise ValueError(f"x must have {features} {what}, got shape {tuple(x.shape)}")
+    return x
+
+
+class ConvReluBiasAdd(nn.Module):
+    """Problem 1: ``relu(conv(x)) + bias``.  x: [N, C_in, H, W] → [N, C_out,
+    H-k+1, W-k+1], in x's memory format (NCHW or channels-last)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, bias_shape):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
+        self.bias = nn.Parameter(torch.randn(bias_shape))
+
+    def forward(self, x):
+        conv = self.conv
+        _check_input(x, conv.weight, 4, conv.in_channels, "input channels (dim 1)")
+        z = F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        return ops.bias_relu(z, _as(conv.bias, z), _as(self.bias, z))
+
+
+class MatmulSwishSumGroupNorm(nn.Module):
+    """Problem 37: ``group_norm(swish(matmul(x)) + bias)``.  x: [M, in] → [M, out]."""
+
+    def __init__(self, in_features, out_features, num_groups, bias_shape):
+        super().__init__()
+        self.matmul = nn.Linear(in_features, out_features)
+        self.bias = nn.Parameter(torch.randn(bias_shape))
+        self.group_norm = nn.GroupNorm(num_groups, out_features)
+
+    def forward(self, x):
+        _check_input(x, self.matmul.weight, 2, self.matmul.in_features, "features")
+        z = F.linear(x, self.matmul.weight)
+        gn = self.group_norm
+        return ops.swish_bias_group_norm(z, _as(self.matmul.bias, z), _as(self.bias, z),
+                                         _as(gn.weight, z), _as(gn.bias, z), gn.num_groups, gn.eps)
+
+
+class GemmAddRelu(nn.Module):
+    """Problem 76: ``relu(gemm(x) + bias)``.  x: [M, in] → [M, out]."""
+
+    def __init__(self, in_features, out_features, bias_shape):
+        super().__init__()
+        self.gemm = nn.Linear(in_features, out_features, bias=False)
+        self.bias = nn.Parameter(torch.randn(bias_shape))
+
+    def forward(self, x):
+        _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
+        z = F.linear(x, self.gemm.weight)
+        return ops.bias_relu(z, _as(self.bias, z))
+
+
+class GemmGroupNormSwishMultiplySwish(nn.Module):
+    """Problem 88: ``g = group_norm(gemm(x)); m = swish(g) * multiply_weight;
+    swish(m)``.  x: [M, in] → [M, out]."""
+
+    def __init__(self, in_features, out_features, num_groups, multiply_weight_shape):
+        super().__init__()
+        self.gemm = nn.Linear(in_features, out_features)
+        self.group_norm = nn.GroupNorm(num_groups, out_features)
+        self.multiply_weight = nn.Parameter(torch.randn(multiply_weight_shape))
+
+    def forward(self, x):
+        _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
+        z = F.linear(x, self.gemm.weight)
+        gn = self.group_norm
+        return ops.group_norm_swish_multiply_swish(
+            z, _as(self.gemm.bias, z), _as(gn.weight, z), _as(gn.bias, z),
+            _as(self.multiply_weight, z), gn.num_groups, gn.eps)
+
+
+class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
+    """Problem 94: ``groupnorm(mish(hardtanh(gemm(x) + bias)))``.  x: [M, in] → [M, out]."""
+
+    def __init__(self, in_features, out_features, bias_shape, num_groups):
+        super().__init__()
+        self.gemm = nn.Linear(in_features, out_features)
+        self.bias = nn.Parameter(torch.randn(bias_shape))
+        self.hardtanh = nn.Hardtanh()
+        self.mish = nn.Mish()
+        self.groupnorm = nn.GroupNorm(num_groups=num_groups, num_channels=out_features)
+
+    def forward(self, x):
+        _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
+        z = F.linear(x, self.gemm.weight)
+        gn = self.groupnorm
+        return ops.bias_hardtanh_mish_group_norm(z, _as(self.gemm.bias, z), _as(self.bias, z),
+                                                 _as(gn.weight, z), _as(gn.bias, z),
+                                                 gn.num_groups, gn.eps)
+
+
+# Problem id -> fused module class (same ctor as cupy_fused.reference.PROBLEMS).
+MODELS = {
+    1: ConvReluBiasAdd,
+    37: MatmulSwishSumGroupNorm,
+    76: GemmAddRelu,
+    88: GemmGroupNormSwishMultiplySwish,
+    94: GemmBiasAddHardtanhMishGroupNorm,
+}

@@ -1,0 +1,22 @@
+"""Functional API: every fused op, callable on torch tensors (with autograd)
+or on CuPy arrays (returns CuPy arrays, zero-copy).  Importing this package
+declares each op's kernel instantiations; it compiles nothing."""
+from .bias_relu import bias_relu
+from .gn_chain import (
+    CHAINS,
+    bias_hardtanh_mish_group_norm,
+    gn_chain,
+    group_norm_swish_multiply_swish,
+    swish_bias_group_norm,
+)
+from .smoke import scale_add
+
+__all__ = [
+    "CHAINS",
+    "bias_hardtanh_mish_group_norm",
+    "bias_relu",
+    "gn_chain",
+    "group_norm_swish_multiply_swish",
+    "scale_add",
+    "swish_bias_group_norm",
+]

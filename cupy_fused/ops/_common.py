@@ -1,0 +1,103 @@
+"""Launch helpers shared by the ops: kernel lookup, grid sizing, the
+deterministic column reduction and the CuPy-array entry points."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from .. import _bridge, _runtime
+from .._validation import FLOAT_DTYPES, cxx_type
+
+BLOCK = 256
+# The per-column parameter gradients are summed in two deterministic stages:
+# per-chunk partial sums (a fixed set of rows per block), then a fixed-order
+# sum over chunks.  This many blocks in flight keeps every SM busy.
+BLOCKS_PER_SM = 4
+
+REDUCE_SOURCE = "column_reduce.cu"
+_runtime.declare(REDUCE_SOURCE, [f"cf::reduce_column_partials<{cxx_type(d)}>" for d in FLOAT_DTYPES])
+
+_sm_counts: Dict[int, int] = {}
+
+
+def sm_count(device_index: int) -> int:
+    n = _sm_counts.get(device_index)
+    if n is None:
+        n = torch.cuda.get_device_properties(device_index).multi_processor_count
+        _sm_counts[device_index] = n
+    return n
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def function(source: str, expr: str, device_index: int):
+    return _runtime.get_function(source, expr, device_index)
+
+
+def elementwise_grid(n: int, device_index: int, block: int = BLOCK, waves: int = 8) -> int:
+    """Blocks for a grid-stride loop over ``n`` items: enough to fill the GPU,
+    never more than the work."""
+    return max(1, min(cdiv(n, block), sm_count(device_index) * waves))
+
+
+def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int, int]:
+    """Splits ``rows`` into chunks for a (blocks_per_chunk x chunks) grid.
+    Returns (chunks, rows_per_chunk); every chunk is non-empty."""
+    target = max(1, sm_count(device_index) * BLOCKS_PER_SM // max(1, blocks_per_chunk))
+    chunks = max(1, min(rows, target, 65535))
+    rows_per_chunk = cdiv(rows, chunks)
+    return cdiv(rows, rows_per_chunk), rows_per_chunk
+
+
+def reduce_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``partial``: float32 [chunks, slots, C] -> [slots, C] in ``dtype``,
+    summed over chunks in order (bitwise reproducible)."""
+    chunks, slots, channels = partial.shape
+    out = torch.empty((slots, channels), dtype=dtype, device=partial.device)
+    n = slots * channels
+    dev = partial.device.index
+    fn = function(REDUCE_SOURCE, f"cf::reduce_column_partials<{cxx_type(dtype)}>", dev)
+    _bridge.launch(fn, (cdiv(n, BLOCK),), (BLOCK,),
+                   (partial.data_ptr(), out.data_ptr(), chunks, n), dev)
+    return out
+
+
+def broadcast_or_dense(dy: torch.Tensor, like_layout: Callable[[torch.Tensor], torch.Tensor]):
+    """Gradient of an output, as (tensor, dense flag).  A gradient that is one
+    value broadcast everywhere (``out.sum().backward()``) is passed as that
+    single value (flag 0) instead of being materialised."""
+    if dy.numel() > 0 and all(s == 0 for s, n in zip(dy.stride(), dy.shape) if n > 1):
+        return dy, 0
+    return like_layout(dy), 1
+
+
+def accepts_cupy(fn: Callable) -> Callable:
+    """Lets a functional op take CuPy arrays: they are viewed as torch tensors
+    (zero-copy, DLPack), the op runs on CuPy's current stream, and tensor
+    results come back as CuPy arrays (zero-copy)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not any(_bridge.is_cupy_array(a) for a in list(args) + list(kwargs.values())):
+            return fn(*args, **kwargs)
+        from .._cupy import require_cupy
+
+        cupy = require_cupy()
+        conv = lambda a: _bridge.to_torch(a) if _bridge.is_cupy_array(a) else a  # noqa: E731
+        args = [conv(a) for a in args]
+        kwargs = {k: conv(v) for k, v in kwargs.items()}
+        device = next(a for a in list(args) + list(kwargs.values())
+                      if isinstance(a, torch.Tensor)).device
+        stream = cupy.cuda.get_current_stream()
+        with torch.cuda.device(device), torch.cuda.stream(
+                torch.cuda.ExternalStream(stream.ptr, device=device)):
+            result = fn(*args, **kwargs)
+        if isinstance(result, torch.Tensor):
+            return _bridge.to_cupy(result)
+        return tuple(_bridge.to_cupy(r) if isinstance(r, torch.Tensor) else r for r in result)
+
+    return wrapper

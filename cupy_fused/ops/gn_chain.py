@@ -1,0 +1,217 @@
+"""GroupNorm epilogues: the whole elementwise chain of problems 37, 88 and 94
+around a GroupNorm, forward and backward, one kernel family
+(``kernels_cu/gn_chain.cu``) templated on dtype and op chain.
+
+Forward saves z (the GEMM output, without the linear bias) and the per
+(row, group) mean and 1/std in float32; the backward recomputes every other
+intermediate from them in registers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .. import _bridge, _runtime
+from .._autograd import FusedOp, needs_grad
+from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
+from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid, function, reduce_partials, row_chunks
+
+SOURCE = "gn_chain.cu"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One op chain of the family: its C++ type and where each parameter
+    gradient lands among the backward's per-column sums (slot indices,
+    matching the ``kSlot*`` constants of the C++ struct)."""
+
+    cxx: str
+    slots: int
+    lin_bias: int
+    extra_bias: Optional[int]
+    gn_weight: int
+    gn_bias: int
+    mul_weight: Optional[int]
+
+
+CHAINS: Dict[str, Chain] = {
+    # 37: GroupNorm(swish(z + b_lin) + bias)
+    "swish_bias_gn": Chain("cf::ChainSwishBiasGN", 4, 0, 1, 2, 3, None),
+    # 88: swish(swish(GroupNorm(z + b_lin)) * multiply_weight)
+    "gn_swish_mul_swish": Chain("cf::ChainGNSwishMulSwish", 4, 0, None, 1, 2, 3),
+    # 94: GroupNorm(mish(hardtanh(z + b_lin + bias))); both biases get sum dz
+    "bias_hardtanh_mish_gn": Chain("cf::ChainBiasHardtanhMishGN", 3, 0, 0, 1, 2, None),
+}
+
+# Values of a group each lane holds in registers (template parameter
+# kMaxVals): small groups use 2, larger ones 8; groups wider than 32 * 8
+# channels are processed in slices.
+VALS_PER_LANE = (2, 8)
+
+
+def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int) -> str:
+    return f"cf::gn_chain_{kernel}<{cxx_type(dtype)}, {CHAINS[chain].cxx}, {vals}>"
+
+
+_runtime.declare(SOURCE, [
+    _expr(k, d, c, v)
+    for k in ("forward", "backward") for d in FLOAT_DTYPES for c in CHAINS for v in VALS_PER_LANE
+])
+
+
+def team_shape(channels_per_group: int) -> Tuple[int, int]:
+    """(lanes per (row, group) pair, values per lane)."""
+    team = 1
+    while team < min(32, channels_per_group):
+        team *= 2
+    vals = VALS_PER_LANE[0] if channels_per_group <= team * VALS_PER_LANE[0] else VALS_PER_LANE[1]
+    return team, vals
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def _forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
+             gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
+             mul_weight: Optional[torch.Tensor], chain: str, num_groups: int, eps: float,
+             save_stats: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, channels = z.shape
+    out = torch.empty_like(z)
+    stat_shape = (rows, num_groups) if save_stats else (0,)
+    mean = torch.empty(stat_shape, dtype=torch.float32, device=z.device)
+    rstd = torch.empty(stat_shape, dtype=torch.float32, device=z.device)
+    if z.numel():
+        dev = z.device.index
+        team, vals = team_shape(channels // num_groups)
+        pairs = rows * num_groups
+        grid = elementwise_grid(pairs * team, dev)
+        fn = function(SOURCE, _expr("forward", z.dtype, chain, vals), dev)
+        _bridge.launch(fn, (grid,), (BLOCK,), (
+            z.data_ptr(), out.data_ptr(), _ptr(mean) if save_stats else 0,
+            _ptr(rstd) if save_stats else 0, _ptr(lin_bias), _ptr(extra_bias), _ptr(gn_weight),
+            _ptr(gn_bias), _ptr(mul_weight), rows, channels, num_groups, team, eps), dev)
+    return out, mean, rstd
+
+
+def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                  extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                  gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+                  num_groups: int, eps: float,
+                  save_stats: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    stat_shape = (z.shape[0], num_groups) if save_stats else (0,)
+    return (torch.empty_like(z), z.new_empty(stat_shape, dtype=torch.float32),
+            z.new_empty(stat_shape, dtype=torch.float32))
+
+
+def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+              lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
+              gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
+              mul_weight: Optional[torch.Tensor], chain: str,
+              num_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dz, per-column sums [slots, C]: the parameter gradients)."""
+    rows, channels = z.shape
+    spec = CHAINS[chain]
+    dz = torch.empty_like(z)
+    if z.numel() == 0:
+        return dz, torch.zeros((spec.slots, channels), dtype=z.dtype, device=z.device)
+    dev = z.device.index
+    dy, dense = broadcast_or_dense(dout, lambda t: t.contiguous())
+    team, vals = team_shape(channels // num_groups)
+    grid_x = cdiv(num_groups, BLOCK // team)
+    chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
+    partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float32, device=z.device)
+    fn = function(SOURCE, _expr("backward", z.dtype, chain, vals), dev)
+    _bridge.launch(fn, (grid_x, chunks), (BLOCK,), (
+        z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(), _ptr(lin_bias),
+        _ptr(extra_bias), _ptr(gn_weight), _ptr(gn_bias), _ptr(mul_weight), dz.data_ptr(),
+        partial.data_ptr(), rows, channels, num_groups, team, rows_per_chunk), dev)
+    return dz, reduce_partials(partial, z.dtype)
+
+
+def _backward_fake(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                   lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
+                   gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
+                   mul_weight: Optional[torch.Tensor], chain: str,
+                   num_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(z), z.new_empty((CHAINS[chain].slots, z.shape[1]))
+
+
+def _setup_context(ctx, inputs, outputs):
+    z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups, _, _ = inputs
+    ctx.save_for_backward(z, outputs[1], outputs[2], lin_bias, extra_bias, gn_weight, gn_bias,
+                          mul_weight)
+    ctx.chain = chain
+    ctx.num_groups = num_groups
+
+
+def _backward_formula(ctx, grads, run_backward):
+    z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
+    dz, sums = run_backward(grads[0], z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias,
+                            mul_weight, ctx.chain, ctx.num_groups)
+    spec = CHAINS[ctx.chain]
+
+    def slot(tensor, index):
+        return None if tensor is None or index is None else sums[index]
+
+    d_extra = slot(extra_bias, spec.extra_bias)
+    if d_extra is not None and spec.extra_bias == spec.lin_bias:
+        d_extra = d_extra.clone()
+    return (dz, slot(lin_bias, spec.lin_bias), d_extra, slot(gn_weight, spec.gn_weight),
+            slot(gn_bias, spec.gn_bias), slot(mul_weight, spec.mul_weight), None, None, None, None)
+
+
+_GN_CHAIN = FusedOp("gn_chain", _forward, _forward_fake, _setup_context, _backward_formula,
+                    _backward, _backward_fake, nondifferentiable=(1, 2))
+
+
+def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
+             gn_weight=None, gn_bias=None, mul_weight=None, eps: float = 1e-5) -> torch.Tensor:
+    """The GroupNorm epilogue ``chain`` (a key of :data:`CHAINS`) on
+    z: [M, C].  Vectors: C values each, z's dtype and device; None = absent
+    (GroupNorm weight 1, bias 0)."""
+    if chain not in CHAINS:
+        raise ValueError(f"chain must be one of {sorted(CHAINS)}, got {chain!r}")
+    check_tensor("z", z, ndim=(2,))
+    channels = z.shape[1]
+    num_groups = check_groups(num_groups, channels)
+    eps = check_eps(eps)
+    lin_bias = check_vector("linear_bias", lin_bias, channels, z, "z")
+    extra_bias = check_vector("bias", extra_bias, channels, z, "z")
+    gn_weight = check_vector("gn_weight", gn_weight, channels, z, "z")
+    gn_bias = check_vector("gn_bias", gn_bias, channels, z, "z")
+    mul_weight = check_vector("multiply_weight", mul_weight, channels, z, "z",
+                              optional=CHAINS[chain].mul_weight is None)
+    z = z if z.is_contiguous() else z.contiguous()
+    grad = needs_grad(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+    return _GN_CHAIN(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups,
+                     eps, grad, requires_grad=grad)[0]
+
+
+@accepts_cupy
+def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
+                          eps: float = 1e-5):
+    """Problem 37's epilogue: ``group_norm(swish(z + linear_bias) + bias)``.
+    z: [M, C]; vectors: (C,) (linear_bias may be None)."""
+    return gn_chain(z, "swish_bias_gn", num_groups, lin_bias=linear_bias, extra_bias=bias,
+                    gn_weight=gn_weight, gn_bias=gn_bias, eps=eps)
+
+
+@accepts_cupy
+def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply_weight,
+                                    num_groups: int, eps: float = 1e-5):
+    """Problem 88's epilogue: ``g = group_norm(z + linear_bias);
+    m = swish(g) * multiply_weight; swish(m)``.  z: [M, C]; vectors: (C,)."""
+    return gn_chain(z, "gn_swish_mul_swish", num_groups, lin_bias=linear_bias,
+                    gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=multiply_weight, eps=eps)
+
+
+@accepts_cupy
+def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
+                                  eps: float = 1e-5):
+    """Problem 94's epilogue: ``group_norm(mish(hardtanh(z + linear_bias + bias)))``.
+    z: [M, C]; vectors: (C,)."""
+    return gn_chain(z, "bias_hardtanh_mish_gn", num_groups, lin_bias=linear_bias,
+                    extra_bias=bias, gn_weight=gn_weight, gn_bias=gn_bias, eps=eps)

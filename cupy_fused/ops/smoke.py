@@ -1,0 +1,60 @@
+"""``scale_add``: out = alpha * x + y.  The smallest fused op, used to check
+an installation (``python -m cupy_fused``), the runtime and the bridge, and to
+measure per-call host overhead."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .. import _bridge, _runtime
+from .._autograd import FusedOp, needs_grad
+from .._validation import FLOAT_DTYPES, check_finite_scalar, check_like, check_same_shape, check_tensor, cxx_type
+from ._common import BLOCK, accepts_cupy, elementwise_grid, function
+
+SOURCE = "smoke.cu"
+_EXPR = {d: f"cf::scale_add<{cxx_type(d)}>" for d in FLOAT_DTYPES}
+_runtime.declare(SOURCE, _EXPR.values())
+
+
+def _forward(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tensor]:
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    n = x.numel()
+    if n:
+        dev = x.device.index
+        _bridge.launch(function(SOURCE, _EXPR[x.dtype], dev), (elementwise_grid(n, dev),), (BLOCK,),
+                       (x.data_ptr(), y.data_ptr(), out.data_ptr(), alpha, n), dev)
+    return (out,)
+
+
+def _forward_fake(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tensor]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),)
+
+
+def _setup_context(ctx, inputs, outputs):
+    ctx.alpha = inputs[2]
+
+
+def _backward_formula(ctx, grads, run_backward):
+    (dout,) = grads
+    return dout * ctx.alpha, dout, None
+
+
+_SCALE_ADD = FusedOp("scale_add", _forward, _forward_fake, _setup_context, _backward_formula)
+
+
+@accepts_cupy
+def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``alpha * x + y`` elementwise in one kernel.
+
+    x, y: CUDA tensors of one shape and dtype (float32/float16/bfloat16), or
+    CuPy arrays (the result is then a CuPy array).  Arithmetic in float32.
+    Returns a new contiguous tensor.
+    """
+    check_tensor("x", x)
+    check_like("y", y, x, "x")
+    check_same_shape("y", y, x, "x")
+    alpha = check_finite_scalar("alpha", alpha)
+    x = x if x.is_contiguous() else x.contiguous()
+    y = y if y.is_contiguous() else y.contiguous()
+    return _SCALE_ADD(x, y, alpha, requires_grad=needs_grad(x, y))[0]

@@ -1,0 +1,1 @@
+# CUDA C sources of cupy-fused, compiled at run time by NVRTC (cupy_fused._runtime).
