@@ -14,6 +14,10 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# Devices the kernels run on.  (The CPU test tier widens this to exercise
+# the checks that come after the device check, without a GPU.)
+DEVICE_TYPES = ("cuda",)
+
 # C++ type of each supported dtype inside kernels_cu/ (see cf_common.cuh).
 CXX_TYPE = {torch.float32: "float", torch.float16: "cf::half", torch.bfloat16: "cf::bfloat16"}
 
@@ -30,7 +34,7 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
         raise TypeError(
             f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}"
         )
-    if value.device.type != "cuda":
+    if value.device.type not in DEVICE_TYPES:
         raise ValueError(
             f"{name} must be on a CUDA device, got device {value.device}; cupy-fused kernels "
             "run on the GPU only"

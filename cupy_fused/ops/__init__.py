@@ -1,8 +1,8 @@
 """Functional API: every fused op, callable on torch tensors (with autograd)
 or on CuPy arrays (returns CuPy arrays, zero-copy).  Importing this package
 declares each op's kernel instantiations; it compiles nothing."""
-from .bias_relu import bias_relu
-from .gn_chain import (
+from .relu_epilogue import bias_relu
+from .gn_epilogue import (
     CHAINS,
     bias_hardtanh_mish_group_norm,
     gn_chain,

@@ -1,1 +1,0 @@
-# CUDA C sources of cupy-fused, compiled at run time by NVRTC (cupy_fused._runtime).

@@ -1,0 +1,121 @@
+"""Bad input raises a clear Python error naming the argument, before any
+launch (CPU tier: validation runs before anything touches the GPU)."""
+import math
+
+import pytest
+import torch
+
+import cupy_fused
+from cupy_fused import ops
+
+C = 16
+
+
+@pytest.fixture
+def past_device_check(monkeypatch):
+    """Lets CPU tensors through the device check, to reach the later checks
+    without a GPU (they all raise before anything would launch)."""
+    from cupy_fused import _validation
+
+    monkeypatch.setattr(_validation, "DEVICE_TYPES", ("cuda", "cpu"))
+
+
+def test_cpu_tensor_is_rejected_with_the_argument_name():
+    x = torch.rand(4, C)
+    with pytest.raises(ValueError, match=r"z must be on a CUDA device, got device cpu"):
+        ops.bias_relu(x, torch.rand(C))
+
+
+def test_wrong_dtype_is_a_type_error():
+    with pytest.raises(TypeError, match=r"x must have dtype float32, float16 or bfloat16, got torch.float64"):
+        ops.scale_add(torch.rand(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"z must be a torch.Tensor"):
+        ops.bias_relu([1.0, 2.0], torch.rand(2))
+
+
+def test_model_rejects_cpu_input():
+    model = cupy_fused.GemmAddRelu(8, C, (C,))
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        model(torch.rand(2, 8))
+
+
+def test_model_rejects_wrong_shapes(past_device_check):
+    model = cupy_fused.GemmAddRelu(8, C, (C,))
+    with pytest.raises(ValueError, match=r"x must have 8 features, got shape \(2, 9\)"):
+        model(torch.rand(2, 9))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        model(torch.rand(2, 3, 8))
+    with pytest.raises(TypeError, match="x must have the dtype of the model's parameters"):
+        model(torch.rand(2, 8, dtype=torch.float16))
+    conv = cupy_fused.ConvReluBiasAdd(3, C, 3, (C, 1, 1))
+    with pytest.raises(ValueError, match="x must be 4-D"):
+        conv(torch.rand(3, 5, 5))
+
+
+def _gn_args(**over):
+    z = torch.rand(4, C)
+    args = dict(z=z, chain="swish_bias_gn", num_groups=4)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("groups,exc,msg", [
+    (5, ValueError, r"num_groups \(5\) must divide the number of channels \(16\)"),
+    (0, ValueError, "num_groups must be positive"),
+    (2.0, TypeError, "num_groups must be an int"),
+])
+def test_groups_must_divide_channels(groups, exc, msg, past_device_check):
+    with pytest.raises(exc, match=msg):
+        ops.gn_chain(torch.rand(4, C), "swish_bias_gn", groups)
+
+
+@pytest.mark.parametrize("eps,exc", [(math.nan, ValueError), (math.inf, ValueError),
+                                     (-1e-5, ValueError), (0.0, ValueError), ("1e-5", TypeError)])
+def test_eps_must_be_finite_and_positive(eps, exc):
+    from cupy_fused._validation import check_eps
+
+    with pytest.raises(exc, match="eps must"):
+        check_eps(eps)
+
+
+def test_non_finite_alpha_is_rejected():
+    from cupy_fused._validation import check_finite_scalar
+
+    with pytest.raises(ValueError, match="alpha must be finite"):
+        check_finite_scalar("alpha", float("nan"))
+
+
+def test_vector_length_and_dtype_are_checked(past_device_check):
+    from cupy_fused._validation import check_vector
+
+    z = torch.rand(4, C)
+    with pytest.raises(ValueError, match=r"bias must hold one value per channel \(16 values"):
+        check_vector("bias", torch.rand(C + 1), C, z, "z")
+    with pytest.raises(ValueError, match="bias must hold one value per channel"):
+        check_vector("bias", torch.rand(2, C // 2), C, z, "z")
+    with pytest.raises(TypeError, match=r"bias must have the dtype of z \(torch.float32\)"):
+        check_vector("bias", torch.rand(C, dtype=torch.float16), C, z, "z")
+    assert check_vector("bias", torch.rand(C, 1, 1), C, z, "z").shape == (C,)
+    with pytest.raises(TypeError, match="multiply_weight is required"):
+        check_vector("multiply_weight", None, C, z, "z", optional=False)
+
+
+def test_gn_model_rejects_groups_at_construction():
+    with pytest.raises(ValueError):
+        cupy_fused.MatmulSwishSumGroupNorm(8, 10, 4, (10,))
+
+
+def test_unknown_chain_is_rejected():
+    with pytest.raises(ValueError, match="chain must be one of"):
+        ops.gn_chain(torch.rand(4, C), "relu", 4)
+
+
+def test_dense_layout_policy():
+    from cupy_fused._validation import dense_layout
+
+    t = torch.rand(4, 6).t()
+    assert dense_layout(t).is_contiguous()
+    cl = torch.rand(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    assert dense_layout(cl) is cl
+    c = torch.rand(2, 3)
+    assert dense_layout(c) is c
