@@ -1,0 +1,216 @@
+"""The five fused models against the PyTorch reference (GPU tier): output
+and every gradient vs a float64 run, next to eager's own error."""
+import pytest
+import torch
+
+from cupy_fused import models, reference
+from cupy_fused.testing import build_pair, compare, within
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (problem, ctor args, input shape): the small shapes plus odd ones — batch
+# 1/3/257, features not a multiple of 32, 1 group, one channel per group,
+# groups wider than the kernel's register slice, non-square conv inputs and
+# other kernel sizes.
+CASES = [(p, a, s) for p, (_, a, s) in reference.SMALL_PROBLEMS.items()] + [
+    (76, (33, 77, (77,)), (1, 33)),
+    (76, (100, 200, (200,)), (257, 100)),
+    (37, (40, 96, 1, (96,)), (3, 40)),         # one group over all channels
+    (37, (40, 40, 40, (40,)), (257, 40)),      # one channel per group
+    (37, (24, 600, 1, (600,)), (5, 24)),       # group wider than 256 channels
+    (37, (24, 48, 3, (48,)), (1, 24)),
+    (88, (50, 70, 7, (70,)), (257, 50)),       # 10 channels per group
+    (88, (16, 512, 2, (512,)), (3, 16)),
+    (88, (16, 64, 64, (64,)), (9, 16)),
+    (94, (31, 93, (93,), 3), (257, 31)),       # ctor (in, out, bias_shape, groups)
+    (94, (16, 96, (96,), 1), (2, 16)),
+    (94, (16, 1000, (1000,), 4), (3, 16)),
+    (1, (3, 7, 5, (7, 1, 1)), (1, 3, 17, 23)),
+    (1, (4, 5, (3, 2), (5, 1, 1)), (3, 4, 9, 31)),
+    (1, (2, 3, 1, (3, 1, 1)), (2, 2, 1, 1)),
+]
+
+
+def _id(case):
+    p, a, s = case
+    return f"p{p}-{'x'.join(map(str, s))}-{'-'.join(str(v) for v in a if not isinstance(v, tuple))}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_matches_reference(case, dtype, device):
+    problem, args, shape = case
+    errors = compare(problem, args, shape, dtype, device, seed=hash(case) % 1000)
+    bad = within(errors, dtype)
+    assert not bad, {n: errors[n] for n in bad}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_sum_backward_uses_the_broadcast_gradient(problem, dtype, device):
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    errors = compare(problem, args, shape, dtype, device, grad_mode="sum")
+    bad = within(errors, dtype)
+    assert not bad, {n: errors[n] for n in bad}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_channels_last_conv_keeps_its_layout(dtype, device):
+    errors = compare(1, (8, 16, 3, (16, 1, 1)), (2, 8, 13, 11), dtype, device, channels_last=True)
+    assert not within(errors, dtype)
+    ref, ours = build_pair(1, (8, 16, 3, (16, 1, 1)), device, dtype)
+    x = torch.rand(2, 8, 13, 11, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    assert ours(x).stride() == ref(x).stride()
+    x = x.contiguous()
+    assert ours(x).stride() == ref(x).stride()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("problem", sorted(reference.PROBLEMS))
+def test_benchmark_shapes(problem, device):
+    """fp32 at the benchmark shapes: error vs float64 next to eager's, and the
+    original task's allclose(ours, eager, 1e-5, 1e-5) for the GEMM problems."""
+    _, args, shape = reference.PROBLEMS[problem]
+    errors = compare(problem, args, shape, torch.float32, device)
+    bad = within(errors, torch.float32)
+    assert not bad, {n: errors[n] for n in bad}
+    if problem != 1:
+        ref, ours = build_pair(problem, args, device, torch.float32)
+        x = torch.rand(shape, device=device)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def _train_step(model, x, dy):
+    for p in model.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x)
+    out.backward(dy)
+    return [out.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_bitwise_reproducible(problem, device):
+    _, args, shape = reference.PROBLEMS[problem] if problem != 1 else reference.SMALL_PROBLEMS[1]
+    if problem == 1:
+        torch.backends.cudnn.deterministic = True
+    try:
+        _, ours = build_pair(problem, args, device, torch.float32)
+        x = torch.rand(shape, device=device)
+        dy = torch.randn_like(ours(x))
+        first = _train_step(ours, x, dy)
+        second = _train_step(ours, x, dy)
+    finally:
+        torch.backends.cudnn.deterministic = False
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_non_contiguous_input(problem, device):
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    _, ours = build_pair(problem, args, device, torch.float32)
+    x = torch.rand(shape, device=device)
+    strided = torch.rand(tuple(reversed(shape)), device=device).permute(
+        *reversed(range(len(shape)))).copy_(x)
+    assert not strided.is_contiguous()
+    dy = torch.randn_like(ours(x))
+    for a, b in zip(_train_step(ours, x, dy), _train_step(ours, strided, dy)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_saves_less_than_eager_and_nothing_without_grad(problem, device):
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    ref, ours = build_pair(problem, args, device, torch.float32)
+    x = torch.rand(shape, device=device, requires_grad=True)
+
+    def saved_bytes(model):
+        seen = {}
+
+        def pack(t):
+            seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+        return sum(seen.values())
+
+    assert saved_bytes(ours) < saved_bytes(ref)
+    with torch.no_grad():
+        ours(x)  # compile and warm up
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        out = ours(x)
+        torch.cuda.synchronize()
+        extra = torch.cuda.memory_allocated(device) - before
+    assert extra <= out.numel() * out.element_size() + 512, extra
+
+
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_torch_compile_fullgraph(problem, device):
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    _, ours = build_pair(problem, args, device, torch.float32)
+    x = torch.rand(shape, device=device)
+    dy = torch.randn_like(ours(x))
+    expected = _train_step(ours, x, dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    got = _train_step(compiled, x, dy)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_cuda_graph_capture_and_replay(problem, device):
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    _, ours = build_pair(problem, args, device, torch.float32)
+    static_x = torch.rand(shape, device=device, requires_grad=True)
+    static_dy = torch.randn_like(ours(static_x))
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            ours.zero_grad(set_to_none=True)
+            static_x.grad = None
+            ours(static_x).backward(static_dy)
+    torch.cuda.current_stream(device).wait_stream(side)
+    ours.zero_grad(set_to_none=True)
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ours(static_x)
+        static_out.backward(static_dy)
+    new_x = torch.rand(shape, device=device)
+    with torch.no_grad():
+        static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = _train_step(ours, new_x, static_dy)
+    got = [static_out, static_x.grad] + [p.grad for p in ours.parameters()]
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_more_than_2_pow_31_elements(device):
+    """int64 indexing: bias_relu and the GroupNorm epilogue on 2^31 + 1024
+    half-precision elements (sampled rows checked against torch)."""
+    from cupy_fused import ops
+
+    rows, channels = (1 << 21) + 1, 1024
+    z = torch.randn(rows, channels, device=device, dtype=torch.float16)
+    bias = torch.randn(channels, device=device, dtype=torch.float16)
+    pick = torch.tensor([0, 1, rows // 2, rows - 2, rows - 1], device=device)
+    with torch.no_grad():
+        out = ops.bias_relu(z, bias)
+        torch.testing.assert_close(out[pick], torch.relu(z[pick] + bias))
+        del out
+        w = torch.randn(channels, device=device, dtype=torch.float16)
+        out = ops.group_norm_swish_multiply_swish(z, bias, None, None, w, 8)
+        zp = (z[pick] + bias).float()
+        g = torch.nn.functional.group_norm(zp, 8, eps=1e-5)
+        m = torch.nn.functional.silu(g) * w.float()
+        torch.testing.assert_close(out[pick].float(), torch.nn.functional.silu(m), rtol=2e-3, atol=2e-3)
