@@ -1,0 +1,88 @@
+"""Per-call host cost of one fused elementwise op on a tiny tensor, against
+torch's own elementwise op.
+
+Each variant is called N times back to back on a 1024-element float32
+tensor; the GPU work is a few microseconds, so the loop is bound by the host
+and (wall time / N) is the host cost per call.  Variants:
+
+* torch           ``torch.add(y, x, alpha=a)`` — one torch elementwise op
+* ours (eager)    ``cupy_fused.ops.scale_add`` — the path users call
+* ours (custom op) ``torch.ops.cupy_fused.scale_add`` — the torch.library op
+* naive DLPack    two ``cupy.from_dlpack`` + a fresh ``ExternalStream`` per call
+* ours, no_grad / requires_grad — with autograd recording
+
+Usage: python benchmarks/host_overhead.py [--calls 20000] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def per_call_us(fn, calls: int, repeats: int = 5) -> float:
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        samples.append((t1 - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    import cupy
+
+    from cupy_fused import _runtime, ops
+    from cupy_fused.ops.smoke import SOURCE, _EXPR
+
+    x = torch.rand(1024, device="cuda")
+    y = torch.rand(1024, device="cuda")
+    xg = x.clone().requires_grad_(True)
+    fn = _runtime.get_function(SOURCE, _EXPR[torch.float32], 0)
+
+    def naive():
+        a = cupy.from_dlpack(x)
+        b = cupy.from_dlpack(y)
+        out = torch.empty_like(x)
+        o = cupy.from_dlpack(out)
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        fn((4,), (256,), (a, b, o, 0.5, a.size), stream=stream)
+        return out
+
+    variants = {
+        "torch.add (one torch elementwise op)": lambda: torch.add(y, x, alpha=0.5),
+        "cupy_fused.ops.scale_add (eager)": lambda: ops.scale_add(x, y, 0.5),
+        "torch.ops.cupy_fused.scale_add (custom op)": lambda: torch.ops.cupy_fused.scale_add(x, y, 0.5),
+        "naive DLPack launch": naive,
+        "torch.add, input requires grad": lambda: torch.add(y, xg, alpha=0.5),
+        "cupy_fused.ops.scale_add, input requires grad": lambda: ops.scale_add(xg, y, 0.5),
+    }
+    results = {name: per_call_us(f, args.calls) for name, f in variants.items()}
+    base = results["torch.add (one torch elementwise op)"]
+    base_grad = results["torch.add, input requires grad"]
+    print(f"host cost per call, tiny tensor ({torch.cuda.get_device_name()}, torch "
+          f"{torch.__version__}, CuPy {cupy.__version__})")
+    for name, us in results.items():
+        ref = base_grad if "grad" in name else base
+        print(f"  {name:<48} {us:7.2f} us   {us / ref:5.2f}x torch")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "us_per_call": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
