@@ -52,7 +52,7 @@ def main(argv=None):
     x = torch.rand(1024, device="cuda")
     y = torch.rand(1024, device="cuda")
     xg = x.clone().requires_grad_(True)
-    fn = _runtime.get_function(SOURCE, _EXPR[torch.float32], 0)
+    fn = _runtime.get_function(SOURCE, _EXPR[torch.float32], 0).raw
 
     def naive():
         a = cupy.from_dlpack(x)

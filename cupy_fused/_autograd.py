@@ -55,7 +55,7 @@ class FusedOp:
             (the custom-op schema is inferred from the annotations).
         forward_fake: same signature, returns empty tensors of the right
             shapes/dtypes (for tracing).
-        setup_context: ``setup_context(ctx, inputs, outputs)`` saves what the
+        setup_context: ``setup_context(ctx, inputs, output)`` saves what the
             backward needs.
         backward_formula: ``backward_formula(ctx, grad_outputs, run_backward)``
             returns one gradient (or None) per input; ``run_backward`` is the

@@ -106,6 +106,17 @@ class _ModuleKey:
     device: int
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """A launchable kernel: its CUfunction handle (``ptr``) and the CuPy
+    object that owns it (``raw``, a ``cupy.RawKernel``; keeps the module
+    loaded)."""
+
+    name: str
+    ptr: int
+    raw: object
+
+
 _modules: Dict[_ModuleKey, object] = {}
 _functions: Dict[Tuple[str, str, int], object] = {}
 _lock = threading.Lock()
@@ -118,8 +129,8 @@ def _read_source(source: str) -> str:
     return path.read_text()
 
 
-def get_function(source: str, name_expression: str, device: int):
-    """Returns the ``cupy.RawModule`` function for one instantiation on ``device``.
+def get_function(source: str, name_expression: str, device: int) -> Kernel:
+    """Returns the :class:`Kernel` of one instantiation on ``device``.
 
     Compiles ``source`` (all its declared instantiations at once) on first use
     for that device.  Raises ``KeyError`` for an undeclared instantiation.
@@ -149,7 +160,8 @@ def get_function(source: str, name_expression: str, device: int):
                     name_expressions=tuple(names),
                 )
                 _modules[mkey] = module
-            fn = module.get_function(name_expression)
+            raw = module.get_function(name_expression)
+            fn = Kernel(name_expression, raw.kernel.ptr, raw)
         _functions[key] = fn
         return fn
 

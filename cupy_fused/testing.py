@@ -44,7 +44,7 @@ def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
 
 
 def _run(model, x, dy, grad_mode: str):
-    x = x.detach().clone().requires_grad_(True)
+    x = x.detach().requires_grad_(True)
     for p in model.parameters():
         p.grad = None
     out = model(x)
@@ -59,19 +59,27 @@ def _run(model, x, dy, grad_mode: str):
 
 def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dtype, device,
             seed: int = 0, grad_mode: str = "random",
-            channels_last: bool = False) -> Dict[str, Tuple[float, float]]:
+            layout: str = "contiguous") -> Dict[str, Tuple[float, float]]:
     """Runs ours, eager (both in ``dtype``) and the float64 reference on one
     fresh random input.  Returns ``{tensor name: (our error, eager error)}``
     for the output and the gradient of the input and of every parameter.
     grad_mode: "random" (a random upstream gradient) or "sum" (``out.sum()``).
+    layout of the input: "contiguous", "channels_last" (4-D) or "strided"
+    (a non-contiguous view with the same values).
     """
     ref, ours = build_pair(problem, ctor_args, device, dtype, seed)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     x = torch.rand(input_shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-    if channels_last:
+    if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        dims = list(reversed(range(x.dim())))
+        x = x.permute(*dims).contiguous().permute(*dims)
+        assert not x.is_contiguous() or x.dim() < 2 or min(x.shape) == 1
+    elif layout != "contiguous":
+        raise ValueError(f"layout must be contiguous, channels_last or strided, got {layout!r}")
     ref64 = copy.deepcopy(ref).double()
-    x64 = x.double()
+    x64 = x.double()  # keeps the layout
     with torch.no_grad():
         out_shape = ref64(x64).shape
     dy = torch.randn(out_shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)

@@ -60,19 +60,19 @@ __global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
   if (c >= channels) return;
   const i64 row0 = blockIdx.y * rows_per_chunk;
   const i64 row1 = min(rows, row0 + rows_per_chunk);
-  float sum_dz = 0.0f, sum_dy = 0.0f;
+  CompensatedSum sum_dz, sum_dy;
   for (i64 r = row0; r < row1; ++r) {
     const i64 i = r * channels + c;
     const float g = to_float(dy[dy_dense ? i : 0]);
     const float d = mask_bit(mask, i) ? g : 0.0f;
     dz[i] = from_float<T>(d);
-    sum_dz += d;
-    sum_dy += g;
+    sum_dz.add(d);
+    if (Chain::kHasSecondBias) sum_dy.add(g);
   }
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
   float* p = partial + blockIdx.y * kSlots * channels;
-  p[c] = sum_dz;
-  if (Chain::kHasSecondBias) p[channels + c] = sum_dy;
+  p[c] = sum_dz.value();
+  if (Chain::kHasSecondBias) p[channels + c] = sum_dy.value();
 }
 
 // Backward, channel-major layout (inner > 1, e.g. NCHW): block per (n, ch)
@@ -85,19 +85,20 @@ __global__ void bias_relu_backward_slabs(const T* __restrict__ dy, i64 dy_dense,
   const i64 slab = blockIdx.x;  // n * C + ch
   const i64 n = slab / channels, ch = slab % channels;
   const i64 base = slab * inner;
-  float sum_dz = 0.0f, sum_dy = 0.0f;
+  CompensatedSum thread_dz, thread_dy;
   for (i64 k = threadIdx.x; k < inner; k += blockDim.x) {
     const i64 i = base + k;
     const float g = to_float(dy[dy_dense ? i : 0]);
     const float d = mask_bit(mask, i) ? g : 0.0f;
     dz[i] = from_float<T>(d);
-    sum_dz += d;
-    sum_dy += g;
+    thread_dz.add(d);
+    if (Chain::kHasSecondBias) thread_dy.add(g);
   }
-  sum_dz = block_sum(sum_dz, scratch);
+  // Tree over the block (fixed order), then the chunk stage over n.
+  const float sum_dz = block_sum(thread_dz.value(), scratch);
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
   float* p = partial + n * kSlots * channels;
-  if (Chain::kHasSecondBias) sum_dy = block_sum(sum_dy, scratch);
+  const float sum_dy = Chain::kHasSecondBias ? block_sum(thread_dy.value(), scratch) : 0.0f;
   if (threadIdx.x == 0) {
     p[ch] = sum_dz;
     if (Chain::kHasSecondBias) p[channels + ch] = sum_dy;

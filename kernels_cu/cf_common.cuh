@@ -72,6 +72,22 @@ __device__ __forceinline__ float hardtanhf(float x) { return fminf(fmaxf(x, -1.0
 __device__ __forceinline__ float hardtanh_grad(float x) { return (x > -1.0f && x < 1.0f) ? 1.0f : 0.0f; }
 
 // ---- reductions ----
+// Compensated (Neumaier) summation in float: the parameter gradients are sums
+// over every row of the batch, and a plain running float sum of 10^4..10^5
+// terms loses several bits against PyTorch's tree reductions.  The rounding
+// error of each add is carried in `comp` (exact under IEEE round-to-nearest;
+// NVRTC does not reassociate without fast-math).
+struct CompensatedSum {
+  float sum, comp;
+  __device__ __forceinline__ CompensatedSum() : sum(0.0f), comp(0.0f) {}
+  __device__ __forceinline__ void add(float x) {
+    const float t = sum + x;
+    comp += fabsf(sum) >= fabsf(x) ? (sum - t) + x : (x - t) + sum;
+    sum = t;
+  }
+  __device__ __forceinline__ float value() const { return sum + comp; }
+};
+
 // Sum over an aligned team of `team` lanes (a power of two <= 32) inside a
 // warp.  Every lane of the warp must call it (full mask); the xor pattern keeps
 // each team's lanes together, and the fixed order makes the result

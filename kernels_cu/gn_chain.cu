@@ -215,7 +215,8 @@ __device__ __forceinline__ void slot_values(float (&out)[Chain::kSlots], float d
 
 // Backward.  grid = (ceil(groups / teams_per_block), chunks); block y-index
 // is a chunk of rows_per_chunk rows.  Writes dz and, per chunk, the column sums
-// partial[chunk][slot][channels] that reduce_column_partials folds in order.
+// partial[chunk][slot][channels] (wide groups: [chunk][2][slot][channels],
+// see below) that reduce_column_partials folds in order.
 // dy_dense == 0: dy is a single value broadcast to every element.
 template <typename T, typename Chain, int kMaxVals>
 __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__ dy, i64 dy_dense,
@@ -242,11 +243,7 @@ __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__
 
   if (nslices == 1) {
     // The group fits in registers: one read of z and dy per element.
-    float acc[S][kMaxVals];
-#pragma unroll
-    for (int s = 0; s < S; ++s)
-#pragma unroll
-      for (int j = 0; j < kMaxVals; ++j) acc[s][j] = 0.0f;
+    CompensatedSum acc[S][kMaxVals];
     for (i64 r = row0; r < row1; ++r) {
       const float mu = valid ? mean[r * groups + g] : 0.0f;
       const float rs = valid ? rstd[r * groups + g] : 0.0f;
@@ -278,7 +275,7 @@ __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__
           float vals[S];
           slot_values<Chain>(vals, d, dv, xh[j], dyh[j], mg[j]);
 #pragma unroll
-          for (int s = 0; s < S; ++s) acc[s][j] += vals[s];
+          for (int s = 0; s < S; ++s) acc[s][j].add(vals[s]);
         }
       }
     }
@@ -287,14 +284,17 @@ __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__
       const i64 c = team_lane + static_cast<i64>(j) * t;
       if (valid && c < cpg)
 #pragma unroll
-        for (int s = 0; s < S; ++s) part[s * channels + g * cpg + c] = acc[s][j];
+        for (int s = 0; s < S; ++s) part[s * channels + g * cpg + c] = acc[s][j].value();
     }
     return;
   }
 
-  // Wide groups: two sweeps per row (group sums, then dz); the column sums
+  // Wide groups: two sweeps per row (group sums, then dz).  The column sums
   // accumulate directly in this chunk's partial rows, which no other thread
-  // touches, in row order.
+  // touches, in row order, compensated: the sums live in plane 0 of the
+  // chunk and their compensation terms in plane 1 (partial is then
+  // [chunk][2][slot][channels]).
+  part = partial + blockIdx.y * 2 * S * channels;
   for (i64 r = row0; r < row1; ++r) {
     const float mu = valid ? mean[r * groups + g] : 0.0f;
     const float rs = valid ? rstd[r * groups + g] : 0.0f;
@@ -323,8 +323,18 @@ __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__
       float vals[S];
       slot_values<Chain>(vals, d, dv, xh, dyh, mg);
 #pragma unroll
-      for (int s = 0; s < S; ++s)
-        part[s * channels + col] = (r == row0 ? 0.0f : part[s * channels + col]) + vals[s];
+      for (int s = 0; s < S; ++s) {
+        float* sum = part + s * channels + col;
+        float* comp = sum + S * channels;
+        CompensatedSum acc;
+        if (r != row0) {
+          acc.sum = *sum;
+          acc.comp = *comp;
+        }
+        acc.add(vals[s]);
+        *sum = acc.sum;
+        *comp = acc.comp;
+      }
     }
   }
 }

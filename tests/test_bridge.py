@@ -80,7 +80,7 @@ def test_launches_follow_the_current_torch_stream(device):
     torch.cuda.synchronize()
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
-        assert _bridge.current_stream(device.index).ptr == stream.cuda_stream
+        assert _bridge.current_stream_ptr(device.index) == stream.cuda_stream
         y = x0.clone()
         for _ in range(10):
             y = ops.scale_add(y, y, 1.0001) * 0.5

@@ -54,15 +54,16 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int
 
 
 def reduce_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``partial``: float32 [chunks, slots, C] -> [slots, C] in ``dtype``,
-    summed over chunks in order (bitwise reproducible)."""
-    chunks, slots, channels = partial.shape
+    """``partial``: float32 [chunks, planes, slots, C] (planes: 1, or 2 with
+    compensation terms) -> [slots, C] in ``dtype``, summed over chunks in
+    order (bitwise reproducible)."""
+    chunks, planes, slots, channels = partial.shape
     out = torch.empty((slots, channels), dtype=dtype, device=partial.device)
     n = slots * channels
     dev = partial.device.index
     fn = function(REDUCE_SOURCE, f"cf::reduce_column_partials<{cxx_type(dtype)}>", dev)
     _bridge.launch(fn, (cdiv(n, BLOCK),), (BLOCK,),
-                   (partial.data_ptr(), out.data_ptr(), chunks, n), dev)
+                   (partial.data_ptr(), out.data_ptr(), chunks, planes, n), dev)
     return out
 
 

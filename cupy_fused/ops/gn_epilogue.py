@@ -122,7 +122,11 @@ def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: tor
     team, vals = team_shape(channels // num_groups)
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
-    partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float32, device=z.device)
+    # Groups wider than one register slice carry compensation terms in a
+    # second plane (see gn_chain_backward).
+    planes = 1 if channels // num_groups <= team * vals else 2
+    partial = torch.empty((chunks, planes, spec.slots, channels), dtype=torch.float32,
+                          device=z.device)
     fn = function(SOURCE, _expr("backward", z.dtype, chain, vals), dev)
     _bridge.launch(fn, (grid_x, chunks), (BLOCK,), (
         z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(), _ptr(lin_bias),
@@ -139,9 +143,9 @@ def _backward_fake(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd
     return torch.empty_like(z), z.new_empty((CHAINS[chain].slots, z.shape[1]))
 
 
-def _setup_context(ctx, inputs, outputs):
+def _setup_context(ctx, inputs, output):
     z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups, _, _ = inputs
-    ctx.save_for_backward(z, outputs[1], outputs[2], lin_bias, extra_bias, gn_weight, gn_bias,
+    ctx.save_for_backward(z, output[1], output[2], lin_bias, extra_bias, gn_weight, gn_bias,
                           mul_weight)
     ctx.chain = chain
     ctx.num_groups = num_groups

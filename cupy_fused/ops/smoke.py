@@ -31,7 +31,7 @@ def _forward_fake(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch
     return (torch.empty_like(x, memory_format=torch.contiguous_format),)
 
 
-def _setup_context(ctx, inputs, outputs):
+def _setup_context(ctx, inputs, output):
     ctx.alpha = inputs[2]
 
 
