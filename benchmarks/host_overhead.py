@@ -71,6 +71,20 @@ def main(argv=None):
         "torch.add, input requires grad": lambda: torch.add(y, xg, alpha=0.5),
         "cupy_fused.ops.scale_add, input requires grad": lambda: ops.scale_add(xg, y, 0.5),
     }
+    # Pieces of the eager path, to see where the time goes.
+    from cupy_fused import _bridge
+    from cupy_fused.ops.smoke import _forward
+
+    kernel = _runtime.get_function(SOURCE, _EXPR[torch.float32], 0)
+    ptrs = (x.data_ptr(), y.data_ptr(), x.data_ptr(), 0.5, 1024)
+    variants.update({
+        "  piece: torch.empty_like": lambda: torch.empty_like(x),
+        "  piece: _bridge.launch (packed args)": lambda: _bridge.launch(kernel, (4,), (256,), ptrs, 0),
+        "  piece: forward (alloc + launch)": lambda: _forward(x, y, 0.5),
+        "  piece: cuLaunchKernel via CuPy driver": lambda: cupy.cuda.driver.launchKernel(
+            kernel.ptr, 4, 1, 1, 256, 1, 1, 0, torch.cuda.current_stream().cuda_stream, 0,
+            _bridge._local.buffer.extra_ptr),
+    })
     results = {name: per_call_us(f, args.calls) for name, f in variants.items()}
     base = results["torch.add (one torch elementwise op)"]
     base_grad = results["torch.add, input requires grad"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 import threading
 from typing import Dict, Sequence, Tuple
 
@@ -111,4 +112,5 @@ def to_torch(array) -> torch.Tensor:
 
 
 def is_cupy_array(obj) -> bool:
-    return type(obj).__module__.startswith("cupy") and hasattr(obj, "__dlpack__")
+    cupy = sys.modules.get("cupy")  # nothing is a CuPy array before CuPy is imported
+    return cupy is not None and isinstance(obj, cupy.ndarray)

@@ -46,8 +46,9 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
 
 
 def check_like(name: str, value, like: torch.Tensor, like_name: str) -> torch.Tensor:
-    """Same dtype and device as ``like``."""
-    check_tensor(name, value)
+    """Same dtype and device as ``like`` (itself already checked)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.dtype != like.dtype:
         raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {value.dtype}")
     if value.device != like.device:

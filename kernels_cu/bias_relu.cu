@@ -49,12 +49,13 @@ __device__ __forceinline__ bool mask_bit(const unsigned* mask, i64 i) {
 
 // Backward, channel-last layout (inner == 1): thread per channel, looping over
 // the rows [row0, row1) of its chunk.  dz = dy * mask; per-chunk sums go to
-// partial[chunk][slot][C]: slot 0 = sum dz (grad of b1), slot 1 = sum dy (b2).
+// partial[chunk][slot][C] (double): slot 0 = sum dz (grad of b1), slot 1 =
+// sum dy (b2).
 // dy_dense == 0 means dy is one value broadcast everywhere (e.g. out.sum()).
 template <typename T, typename Chain>
 __global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
                                         const unsigned* __restrict__ mask, T* __restrict__ dz,
-                                        float* __restrict__ partial, i64 rows, i64 channels,
+                                        double* __restrict__ partial, i64 rows, i64 channels,
                                         i64 rows_per_chunk) {
   const i64 c = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
   if (c >= channels) return;
@@ -70,9 +71,9 @@ __global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
     if (Chain::kHasSecondBias) sum_dy.add(g);
   }
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
-  float* p = partial + blockIdx.y * kSlots * channels;
-  p[c] = sum_dz.value();
-  if (Chain::kHasSecondBias) p[channels + c] = sum_dy.value();
+  double* p = partial + blockIdx.y * kSlots * channels;
+  p[c] = sum_dz.total();
+  if (Chain::kHasSecondBias) p[channels + c] = sum_dy.total();
 }
 
 // Backward, channel-major layout (inner > 1, e.g. NCHW): block per (n, ch)
@@ -80,8 +81,8 @@ __global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
 template <typename T, typename Chain>
 __global__ void bias_relu_backward_slabs(const T* __restrict__ dy, i64 dy_dense,
                                          const unsigned* __restrict__ mask, T* __restrict__ dz,
-                                         float* __restrict__ partial, i64 channels, i64 inner) {
-  __shared__ float scratch[32];
+                                         double* __restrict__ partial, i64 channels, i64 inner) {
+  __shared__ double scratch[32];
   const i64 slab = blockIdx.x;  // n * C + ch
   const i64 n = slab / channels, ch = slab % channels;
   const i64 base = slab * inner;
@@ -95,10 +96,10 @@ __global__ void bias_relu_backward_slabs(const T* __restrict__ dy, i64 dy_dense,
     if (Chain::kHasSecondBias) thread_dy.add(g);
   }
   // Tree over the block (fixed order), then the chunk stage over n.
-  const float sum_dz = block_sum(thread_dz.value(), scratch);
+  const double sum_dz = block_sum(thread_dz.total(), scratch);
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
-  float* p = partial + n * kSlots * channels;
-  const float sum_dy = Chain::kHasSecondBias ? block_sum(thread_dy.value(), scratch) : 0.0f;
+  double* p = partial + n * kSlots * channels;
+  const double sum_dy = Chain::kHasSecondBias ? block_sum(thread_dy.total(), scratch) : 0.0;
   if (threadIdx.x == 0) {
     p[ch] = sum_dz;
     if (Chain::kHasSecondBias) p[channels + ch] = sum_dy;

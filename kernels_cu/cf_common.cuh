@@ -85,7 +85,11 @@ struct CompensatedSum {
     comp += fabsf(sum) >= fabsf(x) ? (sum - t) + x : (x - t) + sum;
     sum = t;
   }
-  __device__ __forceinline__ float value() const { return sum + comp; }
+  // The compensated total in double, so that it loses nothing when partial
+  // sums are combined (see reduce_column_partials).
+  __device__ __forceinline__ double total() const {
+    return static_cast<double>(sum) + static_cast<double>(comp);
+  }
 };
 
 // Sum over an aligned team of `team` lanes (a power of two <= 32) inside a
@@ -109,6 +113,20 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   __syncthreads();
   v = lane < warps ? scratch[lane] : 0.0f;
   return team_sum(v, 32);
+}
+
+// block_sum in double: combines per-thread partial sums of a parameter
+// gradient without a further rounding per tree level.
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.0;
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
 }
 
 }  // namespace cf

@@ -215,8 +215,8 @@ __device__ __forceinline__ void slot_values(float (&out)[Chain::kSlots], float d
 
 // Backward.  grid = (ceil(groups / teams_per_block), chunks); block y-index
 // is a chunk of rows_per_chunk rows.  Writes dz and, per chunk, the column sums
-// partial[chunk][slot][channels] (wide groups: [chunk][2][slot][channels],
-// see below) that reduce_column_partials folds in order.
+// partial[chunk][slot][channels] (double) that reduce_column_partials folds
+// in order.
 // dy_dense == 0: dy is a single value broadcast to every element.
 template <typename T, typename Chain, int kMaxVals>
 __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__ dy, i64 dy_dense,
@@ -224,7 +224,7 @@ __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__
                                   const T* __restrict__ lin_bias, const T* __restrict__ extra_bias,
                                   const T* __restrict__ gn_weight, const T* __restrict__ gn_bias,
                                   const T* __restrict__ mul_weight, T* __restrict__ dz_out,
-                                  float* __restrict__ partial, i64 rows, i64 channels, i64 groups,
+                                  double* __restrict__ partial, i64 rows, i64 channels, i64 groups,
                                   i64 team, i64 rows_per_chunk) {
   constexpr int S = Chain::kSlots;
   const ColumnVectors<T> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
@@ -239,7 +239,7 @@ __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__
   const i64 slice = static_cast<i64>(t) * kMaxVals;
   const i64 nslices = (cpg + slice - 1) / slice;
   const float inv_cpg = 1.0f / static_cast<float>(cpg);
-  float* part = partial + blockIdx.y * S * channels;
+  double* part = partial + blockIdx.y * S * channels;
 
   if (nslices == 1) {
     // The group fits in registers: one read of z and dy per element.
@@ -284,17 +284,14 @@ __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__
       const i64 c = team_lane + static_cast<i64>(j) * t;
       if (valid && c < cpg)
 #pragma unroll
-        for (int s = 0; s < S; ++s) part[s * channels + g * cpg + c] = acc[s][j].value();
+        for (int s = 0; s < S; ++s) part[s * channels + g * cpg + c] = acc[s][j].total();
     }
     return;
   }
 
   // Wide groups: two sweeps per row (group sums, then dz).  The column sums
-  // accumulate directly in this chunk's partial rows, which no other thread
-  // touches, in row order, compensated: the sums live in plane 0 of the
-  // chunk and their compensation terms in plane 1 (partial is then
-  // [chunk][2][slot][channels]).
-  part = partial + blockIdx.y * 2 * S * channels;
+  // accumulate in double directly in this chunk's partial rows, which no
+  // other thread touches, in row order.
   for (i64 r = row0; r < row1; ++r) {
     const float mu = valid ? mean[r * groups + g] : 0.0f;
     const float rs = valid ? rstd[r * groups + g] : 0.0f;
@@ -323,18 +320,8 @@ __global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__
       float vals[S];
       slot_values<Chain>(vals, d, dv, xh, dyh, mg);
 #pragma unroll
-      for (int s = 0; s < S; ++s) {
-        float* sum = part + s * channels + col;
-        float* comp = sum + S * channels;
-        CompensatedSum acc;
-        if (r != row0) {
-          acc.sum = *sum;
-          acc.comp = *comp;
-        }
-        acc.add(vals[s]);
-        *sum = acc.sum;
-        *comp = acc.comp;
-      }
+      for (int s = 0; s < S; ++s)
+        part[s * channels + col] = (r == row0 ? 0.0 : part[s * channels + col]) + vals[s];
     }
   }
 }

@@ -8,6 +8,7 @@ from typing import Callable, Dict, Tuple
 import torch
 
 from .. import _bridge, _runtime
+from .._autograd import is_compiling
 from .._validation import FLOAT_DTYPES, cxx_type
 
 BLOCK = 256
@@ -41,7 +42,8 @@ def function(source: str, expr: str, device_index: int):
 def elementwise_grid(n: int, device_index: int, block: int = BLOCK, waves: int = 8) -> int:
     """Blocks for a grid-stride loop over ``n`` items: enough to fill the GPU,
     never more than the work."""
-    return max(1, min(cdiv(n, block), sm_count(device_index) * waves))
+    n_sm = _sm_counts.get(device_index) or sm_count(device_index)
+    return max(1, min(-(-n // block), n_sm * waves))
 
 
 def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int, int]:
@@ -54,16 +56,15 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int
 
 
 def reduce_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``partial``: float32 [chunks, planes, slots, C] (planes: 1, or 2 with
-    compensation terms) -> [slots, C] in ``dtype``, summed over chunks in
-    order (bitwise reproducible)."""
-    chunks, planes, slots, channels = partial.shape
+    """``partial``: float64 [chunks, slots, C] -> [slots, C] in ``dtype``,
+    summed over chunks in order (bitwise reproducible)."""
+    chunks, slots, channels = partial.shape
     out = torch.empty((slots, channels), dtype=dtype, device=partial.device)
     n = slots * channels
     dev = partial.device.index
     fn = function(REDUCE_SOURCE, f"cf::reduce_column_partials<{cxx_type(dtype)}>", dev)
     _bridge.launch(fn, (cdiv(n, BLOCK),), (BLOCK,),
-                   (partial.data_ptr(), out.data_ptr(), chunks, planes, n), dev)
+                   (partial.data_ptr(), out.data_ptr(), chunks, n), dev)
     return out
 
 
@@ -77,13 +78,16 @@ def broadcast_or_dense(dy: torch.Tensor, like_layout: Callable[[torch.Tensor], t
 
 
 def accepts_cupy(fn: Callable) -> Callable:
-    """Lets a functional op take CuPy arrays: they are viewed as torch tensors
+    """Lets a functional op take CuPy arrays (all array arguments CuPy, or all
+    torch): they are viewed as torch tensors
     (zero-copy, DLPack), the op runs on CuPy's current stream, and tensor
     results come back as CuPy arrays (zero-copy)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not any(_bridge.is_cupy_array(a) for a in list(args) + list(kwargs.values())):
+        # Fast exit for the torch path: the first argument is the activation.
+        if (args and isinstance(args[0], torch.Tensor)) or is_compiling() or not any(
+                map(_bridge.is_cupy_array, args + tuple(kwargs.values()))):
             return fn(*args, **kwargs)
         from .._cupy import require_cupy
 

@@ -122,11 +122,7 @@ def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: tor
     team, vals = team_shape(channels // num_groups)
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
-    # Groups wider than one register slice carry compensation terms in a
-    # second plane (see gn_chain_backward).
-    planes = 1 if channels // num_groups <= team * vals else 2
-    partial = torch.empty((chunks, planes, spec.slots, channels), dtype=torch.float32,
-                          device=z.device)
+    partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
     fn = function(SOURCE, _expr("backward", z.dtype, chain, vals), dev)
     _bridge.launch(fn, (grid_x, chunks), (BLOCK,), (
         z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(), _ptr(lin_bias),

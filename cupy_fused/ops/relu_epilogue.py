@@ -86,7 +86,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         rows = total // channels
         grid_x = cdiv(channels, BLOCK)
         chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
-        partial = torch.empty((chunks, 1, slots, channels), dtype=torch.float32, device=dout.device)
+        partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
         fn = function(SOURCE, _expr("bias_relu_backward_rows", dout.dtype, second_bias), dev)
         _bridge.launch(fn, (grid_x, chunks), (BLOCK,), (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
@@ -94,7 +94,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         sums = reduce_partials(partial, dout.dtype)
     else:
         batch = total // (channels * inner)
-        partial = torch.empty((batch, 1, slots, channels), dtype=torch.float32, device=dout.device)
+        partial = torch.empty((batch, slots, channels), dtype=torch.float64, device=dout.device)
         fn = function(SOURCE, _expr("bias_relu_backward_slabs", dout.dtype, second_bias), dev)
         _bridge.launch(fn, (batch * channels,), (BLOCK,), (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), channels,

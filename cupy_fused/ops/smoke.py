@@ -8,7 +8,7 @@ from typing import Tuple
 import torch
 
 from .. import _bridge, _runtime
-from .._autograd import FusedOp, needs_grad
+from .._autograd import FusedOp
 from .._validation import FLOAT_DTYPES, check_finite_scalar, check_like, check_same_shape, check_tensor, cxx_type
 from ._common import BLOCK, accepts_cupy, elementwise_grid, function
 
@@ -57,4 +57,5 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
     alpha = check_finite_scalar("alpha", alpha)
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
-    return _SCALE_ADD(x, y, alpha, requires_grad=needs_grad(x, y))[0]
+    grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+    return _SCALE_ADD(x, y, alpha, requires_grad=grad)[0]
