@@ -15,14 +15,18 @@ nvidia-smi --query-gpu=name,driver_version --format=csv >> "$OUT/env.log" 2>&1
 python -m cupy_fused 2>&1 | tee -a "$OUT/env.log" || status=1
 python -m pytest -q -rs --maxfail=25 --durations=15 tests 2>&1 | tee "$OUT/pytest.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-if [ "${1:-}" != "quick" ] && [ "${1:-}" != "tests" ]; then
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --print-limit 20 python scripts/sanitize.py \
+mode=${1:-full}
+if [ "$mode" != "quick" ] && [ "$mode" != "tests" ]; then
+  # memcheck over all three dtypes; racecheck (slower) over fp32 and bf16.
+  for run in "memcheck fp32 fp16 bf16" "racecheck fp32 bf16"; do
+    set -- $run
+    tool=$1; shift
+    timeout 300 compute-sanitizer --tool "$tool" --print-limit 20 python scripts/sanitize.py "$@" \
       > "$OUT/sanitizer-$tool.log" 2>&1 || status=1
-    tail -3 "$OUT/sanitizer-$tool.log"
+    echo "$tool: $(tail -1 "$OUT/sanitizer-$tool.log")"
   done
 fi
-[ "${1:-}" = "tests" ] && { echo "gpu_check status: $status"; exit $status; }
+[ "$mode" = "tests" ] && { echo "gpu_check status: $status"; exit $status; }
 python benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/bench.log"
 python benchmarks/run.py --out "$OUT" 2>&1 | tail -25 | tee -a "$OUT/bench.log"
 echo "gpu_check status: $status"

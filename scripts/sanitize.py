@@ -1,4 +1,6 @@
-"""Small-shape run of every fused op, forward and backward, in all three
+"""Usage: python scripts/sanitize.py [fp32 fp16 bf16]
+
+Small-shape run of every fused op, forward and backward, in all three
 dtypes: the workload scripts/gpu_check.sh runs under compute-sanitizer
 (memcheck, racecheck)."""
 import sys
@@ -8,8 +10,10 @@ import torch
 from cupy_fused import reference
 from cupy_fused.testing import compare, within
 
+NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+dtypes = [NAMES[a] for a in sys.argv[1:]] or list(NAMES.values())
 failed = []
-for dtype in (torch.float32, torch.float16, torch.bfloat16):
+for dtype in dtypes:
     cases = list(reference.SMALL_PROBLEMS.items()) + [
         (37, (None, (8, 600, 1, (600,)), (3, 8))),     # wide-group path
         (88, (None, (8, 40, 40, (40,)), (5, 8))),      # one channel per group

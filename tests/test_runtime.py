@@ -86,12 +86,17 @@ def test_import_compiles_nothing_and_needs_no_cupy():
 
 
 def test_team_shape_covers_every_group_width():
-    assert gn_chain_module.team_shape(1) == (1, 2)
-    assert gn_chain_module.team_shape(3) == (4, 2)
-    assert gn_chain_module.team_shape(32) == (32, 2)
-    assert gn_chain_module.team_shape(64) == (32, 2)
-    assert gn_chain_module.team_shape(65) == (32, 8)
+    assert gn_chain_module.team_shape(1) == (1, 4)
+    assert gn_chain_module.team_shape(3) == (1, 4)
+    assert gn_chain_module.team_shape(5) == (2, 4)
+    assert gn_chain_module.team_shape(32) == (8, 4)
+    assert gn_chain_module.team_shape(64) == (16, 4)
+    assert gn_chain_module.team_shape(128) == (32, 4)
+    assert gn_chain_module.team_shape(129) == (32, 8)
     assert gn_chain_module.team_shape(4096) == (32, 8)
+    for cpg in range(1, 600):
+        team, vals = gn_chain_module.team_shape(cpg)
+        assert team & (team - 1) == 0 and team <= 32 and vals in gn_chain_module.VALS_PER_LANE
 
 
 def test_row_chunks_are_never_empty(monkeypatch):

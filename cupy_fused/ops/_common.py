@@ -15,7 +15,7 @@ BLOCK = 256
 # The per-column parameter gradients are summed in two deterministic stages:
 # per-chunk partial sums (a fixed set of rows per block), then a fixed-order
 # sum over chunks.  This many blocks in flight keeps every SM busy.
-BLOCKS_PER_SM = 4
+BLOCKS_PER_SM = 8
 
 REDUCE_SOURCE = "column_reduce.cu"
 _runtime.declare(REDUCE_SOURCE, [f"cf::reduce_column_partials<{cxx_type(d)}>" for d in FLOAT_DTYPES])

@@ -46,9 +46,11 @@ CHAINS: Dict[str, Chain] = {
 }
 
 # Values of a group each lane holds in registers (template parameter
-# kMaxVals): small groups use 2, larger ones 8; groups wider than 32 * 8
-# channels are processed in slices.
-VALS_PER_LANE = (2, 8)
+# kMaxVals).  A team of up to 32 lanes shares one (row, group); each lane
+# holds at least 4 values so that several loads per thread are in flight
+# (the kernels are bound by memory latency otherwise).  Groups wider than
+# 32 * 8 channels are processed in slices.
+VALS_PER_LANE = (4, 8)
 
 
 def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int) -> str:
@@ -62,11 +64,12 @@ _runtime.declare(SOURCE, [
 
 
 def team_shape(channels_per_group: int) -> Tuple[int, int]:
-    """(lanes per (row, group) pair, values per lane)."""
+    """(lanes per (row, group) pair: a power of two <= 32, values per lane)."""
+    small = VALS_PER_LANE[0]
     team = 1
-    while team < min(32, channels_per_group):
+    while team < 32 and team * small < channels_per_group:
         team *= 2
-    vals = VALS_PER_LANE[0] if channels_per_group <= team * VALS_PER_LANE[0] else VALS_PER_LANE[1]
+    vals = small if channels_per_group <= team * small else VALS_PER_LANE[1]
     return team, vals
 
 
