@@ -9,7 +9,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/env.log" 2>&1 \
-  || { echo "editable install failed, using PYTHONPATH"; export PYTHONPATH=$PWD; }
+  || echo "editable install failed (see env.log); running from the source tree"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/ and subprocesses see this tree
 status=0
 nvidia-smi --query-gpu=name,driver_version --format=csv >> "$OUT/env.log" 2>&1
 python -m cupy_fused 2>&1 | tee -a "$OUT/env.log" || status=1
