@@ -80,14 +80,13 @@ def main(argv=None):
     stream = torch.cuda.current_stream().cuda_stream
     variants.update({
         "  piece: torch.empty_like": lambda: torch.empty_like(x),
-        "  piece: _bridge.launch (packed args)": lambda: _bridge.launch(kernel, (4,), (256,), ptrs, 0),
+        "  piece: _bridge.launch (packed args)": lambda: _bridge.launch(kernel, (4, 1, 1), 256, ptrs, 0),
         "  piece: forward (alloc + launch)": lambda: _forward(x, y, 0.5),
         "  piece: cuLaunchKernel via CuPy driver": lambda: cupy.cuda.driver.launchKernel(
             kernel.ptr, 4, 1, 1, 256, 1, 1, 0, stream, 0, _bridge._local.buffer.extra_ptr),
         "  piece: current raw stream": lambda: _bridge.current_stream_ptr(0),
         "  piece: cupy getDevice": cupy.cuda.runtime.getDevice,
-        "  piece: parameter packing": lambda: _bridge._param_format(ptrs).pack_into(
-            _bridge._local.buffer.data, 0, *ptrs),
+        "  piece: parameter packing": lambda: kernel.params.pack_into(_bridge._local.buffer.data, 0, *ptrs),
     })
     results = {name: per_call_us(f, args.calls) for name, f in variants.items()}
     base = results["torch.add (one torch elementwise op)"]

@@ -46,22 +46,23 @@ class _ParamBuffer:
         self.extra_ptr = ctypes.addressof(self.extra)
 
 
-def _param_format(args: tuple) -> struct.Struct:
-    """Every kernel parameter is 8 bytes: a pointer or ``long long`` (Python
-    int) or a ``double`` (Python float), so the C layout is the packed one."""
-    key = tuple(map(type, args))
-    fmt = _formats.get(key)
-    if fmt is None:
+def _param_struct(kernel, args: tuple) -> struct.Struct:
+    """Parameter layout of ``kernel``, fixed by its first launch: every
+    parameter is 8 bytes, a pointer or ``long long`` (Python int) or a
+    ``double`` (Python float), so the C layout is the packed one.  Cached on
+    the kernel, since its signature never changes."""
+    layout = kernel.params
+    if layout is None:
         codes = []
-        for t in key:
-            if t is float:
+        for value in args:
+            if type(value) is float:
                 codes.append("d")
-            elif t is int or t is bool:
+            elif type(value) is int or type(value) is bool:
                 codes.append("q")
             else:
-                raise TypeError(f"kernel arguments must be int or float, got {t.__name__}")
-        fmt = _formats[key] = struct.Struct("<" + "".join(codes))
-    return fmt
+                raise TypeError(f"kernel arguments must be int or float, got {type(value).__name__}")
+        layout = kernel.params = struct.Struct("<" + "".join(codes))
+    return layout
 
 
 def current_stream_ptr(device_index: int) -> int:
@@ -76,29 +77,40 @@ except AttributeError:  # pragma: no cover - very old torch
         return torch.cuda.current_stream(device_index).cuda_stream
 
 
-def launch(kernel, grid: Sequence[int], block: Sequence[int], args: tuple, device_index: int,
+def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_index: int,
            shared_mem: int = 0) -> None:
     """Launches ``kernel`` (a :class:`cupy_fused._runtime.Kernel`) on torch's
-    current stream of ``device_index``.  ``args``: ints (pointers, 64-bit
-    integers) and floats (doubles), matching the kernel's parameters.  The
-    CUDA device is switched only when it is not already current."""
-    cupy = require_cupy()
+    current stream of ``device_index``.  ``grid``: (x, y, z) blocks; ``block``:
+    threads per block (1-D).  ``args``: ints (pointers, 64-bit integers) and
+    floats (doubles), matching the kernel's parameters.  The CUDA device is
+    switched only when it is not already current."""
     buf = getattr(_local, "buffer", None)
     if buf is None:
+        require_cupy()
         buf = _local.buffer = _ParamBuffer()
-    fmt = _param_format(args)
-    fmt.pack_into(buf.data, 0, *args)
-    buf.size.value = fmt.size
-    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-    bx, by, bz = (tuple(block) + (1, 1))[:3]
-    runtime = cupy.cuda.runtime
-    if runtime.getDevice() == device_index:
-        cupy.cuda.driver.launchKernel(kernel.ptr, gx, gy, gz, bx, by, bz, shared_mem,
-                                      _raw_stream(device_index), 0, buf.extra_ptr)
+    layout = kernel.params or _param_struct(kernel, args)
+    layout.pack_into(buf.data, 0, *args)
+    buf.size.value = layout.size
+    if _driver.get_device() == device_index:
+        _driver.launch(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
+                       _raw_stream(device_index), 0, buf.extra_ptr)
     else:
-        with cupy.cuda.Device(device_index):
-            cupy.cuda.driver.launchKernel(kernel.ptr, gx, gy, gz, bx, by, bz, shared_mem,
-                                          _raw_stream(device_index), 0, buf.extra_ptr)
+        with require_cupy().cuda.Device(device_index):
+            _driver.launch(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
+                           _raw_stream(device_index), 0, buf.extra_ptr)
+
+
+class _Driver:
+    """CuPy's bindings of cudaGetDevice and cuLaunchKernel, looked up once."""
+
+    def __getattr__(self, name):
+        cupy = require_cupy()
+        self.get_device = cupy.cuda.runtime.getDevice
+        self.launch = cupy.cuda.driver.launchKernel
+        return getattr(self, name)
+
+
+_driver = _Driver()
 
 
 def to_cupy(tensor: torch.Tensor):

@@ -106,15 +106,18 @@ class _ModuleKey:
     device: int
 
 
-@dataclass(frozen=True)
 class Kernel:
-    """A launchable kernel: its CUfunction handle (``ptr``) and the CuPy
-    object that owns it (``raw``, a ``cupy.RawKernel``; keeps the module
-    loaded)."""
+    """A launchable kernel: its CUfunction handle (``ptr``), the CuPy object
+    that owns it (``raw``, a ``cupy.RawKernel``; keeps the module loaded) and
+    its parameter layout (``params``, set by the first launch)."""
 
-    name: str
-    ptr: int
-    raw: object
+    __slots__ = ("name", "ptr", "raw", "params")
+
+    def __init__(self, name: str, ptr: int, raw: object):
+        self.name, self.ptr, self.raw, self.params = name, ptr, raw, None
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
 
 
 _modules: Dict[_ModuleKey, object] = {}

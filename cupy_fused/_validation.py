@@ -95,11 +95,24 @@ def check_eps(eps) -> float:
 
 
 def check_finite_scalar(name: str, value) -> float:
+    if type(value) is float and math.isfinite(value):
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_same(name: str, value, like: torch.Tensor, like_name: str) -> torch.Tensor:
+    """Same dtype, device and shape as ``like`` (itself already checked).
+    One comparison of each on the common path: this runs on every call."""
+    if (isinstance(value, torch.Tensor) and value.dtype == like.dtype
+            and value.device == like.device and value.shape == like.shape):
+        return value
+    check_like(name, value, like, like_name)
+    check_same_shape(name, value, like, like_name)
     return value
 
 

@@ -27,11 +27,15 @@ __global__ void bias_relu_forward(const T* __restrict__ z, T* __restrict__ out,
   const i64 warp = (blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x) >> 5;
   const i64 warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;
   const i64 words = (total + 31) >> 5;
+  // 64-bit division costs several times a 32-bit one and this kernel does
+  // one per element: use 32-bit index math whenever the tensor allows it.
+  const bool index32 = total < (i64(1) << 31);
   for (i64 w = warp; w < words; w += warps) {
     const i64 i = (w << 5) + lane;
     bool positive = false;
     if (i < total) {
-      const i64 ch = (i / inner) % channels;
+      const i64 ch = index32 ? i64((unsigned(i) / unsigned(inner)) % unsigned(channels))
+                             : (i / inner) % channels;
       const float u = to_float(z[i]) + to_float(b1[ch]);
       positive = u > 0.0f;
       float r = positive ? u : 0.0f;

@@ -63,7 +63,7 @@ def reduce_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n = slots * channels
     dev = partial.device.index
     fn = function(REDUCE_SOURCE, f"cf::reduce_column_partials<{cxx_type(dtype)}>", dev)
-    _bridge.launch(fn, (cdiv(n, BLOCK),), (BLOCK,),
+    _bridge.launch(fn, (cdiv(n, BLOCK), 1, 1), BLOCK,
                    (partial.data_ptr(), out.data_ptr(), chunks, n), dev)
     return out
 

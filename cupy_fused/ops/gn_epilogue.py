@@ -92,7 +92,7 @@ def _forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Opti
         pairs = rows * num_groups
         grid = elementwise_grid(pairs * team, dev)
         fn = function(SOURCE, _expr("forward", z.dtype, chain, vals), dev)
-        _bridge.launch(fn, (grid,), (BLOCK,), (
+        _bridge.launch(fn, (grid, 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), _ptr(mean) if save_stats else 0,
             _ptr(rstd) if save_stats else 0, _ptr(lin_bias), _ptr(extra_bias), _ptr(gn_weight),
             _ptr(gn_bias), _ptr(mul_weight), rows, channels, num_groups, team, eps), dev)
@@ -127,7 +127,7 @@ def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: tor
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
     partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
     fn = function(SOURCE, _expr("backward", z.dtype, chain, vals), dev)
-    _bridge.launch(fn, (grid_x, chunks), (BLOCK,), (
+    _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
         z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(), _ptr(lin_bias),
         _ptr(extra_bias), _ptr(gn_weight), _ptr(gn_bias), _ptr(mul_weight), dz.data_ptr(),
         partial.data_ptr(), rows, channels, num_groups, team, rows_per_chunk), dev)

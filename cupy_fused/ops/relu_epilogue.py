@@ -52,7 +52,7 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
         dev = z.device.index
         inner = _inner(list(z.shape), _is_channels_last(z))
         fn = function(SOURCE, _expr("bias_relu_forward", z.dtype, bias2 is not None), dev)
-        _bridge.launch(fn, (elementwise_grid(words * 32, dev),), (BLOCK,), (
+        _bridge.launch(fn, (elementwise_grid(words * 32, dev), 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), mask.data_ptr() if save_mask else 0, bias.data_ptr(),
             bias2.data_ptr() if bias2 is not None else 0, total, z.shape[1], inner), dev)
     return out, mask
@@ -88,7 +88,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
         partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
         fn = function(SOURCE, _expr("bias_relu_backward_rows", dout.dtype, second_bias), dev)
-        _bridge.launch(fn, (grid_x, chunks), (BLOCK,), (
+        _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
             channels, rows_per_chunk), dev)
         sums = reduce_partials(partial, dout.dtype)
@@ -96,7 +96,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         batch = total // (channels * inner)
         partial = torch.empty((batch, slots, channels), dtype=torch.float64, device=dout.device)
         fn = function(SOURCE, _expr("bias_relu_backward_slabs", dout.dtype, second_bias), dev)
-        _bridge.launch(fn, (batch * channels,), (BLOCK,), (
+        _bridge.launch(fn, (batch * channels, 1, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), channels,
             inner), dev)
         sums = reduce_partials(partial, dout.dtype)

@@ -9,7 +9,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._autograd import FusedOp
-from .._validation import FLOAT_DTYPES, check_finite_scalar, check_like, check_same_shape, check_tensor, cxx_type
+from .._validation import FLOAT_DTYPES, check_finite_scalar, check_same, check_tensor, cxx_type
 from ._common import BLOCK, accepts_cupy, elementwise_grid, function
 
 SOURCE = "smoke.cu"
@@ -22,7 +22,7 @@ def _forward(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tens
     n = x.numel()
     if n:
         dev = x.device.index
-        _bridge.launch(function(SOURCE, _EXPR[x.dtype], dev), (elementwise_grid(n, dev),), (BLOCK,),
+        _bridge.launch(function(SOURCE, _EXPR[x.dtype], dev), (elementwise_grid(n, dev), 1, 1), BLOCK,
                        (x.data_ptr(), y.data_ptr(), out.data_ptr(), alpha, n), dev)
     return (out,)
 
@@ -52,8 +52,7 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
     Returns a new contiguous tensor.
     """
     check_tensor("x", x)
-    check_like("y", y, x, "x")
-    check_same_shape("y", y, x, "x")
+    check_same("y", y, x, "x")
     alpha = check_finite_scalar("alpha", alpha)
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
