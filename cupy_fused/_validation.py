@@ -34,7 +34,7 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
         raise TypeError(
             f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}"
         )
-    if value.device.type not in DEVICE_TYPES:
+    if not value.is_cuda and value.device.type not in DEVICE_TYPES:
         raise ValueError(
             f"{name} must be on a CUDA device, got device {value.device}; cupy-fused kernels "
             "run on the GPU only"
