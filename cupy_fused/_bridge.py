@@ -35,13 +35,21 @@ _formats: Dict[Tuple[type, ...], struct.Struct] = {}
 
 class _ParamBuffer:
     """Per-thread parameter buffer.  cuLaunchKernel copies the parameters
-    before it returns, so one buffer is reused by every launch."""
+    before it returns, so one buffer is reused by every launch.  ``data``
+    holds the packed values; ``pointers`` is the ``void*[]`` array of
+    cuLaunchKernel's ``kernelParams``, pointing at each 8-byte slot of
+    ``data`` (fixed once, since every parameter is 8 bytes); ``extra_ptr`` is
+    the equivalent ``extra`` (buffer + size) form."""
 
     def __init__(self):
         self.data = ctypes.create_string_buffer(MAX_PARAM_BYTES)
+        base = ctypes.addressof(self.data)
+        self.pointers = (ctypes.c_void_p * (MAX_PARAM_BYTES // 8))(
+            *(base + 8 * i for i in range(MAX_PARAM_BYTES // 8)))
+        self.params_ptr = ctypes.addressof(self.pointers)
         self.size = ctypes.c_size_t(0)
         self.extra = (ctypes.c_void_p * 5)(
-            _CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.data),
+            _CU_LAUNCH_PARAM_BUFFER_POINTER, base,
             _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _CU_LAUNCH_PARAM_END)
         self.extra_ptr = ctypes.addressof(self.extra)
 
@@ -90,14 +98,13 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
         buf = _local.buffer = _ParamBuffer()
     layout = kernel.params or _param_struct(kernel, args)
     layout.pack_into(buf.data, 0, *args)
-    buf.size.value = layout.size
     if _driver.get_device() == device_index:
         _driver.launch(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
-                       _raw_stream(device_index), 0, buf.extra_ptr)
+                       _raw_stream(device_index), buf.params_ptr, 0)
     else:
         with require_cupy().cuda.Device(device_index):
             _driver.launch(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
-                           _raw_stream(device_index), 0, buf.extra_ptr)
+                           _raw_stream(device_index), buf.params_ptr, 0)
 
 
 class _Driver:

@@ -67,13 +67,16 @@ _options_cache: Optional[Tuple[str, ...]] = None
 
 
 def nvrtc_options() -> Tuple[str, ...]:
-    """NVRTC options without the architecture (same for every source)."""
+    """NVRTC options without the architecture (same for every source).
+
+    ``CUPY_FUSED_NVRTC_OPTIONS`` appends options (space-separated), e.g.
+    ``-lineinfo`` for profiling or ``-D`` tuning macros of a kernel file."""
     global _options_cache
     if _options_cache is None:
         _options_cache = BASE_OPTIONS + (
             f"-I{kernel_dir()}",
             f"-DCUPY_FUSED_SOURCES_HASH=0x{_sources_hash()}ULL",
-        )
+        ) + tuple(os.environ.get("CUPY_FUSED_NVRTC_OPTIONS", "").split())
     return _options_cache
 
 

@@ -15,6 +15,15 @@
 // wider than team*kMaxVals are processed in slices, re-reading z (from cache).
 #include "cf_common.cuh"
 
+// Minimum resident blocks per SM (of 256 threads) the compiler must allow:
+// caps registers per thread.  Tuned on H100 (scripts/tune_gn.py).
+#ifndef CF_GN_FORWARD_MIN_BLOCKS
+#define CF_GN_FORWARD_MIN_BLOCKS 4
+#endif
+#ifndef CF_GN_BACKWARD_MIN_BLOCKS
+#define CF_GN_BACKWARD_MIN_BLOCKS 2
+#endif
+
 namespace cf {
 
 // The per-column vectors a chain may read; null where the model has none.
@@ -122,7 +131,7 @@ __device__ __forceinline__ ColumnVectors<T> column_vectors(const T* lin_bias, co
 // written, by the same thread) and, when mean_out is not null, the per
 // (row, group) mean and rstd that the backward reuses.
 template <typename T, typename Chain, int kMaxVals>
-__global__ void gn_chain_forward(const T* z, T* out, float* __restrict__ mean_out,
+__global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forward(const T* z, T* out, float* __restrict__ mean_out,
                                  float* __restrict__ rstd_out, const T* __restrict__ lin_bias,
                                  const T* __restrict__ extra_bias, const T* __restrict__ gn_weight,
                                  const T* __restrict__ gn_bias, const T* __restrict__ mul_weight,
@@ -229,7 +238,7 @@ __device__ __forceinline__ void slot_values(float (&out)[Chain::kSlots], float d
 // in order.
 // dy_dense == 0: dy is a single value broadcast to every element.
 template <typename T, typename Chain, int kMaxVals>
-__global__ void gn_chain_backward(const T* __restrict__ z, const T* __restrict__ dy, i64 dy_dense,
+__global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backward(const T* __restrict__ z, const T* __restrict__ dy, i64 dy_dense,
                                   const float* __restrict__ mean, const float* __restrict__ rstd,
                                   const T* __restrict__ lin_bias, const T* __restrict__ extra_bias,
                                   const T* __restrict__ gn_weight, const T* __restrict__ gn_bias,
