@@ -46,13 +46,13 @@ def main(argv=None):
 
     import cupy
 
-    from cupy_fused import _runtime, ops
-    from cupy_fused.ops.smoke import SOURCE, _EXPR
+    from cupy_fused import ops
+    from cupy_fused.ops.smoke import KERNELS
 
     x = torch.rand(1024, device="cuda")
     y = torch.rand(1024, device="cuda")
     xg = x.clone().requires_grad_(True)
-    fn = _runtime.get_function(SOURCE, _EXPR[torch.float32], 0).raw
+    fn = KERNELS.get(torch.float32, 0).raw
 
     def naive():
         a = cupy.from_dlpack(x)
@@ -75,7 +75,7 @@ def main(argv=None):
     from cupy_fused import _bridge
     from cupy_fused.ops.smoke import _forward
 
-    kernel = _runtime.get_function(SOURCE, _EXPR[torch.float32], 0)
+    kernel = KERNELS.get(torch.float32, 0)
     ptrs = (x.data_ptr(), y.data_ptr(), x.data_ptr(), 0.5, 1024)
     stream = torch.cuda.current_stream().cuda_stream
     variants.update({

@@ -105,7 +105,7 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes):
             print(f"  {problem:>3} {rows[-1]['dtype']:<9} {mode:<8} {impl:<13} "
                   f"median {med:8.3f} ms  min {best:8.3f} ms"
                   + (f"  peak extra {mem:6.3f} GiB" if mem is not None else ""), flush=True)
-    del models, ref, ours, x, xg
+    models.clear()
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return rows

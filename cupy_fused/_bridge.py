@@ -17,7 +17,7 @@ import ctypes
 import struct
 import sys
 import threading
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Tuple
 
 import torch
 

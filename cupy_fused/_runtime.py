@@ -172,6 +172,26 @@ def get_function(source: str, name_expression: str, device: int) -> Kernel:
         return fn
 
 
+class KernelFamily:
+    """The instantiations of one kernel source that an op launches, looked up
+    by a key of the op's choosing (e.g. the dtype).  Declares them at
+    construction (import time; nothing is compiled) and caches the launchable
+    :class:`Kernel` per (key, device) for the launch path."""
+
+    def __init__(self, source: str, expressions: Dict[object, str]):
+        self.source = source
+        self.expressions = dict(expressions)
+        declare(source, self.expressions.values())
+        self._kernels: Dict[Tuple[object, int], Kernel] = {}
+
+    def get(self, key, device: int) -> Kernel:
+        kernel = self._kernels.get((key, device))
+        if kernel is None:
+            kernel = get_function(self.source, self.expressions[key], device)
+            self._kernels[(key, device)] = kernel
+        return kernel
+
+
 def compiled_modules() -> int:
     """Number of modules compiled (or loaded from disk cache) in this process."""
     return len(_modules)

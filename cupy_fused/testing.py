@@ -9,7 +9,7 @@ reference in the same dtype, side by side.
 from __future__ import annotations
 
 import copy
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 

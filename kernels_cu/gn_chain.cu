@@ -18,10 +18,10 @@
 // Minimum resident blocks per SM (of 256 threads) the compiler must allow:
 // caps registers per thread.  Tuned on H100 (scripts/tune_gn.py).
 #ifndef CF_GN_FORWARD_MIN_BLOCKS
-#define CF_GN_FORWARD_MIN_BLOCKS 4
+#define CF_GN_FORWARD_MIN_BLOCKS 8
 #endif
 #ifndef CF_GN_BACKWARD_MIN_BLOCKS
-#define CF_GN_BACKWARD_MIN_BLOCKS 2
+#define CF_GN_BACKWARD_MIN_BLOCKS 4
 #endif
 
 namespace cf {

@@ -1,6 +1,5 @@
 """DLPack/stream bridge and the smoke kernel (GPU tier)."""
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cupy_fused import _bridge, _runtime, ops
+from cupy_fused import _bridge, ops
 from cupy_fused.testing import poison_allocator
 
 pytestmark = pytest.mark.gpu

@@ -3,7 +3,7 @@ and every gradient vs a float64 run, next to eager's own error."""
 import pytest
 import torch
 
-from cupy_fused import models, reference
+from cupy_fused import reference
 from cupy_fused.testing import build_pair, compare, within
 
 pytestmark = pytest.mark.gpu

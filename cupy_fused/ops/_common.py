@@ -17,8 +17,8 @@ BLOCK = 256
 # sum over chunks.  This many blocks in flight keeps every SM busy.
 BLOCKS_PER_SM = 8
 
-REDUCE_SOURCE = "column_reduce.cu"
-_runtime.declare(REDUCE_SOURCE, [f"cf::reduce_column_partials<{cxx_type(d)}>" for d in FLOAT_DTYPES])
+_REDUCE = _runtime.KernelFamily(
+    "column_reduce.cu", {d: f"cf::reduce_column_partials<{cxx_type(d)}>" for d in FLOAT_DTYPES})
 
 _sm_counts: Dict[int, int] = {}
 
@@ -33,10 +33,6 @@ def sm_count(device_index: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def function(source: str, expr: str, device_index: int):
-    return _runtime.get_function(source, expr, device_index)
 
 
 def elementwise_grid(n: int, device_index: int, block: int = BLOCK, waves: int = 8) -> int:
@@ -62,8 +58,7 @@ def reduce_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty((slots, channels), dtype=dtype, device=partial.device)
     n = slots * channels
     dev = partial.device.index
-    fn = function(REDUCE_SOURCE, f"cf::reduce_column_partials<{cxx_type(dtype)}>", dev)
-    _bridge.launch(fn, (cdiv(n, BLOCK), 1, 1), BLOCK,
+    _bridge.launch(_REDUCE.get(dtype, dev), (cdiv(n, BLOCK), 1, 1), BLOCK,
                    (partial.data_ptr(), out.data_ptr(), chunks, n), dev)
     return out
 

@@ -16,9 +16,7 @@ import torch
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
-from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid, function, reduce_partials, row_chunks
-
-SOURCE = "gn_chain.cu"
+from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid, reduce_partials, row_chunks
 
 
 @dataclass(frozen=True)
@@ -57,10 +55,11 @@ def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int) -> str:
     return f"cf::gn_chain_{kernel}<{cxx_type(dtype)}, {CHAINS[chain].cxx}, {vals}>"
 
 
-_runtime.declare(SOURCE, [
-    _expr(k, d, c, v)
+# Keyed by (kernel, dtype, chain, values per lane).
+KERNELS = _runtime.KernelFamily("gn_chain.cu", {
+    (k, d, c, v): _expr(k, d, c, v)
     for k in ("forward", "backward") for d in FLOAT_DTYPES for c in CHAINS for v in VALS_PER_LANE
-])
+})
 
 
 def team_shape(channels_per_group: int) -> Tuple[int, int]:
@@ -91,7 +90,7 @@ def _forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Opti
         team, vals = team_shape(channels // num_groups)
         pairs = rows * num_groups
         grid = elementwise_grid(pairs * team, dev)
-        fn = function(SOURCE, _expr("forward", z.dtype, chain, vals), dev)
+        fn = KERNELS.get(("forward", z.dtype, chain, vals), dev)
         _bridge.launch(fn, (grid, 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), _ptr(mean) if save_stats else 0,
             _ptr(rstd) if save_stats else 0, _ptr(lin_bias), _ptr(extra_bias), _ptr(gn_weight),
@@ -126,7 +125,7 @@ def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: tor
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
     partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
-    fn = function(SOURCE, _expr("backward", z.dtype, chain, vals), dev)
+    fn = KERNELS.get(("backward", z.dtype, chain, vals), dev)
     _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
         z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(), _ptr(lin_bias),
         _ptr(extra_bias), _ptr(gn_weight), _ptr(gn_bias), _ptr(mul_weight), dz.data_ptr(),

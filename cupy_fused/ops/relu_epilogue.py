@@ -15,21 +15,19 @@ import torch
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
-from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid, function, reduce_partials, row_chunks
-
-SOURCE = "bias_relu.cu"
-
+from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid, reduce_partials, row_chunks
 
 def _expr(kernel: str, dtype: torch.dtype, second_bias: bool) -> str:
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
     return f"cf::{kernel}<{cxx_type(dtype)}, {chain}>"
 
 
-_runtime.declare(SOURCE, [
-    _expr(k, d, b)
+# Keyed by (kernel, dtype, second bias present).
+KERNELS = _runtime.KernelFamily("bias_relu.cu", {
+    (k, d, b): _expr(k, d, b)
     for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs")
     for d in FLOAT_DTYPES for b in (False, True)
-])
+})
 
 
 def _inner(sizes: List[int], channels_last: bool) -> int:
@@ -51,7 +49,7 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
     if total:
         dev = z.device.index
         inner = _inner(list(z.shape), _is_channels_last(z))
-        fn = function(SOURCE, _expr("bias_relu_forward", z.dtype, bias2 is not None), dev)
+        fn = KERNELS.get(("bias_relu_forward", z.dtype, bias2 is not None), dev)
         _bridge.launch(fn, (elementwise_grid(words * 32, dev), 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), mask.data_ptr() if save_mask else 0, bias.data_ptr(),
             bias2.data_ptr() if bias2 is not None else 0, total, z.shape[1], inner), dev)
@@ -87,7 +85,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         grid_x = cdiv(channels, BLOCK)
         chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
         partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
-        fn = function(SOURCE, _expr("bias_relu_backward_rows", dout.dtype, second_bias), dev)
+        fn = KERNELS.get(("bias_relu_backward_rows", dout.dtype, second_bias), dev)
         _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
             channels, rows_per_chunk), dev)
@@ -95,7 +93,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
     else:
         batch = total // (channels * inner)
         partial = torch.empty((batch, slots, channels), dtype=torch.float64, device=dout.device)
-        fn = function(SOURCE, _expr("bias_relu_backward_slabs", dout.dtype, second_bias), dev)
+        fn = KERNELS.get(("bias_relu_backward_slabs", dout.dtype, second_bias), dev)
         _bridge.launch(fn, (batch * channels, 1, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), channels,
             inner), dev)

@@ -10,11 +10,9 @@ import torch
 from .. import _bridge, _runtime
 from .._autograd import FusedOp
 from .._validation import FLOAT_DTYPES, check_finite_scalar, check_same, check_tensor, cxx_type
-from ._common import BLOCK, accepts_cupy, elementwise_grid, function
+from ._common import BLOCK, accepts_cupy, elementwise_grid
 
-SOURCE = "smoke.cu"
-_EXPR = {d: f"cf::scale_add<{cxx_type(d)}>" for d in FLOAT_DTYPES}
-_runtime.declare(SOURCE, _EXPR.values())
+KERNELS = _runtime.KernelFamily("smoke.cu", {d: f"cf::scale_add<{cxx_type(d)}>" for d in FLOAT_DTYPES})
 
 
 def _forward(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tensor]:
@@ -22,7 +20,7 @@ def _forward(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tens
     n = x.numel()
     if n:
         dev = x.device.index
-        _bridge.launch(function(SOURCE, _EXPR[x.dtype], dev), (elementwise_grid(n, dev), 1, 1), BLOCK,
+        _bridge.launch(KERNELS.get(x.dtype, dev), (elementwise_grid(n, dev), 1, 1), BLOCK,
                        (x.data_ptr(), y.data_ptr(), out.data_ptr(), alpha, n), dev)
     return (out,)
 
