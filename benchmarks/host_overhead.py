@@ -73,7 +73,12 @@ def main(argv=None):
     }
     # Pieces of the eager path, to see where the time goes.
     from cupy_fused import _bridge
+    from cupy_fused._autograd import is_compiling
+    from cupy_fused._validation import check_finite_scalar, check_same, check_tensor
+    from cupy_fused.ops._common import accepts_cupy
     from cupy_fused.ops.smoke import _forward
+
+    noop_wrapped = accepts_cupy(lambda a, b: None)
 
     kernel = KERNELS.get(torch.float32, 0)
     ptrs = (x.data_ptr(), y.data_ptr(), x.data_ptr(), 0.5, 1024)
@@ -87,6 +92,10 @@ def main(argv=None):
         "  piece: cuLaunchKernel, extra buffer": lambda: cupy.cuda.driver.launchKernel(
             kernel.ptr, 4, 1, 1, 256, 1, 1, 0, stream, 0, _bridge._local.buffer.extra_ptr),
         "  piece: current raw stream": lambda: _bridge.current_stream_ptr(0),
+        "  piece: validation (x, y, alpha)": lambda: (
+            check_tensor("x", x), check_same("y", y, x, "x"), check_finite_scalar("alpha", 0.5)),
+        "  piece: torch.compiler.is_compiling": is_compiling,
+        "  piece: CuPy-array dispatch wrapper": lambda: noop_wrapped(x, y),
         "  piece: cupy getDevice": cupy.cuda.runtime.getDevice,
         "  piece: parameter packing": lambda: kernel.params.pack_into(_bridge._local.buffer.data, 0, *ptrs),
     })
