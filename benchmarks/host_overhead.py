@@ -3,7 +3,8 @@ torch's own elementwise op.
 
 Each variant is called N times back to back on a 1024-element float32
 tensor; the GPU work is a few microseconds, so the loop is bound by the host
-and (wall time / N) is the host cost per call.  Variants:
+and (wall time / N) is the host cost per call.  The variants take turns over
+several rounds and each reports its best round.  Variants:
 
 * torch           ``torch.add(y, x, alpha=a)`` — one torch elementwise op
 * ours (eager)    ``cupy_fused.ops.scale_add`` — the path users call
@@ -17,25 +18,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 
-def per_call_us(fn, calls: int, repeats: int = 5) -> float:
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(variants: dict, calls: int, rounds: int = 7) -> dict:
+    """Host microseconds per call of each variant: the variants take turns
+    (round robin, so machine noise hits them alike) and each keeps its best
+    round."""
+    for fn in variants.values():
+        for _ in range(200):
             fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        samples.append((t1 - t0) / calls * 1e6)
-    return statistics.median(samples)
+    torch.cuda.synchronize()
+    best = {name: float("inf") for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (t1 - t0) / calls * 1e6)
+    return best
 
 
 def main(argv=None):
@@ -101,7 +106,7 @@ def main(argv=None):
     })
     ops.scale_add(x, y, 0.5)  # first launch: fixes the kernel's parameter layout
     _bridge._local.buffer.size.value = kernel.params.size
-    results = {name: per_call_us(f, args.calls) for name, f in variants.items()}
+    results = per_call_us(variants, args.calls)
     base = results["torch.add (one torch elementwise op)"]
     base_grad = results["torch.add, input requires grad"]
     print(f"host cost per call, tiny tensor ({torch.cuda.get_device_name()}, torch "
