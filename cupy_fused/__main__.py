@@ -60,7 +60,8 @@ def _smoke(device: int) -> bool:
         ms = (time.perf_counter() - t0) * 1e3
         want = (0.5 * x.float() + y.float()).to(dtype)
         err = (out.float() - want.float()).abs().max().item()
-        good = err == 0.0
+        # One rounding of the dtype: the kernel may fuse the multiply-add.
+        good = err <= torch.finfo(dtype).eps * want.float().abs().max().item()
         ok &= good
         print(f"  scale_add {str(dtype):<15} max |ours - torch| = {err:.3g}  "
               f"{'OK' if good else 'MISMATCH'}  (first call incl. compile {ms:.0f} ms)")

@@ -1,0 +1,29 @@
+"""KernelBench level 2, problem 88_Gemm_GroupNorm_Swish_Multiply_Swish: cupy-fused solution.
+
+Solution format of the KernelBench evaluator: ``ModelNew`` (same constructor
+and parameters as the problem's ``Model``), ``get_inputs`` and
+``get_init_inputs`` at the benchmark shapes.  ``Model`` is the reference.
+"""
+import torch
+
+from cupy_fused import GemmGroupNormSwishMultiplySwish as _Fused
+from cupy_fused.reference import GemmGroupNormSwishMultiplySwish as Model  # noqa: F401  (the problem's reference)
+
+batch_size = 1024
+in_features = 8192
+out_features = 8192
+num_groups = 256
+multiply_weight_shape = (out_features,)
+
+
+class ModelNew(_Fused):
+    def __init__(self, in_features, out_features, num_groups, multiply_weight_shape):
+        super().__init__(in_features, out_features, num_groups, multiply_weight_shape)
+
+
+def get_inputs():
+    return [torch.rand(batch_size, in_features)]
+
+
+def get_init_inputs():
+    return [in_features, out_features, num_groups, multiply_weight_shape]

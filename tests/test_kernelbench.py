@@ -1,0 +1,36 @@
+"""The KernelBench-format solution files load unchanged and pass the
+evaluator's checks (GPU tier, benchmark shapes)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("kb_check", REPO / "benchmarks/kernelbench/check.py")
+kb_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kb_check)
+
+
+def test_one_solution_file_per_problem():
+    """(CPU tier) every problem has a solution file defining the interface."""
+    names = [p.name for p in kb_check.solution_files()]
+    assert [n.split("_")[1] for n in names] == ["1", "37", "76", "88", "94"]
+    for path in kb_check.solution_files():
+        module = kb_check.load(path)
+        for attr in ("Model", "ModelNew", "get_inputs", "get_init_inputs"):
+            assert hasattr(module, attr), (path.name, attr)
+        torch.manual_seed(0)
+        ref = module.Model(*module.get_init_inputs())
+        torch.manual_seed(0)
+        new = module.ModelNew(*module.get_init_inputs())
+        assert list(ref.state_dict()) == list(new.state_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", kb_check.solution_files(), ids=lambda p: p.name.split("_")[1])
+def test_solution_passes_the_evaluator_check(path, dtype):
+    passed, worst = kb_check.check(path, dtype, trials=2)
+    assert passed == 2, worst
