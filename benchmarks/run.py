@@ -5,6 +5,8 @@ table.
 
     python benchmarks/run.py                       # all problems, fp32
     python benchmarks/run.py --dtypes fp32 bf16 --problems 76 88 --quick
+    python benchmarks/run.py --dtypes fp32 fp16 bf16 --sweep   # the full page
+    python benchmarks/plot.py results/<device>-<date>.json     # PNG plots
 
 Times: CUDA events around each iteration after warm-up, median and min.
 Peak extra memory: max allocated during one training step minus what was
@@ -31,6 +33,57 @@ IMPLS = ("eager", "compile", "ours", "ours+compile")
 # "gemm": the GEMM (or conv) alone, as our modules call it, forward only:
 # ours minus this is the cost of the fused epilogue.
 EXTRA_IMPLS = ("gemm",)
+# Batch sizes of the size sweep (1: a point dominated by per-call host cost).
+SWEEP_GEMM = (1, 64, 256, 1024, 4096, 16384, 32768)
+SWEEP_CONV = (1, 8, 32, 64, 128)
+
+
+def model_flops(problem: int, args: tuple, shape: tuple) -> float:
+    """Forward FLOPs of the GEMM / convolution (the epilogue is negligible)."""
+    if problem == 1:
+        n, cin, h, w = shape
+        cout, k = args[1], args[2]
+        return 2.0 * n * cout * (h - k + 1) * (w - k + 1) * cin * k * k
+    m, k = shape
+    return 2.0 * m * args[1] * k
+
+
+def ceilings(iters: int = 10) -> dict:
+    """Measured in this run: SGEMM, TF32 and bf16 matmul TFLOP/s at 8192^3,
+    and device copy bandwidth (GB/s, read + write) of a 1 GiB copy."""
+    out = {}
+    n = 8192
+    for name, dtype, tf32 in (("sgemm_tflops", torch.float32, False),
+                              ("tf32_tflops", torch.float32, True),
+                              ("bf16_tflops", torch.bfloat16, False)):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        a = torch.randn(n, n, device="cuda", dtype=dtype)
+        b = torch.randn(n, n, device="cuda", dtype=dtype)
+        _, best = time_ms(lambda: a @ b, iters, 3)
+        out[name] = 2 * n ** 3 / best / 1e9
+    torch.backends.cuda.matmul.allow_tf32 = False
+    src = torch.empty(2 ** 28, device="cuda")
+    dst = torch.empty_like(src)
+    _, best = time_ms(lambda: dst.copy_(src), iters, 3)
+    out["copy_gbps"] = 2 * src.numel() * 4 / best / 1e6
+    torch.cuda.empty_cache()
+    return out
+
+
+def forward_errors(problem, args, shape, dtype) -> dict:
+    """Max relative error of the forward output vs float64, ours and eager."""
+    import copy
+
+    ref, ours = build_pair(problem, args, "cuda", dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        truth = copy.deepcopy(ref).double()(x.double())
+        scale = truth.abs().max().item()
+        errs = {name: (m(x).double() - truth).abs().max().item() / scale
+                for name, m in (("ours", ours), ("eager", ref))}
+    del truth
+    torch.cuda.empty_cache()
+    return errs
 
 
 def time_ms(fn, iters: int, warmup: int):
@@ -68,8 +121,13 @@ def _gemm_only(model):
     return lambda x: F.linear(x, linear.weight)
 
 
-def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes):
+def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
+                  errors=True, peak=None):
     _, args, shape = shapes[problem]
+    if batch is not None:
+        shape = (batch,) + tuple(shape[1:])
+    flops = model_flops(problem, args, shape)
+    errs = forward_errors(problem, args, shape, dtype) if errors else {}
     ref, ours = build_pair(problem, args, "cuda", dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype)
     xg = x.clone().requires_grad_(True)
@@ -100,10 +158,18 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes):
                     model(xg).sum().backward()
             med, best = time_ms(step, iters, warmup)
             mem = peak_extra_gib(step, reset) if mode == "train" else None
+            work = flops * (3 if mode == "train" else 1)
+            tflops = work / med / 1e9
             rows.append(dict(problem=problem, dtype=str(dtype).replace("torch.", ""), mode=mode,
-                             impl=impl, median_ms=med, min_ms=best, peak_extra_gib=mem))
-            print(f"  {problem:>3} {rows[-1]['dtype']:<9} {mode:<8} {impl:<13} "
-                  f"median {med:8.3f} ms  min {best:8.3f} ms"
+                             impl=impl, batch=shape[0], sweep=batch is not None,
+                             median_ms=med, min_ms=best,
+                             peak_extra_gib=mem, tflops=tflops,
+                             ceiling_fraction=tflops / peak if peak else None,
+                             fwd_rel_error=errs.get("ours" if impl.startswith("ours") else "eager")
+                             if impl != "gemm" else None))
+            progress()
+            print(f"  {problem:>3} {rows[-1]['dtype']:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
+                  f"median {med:8.3f} ms  min {best:8.3f} ms  {tflops:6.1f} TFLOP/s"
                   + (f"  peak extra {mem:6.3f} GiB" if mem is not None else ""), flush=True)
     models.clear()
     torch._dynamo.reset()
@@ -112,21 +178,24 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes):
 
 
 def markdown(rows) -> str:
-    key = lambda r: (r["problem"], r["dtype"], r["mode"])  # noqa: E731
+    key = lambda r: (r["problem"], r["dtype"], r["mode"], r["batch"])  # noqa: E731
     groups = {}
     for r in rows:
         groups.setdefault(key(r), {})[r["impl"]] = r
     lines = ["| problem | dtype | mode | eager ms | compile ms | ours ms | ours+compile ms | "
              "GEMM/conv alone ms | ours/eager speedup | ours/compile speedup | "
-             "peak extra GiB (eager / compile / ours) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (p, d, m), g in groups.items():
+             "peak extra GiB (eager / compile / ours) | ours TFLOP/s (of ceiling) | "
+             "fwd rel. error vs fp64 (ours / eager) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (p, d, m, _), g in groups.items():
         get = lambda i, f="median_ms": g[i][f] if i in g and g[i][f] is not None else float("nan")  # noqa: E731
         mem = " / ".join(f"{get(i, 'peak_extra_gib'):.3f}" for i in ("eager", "compile", "ours"))
         lines.append(f"| {p} | {d} | {m} | {get('eager'):.3f} | {get('compile'):.3f} | "
                      f"{get('ours'):.3f} | {get('ours+compile'):.3f} | {get('gemm'):.3f} | "
                      f"{get('eager') / get('ours'):.2f}x | "
-                     f"{get('compile') / get('ours'):.2f}x | {mem if m == 'train' else '-'} |")
+                     f"{get('compile') / get('ours'):.2f}x | {mem if m == 'train' else '-'} | "
+                     f"{get('ours', 'tflops'):.1f} ({100 * get('ours', 'ceiling_fraction'):.0f}%) | "
+                     f"{get('ours', 'fwd_rel_error'):.1e} / {get('eager', 'fwd_rel_error'):.1e} |")
     return "\n".join(lines)
 
 
@@ -140,24 +209,45 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="small shapes, few iterations")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time each problem over a range of batch sizes (eager and ours)")
+    parser.add_argument("--sweep-compile", action="store_true",
+                        help="include torch.compile in the sweep (one compile per size)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     shapes = reference.SMALL_PROBLEMS if args.quick else reference.PROBLEMS
     if args.quick:
         args.iters, args.warmup = 10, 3
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default for fp32 matmuls
+    peaks = ceilings()
+    print("ceilings measured in this run: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))
+    jobs = [(d, p, None) for d in args.dtypes for p in args.problems]
+    if args.sweep:
+        sweep_impls = [i for i in args.impls if "compile" not in i] if not args.sweep_compile else args.impls
+        jobs += [(d, p, b) for d in args.dtypes for p in args.problems
+                 for b in (SWEEP_CONV if p == 1 else SWEEP_GEMM)]
+    runs = sum(len(args.modes) * len(args.impls) for _ in jobs)
+    done = [0]
+
+    def progress():
+        done[0] += 1
+        bar = "#" * (30 * done[0] // runs)
+        print(f"\r[{bar:<30}] {done[0]}/{runs}", end="\n", file=sys.stderr, flush=True)
+
     rows = []
-    for dtype in args.dtypes:
-        for problem in args.problems:
-            rows += bench_problem(problem, DTYPES[dtype], args.modes, args.impls, args.iters,
-                                  args.warmup, shapes)
-    table = markdown(rows)
+    for dtype, problem, batch in jobs:
+        impls = args.impls if batch is None else sweep_impls
+        peak = peaks["sgemm_tflops"] if dtype == "fp32" else peaks["bf16_tflops"]
+        rows += bench_problem(problem, DTYPES[dtype], args.modes, impls, args.iters, args.warmup,
+                              shapes, progress, batch=batch, errors=batch is None, peak=peak)
+    table = markdown([r for r in rows if not r["sweep"]])
     print(table)
     os.makedirs(args.out, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "_")
     stem = os.path.join(args.out, f"{name}-{datetime.date.today()}")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                cuda=torch.version.cuda, date=str(datetime.date.today()), argv=sys.argv[1:])
+                cuda=torch.version.cuda, date=str(datetime.date.today()), argv=sys.argv[1:],
+                ceilings=peaks)
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(stem + ".md", "w") as f:
