@@ -211,6 +211,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     parser.add_argument("--sweep", action="store_true",
                         help="also time each problem over a range of batch sizes (eager and ours)")
+    parser.add_argument("--sweep-dtypes", nargs="+", default=["fp32"], choices=list(DTYPES))
     parser.add_argument("--sweep-compile", action="store_true",
                         help="include torch.compile in the sweep (one compile per size)")
     parser.add_argument("--out", default="results")
@@ -224,7 +225,7 @@ def main(argv=None):
     jobs = [(d, p, None) for d in args.dtypes for p in args.problems]
     if args.sweep:
         sweep_impls = [i for i in args.impls if "compile" not in i] if not args.sweep_compile else args.impls
-        jobs += [(d, p, b) for d in args.dtypes for p in args.problems
+        jobs += [(d, p, b) for d in args.sweep_dtypes for p in args.problems
                  for b in (SWEEP_CONV if p == 1 else SWEEP_GEMM)]
     runs = sum(len(args.modes) * len(args.impls) for _ in jobs)
     done = [0]
