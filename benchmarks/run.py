@@ -238,7 +238,9 @@ def main(argv=None):
     rows = []
     for dtype, problem, batch in jobs:
         impls = args.impls if batch is None else sweep_impls
-        peak = peaks["sgemm_tflops"] if dtype == "fp32" else peaks["bf16_tflops"]
+        # cuDNN convolutions run TF32 in fp32 by default, matmuls do not.
+        fp32_peak = peaks["tf32_tflops"] if problem == 1 else peaks["sgemm_tflops"]
+        peak = fp32_peak if dtype == "fp32" else peaks["bf16_tflops"]
         rows += bench_problem(problem, DTYPES[dtype], args.modes, impls, args.iters, args.warmup,
                               shapes, progress, batch=batch, errors=batch is None, peak=peak)
     table = markdown([r for r in rows if not r["sweep"]])
