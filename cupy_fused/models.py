@@ -1,10 +1,10 @@
 """The five drop-in fused modules.  Each has the reference's constructor
 arguments (same order), parameter names and initialisation order, so
 ``state_dict`` loads both ways and ``torch.manual_seed`` gives the same
-initial values.  The GEMM (cuBLAS, through ``F.linear`` without bias) and
-the convolution (cuDNN, ``F.conv2d`` without bias) stay in torch; everything
-after them — every bias included — is one fused kernel forward and one
-backward.
+initial values.  The GEMM (cuBLAS, ``F.linear``; the linear bias in its
+epilogue, its gradient from our backward) and the convolution (cuDNN,
+``F.conv2d`` without bias) stay in torch; everything after them is one fused
+kernel forward and one backward.
 
 Parameters are cast to the activation's dtype (a no-op after
 ``model.to(dtype)``; what autocast needs otherwise).
@@ -34,6 +34,17 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
     return x
 
 
+def _linear_with_bias(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """The GEMM with the linear bias added in cuBLAS's epilogue, in float32
+    before z is rounded to its dtype (as eager does; in fp16/bf16 rounding z
+    first and adding the bias after would cost accuracy).  The bias enters
+    detached: its gradient comes from the fused backward (the column sums of
+    dz it computes anyway), not from a separate reduction in addmm's
+    backward."""
+    bias = linear.bias
+    return F.linear(x, linear.weight, bias.detach() if bias is not None else None)
+
+
 class ConvReluBiasAdd(nn.Module):
     """Problem 1: ``relu(conv(x)) + bias``.  x: [N, C_in, H, W] → [N, C_out,
     H-k+1, W-k+1], in x's memory format (NCHW or channels-last)."""
@@ -61,10 +72,11 @@ class MatmulSwishSumGroupNorm(nn.Module):
 
     def forward(self, x):
         _check_input(x, self.matmul.weight, 2, self.matmul.in_features, "features")
-        z = F.linear(x, self.matmul.weight)
+        z = _linear_with_bias(x, self.matmul)
         gn = self.group_norm
         return ops.swish_bias_group_norm(z, _as(self.matmul.bias, z), _as(self.bias, z),
-                                         _as(gn.weight, z), _as(gn.bias, z), gn.num_groups, gn.eps)
+                                         _as(gn.weight, z), _as(gn.bias, z), gn.num_groups, gn.eps,
+                                         linear_bias_in_z=True)
 
 
 class GemmAddRelu(nn.Module):
@@ -93,11 +105,11 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
 
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
-        z = F.linear(x, self.gemm.weight)
+        z = _linear_with_bias(x, self.gemm)
         gn = self.group_norm
         return ops.group_norm_swish_multiply_swish(
             z, _as(self.gemm.bias, z), _as(gn.weight, z), _as(gn.bias, z),
-            _as(self.multiply_weight, z), gn.num_groups, gn.eps)
+            _as(self.multiply_weight, z), gn.num_groups, gn.eps, linear_bias_in_z=True)
 
 
 class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
@@ -113,11 +125,11 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
 
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
-        z = F.linear(x, self.gemm.weight)
+        z = _linear_with_bias(x, self.gemm)
         gn = self.groupnorm
         return ops.bias_hardtanh_mish_group_norm(z, _as(self.gemm.bias, z), _as(self.bias, z),
                                                  _as(gn.weight, z), _as(gn.bias, z),
-                                                 gn.num_groups, gn.eps)
+                                                 gn.num_groups, gn.eps, linear_bias_in_z=True)
 
 
 # Problem id -> fused module class (same ctor as cupy_fused.reference.PROBLEMS).

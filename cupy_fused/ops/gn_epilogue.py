@@ -79,7 +79,7 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 def _forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
              gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
              mul_weight: Optional[torch.Tensor], chain: str, num_groups: int, eps: float,
-             save_stats: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             save_stats: bool, bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, channels = z.shape
     out = torch.empty_like(z)
     stat_shape = (rows, num_groups) if save_stats else (0,)
@@ -93,7 +93,8 @@ def _forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Opti
         fn = KERNELS.get(("forward", z.dtype, chain, vals), dev)
         _bridge.launch(fn, (grid, 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), _ptr(mean) if save_stats else 0,
-            _ptr(rstd) if save_stats else 0, _ptr(lin_bias), _ptr(extra_bias), _ptr(gn_weight),
+            _ptr(rstd) if save_stats else 0, 0 if bias_in_z else _ptr(lin_bias), _ptr(extra_bias),
+            _ptr(gn_weight),
             _ptr(gn_bias), _ptr(mul_weight), rows, channels, num_groups, team, eps), dev)
     return out, mean, rstd
 
@@ -101,8 +102,8 @@ def _forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Opti
 def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                  num_groups: int, eps: float,
-                  save_stats: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_groups: int, eps: float, save_stats: bool,
+                  bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     stat_shape = (z.shape[0], num_groups) if save_stats else (0,)
     return (torch.empty_like(z), z.new_empty(stat_shape, dtype=torch.float32),
             z.new_empty(stat_shape, dtype=torch.float32))
@@ -111,8 +112,8 @@ def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
 def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
               lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
               gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
-              mul_weight: Optional[torch.Tensor], chain: str,
-              num_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+              mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
+              bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz, per-column sums [slots, C]: the parameter gradients)."""
     rows, channels = z.shape
     spec = CHAINS[chain]
@@ -127,7 +128,8 @@ def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: tor
     partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
     fn = KERNELS.get(("backward", z.dtype, chain, vals), dev)
     _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
-        z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(), _ptr(lin_bias),
+        z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(),
+        0 if bias_in_z else _ptr(lin_bias),
         _ptr(extra_bias), _ptr(gn_weight), _ptr(gn_bias), _ptr(mul_weight), dz.data_ptr(),
         partial.data_ptr(), rows, channels, num_groups, team, rows_per_chunk), dev)
     return dz, reduce_partials(partial, z.dtype)
@@ -136,23 +138,24 @@ def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: tor
 def _backward_fake(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                    lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
-                   mul_weight: Optional[torch.Tensor], chain: str,
-                   num_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                   mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
+                   bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(z), z.new_empty((CHAINS[chain].slots, z.shape[1]))
 
 
 def _setup_context(ctx, inputs, output):
-    z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups, _, _ = inputs
+    z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups, _, _, in_z = inputs
     ctx.save_for_backward(z, output[1], output[2], lin_bias, extra_bias, gn_weight, gn_bias,
                           mul_weight)
     ctx.chain = chain
     ctx.num_groups = num_groups
+    ctx.bias_in_z = in_z
 
 
 def _backward_formula(ctx, grads, run_backward):
     z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
     dz, sums = run_backward(grads[0], z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias,
-                            mul_weight, ctx.chain, ctx.num_groups)
+                            mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z)
     spec = CHAINS[ctx.chain]
 
     def slot(tensor, index):
@@ -162,7 +165,8 @@ def _backward_formula(ctx, grads, run_backward):
     if d_extra is not None and spec.extra_bias == spec.lin_bias:
         d_extra = d_extra.clone()
     return (dz, slot(lin_bias, spec.lin_bias), d_extra, slot(gn_weight, spec.gn_weight),
-            slot(gn_bias, spec.gn_bias), slot(mul_weight, spec.mul_weight), None, None, None, None)
+            slot(gn_bias, spec.gn_bias), slot(mul_weight, spec.mul_weight), None, None, None, None,
+            None)
 
 
 _GN_CHAIN = FusedOp("gn_chain", _forward, _forward_fake, _setup_context, _backward_formula,
@@ -170,10 +174,15 @@ _GN_CHAIN = FusedOp("gn_chain", _forward, _forward_fake, _setup_context, _backwa
 
 
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
-             gn_weight=None, gn_bias=None, mul_weight=None, eps: float = 1e-5) -> torch.Tensor:
+             gn_weight=None, gn_bias=None, mul_weight=None, eps: float = 1e-5,
+             linear_bias_in_z: bool = False) -> torch.Tensor:
     """The GroupNorm epilogue ``chain`` (a key of :data:`CHAINS`) on
     z: [M, C].  Vectors: C values each, z's dtype and device; None = absent
-    (GroupNorm weight 1, bias 0)."""
+    (GroupNorm weight 1, bias 0).
+
+    ``linear_bias_in_z=True``: z already holds the linear bias (added by the
+    GEMM's epilogue, e.g. ``F.linear(x, W, lin_bias.detach())``, before z is
+    rounded to its dtype); the kernels then only produce its gradient."""
     if chain not in CHAINS:
         raise ValueError(f"chain must be one of {sorted(CHAINS)}, got {chain!r}")
     check_tensor("z", z, ndim=(2,))
@@ -189,31 +198,35 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     z = z if z.is_contiguous() else z.contiguous()
     grad = needs_grad(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     return _GN_CHAIN(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups,
-                     eps, grad, requires_grad=grad)[0]
+                     eps, grad, bool(linear_bias_in_z), requires_grad=grad)[0]
 
 
 @accepts_cupy
 def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
-                          eps: float = 1e-5):
+                          eps: float = 1e-5, linear_bias_in_z: bool = False):
     """Problem 37's epilogue: ``group_norm(swish(z + linear_bias) + bias)``.
     z: [M, C]; vectors: (C,) (linear_bias may be None)."""
     return gn_chain(z, "swish_bias_gn", num_groups, lin_bias=linear_bias, extra_bias=bias,
-                    gn_weight=gn_weight, gn_bias=gn_bias, eps=eps)
+                    gn_weight=gn_weight, gn_bias=gn_bias, eps=eps,
+                    linear_bias_in_z=linear_bias_in_z)
 
 
 @accepts_cupy
 def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply_weight,
-                                    num_groups: int, eps: float = 1e-5):
+                                    num_groups: int, eps: float = 1e-5,
+                                    linear_bias_in_z: bool = False):
     """Problem 88's epilogue: ``g = group_norm(z + linear_bias);
     m = swish(g) * multiply_weight; swish(m)``.  z: [M, C]; vectors: (C,)."""
     return gn_chain(z, "gn_swish_mul_swish", num_groups, lin_bias=linear_bias,
-                    gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=multiply_weight, eps=eps)
+                    gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=multiply_weight, eps=eps,
+                    linear_bias_in_z=linear_bias_in_z)
 
 
 @accepts_cupy
 def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
-                                  eps: float = 1e-5):
+                                  eps: float = 1e-5, linear_bias_in_z: bool = False):
     """Problem 94's epilogue: ``group_norm(mish(hardtanh(z + linear_bias + bias)))``.
     z: [M, C]; vectors: (C,)."""
     return gn_chain(z, "bias_hardtanh_mish_gn", num_groups, lin_bias=linear_bias,
-                    extra_bias=bias, gn_weight=gn_weight, gn_bias=gn_bias, eps=eps)
+                    extra_bias=bias, gn_weight=gn_weight, gn_bias=gn_bias, eps=eps,
+                    linear_bias_in_z=linear_bias_in_z)
