@@ -53,15 +53,17 @@ __device__ __forceinline__ float load_or(const T* p, i64 i, float fallback) {
 }
 
 // ---- activations and their derivatives (float, IEEE libm, no fast-math) ----
+// The activations use __fmul_rn so that a caller's add is never contracted
+// into them: the same input gives the same bits wherever they are inlined.
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-__device__ __forceinline__ float swishf(float x) { return x * sigmoidf(x); }
+__device__ __forceinline__ float swishf(float x) { return __fmul_rn(x, sigmoidf(x)); }
 // d/dx x*s(x) = s + x*s*(1-s)
 __device__ __forceinline__ float swish_grad(float x) {
   const float s = sigmoidf(x);
   return s + x * s * (1.0f - s);
 }
 // mish(x) = x * tanh(softplus(x)), softplus(x) = log1p(exp(x)) as in PyTorch.
-__device__ __forceinline__ float mishf(float x) { return x * tanhf(log1pf(expf(x))); }
+__device__ __forceinline__ float mishf(float x) { return __fmul_rn(x, tanhf(log1pf(expf(x)))); }
 // d/dx mish = tanh(sp) + x * (1 - tanh(sp)^2) * sigmoid(x)
 __device__ __forceinline__ float mish_grad(float x) {
   const float t = tanhf(log1pf(expf(x)));

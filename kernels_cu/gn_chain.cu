@@ -45,13 +45,21 @@ struct ColumnVectors {
 //   sum dy^ * x^ -> grad of gn_weight;  sum dy^ -> grad of gn_bias
 //   sum dm * a   -> grad of mul_weight
 
+// Chain::pre must give bit-identical values in the forward and in the
+// backward, which recomputes x^ = (pre(z) - mean) * rstd from the saved
+// statistics (with one channel per group x^ is exactly 0 only then).  Plain
+// `a * b + c` may be contracted into an FMA in one context and not in the
+// other, so pre() spells its adds and multiplies with __fadd_rn / __fmul_rn,
+// which are never contracted.
+
 // Problem 37: v = swish(z + lin_bias) + bias; Post = identity.
 struct ChainSwishBiasGN {
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
                        kSlotMul = -1;
   template <typename T>
   __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return swishf(z + load_or(p.lin_bias, c, 0.0f)) + load_or(p.extra_bias, c, 0.0f);
+    return __fadd_rn(swishf(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f))),
+                     load_or(p.extra_bias, c, 0.0f));
   }
   template <typename T>
   __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {
@@ -71,7 +79,7 @@ struct ChainGNSwishMulSwish {
                        kSlotMul = 3;
   template <typename T>
   __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return z + load_or(p.lin_bias, c, 0.0f);
+    return __fadd_rn(z, load_or(p.lin_bias, c, 0.0f));
   }
   template <typename T>
   __device__ static float pre_grad(float, const ColumnVectors<T>&, i64) { return 1.0f; }
@@ -99,11 +107,13 @@ struct ChainBiasHardtanhMishGN {
                        kSlotMul = -1;
   template <typename T>
   __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return mishf(hardtanhf(z + load_or(p.lin_bias, c, 0.0f) + load_or(p.extra_bias, c, 0.0f)));
+    return mishf(hardtanhf(
+        __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f))));
   }
   template <typename T>
   __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {
-    const float u = z + load_or(p.lin_bias, c, 0.0f) + load_or(p.extra_bias, c, 0.0f);
+    const float u =
+        __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f));
     return hardtanh_grad(u) * mish_grad(hardtanhf(u));
   }
   template <typename T>
