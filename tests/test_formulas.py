@@ -1,0 +1,137 @@
+"""(CPU tier) The derivative formulas the kernels implement, written out in
+float64 exactly as kernels_cu/cf_common.cuh and gn_chain.cu compute them, and
+checked against torch.autograd on the reference expressions."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def swish_grad(x):  # cf::swish_grad
+    s = sigmoid(x)
+    return s + x * s * (1.0 - s)
+
+
+def mish_grad(x):  # cf::mish_grad
+    t = torch.tanh(torch.log1p(torch.exp(x)))
+    return t + x * (1.0 - t * t) * sigmoid(x)
+
+
+def hardtanh_grad(x):  # cf::hardtanh_grad
+    return ((x > -1.0) & (x < 1.0)).to(x.dtype)
+
+
+def autograd_derivative(fn, x):
+    x = x.clone().requires_grad_(True)
+    fn(x).backward(torch.ones_like(x))
+    return x.grad
+
+
+EDGES = torch.tensor([-30.0, -20.0, -1.0, -0.5, 0.0, 0.5, 1.0, 20.0, 30.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name,formula,fn", [
+    ("swish", swish_grad, lambda x: x * torch.sigmoid(x)),
+    ("mish", mish_grad, F.mish),
+    ("hardtanh", hardtanh_grad, F.hardtanh),
+])
+def test_activation_derivatives(name, formula, fn):
+    x = torch.cat([torch.randn(1000) * 4, EDGES])
+    torch.testing.assert_close(formula(x), autograd_derivative(fn, x), rtol=1e-12, atol=1e-12)
+
+
+# ---- the GroupNorm epilogue backward, as gn_chain_backward computes it ----
+
+def gn_backward_formula(z, dy, chain, groups, p):
+    rows, channels = z.shape
+    cpg = channels // groups
+    lin = p["lin_bias"]
+    if chain == "swish_bias_gn":
+        u = z + lin
+        v, pre_grad = u * sigmoid(u) + p["extra_bias"], swish_grad(u)
+    elif chain == "gn_swish_mul_swish":
+        v, pre_grad = z + lin, torch.ones_like(z)
+    else:
+        u = z + lin + p["extra_bias"]
+        h = u.clamp(-1.0, 1.0)
+        v, pre_grad = h * torch.tanh(torch.log1p(torch.exp(h))), hardtanh_grad(u) * mish_grad(h)
+    vg = v.view(rows, groups, cpg)
+    mean = vg.mean(-1, keepdim=True)
+    rstd = 1.0 / torch.sqrt(((vg - mean) ** 2).mean(-1, keepdim=True) + 1e-5)
+    xhat = ((vg - mean) * rstd).view(rows, channels)
+    w, b = p["gn_weight"], p["gn_bias"]
+    yh = xhat * w + b
+    mul_grad = torch.zeros_like(z)
+    if chain == "gn_swish_mul_swish":  # ChainGNSwishMulSwish::post_backward
+        mw = p["mul_weight"]
+        a = yh * sigmoid(yh)
+        dm = dy * swish_grad(a * mw)
+        mul_grad = dm * a
+        dyhat = dm * mw * swish_grad(yh)
+    else:
+        dyhat = dy
+    dxh = (dyhat * w).view(rows, groups, cpg)
+    xg = xhat.view(rows, groups, cpg)
+    s1 = dxh.mean(-1, keepdim=True)
+    s2 = (dxh * xg).mean(-1, keepdim=True)
+    dv = (rstd * (dxh - s1 - xg * s2)).view(rows, channels)
+    dz = dv * pre_grad
+    grads = {"z": dz, "lin_bias": dz.sum(0), "gn_weight": (dyhat * xhat).sum(0),
+             "gn_bias": dyhat.sum(0)}
+    if chain == "swish_bias_gn":
+        grads["extra_bias"] = dv.sum(0)
+    if chain == "bias_hardtanh_mish_gn":
+        grads["extra_bias"] = dz.sum(0)
+    if chain == "gn_swish_mul_swish":
+        grads["mul_weight"] = mul_grad.sum(0)
+    return grads
+
+
+def reference_forward(z, chain, groups, p):
+    if chain == "swish_bias_gn":
+        u = z + p["lin_bias"]
+        v = torch.sigmoid(u) * u + p["extra_bias"]
+        return F.group_norm(v, groups, p["gn_weight"], p["gn_bias"], 1e-5)
+    if chain == "gn_swish_mul_swish":
+        g = F.group_norm(z + p["lin_bias"], groups, p["gn_weight"], p["gn_bias"], 1e-5)
+        m = g * torch.sigmoid(g) * p["mul_weight"]
+        return m * torch.sigmoid(m)
+    u = F.hardtanh(z + p["lin_bias"] + p["extra_bias"])
+    return F.group_norm(F.mish(u), groups, p["gn_weight"], p["gn_bias"], 1e-5)
+
+
+@pytest.mark.parametrize("chain", ["swish_bias_gn", "gn_swish_mul_swish", "bias_hardtanh_mish_gn"])
+@pytest.mark.parametrize("channels,groups", [(24, 4), (24, 1), (24, 24), (35, 5)])
+def test_group_norm_chain_backward(chain, channels, groups):
+    torch.manual_seed(channels * groups)
+    rows = 7
+    z = torch.randn(rows, channels) * 2
+    if chain == "bias_hardtanh_mish_gn":
+        z[0, :3] = torch.tensor([1.0, -1.0, 0.0])  # hardtanh's edges, with zero biases below
+    params = {k: torch.randn(channels) for k in
+              ("lin_bias", "extra_bias", "gn_weight", "gn_bias", "mul_weight")}
+    if chain == "bias_hardtanh_mish_gn":
+        params["lin_bias"][:3] = 0.0
+        params["extra_bias"][:3] = 0.0
+    dy = torch.randn(rows, channels)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    zz = z.clone().requires_grad_(True)
+    reference_forward(zz, chain, groups, leaves).backward(dy)
+    mine = gn_backward_formula(z, dy, chain, groups, params)
+    torch.testing.assert_close(mine["z"], zz.grad, rtol=1e-9, atol=1e-9)
+    for name, grad in mine.items():
+        if name != "z":
+            torch.testing.assert_close(grad, leaves[name].grad, rtol=1e-9, atol=1e-9,
+                                       msg=f"{chain}: {name}")
