@@ -23,10 +23,6 @@ import torch
 
 from ._cupy import require_cupy
 
-# cuLaunchKernel's `extra` protocol (cuda.h): the parameters as one buffer.
-_CU_LAUNCH_PARAM_END = 0
-_CU_LAUNCH_PARAM_BUFFER_POINTER = 1
-_CU_LAUNCH_PARAM_BUFFER_SIZE = 2
 MAX_PARAM_BYTES = 4096  # CUDA's limit on kernel parameters
 
 _local = threading.local()
@@ -36,10 +32,9 @@ _formats: Dict[Tuple[type, ...], struct.Struct] = {}
 class _ParamBuffer:
     """Per-thread parameter buffer.  cuLaunchKernel copies the parameters
     before it returns, so one buffer is reused by every launch.  ``data``
-    holds the packed values; ``pointers`` is the ``void*[]`` array of
-    cuLaunchKernel's ``kernelParams``, pointing at each 8-byte slot of
-    ``data`` (fixed once, since every parameter is 8 bytes); ``extra_ptr`` is
-    the equivalent ``extra`` (buffer + size) form."""
+    holds the packed values; ``params_ptr`` is the address of the ``void*[]``
+    array of cuLaunchKernel's ``kernelParams``, pointing at each 8-byte slot
+    of ``data`` (fixed once, since every parameter is 8 bytes)."""
 
     def __init__(self):
         self.data = ctypes.create_string_buffer(MAX_PARAM_BYTES)
@@ -47,11 +42,6 @@ class _ParamBuffer:
         self.pointers = (ctypes.c_void_p * (MAX_PARAM_BYTES // 8))(
             *(base + 8 * i for i in range(MAX_PARAM_BYTES // 8)))
         self.params_ptr = ctypes.addressof(self.pointers)
-        self.size = ctypes.c_size_t(0)
-        self.extra = (ctypes.c_void_p * 5)(
-            _CU_LAUNCH_PARAM_BUFFER_POINTER, base,
-            _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _CU_LAUNCH_PARAM_END)
-        self.extra_ptr = ctypes.addressof(self.extra)
 
 
 def _param_struct(kernel, args: tuple) -> struct.Struct:

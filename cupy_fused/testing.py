@@ -97,7 +97,7 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
     return result
 
 
-def within(errors: Dict[str, Tuple[float, float]], dtype: torch.dtype, factor: float = 1.5):
+def worse_than_eager(errors: Dict[str, Tuple[float, float]], dtype: torch.dtype, factor: float = 1.5):
     """Names whose error exceeds ``factor`` x eager's (plus one unit of
     rounding of ``dtype``, so exact agreement on an exactly-computed value
     does not fail on a last-bit difference)."""
@@ -114,7 +114,7 @@ def model_table(device, dtype: torch.dtype = torch.float32, repeats: int = 20) -
         errors = compare(problem, args, shape, dtype, device)
         mine = max(e[0] for e in errors.values())
         theirs = max(e[1] for e in errors.values())
-        bad = within(errors, dtype)
+        bad = worse_than_eager(errors, dtype)
         ok &= not bad
         ref, ours = build_pair(problem, args, device, dtype)
         x = torch.rand(shape, device=device, dtype=dtype)
