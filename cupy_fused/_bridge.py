@@ -17,7 +17,7 @@ import ctypes
 import struct
 import sys
 import threading
-from typing import Dict, Tuple
+from typing import Tuple
 
 import torch
 
@@ -26,7 +26,6 @@ from ._cupy import require_cupy
 MAX_PARAM_BYTES = 4096  # CUDA's limit on kernel parameters
 
 _local = threading.local()
-_formats: Dict[Tuple[type, ...], struct.Struct] = {}
 
 
 class _ParamBuffer:

@@ -104,21 +104,10 @@ __device__ __forceinline__ float team_sum(float v, int team) {
   return v;
 }
 
-// Block-wide sum for blockDim.x a multiple of 32 (<= 1024).  `scratch` holds
-// 32 floats of shared memory.  Result valid in every thread.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int warps = blockDim.x >> 5;
-  v = team_sum(v, 32);
-  __syncthreads();  // scratch may still be read from a previous call
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < warps ? scratch[lane] : 0.0f;
-  return team_sum(v, 32);
-}
-
-// block_sum in double: combines per-thread partial sums of a parameter
-// gradient without a further rounding per tree level.
+// Block-wide sum in double, for blockDim.x a multiple of 32 (<= 1024):
+// combines per-thread partial sums of a parameter gradient without a further
+// rounding per tree level.  `scratch` holds 32 doubles of shared memory; the
+// fixed order makes it bitwise reproducible.  Result valid in every thread.
 __device__ __forceinline__ double block_sum(double v, double* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;

@@ -38,8 +38,7 @@ def cdiv(a: int, b: int) -> int:
 def elementwise_grid(n: int, device_index: int, block: int = BLOCK, waves: int = 8) -> int:
     """Blocks for a grid-stride loop over ``n`` items: enough to fill the GPU,
     never more than the work."""
-    n_sm = _sm_counts.get(device_index) or sm_count(device_index)
-    return max(1, min(-(-n // block), n_sm * waves))
+    return max(1, min(cdiv(n, block), sm_count(device_index) * waves))
 
 
 def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int, int]:

@@ -2,8 +2,8 @@
 around a GroupNorm, forward and backward, one kernel family
 (``kernels_cu/gn_chain.cu``) templated on dtype and op chain.
 
-Forward saves z (the GEMM output, without the linear bias) and the per
-(row, group) mean and 1/std in float32; the backward recomputes every other
+Forward saves z (the GEMM output, with or without the linear bias) and the
+per (row, group) mean and 1/std in float32; the backward recomputes every other
 intermediate from them in registers.
 """
 from __future__ import annotations
