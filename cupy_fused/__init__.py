@@ -5,6 +5,7 @@ Importing the package needs neither CuPy nor a GPU and compiles nothing;
 the first kernel launch compiles (and caches) what it uses.
 """
 from . import ops
+from .ops import get_fp32_matmul_precision, set_fp32_matmul_precision
 from .models import (
     ConvReluBiasAdd,
     GemmAddRelu,
@@ -21,5 +22,7 @@ __all__ = [
     "GemmBiasAddHardtanhMishGroupNorm",
     "GemmGroupNormSwishMultiplySwish",
     "MatmulSwishSumGroupNorm",
+    "get_fp32_matmul_precision",
     "ops",
+    "set_fp32_matmul_precision",
 ]

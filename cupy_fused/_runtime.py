@@ -114,10 +114,18 @@ class Kernel:
     that owns it (``raw``, a ``cupy.RawKernel``; keeps the module loaded) and
     its parameter layout (``params``, set by the first launch)."""
 
-    __slots__ = ("name", "ptr", "raw", "params")
+    __slots__ = ("name", "ptr", "raw", "params", "shared_limit")
 
     def __init__(self, name: str, ptr: int, raw: object):
         self.name, self.ptr, self.raw, self.params = name, ptr, raw, None
+        self.shared_limit = 48 * 1024  # dynamic shared memory allowed without opting in
+
+    def allow_shared(self, nbytes: int) -> None:
+        """Lets launches use ``nbytes`` of dynamic shared memory (above 48 KiB a
+        kernel must opt in, once per function)."""
+        if nbytes > self.shared_limit:
+            self.raw.max_dynamic_shared_size_bytes = nbytes
+            self.shared_limit = nbytes
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"

@@ -1,10 +1,18 @@
 """The five drop-in fused modules.  Each has the reference's constructor
 arguments (same order), parameter names and initialisation order, so
 ``state_dict`` loads both ways and ``torch.manual_seed`` gives the same
-initial values.  The GEMM (cuBLAS, ``F.linear``; the linear bias in its
-epilogue, its gradient from our backward) and the convolution (cuDNN,
-``F.conv2d`` without bias) stay in torch; everything after them is one fused
-kernel forward and one backward.
+initial values.  The GEMM models take one keyword-only extra, ``precision``:
+the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process default of
+:func:`cupy_fused.set_fp32_matmul_precision`).
+
+* GEMM problems (37, 76, 88, 94): the GEMM is :func:`cupy_fused.ops.linear`
+  (our tensor-core kernel for float32, cuBLAS for float16/bfloat16 and
+  ``"ieee"``), with the linear bias — and for 76 the extra bias and ReLU —
+  added in its epilogue; the rest of each chain is one fused kernel forward
+  and one backward.  The linear bias enters the GEMM detached: its gradient
+  comes from the fused backward (the column sums of dz it computes anyway).
+* Problem 1: the convolution stays in cuDNN (``F.conv2d`` without bias);
+  relu + both biases are one fused kernel.
 
 Parameters are cast to the activation's dtype (a no-op after
 ``model.to(dtype)``; what autocast needs otherwise).
@@ -34,15 +42,20 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
     return x
 
 
-def _linear_with_bias(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """The GEMM with the linear bias added in cuBLAS's epilogue, in float32
-    before z is rounded to its dtype (as eager does; in fp16/bf16 rounding z
-    first and adding the bias after would cost accuracy).  The bias enters
-    detached: its gradient comes from the fused backward (the column sums of
-    dz it computes anyway), not from a separate reduction in addmm's
-    backward."""
+def _gemm_precision(precision):
+    """The ``precision`` ctor argument: None (process default, read at each
+    call) or one of ``ops.PRECISIONS``."""
+    return None if precision is None else ops.gemm.resolve_precision(precision)
+
+
+def _linear_with_bias(x: torch.Tensor, linear: nn.Linear, precision) -> torch.Tensor:
+    """z = x W^T + b with the linear bias added in the GEMM's epilogue, in
+    float32 before z is rounded to its dtype (as eager does; in fp16/bf16
+    rounding z first and adding the bias after would cost accuracy).  The
+    bias enters detached: its gradient comes from the fused backward."""
     bias = linear.bias
-    return F.linear(x, linear.weight, bias.detach() if bias is not None else None)
+    return ops.linear(x, linear.weight, _as(bias, x).detach() if bias is not None else None,
+                      precision=precision)
 
 
 class ConvReluBiasAdd(nn.Module):
@@ -64,15 +77,16 @@ class ConvReluBiasAdd(nn.Module):
 class MatmulSwishSumGroupNorm(nn.Module):
     """Problem 37: ``group_norm(swish(matmul(x)) + bias)``.  x: [M, in] → [M, out]."""
 
-    def __init__(self, in_features, out_features, num_groups, bias_shape):
+    def __init__(self, in_features, out_features, num_groups, bias_shape, *, precision=None):
         super().__init__()
+        self.precision = _gemm_precision(precision)
         self.matmul = nn.Linear(in_features, out_features)
         self.bias = nn.Parameter(torch.randn(bias_shape))
         self.group_norm = nn.GroupNorm(num_groups, out_features)
 
     def forward(self, x):
         _check_input(x, self.matmul.weight, 2, self.matmul.in_features, "features")
-        z = _linear_with_bias(x, self.matmul)
+        z = _linear_with_bias(x, self.matmul, self.precision)
         gn = self.group_norm
         return ops.swish_bias_group_norm(z, _as(self.matmul.bias, z), _as(self.bias, z),
                                          _as(gn.weight, z), _as(gn.bias, z), gn.num_groups, gn.eps,
@@ -82,30 +96,33 @@ class MatmulSwishSumGroupNorm(nn.Module):
 class GemmAddRelu(nn.Module):
     """Problem 76: ``relu(gemm(x) + bias)``.  x: [M, in] → [M, out]."""
 
-    def __init__(self, in_features, out_features, bias_shape):
+    def __init__(self, in_features, out_features, bias_shape, *, precision=None):
         super().__init__()
+        self.precision = _gemm_precision(precision)
         self.gemm = nn.Linear(in_features, out_features, bias=False)
         self.bias = nn.Parameter(torch.randn(bias_shape))
 
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
-        z = F.linear(x, self.gemm.weight)
-        return ops.bias_relu(z, _as(self.bias, z))
+        return ops.linear(x, self.gemm.weight, _as(self.bias, x), activation="relu",
+                          precision=self.precision)
 
 
 class GemmGroupNormSwishMultiplySwish(nn.Module):
     """Problem 88: ``g = group_norm(gemm(x)); m = swish(g) * multiply_weight;
     swish(m)``.  x: [M, in] → [M, out]."""
 
-    def __init__(self, in_features, out_features, num_groups, multiply_weight_shape):
+    def __init__(self, in_features, out_features, num_groups, multiply_weight_shape, *,
+                 precision=None):
         super().__init__()
+        self.precision = _gemm_precision(precision)
         self.gemm = nn.Linear(in_features, out_features)
         self.group_norm = nn.GroupNorm(num_groups, out_features)
         self.multiply_weight = nn.Parameter(torch.randn(multiply_weight_shape))
 
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
-        z = _linear_with_bias(x, self.gemm)
+        z = _linear_with_bias(x, self.gemm, self.precision)
         gn = self.group_norm
         return ops.group_norm_swish_multiply_swish(
             z, _as(self.gemm.bias, z), _as(gn.weight, z), _as(gn.bias, z),
@@ -115,8 +132,9 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
 class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
     """Problem 94: ``groupnorm(mish(hardtanh(gemm(x) + bias)))``.  x: [M, in] → [M, out]."""
 
-    def __init__(self, in_features, out_features, bias_shape, num_groups):
+    def __init__(self, in_features, out_features, bias_shape, num_groups, *, precision=None):
         super().__init__()
+        self.precision = _gemm_precision(precision)
         self.gemm = nn.Linear(in_features, out_features)
         self.bias = nn.Parameter(torch.randn(bias_shape))
         self.hardtanh = nn.Hardtanh()
@@ -125,7 +143,7 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
 
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
-        z = _linear_with_bias(x, self.gemm)
+        z = _linear_with_bias(x, self.gemm, self.precision)
         gn = self.groupnorm
         return ops.bias_hardtanh_mish_group_norm(z, _as(self.gemm.bias, z), _as(self.bias, z),
                                                  _as(gn.weight, z), _as(gn.bias, z),

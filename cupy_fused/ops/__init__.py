@@ -2,6 +2,7 @@
 or on CuPy arrays (returns CuPy arrays, zero-copy).  Importing this package
 declares each op's kernel instantiations; it compiles nothing."""
 from .relu_epilogue import bias_relu
+from .gemm import PRECISIONS, get_fp32_matmul_precision, linear, set_fp32_matmul_precision
 from .gn_epilogue import (
     CHAINS,
     bias_hardtanh_mish_group_norm,
@@ -13,10 +14,14 @@ from .smoke import scale_add
 
 __all__ = [
     "CHAINS",
+    "PRECISIONS",
     "bias_hardtanh_mish_group_norm",
     "bias_relu",
+    "get_fp32_matmul_precision",
     "gn_chain",
     "group_norm_swish_multiply_swish",
+    "linear",
     "scale_add",
+    "set_fp32_matmul_precision",
     "swish_bias_group_norm",
 ]

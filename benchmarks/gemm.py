@@ -1,0 +1,129 @@
+"""The float32 GEMM alone: our tensor-core kernel (3xTF32 and TF32) against
+cuBLAS SGEMM and cuBLAS TF32, for the three products of a linear layer at the
+GEMM problems' shapes — time, TFLOP/s, speedup over SGEMM and relative error
+against float64.
+
+    python benchmarks/gemm.py [--shapes 1024x8192x8192 32768x1024x4096] [--json F] [--md F]
+
+A shape MxKxN is batch x in_features x out_features: forward y = x W^T with
+x [M, K], W [N, K]; grad_input dx = dy W; grad_weight dW = dy^T x.  Error:
+max over elements of |C - C64| / (|A| |B|)_ij (the elementwise bound of a
+dot product's rounding error, so rows of any magnitude count equally).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cupy_fused.ops import gemm as G  # noqa: E402
+
+DEFAULT_SHAPES = ("1024x8192x8192", "32768x1024x4096")
+
+
+def operands(layout: str, m: int, k: int, n: int, device):
+    """(a, b, torch reference function) of one product of the linear layer."""
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *s: torch.rand(*s, device=device, generator=g) * 2 - 1  # noqa: E731
+    if layout == "forward":
+        a, b = rand(m, k), rand(n, k)
+        return a, b, lambda a, b: a @ b.t()
+    if layout == "grad_input":
+        a, b = rand(m, n), rand(n, k)
+        return a, b, lambda a, b: a @ b
+    a, b = rand(m, n), rand(m, k)
+    return a, b, lambda a, b: a.t() @ b
+
+
+def time_ms(fn, iters: int, warmup: int = 3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2], times[0]
+
+
+def scaled_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn) -> float:
+    truth = ref_fn(a.double(), b.double())
+    bound = ref_fn(a.double().abs(), b.double().abs())
+    return ((c.double() - truth).abs() / bound.clamp_min(1e-300)).max().item()
+
+
+def run(shapes, iters: int):
+    device = torch.device("cuda")
+    rows = []
+    for shape in shapes:
+        m, k, n = map(int, shape.split("x"))
+        flops = 2.0 * m * n * k
+        for layout in G.LAYOUTS:
+            a, b, ref = operands(layout, m, k, n, device)
+            impls = {
+                "ours 3xtf32": lambda: G.gemm(a, b, layout, 3),
+                "ours tf32": lambda: G.gemm(a, b, layout, 1),
+                "cublas sgemm": lambda: ref(a, b),
+                "cublas tf32": lambda: ref(a, b),
+            }
+            row = {"shape": shape, "layout": layout}
+            for name, fn in impls.items():
+                torch.backends.cuda.matmul.allow_tf32 = name == "cublas tf32"
+                try:
+                    med, best = time_ms(fn, iters)
+                    err = scaled_error(fn(), a, b, ref)
+                finally:
+                    torch.backends.cuda.matmul.allow_tf32 = False
+                row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
+                             "error": err}
+            row["speedup 3xtf32 vs sgemm"] = row["cublas sgemm"]["median_ms"] / row["ours 3xtf32"]["median_ms"]
+            rows.append(row)
+            print(f"{shape} {layout:12s} " + "  ".join(
+                f"{nm}: {row[nm]['median_ms']:.3f} ms {row[nm]['tflops']:.0f} TF/s err {row[nm]['error']:.1e}"
+                for nm in impls) + f"  x{row['speedup 3xtf32 vs sgemm']:.2f}", flush=True)
+            del a, b
+    return rows
+
+
+def markdown(rows) -> str:
+    lines = ["| shape (MxKxN) | product | ours 3xTF32 ms | TFLOP/s | cuBLAS SGEMM ms | TFLOP/s | "
+             "speedup | ours TF32 ms | cuBLAS TF32 ms | error 3xTF32 | error SGEMM | error TF32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        o, s, t, ct = r["ours 3xtf32"], r["cublas sgemm"], r["ours tf32"], r["cublas tf32"]
+        lines.append(f"| {r['shape']} | {r['layout']} | {o['median_ms']:.3f} | {o['tflops']:.0f} | "
+                     f"{s['median_ms']:.3f} | {s['tflops']:.0f} | {r['speedup 3xtf32 vs sgemm']:.2f}x | "
+                     f"{t['median_ms']:.3f} | {ct['median_ms']:.3f} | {o['error']:.1e} | "
+                     f"{s['error']:.1e} | {t['error']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json")
+    p.add_argument("--md")
+    args = p.parse_args(argv)
+    rows = run(args.shapes, args.iters)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "python": platform.python_version(), "tiles": {k: vars(v) for k, v in G.TILES.items()}}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = markdown(rows)
+    if args.md:
+        Path(args.md).write_text(f"GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""``linear``: ``y = act(x W^T + bias)`` with the GEMM on TF32 tensor cores at
+float32 accuracy ("3xTF32"), the bias and activation fused into the GEMM's
+store; its backward runs ``dX = dz W`` and ``dW = dz^T x`` on the same kernel
+family.  Kernels: ``kernels_cu/gemm_tf32.cu``.
+
+Precision of float32 products (``precision=`` argument, or the process-wide
+default of :func:`set_fp32_matmul_precision`):
+
+* ``"3xtf32"`` (default): each operand split into two TF32 parts, three
+  tensor-core products, accumulated in float32 chunks of 128 k-values.  As
+  accurate as cuBLAS SGEMM or more (see the README's accuracy table).
+* ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
+* ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``), with bias + ReLU
+  in the ``bias_relu`` kernel.  This is also the path of float16 / bfloat16
+  inputs, whose tensor-core GEMMs are cuBLAS's own.
+
+Non-finite inputs: with ``"3xtf32"`` an infinite operand gives NaN where
+SGEMM gives ±inf (the correction products compute inf * 0); NaN stays NaN.
+Use ``"ieee"`` where infinities must survive the product.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import _bridge, _runtime
+from .._autograd import FusedOp, needs_grad
+from .._validation import check_like, check_tensor, check_vector
+from ._common import accepts_cupy, cdiv, sm_count
+from .relu_epilogue import bias_relu, relu_backward_from_output
+
+PRECISIONS = ("3xtf32", "tf32", "ieee")
+_PASSES = {"3xtf32": 3, "tf32": 1}
+_default = {"precision": "3xtf32"}
+
+
+def _check_precision(precision) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, "
+                         f"got {precision!r}")
+    return precision
+
+
+def set_fp32_matmul_precision(precision: str) -> None:
+    """Process-wide default precision of cupy-fused's float32 GEMMs (used
+    where ``precision=None``): ``"3xtf32"`` (default), ``"tf32"`` or
+    ``"ieee"``.  Read when a model or op runs (under ``torch.compile``: when
+    it is traced)."""
+    _default["precision"] = _check_precision(precision)
+
+
+def get_fp32_matmul_precision() -> str:
+    return _default["precision"]
+
+
+def resolve_precision(precision: Optional[str]) -> str:
+    return _default["precision"] if precision is None else _check_precision(precision)
+
+
+# ---------------------------------------------------------------- kernels
+
+@dataclass(frozen=True)
+class Tile:
+    """Block tile of the GEMM kernel: bm x bn outputs, k-tiles of 32, a
+    ``stages``-deep cp.async pipeline."""
+
+    bm: int
+    bn: int
+    stages: int
+
+    def shared_bytes(self, a_kmajor: bool, b_kmajor: bool) -> int:
+        a = self.bm * 36 if a_kmajor else 32 * (self.bm + 4)
+        b = self.bn * 36 if b_kmajor else 32 * (self.bn + 4)
+        return self.stages * (a + b) * 4
+
+
+# 128x128 for every GEMM that fills the GPU with such tiles (one block of 8
+# warps per SM); 64x64 for smaller ones and for operands not 16-byte aligned
+# (word-by-word loads).  See benchmarks/gemm.py for the measurements.
+TILES = {"128x128": Tile(128, 128, 3), "64x64": Tile(64, 64, 4)}
+
+# (A K-major, B K-major) of the three products of a linear layer.
+LAYOUTS = {
+    "forward": (True, True),        # x [M, K] . W [N, K]^T
+    "grad_input": (True, False),    # dz [M, N] . W [N, K]
+    "grad_weight": (False, False),  # dz [M, N]^T . x [M, K]
+}
+
+
+def _cxx_bool(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def _expr(tile: str, passes: int, layout: str, vec: bool) -> str:
+    t = TILES[tile]
+    a, b = LAYOUTS[layout]
+    return (f"cf::gemm_tf32<{t.bm}, {t.bn}, {t.stages}, {passes}, {_cxx_bool(a)}, {_cxx_bool(b)}, "
+            f"{_cxx_bool(vec)}, cf::LinearEpilogue>")
+
+
+# Keyed by (tile, passes, layout, 16-byte loads).
+KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
+    (tile, passes, layout, vec): _expr(tile, passes, layout, vec)
+    for tile in TILES for passes in (1, 3) for layout in LAYOUTS
+    for vec in ((True,) if tile == "128x128" else (True, False))
+})
+
+ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
+
+
+def choose_tile(m: int, n: int, vec: bool, device_index: int) -> str:
+    if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
+        return "128x128"
+    return "64x64"
+
+
+def _rows_aligned(t: torch.Tensor, contiguous_extent: int) -> bool:
+    """Every row of the 2-D contiguous ``t`` starts on 16 bytes."""
+    return t.data_ptr() % 16 == 0 and contiguous_extent % 4 == 0
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
+         bias: Optional[torch.Tensor] = None, activation: int = 0) -> torch.Tensor:
+    """One float32 product on the tensor cores (contiguous 2-D operands).
+
+    layout ``"forward"``: a [M, K], b [N, K] -> a b^T [M, N];
+    ``"grad_input"``: a [M, K], b [K, N] -> a b;
+    ``"grad_weight"``: a [K, M], b [K, N] -> a^T b.
+    ``passes``: 3 (3xTF32) or 1 (TF32).  Epilogue: ``act(. + bias)``, bias
+    (N,) or None, activation 0 (none) or 1 (ReLU).
+    """
+    a_kmajor, b_kmajor = LAYOUTS[layout]
+    m, k = a.shape if a_kmajor else (a.shape[1], a.shape[0])
+    n = b.shape[0] if b_kmajor else b.shape[1]
+    out = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    lda, ldb = a.shape[1], b.shape[1]
+    vec = _rows_aligned(a, lda) and _rows_aligned(b, ldb)
+    dev = a.device.index
+    tile = choose_tile(m, n, vec, dev)
+    spec = TILES[tile]
+    fn = KERNELS.get((tile, passes, layout, vec), dev)
+    shared = spec.shared_bytes(a_kmajor, b_kmajor)
+    fn.allow_shared(shared)
+    _bridge.launch(fn, (cdiv(m, spec.bm) * cdiv(n, spec.bn), 1, 1), 256, (
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), bias.data_ptr() if bias is not None else 0,
+        activation, m, n, k, lda, ldb, n), dev, shared_mem=shared)
+    return out
+
+
+# ---------------------------------------------------------------- autograd op
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             activation: int, passes: int) -> torch.Tensor:
+    return gemm(x, weight, "forward", passes, bias, activation)
+
+
+def _forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  activation: int, passes: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, y: Optional[torch.Tensor],
+              activation: int, passes: int, want_x: bool, want_weight: bool,
+              want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dW, dbias); each is empty when not wanted."""
+    if activation == 1:
+        dz, dbias = relu_backward_from_output(dout, y)
+    else:
+        dz = dout.contiguous()  # also materialises a broadcast gradient
+        dbias = dz.sum(0) if want_bias else dz.new_empty((0,))
+    dx = gemm(dz, weight, "grad_input", passes) if want_x else x.new_empty((0,))
+    dw = gemm(dz, x, "grad_weight", passes) if want_weight else weight.new_empty((0,))
+    return dx, dw, dbias
+
+
+def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   y: Optional[torch.Tensor], activation: int, passes: int, want_x: bool,
+                   want_weight: bool, want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x) if want_x else x.new_empty((0,)),
+            torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
+            weight.new_empty((weight.shape[0],) if want_bias or activation == 1 else (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, activation, passes = inputs
+    ctx.save_for_backward(x, weight, output if activation == 1 else None)
+    ctx.activation, ctx.passes, ctx.has_bias = activation, passes, bias is not None
+
+
+def _backward_formula(ctx, grads, run_backward):
+    x, weight, y = ctx.saved_tensors
+    want = ctx.needs_input_grad
+    dx, dw, dbias = run_backward(grads[0], x, weight, y, ctx.activation, ctx.passes, want[0],
+                                 want[1], ctx.has_bias and want[2])
+    return (dx if want[0] else None, dw if want[1] else None,
+            dbias if ctx.has_bias and want[2] else None, None, None)
+
+
+_LINEAR = FusedOp("linear_tf32", _forward, _forward_fake, _setup_context, _backward_formula,
+                  _backward, _backward_fake)
+
+
+@accepts_cupy
+def linear(x, weight, bias=None, activation: Optional[str] = None,
+           precision: Optional[str] = None):
+    """``act(x @ weight.T + bias)``, like ``torch.nn.functional.linear``
+    followed by the activation.
+
+    x: [..., K]; weight: [N, K]; bias: (N,) or None; all one dtype
+    (float32, float16 or bfloat16) on one CUDA device (or CuPy arrays).
+    activation: None or ``"relu"``.  precision: ``"3xtf32"``, ``"tf32"``,
+    ``"ieee"`` or None (the default of :func:`set_fp32_matmul_precision`);
+    float16 / bfloat16 always use cuBLAS.  Returns [..., N] in x's dtype.
+    """
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (the features), got a scalar")
+    check_tensor("weight", weight, ndim=(2,))
+    check_like("weight", weight, x, "x")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x must have {k} features (weight is [{n}, {k}]) in its last "
+                         f"dimension, got shape {tuple(x.shape)}")
+    bias = check_vector("bias", bias, n, x, "x")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or 'relu', got {activation!r}")
+    act = ACTIVATIONS[activation]
+    precision = resolve_precision(precision)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x.dtype != torch.float32 or precision == "ieee":
+        # cuBLAS path (see the module docstring).
+        if act == 0:
+            y = F.linear(x2, weight, bias)
+        elif bias is not None:
+            y = bias_relu(F.linear(x2, weight), bias)
+        else:
+            y = torch.relu(F.linear(x2, weight))
+        return y.reshape(*lead, n)
+    x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    y = _LINEAR(x2, weight, bias, act, _PASSES[precision],
+                requires_grad=needs_grad(x2, weight, bias))
+    return y.reshape(*lead, n)

@@ -1,0 +1,239 @@
+"""The float32 tensor-core GEMM (``ops.linear`` / ``ops.gemm``): accuracy of
+the three products against float64 next to cuBLAS SGEMM's, ragged shapes,
+unaligned operands, wide dynamic range, determinism, autograd, compile.
+Plus the pure-Python parts (CPU tier)."""
+import pytest
+import torch
+
+import cupy_fused
+from cupy_fused import ops
+from cupy_fused.ops import gemm as G
+from cupy_fused.testing import poison_allocator
+
+gpu = pytest.mark.gpu
+
+
+# ---------------------------------------------------------------- CPU tier
+
+def test_precision_setting_is_validated_and_restored():
+    assert cupy_fused.get_fp32_matmul_precision() == "3xtf32"
+    with pytest.raises(ValueError, match="precision must be one of '3xtf32', 'tf32', 'ieee'"):
+        cupy_fused.set_fp32_matmul_precision("fp32")
+    cupy_fused.set_fp32_matmul_precision("tf32")
+    try:
+        assert G.resolve_precision(None) == "tf32"
+        assert G.resolve_precision("ieee") == "ieee"
+    finally:
+        cupy_fused.set_fp32_matmul_precision("3xtf32")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        cupy_fused.GemmAddRelu(8, 16, (16,), precision="TF32")
+
+
+def test_tiles_fit_in_shared_memory_and_split_evenly():
+    for tile in G.TILES.values():
+        for a_k, b_k in G.LAYOUTS.values():
+            assert tile.shared_bytes(a_k, b_k) <= 227 * 1024  # H100 / A100 opt-in limit
+        assert tile.bm % 32 == 0 and tile.bn % 64 == 0
+
+
+def test_tile_choice(monkeypatch):
+    monkeypatch.setattr(G, "sm_count", lambda dev: 132)
+    assert G.choose_tile(1024, 8192, True, 0) == "128x128"
+    assert G.choose_tile(1024, 8192, False, 0) == "64x64"  # unaligned rows: word loads
+    assert G.choose_tile(256, 256, True, 0) == "64x64"  # too few 128x128 tiles to fill the GPU
+
+
+def test_every_kernel_variant_is_declared():
+    exprs = set(G.KERNELS.expressions.values())
+    assert len(exprs) == len(G.KERNELS.expressions)
+    for layout in G.LAYOUTS:
+        for passes in (1, 3):
+            assert ("64x64", passes, layout, False) in G.KERNELS.expressions
+
+
+@pytest.fixture
+def past_device_check(monkeypatch):
+    from cupy_fused import _validation
+
+    monkeypatch.setattr(_validation, "DEVICE_TYPES", ("cuda", "cpu"))
+
+
+def test_linear_validation(past_device_check):
+    x, w = torch.rand(4, 8), torch.rand(16, 8)
+    with pytest.raises(ValueError, match=r"x must have 8 features \(weight is \[16, 8\]\)"):
+        ops.linear(torch.rand(4, 7), w)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        ops.linear(x, torch.rand(16, 8, 1))
+    with pytest.raises(TypeError, match="weight must have the dtype of x"):
+        ops.linear(x, w.half())
+    with pytest.raises(ValueError, match=r"bias must hold one value per channel \(16 values"):
+        ops.linear(x, w, torch.rand(15))
+    with pytest.raises(ValueError, match="activation must be None or 'relu', got 'gelu'"):
+        ops.linear(x, w, activation="gelu")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ops.linear(x, w, precision="fast")
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        ops.linear(torch.tensor(1.0), w)
+
+
+# ---------------------------------------------------------------- GPU tier
+
+def _operands(layout, m, k, n, device, gen, spread=0):
+    """Random operands of one product; ``spread`` > 0 scales the rows of the
+    left and the columns of the right operand by powers of two in
+    [2^-spread, 2^spread]."""
+    rand = lambda *s: torch.rand(*s, device=device, generator=gen, dtype=torch.float64) * 2 - 1  # noqa: E731
+
+    def scales(count):
+        return torch.exp2(torch.randint(-spread, spread + 1, (count,), device=device,
+                                        generator=gen).double())
+
+    if layout == "forward":  # x [m, k], W [n, k] -> x W^T
+        a, b = rand(m, k), rand(n, k)
+        if spread:
+            a, b = a * scales(m)[:, None], b * scales(n)[:, None]
+        return a.float(), b.float(), lambda a, b: a @ b.t()
+    if layout == "grad_input":  # dz [m, n'], W [n', k]; here (m, k, n) = rows, inner, cols
+        a, b = rand(m, k), rand(k, n)
+        if spread:
+            a, b = a * scales(m)[:, None], b * scales(n)[None, :]
+        return a.float(), b.float(), lambda a, b: a @ b
+    a, b = rand(k, m), rand(k, n)  # grad_weight: a^T b
+    if spread:
+        a, b = a * scales(m)[None, :], b * scales(n)[None, :]
+    return a.float(), b.float(), lambda a, b: a.t() @ b
+
+
+def _scaled_error(c, a, b, ref):
+    """max |C - C64| / (|A| |B|): each element against its own error bound."""
+    truth = ref(a.double(), b.double())
+    bound = ref(a.double().abs(), b.double().abs()).clamp_min(1e-300)
+    err = (c.double() - truth).abs() / bound
+    assert not torch.isnan(err).any(), "unwritten (NaN) output elements"
+    return err.max().item()
+
+
+SHAPES = [(1, 1, 1), (3, 5, 7), (17, 33, 9), (129, 67, 200), (257, 1029, 130), (64, 128, 64),
+          (300, 4096, 520), (1024, 1024, 2048)]
+
+
+@gpu
+@pytest.mark.parametrize("layout", list(G.LAYOUTS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("spread", [0, 20])
+def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
+    m, k, n = shape
+    gen = torch.Generator(device=device).manual_seed(m * 7 + k * 3 + n)
+    a, b, ref = _operands(layout, m, k, n, device, gen, spread)
+    poison_allocator(device, 4 * m * n)
+    ours = G.gemm(a, b, layout, 3)
+    sgemm = ref(a, b)
+    e_ours, e_sgemm = _scaled_error(ours, a, b, ref), _scaled_error(sgemm, a, b, ref)
+    # Both are a few ulps (2^-24 = 6e-8) at most; allow one ulp of slack on tiny sums.
+    assert e_ours <= max(e_sgemm, 6e-8), (e_ours, e_sgemm)
+    tf32 = G.gemm(a, b, layout, 1)
+    assert _scaled_error(tf32, a, b, ref) < 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("layout", list(G.LAYOUTS))
+def test_unaligned_operands_take_the_word_load_kernel(layout, device):
+    """Operands whose rows do not start on 16 bytes (an offset view, and an
+    odd inner size) give the same accuracy through the word-by-word loads."""
+    m, k, n = 70, 45, 66
+    gen = torch.Generator(device=device).manual_seed(1)
+    a, b, ref = _operands(layout, m, k, n, device, gen)
+    a_off = torch.empty(a.numel() + 1, device=device)[1:].view_as(a).copy_(a)
+    assert a_off.data_ptr() % 16 != 0
+    out = G.gemm(a_off, b, layout, 3)
+    assert _scaled_error(out, a, b, ref) <= max(_scaled_error(ref(a, b), a, b, ref), 6e-8)
+
+
+@gpu
+@pytest.mark.parametrize("layout", list(G.LAYOUTS))
+def test_bitwise_reproducible(layout, device):
+    gen = torch.Generator(device=device).manual_seed(2)
+    a, b, _ = _operands(layout, 300, 777, 260, device, gen)
+    assert torch.equal(G.gemm(a, b, layout, 3), G.gemm(a, b, layout, 3))
+
+
+@gpu
+def test_zero_inner_dimension_gives_bias(device):
+    x, w, bias = torch.rand(5, 0, device=device), torch.rand(7, 0, device=device), torch.randn(7, device=device)
+    torch.testing.assert_close(ops.linear(x, w, bias, activation="relu"),
+                               torch.relu(bias).expand(5, 7), rtol=0, atol=0)
+
+
+@gpu
+def test_non_finite_inputs_stay_non_finite(device):
+    x, w = torch.rand(4, 64, device=device), torch.rand(8, 64, device=device)
+    x[1, 3], x[2, 5] = float("inf"), float("nan")
+    y = ops.linear(x, w)
+    assert not torch.isfinite(y[1]).any() and torch.isnan(y[2]).all()
+    torch.testing.assert_close(y[[0, 3]], x[[0, 3]] @ w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.isinf(ops.linear(x, w, precision="ieee")[1]).all()
+
+
+def _fp64_linear(x, w, bias, act):
+    y = x @ w.t()
+    if bias is not None:
+        y = y + bias
+    return torch.relu(y) if act == "relu" else y
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["3xtf32", "ieee"])
+@pytest.mark.parametrize("act", [None, "relu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_forward_and_gradients_against_float64(precision, act, with_bias, device):
+    torch.manual_seed(3)
+    m, k, n = 133, 257, 190
+    leaves64 = [torch.rand(m, k, device=device, dtype=torch.float64) * 2 - 1,
+                torch.randn(n, k, device=device, dtype=torch.float64) / 16,
+                torch.randn(n, device=device, dtype=torch.float64) if with_bias else None]
+    dy = torch.randn(m, n, device=device, dtype=torch.float64)
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) if t is not None else None for t in leaves64]
+        y = fn(*leaves)
+        y.backward(dy.to(dtype))
+        return [y] + [t.grad for t in leaves if t is not None]
+
+    truth = run(lambda x, w, b: _fp64_linear(x, w, b, act), torch.float64)
+    eager = run(lambda x, w, b: _fp64_linear(x, w, b, act), torch.float32)
+    poison_allocator(device, 4 * m * n)
+    ours = run(lambda x, w, b: ops.linear(x, w, b, activation=act, precision=precision),
+               torch.float32)
+    for name, o, e, t in zip(["y", "x.grad", "w.grad", "b.grad"], ours, eager, truth):
+        err_o = ((o.double() - t).abs().max() / t.abs().max()).item()
+        err_e = ((e.double() - t).abs().max() / t.abs().max()).item()
+        assert err_o <= 1.5 * err_e + 1e-7, (name, err_o, err_e)
+
+
+@gpu
+def test_linear_keeps_leading_dimensions_and_compiles(device):
+    x = torch.rand(2, 3, 40, device=device, requires_grad=True)
+    w = torch.randn(24, 40, device=device, requires_grad=True)
+    b = torch.randn(24, device=device, requires_grad=True)
+    y = ops.linear(x, w, b, activation="relu")
+    assert y.shape == (2, 3, 24)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    grads = [x.grad, w.grad, b.grad]
+    x.grad = w.grad = b.grad = None
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b: ops.linear(x, w, b, activation="relu"), fullgraph=True)
+    y2 = fn(x, w, b)
+    y2.backward(dy)
+    torch.testing.assert_close(y2, y, rtol=0, atol=0)
+    for g1, g2 in zip(grads, [x.grad, w.grad, b.grad]):
+        torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+
+
+@gpu
+def test_half_precision_takes_the_cublas_path(device):
+    x = torch.rand(9, 32, device=device, dtype=torch.bfloat16)
+    w = torch.randn(16, 32, device=device, dtype=torch.bfloat16)
+    b = torch.randn(16, device=device, dtype=torch.bfloat16)
+    expected = torch.relu(torch.nn.functional.linear(x, w) + b)
+    torch.testing.assert_close(ops.linear(x, w, b, activation="relu"), expected)
