@@ -90,8 +90,34 @@ def run(shapes, iters: int):
             print(f"{shape} {layout:12s} " + "  ".join(
                 f"{nm}: {row[nm]['median_ms']:.3f} ms {row[nm]['tflops']:.0f} TF/s err {row[nm]['error']:.1e}"
                 for nm in impls) + f"  x{row['speedup 3xtf32 vs sgemm']:.2f}", flush=True)
-            del a, b
     return rows
+
+
+def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), mn=(256, 256)):
+    """Scaled error of 3xTF32 and SGEMM against float64 as the inner size
+    grows, on uniform [-1, 1) data and on data whose rows / columns are scaled
+    by 2^[-20, 20]."""
+    device = torch.device("cuda")
+    out = []
+    for spread in (0, 20):
+        for k in ks:
+            g = torch.Generator(device=device).manual_seed(k)
+            a = torch.rand(mn[0], k, device=device, generator=g, dtype=torch.float64) * 2 - 1
+            b = torch.rand(mn[1], k, device=device, generator=g, dtype=torch.float64) * 2 - 1
+            if spread:
+                sa = torch.randint(-spread, spread + 1, (mn[0], 1), device=device, generator=g)
+                sb = torch.randint(-spread, spread + 1, (mn[1], 1), device=device, generator=g)
+                a, b = a * torch.exp2(sa.double()), b * torch.exp2(sb.double())
+            a, b = a.float(), b.float()
+            ref = lambda a, b: a @ b.t()  # noqa: E731
+            row = {"k": k, "spread": spread,
+                   "3xtf32": scaled_error(G.gemm(a, b, "forward", 3), a, b, ref),
+                   "sgemm": scaled_error(a @ b.t(), a, b, ref),
+                   "tf32": scaled_error(G.gemm(a, b, "forward", 1), a, b, ref)}
+            out.append(row)
+            print(f"accuracy k={k:6d} spread=2^{spread:<2d} 3xtf32 {row['3xtf32']:.2e} "
+                  f"sgemm {row['sgemm']:.2e} tf32 {row['tf32']:.2e}", flush=True)
+    return out
 
 
 def markdown(rows) -> str:
@@ -113,13 +139,20 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json")
     p.add_argument("--md")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also sweep the inner size for the error table")
     args = p.parse_args(argv)
     rows = run(args.shapes, args.iters)
+    accuracy = accuracy_sweep() if args.accuracy else []
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "python": platform.python_version(), "tiles": {k: vars(v) for k, v in G.TILES.items()}}
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "accuracy": accuracy}, indent=1))
     md = markdown(rows)
+    if accuracy:
+        md += ("\n| k | data | error 3xTF32 | error SGEMM | error TF32 |\n|---|---|---|---|---|\n" +
+               "".join(f"| {r['k']} | {'rows/cols x 2^±20' if r['spread'] else 'uniform'} | "
+                       f"{r['3xtf32']:.1e} | {r['sgemm']:.1e} | {r['tf32']:.1e} |\n" for r in accuracy))
     if args.md:
         Path(args.md).write_text(f"GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)
     print(md)

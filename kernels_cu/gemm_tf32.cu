@@ -65,10 +65,13 @@ template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
+// float -> TF32 (low 13 mantissa bits zero), rounding to nearest with ties
+// away from zero, as cvt.rna.tf32.f32 does, in two integer instructions
+// (the cvt is several instructions on sm_80/sm_90, and this runs once per
+// fragment element).  A carry out of the mantissa correctly bumps the
+// exponent; values that round past FLT_MAX become inf, as with the cvt.
 __device__ __forceinline__ unsigned to_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
+  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
 }
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "

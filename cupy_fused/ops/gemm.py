@@ -78,9 +78,10 @@ class Tile:
 
 
 # 128x128 for every GEMM that fills the GPU with such tiles (one block of 8
-# warps per SM); 64x64 for smaller ones and for operands not 16-byte aligned
-# (word-by-word loads).  See benchmarks/gemm.py for the measurements.
-TILES = {"128x128": Tile(128, 128, 3), "64x64": Tile(64, 64, 4)}
+# warps per SM, 4 pipeline stages: 147 KiB of shared memory); 64x64 for smaller
+# ones and for operands not 16-byte aligned (word-by-word loads).  Measured
+# with scripts/tune_gemm.py (see GEMM_NOTES.md).
+TILES = {"128x128": Tile(128, 128, 4), "64x64": Tile(64, 64, 4)}
 
 # (A K-major, B K-major) of the three products of a linear layer.
 LAYOUTS = {

@@ -1,0 +1,66 @@
+"""Times the forward 3xTF32 GEMM for candidate block tiles at the problem
+shapes (the numbers behind ``cupy_fused.ops.gemm.TILES``):
+
+    python scripts/tune_gemm.py [--tiles 128x128x3 64x128x4 ...] [--shapes MxKxN ...]
+
+A tile is BMxBNxSTAGES.  Candidates are declared as extra instantiations of
+gemm_tf32.cu, so the first run compiles them all.
+"""
+import argparse
+
+import torch
+
+from cupy_fused import _bridge, _runtime
+from cupy_fused.ops import gemm as G
+from cupy_fused.ops._common import cdiv
+
+CANDIDATES = ["128x128x3", "128x128x4", "64x128x3", "64x128x4", "128x64x3", "128x64x4", "64x64x4"]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tiles", nargs="+", default=CANDIDATES)
+    p.add_argument("--shapes", nargs="+", default=["1024x8192x8192", "32768x1024x4096"])
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    tiles = {t: G.Tile(*map(int, t.split("x"))) for t in args.tiles}
+    exprs = {}
+    for name, tile in tiles.items():
+        G.TILES[name] = tile  # so that _expr can format it
+        exprs[name] = G._expr(name, args.passes, "forward", True)
+    family = _runtime.KernelFamily("gemm_tf32.cu", exprs)
+    for shape in args.shapes:
+        m, k, n = map(int, shape.split("x"))
+        x, w = torch.rand(m, k, device="cuda"), torch.rand(n, k, device="cuda")
+        out = torch.empty(m, n, device="cuda")
+        ref = G.gemm(x, w, "forward", args.passes)
+        for name, tile in tiles.items():
+            fn = family.get(name, 0)
+            smem = tile.shared_bytes(True, True)
+            fn.allow_shared(smem)
+
+            def launch():
+                _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), 256, (
+                    x.data_ptr(), w.data_ptr(), out.data_ptr(), 0, 0, m, n, k, k, k, n), 0,
+                    shared_mem=smem)
+
+            launch()
+            torch.cuda.synchronize()
+            same = torch.equal(out, ref)
+            times = []
+            for _ in range(args.iters):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                launch()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            med = sorted(times)[len(times) // 2]
+            print(f"{shape} {name:10s} {med:.3f} ms {2 * m * n * k / med / 1e9:.0f} TFLOP/s"
+                  f"{'' if same else '  (result differs from the default tile: summation order)'}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
