@@ -93,30 +93,45 @@ def run(shapes, iters: int):
     return rows
 
 
-def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), mn=(256, 256)):
-    """Scaled error of 3xTF32 and SGEMM against float64 as the inner size
-    grows, on uniform [-1, 1) data and on data whose rows / columns are scaled
-    by 2^[-20, 20]."""
+def sweep_operands(layout: str, p: int, inner: int, q: int, spread: int, seed: int, device):
+    """(a, b, reference) of one layout with a [p, q] result and ``inner``
+    summed products; with ``spread`` > 0, a's rows and columns and b's outer
+    index are scaled by random powers of two in 2^[-spread, spread]."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    f64 = dict(device=device, dtype=torch.float64)
+    a = torch.rand(p, inner, generator=g, **f64) * 2 - 1  # logical [outer, inner]
+    b = torch.rand(q, inner, generator=g, **f64) * 2 - 1
+    if spread:
+        scale = lambda *s: torch.exp2(torch.randint(-spread, spread + 1, s, device=device,  # noqa: E731
+                                                    generator=g).double())
+        a, b = a * scale(p, 1) * scale(1, inner), b * scale(q, 1)
+    a, b = a.float(), b.float()
+    if layout == "forward":      # a [M, K], b [N, K]
+        return a, b, lambda a, b: a @ b.t()
+    if layout == "grad_input":   # a [M, K], b [K, N]
+        return a, b.t().contiguous(), lambda a, b: a @ b
+    return a.t().contiguous(), b.t().contiguous(), lambda a, b: a.t() @ b  # a [K, M], b [K, N]
+
+
+def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256),)):
+    """Scaled error of 3xTF32, TF32 and SGEMM against float64 as the inner
+    size grows, for the three layouts, on uniform [-1, 1) data and on data
+    scaled by 2^[-20, 20] (see :func:`sweep_operands`)."""
     device = torch.device("cuda")
     out = []
-    for spread in (0, 20):
-        for k in ks:
-            g = torch.Generator(device=device).manual_seed(k)
-            a = torch.rand(mn[0], k, device=device, generator=g, dtype=torch.float64) * 2 - 1
-            b = torch.rand(mn[1], k, device=device, generator=g, dtype=torch.float64) * 2 - 1
-            if spread:
-                sa = torch.randint(-spread, spread + 1, (mn[0], 1), device=device, generator=g)
-                sb = torch.randint(-spread, spread + 1, (mn[1], 1), device=device, generator=g)
-                a, b = a * torch.exp2(sa.double()), b * torch.exp2(sb.double())
-            a, b = a.float(), b.float()
-            ref = lambda a, b: a @ b.t()  # noqa: E731
-            row = {"k": k, "spread": spread,
-                   "3xtf32": scaled_error(G.gemm(a, b, "forward", 3), a, b, ref),
-                   "sgemm": scaled_error(a @ b.t(), a, b, ref),
-                   "tf32": scaled_error(G.gemm(a, b, "forward", 1), a, b, ref)}
-            out.append(row)
-            print(f"accuracy k={k:6d} spread=2^{spread:<2d} 3xtf32 {row['3xtf32']:.2e} "
-                  f"sgemm {row['sgemm']:.2e} tf32 {row['tf32']:.2e}", flush=True)
+    for p, q in sizes:
+        for layout in G.LAYOUTS:
+            for spread in (0, 20):
+                for k in ks:
+                    a, b, ref = sweep_operands(layout, p, k, q, spread, k, device)
+                    row = {"size": f"{p}x{q}", "layout": layout, "k": k, "spread": spread,
+                           "3xtf32": scaled_error(G.gemm(a, b, layout, 3), a, b, ref),
+                           "sgemm": scaled_error(ref(a, b), a, b, ref),
+                           "tf32": scaled_error(G.gemm(a, b, layout, 1), a, b, ref)}
+                    out.append(row)
+                    print(f"accuracy {p}x{q} {layout:11s} k={k:6d} spread=2^{spread:<2d} "
+                          f"3xtf32 {row['3xtf32']:.2e} sgemm {row['sgemm']:.2e} "
+                          f"tf32 {row['tf32']:.2e}", flush=True)
     return out
 
 
@@ -141,17 +156,23 @@ def main(argv=None):
     p.add_argument("--md")
     p.add_argument("--accuracy", action="store_true",
                    help="also sweep the inner size for the error table")
+    p.add_argument("--accuracy-sizes", nargs="+", default=["256x256"],
+                   help="result sizes PxQ of the accuracy sweep")
+    p.add_argument("--no-timing", action="store_true", help="only the accuracy sweep")
     args = p.parse_args(argv)
-    rows = run(args.shapes, args.iters)
-    accuracy = accuracy_sweep() if args.accuracy else []
+    rows = [] if args.no_timing else run(args.shapes, args.iters)
+    sizes = [tuple(map(int, s.split("x"))) for s in args.accuracy_sizes]
+    accuracy = accuracy_sweep(sizes=sizes) if args.accuracy else []
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "python": platform.python_version(), "tiles": {k: vars(v) for k, v in G.TILES.items()}}
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "accuracy": accuracy}, indent=1))
     md = markdown(rows)
     if accuracy:
-        md += ("\n| k | data | error 3xTF32 | error SGEMM | error TF32 |\n|---|---|---|---|---|\n" +
-               "".join(f"| {r['k']} | {'rows/cols x 2^±20' if r['spread'] else 'uniform'} | "
+        md += ("\n| result | product | k | data | error 3xTF32 | error SGEMM | error TF32 |\n"
+               "|---|---|---|---|---|---|---|\n" +
+               "".join(f"| {r['size']} | {r['layout']} | {r['k']} | "
+                       f"{'x 2^±20' if r['spread'] else 'uniform'} | "
                        f"{r['3xtf32']:.1e} | {r['sgemm']:.1e} | {r['tf32']:.1e} |\n" for r in accuracy))
     if args.md:
         Path(args.md).write_text(f"GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)

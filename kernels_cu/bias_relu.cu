@@ -7,19 +7,14 @@
 // [N*H*W, C, 1].  ch = (i / inner) % C.
 //
 // Forward writes one bit per element (u > 0) instead of keeping z alive: the
-// backward needs only that mask, 1/32 of the activation.  When the GEMM itself
-// applied bias + ReLU in its epilogue (gemm_tf32.cu), there is no mask; the
-// backward then reads the gate from the output y = relu(u) (y > 0 iff u > 0).
+// backward needs only that mask, 1/32 of the activation.
 #include "cf_common.cuh"
 
 namespace cf {
 
-template <bool kSecondBias, bool kGateFromOutput = false>
+template <bool kSecondBias>
 struct BiasReluChain {
   static constexpr bool kHasSecondBias = kSecondBias;
-  // The backward's `gate` is the output y (type T) instead of the bit mask.
-  static constexpr bool kGateIsOutput = kGateFromOutput;
-  static_assert(!(kSecondBias && kGateFromOutput), "relu(u) + b2 > 0 does not give u > 0");
 };
 
 // Grid-stride over 32-element words; warp-uniform loop so __ballot_sync sees
@@ -52,25 +47,18 @@ __global__ void bias_relu_forward(const T* __restrict__ z, T* __restrict__ out,
   }
 }
 
-// Whether element i passed the ReLU (u > 0), from the forward's bit mask or
-// from its output.
-template <typename T, typename Chain>
-__device__ __forceinline__ bool relu_gate(const void* gate, i64 i) {
-  if constexpr (Chain::kGateIsOutput) {
-    return to_float(static_cast<const T*>(gate)[i]) > 0.0f;
-  } else {
-    return (static_cast<const unsigned*>(gate)[i >> 5] >> (i & 31)) & 1u;
-  }
+__device__ __forceinline__ bool mask_bit(const unsigned* mask, i64 i) {
+  return (mask[i >> 5] >> (i & 31)) & 1u;
 }
 
 // Backward, channel-last layout (inner == 1): thread per channel, looping over
-// the rows [row0, row1) of its chunk.  dz = dy * gate; per-chunk sums go to
+// the rows [row0, row1) of its chunk.  dz = dy * mask; per-chunk sums go to
 // partial[chunk][slot][C] (double): slot 0 = sum dz (grad of b1), slot 1 =
 // sum dy (b2).
 // dy_dense == 0 means dy is one value broadcast everywhere (e.g. out.sum()).
 template <typename T, typename Chain>
 __global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
-                                        const void* __restrict__ gate, T* __restrict__ dz,
+                                        const unsigned* __restrict__ mask, T* __restrict__ dz,
                                         double* __restrict__ partial, i64 rows, i64 channels,
                                         i64 rows_per_chunk) {
   const i64 c = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
@@ -81,7 +69,7 @@ __global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
   for (i64 r = row0; r < row1; ++r) {
     const i64 i = r * channels + c;
     const float g = to_float(dy[dy_dense ? i : 0]);
-    const float d = relu_gate<T, Chain>(gate, i) ? g : 0.0f;
+    const float d = mask_bit(mask, i) ? g : 0.0f;
     dz[i] = from_float<T>(d);
     sum_dz.add(d);
     if (Chain::kHasSecondBias) sum_dy.add(g);
@@ -96,7 +84,7 @@ __global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
 // slab of `inner` contiguous elements; partial[n][slot][C].
 template <typename T, typename Chain>
 __global__ void bias_relu_backward_slabs(const T* __restrict__ dy, i64 dy_dense,
-                                         const void* __restrict__ gate, T* __restrict__ dz,
+                                         const unsigned* __restrict__ mask, T* __restrict__ dz,
                                          double* __restrict__ partial, i64 channels, i64 inner) {
   __shared__ double scratch[32];
   const i64 slab = blockIdx.x;  // n * C + ch
@@ -106,7 +94,7 @@ __global__ void bias_relu_backward_slabs(const T* __restrict__ dy, i64 dy_dense,
   for (i64 k = threadIdx.x; k < inner; k += blockDim.x) {
     const i64 i = base + k;
     const float g = to_float(dy[dy_dense ? i : 0]);
-    const float d = relu_gate<T, Chain>(gate, i) ? g : 0.0f;
+    const float d = mask_bit(mask, i) ? g : 0.0f;
     dz[i] = from_float<T>(d);
     thread_dz.add(d);
     if (Chain::kHasSecondBias) thread_dy.add(g);

@@ -9,9 +9,12 @@
 //
 // Tensor-core accumulation truncates, so its error grows with the length of
 // the accumulation.  The MMA accumulators therefore only ever hold one chunk
-// of kChunkK = 128 k-values; after each chunk they are added into a separate
-// float32 sum with ordinary round-to-nearest adds and restarted (Ootomo &
-// Yokota, 2022).  That makes the result more accurate than cuBLAS SGEMM.
+// of kChunkK k-values (3 * kChunkK / 8 truncating MMA accumulations); after
+// each chunk they are added into a separate float32 sum with ordinary
+// round-to-nearest adds and restarted from zero (Ootomo & Yokota, 2022).  The
+// fold costs 4 adds per fragment per chunk.  Chunk 16 (default): the longer
+// chunks are 1-8 % faster but lose the accuracy lead over SGEMM on sums of a
+// few hundred products (GEMM_NOTES.md has the measurements).
 //
 // Operand layouts (template parameters), for the three products of a linear
 // layer y = x W^T:
@@ -45,7 +48,12 @@ namespace cf {
 
 constexpr int kGemmThreads = 256;
 constexpr int kGemmBK = 32;
-constexpr int kChunkK = 128;  // k-values per MMA accumulator chunk
+#ifndef CF_GEMM_CHUNK_K
+#define CF_GEMM_CHUNK_K 16
+#endif
+constexpr int kChunkK = CF_GEMM_CHUNK_K;  // k-values per MMA accumulator chunk
+static_assert(kChunkK % 8 == 0 && (kChunkK <= kGemmBK ? kGemmBK % kChunkK == 0 : kChunkK % kGemmBK == 0),
+              "a chunk is whole MMA steps and divides (or is a multiple of) the k-tile");
 
 // ---- PTX wrappers (no toolkit headers under NVRTC) ----
 __device__ __forceinline__ unsigned shared_addr(const void* p) {
@@ -179,7 +187,10 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
   typedef typename Cfg::TileA TileA;
   typedef typename Cfg::TileB TileB;
   constexpr int MI = Cfg::MI, NI = Cfg::NI;
-  constexpr int kChunkTiles = kChunkK / kGemmBK;
+  // Fold points: after every kChunkK / 8 MMA steps inside a k-tile, or after
+  // every kChunkK / 32 k-tiles.
+  constexpr int kChunkSteps = kChunkK <= kGemmBK ? kChunkK / 8 : 0;
+  constexpr int kChunkTiles = kChunkK <= kGemmBK ? 1 : kChunkK / kGemmBK;
   extern __shared__ float4 shared_f4[];
   float* const shared = reinterpret_cast<float*>(shared_f4);
 
@@ -206,6 +217,18 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
   };
 
   float acc[MI][NI][4], sum[MI][NI][4];
+  // sum += acc; acc = 0 (the compiler then feeds zero accumulators to the next MMAs).
+  auto fold = [&]() {
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sum[i][j][e] += acc[i][j][e];
+          acc[i][j][e] = 0.0f;
+        }
+  };
 #pragma unroll
   for (int i = 0; i < MI; ++i)
 #pragma unroll
@@ -275,17 +298,12 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
           mma_tf32(acc[i][j], fa.big, bb);
         }
       }
+      if constexpr (kChunkSteps > 0) {
+        if ((kk / 8 + 1) % kChunkSteps == 0) fold();
+      }
     }
-    if ((kt + 1) % kChunkTiles == 0 || kt + 1 == ktiles) {
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            sum[i][j][e] += acc[i][j][e];
-            acc[i][j][e] = 0.0f;
-          }
+    if constexpr (kChunkSteps == 0) {
+      if ((kt + 1) % kChunkTiles == 0 || kt + 1 == ktiles) fold();
     }
   }
   cp_async_wait<0>();

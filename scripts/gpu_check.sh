@@ -29,7 +29,7 @@ if [ "$mode" != "quick" ] && [ "$mode" != "tests" ]; then
 fi
 [ "$mode" = "tests" ] && { echo "gpu_check status: $status"; exit $status; }
 python benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/bench.log"
-python benchmarks/gemm.py --accuracy --json "$OUT/gemm.json" --md "$OUT/gemm.md" 2>&1 | tail -30 | tee -a "$OUT/bench.log"
+python benchmarks/gemm.py --accuracy --accuracy-sizes 256x256 1024x1024 --json "$OUT/gemm.json" --md "$OUT/gemm.md" 2>&1 | tail -30 | tee -a "$OUT/bench.log"
 python benchmarks/run.py --out "$OUT" 2>&1 | tail -25 | tee -a "$OUT/bench.log"
 echo "gpu_check status: $status"
 exit $status

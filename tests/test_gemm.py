@@ -43,6 +43,14 @@ def test_tile_choice(monkeypatch):
     assert G.choose_tile(256, 256, True, 0) == "64x64"  # too few 128x128 tiles to fill the GPU
 
 
+def test_short_sums_take_sgemm_under_3xtf32_only():
+    assert G.uses_sgemm(3, 0) and G.uses_sgemm(3, G.SGEMM_BELOW_INNER - 1)
+    assert not G.uses_sgemm(3, G.SGEMM_BELOW_INNER) and not G.uses_sgemm(1, 1)
+    a = torch.empty(5, 7)
+    assert G.inner_size(a, "forward") == G.inner_size(a, "grad_input") == 7
+    assert G.inner_size(a, "grad_weight") == 5
+
+
 def test_every_kernel_variant_is_declared():
     exprs = set(G.KERNELS.expressions.values())
     assert len(exprs) == len(G.KERNELS.expressions)
@@ -129,12 +137,16 @@ def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
     ours = G.gemm(a, b, layout, 3)
     sgemm = ref(a, b)
     e_ours, e_sgemm = _scaled_error(ours, a, b, ref), _scaled_error(sgemm, a, b, ref)
-    if k >= 256:
+    if k >= 256 and m * n >= 2**20:
+        # Outputs this large run on cuBLAS kernels without split-k, whose
+        # float32 sums are as long as k: the chunked 3xTF32 accumulation wins.
         assert e_ours <= e_sgemm, (e_ours, e_sgemm)
     else:
         # Short sums: SGEMM's error is near one rounding (2^-24 = 6e-8) while
         # 3xTF32 keeps ~22 bits of each operand (the split's own error, up to
-        # 2^-22 per operand and the dropped small*small term).
+        # 2^-22 per operand, and the dropped small*small term).  Small outputs
+        # with long sums: cuBLAS splits k and its error drops to ~4e-8, ours
+        # measured up to 2x that.  Both stay within a few float32 roundings.
         assert e_ours <= 2.0 ** -20, (e_ours, e_sgemm)
     tf32 = G.gemm(a, b, layout, 1)
     assert _scaled_error(tf32, a, b, ref) < 2e-3
@@ -164,6 +176,25 @@ def test_bitwise_reproducible(layout, device):
 
 
 @gpu
+def test_short_sums_run_on_sgemm_per_product(device):
+    """in_features 8: the forward and input-gradient products (sums of 8 and
+    24 terms) are cuBLAS's; the weight gradient (a sum over 40 rows) is the
+    kernel's."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    x = torch.rand(40, 8, device=device, generator=gen).requires_grad_(True)
+    w = torch.randn(24, 8, device=device, generator=gen).requires_grad_(True)
+    b = torch.randn(24, device=device, generator=gen).requires_grad_(True)
+    y = ops.linear(x, w, b, activation="relu")
+    assert torch.equal(y, torch.relu(x @ w.t() + b))  # the GEMM, then bias_relu
+    dy = torch.randn(40, 24, device=device, generator=gen)
+    y.backward(dy)
+    dz = torch.where(y > 0, dy, 0.0)
+    assert torch.equal(x.grad, dz @ w.detach())
+    assert torch.equal(w.grad, G.gemm(dz, x.detach(), "grad_weight", 3))
+    assert not torch.equal(w.grad, dz.t() @ x.detach())  # tells the two paths apart
+
+
+@gpu
 def test_zero_inner_dimension_gives_bias(device):
     x, w, bias = torch.rand(5, 0, device=device), torch.rand(7, 0, device=device), torch.randn(7, device=device)
     torch.testing.assert_close(ops.linear(x, w, bias, activation="relu"),
@@ -180,10 +211,8 @@ def test_non_finite_inputs_stay_non_finite(device):
     assert torch.isinf(ops.linear(x, w, precision="ieee")[1]).all()
 
 
-def _fp64_linear(x, w, bias, act):
-    y = x @ w.t()
-    if bias is not None:
-        y = y + bias
+def _eager_linear(x, w, bias, act):
+    y = torch.nn.functional.linear(x, w, bias)
     return torch.relu(y) if act == "relu" else y
 
 
@@ -200,13 +229,14 @@ def test_linear_forward_and_gradients_against_float64(precision, act, with_bias,
     dy = torch.randn(m, n, device=device, dtype=torch.float64)
 
     def run(fn, dtype):
-        leaves = [t.to(dtype).requires_grad_(True) if t is not None else None for t in leaves64]
+        leaves = [t.detach().to(dtype).requires_grad_(True) if t is not None else None
+                  for t in leaves64]
         y = fn(*leaves)
         y.backward(dy.to(dtype))
         return [y] + [t.grad for t in leaves if t is not None]
 
-    truth = run(lambda x, w, b: _fp64_linear(x, w, b, act), torch.float64)
-    eager = run(lambda x, w, b: _fp64_linear(x, w, b, act), torch.float32)
+    truth = run(lambda x, w, b: _eager_linear(x, w, b, act), torch.float64)
+    eager = run(lambda x, w, b: _eager_linear(x, w, b, act), torch.float32)
     poison_allocator(device, 4 * m * n)
     ours = run(lambda x, w, b: ops.linear(x, w, b, activation=act, precision=precision),
                torch.float32)
@@ -234,6 +264,22 @@ def test_linear_keeps_leading_dimensions_and_compiles(device):
     torch.testing.assert_close(y2, y, rtol=0, atol=0)
     for g1, g2 in zip(grads, [x.grad, w.grad, b.grad]):
         torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_relu_store_matches_the_training_path(with_bias, device):
+    """Without autograd, bias + ReLU run in the GEMM's store; with it, in the
+    bias_relu kernel (1-bit mask for the backward): the same float32 sums."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    x = torch.rand(70, 96, device=device, generator=gen) - 0.5
+    w = torch.randn(130, 96, device=device, generator=gen)
+    b = torch.randn(130, device=device, generator=gen) if with_bias else None
+    with torch.no_grad():
+        fused = ops.linear(x, w, b, activation="relu")
+    y = ops.linear(x.requires_grad_(True), w, b, activation="relu")
+    assert y.grad_fn is not None and torch.equal(fused, y)
+    assert (y == 0).any() and (y > 0).any()
 
 
 @gpu

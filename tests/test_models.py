@@ -1,5 +1,7 @@
 """The five fused models against the PyTorch reference (GPU tier): output
 and every gradient vs a float64 run, next to eager's own error."""
+import copy
+
 import pytest
 import torch
 
@@ -80,7 +82,17 @@ def test_benchmark_shapes(problem, device):
         ref, ours = build_pair(problem, args, device, torch.float32)
         x = torch.rand(shape, device=device)
         with torch.no_grad():
-            torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+            y_ours, y_eager = ours(x), ref(x)
+            mismatch = ~torch.isclose(y_ours, y_eager, atol=1e-5, rtol=1e-5)
+            if mismatch.any():
+                # The check compares two float32 results.  Where it fails, the
+                # float64 run must show the error is eager's (cuBLAS SGEMM's
+                # sums are the less accurate here), on a handful of elements.
+                y64 = copy.deepcopy(ref).double()(x.double())
+                ours_err = (y_ours.double() - y64)[mismatch].abs()
+                eager_err = (y_eager.double() - y64)[mismatch].abs()
+                assert mismatch.sum().item() <= 1e-5 * y64.numel(), mismatch.sum().item()
+                assert (ours_err < eager_err).all(), (ours_err.max().item(), eager_err.max().item())
 
 
 def _train_step(model, x, dy):

@@ -7,12 +7,20 @@ Precision of float32 products (``precision=`` argument, or the process-wide
 default of :func:`set_fp32_matmul_precision`):
 
 * ``"3xtf32"`` (default): each operand split into two TF32 parts, three
-  tensor-core products, accumulated in float32 chunks of 128 k-values.  As
-  accurate as cuBLAS SGEMM or more (see the README's accuracy table).
+  tensor-core products, accumulated in float32 chunks of 16 k-values.  On
+  sums of 32 products or more it is about as accurate as cuBLAS SGEMM or
+  more (see the README's accuracy table).  Shorter sums, where the split's
+  own ~2^-22 representation error would dominate (up to 8x SGEMM's error at
+  one product), run on cuBLAS SGEMM instead: see :func:`uses_sgemm`.  This
+  applies per product, so a batch of 16 rows takes SGEMM for the weight
+  gradient (a sum over the batch) and 3xTF32 for the rest.
 * ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
 * ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``), with bias + ReLU
   in the ``bias_relu`` kernel.  This is also the path of float16 / bfloat16
   inputs, whose tensor-core GEMMs are cuBLAS's own.
+
+The cuBLAS products follow torch's own settings: with
+``torch.backends.cuda.matmul.allow_tf32 = True`` they run in TF32.
 
 Non-finite inputs: with ``"3xtf32"`` an infinite operand gives NaN where
 SGEMM gives ±inf (the correction products compute inf * 0); NaN stays NaN.
@@ -30,7 +38,7 @@ from .. import _bridge, _runtime
 from .._autograd import FusedOp, needs_grad
 from .._validation import check_like, check_tensor, check_vector
 from ._common import accepts_cupy, cdiv, sm_count
-from .relu_epilogue import bias_relu, relu_backward_from_output
+from .relu_epilogue import bias_relu
 
 PRECISIONS = ("3xtf32", "tf32", "ieee")
 _PASSES = {"3xtf32": 3, "tf32": 1}
@@ -111,6 +119,12 @@ KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
 
 ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 
+# Under "3xtf32", products summing fewer k-values than this run on cuBLAS
+# SGEMM.  Measured (GEMM_NOTES.md, max scaled error vs float64 at 1024x1024):
+# 3xTF32 / SGEMM = 8.3x at k = 1, 1.2-2.4x at k = 8, 0.9-1.4x at k = 32 and
+# 0.3-0.6x at k = 128-512.
+SGEMM_BELOW_INNER = 32
+
 
 def choose_tile(m: int, n: int, vec: bool, device_index: int) -> str:
     if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
@@ -121,6 +135,32 @@ def choose_tile(m: int, n: int, vec: bool, device_index: int) -> str:
 def _rows_aligned(t: torch.Tensor, contiguous_extent: int) -> bool:
     """Every row of the 2-D contiguous ``t`` starts on 16 bytes."""
     return t.data_ptr() % 16 == 0 and contiguous_extent % 4 == 0
+
+
+def inner_size(a: torch.Tensor, layout: str) -> int:
+    """K of a product in ``layout`` whose left operand is ``a``."""
+    return a.shape[1] if LAYOUTS[layout][0] else a.shape[0]
+
+
+def uses_sgemm(passes: int, k: int) -> bool:
+    """Whether a float32 product of ``passes`` (3 or 1) summing ``k``
+    products runs on cuBLAS SGEMM instead of the tensor-core kernel."""
+    return passes == 3 and k < SGEMM_BELOW_INNER
+
+
+def product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
+            bias: Optional[torch.Tensor] = None, activation: int = 0) -> torch.Tensor:
+    """:func:`gemm`, or cuBLAS SGEMM plus the epilogue where
+    :func:`uses_sgemm` says so (same operands, same result shape)."""
+    if not uses_sgemm(passes, inner_size(a, layout)):
+        return gemm(a, b, layout, passes, bias, activation)
+    if layout == "forward":
+        out = torch.addmm(bias, a, b.t()) if bias is not None else a @ b.t()
+    else:
+        if bias is not None:
+            raise ValueError("a bias is only fused into the forward product")
+        out = a @ b if layout == "grad_input" else a.t() @ b
+    return out.relu_() if activation == 1 else out
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
@@ -157,7 +197,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
              activation: int, passes: int) -> torch.Tensor:
-    return gemm(x, weight, "forward", passes, bias, activation)
+    return product(x, weight, "forward", passes, bias, activation)
 
 
 def _forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -165,39 +205,40 @@ def _forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, y: Optional[torch.Tensor],
-              activation: int, passes: int, want_x: bool, want_weight: bool,
+def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
+              want_x: bool, want_weight: bool,
               want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx, dW, dbias); each is empty when not wanted."""
-    if activation == 1:
-        dz, dbias = relu_backward_from_output(dout, y)
-    else:
-        dz = dout.contiguous()  # also materialises a broadcast gradient
-        dbias = dz.sum(0) if want_bias else dz.new_empty((0,))
-    dx = gemm(dz, weight, "grad_input", passes) if want_x else x.new_empty((0,))
-    dw = gemm(dz, x, "grad_weight", passes) if want_weight else weight.new_empty((0,))
+    """Backward of ``x W^T + bias``.  Returns (dx, dW, dbias); each is empty
+    when not wanted."""
+    dz = dout.contiguous()  # also materialises a broadcast gradient
+    dbias = dz.sum(0) if want_bias else dz.new_empty((0,))
+    dx = product(dz, weight, "grad_input", passes) if want_x else x.new_empty((0,))
+    dw = product(dz, x, "grad_weight", passes) if want_weight else weight.new_empty((0,))
     return dx, dw, dbias
 
 
-def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                   y: Optional[torch.Tensor], activation: int, passes: int, want_x: bool,
-                   want_weight: bool, want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
+                   want_x: bool, want_weight: bool,
+                   want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty_like(x) if want_x else x.new_empty((0,)),
             torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
-            weight.new_empty((weight.shape[0],) if want_bias or activation == 1 else (0,)))
+            weight.new_empty((weight.shape[0],) if want_bias else (0,)))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, activation, passes = inputs
-    ctx.save_for_backward(x, weight, output if activation == 1 else None)
+    ctx.save_for_backward(x, weight)
     ctx.activation, ctx.passes, ctx.has_bias = activation, passes, bias is not None
 
 
 def _backward_formula(ctx, grads, run_backward):
-    x, weight, y = ctx.saved_tensors
+    if ctx.activation != 0:
+        # linear() never records a graph through the fused-ReLU store (see there).
+        raise RuntimeError("linear_tf32 with a fused activation has no backward")
+    x, weight = ctx.saved_tensors
     want = ctx.needs_input_grad
-    dx, dw, dbias = run_backward(grads[0], x, weight, y, ctx.activation, ctx.passes, want[0],
-                                 want[1], ctx.has_bias and want[2])
+    dx, dw, dbias = run_backward(grads[0], x, weight, ctx.passes, want[0], want[1],
+                                 ctx.has_bias and want[2])
     return (dx if want[0] else None, dw if want[1] else None,
             dbias if ctx.has_bias and want[2] else None, None, None)
 
@@ -233,18 +274,24 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     act = ACTIVATIONS[activation]
     precision = resolve_precision(precision)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x.dtype != torch.float32 or precision == "ieee":
-        # cuBLAS path (see the module docstring).
-        if act == 0:
-            y = F.linear(x2, weight, bias)
-        elif bias is not None:
-            y = bias_relu(F.linear(x2, weight), bias)
-        else:
-            y = torch.relu(F.linear(x2, weight))
-        return y.reshape(*lead, n)
-    x2 = x2 if x2.is_contiguous() else x2.contiguous()
-    weight = weight if weight.is_contiguous() else weight.contiguous()
-    y = _LINEAR(x2, weight, bias, act, _PASSES[precision],
-                requires_grad=needs_grad(x2, weight, bias))
+    x2 = x.reshape(lead.numel(), k)  # not -1: that is ambiguous when k == 0
+    cublas = x.dtype != torch.float32 or precision == "ieee"  # see the module docstring
+    grad = needs_grad(x2, weight, bias)
+    if not cublas:
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+    if act == 1 and (cublas or grad):
+        # The GEMM, then bias + ReLU in the bias_relu kernel, which keeps a
+        # 1-bit mask for the backward.  With ReLU fused into the GEMM's store
+        # the backward would need the float32 output instead, alive until
+        # both weight and input gradients are done: one more activation of
+        # peak training memory (measured on problem 76: 0.344 GiB against
+        # 0.313) to save one pass over the output.
+        z = F.linear(x2, weight) if cublas else _LINEAR(x2, weight, None, 0, _PASSES[precision],
+                                                        requires_grad=grad)
+        y = bias_relu(z, bias if bias is not None else z.new_zeros((n,)))
+    elif cublas:
+        y = F.linear(x2, weight, bias)
+    else:
+        y = _LINEAR(x2, weight, bias, act, _PASSES[precision], requires_grad=grad)
     return y.reshape(*lead, n)

@@ -17,20 +17,16 @@ from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
 from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid, reduce_partials, row_chunks
 
-def _expr(kernel: str, dtype: torch.dtype, second_bias: bool, gate_is_output: bool = False) -> str:
-    flags = f"{'true' if second_bias else 'false'}{', true' if gate_is_output else ''}"
-    return f"cf::{kernel}<{cxx_type(dtype)}, cf::BiasReluChain<{flags}>>"
+def _expr(kernel: str, dtype: torch.dtype, second_bias: bool) -> str:
+    chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
+    return f"cf::{kernel}<{cxx_type(dtype)}, {chain}>"
 
 
-# Keyed by (kernel, dtype, second bias present).  "gate_output": the backward
-# reading the ReLU gate from the output (after the float32 GEMM's fused
-# bias + ReLU epilogue, which keeps no mask).
+# Keyed by (kernel, dtype, second bias present).
 KERNELS = _runtime.KernelFamily("bias_relu.cu", {
-    **{(k, d, b): _expr(k, d, b)
-       for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs")
-       for d in FLOAT_DTYPES for b in (False, True)},
-    ("gate_output", torch.float32, False): _expr("bias_relu_backward_rows", torch.float32,
-                                                 False, gate_is_output=True),
+    (k, d, b): _expr(k, d, b)
+    for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs")
+    for d in FLOAT_DTYPES for b in (False, True)
 })
 
 
@@ -71,33 +67,6 @@ def _empty_like_layout(sizes: List[int], channels_last: bool, like: torch.Tensor
     return torch.empty(sizes, dtype=like.dtype, device=like.device, memory_format=fmt)
 
 
-def _rows_backward(key, dy: torch.Tensor, dense: int, gate: torch.Tensor, dz: torch.Tensor,
-                   channels: int, slots: int) -> torch.Tensor:
-    """Backward over [rows, C] in memory (channels innermost: a GEMM output or
-    a channels-last conv output): fills dz, returns the per-column sums
-    [slots, C]."""
-    rows = dz.numel() // channels
-    dev = dz.device.index
-    grid_x = cdiv(channels, BLOCK)
-    chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
-    partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dz.device)
-    _bridge.launch(KERNELS.get(key, dev), (grid_x, chunks, 1), BLOCK, (
-        dy.data_ptr(), dense, gate.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
-        channels, rows_per_chunk), dev)
-    return reduce_partials(partial, dz.dtype)
-
-
-def relu_backward_from_output(dout: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Backward of ``y = relu(z + bias)`` for float32 y: [M, C] computed by the
-    GEMM epilogue (no mask kept).  Returns (dz, grad of bias)."""
-    dz = torch.empty_like(y)
-    if y.numel() == 0:
-        return dz, torch.zeros((y.shape[-1],), dtype=y.dtype, device=y.device)
-    dy, dense = broadcast_or_dense(dout, lambda t: t.contiguous())
-    sums = _rows_backward(("gate_output", y.dtype, False), dy, dense, y, dz, y.shape[-1], 1)
-    return dz, sums[0]
-
-
 def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
               second_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dz, grad of bias, grad of bias2 — empty when there is none)."""
@@ -112,8 +81,15 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
     if total == 0:
         sums = torch.zeros((slots, channels), dtype=dout.dtype, device=dout.device)
     elif inner == 1:
-        sums = _rows_backward(("bias_relu_backward_rows", dout.dtype, second_bias), dy, dense,
-                              mask, dz, channels, slots)
+        rows = total // channels
+        grid_x = cdiv(channels, BLOCK)
+        chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
+        partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
+        fn = KERNELS.get(("bias_relu_backward_rows", dout.dtype, second_bias), dev)
+        _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
+            dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
+            channels, rows_per_chunk), dev)
+        sums = reduce_partials(partial, dout.dtype)
     else:
         batch = total // (channels * inner)
         partial = torch.empty((batch, slots, channels), dtype=torch.float64, device=dout.device)
