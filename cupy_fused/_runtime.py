@@ -112,19 +112,23 @@ class _ModuleKey:
 class Kernel:
     """A launchable kernel: its CUfunction handle (``ptr``), the CuPy object
     that owns it (``raw``, a ``cupy.RawKernel``; keeps the module loaded) and
-    its parameter layout (``params``, set by the first launch)."""
+    its parameter layout (``params``, set by the first launch), on CUDA device
+    ``device``."""
 
-    __slots__ = ("name", "ptr", "raw", "params", "shared_limit")
+    __slots__ = ("name", "ptr", "raw", "params", "shared_limit", "device")
 
-    def __init__(self, name: str, ptr: int, raw: object):
+    def __init__(self, name: str, ptr: int, raw: object, device: int):
         self.name, self.ptr, self.raw, self.params = name, ptr, raw, None
         self.shared_limit = 48 * 1024  # dynamic shared memory allowed without opting in
+        self.device = device
 
     def allow_shared(self, nbytes: int) -> None:
         """Lets launches use ``nbytes`` of dynamic shared memory (above 48 KiB a
-        kernel must opt in, once per function)."""
+        kernel must opt in, once per function).  The attribute belongs to the
+        function's own device context, so that device is made current."""
         if nbytes > self.shared_limit:
-            self.raw.max_dynamic_shared_size_bytes = nbytes
+            with require_cupy().cuda.Device(self.device):
+                self.raw.max_dynamic_shared_size_bytes = nbytes
             self.shared_limit = nbytes
 
     def __repr__(self) -> str:
@@ -175,7 +179,7 @@ def get_function(source: str, name_expression: str, device: int) -> Kernel:
                 )
                 _modules[mkey] = module
             raw = module.get_function(name_expression)
-            fn = Kernel(name_expression, raw.kernel.ptr, raw)
+            fn = Kernel(name_expression, raw.kernel.ptr, raw, device)
         _functions[key] = fn
         return fn
 
