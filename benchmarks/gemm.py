@@ -22,43 +22,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cupy_fused.ops import gemm as G  # noqa: E402
+from cupy_fused.testing import scaled_gemm_error, time_ms  # noqa: E402
 
 DEFAULT_SHAPES = ("1024x8192x8192", "32768x1024x4096")
 
-
-def operands(layout: str, m: int, k: int, n: int, device):
-    """(a, b, torch reference function) of one product of the linear layer."""
-    g = torch.Generator(device=device).manual_seed(0)
-    rand = lambda *s: torch.rand(*s, device=device, generator=g) * 2 - 1  # noqa: E731
-    if layout == "forward":
-        a, b = rand(m, k), rand(n, k)
-        return a, b, lambda a, b: a @ b.t()
-    if layout == "grad_input":
-        a, b = rand(m, n), rand(n, k)
-        return a, b, lambda a, b: a @ b
-    a, b = rand(m, n), rand(m, k)
-    return a, b, lambda a, b: a.t() @ b
-
-
-def time_ms(fn, iters: int, warmup: int = 3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2], times[0]
-
-
-def scaled_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn) -> float:
-    truth = ref_fn(a.double(), b.double())
-    bound = ref_fn(a.double().abs(), b.double().abs())
-    return ((c.double() - truth).abs() / bound.clamp_min(1e-300)).max().item()
+# (result rows, inner size, result columns) of each product of a linear
+# layer with batch M, in_features K, out_features N.
+PRODUCT_SIZES = {
+    "forward": lambda m, k, n: (m, k, n),      # y [M, N] = x W^T
+    "grad_input": lambda m, k, n: (m, n, k),   # dx [M, K] = dy W
+    "grad_weight": lambda m, k, n: (n, m, k),  # dW [N, K] = dy^T x
+}
 
 
 def run(shapes, iters: int):
@@ -68,7 +42,7 @@ def run(shapes, iters: int):
         m, k, n = map(int, shape.split("x"))
         flops = 2.0 * m * n * k
         for layout in G.LAYOUTS:
-            a, b, ref = operands(layout, m, k, n, device)
+            a, b, ref = operands(layout, *PRODUCT_SIZES[layout](m, k, n), 0, 0, device)
             impls = {
                 "ours 3xtf32": lambda: G.gemm(a, b, layout, 3),
                 "ours tf32": lambda: G.gemm(a, b, layout, 1),
@@ -79,8 +53,8 @@ def run(shapes, iters: int):
             for name, fn in impls.items():
                 torch.backends.cuda.matmul.allow_tf32 = name == "cublas tf32"
                 try:
-                    med, best = time_ms(fn, iters)
-                    err = scaled_error(fn(), a, b, ref)
+                    med, best = time_ms(fn, iters, warmup=3)
+                    err = scaled_gemm_error(fn(), a, b, ref)
                 finally:
                     torch.backends.cuda.matmul.allow_tf32 = False
                 row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
@@ -93,7 +67,7 @@ def run(shapes, iters: int):
     return rows
 
 
-def sweep_operands(layout: str, p: int, inner: int, q: int, spread: int, seed: int, device):
+def operands(layout: str, p: int, inner: int, q: int, spread: int, seed: int, device):
     """(a, b, reference) of one layout with a [p, q] result and ``inner``
     summed products; with ``spread`` > 0, a's rows and columns and b's outer
     index are scaled by random powers of two in 2^[-spread, spread]."""
@@ -116,18 +90,18 @@ def sweep_operands(layout: str, p: int, inner: int, q: int, spread: int, seed: i
 def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256),)):
     """Scaled error of 3xTF32, TF32 and SGEMM against float64 as the inner
     size grows, for the three layouts, on uniform [-1, 1) data and on data
-    scaled by 2^[-20, 20] (see :func:`sweep_operands`)."""
+    scaled by 2^[-20, 20] (see :func:`operands`)."""
     device = torch.device("cuda")
     out = []
     for p, q in sizes:
         for layout in G.LAYOUTS:
             for spread in (0, 20):
                 for k in ks:
-                    a, b, ref = sweep_operands(layout, p, k, q, spread, k, device)
+                    a, b, ref = operands(layout, p, k, q, spread, k, device)
                     row = {"size": f"{p}x{q}", "layout": layout, "k": k, "spread": spread,
-                           "3xtf32": scaled_error(G.gemm(a, b, layout, 3), a, b, ref),
-                           "sgemm": scaled_error(ref(a, b), a, b, ref),
-                           "tf32": scaled_error(G.gemm(a, b, layout, 1), a, b, ref)}
+                           "3xtf32": scaled_gemm_error(G.gemm(a, b, layout, 3), a, b, ref),
+                           "sgemm": scaled_gemm_error(ref(a, b), a, b, ref),
+                           "tf32": scaled_gemm_error(G.gemm(a, b, layout, 1), a, b, ref)}
                     out.append(row)
                     print(f"accuracy {p}x{q} {layout:11s} k={k:6d} spread=2^{spread:<2d} "
                           f"3xtf32 {row['3xtf32']:.2e} sgemm {row['sgemm']:.2e} "

@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cupy_fused import reference  # noqa: E402
-from cupy_fused.testing import build_pair  # noqa: E402
+from cupy_fused.testing import build_pair, time_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 IMPLS = ("eager", "compile", "ours", "ours+compile")
@@ -84,21 +83,6 @@ def forward_errors(problem, args, shape, dtype) -> dict:
     del truth
     torch.cuda.empty_cache()
     return errs
-
-
-def time_ms(fn, iters: int, warmup: int):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in events]
-    return statistics.median(times), min(times)
 
 
 def peak_extra_gib(fn, reset) -> float:

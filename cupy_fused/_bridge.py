@@ -79,8 +79,11 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
     """Launches ``kernel`` (a :class:`cupy_fused._runtime.Kernel`) on torch's
     current stream of ``device_index``.  ``grid``: (x, y, z) blocks; ``block``:
     threads per block (1-D).  ``args``: ints (pointers, 64-bit integers) and
-    floats (doubles), matching the kernel's parameters.  The CUDA device is
-    switched only when it is not already current."""
+    floats (doubles), matching the kernel's parameters.  ``shared_mem``: bytes
+    of dynamic shared memory (above 48 KiB the kernel is opted in on first
+    use).  The CUDA device is switched only when it is not already current."""
+    if shared_mem > kernel.shared_limit:
+        kernel.allow_shared(shared_mem)
     buf = getattr(_local, "buffer", None)
     if buf is None:
         require_cupy()

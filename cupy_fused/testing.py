@@ -1,5 +1,6 @@
 """Checking the fused models against the PyTorch reference: shared by the
-test suite, ``python -m cupy_fused`` and the benchmarks.
+test suite, ``python -m cupy_fused`` and the benchmarks (with the timing
+helper and the GEMM error measure they share).
 
 Ground truth is a float64 run of the reference (inputs and parameters
 upcast from the same values).  Errors are reported as
@@ -9,6 +10,7 @@ reference in the same dtype, side by side.
 from __future__ import annotations
 
 import copy
+import statistics
 from typing import Dict, Tuple
 
 import torch
@@ -41,6 +43,35 @@ def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
     if err != err:  # NaN: an unwritten or broken element
         return float("inf")
     return err / scale if scale > 0 else err
+
+
+def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn) -> float:
+    """max |C - C64| / (|A| |B|) over elements: each element of the product
+    ``c = ref_fn(a, b)`` against its own rounding bound, so rows and columns
+    of any magnitude count equally.  Unwritten (NaN) elements fail."""
+    truth = ref_fn(a.double(), b.double())
+    bound = ref_fn(a.double().abs(), b.double().abs()).clamp_min(1e-300)
+    err = (c.double() - truth).abs() / bound
+    if torch.isnan(err).any():
+        raise AssertionError("unwritten (NaN) output elements")
+    return err.max().item()
+
+
+def time_ms(fn, iters: int, warmup: int) -> Tuple[float, float]:
+    """(median, min) milliseconds of ``fn`` over ``iters`` calls after
+    ``warmup``, from CUDA events around each call on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in events]
+    return statistics.median(times), min(times)
 
 
 def _run(model, x, dy, grad_mode: str):

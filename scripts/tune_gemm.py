@@ -10,9 +10,9 @@ import argparse
 
 import torch
 
-from cupy_fused import _bridge, _runtime
+from cupy_fused import _runtime
 from cupy_fused.ops import gemm as G
-from cupy_fused.ops._common import cdiv
+from cupy_fused.testing import time_ms
 
 CANDIDATES = ["128x128x3", "128x128x4", "64x128x3", "64x128x4", "128x64x3", "128x64x4", "64x64x4"]
 
@@ -25,11 +25,8 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     tiles = {t: G.Tile(*map(int, t.split("x"))) for t in args.tiles}
-    exprs = {}
-    for name, tile in tiles.items():
-        G.TILES[name] = tile  # so that _expr can format it
-        exprs[name] = G._expr(name, args.passes, "forward", True)
-    family = _runtime.KernelFamily("gemm_tf32.cu", exprs)
+    family = _runtime.KernelFamily("gemm_tf32.cu", {
+        name: G._expr(tile, args.passes, "forward", True) for name, tile in tiles.items()})
     for shape in args.shapes:
         m, k, n = map(int, shape.split("x"))
         x, w = torch.rand(m, k, device="cuda"), torch.rand(n, k, device="cuda")
@@ -37,30 +34,11 @@ def main():
         ref = G.gemm(x, w, "forward", args.passes)
         for name, tile in tiles.items():
             fn = family.get(name, 0)
-            smem = tile.shared_bytes(True, True)
-            fn.allow_shared(smem)
-
-            def launch():
-                _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), 256, (
-                    x.data_ptr(), w.data_ptr(), out.data_ptr(), 0, 0, m, n, k, k, k, n), 0,
-                    shared_mem=smem)
-
-            launch()
-            torch.cuda.synchronize()
+            med, _ = time_ms(lambda: G.launch_gemm(fn, tile, "forward", x, w, out), args.iters, 1)
             same = torch.equal(out, ref)
-            times = []
-            for _ in range(args.iters):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                launch()
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e))
-            med = sorted(times)[len(times) // 2]
             print(f"{shape} {name:10s} {med:.3f} ms {2 * m * n * k / med / 1e9:.0f} TFLOP/s"
                   f"{'' if same else '  (result differs from the default tile: summation order)'}",
                   flush=True)
-
 
 if __name__ == "__main__":
     main()

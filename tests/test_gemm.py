@@ -8,7 +8,7 @@ import torch
 import cupy_fused
 from cupy_fused import ops
 from cupy_fused.ops import gemm as G
-from cupy_fused.testing import poison_allocator
+from cupy_fused.testing import poison_allocator, scaled_gemm_error
 
 gpu = pytest.mark.gpu
 
@@ -112,15 +112,6 @@ def _operands(layout, m, k, n, device, gen, spread=0):
     return a.float(), b.float(), lambda a, b: a.t() @ b
 
 
-def _scaled_error(c, a, b, ref):
-    """max |C - C64| / (|A| |B|): each element against its own error bound."""
-    truth = ref(a.double(), b.double())
-    bound = ref(a.double().abs(), b.double().abs()).clamp_min(1e-300)
-    err = (c.double() - truth).abs() / bound
-    assert not torch.isnan(err).any(), "unwritten (NaN) output elements"
-    return err.max().item()
-
-
 SHAPES = [(1, 1, 1), (3, 5, 7), (17, 33, 9), (129, 67, 200), (257, 1029, 130), (64, 128, 64),
           (300, 4096, 520), (1024, 1024, 2048)]
 
@@ -136,7 +127,7 @@ def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
     poison_allocator(device, 4 * m * n)
     ours = G.gemm(a, b, layout, 3)
     sgemm = ref(a, b)
-    e_ours, e_sgemm = _scaled_error(ours, a, b, ref), _scaled_error(sgemm, a, b, ref)
+    e_ours, e_sgemm = scaled_gemm_error(ours, a, b, ref), scaled_gemm_error(sgemm, a, b, ref)
     if k >= 256 and m * n >= 2**20:
         # Outputs this large run on cuBLAS kernels without split-k, whose
         # float32 sums are as long as k: the chunked 3xTF32 accumulation wins.
@@ -149,7 +140,7 @@ def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
         # measured up to 2x that.  Both stay within a few float32 roundings.
         assert e_ours <= 2.0 ** -20, (e_ours, e_sgemm)
     tf32 = G.gemm(a, b, layout, 1)
-    assert _scaled_error(tf32, a, b, ref) < 2e-3
+    assert scaled_gemm_error(tf32, a, b, ref) < 2e-3
 
 
 @gpu
@@ -164,7 +155,7 @@ def test_unaligned_operands_take_the_word_load_kernel(layout, device):
     assert a_off.data_ptr() % 16 != 0
     out = G.gemm(a_off, b, layout, 3)
     assert torch.equal(out, G.gemm(a, b, layout, 3))  # same sums, only the loads differ
-    assert _scaled_error(out, a, b, ref) <= 2.0 ** -20
+    assert scaled_gemm_error(out, a, b, ref) <= 2.0 ** -20
 
 
 @gpu

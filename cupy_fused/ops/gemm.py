@@ -103,8 +103,7 @@ def _cxx_bool(b: bool) -> str:
     return "true" if b else "false"
 
 
-def _expr(tile: str, passes: int, layout: str, vec: bool) -> str:
-    t = TILES[tile]
+def _expr(t: Tile, passes: int, layout: str, vec: bool) -> str:
     a, b = LAYOUTS[layout]
     return (f"cf::gemm_tf32<{t.bm}, {t.bn}, {t.stages}, {passes}, {_cxx_bool(a)}, {_cxx_bool(b)}, "
             f"{_cxx_bool(vec)}, cf::LinearEpilogue>")
@@ -112,7 +111,7 @@ def _expr(tile: str, passes: int, layout: str, vec: bool) -> str:
 
 # Keyed by (tile, passes, layout, 16-byte loads).
 KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
-    (tile, passes, layout, vec): _expr(tile, passes, layout, vec)
+    (tile, passes, layout, vec): _expr(TILES[tile], passes, layout, vec)
     for tile in TILES for passes in (1, 3) for layout in LAYOUTS
     for vec in ((True,) if tile == "128x128" else (True, False))
 })
@@ -174,23 +173,28 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     (N,) or None, activation 0 (none) or 1 (ReLU).
     """
     a_kmajor, b_kmajor = LAYOUTS[layout]
-    m, k = a.shape if a_kmajor else (a.shape[1], a.shape[0])
-    n = b.shape[0] if b_kmajor else b.shape[1]
+    m, n = (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
         return out
-    lda, ldb = a.shape[1], b.shape[1]
-    vec = _rows_aligned(a, lda) and _rows_aligned(b, ldb)
-    dev = a.device.index
-    tile = choose_tile(m, n, vec, dev)
-    spec = TILES[tile]
-    fn = KERNELS.get((tile, passes, layout, vec), dev)
-    shared = spec.shared_bytes(a_kmajor, b_kmajor)
-    fn.allow_shared(shared)
-    _bridge.launch(fn, (cdiv(m, spec.bm) * cdiv(n, spec.bn), 1, 1), 256, (
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), bias.data_ptr() if bias is not None else 0,
-        activation, m, n, k, lda, ldb, n), dev, shared_mem=shared)
+    vec = _rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])
+    tile = choose_tile(m, n, vec, a.device.index)
+    launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
+                a, b, out, bias, activation)
     return out
+
+
+def launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, activation: int = 0) -> None:
+    """Launches ``fn``, a ``gemm_tf32`` instantiation of ``tile`` and
+    ``layout``, writing ``out`` [M, N] (operands as in :func:`gemm`)."""
+    a_kmajor, b_kmajor = LAYOUTS[layout]
+    m, n = out.shape
+    k = inner_size(a, layout)
+    _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), 256, (
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), bias.data_ptr() if bias is not None else 0,
+        activation, m, n, k, a.shape[1], b.shape[1], n), a.device.index,
+        shared_mem=tile.shared_bytes(a_kmajor, b_kmajor))
 
 
 # ---------------------------------------------------------------- autograd op
