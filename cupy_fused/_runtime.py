@@ -11,6 +11,9 @@ launchable function.
   on-disk kernel cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)
   keeps the binaries across processes.  The NVRTC options carry a hash of all
   kernel sources, so editing a header invalidates the disk cache too.
+* On compute capability 9.0 (H100, H200) sources are compiled for ``sm_90a``,
+  which adds Hopper's architecture-specific instructions (``wgmma``) to
+  sm_90; kernels test ``__CUDA_ARCH_FEAT_SM90_ALL`` before using them.
 * Importing :mod:`cupy_fused` compiles nothing; the first launch compiles.
 * :func:`compile_check` compiles every declared instantiation with NVRTC alone,
   for a given architecture, without a GPU or driver (the CPU CI tier).
@@ -78,6 +81,29 @@ def nvrtc_options() -> Tuple[str, ...]:
             f"-DCUPY_FUSED_SOURCES_HASH=0x{_sources_hash()}ULL",
         ) + tuple(os.environ.get("CUPY_FUSED_NVRTC_OPTIONS", "").split())
     return _options_cache
+
+
+def arch_options(device: int) -> Tuple[str, ...]:
+    """NVRTC options naming an architecture-specific target for ``device``:
+    ``-arch=sm_90a`` on compute capability 9.0, none elsewhere (CuPy then
+    adds the plain ``-arch=sm_XY``).  NVRTC given both ``sm_90`` and
+    ``sm_90a`` compiles for ``sm_90a``: the compile check and the GPU tests
+    (which launch the ``wgmma`` kernels, whose sm_90 body traps) cover that."""
+    if device_capability(device) == (9, 0):
+        return ("-arch=sm_90a",)
+    return ()
+
+
+_capabilities: Dict[int, Tuple[int, int]] = {}
+
+
+def device_capability(device: int) -> Tuple[int, int]:
+    """(major, minor) compute capability of CUDA device ``device`` (cached)."""
+    cap = _capabilities.get(device)
+    if cap is None:
+        cc = require_cupy().cuda.Device(device).compute_capability  # e.g. "90"
+        cap = _capabilities[device] = (int(cc[:-1]), int(cc[-1]))
+    return cap
 
 
 # ---------------------------------------------------------------- declarations
@@ -168,7 +194,7 @@ def get_function(source: str, name_expression: str, device: int) -> Kernel:
                 "declare it with cupy_fused._runtime.declare()"
             )
         cupy = require_cupy()
-        mkey = _ModuleKey(source, nvrtc_options(), device)
+        mkey = _ModuleKey(source, nvrtc_options() + arch_options(device), device)
         with cupy.cuda.Device(device):
             module = _modules.get(mkey)
             if module is None:
@@ -216,8 +242,9 @@ class CompileError(RuntimeError):
 
 
 def compile_check(arch: str, sources: Optional[Iterable[str]] = None) -> Dict[str, int]:
-    """Compiles every declared instantiation for ``arch`` (e.g. ``"sm_90"``)
-    with NVRTC only (no GPU, no driver needed).
+    """Compiles every declared instantiation for ``arch`` (e.g. ``"sm_90"``,
+    or ``"sm_90a"`` for the Hopper-only kernel bodies) with NVRTC only (no
+    GPU, no driver needed).
 
     Returns ``{source: cubin size in bytes}``.  Raises :class:`CompileError`
     with the NVRTC log when a source fails, or when a ``.cu`` file has no

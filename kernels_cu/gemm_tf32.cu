@@ -108,30 +108,39 @@ struct OperandTile {
 
   // Global -> shared for the tile at (mn0, k0) of an operand whose element
   // (mn, k) is at g[mn*ld + k] (K-major) or g[k*ld + mn] (MN-major).
-  template <bool kVec>
+  // `tid` in [0, kThreads): the threads sharing the load.
+  template <bool kVec, int kThreads = kGemmThreads>
   __device__ __forceinline__ static void load(float* tile, const float* g, i64 ld, i64 extent,
                                               i64 K, i64 mn0, i64 k0, int tid) {
     // 4-float chunks: K-major rows hold 32/4 chunks, MN-major rows kExtent/4.
     constexpr int kChunksPerRow = (kKMajor ? kGemmBK : kExtent) / 4;
     constexpr int kChunks = (kKMajor ? kExtent : kGemmBK) * kChunksPerRow;
-    static_assert(kChunks % kGemmThreads == 0, "tile must split evenly over the block");
-    const unsigned base = shared_addr(tile);
+    static_assert(kChunks % kThreads == 0 && kThreads % kChunksPerRow == 0,
+                  "tile must split evenly over the loading threads, in whole rows");
+    // Pass j covers rows r0 + j * kRowsPerPass: the addresses are computed
+    // once and stepped (this runs for every k-tile; the address arithmetic
+    // used to cost more issue slots than the copies).
+    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    const int r0 = tid / kChunksPerRow, c4 = (tid % kChunksPerRow) * 4;
+    // (row index, contiguous index) in the operand's memory order
+    const i64 outer0 = (kKMajor ? mn0 : k0) + r0, inner = (kKMajor ? k0 : mn0) + c4;
+    const i64 outer_end = kKMajor ? extent : K, inner_end = kKMajor ? K : extent;
+    const float* const src = g + outer0 * ld + inner;
+    const i64 pass_stride = kRowsPerPass * ld;
+    const unsigned dst0 = shared_addr(tile) + 4u * static_cast<unsigned>(r0 * kStride + c4);
 #pragma unroll
-    for (int j = 0; j < kChunks / kGemmThreads; ++j) {
-      const int i = tid + j * kGemmThreads;
-      const int r = i / kChunksPerRow, c4 = (i % kChunksPerRow) * 4;
-      // (row index, contiguous index) in the operand's memory order
-      const i64 outer = (kKMajor ? mn0 : k0) + r, inner = (kKMajor ? k0 : mn0) + c4;
-      const i64 outer_end = kKMajor ? extent : K, inner_end = kKMajor ? K : extent;
-      const unsigned dst = base + 4u * static_cast<unsigned>(r * kStride + c4);
+    for (int j = 0; j < kChunks / kThreads; ++j) {
+      const i64 outer = outer0 + j * kRowsPerPass;
+      const unsigned dst = dst0 + 4u * static_cast<unsigned>(j * kRowsPerPass * kStride);
+      const float* const p = src + j * pass_stride;
       if constexpr (kVec) {  // inner_end % 4 == 0: a chunk is wholly inside or outside
         const bool in = outer < outer_end && inner < inner_end;
-        cp_async16(dst, in ? g + outer * ld + inner : g, in ? 16 : 0);
+        cp_async16(dst, in ? p : g, in ? 16 : 0);
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const bool in = outer < outer_end && inner + e < inner_end;
-          cp_async4(dst + 4u * e, in ? g + outer * ld + inner + e : g, in ? 4 : 0);
+          cp_async4(dst + 4u * e, in ? p + e : g, in ? 4 : 0);
         }
       }
     }
@@ -335,6 +344,311 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
         }
       }
     }
+}
+
+
+// ===========================================================================
+// Hopper variant: the same 3xTF32 product on `wgmma` (sm_90a), which runs
+// TF32 at about twice the rate of mma.sync on H100.
+//
+// Block tile 128 x 128 x 32, three warpgroups with their own roles (the
+// mma.sync kernel above spends as many issue slots on loads, the split and
+// the chunk folds as on MMAs; here those overlap the tensor cores):
+//  * the producer (warps 0-3) streams raw float32 tiles of A and B into a
+//    kStages ring with cp.async, then rewrites each B tile into a "big" and a
+//    "small" TF32 plane in wgmma's no-swizzle K-major layout (8 x 16-byte
+//    core matrices; LBO = 128 bytes between the two k-halves of an 8-wide
+//    step, SBO = 256 bytes between 8-column blocks), transposing N-major
+//    operands on the way, and marks the stage full (mbarrier);
+//  * two consumers (warps 4-7, 8-11) each own 64 rows of C: they load their
+//    A fragments from the raw tile, split them in registers (the same
+//    permuted 64-bit loads as the mma.sync kernel) and issue
+//    `wgmma.m64n128k8 {a0..a3}, descB` against the planes, then mark the
+//    stage empty.  wgmma takes TF32 operands K-major only, hence the B planes;
+//    A from registers needs no plane.
+//  * k order inside each 8-wide step follows the A permutation: k-half 0 of a
+//    plane row holds physical k 0, 2, 4, 6 and half 1 holds 1, 3, 5, 7.
+//  * Chunked accumulation as above: one chunk = two MMA steps (16 k-values,
+//    6 wgmma), started with scale-d = 0, then added into the float32 sum (64
+//    accumulator + 64 sum registers a thread).  setmaxnreg moves registers
+//    from the producer to the consumers.
+//
+// Accumulator layout (per warp, 16 rows): d[4i + 0/1] = row g, columns
+// 8i + 2t, +1; d[4i + 2/3] = row g + 8, same columns.  With the row
+// permutation (MMA row g <-> physical 2g, g + 8 <-> 2g + 1) a thread stores
+// float2s at physical rows 2g and 2g + 1.
+// Compiled for every architecture (the compile check covers it); without
+// sm_90a features the body traps, and the library never launches it there.
+constexpr int kWgBM = 128, kWgBN = 128;
+constexpr int kWgThreads = 384;                      // producer + 2 consumer warpgroups
+constexpr int kPlaneStepBytes = kWgBN * 8 * 4;       // one 8-wide k step of a plane: 4 KiB
+constexpr int kPlaneBytes = kPlaneStepBytes * (kGemmBK / 8);  // one plane of a k-tile: 16 KiB
+constexpr int kWgBarrierBytes = 128;                 // the stages' full/empty mbarriers
+
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor>
+struct WgmmaConfig {
+  typedef OperandTile<kAKMajor, kWgBM> TileA;
+  typedef OperandTile<kBKMajor, kWgBN> TileB;
+  // A stage: the B planes (big, and small for 3 passes), then the raw tiles.
+  static constexpr int kPlanesBytes = (kPasses == 3 ? 2 : 1) * kPlaneBytes;
+  static constexpr int kStageBytes = kPlanesBytes + (TileA::kFloats + TileB::kFloats) * 4;
+  static constexpr int kSharedBytes = kWgBarrierBytes + kStages * kStageBytes;
+  static_assert(2 * kStages * 8 <= kWgBarrierBytes, "barriers fit");
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Shared-memory matrix descriptor, no swizzle: start address, LBO, SBO (each
+// in 16-byte units).
+__device__ __forceinline__ unsigned long long plane_desc(unsigned addr) {
+  return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) | (static_cast<unsigned long long>(128 >> 4) << 16) |
+         (static_cast<unsigned long long>(256 >> 4) << 32);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Keeps the compiler from moving reads or writes of the accumulator
+// registers across the asynchronous MMAs' issue and wait.
+__device__ __forceinline__ void fence_registers(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+#define CF_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+                 "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+// d (+)= a * B, a: this warp's 16 x 8 TF32 fragment, B: 8 x 128 from shared
+// memory.  kAccumulate = false ignores d's old value (scale-d = 0).
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4], unsigned long long desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : CF_D8(0), CF_D8(8), CF_D8(16), CF_D8(24), CF_D8(32), CF_D8(40), CF_D8(48), CF_D8(56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(kAccumulate ? 1 : 0));
+}
+#undef CF_D8
+
+// mbarriers (one phase per use of a stage).
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+#endif
+
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue>
+__global__ void __launch_bounds__(kWgThreads, 1)
+gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K,
+                i64 lda, i64 ldb, i64 ldc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  typedef WgmmaConfig<kStages, kPasses, kAKMajor, kBKMajor> Cfg;
+  typedef typename Cfg::TileA TileA;
+  typedef typename Cfg::TileB TileB;
+  static_assert(kGemmBK == 32 && kChunkK == 16, "two chunks of two MMA steps per k-tile");
+  extern __shared__ __align__(128) float4 wgmma_shared[];
+  char* const smem = reinterpret_cast<char*>(wgmma_shared);
+  const unsigned bars = shared_addr(smem);  // full[s] at + 8s, empty[s] at + 8 (kStages + s)
+  char* const stages = smem + kWgBarrierBytes;
+  const unsigned stages_addr = bars + kWgBarrierBytes;
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (kStages + s); };
+  auto raw_a = [&](int s) { return reinterpret_cast<float*>(stages + s * Cfg::kStageBytes + Cfg::kPlanesBytes); };
+  auto raw_b = [&](int s) { return raw_a(s) + TileA::kFloats; };
+  auto planes = [&](int s) { return stages_addr + s * Cfg::kStageBytes; };
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  constexpr i64 kGroup = 8;
+  const i64 tiles_m = (M + kWgBM - 1) / kWgBM, tiles_n = (N + kWgBN - 1) / kWgBN;
+  const i64 pid = blockIdx.x;
+  const i64 in_group = kGroup * tiles_n;
+  const i64 first_m = (pid / in_group) * kGroup;
+  const i64 group_rows = min(tiles_m - first_m, kGroup);
+  const i64 m0 = (first_m + (pid % in_group) % group_rows) * kWgBM;
+  const i64 n0 = ((pid % in_group) / group_rows) * kWgBN;
+  const int ktiles = static_cast<int>((K + kGemmBK - 1) / kGemmBK);
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 128);   // the producer's threads, after converting
+      mbar_init(empty(s), 256);  // the consumers' threads, after their last read
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ---------------- producer ----------------
+    // 128 x 120 + 256 x 192 registers <= 64K: the most the consumers can get
+    // (64 accumulator + 64 sum + 32 fragment registers and addresses) while
+    // neither role spills (ptxas -v, all six variants).
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 120;\n");
+    const int ptid = tid;  // 0..127
+    // Raw B tile in stage s -> its planes.  Item (step st, column n): the 8
+    // k-values of column n in step st, split, 16 bytes per (plane, k-half).
+    auto convert = [&](int s) {
+      const float* sb = raw_b(s);
+#pragma unroll
+      for (int j = 0; j < (kWgBN * kGemmBK / 8) / 128; ++j) {
+        const int item = ptid + j * 128;
+        const int n = item % kWgBN, st = item / kWgBN;
+        float v[8];
+        if constexpr (kBKMajor) {
+          const float4 lo = *reinterpret_cast<const float4*>(sb + n * TileB::kStride + 8 * st);
+          const float4 hi = *reinterpret_cast<const float4*>(sb + n * TileB::kStride + 8 * st + 4);
+          v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
+          v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+        } else {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) v[q] = sb[(8 * st + q) * TileB::kStride + n];
+        }
+        const unsigned dst = planes(s) + st * kPlaneStepBytes + (n >> 3) * 256 + (n & 7) * 16;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          Split<kPasses, 4> part;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) part.set(e, v[2 * e + h]);
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + 128 * h), "r"(part.big[0]),
+                       "r"(part.big[1]), "r"(part.big[2]), "r"(part.big[3]));
+          if constexpr (kPasses == 3)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + kPlaneBytes + 128 * h),
+                         "r"(part.small[0]), "r"(part.small[1]), "r"(part.small[2]), "r"(part.small[3]));
+        }
+      }
+      // The planes are read by the tensor cores (async proxy) next.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    };
+    // Iteration `it` issues the loads of tile it and converts tile it - 1,
+    // so one tile's loads are always in flight while the previous converts.
+    for (int it = 0; it <= ktiles; ++it) {
+      if (it < ktiles) {
+        const int s = it % kStages;
+        if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
+        const i64 k0 = static_cast<i64>(it) * kGemmBK;
+        TileA::template load<true, 128>(raw_a(s), a, lda, M, K, m0, k0, ptid);
+        TileB::template load<true, 128>(raw_b(s), b, ldb, N, K, n0, k0, ptid);
+      }
+      cp_async_commit();
+      if (it >= 1) {
+        const int s = (it - 1) % kStages;
+        cp_async_wait<1>();                                  // tile it - 1: this thread's copies
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");     // ... and every producer thread's
+        convert(s);
+        mbar_arrive(full(s));
+      }
+    }
+  } else {
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n");
+    const int ctid = tid - 128, cwarp = ctid >> 5, lane = ctid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int row = 64 * (cwarp >> 2) + 16 * (cwarp & 3) + 2 * g;  // this thread's rows row, row + 1
+
+    // A fragment of MMA step st (0..3) of the tile in stage s, split (rows as
+    // in the mma.sync kernel: MMA row g, g + 8 <-> row, row + 1; k t, t + 4
+    // <-> 2t, 2t + 1).
+    auto load_a = [&](int s, int st, Split<kPasses, 4>& fa) {
+      const float* sa = raw_a(s);
+      if constexpr (kAKMajor) {
+        const float2 r0 = TileA::pair(sa, row, 8 * st + 2 * t);
+        const float2 r1 = TileA::pair(sa, row + 1, 8 * st + 2 * t);
+        fa.set(0, r0.x); fa.set(1, r1.x); fa.set(2, r0.y); fa.set(3, r1.y);
+      } else {
+        const float2 lo = TileA::pair(sa, 8 * st + 2 * t, row);
+        const float2 hi = TileA::pair(sa, 8 * st + 2 * t + 1, row);
+        fa.set(0, lo.x); fa.set(1, lo.y); fa.set(2, hi.x); fa.set(3, hi.y);
+      }
+    };
+    float acc[64], sum[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = sum[i] = 0.0f;
+    // The 3 (or 1) MMAs of each of the two steps of a chunk.  Its fragments
+    // must stay untouched until the MMAs complete, so the two chunks of a
+    // tile use separate fragment registers.
+    auto issue_chunk = [&](int s, int chunk, const Split<kPasses, 4> (&fa)[2]) {
+      fence_registers(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const unsigned big = planes(s) + (2 * chunk + j) * kPlaneStepBytes;
+        if constexpr (kPasses == 3) {
+          if (j == 0) wgmma_tf32<false>(acc, fa[j].small, plane_desc(big));
+          else wgmma_tf32<true>(acc, fa[j].small, plane_desc(big));
+          wgmma_tf32<true>(acc, fa[j].big, plane_desc(big + kPlaneBytes));
+          wgmma_tf32<true>(acc, fa[j].big, plane_desc(big));
+        } else {
+          if (j == 0) wgmma_tf32<false>(acc, fa[j].big, plane_desc(big));
+          else wgmma_tf32<true>(acc, fa[j].big, plane_desc(big));
+        }
+      }
+      wgmma_commit();
+    };
+    auto fold = [&]() {
+      wgmma_wait_all();
+      fence_registers(acc);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) sum[i] += acc[i];
+    };
+
+    Split<kPasses, 4> fa_lo[2], fa_hi[2];  // steps 0, 1 and 2, 3 of a tile
+    mbar_wait(full(0), 0);
+    load_a(0, 0, fa_lo[0]);
+    load_a(0, 1, fa_lo[1]);
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const int s = kt % kStages;
+      issue_chunk(s, 0, fa_lo);
+      load_a(s, 2, fa_hi[0]);
+      load_a(s, 3, fa_hi[1]);
+      fold();
+      issue_chunk(s, 1, fa_hi);
+      if (kt + 1 < ktiles) {  // the next tile's first fragments, while chunk 1 runs
+        const int s1 = (kt + 1) % kStages;
+        mbar_wait(full(s1), ((kt + 1) / kStages) & 1);
+        load_a(s1, 0, fa_lo[0]);
+        load_a(s1, 1, fa_lo[1]);
+      }
+      fold();
+      mbar_arrive(empty(s));
+    }
+
+    const Epilogue epilogue(epilogue_vector, epilogue_option);
+    const bool vec_store = (ldc % 2 == 0) && ((reinterpret_cast<unsigned long long>(c) & 7) == 0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const i64 r = m0 + row + h;
+      if (r >= M) continue;
+      float* crow = c + r * ldc;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const i64 col = n0 + 8 * i + 2 * t;
+        const float v0 = sum[4 * i + 2 * h], v1 = sum[4 * i + 2 * h + 1];
+        if (vec_store && col + 1 < N) {
+          *reinterpret_cast<float2*>(crow + col) = make_float2(epilogue(v0, col), epilogue(v1, col + 1));
+        } else {
+          if (col < N) crow[col] = epilogue(v0, col);
+          if (col + 1 < N) crow[col + 1] = epilogue(v1, col + 1);
+        }
+      }
+    }
+  }
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
 }
 
 }  // namespace cf

@@ -27,17 +27,32 @@ for dtype in dtypes:
             print(problem, dtype, mode, "OK" if not bad else f"WORSE {bad}", flush=True)
             failed += bad
 if torch.float32 in dtypes:
-    # The GEMM kernel family directly: every layout, both pass counts, ragged
-    # edges, both tiles (1536 x 1540 fills the GPU with 128 x 128 tiles) and
-    # the word-load variant (an operand whose rows are not 16-byte aligned).
+    # The GEMM kernel family directly: every tile kernel this device runs
+    # (the wgmma one on compute capability 9.0), every layout, both pass
+    # counts, ragged edges, and the word-load variant (an operand whose rows
+    # are not 16-byte aligned); each result against float64.
+    from cupy_fused.testing import scaled_gemm_error
+
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for m, k, n in ((1, 1, 1), (67, 45, 130), (1536, 40, 1540)):
+    tiles = [t for t in G.TILES if t != "wgmma128x128" or G.has_wgmma(0)]
+    for m, k, n in ((1, 1, 1), (67, 45, 130), (200, 40, 260)):
         for layout, (a_kmajor, b_kmajor) in G.LAYOUTS.items():
             a = torch.rand((m, k) if a_kmajor else (k, m), device="cuda", generator=gen)
             b = torch.rand((n, k) if b_kmajor else (k, n), device="cuda", generator=gen)
             a_unaligned = torch.empty(a.numel() + 1, device="cuda")[1:].view_as(a).copy_(a)
+            ref = {"forward": lambda a, b: a @ b.t(), "grad_input": lambda a, b: a @ b,
+                   "grad_weight": lambda a, b: a.t() @ b}[layout]
             for passes in (1, 3):
-                ok = torch.equal(G.gemm(a, b, layout, passes), G.gemm(a_unaligned, b, layout, passes))
-                print("gemm", layout, (m, k, n), passes, "OK" if ok else "MISMATCH", flush=True)
-                failed += [] if ok else [f"gemm {layout} {(m, k, n)}"]
+                outs = {"word loads": G.gemm(a_unaligned, b, layout, passes)}
+                for name in tiles:
+                    out = torch.full((m, n), float("nan"), device="cuda")
+                    G.launch_gemm(G.KERNELS.get((name, passes, layout, True), 0), G.TILES[name],
+                                  layout, a, b, out, passes=passes)
+                    outs[name] = out
+                for name, out in outs.items():
+                    err = scaled_gemm_error(out, a, b, ref)
+                    ok = err <= (2.0 ** -20 if passes == 3 else 2e-3)
+                    print("gemm", name, layout, (m, k, n), passes, "OK" if ok else f"ERROR {err}",
+                          flush=True)
+                    failed += [] if ok else [f"gemm {name} {layout} {(m, k, n)}"]
 sys.exit(1 if failed else 0)

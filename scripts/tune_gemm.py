@@ -3,8 +3,9 @@ shapes (the numbers behind ``cupy_fused.ops.gemm.TILES``):
 
     python scripts/tune_gemm.py [--tiles 128x128x3 64x128x4 ...] [--shapes MxKxN ...]
 
-A tile is BMxBNxSTAGES.  Candidates are declared as extra instantiations of
-gemm_tf32.cu, so the first run compiles them all.
+A tile is BMxBNxSTAGES (mma.sync) or wgmma128x128xSTAGES (the Hopper
+kernel, whose block tile is fixed at 128x128).  Candidates are declared as
+extra instantiations of gemm_tf32.cu, so the first run compiles them all.
 """
 import argparse
 
@@ -14,7 +15,7 @@ from cupy_fused import _runtime
 from cupy_fused.ops import gemm as G
 from cupy_fused.testing import time_ms
 
-CANDIDATES = ["128x128x3", "128x128x4", "64x128x3", "64x128x4", "128x64x3", "128x64x4", "64x64x4"]
+CANDIDATES = ["wgmma128x128x3", "wgmma128x128x2", "128x128x3", "128x128x4", "64x128x3", "64x128x4", "128x64x3", "128x64x4", "64x64x4"]
 
 
 def main():
@@ -24,7 +25,8 @@ def main():
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
-    tiles = {t: G.Tile(*map(int, t.split("x"))) for t in args.tiles}
+    tiles = {t: G.Tile(*map(int, t.replace("wgmma", "").split("x")), wgmma=t.startswith("wgmma"))
+             for t in args.tiles}
     family = _runtime.KernelFamily("gemm_tf32.cu", {
         name: G._expr(tile, args.passes, "forward", True) for name, tile in tiles.items()})
     for shape in args.shapes:
@@ -34,7 +36,8 @@ def main():
         ref = G.gemm(x, w, "forward", args.passes)
         for name, tile in tiles.items():
             fn = family.get(name, 0)
-            med, _ = time_ms(lambda: G.launch_gemm(fn, tile, "forward", x, w, out), args.iters, 1)
+            med, _ = time_ms(lambda: G.launch_gemm(fn, tile, "forward", x, w, out,
+                                                       passes=args.passes), args.iters, 1)
             same = torch.equal(out, ref)
             print(f"{shape} {name:10s} {med:.3f} ms {2 * m * n * k / med / 1e9:.0f} TFLOP/s"
                   f"{'' if same else '  (result differs from the default tile: summation order)'}",

@@ -32,15 +32,36 @@ def test_precision_setting_is_validated_and_restored():
 def test_tiles_fit_in_shared_memory_and_split_evenly():
     for tile in G.TILES.values():
         for a_k, b_k in G.LAYOUTS.values():
-            assert tile.shared_bytes(a_k, b_k) <= 227 * 1024  # H100 / A100 opt-in limit
+            for passes in (1, 3):
+                assert tile.shared_bytes(a_k, b_k, passes) <= 227 * 1024  # H100 / A100 opt-in limit
         assert tile.bm % 32 == 0 and tile.bn % 64 == 0
+    # the wgmma kernel: mbarriers + 3 stages of raw A, raw B and two B planes
+    assert G.TILES["wgmma128x128"].shared_bytes(True, True) == 128 + 3 * (2 * 128 * 36 + 2 * 128 * 32) * 4
 
 
-def test_tile_choice(monkeypatch):
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_tile_choice(monkeypatch, wgmma):
     monkeypatch.setattr(G, "sm_count", lambda dev: 132)
-    assert G.choose_tile(1024, 8192, True, 0) == "128x128"
+    monkeypatch.setattr(G, "has_wgmma", lambda dev: wgmma)
+    assert G.choose_tile(1024, 8192, True, 0) == ("wgmma128x128" if wgmma else "128x128")
     assert G.choose_tile(1024, 8192, False, 0) == "64x64"  # unaligned rows: word loads
     assert G.choose_tile(256, 256, True, 0) == "64x64"  # too few 128x128 tiles to fill the GPU
+
+
+def test_wgmma_needs_compute_capability_9_0_and_can_be_switched_off(monkeypatch):
+    from cupy_fused import _runtime
+
+    for cap, expected in (((9, 0), True), ((8, 0), False), ((10, 0), False), ((12, 0), False)):
+        monkeypatch.setattr(_runtime, "device_capability", lambda dev, cap=cap: cap)
+        assert G.has_wgmma(0) is expected
+        assert _runtime.arch_options(0) == (("-arch=sm_90a",) if expected else ())
+    monkeypatch.setattr(_runtime, "device_capability", lambda dev: (9, 0))
+    G.set_wgmma_enabled(False)
+    try:
+        assert not G.has_wgmma(0)
+    finally:
+        G.set_wgmma_enabled(True)
+    assert G.has_wgmma(0)
 
 
 def test_short_sums_take_sgemm_under_3xtf32_only():
@@ -141,6 +162,76 @@ def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
         assert e_ours <= 2.0 ** -20, (e_ours, e_sgemm)
     tf32 = G.gemm(a, b, layout, 1)
     assert scaled_gemm_error(tf32, a, b, ref) < 2e-3
+
+
+def _tiles_on(device):
+    """The tile kernels that can run on ``device`` (16-byte loads)."""
+    names = ["128x128", "64x64"]
+    if G.has_wgmma(torch.device(device).index or 0):
+        names.insert(0, "wgmma128x128")
+    return names
+
+
+def _run_tile(name, a, b, layout, passes):
+    """One product on tile kernel ``name`` (whatever the size rule would
+    pick), into a NaN-poisoned output."""
+    a_kmajor, b_kmajor = G.LAYOUTS[layout]
+    m, n = (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
+    out = torch.full((m, n), float("nan"), device=a.device)
+    fn = G.KERNELS.get((name, passes, layout, True), a.device.index)
+    G.launch_gemm(fn, G.TILES[name], layout, a, b, out, passes=passes)
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("layout", list(G.LAYOUTS))
+@pytest.mark.parametrize("shape", [(4, 40, 4), (132, 36, 252), (260, 1028, 132), (128, 64, 128),
+                                   (700, 2080, 300)], ids=lambda s: "x".join(map(str, s)))
+def test_every_tile_kernel_on_ragged_shapes(layout, shape, device):
+    """Each 16-byte-load tile kernel directly (the size rule picks 128x128
+    tiles only for products that fill the GPU), on sizes that are multiples
+    of 4 (the 16-byte loads need that) but not of the tiles: every element
+    written, 3xTF32 and TF32 errors as for the default choice, the same bits
+    on a second run."""
+    m, k, n = shape
+    gen = torch.Generator(device=device).manual_seed(m + 5 * k + 11 * n)
+    for spread in (0, 20):
+        a, b, ref = _operands(layout, m, k, n, device, gen, spread)
+        sgemm_error = scaled_gemm_error(ref(a, b), a, b, ref)
+        for name in _tiles_on(device):
+            ours = _run_tile(name, a, b, layout, 3)
+            assert not ours.isnan().any(), name
+            err = scaled_gemm_error(ours, a, b, ref)
+            assert err <= max(2.0 ** -20, sgemm_error), (name, spread, err, sgemm_error)
+            assert torch.equal(ours, _run_tile(name, a, b, layout, 3)), name
+            tf32 = _run_tile(name, a, b, layout, 1)
+            assert not tf32.isnan().any() and scaled_gemm_error(tf32, a, b, ref) < 2e-3, name
+
+
+@gpu
+def test_gemm_takes_the_wgmma_kernel_on_hopper(device, monkeypatch):
+    """A product that fills the GPU with 128x128 tiles runs on the wgmma
+    kernel on compute capability 9.0 (and on mma.sync when it is off), both
+    at least as accurate as SGEMM there."""
+    idx = torch.device(device).index or 0
+    if not G.has_wgmma(idx):
+        pytest.skip("wgmma needs compute capability 9.0 (H100/H200)")
+    m, k, n = 1536, 2048, 1540  # long sums: where the chunked accumulation beats SGEMM
+    assert G.choose_tile(m, n, True, idx) == "wgmma128x128"
+    gen = torch.Generator(device=device).manual_seed(7)
+    for layout in G.LAYOUTS:
+        a, b, ref = _operands(layout, m, k, n, device, gen)
+        ours = G.gemm(a, b, layout, 3)
+        assert torch.equal(ours, _run_tile("wgmma128x128", a, b, layout, 3))
+        G.set_wgmma_enabled(False)
+        try:
+            mma_sync = G.gemm(a, b, layout, 3)
+        finally:
+            G.set_wgmma_enabled(True)
+        assert torch.equal(mma_sync, _run_tile("128x128", a, b, layout, 3))
+        e_sgemm = scaled_gemm_error(ref(a, b), a, b, ref)
+        for out in (ours, mma_sync):
+            assert scaled_gemm_error(out, a, b, ref) <= e_sgemm, layout
 
 
 @gpu

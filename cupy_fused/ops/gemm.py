@@ -28,6 +28,7 @@ Use ``"ieee"`` where infinities must survive the product.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -72,24 +73,37 @@ def resolve_precision(precision: Optional[str]) -> str:
 
 @dataclass(frozen=True)
 class Tile:
-    """Block tile of the GEMM kernel: bm x bn outputs, k-tiles of 32, a
-    ``stages``-deep cp.async pipeline."""
+    """Block tile of a GEMM kernel: bm x bn outputs, k-tiles of 32, a
+    ``stages``-deep pipeline of raw float32 tiles; ``wgmma``: the Hopper
+    kernel (``gemm_tf32_wgmma``, sm_90a, 3 warpgroups), whose stages also
+    hold the B tile split into TF32 planes, plus a word of mbarriers each."""
 
     bm: int
     bn: int
     stages: int
+    wgmma: bool = False
 
-    def shared_bytes(self, a_kmajor: bool, b_kmajor: bool) -> int:
+    @property
+    def threads(self) -> int:
+        return 384 if self.wgmma else 256
+
+    def shared_bytes(self, a_kmajor: bool, b_kmajor: bool, passes: int = 3) -> int:
         a = self.bm * 36 if a_kmajor else 32 * (self.bm + 4)
         b = self.bn * 36 if b_kmajor else 32 * (self.bn + 4)
-        return self.stages * (a + b) * 4
+        if not self.wgmma:
+            return self.stages * (a + b) * 4
+        planes = (2 if passes == 3 else 1) * self.bn * 32
+        return 128 + self.stages * (a + b + planes) * 4
 
 
-# 128x128 for every GEMM that fills the GPU with such tiles (one block of 8
-# warps per SM, 4 pipeline stages: 147 KiB of shared memory); 64x64 for smaller
-# ones and for operands not 16-byte aligned (word-by-word loads).  Measured
-# with scripts/tune_gemm.py (see GEMM_NOTES.md).
-TILES = {"128x128": Tile(128, 128, 4), "64x64": Tile(64, 64, 4)}
+# On H100/H200 (compute capability 9.0) every GEMM that fills the GPU with
+# 128x128 tiles and has 16-byte aligned rows runs on the wgmma kernel (one
+# block of 3 warpgroups per SM, 3 stages of raw tiles and B planes: 204 KiB
+# of shared memory).  Elsewhere, 128x128 on mma.sync (4 stages, 147 KiB); 64x64
+# for smaller GEMMs and for operands not 16-byte aligned (word-by-word loads).
+# Measured with scripts/tune_gemm.py (see GEMM_NOTES.md).
+TILES = {"wgmma128x128": Tile(128, 128, 3, wgmma=True), "128x128": Tile(128, 128, 4),
+         "64x64": Tile(64, 64, 4)}
 
 # (A K-major, B K-major) of the three products of a linear layer.
 LAYOUTS = {
@@ -104,8 +118,10 @@ def _cxx_bool(b: bool) -> str:
 
 
 def _expr(t: Tile, passes: int, layout: str, vec: bool) -> str:
-    a, b = LAYOUTS[layout]
-    return (f"cf::gemm_tf32<{t.bm}, {t.bn}, {t.stages}, {passes}, {_cxx_bool(a)}, {_cxx_bool(b)}, "
+    a, b = map(_cxx_bool, LAYOUTS[layout])
+    if t.wgmma:  # 128x128 only, 16-byte loads only
+        return f"cf::gemm_tf32_wgmma<{t.stages}, {passes}, {a}, {b}, cf::LinearEpilogue>"
+    return (f"cf::gemm_tf32<{t.bm}, {t.bn}, {t.stages}, {passes}, {a}, {b}, "
             f"{_cxx_bool(vec)}, cf::LinearEpilogue>")
 
 
@@ -113,7 +129,7 @@ def _expr(t: Tile, passes: int, layout: str, vec: bool) -> str:
 KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
     (tile, passes, layout, vec): _expr(TILES[tile], passes, layout, vec)
     for tile in TILES for passes in (1, 3) for layout in LAYOUTS
-    for vec in ((True,) if tile == "128x128" else (True, False))
+    for vec in ((True, False) if tile == "64x64" else (True,))
 })
 
 ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
@@ -125,9 +141,24 @@ ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 SGEMM_BELOW_INNER = 32
 
 
+_wgmma_setting = {"enabled": os.environ.get("CUPY_FUSED_GEMM_WGMMA", "1") != "0"}
+
+
+def has_wgmma(device_index: int) -> bool:
+    """Whether the GEMMs on this device may use the wgmma kernel: compute
+    capability 9.0, unless ``CUPY_FUSED_GEMM_WGMMA=0`` (or
+    :func:`set_wgmma_enabled`) turns it off, e.g. to compare with mma.sync."""
+    return _wgmma_setting["enabled"] and _runtime.device_capability(device_index) == (9, 0)
+
+
+def set_wgmma_enabled(enabled: bool) -> None:
+    """Process-wide switch of the Hopper wgmma GEMM (default: on)."""
+    _wgmma_setting["enabled"] = bool(enabled)
+
+
 def choose_tile(m: int, n: int, vec: bool, device_index: int) -> str:
     if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
-        return "128x128"
+        return "wgmma128x128" if has_wgmma(device_index) else "128x128"
     return "64x64"
 
 
@@ -180,21 +211,22 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     vec = _rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])
     tile = choose_tile(m, n, vec, a.device.index)
     launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
-                a, b, out, bias, activation)
+                a, b, out, bias, activation, passes)
     return out
 
 
 def launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                bias: Optional[torch.Tensor] = None, activation: int = 0) -> None:
-    """Launches ``fn``, a ``gemm_tf32`` instantiation of ``tile`` and
-    ``layout``, writing ``out`` [M, N] (operands as in :func:`gemm`)."""
+                bias: Optional[torch.Tensor] = None, activation: int = 0, passes: int = 3) -> None:
+    """Launches ``fn``, a ``gemm_tf32`` (or ``gemm_tf32_wgmma``)
+    instantiation of ``tile``, ``passes`` and ``layout``, writing ``out``
+    [M, N] (operands as in :func:`gemm`)."""
     a_kmajor, b_kmajor = LAYOUTS[layout]
     m, n = out.shape
     k = inner_size(a, layout)
-    _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), 256, (
+    _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), tile.threads, (
         a.data_ptr(), b.data_ptr(), out.data_ptr(), bias.data_ptr() if bias is not None else 0,
         activation, m, n, k, a.shape[1], b.shape[1], n), a.device.index,
-        shared_mem=tile.shared_bytes(a_kmajor, b_kmajor))
+        shared_mem=tile.shared_bytes(a_kmajor, b_kmajor, passes))
 
 
 # ---------------------------------------------------------------- autograd op
