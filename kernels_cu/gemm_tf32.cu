@@ -151,6 +151,22 @@ struct OperandTile {
   __device__ __forceinline__ static float2 pair(const float* tile, int row, int col) {
     return *reinterpret_cast<const float2*>(tile + row * kStride + col);
   }
+
+  // The A fragment of the MMA step at k (a multiple of 8) for MMA rows g,
+  // g + 8 <-> physical rows m, m + 1 and MMA k t, t + 4 <-> k + 2t, k + 2t + 1,
+  // split (two 64-bit loads); `Frag` is a Split<kPasses, 4>.
+  template <typename Frag>
+  __device__ __forceinline__ static void a_fragment(const float* tile, int m, int k, int t, Frag& fa) {
+    if constexpr (kKMajor) {
+      const float2 r0 = pair(tile, m, k + 2 * t);
+      const float2 r1 = pair(tile, m + 1, k + 2 * t);
+      fa.set(0, r0.x); fa.set(1, r1.x); fa.set(2, r0.y); fa.set(3, r1.y);
+    } else {
+      const float2 lo = pair(tile, k + 2 * t, m);
+      const float2 hi = pair(tile, k + 2 * t + 1, m);
+      fa.set(0, lo.x); fa.set(1, lo.y); fa.set(2, hi.x); fa.set(3, hi.y);
+    }
+  }
 };
 
 // ---- epilogues ----
@@ -184,7 +200,19 @@ struct GemmConfig {
 };
 
 // Grid: one block per BM x BN tile of C, 1-D, grouped by 8 tile-rows so that
-// blocks running together share A and B tiles in L2.
+// blocks running together share A and B tiles in L2.  Returns the tile's
+// first row and column.
+__device__ __forceinline__ void grouped_tile(i64 M, i64 N, int BM, int BN, i64& m0, i64& n0) {
+  constexpr i64 kGroup = 8;
+  const i64 tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  const i64 pid = blockIdx.x;
+  const i64 in_group = kGroup * tiles_n;
+  const i64 first_m = (pid / in_group) * kGroup;
+  const i64 group_rows = min(tiles_m - first_m, kGroup);
+  m0 = (first_m + (pid % in_group) % group_rows) * BM;
+  n0 = ((pid % in_group) / group_rows) * BN;
+}
+
 template <int BM, int BN, int kStages, int kPasses, bool kAKMajor, bool kBKMajor, bool kVec,
           typename Epilogue>
 __global__ void __launch_bounds__(kGemmThreads,
@@ -207,15 +235,8 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
   const int g = lane >> 2, t = lane & 3;
   const int wm = (warp >> 2) * Cfg::WM, wn = (warp & 3) * Cfg::WN;
 
-  // Tile of this block (grouped raster).
-  constexpr i64 kGroup = 8;
-  const i64 tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  const i64 pid = blockIdx.x;
-  const i64 in_group = kGroup * tiles_n;
-  const i64 first_m = (pid / in_group) * kGroup;
-  const i64 group_rows = min(tiles_m - first_m, kGroup);
-  const i64 m0 = (first_m + (pid % in_group) % group_rows) * BM;
-  const i64 n0 = ((pid % in_group) / group_rows) * BN;
+  i64 m0, n0;
+  grouped_tile(M, N, BM, BN, m0, n0);
 
   const int ktiles = static_cast<int>((K + kGemmBK - 1) / kGemmBK);
   auto load_stage = [&](int stage, int kt) {
@@ -283,17 +304,8 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
       }
 #pragma unroll
       for (int i = 0; i < MI; ++i) {
-        const int m = wm + 16 * i + 2 * g;  // MMA rows g, g+8 -> m, m+1
         Split<kPasses, 4> fa;
-        if constexpr (kAKMajor) {
-          const float2 r0 = TileA::pair(sa, m, kk + 2 * t);
-          const float2 r1 = TileA::pair(sa, m + 1, kk + 2 * t);
-          fa.set(0, r0.x); fa.set(1, r1.x); fa.set(2, r0.y); fa.set(3, r1.y);
-        } else {
-          const float2 lo = TileA::pair(sa, kk + 2 * t, m);
-          const float2 hi = TileA::pair(sa, kk + 2 * t + 1, m);
-          fa.set(0, lo.x); fa.set(1, lo.y); fa.set(2, hi.x); fa.set(3, hi.y);
-        }
+        TileA::a_fragment(sa, wm + 16 * i + 2 * g, kk, t, fa);  // MMA rows g, g+8 -> m, m+1
 #pragma unroll
         for (int j = 0; j < NI; ++j) {
           // fragment j = 2p + (j % 2): its (k t, k t+4) words
@@ -473,14 +485,8 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
   auto planes = [&](int s) { return stages_addr + s * Cfg::kStageBytes; };
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  constexpr i64 kGroup = 8;
-  const i64 tiles_m = (M + kWgBM - 1) / kWgBM, tiles_n = (N + kWgBN - 1) / kWgBN;
-  const i64 pid = blockIdx.x;
-  const i64 in_group = kGroup * tiles_n;
-  const i64 first_m = (pid / in_group) * kGroup;
-  const i64 group_rows = min(tiles_m - first_m, kGroup);
-  const i64 m0 = (first_m + (pid % in_group) % group_rows) * kWgBM;
-  const i64 n0 = ((pid % in_group) / group_rows) * kWgBN;
+  i64 m0, n0;
+  grouped_tile(M, N, kWgBM, kWgBN, m0, n0);
   const int ktiles = static_cast<int>((K + kGemmBK - 1) / kGemmBK);
 
   if (tid == 0) {
@@ -559,21 +565,8 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
     const int g = lane >> 2, t = lane & 3;
     const int row = 64 * (cwarp >> 2) + 16 * (cwarp & 3) + 2 * g;  // this thread's rows row, row + 1
 
-    // A fragment of MMA step st (0..3) of the tile in stage s, split (rows as
-    // in the mma.sync kernel: MMA row g, g + 8 <-> row, row + 1; k t, t + 4
-    // <-> 2t, 2t + 1).
-    auto load_a = [&](int s, int st, Split<kPasses, 4>& fa) {
-      const float* sa = raw_a(s);
-      if constexpr (kAKMajor) {
-        const float2 r0 = TileA::pair(sa, row, 8 * st + 2 * t);
-        const float2 r1 = TileA::pair(sa, row + 1, 8 * st + 2 * t);
-        fa.set(0, r0.x); fa.set(1, r1.x); fa.set(2, r0.y); fa.set(3, r1.y);
-      } else {
-        const float2 lo = TileA::pair(sa, 8 * st + 2 * t, row);
-        const float2 hi = TileA::pair(sa, 8 * st + 2 * t + 1, row);
-        fa.set(0, lo.x); fa.set(1, lo.y); fa.set(2, hi.x); fa.set(3, hi.y);
-      }
-    };
+    // A fragment of MMA step st (0..3) of the tile in stage s, split.
+    auto load_a = [&](int s, int st, Split<kPasses, 4>& fa) { TileA::a_fragment(raw_a(s), row, 8 * st, t, fa); };
     float acc[64], sum[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = sum[i] = 0.0f;
