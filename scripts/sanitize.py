@@ -36,7 +36,6 @@ if torch.float32 in dtypes:
     from cupy_fused.testing import scaled_gemm_error
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tiles = [t for t in G.TILES if t != "wgmma128x128" or G.has_wgmma(0)]
     for m, k, n in ((4, 4, 4), (68, 44, 132), (200, 40, 260)):
         for layout, (a_kmajor, b_kmajor) in G.LAYOUTS.items():
             a = torch.rand((m, k) if a_kmajor else (k, m), device="cuda", generator=gen)
@@ -46,11 +45,9 @@ if torch.float32 in dtypes:
                    "grad_weight": lambda a, b: a.t() @ b}[layout]
             for passes in (1, 3):
                 outs = {"word loads": G.gemm(a_unaligned, b, layout, passes)}
-                for name in tiles:
-                    out = torch.full((m, n), float("nan"), device="cuda")
-                    G.launch_gemm(G.KERNELS.get((name, passes, layout, True), 0), G.TILES[name],
-                                  layout, a, b, out, passes=passes)
-                    outs[name] = out
+                for name in G.available_tiles(0):
+                    outs[name] = G.gemm_on_tile(a, b, layout, passes, name,
+                                                out=torch.full((m, n), float("nan"), device="cuda"))
                 for name, out in outs.items():
                     err = scaled_gemm_error(out, a, b, ref)
                     ok = err <= (2.0 ** -20 if passes == 3 else 2e-3)

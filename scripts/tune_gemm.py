@@ -15,7 +15,8 @@ from cupy_fused import _runtime
 from cupy_fused.ops import gemm as G
 from cupy_fused.testing import time_ms
 
-CANDIDATES = ["wgmma128x128x3", "wgmma128x128x2", "128x128x3", "128x128x4", "64x128x3", "64x128x4", "128x64x3", "128x64x4", "64x64x4"]
+CANDIDATES = ["wgmma128x128x3", "wgmma128x128x2", "128x128x3", "128x128x4", "64x128x3", "64x128x4",
+              "128x64x3", "128x64x4", "64x64x4"]
 
 
 def main():

@@ -46,6 +46,13 @@ def test_tile_choice(monkeypatch, wgmma):
     assert G.choose_tile(1024, 8192, True, 0) == ("wgmma128x128" if wgmma else "128x128")
     assert G.choose_tile(1024, 8192, False, 0) == "64x64"  # unaligned rows: word loads
     assert G.choose_tile(256, 256, True, 0) == "64x64"  # too few 128x128 tiles to fill the GPU
+    assert G.available_tiles(0) == (("wgmma128x128",) if wgmma else ()) + ("128x128", "64x64")
+
+
+def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
+    a, b = torch.rand(8, 6), torch.rand(8, 6)  # contiguous extent 6: rows not 16-byte aligned
+    with pytest.raises(ValueError, match="rows start on 16 bytes"):
+        G.gemm_on_tile(a, b, "forward", 3, "64x64")
 
 
 def test_wgmma_needs_compute_capability_9_0_and_can_be_switched_off(monkeypatch):
@@ -164,23 +171,12 @@ def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
     assert scaled_gemm_error(tf32, a, b, ref) < 2e-3
 
 
-def _tiles_on(device):
-    """The tile kernels that can run on ``device`` (16-byte loads)."""
-    names = ["128x128", "64x64"]
-    if G.has_wgmma(torch.device(device).index or 0):
-        names.insert(0, "wgmma128x128")
-    return names
-
-
 def _run_tile(name, a, b, layout, passes):
-    """One product on tile kernel ``name`` (whatever the size rule would
-    pick), into a NaN-poisoned output."""
+    """One product on tile kernel ``name``, into a NaN-poisoned output."""
     a_kmajor, b_kmajor = G.LAYOUTS[layout]
     m, n = (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
-    out = torch.full((m, n), float("nan"), device=a.device)
-    fn = G.KERNELS.get((name, passes, layout, True), a.device.index)
-    G.launch_gemm(fn, G.TILES[name], layout, a, b, out, passes=passes)
-    return out
+    return G.gemm_on_tile(a, b, layout, passes, name,
+                          out=torch.full((m, n), float("nan"), device=a.device))
 
 
 @gpu
@@ -198,7 +194,7 @@ def test_every_tile_kernel_on_ragged_shapes(layout, shape, device):
     for spread in (0, 20):
         a, b, ref = _operands(layout, m, k, n, device, gen, spread)
         sgemm_error = scaled_gemm_error(ref(a, b), a, b, ref)
-        for name in _tiles_on(device):
+        for name in G.available_tiles(device.index):
             ours = _run_tile(name, a, b, layout, 3)
             assert not ours.isnan().any(), name
             err = scaled_gemm_error(ours, a, b, ref)
@@ -213,7 +209,7 @@ def test_gemm_takes_the_wgmma_kernel_on_hopper(device, monkeypatch):
     """A product that fills the GPU with 128x128 tiles runs on the wgmma
     kernel on compute capability 9.0 (and on mma.sync when it is off), both
     at least as accurate as SGEMM there."""
-    idx = torch.device(device).index or 0
+    idx = device.index
     if not G.has_wgmma(idx):
         pytest.skip("wgmma needs compute capability 9.0 (H100/H200)")
     m, k, n = 1536, 2048, 1540  # long sums: where the chunked accumulation beats SGEMM

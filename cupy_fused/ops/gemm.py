@@ -156,6 +156,11 @@ def set_wgmma_enabled(enabled: bool) -> None:
     _wgmma_setting["enabled"] = bool(enabled)
 
 
+def available_tiles(device_index: int) -> Tuple[str, ...]:
+    """The tile kernels that can run on this device (with 16-byte loads)."""
+    return tuple(t for t in TILES if not TILES[t].wgmma or has_wgmma(device_index))
+
+
 def choose_tile(m: int, n: int, vec: bool, device_index: int) -> str:
     if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
         return "wgmma128x128" if has_wgmma(device_index) else "128x128"
@@ -212,6 +217,24 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     tile = choose_tile(m, n, vec, a.device.index)
     launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
                 a, b, out, bias, activation, passes)
+    return out
+
+
+def gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, tile: str,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`gemm` on the tile kernel ``tile`` (a key of :data:`TILES`, one
+    of :func:`available_tiles`) with 16-byte loads, whatever
+    :func:`choose_tile` would pick: for tests, sanitizer runs and tuning.
+    The operands' rows must be 16-byte aligned.  ``out``: the [M, N] result
+    to write (e.g. NaN-poisoned), else a new one."""
+    a_kmajor, b_kmajor = LAYOUTS[layout]
+    m, n = (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
+    if not (_rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])):
+        raise ValueError("gemm_on_tile needs operands whose rows start on 16 bytes "
+                         "(aligned pointers, contiguous extents that are multiples of 4)")
+    out = torch.empty((m, n), dtype=torch.float32, device=a.device) if out is None else out
+    launch_gemm(KERNELS.get((tile, passes, layout, True), a.device.index), TILES[tile], layout,
+                a, b, out, passes=passes)
     return out
 
 
