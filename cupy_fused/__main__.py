@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     if not gpu or n_cupy == 0:
         print("\nNo CUDA GPU is visible: running the NVRTC compile check of every kernel instead.")
         ok = True
-        for arch in ("sm_80", "sm_90", "sm_90a"):
+        for arch in ("sm_75", "sm_80", "sm_90", "sm_90a"):
             t0 = time.perf_counter()
             try:
                 sizes = _runtime.compile_check(arch)

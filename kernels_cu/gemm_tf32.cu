@@ -220,6 +220,7 @@ __global__ void __launch_bounds__(kGemmThreads,
 gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
           const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K,
           i64 lda, i64 ldb, i64 ldc) {
+#if __CUDA_ARCH__ >= 800  // TF32 mma.sync and cp.async; older GPUs use cuBLAS SGEMM
   typedef GemmConfig<BM, BN, kStages, kPasses, kAKMajor, kBKMajor, kVec> Cfg;
   typedef typename Cfg::TileA TileA;
   typedef typename Cfg::TileB TileB;
@@ -356,6 +357,9 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
         }
       }
     }
+#else
+  __trap();  // never launched below compute capability 8.0 (ops.gemm.has_tf32_tensor_cores)
+#endif
 }
 
 

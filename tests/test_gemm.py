@@ -55,6 +55,18 @@ def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
         G.gemm_on_tile(a, b, "forward", 3, "64x64")
 
 
+def test_gemm_kernels_need_compute_capability_8_0(monkeypatch):
+    """Below 8.0 (V100, T4: no TF32 tensor cores, no cp.async) the float32
+    products take cuBLAS SGEMM; the kernel file still compiles there (its
+    bodies trap), see the compile check for sm_75."""
+    from cupy_fused import _runtime
+
+    for cap, expected in (((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True),
+                          ((9, 0), True), ((12, 0), True)):
+        monkeypatch.setattr(_runtime, "device_capability", lambda dev, cap=cap: cap)
+        assert G.has_tf32_tensor_cores(0) is expected
+
+
 def test_wgmma_needs_compute_capability_9_0_and_can_be_switched_off(monkeypatch):
     from cupy_fused import _runtime
 

@@ -26,7 +26,7 @@ def test_every_kernel_file_has_declared_instantiations():
         assert table.get(name), f"{name} has no declared instantiation"
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a"])
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90", "sm_90a"])
 def test_nvrtc_compile_check(arch):
     """Every kernel file and every instantiation the library launches compiles
     with NVRTC for the architecture, without a GPU."""

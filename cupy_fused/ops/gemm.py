@@ -22,6 +22,11 @@ default of :func:`set_fp32_matmul_precision`):
 The cuBLAS products follow torch's own settings: with
 ``torch.backends.cuda.matmul.allow_tf32 = True`` they run in TF32.
 
+GPUs below compute capability 8.0 (V100, T4) have no TF32 tensor cores:
+there every float32 product runs on cuBLAS SGEMM, whatever the precision
+(:func:`has_tf32_tensor_cores`).  On 9.0 (H100, H200) the products that fill
+the GPU run on the ``wgmma`` kernel (:func:`has_wgmma`).
+
 Non-finite inputs: with ``"3xtf32"`` an infinite operand gives NaN where
 SGEMM gives ±inf (the correction products compute inf * 0); NaN stays NaN.
 Use ``"ieee"`` where infinities must survive the product.
@@ -139,6 +144,13 @@ ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 # 3xTF32 / SGEMM = 8.3x at k = 1, 1.2-2.4x at k = 8, 0.9-1.4x at k = 32 and
 # 0.3-0.6x at k = 128-512.
 SGEMM_BELOW_INNER = 32
+
+
+def has_tf32_tensor_cores(device_index: int) -> bool:
+    """Whether the GEMM kernels run on this device: compute capability 8.0
+    or newer (TF32 ``mma.sync`` and ``cp.async``).  Below it, float32
+    products take cuBLAS SGEMM under every precision setting."""
+    return _runtime.device_capability(device_index) >= (8, 0)
 
 
 _wgmma_setting = {"enabled": os.environ.get("CUPY_FUSED_GEMM_WGMMA", "1") != "0"}
@@ -334,7 +346,8 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     precision = resolve_precision(precision)
     lead = x.shape[:-1]
     x2 = x.reshape(lead.numel(), k)  # not -1: that is ambiguous when k == 0
-    cublas = x.dtype != torch.float32 or precision == "ieee"  # see the module docstring
+    cublas = (x.dtype != torch.float32 or precision == "ieee"  # see the module docstring
+              or not has_tf32_tensor_cores(x.device.index))
     grad = needs_grad(x2, weight, bias)
     if not cublas:
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
