@@ -367,9 +367,9 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
 // Hopper variant: the same 3xTF32 product on `wgmma` (sm_90a), which runs
 // TF32 at about twice the rate of mma.sync on H100.
 //
-// Block tile 128 x 128 x 32, three warpgroups with their own roles (the
-// mma.sync kernel above spends as many issue slots on loads, the split and
-// the chunk folds as on MMAs; here those overlap the tensor cores):
+// Block tile 128 x 128 x 32, three warpgroups with their own roles (a first
+// version where every warp loaded, split and multiplied left the tensor
+// cores idle half the time: GEMM_NOTES.md):
 //  * the producer (warps 0-3) streams raw float32 tiles of A and B into a
 //    kStages ring with cp.async, then rewrites each B tile into a "big" and a
 //    "small" TF32 plane in wgmma's no-swizzle K-major layout (8 x 16-byte
