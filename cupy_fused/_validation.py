@@ -109,7 +109,7 @@ def check_same(name: str, value, like: torch.Tensor, like_name: str) -> torch.Te
     """Same dtype, device and shape as ``like`` (itself already checked).
     One comparison of each on the common path: this runs on every call."""
     if (isinstance(value, torch.Tensor) and value.dtype == like.dtype
-            and value.device == like.device and value.shape == like.shape):
+            and value.get_device() == like.get_device() and value.shape == like.shape):
         return value
     check_like(name, value, like, like_name)
     check_same_shape(name, value, like, like_name)

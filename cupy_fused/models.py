@@ -5,12 +5,14 @@ initial values.  The GEMM models take one keyword-only extra, ``precision``:
 the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process default of
 :func:`cupy_fused.set_fp32_matmul_precision`).
 
-* GEMM problems (37, 76, 88, 94): the GEMM is :func:`cupy_fused.ops.linear`
-  (our tensor-core kernel for float32, cuBLAS for float16/bfloat16 and
-  ``"ieee"``), with the linear bias — and for 76 the extra bias and ReLU —
-  added in its epilogue; the rest of each chain is one fused kernel forward
-  and one backward.  The linear bias enters the GEMM detached: its gradient
-  comes from the fused backward (the column sums of dz it computes anyway).
+* GEMM problems (37, 76, 88, 94): float32 GEMMs run on our tensor-core
+  kernel, float16/bfloat16 and ``"ieee"`` on cuBLAS.  76 is
+  :func:`cupy_fused.ops.linear` with the bias and ReLU in the GEMM's store;
+  37, 88 and 94 are :func:`cupy_fused.ops.linear_gn_chain`: the GEMM with
+  the linear bias in its store, then one fused kernel for the GroupNorm
+  chain (an opt-in variant does both in one launch; see that op).  The
+  backward is one fused kernel (the chain rule, the GroupNorm backward and
+  every vector's gradient as column sums), then the two GEMMs.
 * Problem 1: the convolution stays in cuDNN (``F.conv2d`` without bias);
   relu + both biases are one fused kernel.
 
@@ -48,16 +50,6 @@ def _gemm_precision(precision):
     return None if precision is None else ops.gemm.resolve_precision(precision)
 
 
-def _linear_with_bias(x: torch.Tensor, linear: nn.Linear, precision) -> torch.Tensor:
-    """z = x W^T + b with the linear bias added in the GEMM's epilogue, in
-    float32 before z is rounded to its dtype (as eager does; in fp16/bf16
-    rounding z first and adding the bias after would cost accuracy).  The
-    bias enters detached: its gradient comes from the fused backward."""
-    bias = linear.bias
-    return ops.linear(x, linear.weight, _as(bias, x).detach() if bias is not None else None,
-                      precision=precision)
-
-
 class ConvReluBiasAdd(nn.Module):
     """Problem 1: ``relu(conv(x)) + bias``.  x: [N, C_in, H, W] → [N, C_out,
     H-k+1, W-k+1], in x's memory format (NCHW or channels-last)."""
@@ -86,11 +78,11 @@ class MatmulSwishSumGroupNorm(nn.Module):
 
     def forward(self, x):
         _check_input(x, self.matmul.weight, 2, self.matmul.in_features, "features")
-        z = _linear_with_bias(x, self.matmul, self.precision)
         gn = self.group_norm
-        return ops.swish_bias_group_norm(z, _as(self.matmul.bias, z), _as(self.bias, z),
-                                         _as(gn.weight, z), _as(gn.bias, z), gn.num_groups, gn.eps,
-                                         linear_bias_in_z=True)
+        return ops.linear_gn_chain(x, self.matmul.weight, _as(self.matmul.bias, x),
+                                   "swish_bias_gn", gn.num_groups, extra_bias=_as(self.bias, x),
+                                   gn_weight=_as(gn.weight, x), gn_bias=_as(gn.bias, x),
+                                   eps=gn.eps, precision=self.precision)
 
 
 class GemmAddRelu(nn.Module):
@@ -122,11 +114,12 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
 
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
-        z = _linear_with_bias(x, self.gemm, self.precision)
         gn = self.group_norm
-        return ops.group_norm_swish_multiply_swish(
-            z, _as(self.gemm.bias, z), _as(gn.weight, z), _as(gn.bias, z),
-            _as(self.multiply_weight, z), gn.num_groups, gn.eps, linear_bias_in_z=True)
+        return ops.linear_gn_chain(x, self.gemm.weight, _as(self.gemm.bias, x),
+                                   "gn_swish_mul_swish", gn.num_groups,
+                                   gn_weight=_as(gn.weight, x), gn_bias=_as(gn.bias, x),
+                                   mul_weight=_as(self.multiply_weight, x), eps=gn.eps,
+                                   precision=self.precision)
 
 
 class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
@@ -143,11 +136,11 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
 
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
-        z = _linear_with_bias(x, self.gemm, self.precision)
         gn = self.groupnorm
-        return ops.bias_hardtanh_mish_group_norm(z, _as(self.gemm.bias, z), _as(self.bias, z),
-                                                 _as(gn.weight, z), _as(gn.bias, z),
-                                                 gn.num_groups, gn.eps, linear_bias_in_z=True)
+        return ops.linear_gn_chain(x, self.gemm.weight, _as(self.gemm.bias, x),
+                                   "bias_hardtanh_mish_gn", gn.num_groups,
+                                   extra_bias=_as(self.bias, x), gn_weight=_as(gn.weight, x),
+                                   gn_bias=_as(gn.bias, x), eps=gn.eps, precision=self.precision)
 
 
 # Problem id -> fused module class (same ctor as cupy_fused.reference.PROBLEMS).

@@ -42,7 +42,7 @@
 // (g = lane / 4, t = lane % 4).  Row strides of the shared tiles are padded
 // (K-major: 32 + 4 words, MN-major: extent + 4 words) so those loads are free
 // of bank conflicts.
-#include "cf_common.cuh"
+#include "gn_chains.cuh"
 
 namespace cf {
 
@@ -467,18 +467,36 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 }
 #endif
 
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue>
-__global__ void __launch_bounds__(kWgThreads, 1)
-gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-                const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K,
-                i64 lda, i64 ldb, i64 ldc) {
+// A consumer thread's place in the tile: its sums lie in physical rows row and
+// row + 1 (row = 64 * consumer warpgroup + 16 * warp + 2g) and columns
+// 8i + 2t, +1 (i = 0..15).
+struct ConsumerLane {
+  int warp, lane, t, row;  // warp: 0..7 over both consumer warpgroups
+  __device__ __forceinline__ ConsumerLane() {
+    const int ctid = static_cast<int>(threadIdx.x) - 128;
+    warp = ctid >> 5;
+    lane = ctid & 31;
+    t = lane & 3;
+    row = 64 * (warp >> 2) + 16 * (warp & 3) + 2 * (lane >> 2);
+  }
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The product of one 128 x 128 tile of C at (m0, n0), run by all 384 threads
+// of a block; each consumer thread then calls store(sum, me) with its 64
+// sums (layout above) and its ConsumerLane, after its last read of the pipeline's shared memory
+// (the other consumer warpgroup may still be reading it).  The store runs
+// inside the consumer branch: code after a join of the producer's and the
+// consumers' paths would be held to the producer's register budget and spill.
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Store>
+__device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __restrict__ a,
+                                                   const float* __restrict__ b, i64 M, i64 N,
+                                                   i64 K, i64 lda, i64 ldb, i64 m0, i64 n0,
+                                                   const Store& store) {
   typedef WgmmaConfig<kStages, kPasses, kAKMajor, kBKMajor> Cfg;
   typedef typename Cfg::TileA TileA;
   typedef typename Cfg::TileB TileB;
   static_assert(kGemmBK == 32 && kChunkK == 16, "two chunks of two MMA steps per k-tile");
-  extern __shared__ __align__(128) float4 wgmma_shared[];
-  char* const smem = reinterpret_cast<char*>(wgmma_shared);
   const unsigned bars = shared_addr(smem);  // full[s] at + 8s, empty[s] at + 8 (kStages + s)
   char* const stages = smem + kWgBarrierBytes;
   const unsigned stages_addr = bars + kWgBarrierBytes;
@@ -489,8 +507,6 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
   auto planes = [&](int s) { return stages_addr + s * Cfg::kStageBytes; };
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  i64 m0, n0;
-  grouped_tile(M, N, kWgBM, kWgBN, m0, n0);
   const int ktiles = static_cast<int>((K + kGemmBK - 1) / kGemmBK);
 
   if (tid == 0) {
@@ -562,77 +578,90 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
         mbar_arrive(full(s));
       }
     }
-  } else {
-    // ---------------- consumers ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n");
-    const int ctid = tid - 128, cwarp = ctid >> 5, lane = ctid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int row = 64 * (cwarp >> 2) + 16 * (cwarp & 3) + 2 * g;  // this thread's rows row, row + 1
+    return;
+  }
+  // ---------------- consumers ----------------
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n");
+  const ConsumerLane me;
 
-    // A fragment of MMA step st (0..3) of the tile in stage s, split.
-    auto load_a = [&](int s, int st, Split<kPasses, 4>& fa) { TileA::a_fragment(raw_a(s), row, 8 * st, t, fa); };
-    float acc[64], sum[64];
+  // A fragment of MMA step st (0..3) of the tile in stage s, split.
+  auto load_a = [&](int s, int st, Split<kPasses, 4>& fa) { TileA::a_fragment(raw_a(s), me.row, 8 * st, me.t, fa); };
+  float acc[64], sum[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = sum[i] = 0.0f;
-    // The 3 (or 1) MMAs of each of the two steps of a chunk.  Its fragments
-    // must stay untouched until the MMAs complete, so the two chunks of a
-    // tile use separate fragment registers.
-    auto issue_chunk = [&](int s, int chunk, const Split<kPasses, 4> (&fa)[2]) {
-      fence_registers(acc);
-      wgmma_fence();
+  for (int i = 0; i < 64; ++i) acc[i] = sum[i] = 0.0f;
+  // The 3 (or 1) MMAs of each of the two steps of a chunk.  Its fragments
+  // must stay untouched until the MMAs complete, so the two chunks of a
+  // tile use separate fragment registers.
+  auto issue_chunk = [&](int s, int chunk, const Split<kPasses, 4> (&fa)[2]) {
+    fence_registers(acc);
+    wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const unsigned big = planes(s) + (2 * chunk + j) * kPlaneStepBytes;
-        if constexpr (kPasses == 3) {
-          if (j == 0) wgmma_tf32<false>(acc, fa[j].small, plane_desc(big));
-          else wgmma_tf32<true>(acc, fa[j].small, plane_desc(big));
-          wgmma_tf32<true>(acc, fa[j].big, plane_desc(big + kPlaneBytes));
-          wgmma_tf32<true>(acc, fa[j].big, plane_desc(big));
-        } else {
-          if (j == 0) wgmma_tf32<false>(acc, fa[j].big, plane_desc(big));
-          else wgmma_tf32<true>(acc, fa[j].big, plane_desc(big));
-        }
+    for (int j = 0; j < 2; ++j) {
+      const unsigned big = planes(s) + (2 * chunk + j) * kPlaneStepBytes;
+      if constexpr (kPasses == 3) {
+        if (j == 0) wgmma_tf32<false>(acc, fa[j].small, plane_desc(big));
+        else wgmma_tf32<true>(acc, fa[j].small, plane_desc(big));
+        wgmma_tf32<true>(acc, fa[j].big, plane_desc(big + kPlaneBytes));
+        wgmma_tf32<true>(acc, fa[j].big, plane_desc(big));
+      } else {
+        if (j == 0) wgmma_tf32<false>(acc, fa[j].big, plane_desc(big));
+        else wgmma_tf32<true>(acc, fa[j].big, plane_desc(big));
       }
-      wgmma_commit();
-    };
-    auto fold = [&]() {
-      wgmma_wait_all();
-      fence_registers(acc);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) sum[i] += acc[i];
-    };
-
-    Split<kPasses, 4> fa_lo[2], fa_hi[2];  // steps 0, 1 and 2, 3 of a tile
-    mbar_wait(full(0), 0);
-    load_a(0, 0, fa_lo[0]);
-    load_a(0, 1, fa_lo[1]);
-    for (int kt = 0; kt < ktiles; ++kt) {
-      const int s = kt % kStages;
-      issue_chunk(s, 0, fa_lo);
-      load_a(s, 2, fa_hi[0]);
-      load_a(s, 3, fa_hi[1]);
-      fold();
-      issue_chunk(s, 1, fa_hi);
-      if (kt + 1 < ktiles) {  // the next tile's first fragments, while chunk 1 runs
-        const int s1 = (kt + 1) % kStages;
-        mbar_wait(full(s1), ((kt + 1) / kStages) & 1);
-        load_a(s1, 0, fa_lo[0]);
-        load_a(s1, 1, fa_lo[1]);
-      }
-      fold();
-      mbar_arrive(empty(s));
     }
+    wgmma_commit();
+  };
+  auto fold = [&]() {
+    wgmma_wait_all();
+    fence_registers(acc);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) sum[i] += acc[i];
+  };
 
+  Split<kPasses, 4> fa_lo[2], fa_hi[2];  // steps 0, 1 and 2, 3 of a tile
+  mbar_wait(full(0), 0);
+  load_a(0, 0, fa_lo[0]);
+  load_a(0, 1, fa_lo[1]);
+  for (int kt = 0; kt < ktiles; ++kt) {
+    const int s = kt % kStages;
+    issue_chunk(s, 0, fa_lo);
+    load_a(s, 2, fa_hi[0]);
+    load_a(s, 3, fa_hi[1]);
+    fold();
+    issue_chunk(s, 1, fa_hi);
+    if (kt + 1 < ktiles) {  // the next tile's first fragments, while chunk 1 runs
+      const int s1 = (kt + 1) % kStages;
+      mbar_wait(full(s1), ((kt + 1) / kStages) & 1);
+      load_a(s1, 0, fa_lo[0]);
+      load_a(s1, 1, fa_lo[1]);
+    }
+    fold();
+    mbar_arrive(empty(s));
+  }
+  store(sum, me);
+}
+#endif
+
+// C = epilogue(A B): the products of linear() (bias, ReLU) on Hopper.
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue>
+__global__ void __launch_bounds__(kWgThreads, 1)
+gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K,
+                i64 lda, i64 ldb, i64 ldc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) float4 wgmma_shared[];
+  i64 m0, n0;
+  grouped_tile(M, N, kWgBM, kWgBN, m0, n0);
+  auto store = [&](const float (&sum)[64], const ConsumerLane& me) {
     const Epilogue epilogue(epilogue_vector, epilogue_option);
     const bool vec_store = (ldc % 2 == 0) && ((reinterpret_cast<unsigned long long>(c) & 7) == 0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const i64 r = m0 + row + h;
+      const i64 r = m0 + me.row + h;
       if (r >= M) continue;
       float* crow = c + r * ldc;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        const i64 col = n0 + 8 * i + 2 * t;
+        const i64 col = n0 + 8 * i + 2 * me.t;
         const float v0 = sum[4 * i + 2 * h], v1 = sum[4 * i + 2 * h + 1];
         if (vec_store && col + 1 < N) {
           *reinterpret_cast<float2*>(crow + col) = make_float2(epilogue(v0, col), epilogue(v1, col + 1));
@@ -642,7 +671,152 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
         }
       }
     }
-  }
+  };
+  wgmma_tile_product<kStages, kPasses, kAKMajor, kBKMajor>(reinterpret_cast<char*>(wgmma_shared), a, b, M,
+                                                           N, K, lda, ldb, m0, n0, store);
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
+
+// ===========================================================================
+// Forward of a linear layer followed by a GroupNorm op chain (gn_chains.cuh),
+// in one launch on Hopper:
+//     z = x W^T + lin_bias,  y = Post(GroupNorm(Pre(z)))
+// for groups of cpg = N / groups channels with cpg a power of two <= 128, so
+// that every group lies inside one 128-column tile and its statistics need
+// only the block's own values.  Opt-in (ops.linear_gn): on H100 it is not
+// faster than the GEMM followed by the gn_chain kernel, because with one
+// block per SM nothing hides the epilogue's latency (GEMM_NOTES.md).
+//
+// After the mainloop each consumer warp holds 16 whole rows of the tile (its
+// sums cover rows 16 * (warp % 4) .. + 15 of its warpgroup, all 128 columns,
+// spread over the warp's lanes).  It stages them through shared memory so
+// that a lane then owns 4 adjacent columns of a row: groups of >= 4 channels
+// are then teams of cpg / 4 lanes (butterfly sums, fixed order), smaller ones
+// lie inside a lane, and every store is a coalesced 16-byte one.  (Working on
+// the accumulator registers directly, with butterflies over the quad and the
+// lane's column blocks, measured slower.)  The statistics are float and
+// two-pass over the register-resident values (no E[x^2] - E[x]^2), as in
+// gn_chain_forward.
+//
+// Outputs: y [M, N]; with z_out not null also z [M, N] and mean / rstd
+// [M, groups] (what gn_chain_backward reads).  x: [M, K], W: [N, K],
+// K-major, 16-byte aligned rows; vectors: N floats or null.
+constexpr int kGnStageStride = kWgBN + 4;  // words; conflict-free float2 writes, float4 reads
+
+template <int kStages, int kPasses, typename Chain>
+__global__ void __launch_bounds__(kWgThreads, 1)
+gemm_tf32_wgmma_gn(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y,
+                   float* __restrict__ z_out, float* __restrict__ mean_out,
+                   float* __restrict__ rstd_out, const float* __restrict__ lin_bias,
+                   const float* __restrict__ extra_bias, const float* __restrict__ gn_weight,
+                   const float* __restrict__ gn_bias, const float* __restrict__ mul_weight, i64 M,
+                   i64 N, i64 K, i64 lda, i64 ldb, i64 groups, double eps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(2 * 64 * kGnStageStride * 4 <= kStages * WgmmaConfig<kStages, kPasses, true, true>::kStageBytes,
+                "the staged tile fits in the pipeline's shared memory");
+  extern __shared__ __align__(128) float4 wgmma_shared[];
+  char* const smem = reinterpret_cast<char*>(wgmma_shared);
+  i64 m0, n0;
+  grouped_tile(M, N, kWgBM, kWgBN, m0, n0);
+  auto store = [&](const float (&sum)[64], const ConsumerLane& me) {
+    // The staging area overlaps the pipeline: wait until both consumer
+    // warpgroups are past their last MMA (barrier 1 is the producer's).
+    asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    float* const stage = reinterpret_cast<float*>(smem + kWgBarrierBytes) + 16 * me.warp * kGnStageStride;
+    const int local_row = me.row & 15;  // within the warp's 16 rows
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const i64 col = n0 + 8 * i + 2 * me.t;
+      const float b0 = (lin_bias && col < N) ? lin_bias[col] : 0.0f;
+      const float b1 = (lin_bias && col + 1 < N) ? lin_bias[col + 1] : 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(stage + (local_row + h) * kGnStageStride + 8 * i + 2 * me.t) =
+            make_float2(__fadd_rn(sum[4 * i + 2 * h], b0), __fadd_rn(sum[4 * i + 2 * h + 1], b1));
+    }
+    __syncwarp();  // a warp reads back only the rows it wrote
+
+    // lin_bias is in z now: the chain sees it as absent.
+    const ColumnVectors<float> p = column_vectors<float>(nullptr, extra_bias, gn_weight, gn_bias, mul_weight);
+    const int cpg = static_cast<int>(N / groups);  // a power of two <= 128
+    const int cpg_shift = __ffs(cpg) - 1;
+    const float inv_cpg = 1.0f / static_cast<float>(cpg);
+    const float feps = static_cast<float>(eps);
+    const i64 col = n0 + 4 * me.lane;
+    const bool vec_store = (N % 4 == 0) && ((reinterpret_cast<unsigned long long>(y) & 15) == 0) &&
+                           ((reinterpret_cast<unsigned long long>(z_out) & 15) == 0);
+    // Sums of each value's group: in-lane for cpg <= 4, then over the cpg / 4
+    // lanes of a team.  Warp-uniform control flow (every lane shuffles).
+    auto group_sums = [&](const float (&v)[4], float (&s)[4]) {
+      if (cpg == 1) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[e] = v[e];
+      } else if (cpg == 2) {
+        s[0] = s[1] = v[0] + v[1];
+        s[2] = s[3] = v[2] + v[3];
+      } else {
+        float total = (v[0] + v[1]) + (v[2] + v[3]);
+        for (int offset = 1; offset < (cpg >> 2); offset <<= 1)
+          total += __shfl_xor_sync(0xffffffffu, total, offset);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[e] = total;
+      }
+    };
+    for (int r = 0; r < 16; ++r) {
+      const i64 row = m0 + 64 * (me.warp >> 2) + 16 * (me.warp & 3) + r;
+      if (row >= M) break;  // warp-uniform
+      const float4 zv = *reinterpret_cast<const float4*>(stage + r * kGnStageStride + 4 * me.lane);
+      const float z[4] = {zv.x, zv.y, zv.z, zv.w};
+      float v[4], s[4], d2[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = col + e < N ? Chain::template pre<float>(z[e], p, col + e) : 0.0f;
+      group_sums(v, s);
+      float mean[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        mean[e] = s[e] * inv_cpg;
+        const float dv = v[e] - mean[e];
+        d2[e] = col + e < N ? dv * dv : 0.0f;
+      }
+      group_sums(d2, s);
+      float out[4], rstd[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        rstd[e] = 1.0f / sqrtf(s[e] * inv_cpg + feps);
+        out[e] = 0.0f;
+        if (col + e < N) {
+          const float yh = (v[e] - mean[e]) * rstd[e] * load_or(p.gn_weight, col + e, 1.0f) +
+                           load_or(p.gn_bias, col + e, 0.0f);
+          out[e] = Chain::template post<float>(yh, p, col + e);
+        }
+      }
+      float* const yrow = y + row * N;
+      float* const zrow = z_out ? z_out + row * N : nullptr;
+      if (vec_store && col < N) {
+        *reinterpret_cast<float4*>(yrow + col) = make_float4(out[0], out[1], out[2], out[3]);
+        if (zrow) *reinterpret_cast<float4*>(zrow + col) = zv;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (col + e < N) {
+            yrow[col + e] = out[e];
+            if (zrow) zrow[col + e] = z[e];
+          }
+      }
+      if (mean_out) {  // one lane per (row, group): the one holding its first column
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (col + e < N && ((col + e) & (cpg - 1)) == 0) {
+            const i64 pair = row * groups + ((col + e) >> cpg_shift);
+            mean_out[pair] = mean[e];
+            rstd_out[pair] = rstd[e];
+          }
+      }
+    }
+  };
+  wgmma_tile_product<kStages, kPasses, true, true>(smem, a, b, M, N, K, lda, ldb, m0, n0, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

@@ -13,7 +13,7 @@
 // A "team" of `team` lanes (power of two <= 32) handles one (row, group) pair;
 // each lane keeps up to kMaxVals values of its group in registers.  Groups
 // wider than team*kMaxVals are processed in slices, re-reading z (from cache).
-#include "cf_common.cuh"
+#include "gn_chains.cuh"
 
 // Minimum resident blocks per SM (of 256 threads) the compiler must allow:
 // caps registers per thread.  Tuned on H100 (scripts/tune_gn.py).
@@ -25,117 +25,6 @@
 #endif
 
 namespace cf {
-
-// The per-column vectors a chain may read; null where the model has none.
-template <typename T>
-struct ColumnVectors {
-  const T* lin_bias;    // nn.Linear bias, added to the GEMM output
-  const T* extra_bias;  // the model's own `bias` parameter
-  const T* gn_weight;
-  const T* gn_bias;
-  const T* mul_weight;  // problem 88's multiply_weight
-};
-
-// Backward slots: per-column sums the backward emits, one parameter gradient
-// each.  A chain names the slot index of each sum it needs (-1: not needed);
-// slots are numbered 0..kSlots-1 in the order the Python side expects.
-//   sum dz       -> grad of the linear bias (and of a bias added before Pre's
-//                   nonlinearity)
-//   sum dv       -> grad of a bias added after Pre's nonlinearity
-//   sum dy^ * x^ -> grad of gn_weight;  sum dy^ -> grad of gn_bias
-//   sum dm * a   -> grad of mul_weight
-
-// Chain::pre must give bit-identical values in the forward and in the
-// backward, which recomputes x^ = (pre(z) - mean) * rstd from the saved
-// statistics (with one channel per group x^ is exactly 0 only then).  Plain
-// `a * b + c` may be contracted into an FMA in one context and not in the
-// other, so pre() spells its adds and multiplies with __fadd_rn / __fmul_rn,
-// which are never contracted.
-
-// Problem 37: v = swish(z + lin_bias) + bias; Post = identity.
-struct ChainSwishBiasGN {
-  static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
-                       kSlotMul = -1;
-  template <typename T>
-  __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return __fadd_rn(swishf(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f))),
-                     load_or(p.extra_bias, c, 0.0f));
-  }
-  template <typename T>
-  __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {
-    return swish_grad(z + load_or(p.lin_bias, c, 0.0f));
-  }
-  template <typename T>
-  __device__ static float post(float yh, const ColumnVectors<T>&, i64) { return yh; }
-  template <typename T>
-  __device__ static float post_backward(float, float dy, const ColumnVectors<T>&, i64, float&) {
-    return dy;
-  }
-};
-
-// Problem 88: v = z + lin_bias; y = swish(swish(y^) * mul_weight).
-struct ChainGNSwishMulSwish {
-  static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
-                       kSlotMul = 3;
-  template <typename T>
-  __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return __fadd_rn(z, load_or(p.lin_bias, c, 0.0f));
-  }
-  template <typename T>
-  __device__ static float pre_grad(float, const ColumnVectors<T>&, i64) { return 1.0f; }
-  template <typename T>
-  __device__ static float post(float yh, const ColumnVectors<T>& p, i64 c) {
-    return swishf(swishf(yh) * to_float(p.mul_weight[c]));
-  }
-  // a = swish(y^), m = a * w, y = swish(m):  dm = dy swish'(m),
-  // d(w) += dm * a,  dy^ = dm * w * swish'(y^).
-  template <typename T>
-  __device__ static float post_backward(float yh, float dy, const ColumnVectors<T>& p, i64 c,
-                                        float& mul_grad) {
-    const float w = to_float(p.mul_weight[c]);
-    const float a = swishf(yh);
-    const float dm = dy * swish_grad(a * w);
-    mul_grad = dm * a;
-    return dm * w * swish_grad(yh);
-  }
-};
-
-// Problem 94: v = mish(hardtanh(z + lin_bias + bias)); Post = identity.
-// Both biases sit before the nonlinearity, so both gradients are sum dz.
-struct ChainBiasHardtanhMishGN {
-  static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
-                       kSlotMul = -1;
-  template <typename T>
-  __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return mishf(hardtanhf(
-        __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f))));
-  }
-  template <typename T>
-  __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {
-    const float u =
-        __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f));
-    return hardtanh_grad(u) * mish_grad(hardtanhf(u));
-  }
-  template <typename T>
-  __device__ static float post(float yh, const ColumnVectors<T>&, i64) { return yh; }
-  template <typename T>
-  __device__ static float post_backward(float, float dy, const ColumnVectors<T>&, i64, float&) {
-    return dy;
-  }
-};
-
-template <typename T>
-__device__ __forceinline__ ColumnVectors<T> column_vectors(const T* lin_bias, const T* extra_bias,
-                                                           const T* gn_weight, const T* gn_bias,
-                                                           const T* mul_weight) {
-  ColumnVectors<T> p;
-  p.lin_bias = lin_bias;
-  p.extra_bias = extra_bias;
-  p.gn_weight = gn_weight;
-  p.gn_bias = gn_bias;
-  p.mul_weight = mul_weight;
-  return p;
-}
 
 // Forward.  Writes out (may alias z: every element is read before it is
 // written, by the same thread) and, when mean_out is not null, the per

@@ -54,4 +54,31 @@ if torch.float32 in dtypes:
                     print("gemm", name, layout, (m, k, n), passes, "OK" if ok else f"ERROR {err}",
                           flush=True)
                     failed += [] if ok else [f"gemm {name} {layout} {(m, k, n)}"]
+    if G.has_wgmma(0):
+        # The one-launch GEMM + GroupNorm chains (ops.linear_gn_chain), every
+        # chain, groups of 1, 2, 4 and 128 channels, ragged rows and columns,
+        # saving the backward's tensors or not; y against float64.
+        import torch.nn.functional as F
+
+        from cupy_fused.ops import gn_epilogue
+        from cupy_fused.ops import linear_gn as LG
+        from cupy_fused.testing import rel_error
+
+        for m, k, n, groups in ((3, 64, 132, 33), (130, 64, 200, 200), (66, 128, 130, 65),
+                                (129, 64, 256, 2)):
+            x = torch.rand(m, k, device="cuda", generator=gen)
+            w = torch.rand(n, k, device="cuda", generator=gen) / k
+            vecs = [torch.rand(n, device="cuda", generator=gen) + 0.5 for _ in range(5)]
+            for chain in gn_epilogue.CHAINS:
+                for save in (True, False):
+                    y = LG.launch_fused(x, w, *vecs, chain, groups, 1e-5, 3, save,
+                                        y=torch.full((m, n), float("nan"), device="cuda"))[0]
+                    z = F.linear(x.double(), w.double(), vecs[0].double()).float()
+                    want = gn_epilogue.launch_forward(z, None, *vecs[1:], chain, groups, 1e-5,
+                                                      False, True)[0]
+                    err = rel_error(y, want)
+                    ok = err < 1e-4
+                    print("linear_gn", chain, (m, k, n, groups), save, "OK" if ok else f"ERROR {err}",
+                          flush=True)
+                    failed += [] if ok else [f"linear_gn {chain} {(m, k, n, groups)}"]
 sys.exit(1 if failed else 0)

@@ -29,10 +29,11 @@ for rows, channels, groups, chain in ((32768, 4096, 64, "swish_bias_gn"),
         if team * vals < cpg or team > 32:
             continue
         gn.team_shape = lambda c, t=team, k=vals: (t, k)
-        fwd = lambda: gn._forward(z, v[0], v[1], v[2], v[3], v[4], chain, groups, 1e-5, True)
+        fwd = lambda: gn.launch_forward(z, v[0], v[1], v[2], v[3], v[4], chain, groups, 1e-5, True, False)
         ms = bench(fwd)
         out, mean, rstd = fwd()
-        bwd = lambda: gn._backward(dy, z, mean, rstd, v[0], v[1], v[2], v[3], v[4], chain, groups)
+        bwd = lambda: gn.launch_backward(dy, z, mean, rstd, v[0], v[1], v[2], v[3], v[4], chain, groups,
+                                         False)
         ms_b = bench(bwd)
         print(f"{chain:<20} cpg {cpg:>4} team {team:>2} vals {vals}: forward {ms:.3f} ms "
               f"({gb / ms:.2f} TB/s)  backward {ms_b:.3f} ms ({1.5 * gb / ms_b:.2f} TB/s)")

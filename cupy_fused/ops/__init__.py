@@ -10,6 +10,7 @@ from .gn_epilogue import (
     group_norm_swish_multiply_swish,
     swish_bias_group_norm,
 )
+from .linear_gn import linear_gn_chain
 from .smoke import scale_add
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "gn_chain",
     "group_norm_swish_multiply_swish",
     "linear",
+    "linear_gn_chain",
     "scale_add",
     "set_fp32_matmul_precision",
     "swish_bias_group_norm",

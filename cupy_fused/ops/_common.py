@@ -35,10 +35,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def elementwise_grid(n: int, device_index: int, block: int = BLOCK, waves: int = 8) -> int:
-    """Blocks for a grid-stride loop over ``n`` items: enough to fill the GPU,
-    never more than the work."""
-    return max(1, min(cdiv(n, block), sm_count(device_index) * waves))
+# Blocks of BLOCK threads that fill a device 8 times over, per device index.
+_full_grids: Dict[int, int] = {}
+
+
+def elementwise_grid(n: int, device_index: int) -> int:
+    """Blocks of :data:`BLOCK` threads for a grid-stride loop over ``n``
+    items: enough to fill the GPU, never more than the work.  (Runs on every
+    launch of the elementwise ops: one dict lookup, no further calls.)"""
+    full = _full_grids.get(device_index)
+    if full is None:
+        full = _full_grids[device_index] = sm_count(device_index) * 8
+    blocks = (n + BLOCK - 1) // BLOCK
+    return blocks if 0 < blocks < full else (full if blocks else 1)
 
 
 def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int, int]:

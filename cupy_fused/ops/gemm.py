@@ -47,7 +47,7 @@ from ._common import accepts_cupy, cdiv, sm_count
 from .relu_epilogue import bias_relu
 
 PRECISIONS = ("3xtf32", "tf32", "ieee")
-_PASSES = {"3xtf32": 3, "tf32": 1}
+PASSES = {"3xtf32": 3, "tf32": 1}
 _default = {"precision": "3xtf32"}
 
 
@@ -179,7 +179,7 @@ def choose_tile(m: int, n: int, vec: bool, device_index: int) -> str:
     return "64x64"
 
 
-def _rows_aligned(t: torch.Tensor, contiguous_extent: int) -> bool:
+def rows_aligned(t: torch.Tensor, contiguous_extent: int) -> bool:
     """Every row of the 2-D contiguous ``t`` starts on 16 bytes."""
     return t.data_ptr() % 16 == 0 and contiguous_extent % 4 == 0
 
@@ -225,7 +225,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
         return out
-    vec = _rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])
+    vec = rows_aligned(a, a.shape[1]) and rows_aligned(b, b.shape[1])
     tile = choose_tile(m, n, vec, a.device.index)
     launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
                 a, b, out, bias, activation, passes)
@@ -241,7 +241,7 @@ def gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, til
     to write (e.g. NaN-poisoned), else a new one."""
     a_kmajor, b_kmajor = LAYOUTS[layout]
     m, n = (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
-    if not (_rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])):
+    if not (rows_aligned(a, a.shape[1]) and rows_aligned(b, b.shape[1])):
         raise ValueError("gemm_on_tile needs operands whose rows start on 16 bytes "
                          "(aligned pointers, contiguous extents that are multiples of 4)")
     out = torch.empty((m, n), dtype=torch.float32, device=a.device) if out is None else out
@@ -276,7 +276,7 @@ def _forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
+def linear_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
               want_x: bool, want_weight: bool,
               want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``x W^T + bias``.  Returns (dx, dW, dbias); each is empty
@@ -315,7 +315,7 @@ def _backward_formula(ctx, grads, run_backward):
 
 
 _LINEAR = FusedOp("linear_tf32", _forward, _forward_fake, _setup_context, _backward_formula,
-                  _backward, _backward_fake)
+                  linear_backward, _backward_fake)
 
 
 @accepts_cupy
@@ -359,11 +359,11 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
         # both weight and input gradients are done: one more activation of
         # peak training memory (measured on problem 76: 0.344 GiB against
         # 0.313) to save one pass over the output.
-        z = F.linear(x2, weight) if cublas else _LINEAR(x2, weight, None, 0, _PASSES[precision],
+        z = F.linear(x2, weight) if cublas else _LINEAR(x2, weight, None, 0, PASSES[precision],
                                                         requires_grad=grad)
         y = bias_relu(z, bias if bias is not None else z.new_zeros((n,)))
     elif cublas:
         y = F.linear(x2, weight, bias)
     else:
-        y = _LINEAR(x2, weight, bias, act, _PASSES[precision], requires_grad=grad)
+        y = _LINEAR(x2, weight, bias, act, PASSES[precision], requires_grad=grad)
     return y.reshape(*lead, n)

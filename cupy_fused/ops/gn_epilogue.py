@@ -76,7 +76,7 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return t.data_ptr() if t is not None else 0
 
 
-def _forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
+def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
              gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
              mul_weight: Optional[torch.Tensor], chain: str, num_groups: int, eps: float,
              save_stats: bool, bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,7 +109,7 @@ def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
             z.new_empty(stat_shape, dtype=torch.float32))
 
 
-def _backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+def launch_backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
               lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
               gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
               mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
@@ -152,11 +152,12 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_in_z = in_z
 
 
-def _backward_formula(ctx, grads, run_backward):
-    z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
-    dz, sums = run_backward(grads[0], z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias,
-                            mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z)
-    spec = CHAINS[ctx.chain]
+def parameter_grads(chain: str, sums: torch.Tensor, lin_bias, extra_bias, gn_weight, gn_bias,
+                    mul_weight) -> tuple:
+    """The gradients of (lin_bias, extra_bias, gn_weight, gn_bias,
+    mul_weight) from the backward's per-column ``sums`` [slots, C]; None for
+    an absent vector."""
+    spec = CHAINS[chain]
 
     def slot(tensor, index):
         return None if tensor is None or index is None else sums[index]
@@ -164,13 +165,38 @@ def _backward_formula(ctx, grads, run_backward):
     d_extra = slot(extra_bias, spec.extra_bias)
     if d_extra is not None and spec.extra_bias == spec.lin_bias:
         d_extra = d_extra.clone()
-    return (dz, slot(lin_bias, spec.lin_bias), d_extra, slot(gn_weight, spec.gn_weight),
-            slot(gn_bias, spec.gn_bias), slot(mul_weight, spec.mul_weight), None, None, None, None,
-            None)
+    return (slot(lin_bias, spec.lin_bias), d_extra, slot(gn_weight, spec.gn_weight),
+            slot(gn_bias, spec.gn_bias), slot(mul_weight, spec.mul_weight))
 
 
-_GN_CHAIN = FusedOp("gn_chain", _forward, _forward_fake, _setup_context, _backward_formula,
-                    _backward, _backward_fake, nondifferentiable=(1, 2))
+def _backward_formula(ctx, grads, run_backward):
+    z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
+    dz, sums = run_backward(grads[0], z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias,
+                            mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z)
+    return (dz,) + parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
+                                   mul_weight) + (None, None, None, None, None)
+
+
+_GN_CHAIN = FusedOp("gn_chain", launch_forward, _forward_fake, _setup_context, _backward_formula,
+                    launch_backward, _backward_fake, nondifferentiable=(1, 2))
+
+
+def check_chain(chain) -> None:
+    if chain not in CHAINS:
+        raise ValueError(f"chain must be one of {sorted(CHAINS)}, got {chain!r}")
+
+
+def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name: str, lin_bias,
+                        extra_bias, gn_weight, gn_bias, mul_weight) -> tuple:
+    """The per-channel vectors of ``chain``, validated against ``like``:
+    (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), each flat and
+    contiguous or None (mul_weight is required by the chains that use it)."""
+    return (check_vector("linear_bias", lin_bias, channels, like, like_name),
+            check_vector("bias", extra_bias, channels, like, like_name),
+            check_vector("gn_weight", gn_weight, channels, like, like_name),
+            check_vector("gn_bias", gn_bias, channels, like, like_name),
+            check_vector("multiply_weight", mul_weight, channels, like, like_name,
+                         optional=CHAINS[chain].mul_weight is None))
 
 
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
@@ -183,18 +209,13 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     ``linear_bias_in_z=True``: z already holds the linear bias (added by the
     GEMM's epilogue, e.g. ``F.linear(x, W, lin_bias.detach())``, before z is
     rounded to its dtype); the kernels then only produce its gradient."""
-    if chain not in CHAINS:
-        raise ValueError(f"chain must be one of {sorted(CHAINS)}, got {chain!r}")
+    check_chain(chain)
     check_tensor("z", z, ndim=(2,))
     channels = z.shape[1]
     num_groups = check_groups(num_groups, channels)
     eps = check_eps(eps)
-    lin_bias = check_vector("linear_bias", lin_bias, channels, z, "z")
-    extra_bias = check_vector("bias", extra_bias, channels, z, "z")
-    gn_weight = check_vector("gn_weight", gn_weight, channels, z, "z")
-    gn_bias = check_vector("gn_bias", gn_bias, channels, z, "z")
-    mul_weight = check_vector("multiply_weight", mul_weight, channels, z, "z",
-                              optional=CHAINS[chain].mul_weight is None)
+    lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
+        chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     z = z if z.is_contiguous() else z.contiguous()
     grad = needs_grad(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     return _GN_CHAIN(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups,

@@ -19,7 +19,7 @@ def _forward(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tens
     out = torch.empty_like(x)  # x is contiguous, so out is too
     n = x.numel()
     if n:
-        dev = x.device.index
+        dev = x.get_device()
         _bridge.launch(KERNELS.get(x.dtype, dev), (elementwise_grid(n, dev), 1, 1), BLOCK,
                        (x.data_ptr(), y.data_ptr(), out.data_ptr(), alpha, n), dev)
     return (out,)

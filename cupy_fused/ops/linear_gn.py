@@ -1,0 +1,241 @@
+"""``linear_gn_chain``: a linear layer followed by one of the GroupNorm op
+chains of :mod:`.gn_epilogue` (problems 37, 88 and 94),
+
+    z = x W^T + lin_bias,   y = Post(GroupNorm(Pre(z))),
+
+with its backward.  Float32 on the tensor-core GEMM (precision ``"3xtf32"``
+or ``"tf32"``):
+
+* by default **two launches** forward: :func:`.gemm.linear` with the bias in
+  the GEMM's epilogue, then :func:`.gn_epilogue.gn_chain` (two autograd
+  nodes: z, saved by the second, is freed before the backward's GEMMs run);
+* opt-in, **one launch** (``gemm_tf32_wgmma_gn`` in
+  ``kernels_cu/gemm_tf32.cu``): the GroupNorm chain applied to the Hopper
+  GEMM's accumulators before its only store, where each group lies inside
+  one 128-column tile (:func:`fuses_group_norm`).  It is correct and tested
+  but measured no faster on H100 (problem 37's forward 4.32 ms against 4.16
+  ms for two launches; GEMM_NOTES.md, "GroupNorm in the GEMM's store"):
+  with one block per SM nothing overlaps the chain's latency with the
+  tensor cores.  Turn it on with ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``
+  or :func:`set_gn_epilogue_enabled`.  Its autograd node saves x, W, z and
+  the per (row, group) mean and 1/std; the backward is the ``gn_chain``
+  backward (dz and every vector's gradient as column sums), then dX = dz W
+  and dW = dz^T x, with z alive until the end (one activation more of peak
+  training memory than two launches).  Under ``torch.compile`` the
+  operands' alignment is unknown at trace time, so compiled code always
+  takes two launches.
+
+Float16 / bfloat16, precision ``"ieee"`` and GPUs without TF32 tensor cores
+take :func:`.gemm.linear` (cuBLAS) with the linear bias in its epilogue, then
+:func:`.gn_epilogue.gn_chain`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _bridge, _runtime
+from .._autograd import FusedOp, is_compiling, needs_grad
+from .._validation import check_eps, check_groups, check_like, check_tensor
+from . import gemm, gn_epilogue
+from ._common import accepts_cupy, cdiv
+
+WGMMA_TILE = gemm.TILES["wgmma128x128"]
+
+# Keyed by (chain, passes).  Forward layout only: x [M, K], W [N, K].
+KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
+    (chain, passes): (f"cf::gemm_tf32_wgmma_gn<{WGMMA_TILE.stages}, {passes}, "
+                      f"{gn_epilogue.CHAINS[chain].cxx}>")
+    for chain in gn_epilogue.CHAINS for passes in (1, 3)
+})
+
+
+def group_fits_tile(channels: int, num_groups: int) -> bool:
+    """Whether every group lies inside one 128-column tile: channels per
+    group a power of two <= 128."""
+    cpg = channels // num_groups
+    return cpg <= WGMMA_TILE.bn and cpg & (cpg - 1) == 0
+
+
+_gn_epilogue_setting = {"enabled": os.environ.get("CUPY_FUSED_GEMM_GN_EPILOGUE", "0") == "1"}
+
+
+def set_gn_epilogue_enabled(enabled: bool) -> None:
+    """Process-wide switch of the one-launch GEMM + GroupNorm forward
+    (default: off, see the module docstring)."""
+    _gn_epilogue_setting["enabled"] = bool(enabled)
+
+
+def gn_epilogue_enabled() -> bool:
+    return _gn_epilogue_setting["enabled"]
+
+
+def fuses_group_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, passes: int) -> bool:
+    """Whether the forward of ``x`` [M, K] (contiguous float32) through
+    ``weight`` [N, K] is one launch: when switched on, where the wgmma GEMM
+    is the kernel :func:`.gemm.choose_tile` picks, K is not below
+    :data:`.gemm.SGEMM_BELOW_INNER` and :func:`group_fits_tile`."""
+    if not _gn_epilogue_setting["enabled"] or is_compiling():
+        return False
+    m, k = x.shape
+    n = weight.shape[0]
+    aligned = gemm.rows_aligned(x, k) and gemm.rows_aligned(weight, k)
+    return (m > 0 and group_fits_tile(n, num_groups) and not gemm.uses_sgemm(passes, k)
+            and gemm.choose_tile(m, n, aligned, x.device.index) == "wgmma128x128")
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                 extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                 gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+                 num_groups: int, eps: float, passes: int, save: bool,
+                 y: Optional[torch.Tensor] = None):
+    """The one-launch forward on the wgmma kernel, whatever the size rule
+    says (tests and sanitizer runs call it directly; it needs a compute
+    capability 9.0 device, :func:`group_fits_tile` and 16-byte aligned rows).
+    Returns (y, z, mean, rstd); z, mean and rstd are empty unless ``save``.
+    ``y``: the [M, N] output to write (e.g. NaN-poisoned), else a new one."""
+    m, k = x.shape
+    n = weight.shape[0]
+    dev = x.device.index
+    if not gemm.has_wgmma(dev) or not group_fits_tile(n, num_groups):
+        raise ValueError("the one-launch GEMM + GroupNorm needs the wgmma GEMM (compute "
+                         "capability 9.0) and channels per group a power of two <= 128")
+    if not (gemm.rows_aligned(x, k) and gemm.rows_aligned(weight, k)):
+        raise ValueError("the one-launch GEMM + GroupNorm needs x and weight rows on 16 bytes")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
+    z = torch.empty((m, n) if save else (0,), dtype=x.dtype, device=x.device)
+    stats = (m, num_groups) if save else (0,)
+    mean = torch.empty(stats, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(stats, dtype=torch.float32, device=x.device)
+    if m:
+        _bridge.launch(KERNELS.get((chain, passes), dev),
+                       (cdiv(m, WGMMA_TILE.bm) * cdiv(n, WGMMA_TILE.bn), 1, 1), WGMMA_TILE.threads, (
+                           x.data_ptr(), weight.data_ptr(), y.data_ptr(), _ptr(z) if save else 0,
+                           _ptr(mean) if save else 0, _ptr(rstd) if save else 0, _ptr(lin_bias),
+                           _ptr(extra_bias), _ptr(gn_weight), _ptr(gn_bias), _ptr(mul_weight),
+                           m, n, k, k, k, num_groups, eps), dev,
+                       shared_mem=WGMMA_TILE.shared_bytes(True, True, passes))
+    return y, z, mean, rstd
+
+
+# ---------------------------------------------------------------- autograd op
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
+             extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+             gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+             num_groups: int, eps: float, passes: int,
+             save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, z, mean, rstd); z, mean, rstd are empty unless ``save``."""
+    return launch_fused(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                        num_groups, eps, passes, save)
+
+
+def _forward_fake(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                  extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                  gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+                  num_groups: int, eps: float, passes: int,
+                  save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, n = x.shape[0], weight.shape[0]
+    stats = (m, num_groups) if save else (0,)
+    return (x.new_empty((m, n)), x.new_empty((m, n) if save else (0,)),
+            x.new_empty(stats), x.new_empty(stats))
+
+
+def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
+              mean: torch.Tensor, rstd: torch.Tensor, lin_bias: Optional[torch.Tensor],
+              extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+              gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+              num_groups: int, passes: int, want_x: bool,
+              want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dW, per-column sums [slots, N]); dx / dW empty when not
+    wanted."""
+    dz, sums = gn_epilogue.launch_backward(dout, z, mean, rstd, lin_bias, extra_bias, gn_weight,
+                                           gn_bias, mul_weight, chain, num_groups, True)
+    dx, dw, _ = gemm.linear_backward(dz, x, weight, passes, want_x, want_weight, False)
+    return dx, dw, sums
+
+
+def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
+                   mean: torch.Tensor, rstd: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+                   num_groups: int, passes: int, want_x: bool,
+                   want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x) if want_x else x.new_empty((0,)),
+            torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
+            z.new_empty((gn_epilogue.CHAINS[chain].slots, weight.shape[0])))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, groups, _, passes, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2], output[3], lin_bias, extra_bias,
+                          gn_weight, gn_bias, mul_weight)
+    ctx.chain, ctx.num_groups, ctx.passes = chain, groups, passes
+
+
+def _backward_formula(ctx, grads, run_backward):
+    x, weight, z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
+    want = ctx.needs_input_grad
+    dx, dw, sums = run_backward(grads[0], x, weight, z, mean, rstd, lin_bias, extra_bias,
+                                gn_weight, gn_bias, mul_weight, ctx.chain, ctx.num_groups,
+                                ctx.passes, want[0], want[1])
+    return ((dx if want[0] else None, dw if want[1] else None)
+            + gn_epilogue.parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight,
+                                          gn_bias, mul_weight)
+            + (None, None, None, None, None))
+
+
+_LINEAR_GN = FusedOp("linear_gn_chain", _forward, _forward_fake, _setup_context,
+                     _backward_formula, _backward, _backward_fake, nondifferentiable=(1, 2, 3))
+
+
+@accepts_cupy
+def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                    chain: str, num_groups: int, *, extra_bias=None, gn_weight=None,
+                    gn_bias=None, mul_weight=None, eps: float = 1e-5,
+                    precision: Optional[str] = None) -> torch.Tensor:
+    """``gn_chain(x @ weight.T + lin_bias)``: the GroupNorm epilogue ``chain``
+    (a key of :data:`.gn_epilogue.CHAINS`) after a linear layer.
+
+    x: [M, K]; weight: [N, K]; lin_bias and the chain's vectors: (N,) or
+    None (GroupNorm weight 1, bias 0); one dtype (float32, float16,
+    bfloat16), one CUDA device.  precision: as for :func:`.gemm.linear`.
+    Returns [M, N] in x's dtype.
+    """
+    gn_epilogue.check_chain(chain)
+    check_tensor("x", x, ndim=(2,))
+    check_tensor("weight", weight, ndim=(2,))
+    check_like("weight", weight, x, "x")
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x must have {k} features (weight is [{n}, {k}]), got shape "
+                         f"{tuple(x.shape)}")
+    num_groups = check_groups(num_groups, n)
+    eps = check_eps(eps)
+    lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = gn_epilogue.check_chain_vectors(
+        chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+    precision = gemm.resolve_precision(precision)
+    if (x.dtype == torch.float32 and precision != "ieee"
+            and gemm.has_tf32_tensor_cores(x.device.index)):
+        x = x if x.is_contiguous() else x.contiguous()
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+        passes = gemm.PASSES[precision]
+        if fuses_group_norm(x, weight, num_groups, passes):
+            grad = needs_grad(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+            return _LINEAR_GN(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
+                              chain, num_groups, eps, passes, grad, requires_grad=grad)[0]
+    # The GEMM (ours in float32, else cuBLAS) with the bias added in float32
+    # before z is rounded to its dtype (as eager does; adding it to a rounded
+    # fp16/bf16 z costs accuracy), then the chain.  The bias enters the GEMM
+    # detached: its gradient is a column sum of the chain's backward.
+    z = gemm.linear(x, weight, lin_bias.detach() if lin_bias is not None else None,
+                    precision=precision)
+    return gn_epilogue.gn_chain(z, chain, num_groups, lin_bias=lin_bias, extra_bias=extra_bias,
+                                gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight,
+                                eps=eps, linear_bias_in_z=True)
