@@ -5,17 +5,24 @@ table.
 
     python benchmarks/run.py                       # all problems, fp32
     python benchmarks/run.py --dtypes fp32 bf16 --problems 76 88 --quick
-    python benchmarks/run.py --dtypes fp32 fp16 bf16 --sweep   # the full page
-    python benchmarks/plot.py results/<device>-<date>.json     # PNG plots
+    python benchmarks/run.py --full                # every dtype, mode and size: the full page
+
+Writes ``<out>/<device>-<date>.json``, the Markdown table beside it and the
+PNG plots of ``benchmarks/plot.py`` (unless ``--no-plots``).
 
 Times: CUDA events around each iteration after warm-up, median and min.
-Peak extra memory: max allocated during one training step minus what was
-allocated before it (parameters and inputs), in GiB.
+When an input is smaller than the L2 cache, iterations rotate over several
+copies of it (together at least twice the L2), so that no iteration finds
+its input in L2 from the one before; the weights stay as they are (a model
+reads the same parameters every call).  Peak extra memory: max allocated
+during one training step minus what was allocated before it (parameters and
+inputs), in GiB.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -95,6 +102,19 @@ def forward_errors(problem, args, shape, dtype) -> dict:
     return errs
 
 
+def rotation_count(input_bytes: int, l2_bytes: int, most: int = 16) -> int:
+    """Copies of an input to rotate over: 1 when it does not fit in L2, else
+    enough that together they hold at least twice the L2 (at most ``most``)."""
+    if input_bytes <= 0 or input_bytes >= l2_bytes:
+        return 1
+    return min(most, -(-2 * l2_bytes // input_bytes))
+
+
+def l2_bytes() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 50 * 2**20))
+
+
 def peak_extra_gib(fn, reset) -> float:
     reset()  # drop the gradients of earlier steps before taking the baseline
     torch.cuda.synchronize()
@@ -128,7 +148,9 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
     errs = forward_errors(problem, args, shape, dtype) if errors else {}
     ref, ours = build_pair(problem, args, "cuda", dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype)
-    xg = x.clone().requires_grad_(True)
+    copies = rotation_count(x.numel() * x.element_size(), l2_bytes())
+    inputs = [x] + [torch.rand_like(x) for _ in range(copies - 1)]
+    train_inputs = [t.clone().requires_grad_(True) for t in inputs]
     models = {}
     for impl in (i for i in impls if i in IMPLS):
         base = ref if impl in ("eager", "compile") else ours
@@ -140,26 +162,29 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
         for impl, model in models.items():
             if impl == "gemm" and mode != "forward":
                 continue
+            rotation = itertools.cycle(inputs if mode == "forward" else train_inputs)
 
             def reset():
                 for p in model.parameters() if hasattr(model, "parameters") else []:
                     p.grad = None
-                xg.grad = None
+                for t in train_inputs:
+                    t.grad = None
 
             if mode == "forward":
                 def step():
                     with torch.no_grad():
-                        model(x)
+                        model(next(rotation))
             else:
                 def step():
                     reset()
-                    model(xg).sum().backward()
+                    model(next(rotation)).sum().backward()
             med, best = time_ms(step, iters, warmup)
             mem = peak_extra_gib(step, reset) if mode == "train" else None
             work = flops * (3 if mode == "train" else 1)
             tflops = work / med / 1e9
             rows.append(dict(problem=problem, dtype=str(dtype).replace("torch.", ""), mode=mode,
                              impl=impl, batch=shape[0], sweep=batch is not None,
+                             input_copies=copies,
                              median_ms=med, min_ms=best,
                              peak_extra_gib=mem, tflops=tflops,
                              ceiling_fraction=tflops / peak if peak else None,
@@ -197,7 +222,7 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, nargs="+", default=sorted(reference.PROBLEMS))
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(DTYPES))
@@ -212,8 +237,21 @@ def main(argv=None):
     parser.add_argument("--sweep-dtypes", nargs="+", default=["fp32"], choices=list(DTYPES))
     parser.add_argument("--sweep-compile", action="store_true",
                         help="include torch.compile in the sweep (one compile per size)")
+    parser.add_argument("--full", action="store_true",
+                        help="every dtype, both modes, every implementation, and the size "
+                             "sweep in every dtype: the whole benchmark page in one command")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    if args.full:
+        args.dtypes = args.sweep_dtypes = list(DTYPES)
+        args.modes = ["forward", "train"]
+        args.sweep = True
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     shapes = reference.SMALL_PROBLEMS if args.quick else reference.PROBLEMS
     if args.quick:
         args.iters, args.warmup = 10, 3
@@ -251,6 +289,18 @@ def main(argv=None):
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(table + "\n")
+    print(stem + ".json")
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("matplotlib is not installed: no plots (python benchmarks/plot.py "
+                  f"{stem}.json makes them later)")
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import plot
+
+            plot.main(stem + ".json")
 
 
 if __name__ == "__main__":
