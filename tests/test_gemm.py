@@ -53,6 +53,8 @@ def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
     a, b = torch.rand(8, 6), torch.rand(8, 6)  # contiguous extent 6: rows not 16-byte aligned
     with pytest.raises(ValueError, match="rows start on 16 bytes"):
         G.gemm_on_tile(a, b, "forward", 3, "64x64")
+    with pytest.raises(ValueError, match=r"non-empty sum \(K >= 1\)"):
+        G.gemm_on_tile(torch.rand(8, 0), torch.rand(8, 0), "forward", 1, "wgmma128x128")
 
 
 def test_gemm_kernels_need_compute_capability_8_0(monkeypatch):
@@ -86,6 +88,7 @@ def test_wgmma_needs_compute_capability_9_0_and_can_be_switched_off(monkeypatch)
 def test_short_sums_take_sgemm_under_3xtf32_only():
     assert G.uses_sgemm(3, 0) and G.uses_sgemm(3, G.SGEMM_BELOW_INNER - 1)
     assert not G.uses_sgemm(3, G.SGEMM_BELOW_INNER) and not G.uses_sgemm(1, 1)
+    assert G.uses_sgemm(1, 0)  # an empty sum never reaches a tile kernel
     a = torch.empty(5, 7)
     assert G.inner_size(a, "forward") == G.inner_size(a, "grad_input") == 7
     assert G.inner_size(a, "grad_weight") == 5
@@ -289,6 +292,15 @@ def test_zero_inner_dimension_gives_bias(device):
     x, w, bias = torch.rand(5, 0, device=device), torch.rand(7, 0, device=device), torch.randn(7, device=device)
     torch.testing.assert_close(ops.linear(x, w, bias, activation="relu"),
                                torch.relu(bias).expand(5, 7), rtol=0, atol=0)
+    # Sizes that would take the wgmma kernel, whose consumers would wait for
+    # a first k-tile forever: every precision, and the GEMM entry point itself.
+    x, w, bias = torch.rand(2048, 0, device=device), torch.rand(2048, 0, device=device), torch.randn(2048, device=device)
+    for precision in ("3xtf32", "tf32"):
+        torch.testing.assert_close(ops.linear(x, w, bias, precision=precision),
+                                   bias.expand(2048, 2048), rtol=0, atol=0)
+    for layout, (a, b) in {"forward": (x, w), "grad_input": (x, w.t().contiguous()),
+                           "grad_weight": (x.t().contiguous(), w.t().contiguous())}.items():
+        assert torch.equal(G.gemm(a, b, layout, 1), torch.zeros(2048, 2048, device=device)), layout
 
 
 @gpu

@@ -191,8 +191,10 @@ def inner_size(a: torch.Tensor, layout: str) -> int:
 
 def uses_sgemm(passes: int, k: int) -> bool:
     """Whether a float32 product of ``passes`` (3 or 1) summing ``k``
-    products runs on cuBLAS SGEMM instead of the tensor-core kernel."""
-    return passes == 3 and k < SGEMM_BELOW_INNER
+    products runs on cuBLAS SGEMM instead of the tensor-core kernel.  An
+    empty sum (k = 0) always does: the wgmma kernel's consumers wait for a
+    first k-tile that never comes."""
+    return k == 0 or (passes == 3 and k < SGEMM_BELOW_INNER)
 
 
 def product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
@@ -225,6 +227,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
         return out
+    if inner_size(a, layout) == 0:  # an empty sum: no kernel (see uses_sgemm)
+        out.zero_()
+        if bias is not None:
+            out += bias
+        return out.relu_() if activation == 1 else out
     vec = rows_aligned(a, a.shape[1]) and rows_aligned(b, b.shape[1])
     tile = choose_tile(m, n, vec, a.device.index)
     launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
@@ -244,6 +251,8 @@ def gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, til
     if not (rows_aligned(a, a.shape[1]) and rows_aligned(b, b.shape[1])):
         raise ValueError("gemm_on_tile needs operands whose rows start on 16 bytes "
                          "(aligned pointers, contiguous extents that are multiples of 4)")
+    if inner_size(a, layout) == 0:
+        raise ValueError("gemm_on_tile needs a non-empty sum (K >= 1)")
     out = torch.empty((m, n), dtype=torch.float32, device=a.device) if out is None else out
     launch_gemm(KERNELS.get((tile, passes, layout, True), a.device.index), TILES[tile], layout,
                 a, b, out, passes=passes)

@@ -106,8 +106,9 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch
     if not gemm.has_wgmma(dev) or not group_fits_tile(n, num_groups):
         raise ValueError("the one-launch GEMM + GroupNorm needs the wgmma GEMM (compute "
                          "capability 9.0) and channels per group a power of two <= 128")
-    if not (gemm.rows_aligned(x, k) and gemm.rows_aligned(weight, k)):
-        raise ValueError("the one-launch GEMM + GroupNorm needs x and weight rows on 16 bytes")
+    if k == 0 or not (gemm.rows_aligned(x, k) and gemm.rows_aligned(weight, k)):
+        raise ValueError("the one-launch GEMM + GroupNorm needs K >= 1 and x and weight rows "
+                         "on 16 bytes")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
     z = torch.empty((m, n) if save else (0,), dtype=x.dtype, device=x.device)
     stats = (m, num_groups) if save else (0,)
