@@ -286,8 +286,8 @@ def _forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 def linear_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
-              want_x: bool, want_weight: bool,
-              want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    want_x: bool, want_weight: bool,
+                    want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``x W^T + bias``.  Returns (dx, dW, dbias); each is empty
     when not wanted."""
     dz = dout.contiguous()  # also materialises a broadcast gradient

@@ -76,10 +76,11 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return t.data_ptr() if t is not None else 0
 
 
-def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
-             gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
-             mul_weight: Optional[torch.Tensor], chain: str, num_groups: int, eps: float,
-             save_stats: bool, bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+                   num_groups: int, eps: float, save_stats: bool,
+                   bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, channels = z.shape
     out = torch.empty_like(z)
     stat_shape = (rows, num_groups) if save_stats else (0,)
@@ -110,10 +111,10 @@ def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
 
 
 def launch_backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-              lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
-              gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
-              mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
-              bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                    lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
+                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
+                    mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
+                    bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz, per-column sums [slots, C]: the parameter gradients)."""
     rows, channels = z.shape
     spec = CHAINS[chain]
