@@ -191,7 +191,18 @@ def test_models_take_one_launch_and_match_the_reference(problem, args, shape, de
     def not_called(*args, **kwargs):
         raise AssertionError("the two-launch path ran")
 
-    monkeypatch.setattr(gn_epilogue, "launch_forward", not_called)
+    launches = []
+    launch_fused = LG.launch_fused
+
+    def counted(*args, **kwargs):
+        launches.append(args[7])  # the chain
+        return launch_fused(*args, **kwargs)
+
+    # The gn_chain op holds its own reference to its forward.
+    monkeypatch.setattr(gn_epilogue._GN_CHAIN, "forward", not_called)
+    monkeypatch.setattr(LG, "launch_fused", counted)
     errors = compare(problem, args, shape, torch.float32, device, seed=problem)
     bad = worse_than_eager(errors, torch.float32)
     assert not bad, {name: errors[name] for name in bad}
+    assert launches == [{37: "swish_bias_gn", 88: "gn_swish_mul_swish",
+                         94: "bias_hardtanh_mish_gn"}[problem]]

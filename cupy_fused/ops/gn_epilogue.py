@@ -1,6 +1,7 @@
 """GroupNorm epilogues: the whole elementwise chain of problems 37, 88 and 94
 around a GroupNorm, forward and backward, one kernel family
-(``kernels_cu/gn_chain.cu``) templated on dtype and op chain.
+(``kernels_cu/gn_chain.cu``) templated on dtype and op chain (the chains
+themselves are in ``kernels_cu/gn_chains.cuh``).
 
 Forward saves z (the GEMM output, with or without the linear bias) and the
 per (row, group) mean and 1/std in float32; the backward recomputes every other

@@ -10,7 +10,7 @@ or ``"tf32"``):
   the GEMM's epilogue, then :func:`.gn_epilogue.gn_chain` (two autograd
   nodes: z, saved by the second, is freed before the backward's GEMMs run);
 * opt-in, **one launch** (``gemm_tf32_wgmma_gn`` in
-  ``kernels_cu/gemm_tf32.cu``): the GroupNorm chain applied to the Hopper
+  ``kernels_cu/gemm_tf32_gn.cu``): the GroupNorm chain applied to the Hopper
   GEMM's accumulators before its only store, where each group lies inside
   one 128-column tile (:func:`fuses_group_norm`).  It is correct and tested
   but measured no faster on H100 (problem 37's forward 4.32 ms against 4.16
@@ -21,7 +21,9 @@ or ``"tf32"``):
   the per (row, group) mean and 1/std; the backward is the ``gn_chain``
   backward (dz and every vector's gradient as column sums), then dX = dz W
   and dW = dz^T x, with z alive until the end (one activation more of peak
-  training memory than two launches).  Under ``torch.compile`` the
+  training memory than two launches).  Its group statistics are summed in
+  another order than the ``gn_chain`` kernel's, so the two forwards agree to
+  rounding, not bit for bit.  Under ``torch.compile`` the
   operands' alignment is unknown at trace time, so compiled code always
   takes two launches.
 
@@ -45,7 +47,7 @@ from ._common import accepts_cupy, cdiv
 WGMMA_TILE = gemm.TILES["wgmma128x128"]
 
 # Keyed by (chain, passes).  Forward layout only: x [M, K], W [N, K].
-KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
+KERNELS = _runtime.KernelFamily("gemm_tf32_gn.cu", {
     (chain, passes): (f"cf::gemm_tf32_wgmma_gn<{WGMMA_TILE.stages}, {passes}, "
                       f"{gn_epilogue.CHAINS[chain].cxx}>")
     for chain in gn_epilogue.CHAINS for passes in (1, 3)
@@ -103,13 +105,21 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch
     m, k = x.shape
     n = weight.shape[0]
     dev = x.device.index
-    if not gemm.has_wgmma(dev) or not group_fits_tile(n, num_groups):
+    if not gemm.has_wgmma(dev):
         raise ValueError("the one-launch GEMM + GroupNorm needs the wgmma GEMM (compute "
-                         "capability 9.0) and channels per group a power of two <= 128")
+                         "capability 9.0)")
+    if n == 0 or n % num_groups or not group_fits_tile(n, num_groups):
+        raise ValueError(f"the one-launch GEMM + GroupNorm needs channels per group a power "
+                         f"of two <= 128, got {n} channels in {num_groups} groups")
     if k == 0 or not (gemm.rows_aligned(x, k) and gemm.rows_aligned(weight, k)):
         raise ValueError("the one-launch GEMM + GroupNorm needs K >= 1 and x and weight rows "
                          "on 16 bytes")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
+    if gn_epilogue.CHAINS[chain].mul_weight is not None and mul_weight is None:
+        raise TypeError("multiply_weight is required by this chain, got None")
+    if y is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif y.shape != (m, n) or y.dtype != x.dtype or not y.is_contiguous():
+        raise ValueError(f"y must be a contiguous [{m}, {n}] tensor of x's dtype")
     z = torch.empty((m, n) if save else (0,), dtype=x.dtype, device=x.device)
     stats = (m, num_groups) if save else (0,)
     mean = torch.empty(stats, dtype=torch.float32, device=x.device)
