@@ -186,8 +186,6 @@ __device__ __forceinline__ void grouped_tile(i64 M, i64 N, int BM, int BN, i64& 
   n0 = ((pid % in_group) / group_rows) * BN;
 }
 
-
-
 // ===========================================================================
 // Hopper variant: the same 3xTF32 product on `wgmma` (sm_90a), which runs
 // TF32 at about twice the rate of mma.sync on H100.
