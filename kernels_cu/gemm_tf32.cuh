@@ -231,7 +231,6 @@ struct WgmmaConfig {
   // A stage: the B planes (big, and small for 3 passes), then the raw tiles.
   static constexpr int kPlanesBytes = (kPasses == 3 ? 2 : 1) * kPlaneBytes;
   static constexpr int kStageBytes = kPlanesBytes + (TileA::kFloats + TileB::kFloats) * 4;
-  static constexpr int kSharedBytes = kWgBarrierBytes + kStages * kStageBytes;
   static_assert(2 * kStages * 8 <= kWgBarrierBytes, "barriers fit");
 };
 

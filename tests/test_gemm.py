@@ -188,8 +188,7 @@ def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
 
 def _run_tile(name, a, b, layout, passes):
     """One product on tile kernel ``name``, into a NaN-poisoned output."""
-    a_kmajor, b_kmajor = G.LAYOUTS[layout]
-    m, n = (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
+    m, n = G.product_shape(a, b, layout)
     return G.gemm_on_tile(a, b, layout, passes, name,
                           out=torch.full((m, n), float("nan"), device=a.device))
 

@@ -189,6 +189,12 @@ def inner_size(a: torch.Tensor, layout: str) -> int:
     return a.shape[1] if LAYOUTS[layout][0] else a.shape[0]
 
 
+def product_shape(a: torch.Tensor, b: torch.Tensor, layout: str) -> Tuple[int, int]:
+    """(M, N) of the product of ``a`` and ``b`` in ``layout``."""
+    a_kmajor, b_kmajor = LAYOUTS[layout]
+    return (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
+
+
 def uses_sgemm(passes: int, k: int) -> bool:
     """Whether a float32 product of ``passes`` (3 or 1) summing ``k``
     products runs on cuBLAS SGEMM instead of the tensor-core kernel.  An
@@ -222,8 +228,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     ``passes``: 3 (3xTF32) or 1 (TF32).  Epilogue: ``act(. + bias)``, bias
     (N,) or None, activation 0 (none) or 1 (ReLU).
     """
-    a_kmajor, b_kmajor = LAYOUTS[layout]
-    m, n = (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
+    m, n = product_shape(a, b, layout)
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
         return out
@@ -246,8 +251,7 @@ def gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, til
     :func:`choose_tile` would pick: for tests, sanitizer runs and tuning.
     The operands' rows must be 16-byte aligned.  ``out``: the [M, N] result
     to write (e.g. NaN-poisoned), else a new one."""
-    a_kmajor, b_kmajor = LAYOUTS[layout]
-    m, n = (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
+    m, n = product_shape(a, b, layout)
     if not (rows_aligned(a, a.shape[1]) and rows_aligned(b, b.shape[1])):
         raise ValueError("gemm_on_tile needs operands whose rows start on 16 bytes "
                          "(aligned pointers, contiguous extents that are multiples of 4)")
