@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cupy_fused.ops import gemm as G  # noqa: E402
-from cupy_fused.testing import scaled_gemm_error, time_ms  # noqa: E402
+from cupy_fused.testing import scaled_gemm_error, time_interleaved  # noqa: E402
 
 DEFAULT_SHAPES = ("1024x8192x8192", "32768x1024x4096")
 
@@ -33,6 +33,15 @@ PRODUCT_SIZES = {
     "grad_input": lambda m, k, n: (m, n, k),   # dx [M, K] = dy W
     "grad_weight": lambda m, k, n: (n, m, k),  # dW [N, K] = dy^T x
 }
+
+
+def _with_tf32(ref, a, b):
+    """cuBLAS with TF32 allowed for this call only."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return ref(a, b)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def run(shapes, iters: int):
@@ -47,16 +56,14 @@ def run(shapes, iters: int):
                 "ours 3xtf32": lambda: G.gemm(a, b, layout, 3),
                 "ours tf32": lambda: G.gemm(a, b, layout, 1),
                 "cublas sgemm": lambda: ref(a, b),
-                "cublas tf32": lambda: ref(a, b),
+                "cublas tf32": lambda: _with_tf32(ref, a, b),
             }
+            # In turns (see time_interleaved), not one after another.
+            times = time_interleaved(impls, iters, warmup=3)
             row = {"shape": shape, "layout": layout}
             for name, fn in impls.items():
-                torch.backends.cuda.matmul.allow_tf32 = name == "cublas tf32"
-                try:
-                    med, best = time_ms(fn, iters, warmup=3)
-                    err = scaled_gemm_error(fn(), a, b, ref)
-                finally:
-                    torch.backends.cuda.matmul.allow_tf32 = False
+                med, best = times[name]
+                err = scaled_gemm_error(fn(), a, b, ref)
                 row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
                              "error": err}
             row["speedup 3xtf32 vs sgemm"] = row["cublas sgemm"]["median_ms"] / row["ours 3xtf32"]["median_ms"]

@@ -23,7 +23,7 @@ import time
 import torch
 
 
-def per_call_us(variants: dict, calls: int, rounds: int = 7) -> dict:
+def per_call_us(variants: dict, calls: int, rounds: int = 11) -> dict:
     """Host microseconds per call of each variant: the variants take turns
     (round robin, so machine noise hits them alike) and each keeps its best
     round."""

@@ -6,11 +6,18 @@ table.
     python benchmarks/run.py                       # all problems, fp32
     python benchmarks/run.py --dtypes fp32 bf16 --problems 76 88 --quick
     python benchmarks/run.py --full                # every dtype, mode and size: the full page
+    python benchmarks/run.py --full --time-limit 9 # start no job after 9 minutes, then
+    python benchmarks/run.py --full --resume results/<device>-<date>.json   # go on
 
-Writes ``<out>/<device>-<date>.json``, the Markdown table beside it and the
-PNG plots of ``benchmarks/plot.py`` (unless ``--no-plots``).
+Writes ``<out>/<device>-<date>.json`` (after every problem, dtype and
+size, so that a stopped run keeps what it measured), the Markdown table
+beside it and the PNG plots of ``benchmarks/plot.py`` (unless
+``--no-plots``).
 
-Times: CUDA events around each iteration after warm-up, median and min.
+Times: CUDA events around each iteration after warm-up, median and min;
+the implementations of one problem, dtype and mode are timed in turns
+(rounds of a few iterations each), so that whatever drifts over a run (GPU
+clock and temperature, host load) treats them alike.
 When an input is smaller than the L2 cache, iterations rotate over several
 copies of it (together at least twice the L2), so that no iteration finds
 its input in L2 from the one before; the weights stay as they are (a model
@@ -26,13 +33,14 @@ import itertools
 import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cupy_fused import reference  # noqa: E402
-from cupy_fused.testing import build_pair, time_ms  # noqa: E402
+from cupy_fused.testing import build_pair, time_interleaved, time_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 IMPLS = ("eager", "compile", "ours", "ours+compile")
@@ -115,6 +123,23 @@ def l2_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 50 * 2**20))
 
 
+def gpu_state() -> dict:
+    """The GPU's SM clock (MHz), power draw (W), temperature (C) and active
+    clock-limit reasons from ``nvidia-smi``, or {} where it is missing: taken
+    at the start and end of a run, for the record."""
+    import subprocess
+
+    fields = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(fields),
+                              "--format=csv,noheader,nounits", "-i", str(torch.cuda.current_device())],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
+    return dict(zip(fields, values)) if len(values) == len(fields) else {}
+
+
 def peak_extra_gib(fn, reset) -> float:
     reset()  # drop the gradients of earlier steps before taking the baseline
     torch.cuda.synchronize()
@@ -139,6 +164,28 @@ def _gemm_only(model):
     return lambda x: ops.linear(x, linear.weight)
 
 
+def _step(model, mode: str, inputs, train_inputs):
+    """(step, reset) of one timed iteration: a forward under ``no_grad``, or
+    forward + backward of ``out.sum()`` after dropping earlier gradients."""
+    rotation = itertools.cycle(inputs if mode == "forward" else train_inputs)
+
+    def reset():
+        for p in model.parameters() if hasattr(model, "parameters") else []:
+            p.grad = None
+        for t in train_inputs:
+            t.grad = None
+
+    if mode == "forward":
+        def step():
+            with torch.no_grad():
+                model(next(rotation))
+    else:
+        def step():
+            reset()
+            model(next(rotation)).sum().backward()
+    return step, reset
+
+
 def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
                   errors=True, peak=None):
     _, args, shape = shapes[problem]
@@ -159,27 +206,16 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
         models["gemm"] = _gemm_only(ours)
     rows = []
     for mode in modes:
+        steps, resets = {}, {}
         for impl, model in models.items():
             if impl == "gemm" and mode != "forward":
                 continue
-            rotation = itertools.cycle(inputs if mode == "forward" else train_inputs)
-
-            def reset():
-                for p in model.parameters() if hasattr(model, "parameters") else []:
-                    p.grad = None
-                for t in train_inputs:
-                    t.grad = None
-
-            if mode == "forward":
-                def step():
-                    with torch.no_grad():
-                        model(next(rotation))
-            else:
-                def step():
-                    reset()
-                    model(next(rotation)).sum().backward()
-            med, best = time_ms(step, iters, warmup)
-            mem = peak_extra_gib(step, reset) if mode == "train" else None
+            steps[impl], resets[impl] = _step(model, mode, inputs, train_inputs)
+        # All implementations in turns (see time_interleaved), not one after another.
+        times = time_interleaved(steps, iters, warmup)
+        for impl, step in steps.items():
+            med, best = times[impl]
+            mem = peak_extra_gib(step, resets[impl]) if mode == "train" else None
             work = flops * (3 if mode == "train" else 1)
             tflops = work / med / 1e9
             rows.append(dict(problem=problem, dtype=str(dtype).replace("torch.", ""), mode=mode,
@@ -241,6 +277,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="every dtype, both modes, every implementation, and the size "
                              "sweep in every dtype: the whole benchmark page in one command")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--resume", metavar="JSON", default=None,
+                        help="add to the results file of an earlier run of the same command, "
+                             "skipping the jobs it holds")
+    parser.add_argument("--time-limit", type=float, metavar="MINUTES", default=None,
+                        help="start no new job after this many minutes (one job at least; the "
+                             "results so far are written and --resume goes on)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     if args.full:
@@ -250,46 +292,100 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def job_key(dtype: str, problem: int, batch) -> tuple:
+    """Identity of one job (``dtype`` a key of :data:`DTYPES`; batch None at
+    the benchmark shape), as :func:`row_key` gives it for its result rows."""
+    return (problem, str(DTYPES[dtype]).replace("torch.", ""), batch)
+
+
+def row_key(row: dict) -> tuple:
+    return (row["problem"], row["dtype"], row["batch"] if row["sweep"] else None)
+
+
+def pending_jobs(jobs, rows) -> list:
+    """The jobs without result rows (each job's rows are saved together,
+    once it is complete)."""
+    done = {row_key(r) for r in rows}
+    return [j for j in jobs if job_key(*j) not in done]
+
+
+def run_count(jobs, modes, impls, sweep_impls) -> int:
+    """Timed runs of ``jobs``: one per mode and implementation ("gemm" is
+    timed in the forward mode only)."""
+    return sum(1 for _, _, batch in jobs for mode in modes
+               for impl in (impls if batch is None else sweep_impls)
+               if impl != "gemm" or mode == "forward")
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)  # a run stopped mid-write keeps the previous file
+
+
 def main(argv=None):
     args = parse_args(argv)
     shapes = reference.SMALL_PROBLEMS if args.quick else reference.PROBLEMS
     if args.quick:
         args.iters, args.warmup = 10, 3
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default for fp32 matmuls
-    peaks = ceilings()
-    print("ceilings measured in this run: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))
     jobs = [(d, p, None) for d in args.dtypes for p in args.problems]
+    sweep_impls = [i for i in args.impls if "compile" not in i] if not args.sweep_compile else args.impls
     if args.sweep:
-        sweep_impls = [i for i in args.impls if "compile" not in i] if not args.sweep_compile else args.impls
         jobs += [(d, p, b) for d in args.sweep_dtypes for p in args.problems
                  for b in (SWEEP_CONV if p == 1 else SWEEP_GEMM)]
-    runs = sum(len(args.modes) * len(args.impls) for _ in jobs)
+    invocation = dict(argv=sys.argv[1:] if argv is None else list(argv),
+                      started=datetime.datetime.now().isoformat(timespec="seconds"),
+                      gpu_state_before=gpu_state())
+    if args.resume:
+        with open(args.resume) as f:
+            saved = json.load(f)
+        meta, rows = saved["meta"], saved["rows"]
+        stem = args.resume[:-5] if args.resume.endswith(".json") else args.resume
+        peaks = meta["ceilings"]  # ratios to one set of ceilings across the resumed runs
+        jobs = pending_jobs(jobs, rows)
+        print(f"resuming {args.resume}: {len(rows)} rows there, {len(jobs)} jobs left")
+    else:
+        os.makedirs(args.out, exist_ok=True)
+        name = torch.cuda.get_device_name().replace(" ", "_")
+        stem = os.path.join(args.out, f"{name}-{datetime.date.today()}")
+        peaks = ceilings()
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    cuda=torch.version.cuda, date=str(datetime.date.today()), ceilings=peaks,
+                    invocations=[])
+        rows = []
+    meta["invocations"].append(invocation)
+    print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))
+    runs = run_count(jobs, args.modes, args.impls, sweep_impls)
     done = [0]
 
     def progress():
         done[0] += 1
-        bar = "#" * (30 * done[0] // runs)
+        bar = "#" * (30 * done[0] // max(1, runs))
         print(f"\r[{bar:<30}] {done[0]}/{runs}", end="\n", file=sys.stderr, flush=True)
 
-    rows = []
-    for dtype, problem, batch in jobs:
+    start = time.monotonic()
+    left = list(jobs)
+    while left:
+        dtype, problem, batch = left.pop(0)
         impls = args.impls if batch is None else sweep_impls
         peak = ceiling(problem, dtype, peaks)
         rows += bench_problem(problem, DTYPES[dtype], args.modes, impls, args.iters, args.warmup,
                               shapes, progress, batch=batch, errors=batch is None, peak=peak)
+        _write_json(stem + ".json", dict(meta=meta, rows=rows))  # after every job
+        if args.time_limit is not None and time.monotonic() - start > 60 * args.time_limit:
+            break  # (each invocation completes one job at least)
+    invocation["gpu_state_after"] = gpu_state()
+    _write_json(stem + ".json", dict(meta=meta, rows=rows))
     table = markdown([r for r in rows if not r["sweep"]])
     print(table)
-    os.makedirs(args.out, exist_ok=True)
-    name = torch.cuda.get_device_name().replace(" ", "_")
-    stem = os.path.join(args.out, f"{name}-{datetime.date.today()}")
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                cuda=torch.version.cuda, date=str(datetime.date.today()), argv=sys.argv[1:],
-                ceilings=peaks)
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(table + "\n")
     print(stem + ".json")
+    if left:
+        print(f"stopped after --time-limit {args.time_limit} min with {len(left)} of "
+              f"{len(jobs)} jobs left; the same command with --resume {stem}.json goes on")
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401

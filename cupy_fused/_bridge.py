@@ -81,35 +81,39 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
     threads per block (1-D).  ``args``: ints (pointers, 64-bit integers) and
     floats (doubles), matching the kernel's parameters.  ``shared_mem``: bytes
     of dynamic shared memory (above 48 KiB the kernel is opted in on first
-    use).  The CUDA device is switched only when it is not already current."""
+    use).  The CUDA device is switched only when it is not already current.
+    (This runs on every launch, so it is written for few Python operations.)"""
     if shared_mem > kernel.shared_limit:
         kernel.allow_shared(shared_mem)
-    buf = getattr(_local, "buffer", None)
-    if buf is None:
+    try:
+        buf = _local.buffer
+    except AttributeError:
         require_cupy()
         buf = _local.buffer = _ParamBuffer()
-    layout = kernel.params or _param_struct(kernel, args)
-    layout.pack_into(buf.data, 0, *args)
-    if _driver.get_device() == device_index:
-        _driver.launch(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
+    (kernel.params or _param_struct(kernel, args)).pack_into(buf.data, 0, *args)
+    if _get_device() == device_index:
+        _launch_kernel(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
                        _raw_stream(device_index), buf.params_ptr, 0)
     else:
         with require_cupy().cuda.Device(device_index):
-            _driver.launch(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
+            _launch_kernel(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
                            _raw_stream(device_index), buf.params_ptr, 0)
 
 
-class _Driver:
-    """CuPy's bindings of cudaGetDevice and cuLaunchKernel, looked up once."""
+def _bind_driver() -> int:
+    """Binds ``_get_device`` and ``_launch_kernel`` to CuPy's cudaGetDevice and
+    cuLaunchKernel on the first launch (importing cupy_fused does not import
+    CuPy), and returns the current device as ``_get_device`` does."""
+    global _get_device, _launch_kernel
+    cupy = require_cupy()
+    _launch_kernel = cupy.cuda.driver.launchKernel
+    _get_device = cupy.cuda.runtime.getDevice
+    return _get_device()
 
-    def __getattr__(self, name):
-        cupy = require_cupy()
-        self.get_device = cupy.cuda.runtime.getDevice
-        self.launch = cupy.cuda.driver.launchKernel
-        return getattr(self, name)
 
-
-_driver = _Driver()
+# launch() calls _get_device() before _launch_kernel, so the first call binds both.
+_get_device = _bind_driver
+_launch_kernel = None
 
 
 def to_cupy(tensor: torch.Tensor):

@@ -223,11 +223,12 @@ class KernelFamily:
         self._kernels: Dict[Tuple[object, int], Kernel] = {}
 
     def get(self, key, device: int) -> Kernel:
-        kernel = self._kernels.get((key, device))
-        if kernel is None:
-            kernel = get_function(self.source, self.expressions[key], device)
-            self._kernels[(key, device)] = kernel
-        return kernel
+        try:  # runs on every launch: one dict lookup once compiled
+            return self._kernels[key, device]
+        except KeyError:
+            kernel = self._kernels[key, device] = get_function(self.source, self.expressions[key],
+                                                               device)
+            return kernel
 
 
 def compiled_modules() -> int:

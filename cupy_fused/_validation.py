@@ -65,6 +65,8 @@ def check_vector(name: str, value, length: int, like: torch.Tensor, like_name: s
             return None
         raise TypeError(f"{name} is required, got None")
     check_like(name, value, like, like_name)
+    if value.dim() == 1 and value.shape[0] == length:  # the common case, cheaply
+        return value if value.is_contiguous() else value.contiguous()
     if value.numel() != length or sum(1 for s in value.shape if s != 1) > 1:
         raise ValueError(
             f"{name} must hold one value per channel ({length} values, shape ({length},) or "

@@ -7,7 +7,8 @@ the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process defau
 
 * GEMM problems (37, 76, 88, 94): float32 GEMMs run on our tensor-core
   kernel, float16/bfloat16 and ``"ieee"`` on cuBLAS.  76 is
-  :func:`cupy_fused.ops.linear` with the bias and ReLU in the GEMM's store;
+  :func:`cupy_fused.ops.linear` with the bias and ReLU in the GEMM's store
+  (on cuBLAS: cuBLAS's own bias + ReLU epilogue, no kernel of ours);
   37, 88 and 94 are :func:`cupy_fused.ops.linear_gn_chain`: the GEMM with
   the linear bias in its store, then one fused kernel for the GroupNorm
   chain (an opt-in variant does both in one launch; see that op).  The

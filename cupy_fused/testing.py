@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -60,18 +60,35 @@ def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn)
 def time_ms(fn, iters: int, warmup: int) -> Tuple[float, float]:
     """(median, min) milliseconds of ``fn`` over ``iters`` calls after
     ``warmup``, from CUDA events around each call on the current stream."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in events]
-    return statistics.median(times), min(times)
+    return time_interleaved({"fn": fn}, iters, warmup, rounds=1)["fn"]
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], iters: int, warmup: int,
+                     rounds: int = 5) -> Dict[str, Tuple[float, float]]:
+    """(median, min) milliseconds of each of ``fns`` over ``iters`` calls, as
+    :func:`time_ms`, but taken in turns: ``rounds`` rounds, each running a
+    share of every function's iterations (after one untimed call, so that
+    none inherits the caches of the one before).  Whatever drifts over a run
+    (the GPU's clock and temperature, load on the host) then hits all of
+    them alike instead of favouring whichever runs first."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    rounds = max(1, min(rounds, iters))
+    times: Dict[str, list] = {name: [] for name in fns}
+    for r in range(rounds):
+        share = iters // rounds + (1 if r < iters % rounds else 0)
+        for name, fn in fns.items():
+            fn()
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(share)]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            times[name] += [s.elapsed_time(e) for s, e in events]
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def _run(model, x, dy, grad_mode: str):

@@ -27,3 +27,54 @@ def test_full_runs_every_dtype_mode_and_sweep():
     assert set(args.impls) == {"eager", "compile", "ours", "ours+compile", "gemm"}
     plain = bench_run.parse_args([])
     assert plain.dtypes == ["fp32"] and not plain.sweep
+
+
+def test_resume_runs_only_the_jobs_without_rows():
+    jobs = [("fp32", 76, None), ("bf16", 76, None), ("fp32", 76, 64), ("fp32", 1, 8)]
+    rows = [dict(problem=76, dtype="float32", batch=1024, sweep=False),
+            dict(problem=76, dtype="float32", batch=64, sweep=True)]
+    assert bench_run.pending_jobs(jobs, rows) == [("bf16", 76, None), ("fp32", 1, 8)]
+    assert bench_run.pending_jobs(jobs, []) == jobs
+    args = bench_run.parse_args(["--full", "--resume", "r.json", "--time-limit", "9"])
+    assert args.resume == "r.json" and args.time_limit == 9.0
+
+
+def test_run_count_times_the_gemm_alone_in_the_forward_mode_only():
+    jobs = [("fp32", 76, None), ("fp32", 76, 64)]
+    impls, sweep_impls = ["eager", "compile", "ours", "gemm"], ["eager", "ours", "gemm"]
+    # benchmark shape: 4 forward + 3 train; sweep point: 3 forward + 2 train
+    assert bench_run.run_count(jobs, ["forward", "train"], impls, sweep_impls) == 12
+
+
+def test_a_time_limited_run_saves_each_job_and_resume_finishes_it(tmp_path, monkeypatch, capsys):
+    import json
+
+    import torch
+
+    ran = []
+
+    def fake_bench(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
+                   errors=True, peak=None):
+        ran.append((problem, dtype, batch))
+        progress()
+        return [dict(problem=problem, dtype=str(dtype).replace("torch.", ""), mode="forward",
+                     impl="ours", batch=batch or 1024, sweep=batch is not None, median_ms=1.0,
+                     min_ms=1.0, peak_extra_gib=None, tflops=1.0, ceiling_fraction=0.5,
+                     fwd_rel_error=None)]
+
+    monkeypatch.setattr(bench_run, "bench_problem", fake_bench)
+    monkeypatch.setattr(bench_run, "ceilings", lambda: {"bf16_tflops": 2.0, "tf32_tflops": 3.0})
+    monkeypatch.setattr(bench_run, "gpu_state", lambda: {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    argv = ["--problems", "76", "88", "--dtypes", "fp32", "bf16", "--modes", "forward",
+            "--no-plots", "--out", str(tmp_path)]
+    bench_run.main(argv + ["--time-limit", "0"])  # one job, then stop
+    assert len(ran) == 1
+    (saved,) = tmp_path.glob("*.json")
+    assert len(json.load(open(saved))["rows"]) == 1
+    assert "--resume" in capsys.readouterr().out
+    bench_run.main(argv + ["--resume", str(saved)])
+    assert len(ran) == 4 and len(set(ran)) == 4
+    data = json.load(open(saved))
+    assert len(data["rows"]) == 4 and len(data["meta"]["invocations"]) == 2
+    assert (tmp_path / saved.name.replace(".json", ".md")).exists()

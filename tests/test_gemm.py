@@ -127,6 +127,43 @@ def test_linear_validation(past_device_check):
         ops.linear(torch.tensor(1.0), w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cublas_relu_route_uses_cublas_epilogues(dtype, past_device_check):
+    """float16/bfloat16 and "ieee" (here on CPU tensors, the same torch ops):
+    cuBLASLt's bias + ReLU epilogue (_addmm_activation), and a backward from
+    the output that gives eager's gradients."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.rand(6, 40, generator=gen) - 0.5).to(dtype)
+    w = torch.randn(24, 40, generator=gen).to(dtype)
+    b = torch.randn(24, generator=gen).to(dtype)
+    with torch.no_grad():
+        y = ops.linear(x, w, b, activation="relu", precision="ieee")
+    assert torch.equal(y, torch._addmm_activation(b, x, w.t()))
+    assert (y == 0).any() and (y > 0).any()
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = ops.linear(*leaves, activation="relu", precision="ieee")
+    assert torch.equal(y, torch._addmm_activation(b, x, w.t()))
+    dy = torch.randn(y.shape, generator=gen).to(dtype)
+    y.backward(dy)
+    ref = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    torch.relu(torch.nn.functional.linear(*ref)).backward(dy)
+    for ours, theirs in zip(leaves, ref):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+    with torch.no_grad():  # no bias: the GEMM and relu_
+        assert torch.equal(ops.linear(x, w, None, activation="relu", precision="ieee"),
+                           torch.relu(x @ w.t()))
+    # Traced (the registered custom op, then relu_ on its output): the same.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: ops.linear(*t, activation="relu", precision="ieee"),
+                             backend="aot_eager", fullgraph=True)
+    traced = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y2 = compiled(*traced)
+    y2.backward(dy)
+    assert torch.equal(y2, y)
+    for ours, again in zip(leaves, traced):
+        assert torch.equal(ours.grad, again.grad)
+
+
 # ---------------------------------------------------------------- GPU tier
 
 def _operands(layout, m, k, n, device, gen, spread=0):
@@ -384,9 +421,16 @@ def test_fused_relu_store_matches_the_training_path(with_bias, device):
 
 
 @gpu
-def test_half_precision_takes_the_cublas_path(device):
-    x = torch.rand(9, 32, device=device, dtype=torch.bfloat16)
-    w = torch.randn(16, 32, device=device, dtype=torch.bfloat16)
-    b = torch.randn(16, device=device, dtype=torch.bfloat16)
-    expected = torch.relu(torch.nn.functional.linear(x, w) + b)
-    torch.testing.assert_close(ops.linear(x, w, b, activation="relu"), expected)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_takes_the_cublas_path(dtype, device):
+    x = torch.rand(9, 32, device=device, dtype=dtype)
+    w = torch.randn(16, 32, device=device, dtype=dtype)
+    b = torch.randn(16, device=device, dtype=dtype)
+    truth = torch.relu(torch.nn.functional.linear(x.double(), w.double(), b.double()))
+    eager_err = (torch.relu(torch.nn.functional.linear(x, w) + b).double() - truth).abs().max()
+    with torch.no_grad():
+        y = ops.linear(x, w, b, activation="relu")
+    assert torch.equal(y, torch._addmm_activation(b, x, w.t()))
+    assert (y.double() - truth).abs().max() <= eager_err  # the bias is added before rounding
+    y = ops.linear(x.requires_grad_(True), w, b, activation="relu")
+    assert y.grad_fn is not None and torch.equal(y.detach(), torch._addmm_activation(b, x, w.t()))

@@ -15,9 +15,12 @@ default of :func:`set_fp32_matmul_precision`):
   applies per product, so a batch of 16 rows takes SGEMM for the weight
   gradient (a sum over the batch) and 3xTF32 for the rest.
 * ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
-* ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``), with bias + ReLU
-  in the ``bias_relu`` kernel.  This is also the path of float16 / bfloat16
-  inputs, whose tensor-core GEMMs are cuBLAS's own.
+* ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``).  This is also
+  the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
+  cuBLAS's own.  On this path bias and ReLU are cuBLAS's too (no kernel of
+  ours: see :func:`run_linear`): cuBLASLt's fused bias + ReLU epilogue
+  (``torch._addmm_activation``); in training PyTorch's own ReLU node gates
+  the gradient and :func:`cublas_relu_backward` (torch ops) does the rest.
 
 The cuBLAS products follow torch's own settings: with
 ``torch.backends.cuda.matmul.allow_tf32 = True`` they run in TF32.
@@ -331,6 +334,64 @@ _LINEAR = FusedOp("linear_tf32", _forward, _forward_fake, _setup_context, _backw
                   linear_backward, _backward_fake)
 
 
+# ---------------------------------------------------------------- cuBLAS bias + ReLU
+
+def _cublas_relu_forward(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor) -> torch.Tensor:
+    # cuBLASLt's bias + ReLU epilogue: the whole layer in one launch.
+    return torch._addmm_activation(bias, x, weight.t())
+
+
+def _cublas_relu_forward_fake(x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def cublas_relu_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
+                         want_weight: bool,
+                         want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the linear part of ``relu(x W^T + bias)``, given the
+    gradient dz already gated by the ReLU.  Returns (dx, dW, dbias); each is
+    empty when not wanted."""
+    dz = dz.contiguous()
+    # The bias gradient first, so that the column sum's scratch is freed
+    # before the weight gradient exists (F.linear's backward sums it after the
+    # products, on the engine's side: +64 MiB of peak on problem 76 in bf16).
+    dbias = dz.sum(0) if want_bias else dz.new_empty((0,))
+    dx = dz @ weight if want_x else x.new_empty((0,))
+    dw = dz.t() @ x if want_weight else weight.new_empty((0,))
+    return dx, dw, dbias
+
+
+def _cublas_relu_backward_fake(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                               want_x: bool, want_weight: bool,
+                               want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_fake(dz, x, weight, 3, want_x, want_weight, want_bias)
+
+
+def _cublas_relu_setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _cublas_relu_backward_formula(ctx, grads, run_backward):
+    x, weight = ctx.saved_tensors
+    want = ctx.needs_input_grad
+    dx, dw, dbias = run_backward(grads[0], x, weight, want[0], want[1], want[2])
+    return (dx if want[0] else None, dw if want[1] else None, dbias if want[2] else None)
+
+
+# relu(x W^T + bias) forward, but the backward of the linear part only: a
+# caller recording a graph applies a native ``relu_`` to the output (values
+# unchanged: they are >= 0 already), whose own node gates the gradient and
+# then frees the output, before this node's products allocate dW (saving
+# the output here would keep it alive through them: +16 MiB of peak on
+# problem 76 in bf16).  Only run_linear uses it, that way.
+_CUBLAS_RELU = FusedOp("linear_relu_cublas", _cublas_relu_forward, _cublas_relu_forward_fake,
+                       _cublas_relu_setup_context, _cublas_relu_backward_formula,
+                       cublas_relu_backward, _cublas_relu_backward_fake)
+
+
 @accepts_cupy
 def linear(x, weight, bias=None, activation: Optional[str] = None,
            precision: Optional[str] = None):
@@ -355,28 +416,51 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     bias = check_vector("bias", bias, n, x, "x")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or 'relu', got {activation!r}")
-    act = ACTIVATIONS[activation]
-    precision = resolve_precision(precision)
+    act, precision = ACTIVATIONS[activation], resolve_precision(precision)
+    if x.dim() == 2:  # no reshape: a view is one more autograd node per call
+        return run_linear(x, weight, bias, act, precision)
     lead = x.shape[:-1]
-    x2 = x.reshape(lead.numel(), k)  # not -1: that is ambiguous when k == 0
-    cublas = (x.dtype != torch.float32 or precision == "ieee"  # see the module docstring
-              or not has_tf32_tensor_cores(x.device.index))
+    y = run_linear(x.reshape(lead.numel(), k),  # not -1: that is ambiguous when k == 0
+                   weight, bias, act, precision)
+    return y.reshape(*lead, n)
+
+
+def uses_cublas(dtype: torch.dtype, precision: str, device_index: int) -> bool:
+    """Whether a product runs on cuBLAS (see the module docstring): float16 /
+    bfloat16, ``"ieee"``, or a GPU without TF32 tensor cores."""
+    return (dtype != torch.float32 or precision == "ieee"
+            or not has_tf32_tensor_cores(device_index))
+
+
+def run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               activation: int, precision: str) -> torch.Tensor:
+    """:func:`linear` on operands it (or a caller applying the same rules)
+    has already checked: x2 [M, K], weight [N, K], bias (N,) flat or None,
+    activation 0 (none) or 1 (ReLU), precision resolved.  Returns [M, N]."""
+    cublas = uses_cublas(x2.dtype, precision, x2.device.index)
     grad = needs_grad(x2, weight, bias)
-    if not cublas:
-        x2 = x2 if x2.is_contiguous() else x2.contiguous()
-        weight = weight if weight.is_contiguous() else weight.contiguous()
-    if act == 1 and (cublas or grad):
+    if cublas:
+        if activation == 0:
+            return F.linear(x2, weight, bias)
+        # cuBLAS's own epilogue, no kernel of ours (see "What is fused" in the
+        # README): cuBLASLt's bias + ReLU in the GEMM, one launch; backward in
+        # torch ops.  A half-precision training step of problem 76 takes less
+        # GPU time (~0.6 ms on H100) than the host needs to issue it, so the
+        # fewest launches and autograd nodes win.
+        if bias is None or x2.numel() == 0 or weight.numel() == 0:
+            return F.linear(x2, weight, bias).relu_()  # native autograd
+        y = _CUBLAS_RELU(x2, weight, bias, requires_grad=grad)
+        return y.relu_() if grad else y  # the ReLU's gate (see _CUBLAS_RELU)
+    x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    passes = PASSES[precision]
+    if activation == 1 and grad:
         # The GEMM, then bias + ReLU in the bias_relu kernel, which keeps a
         # 1-bit mask for the backward.  With ReLU fused into the GEMM's store
         # the backward would need the float32 output instead, alive until
         # both weight and input gradients are done: one more activation of
         # peak training memory (measured on problem 76: 0.344 GiB against
         # 0.313) to save one pass over the output.
-        z = F.linear(x2, weight) if cublas else _LINEAR(x2, weight, None, 0, PASSES[precision],
-                                                        requires_grad=grad)
-        y = bias_relu(z, bias if bias is not None else z.new_zeros((n,)))
-    elif cublas:
-        y = F.linear(x2, weight, bias)
-    else:
-        y = _LINEAR(x2, weight, bias, act, PASSES[precision], requires_grad=grad)
-    return y.reshape(*lead, n)
+        z = _LINEAR(x2, weight, None, 0, passes, requires_grad=grad)
+        return bias_relu(z, bias if bias is not None else z.new_zeros((weight.shape[0],)))
+    return _LINEAR(x2, weight, bias, activation, passes, requires_grad=grad)

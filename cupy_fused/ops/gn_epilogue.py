@@ -218,10 +218,19 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     eps = check_eps(eps)
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+    return run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
+                        mul_weight, eps, bool(linear_bias_in_z))
+
+
+def run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_bias, gn_weight,
+                 gn_bias, mul_weight, eps: float, linear_bias_in_z: bool) -> torch.Tensor:
+    """:func:`gn_chain` on arguments it (or a caller applying the same
+    checks, as :func:`.linear_gn.linear_gn_chain`) has already validated:
+    the vectors flat and contiguous or None."""
     z = z if z.is_contiguous() else z.contiguous()
     grad = needs_grad(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     return _GN_CHAIN(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups,
-                     eps, grad, bool(linear_bias_in_z), requires_grad=grad)[0]
+                     eps, grad, linear_bias_in_z, requires_grad=grad)[0]
 
 
 @accepts_cupy

@@ -232,8 +232,7 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = gn_epilogue.check_chain_vectors(
         chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     precision = gemm.resolve_precision(precision)
-    if (x.dtype == torch.float32 and precision != "ieee"
-            and gemm.has_tf32_tensor_cores(x.device.index)):
+    if not gemm.uses_cublas(x.dtype, precision, x.device.index):
         x = x if x.is_contiguous() else x.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
         passes = gemm.PASSES[precision]
@@ -245,8 +244,8 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     # before z is rounded to its dtype (as eager does; adding it to a rounded
     # fp16/bf16 z costs accuracy), then the chain.  The bias enters the GEMM
     # detached: its gradient is a column sum of the chain's backward.
-    z = gemm.linear(x, weight, lin_bias.detach() if lin_bias is not None else None,
-                    precision=precision)
-    return gn_epilogue.gn_chain(z, chain, num_groups, lin_bias=lin_bias, extra_bias=extra_bias,
-                                gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight,
-                                eps=eps, linear_bias_in_z=True)
+    # Everything was validated above, once: the unchecked entry points follow.
+    z = gemm.run_linear(x, weight, lin_bias.detach() if lin_bias is not None else None, 0,
+                        precision)
+    return gn_epilogue.run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
+                                    gn_bias, mul_weight, eps, True)
