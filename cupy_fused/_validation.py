@@ -28,6 +28,10 @@ def cxx_type(dtype: torch.dtype) -> str:
 
 def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> torch.Tensor:
     """A CUDA float tensor (float32, float16 or bfloat16)."""
+    # One expression for the common case (this runs on every call of every op).
+    if (isinstance(value, torch.Tensor) and value.is_cuda and value.dtype in FLOAT_DTYPES
+            and (ndim is None or value.dim() in ndim)):
+        return value
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.dtype not in FLOAT_DTYPES:
