@@ -9,9 +9,9 @@ the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process defau
   kernel, float16/bfloat16 and ``"ieee"`` on cuBLAS.  76 is
   :func:`cupy_fused.ops.linear` with the bias and ReLU in the GEMM's store
   (on cuBLAS: cuBLAS's own bias + ReLU epilogue, no kernel of ours);
-  37, 88 and 94 are :func:`cupy_fused.ops.linear_gn_chain`: the GEMM with
-  the linear bias in its store, then one fused kernel for the GroupNorm
-  chain (an opt-in variant does both in one launch; see that op).  The
+  37, 88 and 94 are :func:`cupy_fused.ops.linear_gn_chain`: the GEMM, then
+  one fused kernel for the linear bias and the GroupNorm chain (an opt-in
+  variant does both in one launch; see that op).  The
   backward is one fused kernel (the chain rule, the GroupNorm backward and
   every vector's gradient as column sums), then the two GEMMs.
 * Problem 1: the convolution stays in cuDNN (``F.conv2d`` without bias);

@@ -103,6 +103,34 @@ def test_validation(past_device_check):
         ops.linear_gn_chain(x, w, v, "swish_bias_gn", 4, precision="fp32")
 
 
+@pytest.mark.parametrize("dtype, cublas", [(torch.float32, False), (torch.bfloat16, True)])
+def test_where_the_linear_bias_is_added(dtype, cublas, past_device_check, monkeypatch):
+    """Our float32 GEMM stores z without the bias and the chain adds it; on
+    cuBLAS (fp16/bf16) the bias is in the GEMM's epilogue, before rounding,
+    detached, and the chain only produces its gradient."""
+    monkeypatch.setattr(G, "has_tf32_tensor_cores", lambda dev: True)
+    calls = {}
+
+    def run_linear(x, weight, bias, activation, precision):
+        calls["gemm_bias"] = bias
+        return F.linear(x, weight, bias)
+
+    def run_gn_chain(z, chain, groups, lin_bias, *rest):
+        calls["chain_bias"], calls["bias_in_z"] = lin_bias, rest[-1]
+        return z
+
+    monkeypatch.setattr(G, "run_linear", run_linear)
+    monkeypatch.setattr(gn_epilogue, "run_gn_chain", run_gn_chain)
+    x, w = torch.rand(4, 8, dtype=dtype), torch.rand(16, 8, dtype=dtype)
+    b = torch.rand(16, dtype=dtype, requires_grad=True)
+    ops.linear_gn_chain(x, w, b, "swish_bias_gn", 4)
+    assert calls["chain_bias"] is b and calls["bias_in_z"] is cublas
+    if cublas:
+        assert torch.equal(calls["gemm_bias"], b) and not calls["gemm_bias"].requires_grad
+    else:
+        assert calls["gemm_bias"] is None
+
+
 # ---------------------------------------------------------------- GPU tier
 
 def chain_on_z(z, chain, groups, extra_bias, gn_weight, gn_bias, mul_weight, eps=1e-5):

@@ -6,9 +6,12 @@ chains of :mod:`.gn_epilogue` (problems 37, 88 and 94),
 with its backward.  Float32 on the tensor-core GEMM (precision ``"3xtf32"``
 or ``"tf32"``):
 
-* by default **two launches** forward: :func:`.gemm.linear` with the bias in
-  the GEMM's epilogue, then :func:`.gn_epilogue.gn_chain` (two autograd
-  nodes: z, saved by the second, is freed before the backward's GEMMs run);
+* by default **two launches** forward: the GEMM without bias, then
+  :func:`.gn_epilogue.gn_chain`, whose Pre adds the linear bias (two
+  autograd nodes: z, saved by the second, is freed before the backward's
+  GEMMs run).  In float32 both places give the same sum, rounded once; in
+  the memory-bound chain it is one more per-column value, in the GEMM's store it
+  cost 0.42 ms at problem 37's shape (2.90 against 3.32 ms, GEMM_NOTES.md);
 * opt-in, **one launch** (``gemm_tf32_wgmma_gn`` in
   ``kernels_cu/gemm_tf32_gn.cu``): the GroupNorm chain applied to the Hopper
   GEMM's accumulators before its only store, where each group lies inside
@@ -28,7 +31,8 @@ or ``"tf32"``):
   takes two launches.
 
 Float16 / bfloat16, precision ``"ieee"`` and GPUs without TF32 tensor cores
-take :func:`.gemm.linear` (cuBLAS) with the linear bias in its epilogue, then
+take :func:`.gemm.linear` (cuBLAS) with the linear bias in its epilogue
+(added in float32 before z is rounded to its dtype), then
 :func:`.gn_epilogue.gn_chain`.
 """
 from __future__ import annotations
@@ -232,7 +236,8 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = gn_epilogue.check_chain_vectors(
         chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     precision = gemm.resolve_precision(precision)
-    if not gemm.uses_cublas(x.dtype, precision, x.device.index):
+    cublas = gemm.uses_cublas(x.dtype, precision, x.device.index)
+    if not cublas:
         x = x if x.is_contiguous() else x.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
         passes = gemm.PASSES[precision]
@@ -240,12 +245,15 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
             grad = needs_grad(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
             return _LINEAR_GN(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
                               chain, num_groups, eps, passes, grad, requires_grad=grad)[0]
-    # The GEMM (ours in float32, else cuBLAS) with the bias added in float32
-    # before z is rounded to its dtype (as eager does; adding it to a rounded
-    # fp16/bf16 z costs accuracy), then the chain.  The bias enters the GEMM
-    # detached: its gradient is a column sum of the chain's backward.
     # Everything was validated above, once: the unchecked entry points follow.
-    z = gemm.run_linear(x, weight, lin_bias.detach() if lin_bias is not None else None, 0,
-                        precision)
+    if cublas:
+        # The bias in cuBLAS's epilogue, added in float32 before z is rounded
+        # to its dtype (as eager does; adding it to a rounded fp16/bf16 z
+        # costs accuracy), detached: its gradient is a column sum of the
+        # chain's backward.
+        z = gemm.run_linear(x, weight, lin_bias.detach() if lin_bias is not None else None, 0,
+                            precision)
+    else:  # the chain adds it (see the module docstring)
+        z = gemm.run_linear(x, weight, None, 0, precision)
     return gn_epilogue.run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
-                                    gn_bias, mul_weight, eps, True)
+                                    gn_bias, mul_weight, eps, cublas)
