@@ -30,6 +30,19 @@ struct ColumnVectors {
 //   sum dy^ * x^ -> grad of gn_weight;  sum dy^ -> grad of gn_bias
 //   sum dm * a   -> grad of mul_weight
 
+// kEagerRounding (used in float16 / bfloat16 only): round the chain's
+// intermediates to T where eager PyTorch does (every op returns a tensor of
+// the input's dtype), so that the output matches eager's to about one unit
+// in the last place.  Off, the chain stays in float32 and rounds once at the
+// store: closer to the exact result, but up to a few units away from eager's
+// (which the normalisation magnifies where a group's spread is small).
+// With it off, every eager_round is the identity and each formula below is
+// exactly the unrounded one.
+template <typename T, bool kEagerRounding>
+__device__ __forceinline__ float eager_round(float v) {
+  return kEagerRounding ? to_float(from_float<T>(v)) : v;
+}
+
 // Chain::pre must give bit-identical values in the forward and in the
 // backward, which recomputes x^ = (pre(z) - mean) * rstd from the saved
 // statistics (with one channel per group x^ is exactly 0 only then).  Plain
@@ -38,13 +51,17 @@ struct ColumnVectors {
 // which are never contracted.
 
 // Problem 37: v = swish(z + lin_bias) + bias; Post = identity.
+// (Eager: s = sigmoid(z); u = s * z; v = u + bias, each rounded.)
+template <bool kEagerRounding>
 struct ChainSwishBiasGN {
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
                        kSlotMul = -1;
   template <typename T>
   __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return __fadd_rn(swishf(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f))),
-                     load_or(p.extra_bias, c, 0.0f));
+    const float zb = __fadd_rn(z, load_or(p.lin_bias, c, 0.0f));
+    const float s = eager_round<T, kEagerRounding>(sigmoidf(zb));
+    return eager_round<T, kEagerRounding>(
+        __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), load_or(p.extra_bias, c, 0.0f)));
   }
   template <typename T>
   __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {
@@ -59,6 +76,9 @@ struct ChainSwishBiasGN {
 };
 
 // Problem 88: v = z + lin_bias; y = swish(swish(y^) * mul_weight).
+// (Eager: y^ rounded; a = y^ * sigmoid(y^); m = a * w; y = m * sigmoid(m),
+// each sigmoid and product rounded.)
+template <bool kEagerRounding>
 struct ChainGNSwishMulSwish {
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = 3;
@@ -70,7 +90,11 @@ struct ChainGNSwishMulSwish {
   __device__ static float pre_grad(float, const ColumnVectors<T>&, i64) { return 1.0f; }
   template <typename T>
   __device__ static float post(float yh, const ColumnVectors<T>& p, i64 c) {
-    return swishf(swishf(yh) * to_float(p.mul_weight[c]));
+    const float g = eager_round<T, kEagerRounding>(yh);
+    const float a = eager_round<T, kEagerRounding>(
+        __fmul_rn(g, eager_round<T, kEagerRounding>(sigmoidf(g))));
+    const float m = eager_round<T, kEagerRounding>(a * to_float(p.mul_weight[c]));
+    return __fmul_rn(m, eager_round<T, kEagerRounding>(sigmoidf(m)));
   }
   // a = swish(y^), m = a * w, y = swish(m):  dm = dy swish'(m),
   // d(w) += dm * a,  dy^ = dm * w * swish'(y^).
@@ -87,13 +111,15 @@ struct ChainGNSwishMulSwish {
 
 // Problem 94: v = mish(hardtanh(z + lin_bias + bias)); Post = identity.
 // Both biases sit before the nonlinearity, so both gradients are sum dz.
+// (Eager: z + bias rounded; hardtanh exact; mish rounded.)
+template <bool kEagerRounding>
 struct ChainBiasHardtanhMishGN {
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
   template <typename T>
   __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return mishf(hardtanhf(
-        __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f))));
+    return eager_round<T, kEagerRounding>(mishf(hardtanhf(eager_round<T, kEagerRounding>(
+        __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f))))));
   }
   template <typename T>
   __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {

@@ -1,6 +1,6 @@
 """GroupNorm epilogues: the whole elementwise chain of problems 37, 88 and 94
 around a GroupNorm, forward and backward, one kernel family
-(``kernels_cu/gn_chain.cu``) templated on dtype and op chain (the chains
+(``kernels_cu/gn_chain.cuh``) templated on dtype and op chain (the chains
 themselves are in ``kernels_cu/gn_chains.cuh``).
 
 Forward saves z (the GEMM output, with or without the linear bias) and the
@@ -22,9 +22,9 @@ from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_
 
 @dataclass(frozen=True)
 class Chain:
-    """One op chain of the family: its C++ type and where each parameter
-    gradient lands among the backward's per-column sums (slot indices,
-    matching the ``kSlot*`` constants of the C++ struct)."""
+    """One op chain of the family: its C++ class template and where each
+    parameter gradient lands among the backward's per-column sums (slot
+    indices, matching the ``kSlot*`` constants of the C++ struct)."""
 
     cxx: str
     slots: int
@@ -33,6 +33,11 @@ class Chain:
     gn_weight: int
     gn_bias: int
     mul_weight: Optional[int]
+
+    def type(self, eager_rounding: bool = False) -> str:
+        """The C++ type, rounding intermediates as eager PyTorch does or not
+        (``kEagerRounding`` in gn_chains.cuh)."""
+        return f"{self.cxx}<{'true' if eager_rounding else 'false'}>"
 
 
 CHAINS: Dict[str, Chain] = {
@@ -52,15 +57,27 @@ CHAINS: Dict[str, Chain] = {
 VALS_PER_LANE = (4, 8)
 
 
-def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int) -> str:
-    return f"cf::gn_chain_{kernel}<{cxx_type(dtype)}, {CHAINS[chain].cxx}, {vals}>"
+def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int, eager_rounding: bool) -> str:
+    return (f"cf::gn_chain_{kernel}<{cxx_type(dtype)}, {CHAINS[chain].type(eager_rounding)}, "
+            f"{vals}>")
 
 
-# Keyed by (kernel, dtype, chain, values per lane).
+# Keyed by (kernel, dtype, chain, values per lane).  The eager-rounding
+# variants (float16 / bfloat16 only: rounding to float32 is the identity)
+# are a source of their own, compiled on their first use.
 KERNELS = _runtime.KernelFamily("gn_chain.cu", {
-    (k, d, c, v): _expr(k, d, c, v)
+    (k, d, c, v): _expr(k, d, c, v, False)
     for k in ("forward", "backward") for d in FLOAT_DTYPES for c in CHAINS for v in VALS_PER_LANE
 })
+EAGER_ROUNDING_KERNELS = _runtime.KernelFamily("gn_chain_eager.cu", {
+    (k, d, c, v): _expr(k, d, c, v, True)
+    for k in ("forward", "backward") for d in FLOAT_DTYPES if d != torch.float32 for c in CHAINS
+    for v in VALS_PER_LANE
+})
+
+
+def _family(dtype: torch.dtype, eager_rounding: bool) -> _runtime.KernelFamily:
+    return EAGER_ROUNDING_KERNELS if eager_rounding and dtype != torch.float32 else KERNELS
 
 
 def team_shape(channels_per_group: int) -> Tuple[int, int]:
@@ -80,8 +97,8 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                   num_groups: int, eps: float, save_stats: bool,
-                   bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   num_groups: int, eps: float, save_stats: bool, bias_in_z: bool,
+                   eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, channels = z.shape
     out = torch.empty_like(z)
     stat_shape = (rows, num_groups) if save_stats else (0,)
@@ -92,7 +109,7 @@ def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
         team, vals = team_shape(channels // num_groups)
         pairs = rows * num_groups
         grid = elementwise_grid(pairs * team, dev)
-        fn = KERNELS.get(("forward", z.dtype, chain, vals), dev)
+        fn = _family(z.dtype, eager_rounding).get(("forward", z.dtype, chain, vals), dev)
         _bridge.launch(fn, (grid, 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), _ptr(mean) if save_stats else 0,
             _ptr(rstd) if save_stats else 0, 0 if bias_in_z else _ptr(lin_bias), _ptr(extra_bias),
@@ -104,8 +121,8 @@ def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
 def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                  num_groups: int, eps: float, save_stats: bool,
-                  bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_groups: int, eps: float, save_stats: bool, bias_in_z: bool,
+                  eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     stat_shape = (z.shape[0], num_groups) if save_stats else (0,)
     return (torch.empty_like(z), z.new_empty(stat_shape, dtype=torch.float32),
             z.new_empty(stat_shape, dtype=torch.float32))
@@ -115,8 +132,11 @@ def launch_backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rst
                     lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
                     gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                     mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
-                    bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dz, per-column sums [slots, C]: the parameter gradients)."""
+                    bias_in_z: bool,
+                    eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dz, per-column sums [slots, C]: the parameter gradients).
+    ``eager_rounding`` must be the forward's: the backward recomputes its
+    normalised values."""
     rows, channels = z.shape
     spec = CHAINS[chain]
     dz = torch.empty_like(z)
@@ -128,7 +148,7 @@ def launch_backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rst
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
     partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
-    fn = KERNELS.get(("backward", z.dtype, chain, vals), dev)
+    fn = _family(z.dtype, eager_rounding).get(("backward", z.dtype, chain, vals), dev)
     _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
         z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(),
         0 if bias_in_z else _ptr(lin_bias),
@@ -141,17 +161,20 @@ def _backward_fake(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd
                    lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                    mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
-                   bias_in_z: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                   bias_in_z: bool,
+                   eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(z), z.new_empty((CHAINS[chain].slots, z.shape[1]))
 
 
 def _setup_context(ctx, inputs, output):
-    z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups, _, _, in_z = inputs
+    (z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups, _, _, in_z,
+     eager_rounding) = inputs
     ctx.save_for_backward(z, output[1], output[2], lin_bias, extra_bias, gn_weight, gn_bias,
                           mul_weight)
     ctx.chain = chain
     ctx.num_groups = num_groups
     ctx.bias_in_z = in_z
+    ctx.eager_rounding = eager_rounding
 
 
 def parameter_grads(chain: str, sums: torch.Tensor, lin_bias, extra_bias, gn_weight, gn_bias,
@@ -174,9 +197,10 @@ def parameter_grads(chain: str, sums: torch.Tensor, lin_bias, extra_bias, gn_wei
 def _backward_formula(ctx, grads, run_backward):
     z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
     dz, sums = run_backward(grads[0], z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias,
-                            mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z)
+                            mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z,
+                            ctx.eager_rounding)
     return (dz,) + parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
-                                   mul_weight) + (None, None, None, None, None)
+                                   mul_weight) + (None, None, None, None, None, None)
 
 
 _GN_CHAIN = FusedOp("gn_chain", launch_forward, _forward_fake, _setup_context, _backward_formula,
@@ -203,14 +227,21 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
 
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
              gn_weight=None, gn_bias=None, mul_weight=None, eps: float = 1e-5,
-             linear_bias_in_z: bool = False) -> torch.Tensor:
+             linear_bias_in_z: bool = False, eager_rounding: bool = False) -> torch.Tensor:
     """The GroupNorm epilogue ``chain`` (a key of :data:`CHAINS`) on
     z: [M, C].  Vectors: C values each, z's dtype and device; None = absent
     (GroupNorm weight 1, bias 0).
 
     ``linear_bias_in_z=True``: z already holds the linear bias (added by the
     GEMM's epilogue, e.g. ``F.linear(x, W, lin_bias.detach())``, before z is
-    rounded to its dtype); the kernels then only produce its gradient."""
+    rounded to its dtype); the kernels then only produce its gradient.
+
+    ``eager_rounding=True`` (float16 / bfloat16; no effect in float32):
+    round the chain's intermediates to z's dtype where eager PyTorch does,
+    to match eager's output to about one unit in the last place.  By
+    default the chain runs in float32 and rounds once: closer to the exact
+    result, but a few units away from eager's where the normalisation
+    magnifies eager's roundings."""
     check_chain(chain)
     check_tensor("z", z, ndim=(2,))
     channels = z.shape[1]
@@ -219,46 +250,49 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     return run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
-                        mul_weight, eps, bool(linear_bias_in_z))
+                        mul_weight, eps, bool(linear_bias_in_z), bool(eager_rounding))
 
 
 def run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_bias, gn_weight,
-                 gn_bias, mul_weight, eps: float, linear_bias_in_z: bool) -> torch.Tensor:
+                 gn_bias, mul_weight, eps: float, linear_bias_in_z: bool,
+                 eager_rounding: bool = False) -> torch.Tensor:
     """:func:`gn_chain` on arguments it (or a caller applying the same
     checks, as :func:`.linear_gn.linear_gn_chain`) has already validated:
     the vectors flat and contiguous or None."""
     z = z if z.is_contiguous() else z.contiguous()
     grad = needs_grad(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     return _GN_CHAIN(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups,
-                     eps, grad, linear_bias_in_z, requires_grad=grad)[0]
+                     eps, grad, linear_bias_in_z, eager_rounding, requires_grad=grad)[0]
 
 
 @accepts_cupy
 def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
-                          eps: float = 1e-5, linear_bias_in_z: bool = False):
+                          eps: float = 1e-5, linear_bias_in_z: bool = False,
+                          eager_rounding: bool = False):
     """Problem 37's epilogue: ``group_norm(swish(z + linear_bias) + bias)``.
     z: [M, C]; vectors: (C,) (linear_bias may be None)."""
     return gn_chain(z, "swish_bias_gn", num_groups, lin_bias=linear_bias, extra_bias=bias,
                     gn_weight=gn_weight, gn_bias=gn_bias, eps=eps,
-                    linear_bias_in_z=linear_bias_in_z)
+                    linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
 
 
 @accepts_cupy
 def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply_weight,
                                     num_groups: int, eps: float = 1e-5,
-                                    linear_bias_in_z: bool = False):
+                                    linear_bias_in_z: bool = False, eager_rounding: bool = False):
     """Problem 88's epilogue: ``g = group_norm(z + linear_bias);
     m = swish(g) * multiply_weight; swish(m)``.  z: [M, C]; vectors: (C,)."""
     return gn_chain(z, "gn_swish_mul_swish", num_groups, lin_bias=linear_bias,
                     gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=multiply_weight, eps=eps,
-                    linear_bias_in_z=linear_bias_in_z)
+                    linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
 
 
 @accepts_cupy
 def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
-                                  eps: float = 1e-5, linear_bias_in_z: bool = False):
+                                  eps: float = 1e-5, linear_bias_in_z: bool = False,
+                                  eager_rounding: bool = False):
     """Problem 94's epilogue: ``group_norm(mish(hardtanh(z + linear_bias + bias)))``.
     z: [M, C]; vectors: (C,)."""
     return gn_chain(z, "bias_hardtanh_mish_gn", num_groups, lin_bias=linear_bias,
                     extra_bias=bias, gn_weight=gn_weight, gn_bias=gn_bias, eps=eps,
-                    linear_bias_in_z=linear_bias_in_z)
+                    linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)

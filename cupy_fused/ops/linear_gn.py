@@ -53,7 +53,7 @@ WGMMA_TILE = gemm.TILES["wgmma128x128"]
 # Keyed by (chain, passes).  Forward layout only: x [M, K], W [N, K].
 KERNELS = _runtime.KernelFamily("gemm_tf32_gn.cu", {
     (chain, passes): (f"cf::gemm_tf32_wgmma_gn<{WGMMA_TILE.stages}, {passes}, "
-                      f"{gn_epilogue.CHAINS[chain].cxx}>")
+                      f"{gn_epilogue.CHAINS[chain].type()}>")
     for chain in gn_epilogue.CHAINS for passes in (1, 3)
 })
 
@@ -214,13 +214,15 @@ _LINEAR_GN = FusedOp("linear_gn_chain", _forward, _forward_fake, _setup_context,
 def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
                     chain: str, num_groups: int, *, extra_bias=None, gn_weight=None,
                     gn_bias=None, mul_weight=None, eps: float = 1e-5,
-                    precision: Optional[str] = None) -> torch.Tensor:
+                    precision: Optional[str] = None, eager_rounding: bool = False) -> torch.Tensor:
     """``gn_chain(x @ weight.T + lin_bias)``: the GroupNorm epilogue ``chain``
     (a key of :data:`.gn_epilogue.CHAINS`) after a linear layer.
 
     x: [M, K]; weight: [N, K]; lin_bias and the chain's vectors: (N,) or
     None (GroupNorm weight 1, bias 0); one dtype (float32, float16,
     bfloat16), one CUDA device.  precision: as for :func:`.gemm.linear`.
+    eager_rounding: as for :func:`.gn_epilogue.gn_chain` (float16 / bfloat16
+    only; the linear bias is then in cuBLAS's epilogue, as in eager).
     Returns [M, N] in x's dtype.
     """
     gn_epilogue.check_chain(chain)
@@ -256,4 +258,4 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     else:  # the chain adds it (see the module docstring)
         z = gemm.run_linear(x, weight, None, 0, precision)
     return gn_epilogue.run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
-                                    gn_bias, mul_weight, eps, cublas)
+                                    gn_bias, mul_weight, eps, cublas, bool(eager_rounding))
