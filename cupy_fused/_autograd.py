@@ -113,9 +113,11 @@ class FusedOp:
         Function.__name__ = Function.__qualname__ = f"{self.name}_function"
         return Function
 
-    def __call__(self, *inputs, requires_grad: bool):
-        """Runs the op.  ``requires_grad``: whether autograd must record it
-        (callers compute it with :func:`needs_grad`)."""
+    def run(self, requires_grad: bool, *inputs):
+        """Runs the op on ``inputs``.  ``requires_grad``: whether autograd
+        must record it (callers compute it with :func:`needs_grad`).  (A
+        plain method with positional arguments: calling the instance with a
+        keyword costs twice as much host time, on every op call.)"""
         if self.op is not None and is_compiling():
             return self.op(*inputs)
         if requires_grad:

@@ -449,7 +449,7 @@ def run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         # fewest launches and autograd nodes win.
         if bias is None or x2.numel() == 0 or weight.numel() == 0:
             return F.linear(x2, weight, bias).relu_()  # native autograd
-        y = _CUBLAS_RELU(x2, weight, bias, requires_grad=grad)
+        y = _CUBLAS_RELU.run(grad, x2, weight, bias)
         return y.relu_() if grad else y  # the ReLU's gate (see _CUBLAS_RELU)
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
     weight = weight if weight.is_contiguous() else weight.contiguous()
@@ -461,6 +461,6 @@ def run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         # both weight and input gradients are done: one more activation of
         # peak training memory (measured on problem 76: 0.344 GiB against
         # 0.313) to save one pass over the output.
-        z = _LINEAR(x2, weight, None, 0, passes, requires_grad=grad)
+        z = _LINEAR.run(grad, x2, weight, None, 0, passes)
         return bias_relu(z, bias if bias is not None else z.new_zeros((weight.shape[0],)))
-    return _LINEAR(x2, weight, bias, activation, passes, requires_grad=grad)
+    return _LINEAR.run(grad, x2, weight, bias, activation, passes)

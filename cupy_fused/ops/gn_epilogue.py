@@ -261,8 +261,8 @@ def run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_b
     the vectors flat and contiguous or None."""
     z = z if z.is_contiguous() else z.contiguous()
     grad = needs_grad(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
-    return _GN_CHAIN(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups,
-                     eps, grad, linear_bias_in_z, eager_rounding, requires_grad=grad)[0]
+    return _GN_CHAIN.run(grad, z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                         num_groups, eps, grad, linear_bias_in_z, eager_rounding)[0]
 
 
 @accepts_cupy

@@ -245,8 +245,8 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
         passes = gemm.PASSES[precision]
         if fuses_group_norm(x, weight, num_groups, passes):
             grad = needs_grad(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
-            return _LINEAR_GN(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
-                              chain, num_groups, eps, passes, grad, requires_grad=grad)[0]
+            return _LINEAR_GN.run(grad, x, weight, lin_bias, extra_bias, gn_weight, gn_bias,
+                                  mul_weight, chain, num_groups, eps, passes, grad)[0]
     # Everything was validated above, once: the unchecked entry points follow.
     if cublas:
         # The bias in cuBLAS's epilogue, added in float32 before z is rounded

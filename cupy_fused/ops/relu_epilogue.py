@@ -142,4 +142,4 @@ def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor]
     bias2 = check_vector("bias2", bias2, channels, z, "z")
     z = dense_layout(z)
     grad = needs_grad(z, bias, bias2)
-    return _BIAS_RELU(z, bias, bias2, grad, requires_grad=grad)[0]
+    return _BIAS_RELU.run(grad, z, bias, bias2, grad)[0]

@@ -55,4 +55,4 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
     grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
-    return _SCALE_ADD(x, y, alpha, requires_grad=grad)[0]
+    return _SCALE_ADD.run(grad, x, y, alpha)[0]
