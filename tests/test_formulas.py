@@ -1,6 +1,7 @@
 """(CPU tier) The derivative formulas the kernels implement, written out in
-float64 exactly as kernels_cu/cf_common.cuh and gn_chain.cu compute them, and
-checked against torch.autograd on the reference expressions."""
+float64 exactly as kernels_cu/cf_common.cuh and gn_chain.cuh compute them, and
+checked against torch.autograd on the reference expressions; and the rounding
+points of the chains' eager-rounding variant against half-precision eager."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,3 +136,55 @@ def test_group_norm_chain_backward(chain, channels, groups):
         if name != "z":
             torch.testing.assert_close(grad, leaves[name].grad, rtol=1e-9, atol=1e-9,
                                        msg=f"{chain}: {name}")
+
+
+# ---- kEagerRounding (gn_chains.cuh): where the chains round to bf16 / fp16 ----
+
+def _eager_rounding_recipe(chain, z, groups, bias, gn_weight, gn_bias, mul_weight, dtype):
+    """The forward of a chain with kEagerRounding, transcribed from
+    gn_chains.cuh: float32 arithmetic, rounded to ``dtype`` at the marked
+    points (R), the GroupNorm in float32 as gn_chain_forward computes it."""
+    f32 = lambda t: t.to(torch.float32)  # noqa: E731
+    R = lambda t: t.to(dtype).to(torch.float32)  # noqa: E731
+
+    def group_norm(v):
+        rows, channels = v.shape
+        g = v.view(rows, groups, channels // groups)
+        mean = g.mean(-1, keepdim=True)
+        var = ((g - mean) ** 2).mean(-1, keepdim=True)
+        xhat = ((g - mean) / torch.sqrt(var + 1e-5)).view(rows, channels)
+        return xhat * f32(gn_weight) + f32(gn_bias)
+
+    z = f32(z)
+    if chain == "swish_bias_gn":  # pre: R(R(z * R(sigmoid z)) + bias)
+        return group_norm(R(R(z * R(torch.sigmoid(z))) + f32(bias))).to(dtype)
+    if chain == "gn_swish_mul_swish":  # post: g = R(y^); a = R(g R(sig g)); m = R(a w)
+        g = R(group_norm(z))
+        m = R(R(g * R(torch.sigmoid(g))) * f32(mul_weight))
+        return (m * R(torch.sigmoid(m))).to(dtype)
+    return group_norm(R(F.mish(F.hardtanh(R(z + f32(bias)))))).to(dtype)  # pre: R(mish(R(z + b)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("chain", ["swish_bias_gn", "gn_swish_mul_swish", "bias_hardtanh_mish_gn"])
+def test_eager_rounding_points_reproduce_half_precision_eager(chain, dtype):
+    """The rounding points of kEagerRounding are eager's: the transcription
+    matches the reference chain run in ``dtype`` by PyTorch (on the CPU
+    here) but for a unit in the last place on rare elements."""
+    gen = torch.Generator().manual_seed(0)
+    rows, channels, groups = 257, 512, 16
+    z = (torch.randn(rows, channels, generator=gen) * 2 + 1).to(dtype)
+    vecs = [torch.randn(channels, generator=gen).to(dtype) for _ in range(4)]
+    bias, gn_weight, gn_bias, mul_weight = vecs
+    if chain == "swish_bias_gn":
+        eager = F.group_norm(torch.sigmoid(z) * z + bias, groups, gn_weight, gn_bias)
+    elif chain == "gn_swish_mul_swish":
+        g = F.group_norm(z, groups, gn_weight, gn_bias)
+        m = g * torch.sigmoid(g) * mul_weight
+        eager = m * torch.sigmoid(m)
+    else:
+        eager = F.group_norm(F.mish(F.hardtanh(z + bias)), groups, gn_weight, gn_bias)
+    ours = _eager_rounding_recipe(chain, z, groups, *vecs, dtype)
+    diff = (ours.double() - eager.double()).abs()
+    assert (diff > 0).double().mean().item() < 1e-3
+    torch.testing.assert_close(ours, eager, atol=1e-2, rtol=1e-2)
