@@ -1,8 +1,9 @@
 """Usage: python scripts/sanitize.py [fp32 fp16 bf16]
 
 Small-shape run of every fused op, forward and backward, in all three
-dtypes: the workload scripts/gpu_check.sh runs under compute-sanitizer
-(memcheck, racecheck)."""
+dtypes (in float16 / bfloat16 also the eager-rounding GroupNorm kernels):
+the workload scripts/gpu_check.sh runs under compute-sanitizer (memcheck,
+racecheck)."""
 import sys
 
 import torch
@@ -81,4 +82,38 @@ if torch.float32 in dtypes:
                     print("linear_gn", chain, (m, k, n, groups), save, "OK" if ok else f"ERROR {err}",
                           flush=True)
                     failed += [] if ok else [f"linear_gn {chain} {(m, k, n, groups)}"]
+for dtype in (d for d in dtypes if d != torch.float32):
+    # The eager-rounding GroupNorm kernels (gn_chain_eager.cu), forward and
+    # backward, on the same group shapes as the models above: wide groups,
+    # one channel per group, a ragged count; output against eager's chain in
+    # the same dtype (KernelBench's 1e-2 check).
+    import torch.nn.functional as F
+
+    from cupy_fused import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for rows, channels, groups in ((5, 600, 1), (3, 40, 40), (7, 96, 6)):
+        z = (torch.randn(rows, channels, device="cuda", generator=gen) + 1).to(dtype)
+        bias, w, b, mw = (torch.randn(channels, device="cuda", generator=gen).to(dtype)
+                          for _ in range(4))
+        for chain in ops.CHAINS:
+            kw = dict(gn_weight=w, gn_bias=b, linear_bias_in_z=True, eager_rounding=True)
+            if chain == "gn_swish_mul_swish":
+                kw["mul_weight"] = mw
+                g = F.group_norm(z, groups, w, b)
+                m = g * torch.sigmoid(g) * mw
+                eager = m * torch.sigmoid(m)
+            else:
+                kw["extra_bias"] = bias
+                pre = (torch.sigmoid(z) * z + bias if chain == "swish_bias_gn"
+                       else F.mish(F.hardtanh(z + bias)))
+                eager = F.group_norm(pre, groups, w, b)
+            zz = z.clone().requires_grad_(True)
+            out = ops.gn_chain(zz, chain, groups, **kw)
+            out.backward(torch.randn_like(out))
+            ok = (torch.allclose(out, eager, atol=1e-2, rtol=1e-2)
+                  and bool(torch.isfinite(zz.grad).all()))
+            print("eager_rounding", chain, dtype, (rows, channels, groups), "OK" if ok else "ERROR",
+                  flush=True)
+            failed += [] if ok else [f"eager_rounding {chain} {dtype} {(rows, channels, groups)}"]
 sys.exit(1 if failed else 0)
