@@ -267,6 +267,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=list(IMPLS + EXTRA_IMPLS))
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--sweep-iters", type=int, default=10,
+                        help="iterations per point of the size sweep (a curve needs fewer)")
     parser.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     parser.add_argument("--sweep", action="store_true",
                         help="also time each problem over a range of batch sizes (eager and ours)")
@@ -371,7 +373,8 @@ def main(argv=None):
         dtype, problem, batch = left.pop(0)
         impls = args.impls if batch is None else sweep_impls
         peak = ceiling(problem, dtype, peaks)
-        rows += bench_problem(problem, DTYPES[dtype], args.modes, impls, args.iters, args.warmup,
+        iters = args.iters if batch is None else min(args.iters, args.sweep_iters)
+        rows += bench_problem(problem, DTYPES[dtype], args.modes, impls, iters, args.warmup,
                               shapes, progress, batch=batch, errors=batch is None, peak=peak)
         _write_json(stem + ".json", dict(meta=meta, rows=rows))  # after every job
         if args.time_limit is not None and time.monotonic() - start > 60 * args.time_limit:

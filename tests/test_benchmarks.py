@@ -63,9 +63,7 @@ def test_a_time_limited_run_saves_each_job_and_resume_finishes_it(tmp_path, monk
                      fwd_rel_error=None)]
 
     monkeypatch.setattr(bench_run, "bench_problem", fake_bench)
-    monkeypatch.setattr(bench_run, "ceilings", lambda: {"bf16_tflops": 2.0, "tf32_tflops": 3.0})
-    monkeypatch.setattr(bench_run, "gpu_state", lambda: {})
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    _fake_device(monkeypatch)
     argv = ["--problems", "76", "88", "--dtypes", "fp32", "bf16", "--modes", "forward",
             "--no-plots", "--out", str(tmp_path)]
     bench_run.main(argv + ["--time-limit", "0"])  # one job, then stop
@@ -78,3 +76,27 @@ def test_a_time_limited_run_saves_each_job_and_resume_finishes_it(tmp_path, monk
     data = json.load(open(saved))
     assert len(data["rows"]) == 4 and len(data["meta"]["invocations"]) == 2
     assert (tmp_path / saved.name.replace(".json", ".md")).exists()
+
+
+def _fake_device(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(bench_run, "ceilings", lambda: {"bf16_tflops": 2.0, "tf32_tflops": 3.0})
+    monkeypatch.setattr(bench_run, "gpu_state", lambda: {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+
+
+def test_sweep_points_take_fewer_iterations(tmp_path, monkeypatch):
+    iters = {}
+
+    def fake_bench(problem, dtype, modes, impls, n, warmup, shapes, progress, batch=None,
+                   errors=True, peak=None):
+        iters[batch] = n
+        return []
+
+    monkeypatch.setattr(bench_run, "bench_problem", fake_bench)
+    _fake_device(monkeypatch)
+    bench_run.main(["--problems", "76", "--modes", "forward", "--sweep", "--iters", "30",
+                    "--sweep-iters", "7", "--no-plots", "--out", str(tmp_path)])
+    assert iters.pop(None) == 30 and set(iters) == set(bench_run.SWEEP_GEMM)
+    assert set(iters.values()) == {7}
