@@ -49,8 +49,6 @@ def test_run_count_times_the_gemm_alone_in_the_forward_mode_only():
 def test_a_time_limited_run_saves_each_job_and_resume_finishes_it(tmp_path, monkeypatch, capsys):
     import json
 
-    import torch
-
     ran = []
 
     def fake_bench(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
