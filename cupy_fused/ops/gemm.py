@@ -366,7 +366,7 @@ def cublas_relu_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 def _cublas_relu_backward_fake(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                want_x: bool, want_weight: bool,
                                want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_fake(dz, x, weight, 3, want_x, want_weight, want_bias)
+    return _backward_fake(dz, x, weight, 0, want_x, want_weight, want_bias)  # (passes: unused)
 
 
 def _cublas_relu_setup_context(ctx, inputs, output):
