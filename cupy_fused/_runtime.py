@@ -162,7 +162,7 @@ class Kernel:
 
 
 _modules: Dict[_ModuleKey, object] = {}
-_functions: Dict[Tuple[str, str, int], object] = {}
+_functions: Dict[Tuple[str, str, int, Tuple[str, ...]], object] = {}
 _lock = threading.Lock()
 
 
@@ -173,13 +173,17 @@ def _read_source(source: str) -> str:
     return path.read_text()
 
 
-def get_function(source: str, name_expression: str, device: int) -> Kernel:
+def get_function(source: str, name_expression: str, device: int,
+                 defines: Tuple[str, ...] = ()) -> Kernel:
     """Returns the :class:`Kernel` of one instantiation on ``device``.
 
     Compiles ``source`` (all its declared instantiations at once) on first use
     for that device.  Raises ``KeyError`` for an undeclared instantiation.
+    ``defines``: extra preprocessor definitions (``"NAME=VALUE"``) for a
+    separate build of the source, e.g. the tuning knobs a kernel file reads
+    (``scripts/tune_gn.py``); the library itself passes none.
     """
-    key = (source, name_expression, device)
+    key = (source, name_expression, device, defines)
     fn = _functions.get(key)
     if fn is not None:
         return fn
@@ -194,7 +198,8 @@ def get_function(source: str, name_expression: str, device: int) -> Kernel:
                 "declare it with cupy_fused._runtime.declare()"
             )
         cupy = require_cupy()
-        mkey = _ModuleKey(source, nvrtc_options() + arch_options(device), device)
+        mkey = _ModuleKey(source, nvrtc_options() + arch_options(device)
+                          + tuple(f"-D{d}" for d in defines), device)
         with cupy.cuda.Device(device):
             module = _modules.get(mkey)
             if module is None:

@@ -1,40 +1,80 @@
-"""Times the GroupNorm epilogue forward and backward for each (team, values
-per lane) shape at problem 37's and 88's benchmark sizes (CUDA events)."""
+"""Times the GroupNorm epilogue forward and backward at problem 37's and 88's
+benchmark sizes (float32, CUDA events) for each (team, values per lane)
+shape, and for each pair of launch bounds (the minimum resident blocks per
+SM, CF_GN_FORWARD_MIN_BLOCKS / CF_GN_BACKWARD_MIN_BLOCKS in gn_chain.cuh,
+which cap the registers per thread: at the shipped 8 / 4 every gn_chain
+kernel spills, at 6 / 3 far less — ptxas -v).
+
+    python scripts/tune_gn.py [--bounds 8,4 6,3 4,2]
+"""
+import argparse
+
 import torch
 
+from cupy_fused import _runtime
 from cupy_fused.ops import gn_epilogue as gn
+from cupy_fused.testing import time_interleaved
+
+SHAPES = ((32768, 4096, 64, "swish_bias_gn"), (1024, 8192, 256, "gn_swish_mul_swish"))
 
 
-def bench(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / iters
+class _BoundsFamily:
+    """gn_epilogue.KERNELS built with other launch bounds."""
+
+    def __init__(self, forward_blocks: int, backward_blocks: int):
+        self.defines = (f"CF_GN_FORWARD_MIN_BLOCKS={forward_blocks}",
+                        f"CF_GN_BACKWARD_MIN_BLOCKS={backward_blocks}")
+
+    def get(self, key, device):
+        return _runtime.get_function(gn.KERNELS.source, gn.KERNELS.expressions[key], device,
+                                     self.defines)
 
 
-for rows, channels, groups, chain in ((32768, 4096, 64, "swish_bias_gn"),
-                                      (1024, 8192, 256, "gn_swish_mul_swish")):
-    cpg = channels // groups
-    z = torch.randn(rows, channels, device="cuda")
-    v = [torch.randn(channels, device="cuda") for _ in range(5)]
-    dy = torch.randn_like(z)
-    gb = z.numel() * 4 * 2 / 1e9
-    original = gn.team_shape
-    for team, vals in ((32, 4), (16, 4), (8, 8), (32, 8), (4, 8)):
-        if team * vals < cpg or team > 32:
-            continue
-        gn.team_shape = lambda c, t=team, k=vals: (t, k)
-        fwd = lambda: gn.launch_forward(z, v[0], v[1], v[2], v[3], v[4], chain, groups, 1e-5, True, False)
-        ms = bench(fwd)
-        out, mean, rstd = fwd()
-        bwd = lambda: gn.launch_backward(dy, z, mean, rstd, v[0], v[1], v[2], v[3], v[4], chain, groups,
-                                         False)
-        ms_b = bench(bwd)
-        print(f"{chain:<20} cpg {cpg:>4} team {team:>2} vals {vals}: forward {ms:.3f} ms "
-              f"({gb / ms:.2f} TB/s)  backward {ms_b:.3f} ms ({1.5 * gb / ms_b:.2f} TB/s)")
-    gn.team_shape = original
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bounds", nargs="+", default=["8,4", "6,3", "4,2"],
+                        help="forward,backward minimum blocks per SM")
+    args = parser.parse_args(argv)
+    bounds = [tuple(map(int, b.split(","))) for b in args.bounds]
+    shipped_kernels, shipped_shape = gn.KERNELS, gn.team_shape
+    try:
+        for rows, channels, groups, chain in SHAPES:
+            cpg = channels // groups
+            z = torch.randn(rows, channels, device="cuda")
+            v = [torch.randn(channels, device="cuda") for _ in range(5)]
+            dy = torch.randn_like(z)
+            gb = z.numel() * 4 * 2 / 1e9
+            for team, vals in ((32, 4), (16, 4), (8, 8), (32, 8), (4, 8)):
+                if team * vals < cpg or team > 32:
+                    continue
+                gn.team_shape = lambda c, t=team, k=vals: (t, k)
+                runs = {}
+                for fwd_blocks, bwd_blocks in bounds:
+                    family = _BoundsFamily(fwd_blocks, bwd_blocks)
+
+                    def fwd(family=family):
+                        gn.KERNELS = family
+                        return gn.launch_forward(z, v[0], v[1], v[2], v[3], v[4], chain, groups,
+                                                 1e-5, True, False)
+
+                    _, mean, rstd = fwd()
+
+                    def bwd(family=family, mean=mean, rstd=rstd):
+                        gn.KERNELS = family
+                        return gn.launch_backward(dy, z, mean, rstd, v[0], v[1], v[2], v[3],
+                                                  v[4], chain, groups, False)
+
+                    runs[(fwd_blocks, bwd_blocks, "forward")] = fwd
+                    runs[(fwd_blocks, bwd_blocks, "backward")] = bwd
+                times = time_interleaved(runs, 20, 2)
+                for (fwd_blocks, bwd_blocks, kind), (ms, _) in times.items():
+                    traffic = gb if kind == "forward" else 1.5 * gb
+                    print(f"{chain:<20} cpg {cpg:>4} team {team:>2} vals {vals} bounds "
+                          f"{fwd_blocks},{bwd_blocks}: {kind:<8} {ms:.3f} ms "
+                          f"({traffic / ms:.2f} TB/s)", flush=True)
+    finally:
+        gn.KERNELS, gn.team_shape = shipped_kernels, shipped_shape
+
+
+if __name__ == "__main__":
+    main()
