@@ -79,11 +79,18 @@ def check_vector(name: str, value, length: int, like: torch.Tensor, like_name: s
     return value.reshape(length).contiguous()
 
 
+# Channels per row the GroupNorm kernels take: they index within a row in
+# 32 bits (a row may be preceded by any number of others).
+MAX_CHANNELS = 2**30
+
+
 def check_groups(num_groups, channels: int) -> int:
     if isinstance(num_groups, bool) or not isinstance(num_groups, int):
         raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
     if num_groups <= 0:
         raise ValueError(f"num_groups must be positive, got {num_groups}")
+    if channels >= MAX_CHANNELS:
+        raise ValueError(f"the GroupNorm takes fewer than 2^30 channels per row, got {channels}")
     if channels % num_groups != 0:
         raise ValueError(
             f"num_groups ({num_groups}) must divide the number of channels ({channels})"

@@ -38,11 +38,13 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
                                  i64 rows, i64 channels, i64 groups, i64 team, double eps) {
   const ColumnVectors<T> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
-  const i64 cpg = channels / groups;
+  // Offsets within a row in 32 bits (gn_chain checks channels < 2^30):
+  // 64-bit ones cost register pairs, and this kernel runs at few registers.
+  const int cpg = static_cast<int>(channels / groups);
   const int team_lane = threadIdx.x & (t - 1);
   const i64 teams_per_block = blockDim.x / t;
-  const i64 slice = static_cast<i64>(t) * kMaxVals;
-  const i64 nslices = (cpg + slice - 1) / slice;
+  const int slice = t * kMaxVals;
+  const int nslices = (cpg + slice - 1) / slice;
   const i64 pairs = rows * groups;
   const float inv_cpg = 1.0f / static_cast<float>(cpg);
   const float feps = static_cast<float>(eps);
@@ -51,50 +53,52 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
     const i64 pair = base + threadIdx.x / t;
     const bool valid = pair < pairs;
     // 32-bit division whenever the pair count allows (a 64-bit one is far slower).
-    i64 row = 0, g = 0;
+    i64 row = 0;
+    int g = 0;
     if (valid) {
       if (pairs < (i64(1) << 31)) {
         row = unsigned(pair) / unsigned(groups);
-        g = unsigned(pair) - unsigned(row) * unsigned(groups);
+        g = static_cast<int>(unsigned(pair) - unsigned(row) * unsigned(groups));
       } else {
         row = pair / groups;
-        g = pair - row * groups;
+        g = static_cast<int>(pair - row * groups);
       }
     }
-    const i64 first = row * channels + g * cpg;
+    const i64 first = row * channels + static_cast<i64>(g) * cpg;
+    const int col0 = g * cpg;  // the group's first channel
     float v[kMaxVals];
-    auto load_slice = [&](i64 s) {
+    auto load_slice = [&](int s) {
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) {
-        const i64 c = s * slice + team_lane + static_cast<i64>(j) * t;
-        v[j] = (valid && c < cpg) ? Chain::pre(to_float(z[first + c]), p, g * cpg + c) : 0.0f;
+        const int c = s * slice + team_lane + j * t;
+        v[j] = (valid && c < cpg) ? Chain::pre(to_float(z[first + c]), p, col0 + c) : 0.0f;
       }
     };
     float sum = 0.0f;
-    for (i64 s = 0; s < nslices; ++s) {
+    for (int s = 0; s < nslices; ++s) {
       load_slice(s);
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) sum += v[j];
     }
     const float mean = team_sum(sum, t) * inv_cpg;
     float sq = 0.0f;
-    for (i64 s = 0; s < nslices; ++s) {
+    for (int s = 0; s < nslices; ++s) {
       if (nslices > 1) load_slice(s);
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) {
-        const i64 c = s * slice + team_lane + static_cast<i64>(j) * t;
+        const int c = s * slice + team_lane + j * t;
         const float d = v[j] - mean;
         if (c < cpg) sq += d * d;
       }
     }
     const float rstd = 1.0f / sqrtf(team_sum(sq, t) * inv_cpg + feps);
-    for (i64 s = 0; s < nslices; ++s) {
+    for (int s = 0; s < nslices; ++s) {
       if (nslices > 1) load_slice(s);
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) {
-        const i64 c = s * slice + team_lane + static_cast<i64>(j) * t;
+        const int c = s * slice + team_lane + j * t;
         if (valid && c < cpg) {
-          const i64 col = g * cpg + c;
+          const int col = col0 + c;
           const float yh = (v[j] - mean) * rstd * load_or(p.gn_weight, col, 1.0f) +
                            load_or(p.gn_bias, col, 0.0f);
           out[first + c] = from_float<T>(Chain::template post<T>(yh, p, col));
@@ -148,15 +152,17 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
   constexpr int S = Chain::kSlots;
   const ColumnVectors<T> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
-  const i64 cpg = channels / groups;
+  // Offsets within a row in 32 bits, as in the forward.
+  const int cpg = static_cast<int>(channels / groups);
   const int team_lane = threadIdx.x & (t - 1);
-  const i64 teams_per_block = blockDim.x / t;
-  const i64 g = blockIdx.x * teams_per_block + threadIdx.x / t;
+  const int teams_per_block = blockDim.x / t;
+  const int g = blockIdx.x * teams_per_block + threadIdx.x / t;
   const bool valid = g < groups;
+  const int col0 = valid ? g * cpg : 0;  // the group's first channel
   const i64 row0 = blockIdx.y * rows_per_chunk;
   const i64 row1 = min(rows, row0 + rows_per_chunk);
-  const i64 slice = static_cast<i64>(t) * kMaxVals;
-  const i64 nslices = (cpg + slice - 1) / slice;
+  const int slice = t * kMaxVals;
+  const int nslices = (cpg + slice - 1) / slice;
   const float inv_cpg = 1.0f / static_cast<float>(cpg);
   double* part = partial + blockIdx.y * S * channels;
 
@@ -166,14 +172,16 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
     for (i64 r = row0; r < row1; ++r) {
       const float mu = valid ? mean[r * groups + g] : 0.0f;
       const float rs = valid ? rstd[r * groups + g] : 0.0f;
+      const i64 row_start = r * channels;
       float zs[kMaxVals], xh[kMaxVals], dxh[kMaxVals], dyh[kMaxVals], mg[kMaxVals];
       float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) {
-        const i64 c = team_lane + static_cast<i64>(j) * t;
+        const int c = team_lane + j * t;
         xh[j] = dxh[j] = dyh[j] = mg[j] = zs[j] = 0.0f;
         if (valid && c < cpg) {
-          const i64 col = g * cpg + c, i = r * channels + col;
+          const int col = col0 + c;
+          const i64 i = row_start + col;
           zs[j] = to_float(z[i]);
           dxh[j] = element_backward<T, Chain>(zs[j], to_float(dy[dy_dense ? i : 0]), mu, rs, col,
                                               p, xh[j], dyh[j], mg[j]);
@@ -185,12 +193,12 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
       s2 = team_sum(s2, t) * inv_cpg;
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) {
-        const i64 c = team_lane + static_cast<i64>(j) * t;
+        const int c = team_lane + j * t;
         if (valid && c < cpg) {
-          const i64 col = g * cpg + c;
+          const int col = col0 + c;
           const float dv = rs * (dxh[j] - s1 - xh[j] * s2);
           const float d = dv * Chain::pre_grad(zs[j], p, col);
-          dz_out[r * channels + col] = from_float<T>(d);
+          dz_out[row_start + col] = from_float<T>(d);
           float vals[S];
           slot_values<Chain>(vals, d, dv, xh[j], dyh[j], mg[j]);
 #pragma unroll
@@ -200,10 +208,10 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
     }
 #pragma unroll
     for (int j = 0; j < kMaxVals; ++j) {
-      const i64 c = team_lane + static_cast<i64>(j) * t;
+      const int c = team_lane + j * t;
       if (valid && c < cpg)
 #pragma unroll
-        for (int s = 0; s < S; ++s) part[s * channels + g * cpg + c] = acc[s][j].total();
+        for (int s = 0; s < S; ++s) part[s * channels + col0 + c] = acc[s][j].total();
     }
     return;
   }
@@ -214,10 +222,12 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
   for (i64 r = row0; r < row1; ++r) {
     const float mu = valid ? mean[r * groups + g] : 0.0f;
     const float rs = valid ? rstd[r * groups + g] : 0.0f;
+    const i64 row_start = r * channels;
     float s1 = 0.0f, s2 = 0.0f;
-    for (i64 c = team_lane; c < cpg; c += t) {
+    for (int c = team_lane; c < cpg; c += t) {
       if (!valid) break;
-      const i64 col = g * cpg + c, i = r * channels + col;
+      const int col = col0 + c;
+      const i64 i = row_start + col;
       float xh, dyh, mg;
       const float dxh = element_backward<T, Chain>(to_float(z[i]), to_float(dy[dy_dense ? i : 0]),
                                                    mu, rs, col, p, xh, dyh, mg);
@@ -226,9 +236,10 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
     }
     s1 = team_sum(s1, t) * inv_cpg;
     s2 = team_sum(s2, t) * inv_cpg;
-    for (i64 c = team_lane; c < cpg; c += t) {
+    for (int c = team_lane; c < cpg; c += t) {
       if (!valid) break;
-      const i64 col = g * cpg + c, i = r * channels + col;
+      const int col = col0 + c;
+      const i64 i = row_start + col;
       const float zf = to_float(z[i]);
       float xh, dyh, mg;
       const float dxh = element_backward<T, Chain>(zf, to_float(dy[dy_dense ? i : 0]), mu, rs, col,

@@ -69,6 +69,15 @@ def test_groups_must_divide_channels(groups, exc, msg, past_device_check):
         ops.gn_chain(torch.rand(4, C), "swish_bias_gn", groups)
 
 
+def test_group_norm_rows_under_2_to_the_30_channels():
+    """The GroupNorm kernels index within a row in 32 bits."""
+    from cupy_fused._validation import check_groups
+
+    assert check_groups(2, 2**30 - 2) == 2
+    with pytest.raises(ValueError, match=r"fewer than 2\^30 channels per row, got 1073741824"):
+        check_groups(1, 2**30)
+
+
 @pytest.mark.parametrize("eps,exc", [(math.nan, ValueError), (math.inf, ValueError),
                                      (-1e-5, ValueError), (0.0, ValueError), ("1e-5", TypeError)])
 def test_eps_must_be_finite_and_positive(eps, exc):
