@@ -50,10 +50,20 @@ __device__ __forceinline__ float eager_round(float v) {
 // other, so pre() spells its adds and multiplies with __fadd_rn / __fmul_rn,
 // which are never contracted.
 
+// Post = identity: the chains that end with the GroupNorm (37, 94).
+struct PostIdentity {
+  template <typename T>
+  __device__ static float post(float yh, const ColumnVectors<T>&, i64) { return yh; }
+  template <typename T>
+  __device__ static float post_backward(float, float dy, const ColumnVectors<T>&, i64, float&) {
+    return dy;
+  }
+};
+
 // Problem 37: v = swish(z + lin_bias) + bias; Post = identity.
 // (Eager: s = sigmoid(z); u = s * z; v = u + bias, each rounded.)
 template <bool kEagerRounding>
-struct ChainSwishBiasGN {
+struct ChainSwishBiasGN : PostIdentity {
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
                        kSlotMul = -1;
   template <typename T>
@@ -66,12 +76,6 @@ struct ChainSwishBiasGN {
   template <typename T>
   __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {
     return swish_grad(z + load_or(p.lin_bias, c, 0.0f));
-  }
-  template <typename T>
-  __device__ static float post(float yh, const ColumnVectors<T>&, i64) { return yh; }
-  template <typename T>
-  __device__ static float post_backward(float, float dy, const ColumnVectors<T>&, i64, float&) {
-    return dy;
   }
 };
 
@@ -113,7 +117,7 @@ struct ChainGNSwishMulSwish {
 // Both biases sit before the nonlinearity, so both gradients are sum dz.
 // (Eager: z + bias rounded; hardtanh exact; mish rounded.)
 template <bool kEagerRounding>
-struct ChainBiasHardtanhMishGN {
+struct ChainBiasHardtanhMishGN : PostIdentity {
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
   template <typename T>
@@ -126,12 +130,6 @@ struct ChainBiasHardtanhMishGN {
     const float u =
         __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f));
     return hardtanh_grad(u) * mish_grad(hardtanhf(u));
-  }
-  template <typename T>
-  __device__ static float post(float yh, const ColumnVectors<T>&, i64) { return yh; }
-  template <typename T>
-  __device__ static float post_backward(float, float dy, const ColumnVectors<T>&, i64, float&) {
-    return dy;
   }
 };
 
