@@ -31,6 +31,12 @@ def sm_count(device_index: int) -> int:
     return n
 
 
+def ptr_or_null(t) -> int:
+    """Device pointer of an optional tensor for a kernel argument: 0 for None
+    (the kernels read a null vector as absent)."""
+    return t.data_ptr() if t is not None else 0
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -17,7 +17,8 @@ import torch
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
-from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid, reduce_partials, row_chunks
+from ._common import (BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid,
+                      ptr_or_null, reduce_partials, row_chunks)
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,6 @@ def team_shape(channels_per_group: int) -> Tuple[int, int]:
     return team, vals
 
 
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return t.data_ptr() if t is not None else 0
-
-
 def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
@@ -111,10 +108,10 @@ def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
         grid = elementwise_grid(pairs * team, dev)
         fn = _family(z.dtype, eager_rounding).get(("forward", z.dtype, chain, vals), dev)
         _bridge.launch(fn, (grid, 1, 1), BLOCK, (
-            z.data_ptr(), out.data_ptr(), _ptr(mean) if save_stats else 0,
-            _ptr(rstd) if save_stats else 0, 0 if bias_in_z else _ptr(lin_bias), _ptr(extra_bias),
-            _ptr(gn_weight),
-            _ptr(gn_bias), _ptr(mul_weight), rows, channels, num_groups, team, eps), dev)
+            z.data_ptr(), out.data_ptr(), ptr_or_null(mean) if save_stats else 0,
+            ptr_or_null(rstd) if save_stats else 0, 0 if bias_in_z else ptr_or_null(lin_bias),
+            ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
+            ptr_or_null(mul_weight), rows, channels, num_groups, team, eps), dev)
     return out, mean, rstd
 
 
@@ -151,9 +148,10 @@ def launch_backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rst
     fn = _family(z.dtype, eager_rounding).get(("backward", z.dtype, chain, vals), dev)
     _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
         z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(),
-        0 if bias_in_z else _ptr(lin_bias),
-        _ptr(extra_bias), _ptr(gn_weight), _ptr(gn_bias), _ptr(mul_weight), dz.data_ptr(),
-        partial.data_ptr(), rows, channels, num_groups, team, rows_per_chunk), dev)
+        0 if bias_in_z else ptr_or_null(lin_bias),
+        ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
+        ptr_or_null(mul_weight), dz.data_ptr(), partial.data_ptr(), rows, channels, num_groups,
+        team, rows_per_chunk), dev)
     return dz, reduce_partials(partial, z.dtype)
 
 

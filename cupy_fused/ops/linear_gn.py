@@ -46,7 +46,7 @@ from .. import _bridge, _runtime
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_eps, check_groups, check_like, check_tensor
 from . import gemm, gn_epilogue
-from ._common import accepts_cupy, cdiv
+from ._common import accepts_cupy, cdiv, ptr_or_null
 
 WGMMA_TILE = gemm.TILES["wgmma128x128"]
 
@@ -92,10 +92,6 @@ def fuses_group_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, pas
             and gemm.choose_tile(m, n, aligned, x.device.index) == "wgmma128x128")
 
 
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return t.data_ptr() if t is not None else 0
-
-
 def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
                  extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                  gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
@@ -131,9 +127,11 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch
     if m:
         _bridge.launch(KERNELS.get((chain, passes), dev),
                        (cdiv(m, WGMMA_TILE.bm) * cdiv(n, WGMMA_TILE.bn), 1, 1), WGMMA_TILE.threads, (
-                           x.data_ptr(), weight.data_ptr(), y.data_ptr(), _ptr(z) if save else 0,
-                           _ptr(mean) if save else 0, _ptr(rstd) if save else 0, _ptr(lin_bias),
-                           _ptr(extra_bias), _ptr(gn_weight), _ptr(gn_bias), _ptr(mul_weight),
+                           x.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                           ptr_or_null(z) if save else 0, ptr_or_null(mean) if save else 0,
+                           ptr_or_null(rstd) if save else 0, ptr_or_null(lin_bias),
+                           ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
+                           ptr_or_null(mul_weight),
                            m, n, k, k, k, num_groups, eps), dev,
                        shared_mem=WGMMA_TILE.shared_bytes(True, True, passes))
     return y, z, mean, rstd
