@@ -19,7 +19,8 @@ the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process defau
 
 The GroupNorm models (37, 88, 94) take a second one, ``eager_rounding``
 (default False): in float16 / bfloat16, round the op chain's intermediates
-to the dtype where eager PyTorch does, which matches eager's output to about
+(and, on torch before 2.13, the GroupNorm's statistics) to the dtype where
+eager PyTorch does, which matches eager's output to about
 one unit in the last place (what a comparison against half-precision eager
 with a tight tolerance, as KernelBench's, needs); by default the chain runs
 in float32 and rounds once, closer to the exact result.

@@ -30,14 +30,20 @@ namespace cf {
 // Forward.  Writes out (may alias z: every element is read before it is
 // written, by the same thread) and, when mean_out is not null, the per
 // (row, group) mean and rstd that the backward reuses.
+// round_statistics (read only by chains that round like eager): normalise
+// with mean and rstd rounded to T, as eager PyTorch's CUDA GroupNorm does
+// before torch 2.13 (its statistics are tensors of the input's dtype there);
+// the variance itself comes from the unrounded mean, as in eager.
 template <typename T, typename Chain, int kMaxVals>
 __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forward(const T* z, T* out, float* __restrict__ mean_out,
                                  float* __restrict__ rstd_out, const T* __restrict__ lin_bias,
                                  const T* __restrict__ extra_bias, const T* __restrict__ gn_weight,
                                  const T* __restrict__ gn_bias, const T* __restrict__ mul_weight,
-                                 i64 rows, i64 channels, i64 groups, i64 team, double eps) {
+                                 i64 rows, i64 channels, i64 groups, i64 team, double eps,
+                                 i64 round_statistics) {
   const ColumnVectors<T> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
+  const bool round_stats = Chain::kRoundsLikeEager && round_statistics != 0;
   // Offsets within a row in 32 bits (gn_chain checks channels < 2^30):
   // 64-bit ones cost register pairs, and this kernel runs at few registers.
   const int cpg = static_cast<int>(channels / groups);
@@ -80,7 +86,7 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) sum += v[j];
     }
-    const float mean = team_sum(sum, t) * inv_cpg;
+    float mean = team_sum(sum, t) * inv_cpg;
     float sq = 0.0f;
     for (int s = 0; s < nslices; ++s) {
       if (nslices > 1) load_slice(s);
@@ -91,7 +97,11 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
         if (c < cpg) sq += d * d;
       }
     }
-    const float rstd = 1.0f / sqrtf(team_sum(sq, t) * inv_cpg + feps);
+    float rstd = 1.0f / sqrtf(team_sum(sq, t) * inv_cpg + feps);
+    if (round_stats) {
+      mean = to_float(from_float<T>(mean));
+      rstd = to_float(from_float<T>(rstd));
+    }
     for (int s = 0; s < nslices; ++s) {
       if (nslices > 1) load_slice(s);
 #pragma unroll

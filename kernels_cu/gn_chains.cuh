@@ -37,7 +37,8 @@ struct ColumnVectors {
 // store: closer to the exact result, but up to a few units away from eager's
 // (which the normalisation magnifies where a group's spread is small).
 // With it off, every eager_round is the identity and each formula below is
-// exactly the unrounded one.
+// exactly the unrounded one.  (The GroupNorm's own statistics are rounded,
+// where eager's are, by the kernel: see round_statistics in gn_chain.cuh.)
 template <typename T, bool kEagerRounding>
 __device__ __forceinline__ float eager_round(float v) {
   return kEagerRounding ? to_float(from_float<T>(v)) : v;
@@ -64,6 +65,7 @@ struct PostIdentity {
 // (Eager: s = sigmoid(z); u = s * z; v = u + bias, each rounded.)
 template <bool kEagerRounding>
 struct ChainSwishBiasGN : PostIdentity {
+  static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
                        kSlotMul = -1;
   template <typename T>
@@ -84,6 +86,7 @@ struct ChainSwishBiasGN : PostIdentity {
 // each sigmoid and product rounded.)
 template <bool kEagerRounding>
 struct ChainGNSwishMulSwish {
+  static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = 3;
   template <typename T>
@@ -118,6 +121,7 @@ struct ChainGNSwishMulSwish {
 // (Eager: z + bias rounded; hardtanh exact; mish rounded.)
 template <bool kEagerRounding>
 struct ChainBiasHardtanhMishGN : PostIdentity {
+  static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
   template <typename T>

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from cupy_fused import ops
+from cupy_fused.ops import gn_epilogue
 
 pytestmark = pytest.mark.gpu
 
@@ -96,3 +97,14 @@ def test_eager_rounding_matches_half_precision_eager(chain, dtype, device):
     assert torch.isfinite(zz.grad).all()
     scale = z2.grad.float().abs().max()
     assert ((zz.grad.float() - z2.grad.float()).abs().max() / scale).item() < 0.05
+
+
+def test_eager_statistics_rounding_rule_matches_installed_torch(device):
+    """EAGER_GN_ROUNDS_STATISTICS (a torch-version rule) says what this
+    torch's CUDA GroupNorm does.  A group [256, 258] in bfloat16 has mean
+    257, which rounds to 256 (ties to even): with rounded statistics the
+    first output is exactly 0, with float32 ones about -1."""
+    x = torch.tensor([[256.0, 258.0]], dtype=torch.bfloat16, device=device)
+    first = F.group_norm(x, 1)[0, 0].item()
+    assert first == 0.0 or first < -0.9, first
+    assert (first == 0.0) == gn_epilogue.EAGER_GN_ROUNDS_STATISTICS

@@ -9,6 +9,7 @@ intermediate from them in registers.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -81,6 +82,21 @@ def _family(dtype: torch.dtype, eager_rounding: bool) -> _runtime.KernelFamily:
     return EAGER_ROUNDING_KERNELS if eager_rounding and dtype != torch.float32 else KERNELS
 
 
+# Whether eager PyTorch's CUDA GroupNorm, on float16 / bfloat16 input,
+# normalises with its mean and rstd rounded to the input's dtype: it stores
+# them in tensors of that dtype and, before torch 2.13, reads them back from
+# there (from 2.13 on it keeps float32 copies for the normalisation).  The
+# eager-rounding kernels follow the installed torch; a GPU test checks this
+# rule against torch's own group_norm.
+EAGER_GN_ROUNDS_STATISTICS = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+
+
+@functools.lru_cache(maxsize=None)
+def _rounded_eps(eps: float, dtype: torch.dtype) -> float:
+    """eps as eager's GroupNorm kernels use it: a value of the input's dtype."""
+    return float(torch.tensor(eps, dtype=torch.float32).to(dtype).item())
+
+
 def team_shape(channels_per_group: int) -> Tuple[int, int]:
     """(lanes per (row, group) pair: a power of two <= 32, values per lane)."""
     small = VALS_PER_LANE[0]
@@ -106,12 +122,18 @@ def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
         team, vals = team_shape(channels // num_groups)
         pairs = rows * num_groups
         grid = elementwise_grid(pairs * team, dev)
-        fn = _family(z.dtype, eager_rounding).get(("forward", z.dtype, chain, vals), dev)
+        family = _family(z.dtype, eager_rounding)
+        round_statistics = 0
+        if family is EAGER_ROUNDING_KERNELS:
+            eps = _rounded_eps(eps, z.dtype)
+            round_statistics = int(EAGER_GN_ROUNDS_STATISTICS)
+        fn = family.get(("forward", z.dtype, chain, vals), dev)
         _bridge.launch(fn, (grid, 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), ptr_or_null(mean) if save_stats else 0,
             ptr_or_null(rstd) if save_stats else 0, 0 if bias_in_z else ptr_or_null(lin_bias),
             ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
-            ptr_or_null(mul_weight), rows, channels, num_groups, team, eps), dev)
+            ptr_or_null(mul_weight), rows, channels, num_groups, team, eps, round_statistics),
+            dev)
     return out, mean, rstd
 
 
@@ -235,8 +257,10 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     rounded to its dtype); the kernels then only produce its gradient.
 
     ``eager_rounding=True`` (float16 / bfloat16; no effect in float32):
-    round the chain's intermediates to z's dtype where eager PyTorch does,
-    to match eager's output to about one unit in the last place.  By
+    round the chain's intermediates to z's dtype where eager PyTorch does
+    (eps too, and the GroupNorm's mean and rstd where the installed torch
+    rounds them: :data:`EAGER_GN_ROUNDS_STATISTICS`), to match eager's
+    output on CUDA to about one unit in the last place.  By
     default the chain runs in float32 and rounds once: closer to the exact
     result, but a few units away from eager's where the normalisation
     magnifies eager's roundings."""
