@@ -20,6 +20,8 @@ for dtype in dtypes:
         (37, (None, (8, 600, 1, (600,)), (3, 8))),     # wide-group path
         (88, (None, (8, 40, 40, (40,)), (5, 8))),      # one channel per group
         (76, (None, (8, 77, (77,)), (3, 8))),          # mask tail
+        (37, (None, (8, 135, 3, (135,)), (5, 8))),     # 45 per group: a forward team's tail
+        (94, (None, (8, 256, (256,), 2), (3, 8))),     # 128 per group
     ]
     for problem, (_, args, shape) in cases:
         for mode in ("random", "sum"):

@@ -1,9 +1,10 @@
-"""Times the GroupNorm epilogue forward and backward at problem 37's and 88's
-benchmark sizes (float32, CUDA events) for each (team, values per lane)
-shape, and for each pair of launch bounds (the minimum resident blocks per
-SM, CF_GN_FORWARD_MIN_BLOCKS / CF_GN_BACKWARD_MIN_BLOCKS in gn_chain.cuh,
-which cap the registers per thread: at the shipped 8 / 4 every gn_chain
-kernel spills, at 6 / 3 far less — ptxas -v).
+"""Times the GroupNorm epilogue forward and backward (float32, CUDA events)
+at problem 37's benchmark size, the same with 128-channel groups, and 88's,
+for each (team, values per lane) shape and each pair of launch bounds (the
+minimum resident blocks per SM, CF_GN_FORWARD_MIN_BLOCKS /
+CF_GN_BACKWARD_MIN_BLOCKS in gn_chain.cuh, which cap the registers per
+thread; ptxas -v shows what spills under each).  The shipped shapes are
+gn_epilogue.forward_team_shape and team_shape.
 
     python scripts/tune_gn.py [--bounds 8,4 6,3 4,2]
 """
@@ -15,7 +16,8 @@ from cupy_fused import _runtime
 from cupy_fused.ops import gn_epilogue as gn
 from cupy_fused.testing import time_interleaved
 
-SHAPES = ((32768, 4096, 64, "swish_bias_gn"), (1024, 8192, 256, "gn_swish_mul_swish"))
+SHAPES = ((32768, 4096, 64, "swish_bias_gn"), (32768, 4096, 32, "swish_bias_gn"),
+          (1024, 8192, 256, "gn_swish_mul_swish"))
 
 
 class _BoundsFamily:
@@ -37,7 +39,7 @@ def main(argv=None):
                         help="forward,backward minimum blocks per SM")
     args = parser.parse_args(argv)
     bounds = [tuple(map(int, b.split(","))) for b in args.bounds]
-    shipped_kernels, shipped_shape = gn.KERNELS, gn.team_shape
+    shipped_kernels, shipped_shapes = gn.KERNELS, (gn.team_shape, gn.forward_team_shape)
     try:
         for rows, channels, groups, chain in SHAPES:
             cpg = channels // groups
@@ -45,10 +47,10 @@ def main(argv=None):
             v = [torch.randn(channels, device="cuda") for _ in range(5)]
             dy = torch.randn_like(z)
             gb = z.numel() * 4 * 2 / 1e9
-            for team, vals in ((32, 4), (16, 4), (8, 8), (32, 8), (4, 8)):
+            for team, vals in ((32, 4), (16, 4), (8, 8), (16, 8), (32, 8), (4, 8)):
                 if team * vals < cpg or team > 32:
                     continue
-                gn.team_shape = lambda c, t=team, k=vals: (t, k)
+                gn.team_shape = gn.forward_team_shape = lambda c, t=team, k=vals: (t, k)
                 runs = {}
                 for fwd_blocks, bwd_blocks in bounds:
                     family = _BoundsFamily(shipped_kernels, fwd_blocks, bwd_blocks)
@@ -74,7 +76,7 @@ def main(argv=None):
                           f"{fwd_blocks},{bwd_blocks}: {kind:<8} {ms:.3f} ms "
                           f"({traffic / ms:.2f} TB/s)", flush=True)
     finally:
-        gn.KERNELS, gn.team_shape = shipped_kernels, shipped_shape
+        gn.KERNELS, (gn.team_shape, gn.forward_team_shape) = shipped_kernels, shipped_shapes
 
 
 if __name__ == "__main__":

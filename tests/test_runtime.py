@@ -98,6 +98,16 @@ def test_team_shape_covers_every_group_width():
     for cpg in range(1, 600):
         team, vals = gn_chain_module.team_shape(cpg)
         assert team & (team - 1) == 0 and team <= 32 and vals in gn_chain_module.VALS_PER_LANE
+        fteam, fvals = gn_chain_module.forward_team_shape(cpg)
+        assert fteam & (fteam - 1) == 0 and fteam <= 32 and fvals in gn_chain_module.VALS_PER_LANE
+        # the forward holds as many values per team (or more: one slice)
+        assert fteam * fvals >= min(team * vals, cpg)
+    # the forward's own shape: half the lanes, 8 values, for teams of 16 and 32 x 4
+    assert gn_chain_module.forward_team_shape(64) == (8, 8)
+    assert gn_chain_module.forward_team_shape(128) == (16, 8)
+    assert gn_chain_module.forward_team_shape(33) == (8, 8)
+    assert gn_chain_module.forward_team_shape(32) == (8, 4)
+    assert gn_chain_module.forward_team_shape(4096) == (32, 8)
 
 
 def test_row_chunks_are_never_empty(monkeypatch):
