@@ -44,23 +44,46 @@ def main(path):
 
     sweep = [r for r in rows if r.get("sweep")]
     if sweep:
-        problems = sorted({r["problem"] for r in sweep})
-        fig, axes = plt.subplots(1, len(problems), figsize=(4 * len(problems), 3.4), squeeze=False)
-        for ax, p in zip(axes[0], problems):
-            for (impl, mode, dtype) in sorted({(r["impl"], r["mode"], r["dtype"]) for r in sweep
-                                               if r["problem"] == p and r["impl"] != "gemm"}):
-                pts = sorted((r["batch"], r["median_ms"]) for r in sweep if r["problem"] == p
-                             and r["impl"] == impl and r["mode"] == mode and r["dtype"] == dtype)
-                ax.loglog(*zip(*pts), marker="o", ms=3, label=f"{impl} {mode} {dtype}")
-            ax.set_title(f"problem {p}")
-            ax.set_xlabel("batch")
-            ax.set_ylabel("ms")
-            ax.legend(fontsize=6)
-        fig.tight_layout()
-        out = path.with_suffix(".sweep.png")
-        fig.savefig(out, dpi=110)
-        print(out)
+        _plot_sweep(sweep, meta, path.with_suffix(".sweep.png"))
 
+
+# Implementation -> colour, mode -> line style: one grid of panels (a row per
+# dtype, a column per problem) read with one legend.
+IMPL_STYLE = {"eager": dict(color="C0"), "compile": dict(color="C2"), "ours": dict(color="C1"),
+              "ours+compile": dict(color="C3"), "gemm": dict(color="0.5", lw=0.8)}
+MODE_STYLE = {"forward": "-", "train": "--"}
+
+
+def _plot_sweep(sweep, meta, out):
+    """Time against batch size, per problem (columns) and dtype (rows)."""
+    problems = sorted({r["problem"] for r in sweep})
+    dtypes = sorted({r["dtype"] for r in sweep})
+    fig, axes = plt.subplots(len(dtypes), len(problems), squeeze=False,
+                             figsize=(3.3 * len(problems), 2.9 * len(dtypes)))
+    for i, dtype in enumerate(dtypes):
+        for j, problem in enumerate(problems):
+            ax = axes[i][j]
+            series = sorted({(r["impl"], r["mode"]) for r in sweep
+                             if r["problem"] == problem and r["dtype"] == dtype})
+            for impl, mode in series:
+                pts = sorted((r["batch"], r["median_ms"]) for r in sweep
+                             if r["problem"] == problem and r["dtype"] == dtype
+                             and r["impl"] == impl and r["mode"] == mode)
+                ax.loglog(*zip(*pts), marker="o", ms=2.5, ls=MODE_STYLE.get(mode, "-"),
+                          label=f"{impl}, {mode}", **IMPL_STYLE.get(impl, {}))
+            ax.set_title(f"problem {problem}, {dtype}", fontsize=9)
+            ax.tick_params(labelsize=7)
+            if i == len(dtypes) - 1:
+                ax.set_xlabel("batch", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("ms (median)", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(f"time against batch size, {meta['device']}, torch {meta['torch']}, "
+                 f"{meta['date']}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out, dpi=100)
+    print(out)
 
 if __name__ == "__main__":
     main(sys.argv[1])

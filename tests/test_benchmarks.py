@@ -98,3 +98,48 @@ def test_sweep_points_take_fewer_iterations(tmp_path, monkeypatch):
                     "--sweep-iters", "7", "--no-plots", "--out", str(tmp_path)])
     assert iters.pop(None) == 30 and set(iters) == set(bench_run.SWEEP_GEMM)
     assert set(iters.values()) == {7}
+
+
+def test_plots_draw_the_speedup_bars_and_the_sweep_grid(tmp_path):
+    """benchmarks/plot.py on a small results file: both PNGs, one sweep panel
+    per (dtype, problem), a series per (implementation, mode) present."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    spec = importlib.util.spec_from_file_location("bench_plot", REPO / "benchmarks/plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        for problem in (37, 76):
+            for mode in ("forward", "train"):
+                for impl, ms in (("eager", 2.0), ("compile", 1.5), ("ours", 1.0)):
+                    rows.append(dict(problem=problem, dtype=dtype, mode=mode, impl=impl,
+                                     batch=1024, sweep=False, median_ms=ms))
+                for batch in (1, 64, 1024):
+                    for impl in ("eager", "ours") + (("gemm",) if mode == "forward" else ()):
+                        rows.append(dict(problem=problem, dtype=dtype, mode=mode, impl=impl,
+                                         batch=batch, sweep=True, median_ms=0.1 * batch))
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(dict(meta=dict(device="GPU", torch="2.x", date="today"),
+                                    rows=rows)))
+    drawn = []
+    real_savefig = plot.plt.Figure.savefig
+
+    def savefig(fig, out, **kw):
+        drawn.append((Path(out).name, fig))
+        return real_savefig(fig, out, **kw)
+
+    plot.plt.Figure.savefig = savefig
+    try:
+        plot.main(str(path))
+    finally:
+        plot.plt.Figure.savefig = real_savefig
+    assert [name for name, _ in drawn] == ["run.speedup.png", "run.sweep.png"]
+    assert all((tmp_path / name).stat().st_size > 0 for name, _ in drawn)
+    sweep_axes = drawn[1][1].axes
+    assert len(sweep_axes) == 4  # 2 dtypes x 2 problems
+    assert sorted(line.get_label() for line in sweep_axes[0].get_lines()) == [
+        "eager, forward", "eager, train", "gemm, forward", "ours, forward", "ours, train"]
