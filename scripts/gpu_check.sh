@@ -2,7 +2,14 @@
 # Runs the whole GPU check in one call on a CUDA machine without network:
 # installs in place, then the test suite (GPU tier included), the
 # compute-sanitizer runs, the main job and the benchmarks.  Logs go to $OUT
-# (default ./gpu-logs).  Usage: bash scripts/gpu_check.sh [quick]
+# (default ./gpu-logs).
+#   bash scripts/gpu_check.sh          everything
+#   bash scripts/gpu_check.sh tests    the test suite only
+#   bash scripts/gpu_check.sh quick    the test suite, then the benchmarks (no sanitizer)
+#   bash scripts/gpu_check.sh fast     the test suite without the NVRTC compile check
+#                                      and the wheel build (the CPU tier runs both;
+#                                      about 2 of the suite's 5 minutes), then the
+#                                      sanitizer runs, no benchmarks
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -14,9 +21,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/ and subprocesses s
 status=0
 nvidia-smi --query-gpu=name,driver_version --format=csv >> "$OUT/env.log" 2>&1
 python -m cupy_fused 2>&1 | tee -a "$OUT/env.log" || status=1
-python -m pytest -q -rs --maxfail=25 --durations=15 tests 2>&1 | tee "$OUT/pytest.log" | tail -40
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 mode=${1:-full}
+deselect=()
+[ "$mode" = "fast" ] && deselect=(-k "not nvrtc_compile_check and not wheel_ships")
+python -m pytest -q -rs --maxfail=25 --durations=15 ${deselect[@]+"${deselect[@]}"} tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "$mode" != "quick" ] && [ "$mode" != "tests" ]; then
   # memcheck over all three dtypes; racecheck (slower) over fp32 and bf16.
   for run in "memcheck fp32 fp16 bf16" "racecheck fp32 bf16"; do
@@ -27,7 +36,7 @@ if [ "$mode" != "quick" ] && [ "$mode" != "tests" ]; then
     echo "$tool: $(tail -1 "$OUT/sanitizer-$tool.log")"
   done
 fi
-[ "$mode" = "tests" ] && { echo "gpu_check status: $status"; exit $status; }
+[ "$mode" = "tests" ] || [ "$mode" = "fast" ] && { echo "gpu_check status: $status"; exit $status; }
 python benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/bench.log"
 python benchmarks/gemm.py --accuracy --accuracy-sizes 256x256 1024x1024 --json "$OUT/gemm.json" --md "$OUT/gemm.md" 2>&1 | tail -30 | tee -a "$OUT/bench.log"
 python benchmarks/run.py --out "$OUT" 2>&1 | tail -25 | tee -a "$OUT/bench.log"
