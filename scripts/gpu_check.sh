@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh quick    the test suite, then the benchmarks (no sanitizer)
 #   bash scripts/gpu_check.sh fast     the test suite without the NVRTC compile check
 #                                      and the wheel build (the CPU tier runs both;
-#                                      about 2 of the suite's 5 minutes), then the
+#                                      about 3 of the suite's 5 minutes), then the
 #                                      sanitizer runs, no benchmarks
 set -u
 OUT=${OUT:-gpu-logs}
