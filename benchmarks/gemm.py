@@ -4,6 +4,7 @@ GEMM problems' shapes — time, TFLOP/s, speedup over SGEMM and relative error
 against float64.
 
     python benchmarks/gemm.py [--shapes 1024x8192x8192 32768x1024x4096] [--json F] [--md F]
+    python benchmarks/gemm.py --tiles wgmma128x128 wgmma128x128_split_b   # also each tile kernel
 
 A shape MxKxN is batch x in_features x out_features: forward y = x W^T with
 x [M, K], W [N, K]; grad_input dx = dy W; grad_weight dW = dy^T x.  Error:
@@ -44,7 +45,10 @@ def _with_tf32(ref, a, b):
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def run(shapes, iters: int):
+def run(shapes, iters: int, tiles=()):
+    """Times every product of each shape; ``tiles``: also our 3xTF32 product
+    on each of these tile kernels (keys of ``G.TILES``), whatever
+    ``G.choose_tile`` picks."""
     device = torch.device("cuda")
     rows = []
     for shape in shapes:
@@ -58,6 +62,9 @@ def run(shapes, iters: int):
                 "cublas sgemm": lambda: ref(a, b),
                 "cublas tf32": lambda: _with_tf32(ref, a, b),
             }
+            for tile in tiles:
+                impls[f"ours 3xtf32 on {tile}"] = (
+                    lambda tile=tile: G.gemm_on_tile(a, b, layout, 3, tile))
             # In turns (see time_interleaved), not one after another.
             times = time_interleaved(impls, iters, warmup=3)
             row = {"shape": shape, "layout": layout}
@@ -67,6 +74,7 @@ def run(shapes, iters: int):
                 row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
                              "error": err}
             row["speedup 3xtf32 vs sgemm"] = row["cublas sgemm"]["median_ms"] / row["ours 3xtf32"]["median_ms"]
+            row["tile"] = G.choose_tile(*G.product_shape(a, b, layout), True, device.index)
             rows.append(row)
             print(f"{shape} {layout:12s} " + "  ".join(
                 f"{nm}: {row[nm]['median_ms']:.3f} ms {row[nm]['tflops']:.0f} TF/s err {row[nm]['error']:.1e}"
@@ -126,6 +134,13 @@ def markdown(rows) -> str:
                      f"{s['median_ms']:.3f} | {s['tflops']:.0f} | {r['speedup 3xtf32 vs sgemm']:.2f}x | "
                      f"{t['median_ms']:.3f} | {ct['median_ms']:.3f} | {o['error']:.1e} | "
                      f"{s['error']:.1e} | {t['error']:.1e} |")
+    tiles = [k[len("ours 3xtf32 on "):] for k in (rows[0] if rows else {}) if k.startswith("ours 3xtf32 on ")]
+    if tiles:
+        lines += ["", "| shape (MxKxN) | product | tile picked | " + " | ".join(
+            f"{t} ms" for t in tiles) + " |", "|---|---|---|" + "---|" * len(tiles)]
+        for r in rows:
+            lines.append(f"| {r['shape']} | {r['layout']} | {r['tile']} | " + " | ".join(
+                f"{r['ours 3xtf32 on ' + t]['median_ms']:.3f}" for t in tiles) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -133,6 +148,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tiles", nargs="*", default=[],
+                   help="also time our 3xTF32 product on each of these tile kernels")
     p.add_argument("--json")
     p.add_argument("--md")
     p.add_argument("--accuracy", action="store_true",
@@ -141,7 +158,7 @@ def main(argv=None):
                    help="result sizes PxQ of the accuracy sweep")
     p.add_argument("--no-timing", action="store_true", help="only the accuracy sweep")
     args = p.parse_args(argv)
-    rows = [] if args.no_timing else run(args.shapes, args.iters)
+    rows = [] if args.no_timing else run(args.shapes, args.iters, args.tiles)
     sizes = [tuple(map(int, s.split("x"))) for s in args.accuracy_sizes]
     accuracy = accuracy_sweep(sizes=sizes) if args.accuracy else []
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

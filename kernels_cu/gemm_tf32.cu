@@ -187,7 +187,8 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
 }
 
 // C = epilogue(A B): the products of linear() (bias, ReLU) on Hopper.
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue>
+// kBPlanes: b is B's planes image (gemm_tf32_split_b), ldb unused.
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue, bool kBPlanes>
 __global__ void __launch_bounds__(kWgThreads, 1)
 gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
                 const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K,
@@ -217,11 +218,53 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
       }
     }
   };
-  wgmma_tile_product<kStages, kPasses, kAKMajor, kBKMajor>(reinterpret_cast<char*>(wgmma_shared), a, b, M,
-                                                           N, K, lda, ldb, m0, n0, store);
+  wgmma_tile_product<kStages, kPasses, kAKMajor, kBKMajor, decltype(store), kBPlanes>(
+      reinterpret_cast<char*>(wgmma_shared), a, b, M, N, K, lda, ldb, m0, n0, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
+}
+
+// B [K, N] (B(k, n) = b[n*ldb + k] K-major, b[k*ldb + n] N-major) -> its
+// planes image for gemm_tf32_wgmma<..., kBPlanes = true> (layout at
+// plane_float_offset), split as the kernel's producer would split it, so
+// the product is bit for bit the same.  Splitting once pays where the GEMM
+// has many 128-row tiles: in-kernel, every tile row of C splits all of B again
+// (the producer's split was its bottleneck: GEMM_NOTES.md).
+// One thread per (column, 8-wide k step); grid-stride over
+// tiles_n * 128 * k_tiles * 4 items, columns fastest (coalesced N-major reads,
+// 128-byte runs of stores).
+template <int kPasses, bool kBKMajor>
+__global__ void gemm_tf32_split_b(const float* __restrict__ b, float* __restrict__ image, i64 N, i64 K,
+                                  i64 ldb, i64 k_tiles, i64 items) {
+  constexpr int kPlaneFloats = kPlaneBytes / 4;
+  constexpr int kTileFloats = (kPasses == 3 ? 2 : 1) * kPlaneFloats;
+  for (i64 item = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; item < items;
+       item += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const int nl = static_cast<int>(item % kWgBN);
+    const int st = static_cast<int>((item / kWgBN) % (kGemmBK / 8));
+    const i64 tile = item / (kWgBN * (kGemmBK / 8));  // (tile_n, k-tile) = tile / k_tiles, tile % k_tiles
+    const i64 n = (tile / k_tiles) * kWgBN + nl;
+    const i64 k0 = (tile % k_tiles) * kGemmBK + 8 * st;
+    float v[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const i64 k = k0 + q;
+      v[q] = (n < N && k < K) ? (kBKMajor ? b[n * ldb + k] : b[k * ldb + n]) : 0.0f;
+    }
+    float* const dst = image + tile * kTileFloats;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      Split<kPasses, 4> part;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part.set(e, v[2 * e + h]);
+      const int off = plane_float_offset(nl, st, h);
+      *reinterpret_cast<uint4*>(dst + off) = make_uint4(part.big[0], part.big[1], part.big[2], part.big[3]);
+      if constexpr (kPasses == 3)
+        *reinterpret_cast<uint4*>(dst + kPlaneFloats + off) =
+            make_uint4(part.small[0], part.small[1], part.small[2], part.small[3]);
+    }
+  }
 }
 
 }  // namespace cf

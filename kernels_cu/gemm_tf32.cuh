@@ -224,15 +224,29 @@ constexpr int kPlaneStepBytes = kWgBN * 8 * 4;       // one 8-wide k step of a p
 constexpr int kPlaneBytes = kPlaneStepBytes * (kGemmBK / 8);  // one plane of a k-tile: 16 KiB
 constexpr int kWgBarrierBytes = 128;                 // the stages' full/empty mbarriers
 
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor>
+// kBPlanes: B comes already split, as the image of its planes in global
+// memory (gemm_tf32_split_b below); kBKMajor is then unused.
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, bool kBPlanes = false>
 struct WgmmaConfig {
   typedef OperandTile<kAKMajor, kWgBM> TileA;
   typedef OperandTile<kBKMajor, kWgBN> TileB;
-  // A stage: the B planes (big, and small for 3 passes), then the raw tiles.
+  // A stage: the B planes (big, and small for 3 passes), then the raw tiles
+  // (raw A only when B comes as planes).
   static constexpr int kPlanesBytes = (kPasses == 3 ? 2 : 1) * kPlaneBytes;
-  static constexpr int kStageBytes = kPlanesBytes + (TileA::kFloats + TileB::kFloats) * 4;
+  static constexpr int kStageBytes = kPlanesBytes + (TileA::kFloats + (kBPlanes ? 0 : TileB::kFloats)) * 4;
   static_assert(2 * kStages * 8 <= kWgBarrierBytes, "barriers fit");
+  static_assert(kStageBytes % 128 == 0, "every stage's planes start on 128 bytes");
 };
+
+// The planes image of B (kBPlanes): for each 128-column tile j of N and each
+// 32-deep k-tile t, the stage's planes exactly as the wgmma kernel's
+// producer would write them (big plane, then small for 3 passes), at float
+// offset (j * k_tiles + t) * kPlanesBytes / 4; out-of-range columns and k
+// are zero.  Item (column n, 8-wide step st) of a tile holds B(8 st + 2 e + h, n)
+// at float st * 1024 + (n / 8) * 64 + (n % 8) * 4 + 32 h + e.
+__device__ __forceinline__ int plane_float_offset(int n, int st, int h) {
+  return st * (kPlaneStepBytes / 4) + (n >> 3) * 64 + (n & 7) * 4 + 32 * h;
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Shared-memory matrix descriptor, no swizzle: start address, LBO, SBO (each
@@ -310,12 +324,16 @@ struct ConsumerLane {
 // (the other consumer warpgroup may still be reading it).  The store runs
 // inside the consumer branch: code after a join of the producer's and the
 // consumers' paths would be held to the producer's register budget and spill.
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Store>
+//
+// kBPlanes: b is the planes image of B (see plane_float_offset; ldb unused)
+// and the producer only copies: the raw A tile and the tile's planes, each
+// with 16-byte cp.async, tiles kStages - 2 ahead of the one it marks full.
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Store, bool kBPlanes = false>
 __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __restrict__ a,
                                                    const float* __restrict__ b, i64 M, i64 N,
                                                    i64 K, i64 lda, i64 ldb, i64 m0, i64 n0,
                                                    const Store& store) {
-  typedef WgmmaConfig<kStages, kPasses, kAKMajor, kBKMajor> Cfg;
+  typedef WgmmaConfig<kStages, kPasses, kAKMajor, kBKMajor, kBPlanes> Cfg;
   typedef typename Cfg::TileA TileA;
   typedef typename Cfg::TileB TileB;
   static_assert(kGemmBK == 32 && kChunkK == 16, "two chunks of two MMA steps per k-tile");
@@ -365,7 +383,7 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
 #pragma unroll
           for (int q = 0; q < 8; ++q) v[q] = sb[(8 * st + q) * TileB::kStride + n];
         }
-        const unsigned dst = planes(s) + st * kPlaneStepBytes + (n >> 3) * 256 + (n & 7) * 16;
+        const unsigned dst = planes(s) + 4u * plane_float_offset(n, st, 0);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           Split<kPasses, 4> part;
@@ -381,6 +399,37 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
       // The planes are read by the tensor cores (async proxy) next.
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     };
+    if constexpr (kBPlanes) {
+      static_assert(kStages >= 3, "the copies run kStages - 2 tiles ahead");
+      constexpr int kAhead = kStages - 2;
+      constexpr int kPlaneChunks = Cfg::kPlanesBytes / 16;  // 16-byte copies per tile
+      static_assert(kPlaneChunks % 128 == 0, "the planes split evenly over the producer");
+      // This thread's first 16 bytes of the tile column's planes; steps a tile per iteration.
+      const float* planes_src = b + (n0 / kWgBN) * ktiles * static_cast<i64>(Cfg::kPlanesBytes / 4) + 4 * ptid;
+      // Iteration `it` issues tile it's copies and marks tile it - kAhead full
+      // once this thread's copies of it have landed (each of the 128 threads
+      // arrives for its own).  Tile it's stage was released by the consumers
+      // of tile it - kStages, marked full kStages - kAhead iterations ago.
+      for (int it = 0; it < ktiles + kAhead; ++it) {
+        if (it < ktiles) {
+          const int s = it % kStages;
+          if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
+          TileA::template load<true, 128>(raw_a(s), a, lda, M, K, m0, static_cast<i64>(it) * kGemmBK, ptid);
+          const unsigned dst = planes(s) + 16u * ptid;
+#pragma unroll
+          for (int j = 0; j < kPlaneChunks / 128; ++j) cp_async16(dst + 16u * 128 * j, planes_src + 4 * 128 * j, 16);
+          planes_src += Cfg::kPlanesBytes / 4;
+        }
+        cp_async_commit();
+        if (it >= kAhead) {
+          cp_async_wait<kAhead>();  // this thread's copies of tile it - kAhead
+          // The planes are read by the tensor cores (async proxy) next.
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          mbar_arrive(full((it - kAhead) % kStages));
+        }
+      }
+      return;
+    }
     // Iteration `it` issues the loads of tile it and converts tile it - 1,
     // so one tile's loads are always in flight while the previous converts.
     for (int it = 0; it <= ktiles; ++it) {

@@ -17,27 +17,29 @@ import torch
 from cupy_fused.ops import gemm as G
 
 
-def sass_summary(arch: str = "sm_90") -> None:
+def sass_summary(arch: str = "sm_90a") -> None:
     """Compiles gemm_tf32.cu with NVRTC (every declared variant) and counts
-    the SASS opcodes of interest with cuobjdump (HMMA: tensor-core MMAs;
-    LDL/STL: local-memory spills)."""
+    the SASS opcodes of interest with cuobjdump (HGMMA / HMMA: wgmma /
+    mma.sync tensor-core MMAs; LDL/STL: local-memory spills)."""
     from cupy.cuda import nvrtc
 
     from cupy_fused import _runtime
 
     source = "gemm_tf32.cu"
     prog = nvrtc.createProgram((_runtime.kernel_dir() / source).read_text(), source, [], [])
-    for expr in G.KERNELS.expressions.values():
+    exprs = _runtime.declared()[source]
+    for expr in exprs:
         nvrtc.addNameExpression(prog, expr)
     nvrtc.compileProgram(prog, list(_runtime.nvrtc_options()) + [f"--gpu-architecture={arch}"])
+    readable = {nvrtc.getLoweredName(prog, e): e for e in exprs}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(nvrtc.getCUBIN(prog))
         f.flush()
         sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-    keys = ["HMMA", "LDS", "LDGSTS", "F2F", "FADD", "IADD3", "LOP3", "BAR", "LDL", "STL"]
+    keys = ["HGMMA", "HMMA", "LDS", "LDGSTS", "STS", "FADD", "BAR", "LDL", "STL"]
     for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=Function :|\Z)", sass, re.S):
         ops = collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", body))
-        print(name[:80], {k: ops.get(k, 0) for k in keys}, "total", sum(ops.values()))
+        print(readable.get(name, name)[:80], {k: ops.get(k, 0) for k in keys}, "total", sum(ops.values()))
 
 
 def main():

@@ -37,6 +37,8 @@ def test_tiles_fit_in_shared_memory_and_split_evenly():
         assert tile.bm % 32 == 0 and tile.bn % 64 == 0
     # the wgmma kernel: mbarriers + 3 stages of raw A, raw B and two B planes
     assert G.TILES["wgmma128x128"].shared_bytes(True, True) == 128 + 3 * (2 * 128 * 36 + 2 * 128 * 32) * 4
+    # split B: mbarriers + 4 stages of raw A and two B planes
+    assert G.TILES["wgmma128x128_split_b"].shared_bytes(True, False) == 128 + 4 * (128 * 36 + 2 * 128 * 32) * 4
 
 
 @pytest.mark.parametrize("wgmma", [False, True])
@@ -44,9 +46,19 @@ def test_tile_choice(monkeypatch, wgmma):
     monkeypatch.setattr(G, "sm_count", lambda dev: 132)
     monkeypatch.setattr(G, "has_wgmma", lambda dev: wgmma)
     assert G.choose_tile(1024, 8192, True, 0) == ("wgmma128x128" if wgmma else "128x128")
+    # many rows of C, B's planes no larger than A: B is split once beforehand (wgmma only)
+    assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 2048, True, 0) == (
+        "wgmma128x128_split_b" if wgmma else "128x128")
+    assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 4096, True, 0, passes=1) == (
+        "wgmma128x128_split_b" if wgmma else "128x128")
+    assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 4096, True, 0) == (  # planes 2 x 4096 rows > A
+        "wgmma128x128" if wgmma else "128x128")
+    assert G.choose_tile(G.SPLIT_B_MIN_ROWS - 1, 1024, True, 0) == (
+        "wgmma128x128" if wgmma else "128x128")
     assert G.choose_tile(1024, 8192, False, 0) == "64x64"  # unaligned rows: word loads
     assert G.choose_tile(256, 256, True, 0) == "64x64"  # too few 128x128 tiles to fill the GPU
-    assert G.available_tiles(0) == (("wgmma128x128",) if wgmma else ()) + ("128x128", "64x64")
+    assert G.available_tiles(0) == (
+        ("wgmma128x128", "wgmma128x128_split_b") if wgmma else ()) + ("128x128", "64x64")
 
 
 def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
@@ -95,8 +107,13 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
 
 
 def test_every_kernel_variant_is_declared():
-    exprs = set(G.KERNELS.expressions.values())
-    assert len(exprs) == len(G.KERNELS.expressions)
+    # one instantiation per key, except that the split-B kernel reads B's
+    # planes whatever B's layout (the split kernel takes the layout)
+    unsplit = {key: e for key, e in G.KERNELS.expressions.items() if not G.TILES[key[0]].split_b}
+    assert len(set(unsplit.values())) == len(unsplit)
+    split = {e for key, e in G.KERNELS.expressions.items() if G.TILES[key[0]].split_b}
+    assert len(split) == 2 * 2 and not split & set(unsplit.values())  # passes x A's layout
+    assert len(set(G.SPLIT_B_KERNELS.expressions.values())) == 4  # passes x B's layout
     for layout in G.LAYOUTS:
         for passes in (1, 3):
             assert ("64x64", passes, layout, False) in G.KERNELS.expressions
@@ -193,7 +210,7 @@ def _operands(layout, m, k, n, device, gen, spread=0):
 
 
 SHAPES = [(1, 1, 1), (3, 5, 7), (17, 33, 9), (129, 67, 200), (257, 1029, 130), (64, 128, 64),
-          (300, 4096, 520), (1024, 1024, 2048)]
+          (300, 4096, 520), (1024, 1024, 2048), (4100, 300, 516)]
 
 
 @gpu
@@ -270,6 +287,9 @@ def test_gemm_takes_the_wgmma_kernel_on_hopper(device, monkeypatch):
         a, b, ref = _operands(layout, m, k, n, device, gen)
         ours = G.gemm(a, b, layout, 3)
         assert torch.equal(ours, _run_tile("wgmma128x128", a, b, layout, 3))
+        # B split beforehand: the same split, the same products, the same bits
+        assert torch.equal(ours, _run_tile("wgmma128x128_split_b", a, b, layout, 3))
+        assert torch.equal(G.gemm(a, b, layout, 1), _run_tile("wgmma128x128_split_b", a, b, layout, 1))
         G.set_wgmma_enabled(False)
         try:
             mma_sync = G.gemm(a, b, layout, 3)

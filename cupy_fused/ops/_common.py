@@ -1,14 +1,12 @@
 """Launch helpers shared by the ops: kernel lookup, grid sizing, the
-deterministic column reduction and the CuPy-array entry points."""
+deterministic column reduction and the CuPy-array entry point."""
 from __future__ import annotations
 
-import functools
 from typing import Callable, Dict, Tuple
 
 import torch
 
 from .. import _bridge, _runtime
-from .._autograd import is_compiling
 from .._validation import FLOAT_DTYPES, cxx_type
 
 BLOCK = 256
@@ -86,32 +84,32 @@ def broadcast_or_dense(dy: torch.Tensor, like_layout: Callable[[torch.Tensor], t
     return like_layout(dy), 1
 
 
-def accepts_cupy(fn: Callable) -> Callable:
-    """Lets a functional op take CuPy arrays (all array arguments CuPy, or all
-    torch): they are viewed as torch tensors
-    (zero-copy, DLPack), the op runs on CuPy's current stream, and tensor
-    results come back as CuPy arrays (zero-copy)."""
+def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
+    """The CuPy-array entry of the functional op ``op``: calls ``op`` again
+    with every CuPy array argument viewed as a torch tensor (zero-copy,
+    DLPack), on CuPy's current stream and device, and returns its tensor
+    results as CuPy arrays (zero-copy).  Arrays are all CuPy or all torch.
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        # Fast exit for the torch path: the first argument is the activation.
-        if (args and isinstance(args[0], torch.Tensor)) or is_compiling() or not any(
-                map(_bridge.is_cupy_array, args + tuple(kwargs.values()))):
-            return fn(*args, **kwargs)
-        from .._cupy import require_cupy
+    Each op calls this first thing when its first argument (named
+    ``first_name``) is not a torch tensor: one ``isinstance`` on the torch
+    path, where a wrapper function around every op would cost a Python call
+    on every launch (``benchmarks/host_overhead.py``).  With no CuPy array
+    among the arguments it raises the TypeError of the first argument."""
+    values = args + tuple(kwargs.values())
+    if not any(map(_bridge.is_cupy_array, values)):
+        raise TypeError(f"{first_name} must be a torch.Tensor or a CuPy array, got "
+                        f"{type(args[0]).__name__}")
+    from .._cupy import require_cupy
 
-        cupy = require_cupy()
-        conv = lambda a: _bridge.to_torch(a) if _bridge.is_cupy_array(a) else a  # noqa: E731
-        args = [conv(a) for a in args]
-        kwargs = {k: conv(v) for k, v in kwargs.items()}
-        device = next(a for a in list(args) + list(kwargs.values())
-                      if isinstance(a, torch.Tensor)).device
-        stream = cupy.cuda.get_current_stream()
-        with torch.cuda.device(device), torch.cuda.stream(
-                torch.cuda.ExternalStream(stream.ptr, device=device)):
-            result = fn(*args, **kwargs)
-        if isinstance(result, torch.Tensor):
-            return _bridge.to_cupy(result)
-        return tuple(_bridge.to_cupy(r) if isinstance(r, torch.Tensor) else r for r in result)
-
-    return wrapper
+    cupy = require_cupy()
+    conv = lambda a: _bridge.to_torch(a) if _bridge.is_cupy_array(a) else a  # noqa: E731
+    args = [conv(a) for a in args]
+    kwargs = {k: conv(v) for k, v in kwargs.items()}
+    device = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)).device
+    stream = cupy.cuda.get_current_stream()
+    with torch.cuda.device(device), torch.cuda.stream(
+            torch.cuda.ExternalStream(stream.ptr, device=device)):
+        result = op(*args, **kwargs)
+    if isinstance(result, torch.Tensor):
+        return _bridge.to_cupy(result)
+    return tuple(_bridge.to_cupy(r) if isinstance(r, torch.Tensor) else r for r in result)

@@ -28,7 +28,8 @@ The cuBLAS products follow torch's own settings: with
 GPUs below compute capability 8.0 (V100, T4) have no TF32 tensor cores:
 there every float32 product runs on cuBLAS SGEMM, whatever the precision
 (:func:`has_tf32_tensor_cores`).  On 9.0 (H100, H200) the products that fill
-the GPU run on the ``wgmma`` kernel (:func:`has_wgmma`).
+the GPU run on the ``wgmma`` kernel (:func:`has_wgmma`); those with many rows
+of C split B into its TF32 planes once beforehand (:func:`splits_b`).
 
 Non-finite inputs: with ``"3xtf32"`` an infinite operand gives NaN where
 SGEMM gives ±inf (the correction products compute inf * 0); NaN stays NaN.
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, needs_grad
 from .._validation import check_like, check_tensor, check_vector
-from ._common import accepts_cupy, cdiv, sm_count
+from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, sm_count
 from .relu_epilogue import bias_relu
 
 PRECISIONS = ("3xtf32", "tf32", "ieee")
@@ -84,12 +85,15 @@ class Tile:
     """Block tile of a GEMM kernel: bm x bn outputs, k-tiles of 32, a
     ``stages``-deep pipeline of raw float32 tiles; ``wgmma``: the Hopper
     kernel (``gemm_tf32_wgmma``, sm_90a, 3 warpgroups), whose stages also
-    hold the B tile split into TF32 planes, plus a word of mbarriers each."""
+    hold the B tile split into TF32 planes, plus a word of mbarriers each;
+    ``split_b``: B is split into its planes by a kernel of its own before the
+    product (``gemm_tf32_split_b``), and the stages hold raw A and the planes."""
 
     bm: int
     bn: int
     stages: int
     wgmma: bool = False
+    split_b: bool = False
 
     @property
     def threads(self) -> int:
@@ -101,17 +105,37 @@ class Tile:
         if not self.wgmma:
             return self.stages * (a + b) * 4
         planes = (2 if passes == 3 else 1) * self.bn * 32
-        return 128 + self.stages * (a + b + planes) * 4
+        return 128 + self.stages * (a + (0 if self.split_b else b) + planes) * 4
 
 
 # On H100/H200 (compute capability 9.0) every GEMM that fills the GPU with
 # 128x128 tiles and has 16-byte aligned rows runs on the wgmma kernel (one
 # block of 3 warpgroups per SM, 3 stages of raw tiles and B planes: 204 KiB
-# of shared memory).  Elsewhere, 128x128 on mma.sync (4 stages, 147 KiB); 64x64
+# of shared memory); where :func:`splits_b` says so, B is split once
+# beforehand and the kernel copies its planes (4 stages of raw A and planes,
+# 200 KiB).  Elsewhere, 128x128 on mma.sync (4 stages, 147 KiB); 64x64
 # for smaller GEMMs and for operands not 16-byte aligned (word-by-word loads).
-# Measured with scripts/tune_gemm.py (see GEMM_NOTES.md).
-TILES = {"wgmma128x128": Tile(128, 128, 3, wgmma=True), "128x128": Tile(128, 128, 4),
-         "64x64": Tile(64, 64, 4)}
+# Measured with scripts/tune_gemm.py and benchmarks/gemm.py (see GEMM_NOTES.md).
+TILES = {"wgmma128x128": Tile(128, 128, 3, wgmma=True),
+         "wgmma128x128_split_b": Tile(128, 128, 4, wgmma=True, split_b=True),
+         "128x128": Tile(128, 128, 4), "64x64": Tile(64, 64, 4)}
+
+# The split of B beforehand reads B once and writes its planes (12 bytes per
+# element), where the in-kernel split redoes it for every 128-row tile of C
+# on the kernel's critical path; it pays from a few thousand rows on.
+SPLIT_B_MIN_ROWS = 4096
+
+
+def splits_b(m: int, n: int, passes: int) -> bool:
+    """Whether a wgmma product with an [m, n] result splits B beforehand:
+    from :data:`SPLIT_B_MIN_ROWS` rows of C on, and only where the planes
+    image (``passes == 3 ? 2 : 1`` times B's n x k values) is no larger than
+    A (m x k), so that the transient buffer never outgrows an operand the
+    caller already holds.  (On problem 76's weight gradient, 8192 x 8192
+    from a batch of 1024, the split was faster, 1.24 against 1.57 ms, but
+    its 64 MiB image raised the training step's peak memory above
+    torch.compile's: GEMM_NOTES.md.)"""
+    return m >= SPLIT_B_MIN_ROWS and m >= (2 if passes == 3 else 1) * n
 
 # (A K-major, B K-major) of the three products of a linear layer.
 LAYOUTS = {
@@ -127,8 +151,10 @@ def _cxx_bool(b: bool) -> str:
 
 def _expr(t: Tile, passes: int, layout: str, vec: bool) -> str:
     a, b = map(_cxx_bool, LAYOUTS[layout])
-    if t.wgmma:  # 128x128 only, 16-byte loads only
-        return f"cf::gemm_tf32_wgmma<{t.stages}, {passes}, {a}, {b}, cf::LinearEpilogue>"
+    if t.wgmma:  # 128x128 only, 16-byte loads only; B's layout is the split's business
+        b = "true" if t.split_b else b
+        return (f"cf::gemm_tf32_wgmma<{t.stages}, {passes}, {a}, {b}, cf::LinearEpilogue, "
+                f"{_cxx_bool(t.split_b)}>")
     return (f"cf::gemm_tf32<{t.bm}, {t.bn}, {t.stages}, {passes}, {a}, {b}, "
             f"{_cxx_bool(vec)}, cf::LinearEpilogue>")
 
@@ -138,6 +164,12 @@ KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
     (tile, passes, layout, vec): _expr(TILES[tile], passes, layout, vec)
     for tile in TILES for passes in (1, 3) for layout in LAYOUTS
     for vec in ((True, False) if tile == "64x64" else (True,))
+})
+
+# Keyed by (passes, B K-major).
+SPLIT_B_KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
+    (passes, b_kmajor): f"cf::gemm_tf32_split_b<{passes}, {_cxx_bool(b_kmajor)}>"
+    for passes in (1, 3) for b_kmajor in (True, False)
 })
 
 ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
@@ -176,9 +208,13 @@ def available_tiles(device_index: int) -> Tuple[str, ...]:
     return tuple(t for t in TILES if not TILES[t].wgmma or has_wgmma(device_index))
 
 
-def choose_tile(m: int, n: int, vec: bool, device_index: int) -> str:
+def choose_tile(m: int, n: int, vec: bool, device_index: int, passes: int = 3) -> str:
+    """The tile kernel of an [m, n] product of ``passes`` (operand rows
+    16-byte aligned when ``vec``): see :data:`TILES`."""
     if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
-        return "wgmma128x128" if has_wgmma(device_index) else "128x128"
+        if has_wgmma(device_index):
+            return "wgmma128x128_split_b" if splits_b(m, n, passes) else "wgmma128x128"
+        return "128x128"
     return "64x64"
 
 
@@ -241,7 +277,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
             out += bias
         return out.relu_() if activation == 1 else out
     vec = rows_aligned(a, a.shape[1]) and rows_aligned(b, b.shape[1])
-    tile = choose_tile(m, n, vec, a.device.index)
+    tile = choose_tile(m, n, vec, a.device.index, passes)
     launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
                 a, b, out, bias, activation, passes)
     return out
@@ -274,10 +310,30 @@ def launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, o
     a_kmajor, b_kmajor = LAYOUTS[layout]
     m, n = out.shape
     k = inner_size(a, layout)
+    dev, ldb = a.device.index, b.shape[1]
+    if tile.split_b:  # the kernel then reads the planes image (and ignores ldb)
+        b = split_b(b, n, k, b_kmajor, passes)
     _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), tile.threads, (
         a.data_ptr(), b.data_ptr(), out.data_ptr(), bias.data_ptr() if bias is not None else 0,
-        activation, m, n, k, a.shape[1], b.shape[1], n), a.device.index,
+        activation, m, n, k, a.shape[1], ldb, n), dev,
         shared_mem=tile.shared_bytes(a_kmajor, b_kmajor, passes))
+
+
+def split_b(b: torch.Tensor, n: int, k: int, b_kmajor: bool, passes: int) -> torch.Tensor:
+    """B's planes image for the ``split_b`` wgmma kernel (layout in
+    ``kernels_cu/gemm_tf32.cuh``, ``plane_float_offset``): one float32
+    buffer of ``passes == 3 ? 2 : 1`` planes of 128 x 32 values per (128-column
+    tile, 32-deep k-tile) of B [k, n] (zero-padded), as the kernel's own
+    split would make them."""
+    k_tiles = cdiv(k, 32)
+    tiles = cdiv(n, 128) * k_tiles
+    image = torch.empty((tiles, (2 if passes == 3 else 1) * 128 * 32), dtype=torch.float32,
+                        device=b.device)
+    items = tiles * 128 * 4
+    dev = b.device.index
+    _bridge.launch(SPLIT_B_KERNELS.get((passes, b_kmajor), dev), (elementwise_grid(items, dev), 1, 1),
+                   BLOCK, (b.data_ptr(), image.data_ptr(), n, k, b.shape[1], k_tiles, items), dev)
+    return image
 
 
 # ---------------------------------------------------------------- autograd op
@@ -392,7 +448,6 @@ _CUBLAS_RELU = FusedOp("linear_relu_cublas", _cublas_relu_forward, _cublas_relu_
                        cublas_relu_backward, _cublas_relu_backward_fake)
 
 
-@accepts_cupy
 def linear(x, weight, bias=None, activation: Optional[str] = None,
            precision: Optional[str] = None):
     """``act(x @ weight.T + bias)``, like ``torch.nn.functional.linear``
@@ -404,6 +459,8 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     ``"ieee"`` or None (the default of :func:`set_fp32_matmul_precision`);
     float16 / bfloat16 always use cuBLAS.  Returns [..., N] in x's dtype.
     """
+    if not isinstance(x, torch.Tensor):
+        return call_with_cupy_arrays(linear, "x", x, weight, bias, activation, precision)
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (the features), got a scalar")

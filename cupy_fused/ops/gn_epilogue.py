@@ -18,7 +18,7 @@ import torch
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
-from ._common import (BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid,
+from ._common import (BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
                       ptr_or_null, reduce_partials, row_chunks)
 
 
@@ -278,6 +278,11 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     default the chain runs in float32 and rounds once: closer to the exact
     result, but a few units away from eager's where the normalisation
     magnifies eager's roundings."""
+    if not isinstance(z, torch.Tensor):
+        return call_with_cupy_arrays(
+            gn_chain, "z", z, chain, num_groups, lin_bias=lin_bias, extra_bias=extra_bias,
+            gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight, eps=eps,
+            linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
     check_chain(chain)
     check_tensor("z", z, ndim=(2,))
     channels = z.shape[1]
@@ -301,7 +306,6 @@ def run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_b
                          num_groups, eps, grad, linear_bias_in_z, eager_rounding)[0]
 
 
-@accepts_cupy
 def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
                           eps: float = 1e-5, linear_bias_in_z: bool = False,
                           eager_rounding: bool = False):
@@ -312,7 +316,6 @@ def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: 
                     linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
 
 
-@accepts_cupy
 def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply_weight,
                                     num_groups: int, eps: float = 1e-5,
                                     linear_bias_in_z: bool = False, eager_rounding: bool = False):
@@ -323,7 +326,6 @@ def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply
                     linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
 
 
-@accepts_cupy
 def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
                                   eps: float = 1e-5, linear_bias_in_z: bool = False,
                                   eager_rounding: bool = False):

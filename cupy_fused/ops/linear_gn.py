@@ -46,7 +46,7 @@ from .. import _bridge, _runtime
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_eps, check_groups, check_like, check_tensor
 from . import gemm, gn_epilogue
-from ._common import accepts_cupy, cdiv, ptr_or_null
+from ._common import call_with_cupy_arrays, cdiv, ptr_or_null
 
 WGMMA_TILE = gemm.TILES["wgmma128x128"]
 
@@ -89,7 +89,7 @@ def fuses_group_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, pas
     n = weight.shape[0]
     aligned = gemm.rows_aligned(x, k) and gemm.rows_aligned(weight, k)
     return (m > 0 and group_fits_tile(n, num_groups) and not gemm.uses_sgemm(passes, k)
-            and gemm.choose_tile(m, n, aligned, x.device.index) == "wgmma128x128")
+            and gemm.TILES[gemm.choose_tile(m, n, aligned, x.device.index, passes)].wgmma)
 
 
 def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
@@ -208,7 +208,6 @@ _LINEAR_GN = FusedOp("linear_gn_chain", _forward, _forward_fake, _setup_context,
                      _backward_formula, _backward, _backward_fake, nondifferentiable=(1, 2, 3))
 
 
-@accepts_cupy
 def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
                     chain: str, num_groups: int, *, extra_bias=None, gn_weight=None,
                     gn_bias=None, mul_weight=None, eps: float = 1e-5,
@@ -223,6 +222,11 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     only; the linear bias is then in cuBLAS's epilogue, as in eager).
     Returns [M, N] in x's dtype.
     """
+    if not isinstance(x, torch.Tensor):
+        return call_with_cupy_arrays(
+            linear_gn_chain, "x", x, weight, lin_bias, chain, num_groups, extra_bias=extra_bias,
+            gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight, eps=eps,
+            precision=precision, eager_rounding=eager_rounding)
     gn_epilogue.check_chain(chain)
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))

@@ -15,7 +15,7 @@ import torch
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
-from ._common import BLOCK, accepts_cupy, broadcast_or_dense, cdiv, elementwise_grid, reduce_partials, row_chunks
+from ._common import BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid, reduce_partials, row_chunks
 
 def _expr(kernel: str, dtype: torch.dtype, second_bias: bool) -> str:
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
@@ -127,7 +127,6 @@ _BIAS_RELU = FusedOp("bias_relu", _forward, _forward_fake, _setup_context, _back
                      _backward, _backward_fake, nondifferentiable=(1,))
 
 
-@accepts_cupy
 def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``relu(z + bias) + bias2`` in one pass (``bias2`` optional).
 
@@ -136,6 +135,8 @@ def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor]
     (shape (C,) or (C, 1, 1)).  float32/float16/bfloat16, all one dtype; CUDA
     tensors or CuPy arrays.
     """
+    if not isinstance(z, torch.Tensor):
+        return call_with_cupy_arrays(bias_relu, "z", z, bias, bias2)
     check_tensor("z", z, ndim=(2, 4))
     channels = z.shape[1]
     bias = check_vector("bias", bias, channels, z, "z", optional=False)

@@ -10,7 +10,7 @@ import torch
 from .. import _bridge, _runtime
 from .._autograd import FusedOp
 from .._validation import FLOAT_DTYPES, check_finite_scalar, check_same, check_tensor, cxx_type
-from ._common import BLOCK, accepts_cupy, elementwise_grid
+from ._common import BLOCK, call_with_cupy_arrays, elementwise_grid
 
 KERNELS = _runtime.KernelFamily("smoke.cu", {d: f"cf::scale_add<{cxx_type(d)}>" for d in FLOAT_DTYPES})
 
@@ -41,7 +41,6 @@ def _backward_formula(ctx, grads, run_backward):
 _SCALE_ADD = FusedOp("scale_add", _forward, _forward_fake, _setup_context, _backward_formula)
 
 
-@accepts_cupy
 def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """``alpha * x + y`` elementwise in one kernel.
 
@@ -49,6 +48,8 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
     CuPy arrays (the result is then a CuPy array).  Arithmetic in float32.
     Returns a new contiguous tensor.
     """
+    if not isinstance(x, torch.Tensor):
+        return call_with_cupy_arrays(scale_add, "x", x, y, alpha)
     check_tensor("x", x)
     check_same("y", y, x, "x")
     alpha = check_finite_scalar("alpha", alpha)
