@@ -348,6 +348,13 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int ktiles = static_cast<int>((K + kGemmBK - 1) / kGemmBK);
+  // Registers per producer / consumer thread after setmaxnreg (128 x P +
+  // 256 x C <= 384 x 168, the launch's allotment).  120 / 192 spills in no
+  // variant but the one-pass copy-only one, where ptxas spilled 16 bytes of
+  // a consumer at 192 and nothing at 104 / 200 (its producer needs few).
+  constexpr int kProducerRegs = kBPlanes && kPasses == 1 ? 104 : 120;
+  constexpr int kConsumerRegs = kBPlanes && kPasses == 1 ? 200 : 192;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWgThreads * 168, "register budget");
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -360,10 +367,10 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
 
   if (warp < 4) {
     // ---------------- producer ----------------
-    // 128 x 120 + 256 x 192 registers <= 64K: the most the consumers can get
+    // kProducerRegs / kConsumerRegs (above): the most the consumers can get
     // (64 accumulator + 64 sum + 32 fragment registers and addresses) while
-    // neither role spills (ptxas -v, all six variants).
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 120;\n");
+    // neither role spills (ptxas -v, every variant).
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     const int ptid = tid;  // 0..127
     // Raw B tile in stage s -> its planes.  Item (step st, column n): the 8
     // k-values of column n in step st, split, 16 bytes per (plane, k-half).
@@ -452,7 +459,7 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
     return;
   }
   // ---------------- consumers ----------------
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const ConsumerLane me;
 
   // A fragment of MMA step st (0..3) of the tile in stage s, split.

@@ -18,9 +18,11 @@ from cupy_fused.ops import gemm as G
 
 
 def sass_summary(arch: str = "sm_90a") -> None:
-    """Compiles gemm_tf32.cu with NVRTC (every declared variant) and counts
-    the SASS opcodes of interest with cuobjdump (HGMMA / HMMA: wgmma /
-    mma.sync tensor-core MMAs; LDL/STL: local-memory spills)."""
+    """Compiles gemm_tf32.cu with NVRTC to PTX (every declared variant),
+    assembles it with the toolkit's ptxas and counts the SASS opcodes of
+    interest with cuobjdump (HGMMA / HMMA: wgmma / mma.sync tensor-core MMAs;
+    LDL/STL: local-memory spills).  (cuobjdump may not read a cubin from a
+    newer NVRTC than its own toolkit; the PTX route uses one toolkit.)"""
     from cupy.cuda import nvrtc
 
     from cupy_fused import _runtime
@@ -30,12 +32,19 @@ def sass_summary(arch: str = "sm_90a") -> None:
     exprs = _runtime.declared()[source]
     for expr in exprs:
         nvrtc.addNameExpression(prog, expr)
-    nvrtc.compileProgram(prog, list(_runtime.nvrtc_options()) + [f"--gpu-architecture={arch}"])
+    virtual = arch.replace("sm_", "compute_")
+    nvrtc.compileProgram(prog, list(_runtime.nvrtc_options()) + [f"--gpu-architecture={virtual}"])
     readable = {nvrtc.getLoweredName(prog, e): e for e in exprs}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(nvrtc.getCUBIN(prog))
-        f.flush()
-        sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    ptx = nvrtc.getPTX(prog)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin_path = f"{tmp}/k.ptx", f"{tmp}/k.cubin"
+        with open(ptx_path, "wb" if isinstance(ptx, bytes) else "w") as f:
+            f.write(ptx)
+        subprocess.run(["ptxas", f"-arch={arch}", ptx_path, "-o", cubin_path], check=True)
+        done = subprocess.run(["cuobjdump", "-sass", cubin_path], capture_output=True, text=True)
+        sass = done.stdout
+        if not sass:
+            raise RuntimeError(f"cuobjdump printed no SASS: {done.stderr.strip()}")
     keys = ["HGMMA", "HMMA", "LDS", "LDGSTS", "STS", "FADD", "BAR", "LDL", "STL"]
     for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=Function :|\Z)", sass, re.S):
         ops = collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", body))

@@ -17,7 +17,7 @@ or ``"tf32"``):
   GEMM's accumulators before its only store, where each group lies inside
   one 128-column tile (:func:`fuses_group_norm`).  It is correct and tested
   but slower on H100 (problem 37's forward 4.32 ms against 4.16 ms for two
-  launches when it was measured; the two launches now take 3.53 ms;
+  launches when it was measured; the two launches now take 3.01 ms;
   GEMM_NOTES.md, "GroupNorm in the GEMM's store"): with one block per SM
   nothing overlaps the chain's latency with the tensor cores.  Turn it on with ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``
   or :func:`set_gn_epilogue_enabled`.  Its autograd node saves x, W, z and
