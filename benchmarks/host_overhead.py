@@ -79,7 +79,7 @@ def main(argv=None):
     # Pieces of the eager path, to see where the time goes.
     from cupy_fused import _bridge
     from cupy_fused._autograd import is_compiling
-    from cupy_fused._validation import check_finite_scalar, check_same, check_tensor
+    from cupy_fused._validation import check_finite_scalar, check_pair
     from cupy_fused.ops.smoke import _forward
 
     kernel = KERNELS.get(torch.float32, 0)
@@ -98,13 +98,14 @@ def main(argv=None):
     stream = torch.cuda.current_stream().cuda_stream
     variants.update({
         "  piece: torch.empty_like": lambda: torch.empty_like(x),
+        "  piece: torch x.neg_() (a torch op, no allocation)": lambda: x.neg_(),
         "  piece: _bridge.launch (packed args)": lambda: _bridge.launch(kernel, (4, 1, 1), 256, ptrs, 0),
         "  piece: forward (alloc + launch)": lambda: _forward(x, y, 0.5),
         "  piece: cuLaunchKernel via CuPy driver": lambda: cupy.cuda.driver.launchKernel(
             kernel.ptr, 4, 1, 1, 256, 1, 1, 0, stream, own.params_ptr, 0),
         "  piece: current raw stream": lambda: _bridge.current_stream_ptr(0),
         "  piece: validation (x, y, alpha)": lambda: (
-            check_tensor("x", x), check_same("y", y, x, "x"), check_finite_scalar("alpha", 0.5)),
+            check_pair("x", x, "y", y), check_finite_scalar("alpha", 0.5)),
         "  piece: torch.compiler.is_compiling": is_compiling,
         "  piece: cuLaunchKernel, parameters as one buffer (extra)": lambda: cupy.cuda.driver.launchKernel(
             kernel.ptr, 4, 1, 1, 256, 1, 1, 0, stream, 0, extra_ptr),

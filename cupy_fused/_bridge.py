@@ -83,7 +83,7 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
     of dynamic shared memory (above 48 KiB the kernel is opted in on first
     use).  The CUDA device is switched only when it is not already current.
     (This runs on every launch, so it is written for few Python operations.)"""
-    if shared_mem > kernel.shared_limit:
+    if shared_mem and shared_mem > kernel.shared_limit:
         kernel.allow_shared(shared_mem)
     try:
         buf = _local.buffer

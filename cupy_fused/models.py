@@ -90,7 +90,7 @@ class MatmulSwishSumGroupNorm(nn.Module):
     def forward(self, x):
         _check_input(x, self.matmul.weight, 2, self.matmul.in_features, "features")
         gn = self.group_norm
-        return ops.linear_gn_chain(x, self.matmul.weight, _as(self.matmul.bias, x),
+        return ops.linear_gn_chain(x, _as(self.matmul.weight, x), _as(self.matmul.bias, x),
                                    "swish_bias_gn", gn.num_groups, extra_bias=_as(self.bias, x),
                                    gn_weight=_as(gn.weight, x), gn_bias=_as(gn.bias, x),
                                    eps=gn.eps, precision=self.precision,
@@ -108,7 +108,7 @@ class GemmAddRelu(nn.Module):
 
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
-        return ops.linear(x, self.gemm.weight, _as(self.bias, x), activation="relu",
+        return ops.linear(x, _as(self.gemm.weight, x), _as(self.bias, x), activation="relu",
                           precision=self.precision)
 
 
@@ -128,7 +128,7 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
         gn = self.group_norm
-        return ops.linear_gn_chain(x, self.gemm.weight, _as(self.gemm.bias, x),
+        return ops.linear_gn_chain(x, _as(self.gemm.weight, x), _as(self.gemm.bias, x),
                                    "gn_swish_mul_swish", gn.num_groups,
                                    gn_weight=_as(gn.weight, x), gn_bias=_as(gn.bias, x),
                                    mul_weight=_as(self.multiply_weight, x), eps=gn.eps,
@@ -152,7 +152,7 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
     def forward(self, x):
         _check_input(x, self.gemm.weight, 2, self.gemm.in_features, "features")
         gn = self.groupnorm
-        return ops.linear_gn_chain(x, self.gemm.weight, _as(self.gemm.bias, x),
+        return ops.linear_gn_chain(x, _as(self.gemm.weight, x), _as(self.gemm.bias, x),
                                    "bias_hardtanh_mish_gn", gn.num_groups,
                                    extra_bias=_as(self.bias, x), gn_weight=_as(gn.weight, x),
                                    gn_bias=_as(gn.bias, x), eps=gn.eps, precision=self.precision,

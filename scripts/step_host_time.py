@@ -1,7 +1,13 @@
 """Host time per training step (no synchronisation inside the loop) against
 wall time per step, eager and ours, before and after torch.compile has run a
 model in the same process, then with Python's cyclic GC off, then a cProfile
-of ours:  python scripts/step_host_time.py 76 bf16"""
+of ours:  python scripts/step_host_time.py 76 bf16
+
+"After compile ran" includes the pool of compile workers that
+torch.compile starts (unless TORCHINDUCTOR_COMPILE_THREADS=1): it keeps
+the CPU busy for tens of seconds after the first compile, which is what
+slowed the host there (benchmarks/run.py compiles in-process for that
+reason)."""
 import gc
 import sys
 import time

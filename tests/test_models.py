@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cupy_fused import reference
-from cupy_fused.testing import build_pair, compare, worse_than_eager
+from cupy_fused.testing import build_pair, compare, rel_error, worse_than_eager
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -158,6 +158,25 @@ def test_saves_less_than_eager_and_nothing_without_grad(problem, device):
         torch.cuda.synchronize()
         extra = torch.cuda.memory_allocated(device) - before
     assert extra <= out.numel() * out.element_size() + 512, extra
+
+
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_autocast_half_input_meets_float32_parameters(problem, device):
+    """Under autocast a bfloat16 input meets float32 parameters: ours casts
+    them to the input's dtype (the gradients reach the float32 parameters)
+    and agrees with the reference, whose ops autocast, to bfloat16 rounding."""
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    ref, ours = build_pair(problem, args, device, torch.float32)
+    x = torch.rand(shape, device=device).to(torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = ref(x)
+        got = ours(x)
+    assert got.dtype == torch.bfloat16
+    assert rel_error(got, expected) < 3e-2
+    got.float().sum().backward()
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert torch.isfinite(p.grad).all(), name
 
 
 @pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))

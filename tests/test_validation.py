@@ -33,6 +33,20 @@ def test_wrong_dtype_is_a_type_error():
         ops.bias_relu([1.0, 2.0], torch.rand(2))
 
 
+def test_scale_add_checks_each_argument(past_device_check):
+    x = torch.rand(3)
+    with pytest.raises(ValueError, match=r"y must have the shape of x \(3,\), got \(4,\)"):
+        ops.scale_add(x, torch.rand(4))
+    with pytest.raises(TypeError, match=r"y must have the dtype of x \(torch.float32\), got torch.float16"):
+        ops.scale_add(x, torch.rand(3, dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"y must be a torch.Tensor, got list"):
+        ops.scale_add(x, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"alpha must be finite, got nan"):
+        ops.scale_add(x, torch.rand(3), float("nan"))
+    with pytest.raises(TypeError, match=r"alpha must be a float, got str"):
+        ops.scale_add(x, torch.rand(3), "2")
+
+
 def test_model_rejects_cpu_input():
     model = cupy_fused.GemmAddRelu(8, C, (C,))
     with pytest.raises(ValueError, match="x must be on a CUDA device"):
