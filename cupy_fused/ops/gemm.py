@@ -497,7 +497,7 @@ def run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     """:func:`linear` on operands it (or a caller applying the same rules)
     has already checked: x2 [M, K], weight [N, K], bias (N,) flat or None,
     activation 0 (none) or 1 (ReLU), precision resolved.  Returns [M, N]."""
-    cublas = uses_cublas(x2.dtype, precision, x2.device.index)
+    cublas = uses_cublas(x2.dtype, precision, x2.get_device())
     grad = needs_grad(x2, weight, bias)
     if cublas:
         if activation == 0:
