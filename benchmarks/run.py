@@ -17,7 +17,10 @@ beside it and the PNG plots of ``benchmarks/plot.py`` (unless
 Times: CUDA events around each iteration after warm-up, median and min;
 the implementations of one problem, dtype and mode are timed in turns
 (rounds of a few iterations each), so that whatever drifts over a run (GPU
-clock and temperature, host load) treats them alike.
+clock and temperature, host load) treats them alike.  Each is timed for at
+least ``--min-ms`` of its steps (150 ms; short steps get up to 10x
+``--iters``): a step of well under a millisecond is as long as the host
+takes to issue it, and 30 of them are too few to average the host's pace.
 When an input is smaller than the L2 cache, iterations rotate over several
 copies of it (together at least twice the L2), so that no iteration finds
 its input in L2 from the one before; the weights stay as they are (a model
@@ -197,7 +200,7 @@ def _step(model, mode: str, inputs, train_inputs):
 
 
 def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
-                  errors=True, peak=None):
+                  errors=True, peak=None, min_ms=0.0):
     _, args, shape = shapes[problem]
     if batch is not None:
         shape = (batch,) + tuple(shape[1:])
@@ -222,7 +225,7 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
                 continue
             steps[impl], resets[impl] = _step(model, mode, inputs, train_inputs)
         # All implementations in turns (see time_interleaved), not one after another.
-        times = time_interleaved(steps, iters, warmup)
+        times = time_interleaved(steps, iters, warmup, min_ms=min_ms)
         for impl, step in steps.items():
             med, best = times[impl]
             mem = peak_extra_gib(step, resets[impl]) if mode == "train" else None
@@ -277,6 +280,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=list(IMPLS + EXTRA_IMPLS))
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--min-ms", type=float, default=150.0,
+                        help="time each implementation for at least this many ms of its steps: "
+                             "short steps get more iterations, up to 10x --iters "
+                             "(cupy_fused.testing.time_interleaved)")
     parser.add_argument("--sweep-iters", type=int, default=10,
                         help="iterations per point of the size sweep (a curve needs fewer)")
     parser.add_argument("--quick", action="store_true", help="small shapes, few iterations")
@@ -385,7 +392,8 @@ def main(argv=None):
         peak = ceiling(problem, dtype, peaks)
         iters = args.iters if batch is None else min(args.iters, args.sweep_iters)
         rows += bench_problem(problem, DTYPES[dtype], args.modes, impls, iters, args.warmup,
-                              shapes, progress, batch=batch, errors=batch is None, peak=peak)
+                              shapes, progress, batch=batch, errors=batch is None, peak=peak,
+                              min_ms=0.0 if args.quick else args.min_ms)
         _write_json(stem + ".json", dict(meta=meta, rows=rows))  # after every job
         if args.time_limit is not None and time.monotonic() - start > 60 * args.time_limit:
             break  # (each invocation completes one job at least)

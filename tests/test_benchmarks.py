@@ -52,7 +52,7 @@ def test_a_time_limited_run_saves_each_job_and_resume_finishes_it(tmp_path, monk
     ran = []
 
     def fake_bench(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
-                   errors=True, peak=None):
+                   errors=True, peak=None, min_ms=0.0):
         ran.append((problem, dtype, batch))
         progress()
         return [dict(problem=problem, dtype=str(dtype).replace("torch.", ""), mode="forward",
@@ -88,16 +88,68 @@ def test_sweep_points_take_fewer_iterations(tmp_path, monkeypatch):
     iters = {}
 
     def fake_bench(problem, dtype, modes, impls, n, warmup, shapes, progress, batch=None,
-                   errors=True, peak=None):
+                   errors=True, peak=None, min_ms=0.0):
         iters[batch] = n
+        least[batch] = min_ms
         return []
 
+    least = {}
     monkeypatch.setattr(bench_run, "bench_problem", fake_bench)
     _fake_device(monkeypatch)
     bench_run.main(["--problems", "76", "--modes", "forward", "--sweep", "--iters", "30",
                     "--sweep-iters", "7", "--no-plots", "--out", str(tmp_path)])
     assert iters.pop(None) == 30 and set(iters) == set(bench_run.SWEEP_GEMM)
     assert set(iters.values()) == {7}
+    assert set(least.values()) == {150.0}  # the default --min-ms, sweep points included
+    bench_run.main(["--problems", "76", "--modes", "forward", "--quick", "--no-plots",
+                    "--out", str(tmp_path)])
+    assert least[None] == 0.0  # --quick: a fixed count of iterations
+
+
+def test_short_steps_get_more_timed_calls_up_to_ten_times():
+    from cupy_fused.testing import timed_calls
+
+    assert timed_calls(5.0, 30, 150.0, 300) == 30       # 30 x 5 ms: enough already
+    assert timed_calls(0.6, 30, 150.0, 300) == 250      # 0.6 ms steps: 150 ms of them
+    assert timed_calls(0.01, 30, 150.0, 300) == 300     # capped
+    assert timed_calls(0.6, 30, 0.0, 300) == 30         # min_ms 0: as asked
+    assert timed_calls(0.0, 30, 150.0, 300) == 30       # no estimate
+
+
+def test_time_interleaved_times_each_function_its_own_count(monkeypatch):
+    """With fake CUDA events (CPU tier): the calls each function gets, in
+    turns, after its warm-up and the three calls of the estimate."""
+    import torch
+
+    from cupy_fused import testing
+
+    clock = [0.0]
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = {"short": 0, "long": 0}
+
+    def step(name, ms):
+        def fn():
+            calls[name] += 1
+            clock[0] += ms
+        return fn
+
+    times = testing.time_interleaved({"short": step("short", 0.5), "long": step("long", 20.0)},
+                                     iters=10, warmup=2, rounds=5, min_ms=50.0)
+    # warm-up 2 + estimate 3 + one untimed call per round 5 + timed calls
+    assert calls == {"short": 2 + 3 + 5 + 100, "long": 2 + 3 + 5 + 10}
+    assert times == {"short": (0.5, 0.5), "long": (20.0, 20.0)}
 
 
 def test_plots_draw_the_speedup_bars_and_the_sweep_grid(tmp_path):
