@@ -129,21 +129,18 @@ def check_same(name: str, value, like: torch.Tensor, like_name: str) -> torch.Te
     return value
 
 
-def check_pair(name: str, value, other_name: str, other) -> int:
+def check_pair(name: str, value, other_name: str, other) -> None:
     """``value`` a CUDA float tensor (as :func:`check_tensor`) and ``other``
-    one of the same dtype, device and shape (as :func:`check_same`); returns
-    the device index.  Both in one call and one expression on the common
-    path: the elementwise ops run it on every call, where each Python call
-    is a measurable share of the op's host time."""
+    one of the same dtype, device and shape (as :func:`check_same`).  Both
+    in one call and one expression on the common path: the elementwise ops
+    run it on every call, where each Python call is a measurable share of
+    the op's host time."""
     if (isinstance(value, torch.Tensor) and value.is_cuda and value.dtype in FLOAT_DTYPES
             and isinstance(other, torch.Tensor) and other.dtype == value.dtype
-            and other.shape == value.shape):
-        device = value.get_device()
-        if other.get_device() == device:
-            return device
+            and other.shape == value.shape and other.get_device() == value.get_device()):
+        return
     check_tensor(name, value)
     check_same(other_name, other, value, name)
-    return value.get_device()
 
 
 def check_same_shape(name: str, value: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
