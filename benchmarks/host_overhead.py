@@ -12,12 +12,20 @@ several rounds and each reports its best round.  Variants:
 * naive DLPack    two ``cupy.from_dlpack`` + a fresh ``ExternalStream`` per call
 * ours, no_grad / requires_grad — with autograd recording
 
-Usage: python benchmarks/host_overhead.py [--calls 20000] [--json out.json]
+The ratio of ours to torch is also measured in pairs (:func:`paired_ratios`):
+many short rounds, each timing torch and ours back to back (in alternating
+order), one ratio per round, reported as the median and quartiles over the
+rounds.  Best-of-rounds times taken minutes apart in one process differed
+by up to 30 % on the same code; a ratio of two times taken within a few
+milliseconds of each other is what the host's drift leaves alone.
+
+Usage: python benchmarks/host_overhead.py [--calls 20000] [--pairs 101] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -43,9 +51,46 @@ def per_call_us(variants: dict, calls: int, rounds: int = 11) -> dict:
     return best
 
 
+def paired_ratios(base, other, calls: int = 2000, rounds: int = 101) -> dict:
+    """Host time per call of ``other`` over ``base``, one ratio per round of
+    ``calls`` calls of each, timed back to back (``base`` first in even
+    rounds, ``other`` first in odd ones).  Returns the median ratio, its
+    quartiles, and the median microseconds per call of each."""
+    for _ in range(200):
+        base()
+        other()
+    torch.cuda.synchronize()
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / calls * 1e6
+
+    ratios, base_us, other_us = [], [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            b = timed(base)
+            o = timed(other)
+        else:
+            o = timed(other)
+            b = timed(base)
+        ratios.append(o / b)
+        base_us.append(b)
+        other_us.append(o)
+    q = statistics.quantiles(ratios, n=4)
+    return {"median_ratio": statistics.median(ratios), "q1": q[0], "q3": q[2],
+            "base_us": statistics.median(base_us), "other_us": statistics.median(other_us),
+            "rounds": rounds, "calls": calls}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--pairs", type=int, default=101,
+                        help="rounds of the paired ratio measurement (0: skip it)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -121,9 +166,24 @@ def main(argv=None):
     for name, us in results.items():
         ref = base_grad if "grad" in name else base
         print(f"  {name:<48} {us:7.2f} us   {us / ref:5.2f}x torch")
+    paired = {}
+    if args.pairs:
+        pairs = {
+            "scale_add / torch.add": (variants["torch.add (one torch elementwise op)"],
+                                      variants["cupy_fused.ops.scale_add (eager)"]),
+            "scale_add / torch.add, input requires grad": (
+                variants["torch.add, input requires grad"],
+                variants["cupy_fused.ops.scale_add, input requires grad"]),
+        }
+        print(f"paired rounds ({args.pairs} rounds of 2000 calls each, back to back):")
+        for name, (base_fn, ours_fn) in pairs.items():
+            p = paired[name] = paired_ratios(base_fn, ours_fn, rounds=args.pairs)
+            print(f"  {name:<48} median {p['median_ratio']:.3f}x (quartiles {p['q1']:.3f}-"
+                  f"{p['q3']:.3f}); median us/call {p['base_us']:.2f} torch, {p['other_us']:.2f} ours")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "us_per_call": results}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "us_per_call": results,
+                       "paired": paired}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ Both paths launch the same kernels on the current torch stream with outputs
 allocated by torch, so CUDA-graph capture works on either.  When no input
 needs a gradient (or under ``torch.no_grad()``) the forward runs directly and
 saves nothing.
+
+An op may give the eager path a setup of its own (``eager_setup_context``)
+for what only eager autograd allows: :func:`keep_output`, an output kept
+for one use by the backward and dropped as soon as the backward takes it,
+where a saved tensor would live until the backward has returned.
 """
 from __future__ import annotations
 
@@ -50,6 +55,40 @@ def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return False
 
 
+def keep_output(ctx, output: torch.Tensor) -> None:
+    """Keeps ``output`` (an output of the op being recorded) for one use by
+    its backward, :func:`take_output`.  Eager path only (a ctx attribute,
+    which a traced graph would not carry).
+
+    Kept as a detached alias, not the output itself: the output holds this
+    node as its ``grad_fn``, so keeping it would make a reference cycle.  The
+    alias shares the output's version counter, which :func:`take_output`
+    checks, as autograd checks its saved tensors.  Not being a saved tensor,
+    it bypasses saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``,
+    e.g. offloading to the CPU): it stays where the output is."""
+    ctx.kept_output = output.detach()
+    ctx.kept_version = output._version
+
+
+def take_output(ctx) -> Optional[torch.Tensor]:
+    """The output kept by :func:`keep_output`, which the node then no longer
+    holds (so its memory is freed as soon as the caller drops it too); None
+    when nothing was kept or a first backward through a retained graph
+    (``retain_graph=True``) took it: the formula then recomputes what it
+    needs.  Raises, as autograd does, when the output was modified in place
+    after the forward."""
+    kept = getattr(ctx, "kept_output", None)
+    if kept is None:
+        return None
+    ctx.kept_output = None
+    if kept._version != ctx.kept_version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: the output of a cupy_fused op is at version {kept._version}; "
+            f"expected version {ctx.kept_version} instead")
+    return kept
+
+
 class FusedOp:
     """One fused operation with a custom backward.
 
@@ -69,17 +108,21 @@ class FusedOp:
             torch ops only.
         nondifferentiable: indices of outputs that carry no gradient (saved
             statistics, masks).
+        eager_setup_context: replaces ``setup_context`` on the eager path
+            (see the module docstring); the formula must then handle both.
     """
 
     def __init__(self, name: str, forward: Callable, forward_fake: Callable,
                  setup_context: Callable, backward_formula: Callable,
                  backward: Optional[Callable] = None, backward_fake: Optional[Callable] = None,
-                 nondifferentiable: Sequence[int] = ()):
+                 nondifferentiable: Sequence[int] = (),
+                 eager_setup_context: Optional[Callable] = None):
         self.name = name
         self.forward = forward
         self.backward = backward
         self._formula = backward_formula
         self._setup_context = setup_context
+        self._eager_setup_context = eager_setup_context or setup_context
         self._nondiff = tuple(nondifferentiable)
         self.op = None
         self.backward_op = None
@@ -105,9 +148,13 @@ class FusedOp:
             @staticmethod
             def forward(ctx, *inputs):
                 outputs = op.forward(*inputs)
-                op._setup_context(ctx, inputs, outputs)
+                op._eager_setup_context(ctx, inputs, outputs)
                 if op._nondiff:
                     ctx.mark_non_differentiable(*(outputs[i] for i in op._nondiff))
+                    # The formulas read the first output's gradient only; the
+                    # others would be materialised as zero tensors, an
+                    # allocation and a fill each per backward.
+                    ctx.set_materialize_grads(False)
                 return outputs
 
             @staticmethod

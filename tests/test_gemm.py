@@ -145,6 +145,40 @@ def test_linear_validation(past_device_check):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cublas_relu_backward_keeps_its_output_for_one_use(dtype, past_device_check):
+    """The eager node gates with the output it kept, then drops it; a second
+    backward through a retained graph recomputes it (same gradients); an
+    output modified in place after the forward is refused, as autograd
+    refuses a modified saved tensor."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.rand(7, 33, generator=gen) - 0.5).to(dtype)
+    w = torch.randn(19, 33, generator=gen).to(dtype)
+    b = torch.randn(19, generator=gen).to(dtype)
+    dy = torch.randn(7, 19, generator=gen).to(dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = ops.linear(*leaves, activation="relu", precision="ieee")
+    assert (y == 0).any() and (y > 0).any()
+    assert y.grad_fn.kept_output is not None
+    y.backward(dy, retain_graph=True)
+    assert y.grad_fn.kept_output is None  # dropped by the first backward
+    first = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    y.backward(dy)  # recomputes the gate
+    for again, once in zip(leaves, first):
+        assert torch.equal(again.grad, once)
+    ref = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    torch.relu(torch.nn.functional.linear(*ref)).backward(dy)
+    for ours, theirs in zip(first, ref):
+        torch.testing.assert_close(ours, theirs.grad)
+    y = ops.linear(*leaves, activation="relu", precision="ieee")
+    with torch.no_grad():
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cublas_relu_route_uses_cublas_epilogues(dtype, past_device_check):
     """float16/bfloat16 and "ieee" (here on CPU tensors, the same torch ops):
     cuBLASLt's bias + ReLU epilogue (_addmm_activation), and a backward from

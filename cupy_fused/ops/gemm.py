@@ -19,8 +19,9 @@ default of :func:`set_fp32_matmul_precision`):
   the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
   cuBLAS's own.  On this path bias and ReLU are cuBLAS's too (no kernel of
   ours: see :func:`run_linear`): cuBLASLt's fused bias + ReLU epilogue
-  (``torch._addmm_activation``); in training PyTorch's own ReLU node gates
-  the gradient and :func:`cublas_relu_backward` (torch ops) does the rest.
+  (``torch._addmm_activation``); in training the backward (torch ops) gates
+  the gradient with ReLU's own backward kernel, then
+  :func:`cublas_relu_backward` does the rest.
 
 The cuBLAS products follow torch's own settings: with
 ``torch.backends.cuda.matmul.allow_tf32 = True`` they run in TF32.
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _bridge, _runtime
-from .._autograd import FusedOp, needs_grad
+from .._autograd import FusedOp, is_compiling, keep_output, needs_grad, take_output
 from .._validation import check_like, check_tensor, check_vector
 from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, sm_count
 from .relu_epilogue import bias_relu
@@ -429,26 +430,51 @@ def _cublas_relu_backward_fake(dz: torch.Tensor, x: torch.Tensor, weight: torch.
 
 
 def _cublas_relu_setup_context(ctx, inputs, output):
+    # Traced (the registered custom op): the caller's relu_ gates the gradient.
     x, weight, _ = inputs
     ctx.save_for_backward(x, weight)
+    ctx.gates = False
+
+
+def _cublas_relu_eager_setup_context(ctx, inputs, output):
+    # Eager: this node gates the gradient itself, with the output kept for
+    # that one use (see _CUBLAS_RELU); the bias is saved to recompute it.
+    ctx.save_for_backward(*inputs)
+    keep_output(ctx, output)
+    ctx.gates = True
 
 
 def _cublas_relu_backward_formula(ctx, grads, run_backward):
-    x, weight = ctx.saved_tensors
+    dz = grads[0]
+    if ctx.gates:
+        x, weight, bias = ctx.saved_tensors
+        y = take_output(ctx)
+        if y is None:  # a second backward through a retained graph
+            y = _cublas_relu_forward(x, weight, bias)
+        # ReLU's own backward kernel (as eager's ReLU node), then y is dropped
+        # before the products allocate dW.
+        dz = torch.ops.aten.threshold_backward(dz, y, 0)
+        del y
+    else:
+        x, weight = ctx.saved_tensors
     want = ctx.needs_input_grad
-    dx, dw, dbias = run_backward(grads[0], x, weight, want[0], want[1], want[2])
+    dx, dw, dbias = run_backward(dz, x, weight, want[0], want[1], want[2])
     return (dx if want[0] else None, dw if want[1] else None, dbias if want[2] else None)
 
 
-# relu(x W^T + bias) forward, but the backward of the linear part only: a
-# caller recording a graph applies a native ``relu_`` to the output (values
-# unchanged: they are >= 0 already), whose own node gates the gradient and
-# then frees the output, before this node's products allocate dW (saving
-# the output here would keep it alive through them: +16 MiB of peak on
-# problem 76 in bf16).  Only run_linear uses it, that way.
+# relu(x W^T + bias) in one cuBLASLt launch, and its backward: the ReLU's
+# gate, the bias gradient's column sum, dX and dW.  The gate needs the
+# output, which must not stay alive through the products (+16 MiB of peak
+# on problem 76 in bf16, above torch.compile's).  Eager calls keep it for
+# the gate only (keep_output) and drop it before the products.  Traced
+# calls, whose graph carries saved tensors only, gate with a native relu_
+# that the caller applies to the output (values unchanged: they are >= 0
+# already), whose own node then frees the output.  Only run_linear uses it,
+# that way.
 _CUBLAS_RELU = FusedOp("linear_relu_cublas", _cublas_relu_forward, _cublas_relu_forward_fake,
                        _cublas_relu_setup_context, _cublas_relu_backward_formula,
-                       cublas_relu_backward, _cublas_relu_backward_fake)
+                       cublas_relu_backward, _cublas_relu_backward_fake,
+                       eager_setup_context=_cublas_relu_eager_setup_context)
 
 
 def linear(x, weight, bias=None, activation: Optional[str] = None,
@@ -510,7 +536,8 @@ def run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         if bias is None or x2.numel() == 0 or weight.numel() == 0:
             return F.linear(x2, weight, bias).relu_()  # native autograd
         y = _CUBLAS_RELU.run(grad, x2, weight, bias)
-        return y.relu_() if grad else y  # the ReLU's gate (see _CUBLAS_RELU)
+        # Traced, the ReLU's gate is a native node (see _CUBLAS_RELU).
+        return y.relu_() if grad and is_compiling() else y
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
     weight = weight if weight.is_contiguous() else weight.contiguous()
     passes = PASSES[precision]
