@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, is_compiling, keep_output, needs_grad, take_output
 from .._validation import check_like, check_tensor, check_vector
-from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, sm_count
+from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, ptr_or_null, sm_count
 from .relu_epilogue import bias_relu
 
 PRECISIONS = ("3xtf32", "tf32", "ieee")
@@ -315,7 +315,7 @@ def launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, o
     if tile.split_b:  # the kernel then reads the planes image (and ignores ldb)
         b = split_b(b, n, k, b_kmajor, passes)
     _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), tile.threads, (
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), bias.data_ptr() if bias is not None else 0,
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), ptr_or_null(bias),
         activation, m, n, k, a.shape[1], ldb, n), dev,
         shared_mem=tile.shared_bytes(a_kmajor, b_kmajor, passes))
 

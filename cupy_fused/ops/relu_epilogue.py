@@ -15,7 +15,8 @@ import torch
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
-from ._common import BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid, reduce_partials, row_chunks
+from ._common import (BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
+                      ptr_or_null, reduce_partials, row_chunks)
 
 def _expr(kernel: str, dtype: torch.dtype, second_bias: bool) -> str:
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
@@ -52,7 +53,7 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
         fn = KERNELS.get(("bias_relu_forward", z.dtype, bias2 is not None), dev)
         _bridge.launch(fn, (elementwise_grid(words * 32, dev), 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), mask.data_ptr() if save_mask else 0, bias.data_ptr(),
-            bias2.data_ptr() if bias2 is not None else 0, total, z.shape[1], inner), dev)
+            ptr_or_null(bias2), total, z.shape[1], inner), dev)
     return out, mask
 
 
