@@ -4,18 +4,25 @@
 // double; summing them in double and rounding once to the parameter dtype
 // makes the gradient as accurate as the dtype allows.  Fixed order, no
 // atomics: bitwise reproducible.
+//
+// The first `duplicated` sums are written a second time after the others
+// (out[slots_times_columns + j]): a chain whose two parameters get the same
+// gradient (problem 94's two biases) then returns two rows, not one row and
+// a copy made by another launch.
 #include "cf_common.cuh"
 
 namespace cf {
 
 template <typename T>
 __global__ void reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out,
-                                       i64 chunks, i64 slots_times_columns) {
+                                       i64 chunks, i64 slots_times_columns, i64 duplicated) {
   const i64 j = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
   if (j >= slots_times_columns) return;
   double acc = 0.0;
   for (i64 k = 0; k < chunks; ++k) acc += partial[k * slots_times_columns + j];
-  out[j] = from_float<T>(static_cast<float>(acc));
+  const T sum = from_float<T>(static_cast<float>(acc));
+  out[j] = sum;
+  if (j < duplicated) out[slots_times_columns + j] = sum;
 }
 
 }  // namespace cf

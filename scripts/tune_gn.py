@@ -57,14 +57,16 @@ def main(argv=None):
 
                     def fwd(family=family):
                         gn.KERNELS = family
+                        gn.clear_launch_plans()
                         return gn.launch_forward(z, v[0], v[1], v[2], v[3], v[4], chain, groups,
                                                  1e-5, True, False)
 
-                    _, mean, rstd = fwd()
+                    _, stats = fwd()
 
-                    def bwd(family=family, mean=mean, rstd=rstd):
+                    def bwd(family=family, stats=stats):
                         gn.KERNELS = family
-                        return gn.launch_backward(dy, z, mean, rstd, v[0], v[1], v[2], v[3],
+                        gn.clear_launch_plans()
+                        return gn.launch_backward(dy, z, stats, v[0], v[1], v[2], v[3],
                                                   v[4], chain, groups, False)
 
                     runs[(fwd_blocks, bwd_blocks, "forward")] = fwd

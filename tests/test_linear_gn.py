@@ -178,8 +178,8 @@ def test_one_launch_kernel_against_float64(chain, shape, device):
     eager_err = rel_error(chain_on_z(F.linear(x, w, lin_bias), chain, groups, *vecs[1:], eps), truth)
     for passes in (3, 1):
         poison_allocator(device, 4 * m * n)
-        y, z, mean, rstd = LG.launch_fused(x, w, *vecs, chain, groups, eps, passes, True,
-                                           y=torch.full((m, n), float("nan"), device=device))
+        y, z, stats = LG.launch_fused(x, w, *vecs, chain, groups, eps, passes, True,
+                                      y=torch.full((m, n), float("nan"), device=device))
         if passes == 3:
             err = rel_error(y, truth)
             assert err <= 1.5 * eager_err + torch.finfo(torch.float32).eps, (err, eager_err)
@@ -192,12 +192,14 @@ def test_one_launch_kernel_against_float64(chain, shape, device):
             assert err <= 1.5 * eager_from_z + torch.finfo(torch.float32).eps, (err, eager_from_z)
         assert rel_error(z, z64) < (2.0 ** -20 if passes == 3 else 2e-3)
         # mean and 1/std of Pre(z) per (row, group), as gn_chain's forward saves them
-        _, mean_ref, rstd_ref = gn_epilogue.launch_forward(z, None, extra_bias, gn_weight, gn_bias,
-                                                           mul_weight, chain, groups, eps, True, True)
-        torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(rstd, rstd_ref, rtol=1e-4, atol=0)
-        y_again, z_none, _, _ = LG.launch_fused(x, w, *vecs, chain, groups, eps, passes, False)
-        assert z_none.numel() == 0
+        _, stats_ref = gn_epilogue.launch_forward(z, None, extra_bias, gn_weight, gn_bias,
+                                                  mul_weight, chain, groups, eps, True, True)
+        assert stats.shape == stats_ref.shape == (2, m, groups)
+        torch.testing.assert_close(stats[0], stats_ref[0], rtol=1e-5, atol=1e-6)  # mean
+        torch.testing.assert_close(stats[1], stats_ref[1], rtol=1e-4, atol=0)  # 1/std
+        y_again, z_none, stats_none = LG.launch_fused(x, w, *vecs, chain, groups, eps, passes,
+                                                      False)
+        assert z_none.numel() == 0 and stats_none.numel() == 0
         assert torch.equal(y, y_again)
 
 

@@ -124,6 +124,27 @@ def test_bitwise_reproducible(problem, device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_gradients_accumulate_in_memory_of_their_own(problem, dtype, device):
+    """A second backward adds to every parameter's gradient, and no two
+    gradients share memory (94's two biases get the same sum: two rows, so
+    accumulating into one leaves the other alone)."""
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    _, ours = build_pair(problem, args, device, dtype)
+    x = torch.rand(shape, device=device, dtype=dtype)
+    dy = torch.randn_like(ours(x))
+    ours(x).backward(dy)
+    params = list(ours.parameters())
+    once = [p.grad.clone() for p in params]
+    spans = sorted((p.grad.data_ptr(), p.grad.data_ptr() + p.grad.numel() * p.grad.element_size())
+                   for p in params)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
+    ours(x).backward(dy)
+    for p, g in zip(params, once):
+        assert torch.equal(p.grad, 2 * g)
+
+
 @pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
 def test_non_contiguous_input(problem, device):
     _, args, shape = reference.SMALL_PROBLEMS[problem]

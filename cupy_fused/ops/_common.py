@@ -63,25 +63,42 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int
     return cdiv(rows, rows_per_chunk), rows_per_chunk
 
 
-def reduce_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
+                    duplicate_first_row: bool = False) -> torch.Tensor:
     """``partial``: float64 [chunks, slots, C] -> [slots, C] in ``dtype``,
-    summed over chunks in order (bitwise reproducible)."""
+    summed over chunks in order (bitwise reproducible).  With
+    ``duplicate_first_row``, [slots + 1, C]: the last row repeats the first
+    (for two parameters with the same gradient: rows of their own, so that
+    accumulating into one never changes the other)."""
     chunks, slots, channels = partial.shape
-    out = torch.empty((slots, channels), dtype=dtype, device=partial.device)
+    out = torch.empty((slots + 1 if duplicate_first_row else slots, channels), dtype=dtype,
+                      device=partial.device)
     n = slots * channels
     dev = partial.device.index
     _bridge.launch(_REDUCE.get(dtype, dev), (cdiv(n, BLOCK), 1, 1), BLOCK,
-                   (partial.data_ptr(), out.data_ptr(), chunks, n), dev)
+                   (partial.data_ptr(), out.data_ptr(), chunks, n,
+                    channels if duplicate_first_row else 0), dev)
     return out
 
 
-def broadcast_or_dense(dy: torch.Tensor, like_layout: Callable[[torch.Tensor], torch.Tensor]):
+def broadcast_or_dense(dy: torch.Tensor, memory_format=None):
     """Gradient of an output, as (tensor, dense flag).  A gradient that is one
     value broadcast everywhere (``out.sum().backward()``) is passed as that
-    single value (flag 0) instead of being materialised."""
-    if dy.numel() > 0 and all(s == 0 for s, n in zip(dy.stride(), dy.shape) if n > 1):
+    single value (flag 0) instead of being materialised; any other is made
+    dense in ``memory_format`` (default: contiguous).  (Runs in every
+    backward: the common cases first, in as few Python operations as
+    possible.)"""
+    if memory_format is None:
+        if dy.is_contiguous():
+            return dy, 1
+    elif dy.is_contiguous(memory_format=memory_format):
+        return dy, 1
+    if dy.numel() > 0 and (not any(dy.stride()) or all(
+            s == 0 for s, n in zip(dy.stride(), dy.shape) if n > 1)):
         return dy, 0
-    return like_layout(dy), 1
+    if memory_format is None:
+        return dy.contiguous(), 1
+    return dy.contiguous(memory_format=memory_format), 1
 
 
 def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):

@@ -4,8 +4,9 @@ around a GroupNorm, forward and backward, one kernel family
 themselves are in ``kernels_cu/gn_chains.cuh``).
 
 Forward saves z (the GEMM output, with or without the linear bias) and the
-per (row, group) mean and 1/std in float32; the backward recomputes every other
-intermediate from them in registers.
+per (row, group) mean and 1/std in float32 (one tensor, ``stats`` [2, M,
+groups]); the backward recomputes every other intermediate from them in
+registers.
 """
 from __future__ import annotations
 
@@ -41,6 +42,24 @@ class Chain:
         (``kEagerRounding`` in gn_chains.cuh)."""
         return f"{self.cxx}<{'true' if eager_rounding else 'false'}>"
 
+    @property
+    def shares_bias_slot(self) -> bool:
+        """Whether the two biases get one sum (94: both are added to z)."""
+        return self.extra_bias is not None and self.extra_bias == self.lin_bias
+
+    @property
+    def grad_rows(self) -> int:
+        """Rows of the backward's reduced sums: the slots, plus a copy of the
+        shared bias slot (see :func:`.reduce_partials`)."""
+        return self.slots + int(self.shares_bias_slot)
+
+    @property
+    def grad_row_of(self) -> Tuple[Optional[int], ...]:
+        """Row of the reduced sums holding the gradient of (lin_bias,
+        extra_bias, gn_weight, gn_bias, mul_weight); None: not in the chain."""
+        extra = self.slots if self.shares_bias_slot else self.extra_bias
+        return (self.lin_bias, extra, self.gn_weight, self.gn_bias, self.mul_weight)
+
 
 CHAINS: Dict[str, Chain] = {
     # 37: GroupNorm(swish(z + b_lin) + bias)
@@ -50,6 +69,9 @@ CHAINS: Dict[str, Chain] = {
     # 94: GroupNorm(mish(hardtanh(z + b_lin + bias))); both biases get sum dz
     "bias_hardtanh_mish_gn": Chain("cf::ChainBiasHardtanhMishGN", 3, 0, 0, 1, 2, None),
 }
+
+# Chain -> Chain.grad_row_of, read by every backward.
+_GRAD_ROW_OF = {name: chain.grad_row_of for name, chain in CHAINS.items()}
 
 # Values of a group each lane holds in registers (template parameter
 # kMaxVals).  A team of up to 32 lanes shares one (row, group); each lane
@@ -121,90 +143,139 @@ def forward_team_shape(channels_per_group: int) -> Tuple[int, int]:
     return team, vals
 
 
+# Launch plans per (rows, channels, num_groups, dtype, chain, eager_rounding,
+# device index): what a launch derives from the shapes alone (kernel, grid,
+# team), worked out on a shape's first call instead of on every call (the
+# half-precision training steps are as long as their host work).
+_PLANS_KEPT = 512
+_forward_plans: Dict[tuple, tuple] = {}
+_backward_plans: Dict[tuple, tuple] = {}
+
+
+def clear_launch_plans() -> None:
+    """Forgets every launch plan (after swapping the kernel families, as
+    ``scripts/tune_gn.py`` does)."""
+    _forward_plans.clear()
+    _backward_plans.clear()
+
+
+def _keep(plans: Dict[tuple, tuple], key: tuple, plan: tuple) -> tuple:
+    if len(plans) >= _PLANS_KEPT:  # many shapes (e.g. varying batch sizes): start over
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+def _forward_plan(key: tuple) -> tuple:
+    """(kernel, grid, team, eager-rounding family) of a forward launch."""
+    rows, channels, num_groups, dtype, chain, eager_rounding, dev = key
+    team, vals = forward_team_shape(channels // num_groups)
+    family = _family(dtype, eager_rounding)
+    return _keep(_forward_plans, key, (
+        family.get(("forward", dtype, chain, vals), dev),
+        elementwise_grid(rows * num_groups * team, dev), team,
+        family is EAGER_ROUNDING_KERNELS))
+
+
+def _backward_plan(key: tuple) -> tuple:
+    """(kernel, grid x, row chunks, rows per chunk, team) of a backward launch."""
+    rows, channels, num_groups, dtype, chain, eager_rounding, dev = key
+    team, vals = team_shape(channels // num_groups)
+    grid_x = cdiv(num_groups, BLOCK // team)
+    chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
+    return _keep(_backward_plans, key, (
+        _family(dtype, eager_rounding).get(("backward", dtype, chain, vals), dev), grid_x,
+        chunks, rows_per_chunk, team))
+
+
+def stats_pointers(stats: torch.Tensor) -> Tuple[int, int]:
+    """Device pointers of the mean and 1/std planes of ``stats`` [2, M,
+    groups] (one allocation, one saved tensor, where two would cost a
+    second allocation on every forward)."""
+    mean = stats.data_ptr()
+    return mean, mean + 4 * stats.shape[1] * stats.shape[2]
+
+
 def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
                    num_groups: int, eps: float, save_stats: bool, bias_in_z: bool,
-                   eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, stats): ``stats`` float32 [2, M, num_groups], the mean
+    and 1/std of every (row, group), when ``save_stats``, else empty."""
     rows, channels = z.shape
     out = torch.empty_like(z)
-    stat_shape = (rows, num_groups) if save_stats else (0,)
-    mean = torch.empty(stat_shape, dtype=torch.float32, device=z.device)
-    rstd = torch.empty(stat_shape, dtype=torch.float32, device=z.device)
-    if z.numel():
+    stats = torch.empty((2, rows, num_groups) if save_stats else (0,), dtype=torch.float32,
+                        device=z.device)
+    if rows and channels:
         dev = z.device.index
-        team, vals = forward_team_shape(channels // num_groups)
-        pairs = rows * num_groups
-        grid = elementwise_grid(pairs * team, dev)
-        family = _family(z.dtype, eager_rounding)
+        key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, dev)
+        fn, grid, team, rounds = _forward_plans.get(key) or _forward_plan(key)
         round_statistics = 0
-        if family is EAGER_ROUNDING_KERNELS:
+        if rounds:
             eps = _rounded_eps(eps, z.dtype)
             round_statistics = int(EAGER_GN_ROUNDS_STATISTICS)
-        fn = family.get(("forward", z.dtype, chain, vals), dev)
+        mean, rstd = stats_pointers(stats) if save_stats else (0, 0)
         _bridge.launch(fn, (grid, 1, 1), BLOCK, (
-            z.data_ptr(), out.data_ptr(), ptr_or_null(mean) if save_stats else 0,
-            ptr_or_null(rstd) if save_stats else 0, 0 if bias_in_z else ptr_or_null(lin_bias),
+            z.data_ptr(), out.data_ptr(), mean, rstd, 0 if bias_in_z else ptr_or_null(lin_bias),
             ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
             ptr_or_null(mul_weight), rows, channels, num_groups, team, eps, round_statistics),
             dev)
-    return out, mean, rstd
+    return out, stats
 
 
 def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
                   num_groups: int, eps: float, save_stats: bool, bias_in_z: bool,
-                  eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    stat_shape = (z.shape[0], num_groups) if save_stats else (0,)
-    return (torch.empty_like(z), z.new_empty(stat_shape, dtype=torch.float32),
-            z.new_empty(stat_shape, dtype=torch.float32))
+                  eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(z),
+            z.new_empty((2, z.shape[0], num_groups) if save_stats else (0,), dtype=torch.float32))
 
 
-def launch_backward(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+def launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
                     lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
                     gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                     mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
                     bias_in_z: bool,
                     eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dz, per-column sums [slots, C]: the parameter gradients).
+    """Returns (dz, per-column sums [Chain.grad_rows, C]: the parameter
+    gradients, :func:`parameter_grads`).  ``stats``: the forward's.
     ``eager_rounding`` must be the forward's: the backward recomputes its
     normalised values."""
     rows, channels = z.shape
     spec = CHAINS[chain]
     dz = torch.empty_like(z)
-    if z.numel() == 0:
-        return dz, torch.zeros((spec.slots, channels), dtype=z.dtype, device=z.device)
+    if rows == 0 or channels == 0:
+        return dz, torch.zeros((spec.grad_rows, channels), dtype=z.dtype, device=z.device)
     dev = z.device.index
-    dy, dense = broadcast_or_dense(dout, lambda t: t.contiguous())
-    team, vals = team_shape(channels // num_groups)
-    grid_x = cdiv(num_groups, BLOCK // team)
-    chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
+    key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, dev)
+    fn, grid_x, chunks, rows_per_chunk, team = _backward_plans.get(key) or _backward_plan(key)
+    dy, dense = broadcast_or_dense(dout)
     partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
-    fn = _family(z.dtype, eager_rounding).get(("backward", z.dtype, chain, vals), dev)
+    mean, rstd = stats_pointers(stats)
     _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
-        z.data_ptr(), dy.data_ptr(), dense, mean.data_ptr(), rstd.data_ptr(),
+        z.data_ptr(), dy.data_ptr(), dense, mean, rstd,
         0 if bias_in_z else ptr_or_null(lin_bias),
         ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
         ptr_or_null(mul_weight), dz.data_ptr(), partial.data_ptr(), rows, channels, num_groups,
         team, rows_per_chunk), dev)
-    return dz, reduce_partials(partial, z.dtype)
+    return dz, reduce_partials(partial, z.dtype, spec.shares_bias_slot)
 
 
-def _backward_fake(dout: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+def _backward_fake(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
                    lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                    mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
                    bias_in_z: bool,
                    eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(z), z.new_empty((CHAINS[chain].slots, z.shape[1]))
+    return torch.empty_like(z), z.new_empty((CHAINS[chain].grad_rows, z.shape[1]))
 
 
 def _setup_context(ctx, inputs, output):
     (z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups, _, _, in_z,
      eager_rounding) = inputs
-    ctx.save_for_backward(z, output[1], output[2], lin_bias, extra_bias, gn_weight, gn_bias,
-                          mul_weight)
+    ctx.save_for_backward(z, output[1], lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     ctx.chain = chain
     ctx.num_groups = num_groups
     ctx.bias_in_z = in_z
@@ -214,23 +285,20 @@ def _setup_context(ctx, inputs, output):
 def parameter_grads(chain: str, sums: torch.Tensor, lin_bias, extra_bias, gn_weight, gn_bias,
                     mul_weight) -> tuple:
     """The gradients of (lin_bias, extra_bias, gn_weight, gn_bias,
-    mul_weight) from the backward's per-column ``sums`` [slots, C]; None for
-    an absent vector."""
-    spec = CHAINS[chain]
-
-    def slot(tensor, index):
-        return None if tensor is None or index is None else sums[index]
-
-    d_extra = slot(extra_bias, spec.extra_bias)
-    if d_extra is not None and spec.extra_bias == spec.lin_bias:
-        d_extra = d_extra.clone()
-    return (slot(lin_bias, spec.lin_bias), d_extra, slot(gn_weight, spec.gn_weight),
-            slot(gn_bias, spec.gn_bias), slot(mul_weight, spec.mul_weight))
+    mul_weight): rows of the backward's ``sums`` [Chain.grad_rows, C] (one
+    row per parameter), None for an absent vector."""
+    sum_rows = sums.unbind(0)  # one call for every row
+    lin, extra, weight, bias, mul = _GRAD_ROW_OF[chain]
+    return (None if lin_bias is None else sum_rows[lin],
+            None if extra_bias is None or extra is None else sum_rows[extra],
+            None if gn_weight is None else sum_rows[weight],
+            None if gn_bias is None else sum_rows[bias],
+            None if mul_weight is None or mul is None else sum_rows[mul])
 
 
 def _backward_formula(ctx, grads, run_backward):
-    z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
-    dz, sums = run_backward(grads[0], z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias,
+    z, stats, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
+    dz, sums = run_backward(grads[0], z, stats, lin_bias, extra_bias, gn_weight, gn_bias,
                             mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z,
                             ctx.eager_rounding)
     return (dz,) + parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
@@ -238,7 +306,7 @@ def _backward_formula(ctx, grads, run_backward):
 
 
 _GN_CHAIN = FusedOp("gn_chain", launch_forward, _forward_fake, _setup_context, _backward_formula,
-                    launch_backward, _backward_fake, nondifferentiable=(1, 2))
+                    launch_backward, _backward_fake, nondifferentiable=(1,))
 
 
 def check_chain(chain) -> None:

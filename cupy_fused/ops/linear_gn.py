@@ -21,7 +21,7 @@ or ``"tf32"``):
   GEMM_NOTES.md, "GroupNorm in the GEMM's store"): with one block per SM
   nothing overlaps the chain's latency with the tensor cores.  Turn it on with ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``
   or :func:`set_gn_epilogue_enabled`.  Its autograd node saves x, W, z and
-  the per (row, group) mean and 1/std; the backward is the ``gn_chain``
+  the per (row, group) mean and 1/std (``stats``); the backward is the ``gn_chain``
   backward (dz and every vector's gradient as column sums), then dX = dz W
   and dW = dz^T x, with z alive until the end (one activation more of peak
   training memory than two launches).  Its group statistics are summed in
@@ -100,7 +100,9 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch
     """The one-launch forward on the wgmma kernel, whatever the size rule
     says (tests and sanitizer runs call it directly; it needs a compute
     capability 9.0 device, :func:`group_fits_tile` and 16-byte aligned rows).
-    Returns (y, z, mean, rstd); z, mean and rstd are empty unless ``save``.
+    Returns (y, z, stats): z and the per (row, group) mean and 1/std, stats
+    [2, M, num_groups] as :func:`.gn_epilogue.launch_forward` saves them, are
+    empty unless ``save``.
     ``y``: the [M, N] output to write (e.g. NaN-poisoned), else a new one."""
     m, k = x.shape
     n = weight.shape[0]
@@ -121,20 +123,19 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch
     elif y.shape != (m, n) or y.dtype != x.dtype or not y.is_contiguous():
         raise ValueError(f"y must be a contiguous [{m}, {n}] tensor of x's dtype")
     z = torch.empty((m, n) if save else (0,), dtype=x.dtype, device=x.device)
-    stats = (m, num_groups) if save else (0,)
-    mean = torch.empty(stats, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(stats, dtype=torch.float32, device=x.device)
+    stats = torch.empty((2, m, num_groups) if save else (0,), dtype=torch.float32,
+                        device=x.device)
     if m:
+        mean, rstd = gn_epilogue.stats_pointers(stats) if save else (0, 0)
         _bridge.launch(KERNELS.get((chain, passes), dev),
                        (cdiv(m, WGMMA_TILE.bm) * cdiv(n, WGMMA_TILE.bn), 1, 1), WGMMA_TILE.threads, (
                            x.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                           ptr_or_null(z) if save else 0, ptr_or_null(mean) if save else 0,
-                           ptr_or_null(rstd) if save else 0, ptr_or_null(lin_bias),
+                           ptr_or_null(z) if save else 0, mean, rstd, ptr_or_null(lin_bias),
                            ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
                            ptr_or_null(mul_weight),
                            m, n, k, k, k, num_groups, eps), dev,
                        shared_mem=WGMMA_TILE.shared_bytes(True, True, passes))
-    return y, z, mean, rstd
+    return y, z, stats
 
 
 # ---------------------------------------------------------------- autograd op
@@ -143,8 +144,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Ten
              extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
              gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
              num_groups: int, eps: float, passes: int,
-             save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (y, z, mean, rstd); z, mean, rstd are empty unless ``save``."""
+             save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, z, stats); z and stats are empty unless ``save``."""
     return launch_fused(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
                         num_groups, eps, passes, save)
 
@@ -153,49 +154,48 @@ def _forward_fake(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torc
                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
                   num_groups: int, eps: float, passes: int,
-                  save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = x.shape[0], weight.shape[0]
-    stats = (m, num_groups) if save else (0,)
     return (x.new_empty((m, n)), x.new_empty((m, n) if save else (0,)),
-            x.new_empty(stats), x.new_empty(stats))
+            x.new_empty((2, m, num_groups) if save else (0,)))
 
 
 def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
-              mean: torch.Tensor, rstd: torch.Tensor, lin_bias: Optional[torch.Tensor],
+              stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
               extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
               gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
               num_groups: int, passes: int, want_x: bool,
               want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx, dW, per-column sums [slots, N]); dx / dW empty when not
-    wanted."""
-    dz, sums = gn_epilogue.launch_backward(dout, z, mean, rstd, lin_bias, extra_bias, gn_weight,
+    """Returns (dx, dW, per-column sums [Chain.grad_rows, N]); dx / dW empty
+    when not wanted."""
+    dz, sums = gn_epilogue.launch_backward(dout, z, stats, lin_bias, extra_bias, gn_weight,
                                            gn_bias, mul_weight, chain, num_groups, True)
     dx, dw, _ = gemm.linear_backward(dz, x, weight, passes, want_x, want_weight, False)
     return dx, dw, sums
 
 
 def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
-                   mean: torch.Tensor, rstd: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                   stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
                    num_groups: int, passes: int, want_x: bool,
                    want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty_like(x) if want_x else x.new_empty((0,)),
             torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
-            z.new_empty((gn_epilogue.CHAINS[chain].slots, weight.shape[0])))
+            z.new_empty((gn_epilogue.CHAINS[chain].grad_rows, weight.shape[0])))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, groups, _, passes, _ = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2], output[3], lin_bias, extra_bias,
-                          gn_weight, gn_bias, mul_weight)
+    ctx.save_for_backward(x, weight, output[1], output[2], lin_bias, extra_bias, gn_weight,
+                          gn_bias, mul_weight)
     ctx.chain, ctx.num_groups, ctx.passes = chain, groups, passes
 
 
 def _backward_formula(ctx, grads, run_backward):
-    x, weight, z, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
+    x, weight, z, stats, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
     want = ctx.needs_input_grad
-    dx, dw, sums = run_backward(grads[0], x, weight, z, mean, rstd, lin_bias, extra_bias,
+    dx, dw, sums = run_backward(grads[0], x, weight, z, stats, lin_bias, extra_bias,
                                 gn_weight, gn_bias, mul_weight, ctx.chain, ctx.num_groups,
                                 ctx.passes, want[0], want[1])
     return ((dx if want[0] else None, dw if want[1] else None)
@@ -205,7 +205,7 @@ def _backward_formula(ctx, grads, run_backward):
 
 
 _LINEAR_GN = FusedOp("linear_gn_chain", _forward, _forward_fake, _setup_context,
-                     _backward_formula, _backward, _backward_fake, nondifferentiable=(1, 2, 3))
+                     _backward_formula, _backward, _backward_fake, nondifferentiable=(1, 2))
 
 
 def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],

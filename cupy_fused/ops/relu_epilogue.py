@@ -76,7 +76,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
     channels = sizes[1]
     slots = 2 if second_bias else 1
     dev = dout.device.index
-    dy, dense = broadcast_or_dense(dout, lambda t: t.contiguous(memory_format=fmt))
+    dy, dense = broadcast_or_dense(dout, fmt)
     inner = _inner(sizes, channels_last)
     total = dz.numel()
     if total == 0:
