@@ -69,8 +69,10 @@ def _empty_like_layout(sizes: List[int], channels_last: bool, like: torch.Tensor
 
 
 def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
-              second_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dz, grad of bias, grad of bias2 — empty when there is none)."""
+              second_bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dz, per-channel sums [slots, C]: the gradient of bias, then
+    of bias2 when there is one).  The formula takes the rows: outputs of a
+    custom op must not alias each other."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     dz = _empty_like_layout(sizes, channels_last, dout)
     channels = sizes[1]
@@ -99,15 +101,13 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), channels,
             inner), dev)
         sums = reduce_partials(partial, dout.dtype)
-    dbias2 = sums[1] if second_bias else sums.new_empty((0,))
-    return dz, sums[0].clone() if second_bias else sums[0], dbias2
+    return dz, sums
 
 
 def _backward_fake(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
-                   second_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   second_bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     dz = _empty_like_layout(sizes, channels_last, dout)
-    channels = sizes[1]
-    return dz, dout.new_empty((channels,)), dout.new_empty((channels if second_bias else 0,))
+    return dz, dout.new_empty((2 if second_bias else 1, sizes[1]))
 
 
 def _setup_context(ctx, inputs, output):
@@ -120,8 +120,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, grads, run_backward):
     (mask,) = ctx.saved_tensors
-    dz, dbias, dbias2 = run_backward(grads[0], mask, ctx.sizes, ctx.channels_last, ctx.second_bias)
-    return dz, dbias, dbias2 if ctx.second_bias else None, None
+    dz, sums = run_backward(grads[0], mask, ctx.sizes, ctx.channels_last, ctx.second_bias)
+    if ctx.second_bias:
+        dbias, dbias2 = sums.unbind(0)  # rows of one tensor, no copy
+        return dz, dbias, dbias2, None
+    return dz, sums[0], None, None
 
 
 _BIAS_RELU = FusedOp("bias_relu", _forward, _forward_fake, _setup_context, _backward_formula,
