@@ -5,9 +5,11 @@ and a trivial step (``(2 * x).sum().backward()``, the floor of any step:
 the autograd engine's round trip and the harness).  Per variant: the
 host's issue time (no synchronisation in the loop), the GPU time with the
 host queued ahead (a sleep kernel holds the GPU while the host issues the
-steps), the wall time and, at the benchmark shape, the peak memory above
+steps), the wall time, at the benchmark shape the peak memory above
 parameters and inputs, and the caching allocator's cudaMalloc/cudaFree
-calls during the timed steps (none once warm).  Implementations take turns over 7 rounds; medians.
+calls during the timed steps (a cudaFree waits for the GPU, so a step
+that makes them is not paced by the host alone).  The variants take turns
+over 7 rounds; medians.
 
     python scripts/native_variants.py fp16,bf16 [small]
 """
@@ -36,8 +38,7 @@ def variants(ref, ours):
 
 
 def _device_mallocs() -> int:
-    """cudaMalloc + cudaFree calls of torch's caching allocator so far (a
-    cudaFree waits for the GPU: a step that makes one is not host-paced)."""
+    """cudaMalloc + cudaFree calls of torch's caching allocator so far."""
     stats = torch.cuda.memory_stats()
     return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
 
