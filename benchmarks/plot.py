@@ -18,6 +18,8 @@ def main(path):
     path = Path(path)
     data = json.loads(path.read_text())
     rows, meta = data["rows"], data["meta"]
+    # Rows of implementations that failed have no times.
+    rows = [r for r in rows if r.get("median_ms") is not None]
     main_rows = [r for r in rows if not r.get("sweep")]
     by = {(r["problem"], r["dtype"], r["mode"], r["impl"]): r["median_ms"] for r in main_rows}
     dtypes = sorted({r["dtype"] for r in main_rows})
@@ -50,7 +52,8 @@ def main(path):
 # Implementation -> colour, mode -> line style: one grid of panels (a row per
 # dtype, a column per problem) read with one legend.
 IMPL_STYLE = {"eager": dict(color="C0"), "compile": dict(color="C2"), "ours": dict(color="C1"),
-              "ours+compile": dict(color="C3"), "gemm": dict(color="0.5", lw=0.8)}
+              "ours+compile": dict(color="C3"), "ours+graphs": dict(color="C4"),
+              "gemm": dict(color="0.5", lw=0.8)}
 MODE_STYLE = {"forward": "-", "train": "--"}
 
 

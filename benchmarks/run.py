@@ -1,10 +1,10 @@
 """Benchmark the five models: ours against the eager reference and
-torch.compile, forward (no_grad) and training step (forward + backward of
-``out.sum()``), time and peak extra memory.  Writes JSON and a Markdown
-table.
+torch.compile, forward (no_grad) and training step, time and peak extra
+memory.  Writes JSON and a Markdown table.
 
     python benchmarks/run.py                       # all problems, fp32
     python benchmarks/run.py --dtypes fp32 bf16 --problems 76 88 --quick
+    python benchmarks/run.py --dtypes amp-bf16 amp-fp16   # float32 models under autocast
     python benchmarks/run.py --full                # every dtype, mode and size: the full page
     python benchmarks/run.py --full --time-limit 9 # start no job after 9 minutes, then
     python benchmarks/run.py --full --resume results/<device>-<date>.json   # go on
@@ -13,6 +13,20 @@ Writes ``<out>/<device>-<date>.json`` (after every problem, dtype and
 size, so that a stopped run keeps what it measured), the Markdown table
 beside it and the PNG plots of ``benchmarks/plot.py`` (unless
 ``--no-plots``).
+
+Dtypes: ``fp32``, ``fp16``, ``bf16`` cast the model and its input to that
+dtype.  ``amp-bf16`` and ``amp-fp16`` keep both in float32 and run the
+forward of every implementation inside ``torch.autocast("cuda", dtype=...)``
+(the training step's backward outside it, as training code does); their
+rows' ``dtype`` is the mode's name.
+
+Training step: forward, then the backward of ``(y * g).sum()`` for a fixed
+random ``g`` of the output's shape and dtype (drawn once per problem and
+dtype from one seed: the same values for every implementation), run as
+``y.backward(g)``.  ``y.sum()`` would be a poor stand-in: its gradient is
+one value broadcast everywhere, which a backward can read as a scalar, and
+through a GroupNorm with unit weights (37 and 94 end in one) the input's
+gradient of a sum is zero.
 
 Times: CUDA events around each iteration after warm-up, median and min;
 the implementations of one problem, dtype and mode are timed in turns
@@ -28,6 +42,18 @@ reads the same parameters every call).  Peak extra memory: max allocated
 during one training step minus what was allocated before it (parameters and
 inputs), in GiB.
 
+Host-bound steps: the event time of a step is the GPU's time only when the
+host issues the step faster than the GPU runs it; otherwise the GPU waits
+between kernels and the event time is the host's.  So each step is also
+timed twice more (:func:`host_and_gpu_ms`): the host's issue time (the
+wall time of issuing ``--host-steps`` steps without synchronising) and the
+GPU's time with the host far ahead (the same steps queued behind a sleep
+kernel).  A row is ``host_bound`` where the first is the longer.
+
+``ours+graphs`` is ``torch.compile(ours, mode="reduce-overhead")``: CUDA
+graphs over our modules, which take the host's per-kernel work out of the
+step (``--impls`` or ``--full``; not in the default list, it compiles).
+
 torch.compile compiles in this process (``TORCHINDUCTOR_COMPILE_THREADS=1``
 unless set otherwise): with a pool of compile workers, the pool's
 processes keep busy for tens of seconds after the first compile, and every
@@ -39,10 +65,12 @@ and bound by the host's issue time) from 0.62 to 0.74 ms for eager and to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -55,14 +83,54 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cupy_fused import reference  # noqa: E402
 from cupy_fused.testing import build_pair, time_interleaved, time_ms  # noqa: E402
 
+# --dtypes: the model and its input in one dtype ...
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# ... or float32 under autocast to the given dtype.
+AMP_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
+ALL_DTYPES = tuple(DTYPES) + tuple(AMP_DTYPES)
 IMPLS = ("eager", "compile", "ours", "ours+compile")
 # "gemm": the GEMM (or conv) alone, as our modules call it, forward only:
-# ours minus this is the cost of the fused epilogue.
-EXTRA_IMPLS = ("gemm",)
+# ours minus this is the cost of the fused epilogue.  "ours+graphs": ours
+# under torch.compile(mode="reduce-overhead") (CUDA graphs).
+EXTRA_IMPLS = ("gemm", "ours+graphs")
+# Implementations that compile (one compile per size in a sweep: left out of
+# the sweep unless --sweep-compile).
+COMPILED = ("compile", "ours+compile", "ours+graphs")
 # Batch sizes of the size sweep (1: a point dominated by per-call host cost).
 SWEEP_GEMM = (1, 64, 256, 1024, 4096, 16384, 32768)
 SWEEP_CONV = (1, 8, 32, 64, 128)
+
+
+def dtype_label(dtype: str) -> str:
+    """The ``dtype`` field of the result rows for a ``--dtypes`` choice:
+    the torch dtype's name ("float32", ...), or the autocast mode's own
+    name ("amp-bf16", "amp-fp16").
+
+    Args:
+        dtype: a key of :data:`DTYPES` or :data:`AMP_DTYPES`.
+
+    Returns:
+        The label.
+    """
+    if dtype in AMP_DTYPES:
+        return dtype
+    return str(DTYPES[dtype]).replace("torch.", "")
+
+
+def model_dtype(dtype: str) -> torch.dtype:
+    """The dtype of the model's parameters and input for a ``--dtypes``
+    choice (float32 in the autocast modes)."""
+    return torch.float32 if dtype in AMP_DTYPES else DTYPES[dtype]
+
+
+def autocast_dtype(dtype: str):
+    """The autocast dtype of a ``--dtypes`` choice, None outside autocast."""
+    return AMP_DTYPES.get(dtype)
+
+
+def _autocast(amp, device_type: str = "cuda"):
+    """The context of one forward: autocast to ``amp``, or none."""
+    return torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
 
 
 def model_flops(problem: int, args: tuple, shape: tuple) -> float:
@@ -99,27 +167,47 @@ def ceilings(iters: int = 10) -> dict:
 
 def ceiling(problem: int, dtype: str, peaks: dict) -> float:
     """The rate our implementation of ``problem`` can reach at most: bf16 /
-    fp16 tensor cores; in fp32, TF32 for the convolution (cuDNN runs TF32 by
-    default) and a third of TF32 for the GEMM problems, whose float32
-    products are three TF32 tensor-core products (3xTF32)."""
+    fp16 tensor cores (autocast included); in fp32, TF32 for the convolution
+    (cuDNN runs TF32 by default) and a third of TF32 for the GEMM problems,
+    whose float32 products are three TF32 tensor-core products (3xTF32)."""
     if dtype != "fp32":
         return peaks["bf16_tflops"]
     return peaks["tf32_tflops"] / (1 if problem == 1 else 3)
 
 
-def forward_errors(problem, args, shape, dtype) -> dict:
-    """Max relative error of the forward output vs float64, ours and eager."""
+def forward_errors(problem, args, shape, dtype: str, device="cuda") -> dict:
+    """Max relative error of the forward output vs float64, ours and eager.
+
+    Args:
+        problem, args, shape: the problem, its constructor arguments and
+            input shape.
+        dtype: a ``--dtypes`` choice; in the autocast modes the float32
+            models run under autocast against the same float64 reference.
+        device: where to run.
+
+    Returns:
+        ``{"ours": error, "eager": error}``; an implementation whose forward
+        raised is left out (its message is printed).
+    """
     import copy
 
-    ref, ours = build_pair(problem, args, "cuda", dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype)
+    ref, ours = build_pair(problem, args, device, model_dtype(dtype))
+    x = torch.rand(shape, device=device, dtype=model_dtype(dtype))
+    errs = {}
     with torch.no_grad():
         truth = copy.deepcopy(ref).double()(x.double())
         scale = truth.abs().max().item()
-        errs = {name: (m(x).double() - truth).abs().max().item() / scale
-                for name, m in (("ours", ours), ("eager", ref))}
+        for name, m in (("ours", ours), ("eager", ref)):
+            try:
+                with _autocast(autocast_dtype(dtype), x.device.type):
+                    y = m(x)
+            except Exception as exc:  # noqa: BLE001 -- reported, the timing decides
+                print(f"  {problem} {dtype} {name}: forward failed: {exc!r}", flush=True)
+                continue
+            errs[name] = (y.double() - truth).abs().max().item() / scale
     del truth
-    torch.cuda.empty_cache()
+    if x.is_cuda:
+        torch.cuda.empty_cache()
     return errs
 
 
@@ -163,6 +251,71 @@ def peak_extra_gib(fn, reset) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+_sleep_cycles_per_ms = []
+
+
+def hold_gpu_ms(ms: float) -> None:
+    """Holds the current stream for about ``ms`` with a sleep kernel, so
+    that the host can queue work behind it (torch.cuda._sleep spins for a
+    count of clock cycles: their rate is measured once per process).
+
+    Args:
+        ms: milliseconds.
+    """
+    if not _sleep_cycles_per_ms:
+        cycles = 10**7
+        torch.cuda._sleep(cycles)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        _sleep_cycles_per_ms.append(cycles / max(start.elapsed_time(end), 1e-3))
+    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[0]))
+
+
+def host_and_gpu_ms(step, steps: int = 10, rounds: int = 3, clock=time.perf_counter):
+    """Host issue time and GPU time of one call of ``step``, in ms.
+
+    Host: the wall time of issuing ``steps`` calls, the GPU idle at the
+    start and no synchronisation in the loop, per call.  GPU: CUDA events
+    around the same calls queued behind a sleep kernel that outlasts their
+    issue, per call: the GPU's own time, without the gaps where it waits
+    for the host (which the per-call event time of a host-bound step
+    includes).  ``steps`` is kept small so that the queued launches stay
+    within the driver's launch queue (the host would block on a full one).
+
+    Args:
+        step: the function to time (a training step or a forward).
+        steps: calls per round.
+        rounds: rounds; each time is the median over them.
+        clock: wall clock in seconds.
+
+    Returns:
+        (host ms, GPU ms) per call.
+    """
+    host, gpu = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = clock()
+        for _ in range(steps):
+            step()
+        issue_ms = (clock() - t0) * 1e3
+        torch.cuda.synchronize()
+        host.append(issue_ms / steps)
+        # Sleep for the issue time and half again (plus a margin): the GPU
+        # starts the first step only once the host has queued the last.
+        hold_gpu_ms(1.5 * issue_ms + 1.0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / steps)
+    return statistics.median(host), statistics.median(gpu)
+
+
 def _gemm_only(model):
     import torch.nn.functional as F
 
@@ -174,13 +327,65 @@ def _gemm_only(model):
     # default precision), cuBLAS in float16 / bfloat16.
     from cupy_fused import ops
 
-    return lambda x: ops.linear(x, linear.weight)
+    def gemm(x):
+        weight = linear.weight
+        if torch.is_autocast_enabled(x.device.type):
+            # Operands in the autocast dtype, as autocast gives F.linear its
+            # (the weight's cast included: autocast casts it every forward).
+            amp = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(amp), weight.to(amp)
+        return ops.linear(x, weight)
+
+    return gemm
 
 
-def _step(model, mode: str, inputs, train_inputs):
+def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
+               device_type: str = "cuda") -> torch.Tensor:
+    """The training step's output gradient ``g``: standard normal values of
+    the output's shape, drawn in float32 from ``seed`` (the same values for
+    every implementation of a problem), in the output's dtype.
+
+    Args:
+        model: the implementation (its uncompiled module: one no-grad
+            forward learns the output's shape and dtype).
+        x: an input.
+        amp: the autocast dtype of the forward, or None.
+        seed: seed of the values.
+        device_type: the device type of ``torch.autocast``.
+
+    Returns:
+        g, on x's device.
+    """
+    with torch.no_grad(), _autocast(amp, device_type):
+        y = model(x)
+    gen = torch.Generator(device=y.device).manual_seed(seed)
+    g = torch.randn(y.shape, generator=gen, device=y.device, dtype=torch.float32)
+    return g.to(y.dtype)
+
+
+def _step(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs: bool = False,
+          device_type: str = "cuda"):
     """(step, reset) of one timed iteration: a forward under ``no_grad``, or
-    forward + backward of ``out.sum()`` after dropping earlier gradients."""
+    forward and ``y.backward(grad)`` after dropping earlier gradients.
+
+    Args:
+        model: the implementation.
+        mode: "forward" or "train".
+        inputs, train_inputs: the inputs to rotate over (the latter require
+            grad).
+        grad: the output gradient of a training step (:func:`fixed_grad`).
+        amp: autocast dtype of the forward, or None.
+        graphs: the model is compiled with mode="reduce-overhead": each
+            step starts a new CUDA-graph generation
+            (``torch.compiler.cudagraph_mark_step_begin``), since the
+            previous step's outputs are no longer used.
+        device_type: the device type of ``torch.autocast``.
+
+    Returns:
+        (step, reset), functions of no arguments.
+    """
     rotation = itertools.cycle(inputs if mode == "forward" else train_inputs)
+    begin = torch.compiler.cudagraph_mark_step_begin if graphs else None
 
     def reset():
         for p in model.parameters() if hasattr(model, "parameters") else []:
@@ -190,111 +395,215 @@ def _step(model, mode: str, inputs, train_inputs):
 
     if mode == "forward":
         def step():
-            with torch.no_grad():
+            if begin is not None:
+                begin()
+            with torch.no_grad(), _autocast(amp, device_type):
                 model(next(rotation))
     else:
+        if grad is None:
+            raise ValueError("a training step needs its output gradient (fixed_grad)")
+
         def step():
             reset()
-            model(next(rotation)).sum().backward()
+            if begin is not None:
+                begin()
+            with _autocast(amp, device_type):
+                y = model(next(rotation))
+            y.backward(grad)  # outside autocast, as training code runs it
     return step, reset
 
 
 def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
-                  errors=True, peak=None, min_ms=0.0):
+                  errors=True, peak=None, min_ms=0.0, host_steps=10, host_rounds=3,
+                  device="cuda"):
+    """Times the implementations ``impls`` of ``problem`` in one dtype.
+
+    Args:
+        problem: the problem id.
+        dtype: a ``--dtypes`` choice (a key of :data:`DTYPES` or
+            :data:`AMP_DTYPES`).
+        modes: "forward" and/or "train".
+        impls: implementations (:data:`IMPLS` and :data:`EXTRA_IMPLS`).
+        iters, warmup, min_ms: as :func:`cupy_fused.testing.time_interleaved`.
+        shapes: the problem table (``reference.PROBLEMS`` or ``SMALL_PROBLEMS``).
+        progress: called after each timed implementation.
+        batch: the batch size of a sweep point, None at the problem's shape.
+        errors: measure the forward's error against float64.
+        peak: the TFLOP/s ceiling, for ``ceiling_fraction``.
+        host_steps, host_rounds: of :func:`host_and_gpu_ms` (0 steps: skip).
+        device: where to run (the timing needs CUDA; tests pass "cpu" with
+            fake CUDA timers).
+
+    Returns:
+        One row (a dict) per mode and implementation; an implementation
+        whose first step raised gets a row with ``error`` and no times.
+    """
     _, args, shape = shapes[problem]
     if batch is not None:
         shape = (batch,) + tuple(shape[1:])
+    label, amp = dtype_label(dtype), autocast_dtype(dtype)
     flops = model_flops(problem, args, shape)
-    errs = forward_errors(problem, args, shape, dtype) if errors else {}
-    ref, ours = build_pair(problem, args, "cuda", dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype)
+    errs = forward_errors(problem, args, shape, dtype, device) if errors else {}
+    ref, ours = build_pair(problem, args, device, model_dtype(dtype))
+    x = torch.rand(shape, device=device, dtype=model_dtype(dtype))
     copies = rotation_count(x.numel() * x.element_size(), l2_bytes())
     inputs = [x] + [torch.rand_like(x) for _ in range(copies - 1)]
     train_inputs = [t.clone().requires_grad_(True) for t in inputs]
-    models = {}
-    for impl in (i for i in impls if i in IMPLS):
-        base = ref if impl in ("eager", "compile") else ours
-        models[impl] = torch.compile(base) if impl.endswith("compile") else base
+    models, bases = {}, {}
+    for impl in (i for i in impls if i in IMPLS + ("ours+graphs",)):
+        bases[impl] = base = ref if impl in ("eager", "compile") else ours
+        if impl == "ours+graphs":
+            models[impl] = torch.compile(base, mode="reduce-overhead")
+        else:
+            models[impl] = torch.compile(base) if impl.endswith("compile") else base
     if "gemm" in impls:
-        models["gemm"] = _gemm_only(ours)
+        models["gemm"] = bases["gemm"] = _gemm_only(ours)
     rows = []
+
+    def row(mode, impl, **fields):
+        return dict(problem=problem, dtype=label, mode=mode, impl=impl, batch=shape[0],
+                    sweep=batch is not None, input_copies=copies, **fields)
+
+    grads = {}  # output dtype -> g: one set of values for every implementation
     for mode in modes:
         steps, resets = {}, {}
         for impl, model in models.items():
             if impl == "gemm" and mode != "forward":
                 continue
-            steps[impl], resets[impl] = _step(model, mode, inputs, train_inputs)
+            try:
+                g = None
+                if mode == "train":
+                    probe = fixed_grad(bases[impl], x, amp, device_type=x.device.type)
+                    g = grads.setdefault(probe.dtype, probe)
+                step, reset = _step(model, mode, inputs, train_inputs, g, amp,
+                                    graphs=impl == "ours+graphs", device_type=x.device.type)
+                step()  # the first call compiles, and fails here if it fails
+            except Exception as exc:  # noqa: BLE001 -- one implementation, not the run
+                print(f"  {problem:>3} {label:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
+                      f"failed: {exc!r}", flush=True)
+                rows.append(row(mode, impl, median_ms=None, min_ms=None, error=repr(exc)))
+                progress()
+                continue
+            steps[impl], resets[impl] = step, reset
         # All implementations in turns (see time_interleaved), not one after another.
-        times = time_interleaved(steps, iters, warmup, min_ms=min_ms)
+        times = time_interleaved(steps, iters, warmup, min_ms=min_ms) if steps else {}
         for impl, step in steps.items():
             med, best = times[impl]
             mem = peak_extra_gib(step, resets[impl]) if mode == "train" else None
+            host = gpu = None
+            if host_steps > 0:
+                host, gpu = host_and_gpu_ms(step, host_steps, host_rounds)
             work = flops * (3 if mode == "train" else 1)
             tflops = work / med / 1e9
-            rows.append(dict(problem=problem, dtype=str(dtype).replace("torch.", ""), mode=mode,
-                             impl=impl, batch=shape[0], sweep=batch is not None,
-                             input_copies=copies,
-                             median_ms=med, min_ms=best,
-                             peak_extra_gib=mem, tflops=tflops,
-                             ceiling_fraction=tflops / peak if peak else None,
-                             fwd_rel_error=errs.get("ours" if impl.startswith("ours") else "eager")
-                             if impl != "gemm" else None))
+            rows.append(row(mode, impl, median_ms=med, min_ms=best,
+                            host_ms=host, gpu_ms=gpu,
+                            host_bound=None if host is None else host > gpu,
+                            peak_extra_gib=mem, tflops=tflops,
+                            ceiling_fraction=tflops / peak if peak else None,
+                            fwd_rel_error=errs.get("ours" if impl.startswith("ours") else "eager")
+                            if impl != "gemm" else None))
             progress()
-            print(f"  {problem:>3} {rows[-1]['dtype']:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
-                  f"median {med:8.3f} ms  min {best:8.3f} ms  {tflops:6.1f} TFLOP/s"
+            host_text = "" if host is None else (
+                f"  host {host:7.3f} GPU {gpu:7.3f} ms" + ("  host-bound" if host > gpu else ""))
+            print(f"  {problem:>3} {label:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
+                  f"median {med:8.3f} ms  min {best:8.3f} ms  {tflops:6.1f} TFLOP/s" + host_text
                   + (f"  peak extra {mem:6.3f} GiB" if mem is not None else ""), flush=True)
     models.clear()
+    bases.clear()
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    if x.is_cuda:
+        torch.cuda.empty_cache()
     return rows
 
 
+def _ms(value) -> str:
+    return "nan" if value is None else f"{value:.3f}"
+
+
 def markdown(rows) -> str:
+    """The Markdown table of the rows at the benchmark shapes: one line per
+    problem, dtype and mode.  The ours+graphs column and the host columns
+    (ours's host issue / GPU time per step, and which implementations are
+    host-bound) appear when the rows have them; implementations that failed
+    are listed under the table.
+
+    Args:
+        rows: result rows of :func:`bench_problem`.
+
+    Returns:
+        The Markdown text.
+    """
     key = lambda r: (r["problem"], r["dtype"], r["mode"], r["batch"])  # noqa: E731
     groups = {}
     for r in rows:
         groups.setdefault(key(r), {})[r["impl"]] = r
-    lines = ["| problem | dtype | mode | eager ms | compile ms | ours ms | ours+compile ms | "
-             "GEMM/conv alone ms | ours/eager speedup | ours/compile speedup | "
-             "peak extra GiB (eager / compile / ours) | ours TFLOP/s (of ceiling) | "
-             "fwd rel. error vs fp64 (ours / eager) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    graphs = any(r["impl"] == "ours+graphs" for r in rows)
+    host = any(r.get("host_ms") is not None for r in rows)
+    head = ["problem", "dtype", "mode", "eager ms", "compile ms", "ours ms", "ours+compile ms"]
+    head += ["ours+graphs ms"] * graphs
+    head += ["GEMM/conv alone ms", "ours/eager speedup", "ours/compile speedup",
+             "peak extra GiB (eager / compile / ours)", "ours TFLOP/s (of ceiling)"]
+    head += ["ours host / GPU ms per step", "host-bound"] * host
+    head += ["fwd rel. error vs fp64 (ours / eager)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    failed = []
     for (p, d, m, _), g in groups.items():
-        get = lambda i, f="median_ms": g[i][f] if i in g and g[i][f] is not None else float("nan")  # noqa: E731
+        def get(i, f="median_ms"):
+            value = g[i].get(f) if i in g else None
+            return float("nan") if value is None else value
+
         mem = " / ".join(f"{get(i, 'peak_extra_gib'):.3f}" for i in ("eager", "compile", "ours"))
-        lines.append(f"| {p} | {d} | {m} | {get('eager'):.3f} | {get('compile'):.3f} | "
-                     f"{get('ours'):.3f} | {get('ours+compile'):.3f} | {get('gemm'):.3f} | "
-                     f"{get('eager') / get('ours'):.2f}x | "
-                     f"{get('compile') / get('ours'):.2f}x | {mem if m == 'train' else '-'} | "
-                     f"{get('ours', 'tflops'):.1f} ({100 * get('ours', 'ceiling_fraction'):.0f}%) | "
-                     f"{get('ours', 'fwd_rel_error'):.1e} / {get('eager', 'fwd_rel_error'):.1e} |")
+        cells = [p, d, m] + [f"{get(i):.3f}" for i in ("eager", "compile", "ours", "ours+compile")]
+        cells += [f"{get('ours+graphs'):.3f}"] * graphs
+        cells += [f"{get('gemm'):.3f}", f"{get('eager') / get('ours'):.2f}x",
+                  f"{get('compile') / get('ours'):.2f}x", mem if m == "train" else "-",
+                  f"{get('ours', 'tflops'):.1f} ({100 * get('ours', 'ceiling_fraction'):.0f}%)"]
+        if host:
+            ours = g.get("ours", {})
+            cells.append(f"{_ms(ours.get('host_ms'))} / {_ms(ours.get('gpu_ms'))}")
+            bound = [i for i, r in g.items() if r.get("host_bound")]
+            cells.append(", ".join(bound) if bound else "-")
+        cells.append(f"{get('ours', 'fwd_rel_error'):.1e} / {get('eager', 'fwd_rel_error'):.1e}")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        failed += [f"- {p} {d} {m} {i}: {r['error']}" for i, r in g.items() if r.get("error")]
+    if failed:
+        lines += ["", "Failed (no times):", ""] + failed
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, nargs="+", default=sorted(reference.PROBLEMS))
-    parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(ALL_DTYPES),
+                        help="fp32/fp16/bf16: model and input in that dtype; amp-bf16/amp-fp16: "
+                             "float32 model and input, forward under torch.autocast")
     parser.add_argument("--modes", nargs="+", default=["forward", "train"], choices=["forward", "train"])
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS + EXTRA_IMPLS),
-                        choices=list(IMPLS + EXTRA_IMPLS))
+    parser.add_argument("--impls", nargs="+", default=None, choices=list(IMPLS + EXTRA_IMPLS),
+                        help="default: %s (--full: all of them)" % " ".join(IMPLS + ("gemm",)))
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--min-ms", type=float, default=150.0,
                         help="time each implementation for at least this many ms of its steps: "
                              "short steps get more iterations, up to 10x --iters "
                              "(cupy_fused.testing.time_interleaved)")
+    parser.add_argument("--host-steps", type=int, default=10,
+                        help="steps per round of the host issue / GPU time of each row "
+                             "(host_and_gpu_ms); 0 skips it")
+    parser.add_argument("--host-rounds", type=int, default=3,
+                        help="rounds of the host issue / GPU time (the median is kept)")
     parser.add_argument("--sweep-iters", type=int, default=10,
                         help="iterations per point of the size sweep (a curve needs fewer)")
     parser.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     parser.add_argument("--sweep", action="store_true",
                         help="also time each problem over a range of batch sizes (eager and ours)")
-    parser.add_argument("--sweep-dtypes", nargs="+", default=["fp32"], choices=list(DTYPES))
+    parser.add_argument("--sweep-dtypes", nargs="+", default=["fp32"], choices=list(ALL_DTYPES))
     parser.add_argument("--sweep-compile", action="store_true",
-                        help="include torch.compile in the sweep (one compile per size)")
+                        help="include the compiled implementations in the sweep (one compile "
+                             "per size)")
     parser.add_argument("--full", action="store_true",
-                        help="every dtype, both modes, every implementation, and the size "
-                             "sweep in every dtype: the whole benchmark page in one command")
+                        help="every dtype (autocast modes included), both modes, every "
+                             "implementation (ours+graphs included), and the size sweep in every "
+                             "dtype: the whole benchmark page in one command")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--resume", metavar="JSON", default=None,
                         help="add to the results file of an earlier run of the same command, "
@@ -304,17 +613,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "results so far are written and --resume goes on)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    if args.impls is None:
+        args.impls = list(IMPLS + EXTRA_IMPLS) if args.full else list(IMPLS + ("gemm",))
     if args.full:
-        args.dtypes = args.sweep_dtypes = list(DTYPES)
+        args.dtypes = args.sweep_dtypes = list(ALL_DTYPES)
         args.modes = ["forward", "train"]
         args.sweep = True
     return args
 
 
 def job_key(dtype: str, problem: int, batch) -> tuple:
-    """Identity of one job (``dtype`` a key of :data:`DTYPES`; batch None at
+    """Identity of one job (``dtype`` a ``--dtypes`` choice; batch None at
     the benchmark shape), as :func:`row_key` gives it for its result rows."""
-    return (problem, str(DTYPES[dtype]).replace("torch.", ""), batch)
+    return (problem, dtype_label(dtype), batch)
 
 
 def row_key(row: dict) -> tuple:
@@ -350,7 +661,8 @@ def main(argv=None):
         args.iters, args.warmup = 10, 3
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default for fp32 matmuls
     jobs = [(d, p, None) for d in args.dtypes for p in args.problems]
-    sweep_impls = [i for i in args.impls if "compile" not in i] if not args.sweep_compile else args.impls
+    sweep_impls = (args.impls if args.sweep_compile
+                   else [i for i in args.impls if i not in COMPILED])
     if args.sweep:
         jobs += [(d, p, b) for d in args.sweep_dtypes for p in args.problems
                  for b in (SWEEP_CONV if p == 1 else SWEEP_GEMM)]
@@ -391,9 +703,10 @@ def main(argv=None):
         impls = args.impls if batch is None else sweep_impls
         peak = ceiling(problem, dtype, peaks)
         iters = args.iters if batch is None else min(args.iters, args.sweep_iters)
-        rows += bench_problem(problem, DTYPES[dtype], args.modes, impls, iters, args.warmup,
+        rows += bench_problem(problem, dtype, args.modes, impls, iters, args.warmup,
                               shapes, progress, batch=batch, errors=batch is None, peak=peak,
-                              min_ms=0.0 if args.quick else args.min_ms)
+                              min_ms=0.0 if args.quick else args.min_ms,
+                              host_steps=args.host_steps, host_rounds=args.host_rounds)
         _write_json(stem + ".json", dict(meta=meta, rows=rows))  # after every job
         if args.time_limit is not None and time.monotonic() - start > 60 * args.time_limit:
             break  # (each invocation completes one job at least)

@@ -20,6 +20,11 @@ An op may give the eager path a setup of its own (``eager_setup_context``)
 for what only eager autograd allows: :func:`keep_output`, an output kept
 for one use by the backward and dropped as soon as the backward takes it,
 where a saved tensor would live until the backward has returned.
+
+Both paths are differentiable once: the backward kernels compute first-order
+gradients and record no graph.  A backward run with ``create_graph=True``
+returns gradients whose node raises, naming the op, if anything
+differentiates through them (:func:`first_order_only`).
 """
 from __future__ import annotations
 
@@ -107,6 +112,47 @@ def take_output(ctx) -> Optional[torch.Tensor]:
     return kept
 
 
+def double_backward_message(name: str) -> str:
+    return (f"{NAMESPACE}::{name} does not support double backward (create_graph=True through "
+            "its backward, e.g. a gradient penalty): cupy-fused's backward kernels compute "
+            "first-order gradients only and record no graph, so a second derivative through "
+            "them would be wrong.  Use the PyTorch reference module (cupy_fused.reference) or "
+            "torch ops for the part that is differentiated twice, or detach the gradient "
+            "that goes through this op.")
+
+
+def first_order_only(name: str, result, depends_on: Sequence[Optional[torch.Tensor]]):
+    """The gradients ``result`` (a backward formula's tuple, Nones allowed)
+    of a backward run with grad mode on (``create_graph=True``), made aliases
+    whose node raises :func:`double_backward_message` when differentiated.
+
+    ``depends_on``: what the gradients are functions of (the incoming
+    gradients, the saved tensors).  The node takes them as inputs, although
+    its outputs alias ``result`` only, so that it lies on every path from the
+    gradients to what they depend on: ``torch.autograd.grad(penalty, weight)``
+    then reaches it and raises, where ``once_differentiable`` (whose node
+    hangs from the incoming gradients only, and only when they require grad)
+    gives "not used in the graph", or with ``allow_unused=True`` a silent
+    None.  Nothing among them requiring grad, the gradients are constants
+    and get no node, as torch's own would."""
+    single = not isinstance(result, tuple)
+    grads = (result,) if single else result
+    inputs = list(grads) + [t for t in depends_on if t is not None and t.requires_grad]
+    marked = torch._C._functions.DelayedError(double_backward_message(name), len(inputs))(
+        *inputs)
+    if not isinstance(marked, tuple):  # (one input: one tensor)
+        marked = (marked,)
+    return marked[0] if single else tuple(marked[:len(grads)])
+
+
+def _formula_with_graph(name: str, formula: Callable, ctx, grads, run_backward):
+    """``formula`` run by a backward with grad mode on (``create_graph=True``):
+    its results refuse to be differentiated (:func:`first_order_only`)."""
+    with torch.no_grad():  # a graph of the formula's torch ops would be cut anyway
+        result = formula(ctx, grads, run_backward)
+    return first_order_only(name, result, grads + tuple(ctx.saved_tensors))
+
+
 class FusedOp:
     """One fused operation with a custom backward.
 
@@ -153,10 +199,20 @@ class FusedOp:
                     f"{NAMESPACE}::{name}_backward", backward, mutates_args=())
                 self.backward_op.register_fake(backward_fake)
                 run = self.backward_op
-            self.op.register_autograd(
-                lambda ctx, *grads: backward_formula(ctx, grads, run),
-                setup_context=setup_context,
-            )
+            # Left alone, a double backward through the custom op (called
+            # directly, outside torch.compile) fails where the formula calls
+            # the backward op, with torch's "no autograd formula was
+            # registered ... Please use register_autograd", which names the
+            # backward op and suggests the wrong fix.  Refused here as on the
+            # eager path.  AOTAutograd traces the formula with grad mode off
+            # (unchanged), and a compiled region's backward refuses double
+            # backward itself.
+            def formula(ctx, *grads):
+                if torch.is_grad_enabled():
+                    return _formula_with_graph(name, backward_formula, ctx, grads, run)
+                return backward_formula(ctx, grads, run)
+
+            self.op.register_autograd(formula, setup_context=setup_context)
         self._function = self._make_function()
         # The eager Function's C++ apply, called without torch's Python
         # wrapper around it (Function.apply) where that wrapper would only
@@ -172,6 +228,7 @@ class FusedOp:
 
     def _make_function(self):
         op, nondiff, formula, run_backward = self, self._nondiff, self._formula, self.backward
+        name = self.name
 
         class Function(torch.autograd.Function):
             @staticmethod
@@ -188,6 +245,8 @@ class FusedOp:
 
             @staticmethod
             def backward(ctx, *grads):
+                if torch.is_grad_enabled():  # create_graph=True
+                    return _formula_with_graph(name, formula, ctx, grads, run_backward)
                 return formula(ctx, grads, run_backward)
 
         Function.__name__ = Function.__qualname__ = f"{self.name}_function"

@@ -49,11 +49,16 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
     return value
 
 
-def check_like(name: str, value, like: torch.Tensor, like_name: str) -> torch.Tensor:
-    """Same dtype and device as ``like`` (itself already checked)."""
+def check_like(name: str, value, like: torch.Tensor, like_name: str,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Same dtype (``dtype`` when given) and device as ``like`` (itself
+    already checked)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dtype != like.dtype:
+    if dtype is not None:
+        if value.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {dtype}, got {value.dtype}")
+    elif value.dtype != like.dtype:
         raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {value.dtype}")
     if value.device != like.device:
         raise ValueError(f"{name} must be on {like_name}'s device ({like.device}), got {value.device}")
@@ -61,14 +66,16 @@ def check_like(name: str, value, like: torch.Tensor, like_name: str) -> torch.Te
 
 
 def check_vector(name: str, value, length: int, like: torch.Tensor, like_name: str,
-                 optional: bool = True) -> Optional[torch.Tensor]:
+                 optional: bool = True,
+                 dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
     """A per-channel vector of ``length`` elements (any shape with that many
-    elements, e.g. ``(C,)`` or ``(C, 1, 1)``); returned flat and contiguous."""
+    elements, e.g. ``(C,)`` or ``(C, 1, 1)``) with ``like``'s dtype (or
+    ``dtype``) and device; returned flat and contiguous."""
     if value is None:
         if optional:
             return None
         raise TypeError(f"{name} is required, got None")
-    check_like(name, value, like, like_name)
+    check_like(name, value, like, like_name, dtype)
     if value.dim() == 1 and value.shape[0] == length:  # the common case, cheaply
         return value if value.is_contiguous() else value.contiguous()
     if value.numel() != length or sum(1 for s in value.shape if s != 1) > 1:
@@ -84,8 +91,19 @@ def check_vector(name: str, value, length: int, like: torch.Tensor, like_name: s
 MAX_CHANNELS = 2**30
 
 
+# Under torch.compile(dynamic=True) a module's float attribute (a
+# GroupNorm's eps) reaches the checks as a SymFloat, and where Python runs
+# on symbolic values (torch.export's non-strict tracing) ints and floats may
+# be SymInt / SymFloat: the checks accept them and compare only (dynamo
+# cannot trace math.isfinite on a SymFloat: "torch.* op returned
+# non-Tensor").  Python ints and floats get the same checks and errors.
+_INT_TYPES = (int, torch.SymInt)
+_REAL_TYPES = (int, float, torch.SymInt, torch.SymFloat)
+_INF = math.inf
+
+
 def check_groups(num_groups, channels: int) -> int:
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
+    if isinstance(num_groups, bool) or not isinstance(num_groups, _INT_TYPES):
         raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
     if num_groups <= 0:
         raise ValueError(f"num_groups must be positive, got {num_groups}")
@@ -98,22 +116,27 @@ def check_groups(num_groups, channels: int) -> int:
     return num_groups
 
 
+def _as_float(value):
+    # float() of a SymFloat would specialise it (a guard on its exact value).
+    return value if isinstance(value, torch.SymFloat) else float(value)
+
+
 def check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if isinstance(eps, bool) or not isinstance(eps, _REAL_TYPES):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    eps = float(eps)
-    if not math.isfinite(eps) or eps <= 0.0:
+    eps = _as_float(eps)
+    if not 0.0 < eps < _INF:  # False for NaN too
         raise ValueError(f"eps must be finite and positive, got {eps}")
     return eps
 
 
 def check_finite_scalar(name: str, value) -> float:
-    if type(value) is float and math.isfinite(value):
+    if type(value) is float and -_INF < value < _INF:
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, _REAL_TYPES):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
+    value = _as_float(value)
+    if not -_INF < value < _INF:  # False for NaN too
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 

@@ -25,8 +25,12 @@ one unit in the last place (what a comparison against half-precision eager
 with a tight tolerance, as KernelBench's, needs); by default the chain runs
 in float32 and rounds once, closer to the exact result.
 
-Parameters are cast to the activation's dtype (a no-op after
-``model.to(dtype)``; what autocast needs otherwise).
+Under ``torch.autocast("cuda", dtype=d)`` each module computes what its
+reference computes there: the GEMM or convolution in d (inputs and weights
+cast to d; float32 gradients reach float32 parameters), the GroupNorm chains
+in float32, and a float32 result (the reference's adds with a float32
+parameter promote, and autocast runs ``group_norm`` in float32).  Outside
+autocast the input must have the parameters' dtype, as in the reference.
 """
 from __future__ import annotations
 
@@ -35,11 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops
+from ._amp import autocast_dtype
 from ._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
-
-
-def _as(param: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    return param if param.dtype == z.dtype else param.to(z.dtype)
 
 
 def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -> torch.Tensor:
@@ -53,7 +54,7 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
             and x.get_device() == weight.get_device()):
         return x
     check_tensor("x", x, ndim=(ndim,))
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled():
+    if x.dtype != weight.dtype and autocast_dtype() is None:
         check_like("x", x, weight, "the model's parameters")
     if x.device != weight.device:
         raise ValueError(f"x must be on the model's device ({weight.device}), got {x.device}")
@@ -82,7 +83,9 @@ class ConvReluBiasAdd(nn.Module):
         weight = conv.weight
         _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)")
         z = F.conv2d(x, weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
-        return ops.bias_relu(z, _as(conv.bias, z), _as(self.bias, z))
+        # Under autocast z is in the autocast dtype and the biases float32:
+        # bias_relu promotes, as the reference's add does.
+        return ops.bias_relu(z, conv.bias, self.bias)
 
 
 class MatmulSwishSumGroupNorm(nn.Module):
@@ -102,9 +105,9 @@ class MatmulSwishSumGroupNorm(nn.Module):
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
         gn = self.group_norm
-        return ops.linear_gn_chain(x, _as(weight, x), _as(linear.bias, x),
-                                   "swish_bias_gn", gn.num_groups, extra_bias=_as(self.bias, x),
-                                   gn_weight=_as(gn.weight, x), gn_bias=_as(gn.bias, x),
+        return ops.linear_gn_chain(x, weight, linear.bias,
+                                   "swish_bias_gn", gn.num_groups, extra_bias=self.bias,
+                                   gn_weight=gn.weight, gn_bias=gn.bias,
                                    eps=gn.eps, precision=self.precision,
                                    eager_rounding=self.eager_rounding)
 
@@ -121,8 +124,11 @@ class GemmAddRelu(nn.Module):
     def forward(self, x):
         weight = self.gemm.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
-        weight = _as(weight, x)
-        bias = check_vector("bias", _as(self.bias, x), weight.shape[0], x, "x", optional=False)
+        if autocast_dtype() is not None:
+            # The GEMM in the autocast dtype, then bias + ReLU in float32 (the
+            # reference's add with the float32 bias promotes).
+            return ops.bias_relu(ops.linear(x, weight, precision=self.precision), self.bias)
+        bias = check_vector("bias", self.bias, weight.shape[0], x, "x", optional=False)
         # ops.linear after its checks (done above for these operands): in
         # half precision the training step is as long as its host work.
         return ops.gemm.run_linear(x, weight, bias, ops.gemm.ACTIVATIONS["relu"],
@@ -147,10 +153,10 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
         gn = self.group_norm
-        return ops.linear_gn_chain(x, _as(weight, x), _as(linear.bias, x),
+        return ops.linear_gn_chain(x, weight, linear.bias,
                                    "gn_swish_mul_swish", gn.num_groups,
-                                   gn_weight=_as(gn.weight, x), gn_bias=_as(gn.bias, x),
-                                   mul_weight=_as(self.multiply_weight, x), eps=gn.eps,
+                                   gn_weight=gn.weight, gn_bias=gn.bias,
+                                   mul_weight=self.multiply_weight, eps=gn.eps,
                                    precision=self.precision, eager_rounding=self.eager_rounding)
 
 
@@ -173,10 +179,10 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
         gn = self.groupnorm
-        return ops.linear_gn_chain(x, _as(weight, x), _as(linear.bias, x),
+        return ops.linear_gn_chain(x, weight, linear.bias,
                                    "bias_hardtanh_mish_gn", gn.num_groups,
-                                   extra_bias=_as(self.bias, x), gn_weight=_as(gn.weight, x),
-                                   gn_bias=_as(gn.bias, x), eps=gn.eps, precision=self.precision,
+                                   extra_bias=self.bias, gn_weight=gn.weight,
+                                   gn_bias=gn.bias, eps=gn.eps, precision=self.precision,
                                    eager_rounding=self.eager_rounding)
 
 

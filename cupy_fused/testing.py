@@ -9,10 +9,11 @@ reference in the same dtype, side by side.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -120,15 +121,16 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], iters: int, warmup: i
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
-def _run(model, x, dy, grad_mode: str):
+def _run(model, x, dy, grad_mode: str, autocast: Optional[torch.dtype] = None):
     x = x.detach().requires_grad_(True)
     for p in model.parameters():
         p.grad = None
-    out = model(x)
+    with torch.autocast("cuda", dtype=autocast) if autocast else contextlib.nullcontext():
+        out = model(x)
     if grad_mode == "sum":
         out.sum().backward()
     else:
-        out.backward(dy)
+        out.backward(dy.to(out.dtype))
     grads = {"x.grad": x.grad}
     grads.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
     return out.detach(), grads
@@ -136,13 +138,17 @@ def _run(model, x, dy, grad_mode: str):
 
 def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dtype, device,
             seed: int = 0, grad_mode: str = "random",
-            layout: str = "contiguous") -> Dict[str, Tuple[float, float]]:
+            layout: str = "contiguous",
+            autocast: Optional[torch.dtype] = None) -> Dict[str, Tuple[float, float]]:
     """Runs ours, eager (both in ``dtype``) and the float64 reference on one
     fresh random input.  Returns ``{tensor name: (our error, eager error)}``
     for the output and the gradient of the input and of every parameter.
     grad_mode: "random" (a random upstream gradient) or "sum" (``out.sum()``).
     layout of the input: "contiguous", "channels_last" (4-D) or "strided"
     (a non-contiguous view with the same values).
+    autocast: run both forwards under ``torch.autocast("cuda", dtype=...)``
+    (the backward outside it, as in training); raises when our output or a
+    gradient has another dtype than eager's.
     """
     ref, ours = build_pair(problem, ctor_args, device, dtype, seed)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
@@ -161,9 +167,14 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
         out_shape = ref64(x64).shape
     dy = torch.randn(out_shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
     truth_out, truth_grads = _run(ref64, x64, dy.double(), grad_mode)
-    eager_out, eager_grads = _run(ref, x, dy, grad_mode)
+    eager_out, eager_grads = _run(ref, x, dy, grad_mode, autocast)
     poison_allocator(device, 4 * max(truth_out.numel(), x.numel()))
-    our_out, our_grads = _run(ours, x, dy, grad_mode)
+    our_out, our_grads = _run(ours, x, dy, grad_mode, autocast)
+    if our_out.dtype != eager_out.dtype:
+        raise AssertionError(f"output dtype {our_out.dtype}, eager's {eager_out.dtype}")
+    for name, g in our_grads.items():
+        if g is not None and eager_grads.get(name) is not None and g.dtype != eager_grads[name].dtype:
+            raise AssertionError(f"{name} dtype {g.dtype}, eager's {eager_grads[name].dtype}")
     result = {"out": (rel_error(our_out, truth_out), rel_error(eager_out, truth_out))}
     for name, truth in truth_grads.items():
         mine, theirs = our_grads.get(name), eager_grads.get(name)

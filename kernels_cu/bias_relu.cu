@@ -6,8 +6,14 @@
 // is [M, N, 1], an NCHW conv output [N, C, H*W], a channels-last one
 // [N*H*W, C, 1].  ch = (i / inner) % C.
 //
-// Forward writes one bit per element (u > 0) instead of keeping z alive: the
-// backward needs only that mask, 1/32 of the activation.
+// Forward writes one bit per element instead of keeping z alive: the
+// backward needs only that mask, 1/32 of the activation.  The bit is clear
+// where u <= 0 and set elsewhere, NaN included: torch's ReLU backward zeroes
+// the gradient exactly where its output is <= 0.
+//
+// Types: z and dz are T; out, dy and the biases are TO, which is T, or float
+// for a float16 / bfloat16 z meeting float32 biases (type promotion, as under
+// autocast): dz is then rounded to z's dtype, as the promotion's backward does.
 #include "cf_common.cuh"
 
 namespace cf {
@@ -19,10 +25,10 @@ struct BiasReluChain {
 
 // Grid-stride over 32-element words; warp-uniform loop so __ballot_sync sees
 // the whole warp.  mask may be null (no gradient needed).
-template <typename T, typename Chain>
-__global__ void bias_relu_forward(const T* __restrict__ z, T* __restrict__ out,
-                                  unsigned* __restrict__ mask, const T* __restrict__ b1,
-                                  const T* __restrict__ b2, i64 total, i64 channels, i64 inner) {
+template <typename T, typename Chain, typename TO = T>
+__global__ void bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out,
+                                  unsigned* __restrict__ mask, const TO* __restrict__ b1,
+                                  const TO* __restrict__ b2, i64 total, i64 channels, i64 inner) {
   const int lane = threadIdx.x & 31;
   const i64 warp = (blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x) >> 5;
   const i64 warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;
@@ -37,10 +43,10 @@ __global__ void bias_relu_forward(const T* __restrict__ z, T* __restrict__ out,
       const i64 ch = index32 ? i64((unsigned(i) / unsigned(inner)) % unsigned(channels))
                              : (i / inner) % channels;
       const float u = to_float(z[i]) + to_float(b1[ch]);
-      positive = u > 0.0f;
-      float r = positive || u != u ? u : 0.0f;  // NaN stays NaN, as in torch.relu
+      positive = !(u <= 0.0f);
+      float r = positive ? u : 0.0f;  // NaN stays NaN, as in torch.relu
       if (Chain::kHasSecondBias) r += to_float(b2[ch]);
-      out[i] = from_float<T>(r);
+      out[i] = from_float<TO>(r);
     }
     const unsigned bits = __ballot_sync(0xffffffffu, positive);
     if (mask && lane == 0) mask[w] = bits;
@@ -56,8 +62,8 @@ __device__ __forceinline__ bool mask_bit(const unsigned* mask, i64 i) {
 // partial[chunk][slot][C] (double): slot 0 = sum dz (grad of b1), slot 1 =
 // sum dy (b2).
 // dy_dense == 0 means dy is one value broadcast everywhere (e.g. out.sum()).
-template <typename T, typename Chain>
-__global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
+template <typename T, typename Chain, typename TO = T>
+__global__ void bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
                                         const unsigned* __restrict__ mask, T* __restrict__ dz,
                                         double* __restrict__ partial, i64 rows, i64 channels,
                                         i64 rows_per_chunk) {
@@ -82,8 +88,8 @@ __global__ void bias_relu_backward_rows(const T* __restrict__ dy, i64 dy_dense,
 
 // Backward, channel-major layout (inner > 1, e.g. NCHW): block per (n, ch)
 // slab of `inner` contiguous elements; partial[n][slot][C].
-template <typename T, typename Chain>
-__global__ void bias_relu_backward_slabs(const T* __restrict__ dy, i64 dy_dense,
+template <typename T, typename Chain, typename TO = T>
+__global__ void bias_relu_backward_slabs(const TO* __restrict__ dy, i64 dy_dense,
                                          const unsigned* __restrict__ mask, T* __restrict__ dz,
                                          double* __restrict__ partial, i64 channels, i64 inner) {
   __shared__ double scratch[32];

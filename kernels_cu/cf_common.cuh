@@ -69,9 +69,14 @@ __device__ __forceinline__ float mish_grad(float x) {
   const float t = tanhf(log1pf(expf(x)));
   return t + x * (1.0f - t * t) * sigmoidf(x);
 }
-__device__ __forceinline__ float hardtanhf(float x) { return fminf(fmaxf(x, -1.0f), 1.0f); }
-// PyTorch's hardtanh_backward passes the gradient only strictly inside (-1, 1).
-__device__ __forceinline__ float hardtanh_grad(float x) { return (x > -1.0f && x < 1.0f) ? 1.0f : 0.0f; }
+// fminf/fmaxf return the other operand for a NaN: NaN must come through, as
+// in torch.nn.functional.hardtanh.
+__device__ __forceinline__ float hardtanhf(float x) {
+  return x != x ? x : fminf(fmaxf(x, -1.0f), 1.0f);
+}
+// PyTorch's hardtanh_backward zeroes the gradient where x <= -1 or x >= 1
+// and passes it elsewhere, at a NaN too.
+__device__ __forceinline__ float hardtanh_grad(float x) { return (x <= -1.0f || x >= 1.0f) ? 0.0f : 1.0f; }
 
 // ---- reductions ----
 // Compensated (Neumaier) summation in float: the parameter gradients are sums

@@ -81,8 +81,11 @@ __device__ __forceinline__ void cp_async_wait() {
 // (the cvt is several instructions on sm_80/sm_90, and this runs once per
 // fragment element).  A carry out of the mantissa correctly bumps the
 // exponent; values that round past FLT_MAX become inf, as with the cvt.
+// A NaN is kept as the canonical NaN: the add would carry a NaN with a high
+// mantissa (the GPU's own NaN is 0x7fffffff) into the sign bit and make it
+// a zero.
 __device__ __forceinline__ unsigned to_tf32(float x) {
-  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  return x != x ? 0x7fffe000u : (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
 }
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "

@@ -10,6 +10,11 @@
 // Layout: z, out, dz are contiguous [rows, channels]; group g owns channels
 // [g*cpg, (g+1)*cpg).  Statistics are float, two-pass (no E[x^2]-E[x]^2).
 //
+// Types: z and dz are T; out, dy and the per-channel vectors are TO, which
+// is T except under autocast, where a float16 / bfloat16 GEMM output meets
+// float32 parameters and the GroupNorm runs, and returns, float32 (TO =
+// float): dz stays in z's dtype, as autocast's cast back would make it.
+//
 // A "team" of `team` lanes (power of two <= 32) handles one (row, group) pair;
 // each lane keeps up to kMaxVals values of its group in registers.  Groups
 // wider than team*kMaxVals are processed in slices, re-reading z (from cache).
@@ -34,14 +39,14 @@ namespace cf {
 // with mean and rstd rounded to T, as eager PyTorch's CUDA GroupNorm does
 // before torch 2.13 (its statistics are tensors of the input's dtype there);
 // the variance itself comes from the unrounded mean, as in eager.
-template <typename T, typename Chain, int kMaxVals>
-__global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forward(const T* z, T* out, float* __restrict__ mean_out,
-                                 float* __restrict__ rstd_out, const T* __restrict__ lin_bias,
-                                 const T* __restrict__ extra_bias, const T* __restrict__ gn_weight,
-                                 const T* __restrict__ gn_bias, const T* __restrict__ mul_weight,
+template <typename T, typename Chain, int kMaxVals, typename TO = T>
+__global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forward(const T* z, TO* out, float* __restrict__ mean_out,
+                                 float* __restrict__ rstd_out, const TO* __restrict__ lin_bias,
+                                 const TO* __restrict__ extra_bias, const TO* __restrict__ gn_weight,
+                                 const TO* __restrict__ gn_bias, const TO* __restrict__ mul_weight,
                                  i64 rows, i64 channels, i64 groups, i64 team, double eps,
                                  i64 round_statistics) {
-  const ColumnVectors<T> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
+  const ColumnVectors<TO> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
   const bool round_stats = Chain::kRoundsLikeEager && round_statistics != 0;
   // Offsets within a row in 32 bits (gn_chain checks channels < 2^30):
@@ -111,7 +116,7 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
           const int col = col0 + c;
           const float yh = (v[j] - mean) * rstd * load_or(p.gn_weight, col, 1.0f) +
                            load_or(p.gn_bias, col, 0.0f);
-          out[first + c] = from_float<T>(Chain::template post<T>(yh, p, col));
+          out[first + c] = from_float<TO>(Chain::template post<TO>(yh, p, col));
         }
       }
     }
@@ -124,9 +129,9 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
 
 // Per-element part of the backward shared by both paths below: recomputes
 // x^ and y^ from z and the saved statistics, returns dy^ * gn_weight (= dx^).
-template <typename T, typename Chain>
+template <typename V, typename Chain>
 __device__ __forceinline__ float element_backward(float z, float dy, float mean, float rstd, i64 col,
-                                                  const ColumnVectors<T>& p, float& xhat,
+                                                  const ColumnVectors<V>& p, float& xhat,
                                                   float& dyhat, float& mul_grad) {
   const float w = load_or(p.gn_weight, col, 1.0f);
   xhat = (Chain::pre(z, p, col) - mean) * rstd;
@@ -151,16 +156,16 @@ __device__ __forceinline__ void slot_values(float (&out)[Chain::kSlots], float d
 // partial[chunk][slot][channels] (double) that reduce_column_partials folds
 // in order.
 // dy_dense == 0: dy is a single value broadcast to every element.
-template <typename T, typename Chain, int kMaxVals>
-__global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backward(const T* __restrict__ z, const T* __restrict__ dy, i64 dy_dense,
+template <typename T, typename Chain, int kMaxVals, typename TO = T>
+__global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backward(const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
                                   const float* __restrict__ mean, const float* __restrict__ rstd,
-                                  const T* __restrict__ lin_bias, const T* __restrict__ extra_bias,
-                                  const T* __restrict__ gn_weight, const T* __restrict__ gn_bias,
-                                  const T* __restrict__ mul_weight, T* __restrict__ dz_out,
+                                  const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
+                                  const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
+                                  const TO* __restrict__ mul_weight, T* __restrict__ dz_out,
                                   double* __restrict__ partial, i64 rows, i64 channels, i64 groups,
                                   i64 team, i64 rows_per_chunk) {
   constexpr int S = Chain::kSlots;
-  const ColumnVectors<T> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
+  const ColumnVectors<TO> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
   // Offsets within a row in 32 bits, as in the forward.
   const int cpg = static_cast<int>(channels / groups);
@@ -193,7 +198,7 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
           const int col = col0 + c;
           const i64 i = row_start + col;
           zs[j] = to_float(z[i]);
-          dxh[j] = element_backward<T, Chain>(zs[j], to_float(dy[dy_dense ? i : 0]), mu, rs, col,
+          dxh[j] = element_backward<TO, Chain>(zs[j], to_float(dy[dy_dense ? i : 0]), mu, rs, col,
                                               p, xh[j], dyh[j], mg[j]);
           s1 += dxh[j];
           s2 += dxh[j] * xh[j];
@@ -239,7 +244,7 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
       const int col = col0 + c;
       const i64 i = row_start + col;
       float xh, dyh, mg;
-      const float dxh = element_backward<T, Chain>(to_float(z[i]), to_float(dy[dy_dense ? i : 0]),
+      const float dxh = element_backward<TO, Chain>(to_float(z[i]), to_float(dy[dy_dense ? i : 0]),
                                                    mu, rs, col, p, xh, dyh, mg);
       s1 += dxh;
       s2 += dxh * xh;
@@ -252,7 +257,7 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
       const i64 i = row_start + col;
       const float zf = to_float(z[i]);
       float xh, dyh, mg;
-      const float dxh = element_backward<T, Chain>(zf, to_float(dy[dy_dense ? i : 0]), mu, rs, col,
+      const float dxh = element_backward<TO, Chain>(zf, to_float(dy[dy_dense ? i : 0]), mu, rs, col,
                                                    p, xh, dyh, mg);
       const float dv = rs * (dxh - s1 - xh * s2);
       const float d = dv * Chain::pre_grad(zf, p, col);

@@ -1,7 +1,8 @@
 """Usage: python scripts/sanitize.py [fp32 fp16 bf16]
 
 Small-shape run of every fused op, forward and backward, in all three
-dtypes (in float16 / bfloat16 also the eager-rounding GroupNorm kernels):
+dtypes (in float16 / bfloat16 also the eager-rounding GroupNorm kernels and
+the five models under autocast):
 the workload scripts/gpu_check.sh runs under compute-sanitizer (memcheck,
 racecheck)."""
 import sys
@@ -118,4 +119,12 @@ for dtype in (d for d in dtypes if d != torch.float32):
             print("eager_rounding", chain, dtype, (rows, channels, groups), "OK" if ok else "ERROR",
                   flush=True)
             failed += [] if ok else [f"eager_rounding {chain} {dtype} {(rows, channels, groups)}"]
+for amp in (d for d in dtypes if d != torch.float32):
+    # Autocast: the mixed-dtype kernels (gn_chain_amp.cu, bias_relu's half z
+    # with float32 biases) through the five models, float32 model and input.
+    for problem, (_, args, shape) in reference.SMALL_PROBLEMS.items():
+        errors = compare(problem, args, shape, torch.float32, "cuda", autocast=amp)
+        bad = worse_than_eager(errors, amp)
+        print("autocast", problem, amp, "OK" if not bad else f"WORSE {bad}", flush=True)
+        failed += bad
 sys.exit(1 if failed else 0)

@@ -104,3 +104,145 @@ def test_torch_func_transforms_and_their_dead_wrappers():
     assert torch.equal(y, 2.0 * x)
     # Unwrapped, the dead wrapper is x, which requires no gradient: no node.
     assert y.requires_grad == expected.requires_grad == False  # noqa: E712
+
+
+# ---------------------------------------------------------------- double backward
+# Torch ops stand in for the kernels; the backward's results are detached, as
+# a kernel's are (they record no graph).
+
+def _mul_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    return x * w + eps, x.sum(1)
+
+
+def _mul_fake(x: torch.Tensor, w: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), x.new_empty((x.shape[0],))
+
+
+def _mul_backward(dout: torch.Tensor, x: torch.Tensor,
+                  w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (dout * w).detach(), (dout * x).sum(0).detach()
+
+
+def _mul_backward_fake(dout: torch.Tensor, x: torch.Tensor,
+                       w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _mul_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def _mul_formula(ctx, grads, run_backward):
+    x, w = ctx.saved_tensors
+    dx, dw = run_backward(grads[0], x, w)
+    return dx, dw, None
+
+
+_MUL = FusedOp("test_autograd_mul", _mul_forward, _mul_fake, _mul_setup_context, _mul_formula,
+               _mul_backward, _mul_backward_fake, nondifferentiable=(1,))
+
+REFUSED = r"cupy_fused::test_autograd_mul does not support double backward"
+PATHS = {
+    "eager": lambda x, w: _MUL.run(True, x, w, 0.5)[0],       # the autograd.Function
+    "custom_op": lambda x, w: _MUL.op(x, w, 0.5)[0],          # torch.library, called directly
+}
+
+
+def _leaves():
+    gen = torch.Generator().manual_seed(0)
+    return (torch.rand(5, 4, generator=gen, dtype=torch.float64).requires_grad_(True),
+            torch.rand(4, generator=gen, dtype=torch.float64).requires_grad_(True))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_first_order_backward_with_or_without_create_graph(path, create_graph):
+    """create_graph=True with no second derivative taken works, and gives
+    the first-order gradients unchanged."""
+    x, w = _leaves()
+    y = PATHS[path](x, w)
+    dy = torch.rand_like(y)
+    y.backward(dy, create_graph=create_graph)
+    assert torch.equal(x.grad, dy * w.detach())
+    assert torch.equal(w.grad, (dy * x.detach()).sum(0))
+    assert x.grad.requires_grad == w.grad.requires_grad == create_graph
+    x.grad = w.grad = None  # (create_graph: a reference cycle through .grad)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_gradient_penalty_is_refused(path):
+    x, w = _leaves()
+    y = PATHS[path](x, w)
+    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    assert g.requires_grad
+    assert torch.equal(g.detach(), 2 * y.detach() * w.detach())
+    with pytest.raises(RuntimeError, match=REFUSED):
+        (y.sum() + g.square().sum()).backward()
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_refused_when_only_a_saved_input_carries_the_second_order_term(path):
+    """The gradient of y.sum() (a constant incoming gradient) with respect
+    to x is w: once_differentiable would leave it without history, and a
+    penalty on it would silently lose its gradient with respect to w."""
+    x, w = _leaves()
+    y = PATHS[path](x, w)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match=REFUSED):
+        (y.sum() + g.square().sum()).backward()
+    with pytest.raises(RuntimeError, match=REFUSED):
+        torch.autograd.grad(g.sum(), w)
+
+
+def test_double_backward_is_refused_under_compile():
+    """Compiled (AOTAutograd, as inductor uses), the region's backward
+    refuses double backward itself, with torch's message; first-order
+    training is unchanged."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: _MUL.run(True, x, w, 0.5)[0], fullgraph=True,
+                             backend="aot_eager")
+    x, w = _leaves()
+    y = compiled(x, w)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, w.detach().expand(5, 4))
+    assert torch.equal(w.grad, x.detach().sum(0))
+    x, w = _leaves()
+    y = compiled(x, w)
+    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        (y.sum() + g.square().sum()).backward()
+
+
+def test_dynamic_shapes_compile_once():
+    """torch.compile(dynamic=True): the validation helpers trace with a
+    GroupNorm's eps (a SymFloat there) and num_groups, and the custom op's
+    batch dimension stays symbolic: one graph for every batch size."""
+    from torch._dynamo.utils import counters
+
+    from cupy_fused._validation import check_eps, check_groups
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.rand(4, dtype=torch.float64))
+            self.group_norm = torch.nn.GroupNorm(2, 4)
+
+        def forward(self, x):
+            gn = self.group_norm
+            groups = check_groups(gn.num_groups, self.w.shape[0])
+            eps = check_eps(gn.eps)
+            return _MUL.run(True, x, self.w, eps)[0] * groups
+
+    model = Model()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
+    for batch in (5, 9, 17):
+        x = torch.rand(batch, 4, dtype=torch.float64, requires_grad=True)
+        y = compiled(x)
+        torch.testing.assert_close(y, model(x))
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, 2 * model.w.detach().expand(batch, 4))
+    assert counters["stats"]["unique_graphs"] == 1

@@ -2,10 +2,16 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_run", REPO / "benchmarks/run.py")
 bench_run = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_run)
+_kspec = importlib.util.spec_from_file_location("bench_kernels", REPO / "benchmarks/kernels.py")
+bench_kernels = importlib.util.module_from_spec(_kspec)
+_kspec.loader.exec_module(bench_kernels)
 
 MiB = 2**20
 
@@ -22,11 +28,34 @@ def test_inputs_that_fit_in_l2_rotate_over_copies_twice_its_size():
 
 def test_full_runs_every_dtype_mode_and_sweep():
     args = bench_run.parse_args(["--full"])
-    assert args.dtypes == args.sweep_dtypes == ["fp32", "fp16", "bf16"]
+    assert args.dtypes == args.sweep_dtypes == ["fp32", "fp16", "bf16", "amp-bf16", "amp-fp16"]
     assert args.modes == ["forward", "train"] and args.sweep
-    assert set(args.impls) == {"eager", "compile", "ours", "ours+compile", "gemm"}
+    assert set(args.impls) == {"eager", "compile", "ours", "ours+compile", "gemm", "ours+graphs"}
     plain = bench_run.parse_args([])
     assert plain.dtypes == ["fp32"] and not plain.sweep
+    assert "ours+graphs" not in plain.impls  # it compiles: asked for, or --full
+    assert bench_run.parse_args(["--full", "--impls", "eager", "ours"]).impls == ["eager", "ours"]
+
+
+def test_autocast_modes_are_dtype_choices():
+    args = bench_run.parse_args(["--dtypes", "amp-bf16", "amp-fp16", "bf16",
+                                 "--sweep-dtypes", "amp-fp16"])
+    assert args.dtypes == ["amp-bf16", "amp-fp16", "bf16"] and args.sweep_dtypes == ["amp-fp16"]
+    assert bench_run.dtype_label("amp-bf16") == "amp-bf16"
+    assert bench_run.dtype_label("bf16") == "bfloat16"
+    assert bench_run.model_dtype("amp-fp16") is torch.float32
+    assert bench_run.model_dtype("fp16") is torch.float16
+    assert bench_run.autocast_dtype("amp-bf16") is torch.bfloat16
+    assert bench_run.autocast_dtype("amp-fp16") is torch.float16
+    assert bench_run.autocast_dtype("bf16") is None
+    # resume: an amp job is done once rows carry its label
+    jobs = [("amp-bf16", 76, None), ("bf16", 76, None)]
+    rows = [dict(problem=76, dtype="amp-bf16", batch=1024, sweep=False)]
+    assert bench_run.pending_jobs(jobs, rows) == [("bf16", 76, None)]
+    peaks = {"bf16_tflops": 900.0, "tf32_tflops": 450.0}
+    assert bench_run.ceiling(76, "amp-fp16", peaks) == 900.0  # tensor cores in half precision
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(["--dtypes", "amp-fp32"])
 
 
 def test_resume_runs_only_the_jobs_without_rows():
@@ -52,17 +81,17 @@ def test_a_time_limited_run_saves_each_job_and_resume_finishes_it(tmp_path, monk
     ran = []
 
     def fake_bench(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
-                   errors=True, peak=None, min_ms=0.0):
+                   errors=True, peak=None, min_ms=0.0, **kw):
         ran.append((problem, dtype, batch))
         progress()
-        return [dict(problem=problem, dtype=str(dtype).replace("torch.", ""), mode="forward",
+        return [dict(problem=problem, dtype=bench_run.dtype_label(dtype), mode="forward",
                      impl="ours", batch=batch or 1024, sweep=batch is not None, median_ms=1.0,
                      min_ms=1.0, peak_extra_gib=None, tflops=1.0, ceiling_fraction=0.5,
                      fwd_rel_error=None)]
 
     monkeypatch.setattr(bench_run, "bench_problem", fake_bench)
     _fake_device(monkeypatch)
-    argv = ["--problems", "76", "88", "--dtypes", "fp32", "bf16", "--modes", "forward",
+    argv = ["--problems", "76", "88", "--dtypes", "fp32", "amp-bf16", "--modes", "forward",
             "--no-plots", "--out", str(tmp_path)]
     bench_run.main(argv + ["--time-limit", "0"])  # one job, then stop
     assert len(ran) == 1
@@ -77,8 +106,6 @@ def test_a_time_limited_run_saves_each_job_and_resume_finishes_it(tmp_path, monk
 
 
 def _fake_device(monkeypatch):
-    import torch
-
     monkeypatch.setattr(bench_run, "ceilings", lambda: {"bf16_tflops": 2.0, "tf32_tflops": 3.0})
     monkeypatch.setattr(bench_run, "gpu_state", lambda: {})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
@@ -88,7 +115,7 @@ def test_sweep_points_take_fewer_iterations(tmp_path, monkeypatch):
     iters = {}
 
     def fake_bench(problem, dtype, modes, impls, n, warmup, shapes, progress, batch=None,
-                   errors=True, peak=None, min_ms=0.0):
+                   errors=True, peak=None, min_ms=0.0, **kw):
         iters[batch] = n
         least[batch] = min_ms
         return []
@@ -195,3 +222,315 @@ def test_plots_draw_the_speedup_bars_and_the_sweep_grid(tmp_path):
     assert len(sweep_axes) == 4  # 2 dtypes x 2 problems
     assert sorted(line.get_label() for line in sweep_axes[0].get_lines()) == [
         "eager, forward", "eager, train", "gemm, forward", "ours, forward", "ours, train"]
+
+
+class _Recorder(torch.nn.Module):
+    """A tiny CPU model that records, per forward, whether autocast was on
+    and, per backward, the output's gradient and whether autocast was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.forwards, self.backwards = [], []
+
+    def forward(self, x):
+        self.forwards.append(torch.is_autocast_enabled("cpu"))
+        y = self.linear(x)
+        if y.requires_grad:
+            y.register_hook(lambda g: self.backwards.append(
+                (g.clone(), torch.is_autocast_enabled("cpu"))))
+        return y
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_training_step_backpropagates_one_fixed_random_gradient(amp):
+    """The step runs y.backward(g) with the same g every time (not the
+    constant gradient of y.sum()), the forward under autocast, the backward
+    outside it."""
+    torch.manual_seed(0)
+    model = _Recorder()
+    inputs = [torch.rand(3, 8), torch.rand(3, 8)]
+    train_inputs = [t.clone().requires_grad_(True) for t in inputs]
+    g = bench_run.fixed_grad(model, inputs[0], amp, device_type="cpu")
+    assert g.shape == (3, 4) and g.dtype == (amp or torch.float32)
+    assert torch.equal(g, bench_run.fixed_grad(model, inputs[1], amp, device_type="cpu"))
+    assert g.float().std() > 0.5  # random, not ones
+    model.forwards.clear()
+    step, reset = bench_run._step(model, "train", inputs, train_inputs, g, amp, device_type="cpu")
+    for _ in range(3):
+        step()
+    assert model.forwards == [amp is not None] * 3
+    assert len(model.backwards) == 3
+    for grad, autocast_on in model.backwards:
+        assert torch.equal(grad, g) and not autocast_on
+    # each step drops the gradients of the one before: only the last input's is left
+    assert [t.grad is not None for t in train_inputs] == [True, False]
+    reset()
+    assert model.linear.weight.grad is None and all(t.grad is None for t in train_inputs)
+    with pytest.raises(ValueError):
+        bench_run._step(model, "train", inputs, train_inputs, None, amp, device_type="cpu")
+
+
+def test_forward_step_runs_under_no_grad_and_autocast():
+    model = _Recorder()
+    inputs = [torch.rand(3, 8)]
+    step, _ = bench_run._step(model, "forward", inputs, inputs, amp=torch.bfloat16,
+                              device_type="cpu")
+    step()
+    assert model.forwards == [True] and model.backwards == []
+
+
+def test_cuda_graph_steps_begin_a_new_generation_each(monkeypatch):
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    model = _Recorder()
+    inputs = [torch.rand(3, 8)]
+    train_inputs = [inputs[0].clone().requires_grad_(True)]
+    g = bench_run.fixed_grad(model, inputs[0], device_type="cpu")
+    for mode in ("forward", "train"):
+        step, _ = bench_run._step(model, mode, inputs, train_inputs, g, graphs=True,
+                                  device_type="cpu")
+        step()
+        step()
+    assert len(marks) == 4
+    step, _ = bench_run._step(model, "train", inputs, train_inputs, g, device_type="cpu")
+    step()
+    assert len(marks) == 4  # not without graphs
+
+
+def _fake_cuda_timing(monkeypatch, gpu_ms_per_call, host_ms_per_call):
+    """Fake CUDA events and a fake host clock: each call of the returned
+    ``work`` advances the GPU by ``gpu_ms_per_call`` and the host by
+    ``host_ms_per_call``."""
+    clock = {"gpu": 0.0, "host": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock["gpu"]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(bench_run, "_sleep_cycles_per_ms", [])
+
+    def work():
+        clock["gpu"] += gpu_ms_per_call
+        clock["host"] += host_ms_per_call / 1e3
+
+    return work, lambda: clock["host"]
+
+
+def test_host_and_gpu_time_per_step(monkeypatch):
+    work, clock = _fake_cuda_timing(monkeypatch, gpu_ms_per_call=0.2, host_ms_per_call=0.5)
+    host, gpu = bench_run.host_and_gpu_ms(work, steps=10, rounds=3, clock=clock)
+    assert host == pytest.approx(0.5) and gpu == pytest.approx(0.2)
+
+
+def test_bench_problem_on_cpu_in_an_autocast_mode(monkeypatch):
+    """bench_problem end to end on the CPU (timers faked): eager runs under
+    CPU autocast, ours and the GEMM alone (CUDA only) fail into rows with
+    an error, and the rows carry the amp label and the host times."""
+    monkeypatch.setattr(bench_run, "l2_bytes", lambda: 50 * MiB)
+    monkeypatch.setattr(bench_run, "peak_extra_gib", lambda fn, reset: (reset(), fn(), 0.25)[-1])
+    monkeypatch.setattr(bench_run, "host_and_gpu_ms", lambda step, n, r: (step(), 0.5, 0.3)[1:])
+
+    def fake_interleaved(fns, iters, warmup, min_ms=0.0):
+        for fn in fns.values():
+            fn()
+        return {name: (1.0, 0.9) for name in fns}
+
+    monkeypatch.setattr(bench_run, "time_interleaved", fake_interleaved)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+    done = []
+    rows = bench_run.bench_problem(94, "amp-bf16", ["forward", "train"], ["eager", "ours", "gemm"],
+                                   3, 1, bench_run.reference.SMALL_PROBLEMS,
+                                   lambda: done.append(1), peak=1.0, device="cpu")
+    by = {(r["mode"], r["impl"]): r for r in rows}
+    assert set(by) == {("forward", "eager"), ("forward", "ours"), ("forward", "gemm"),
+                       ("train", "eager"), ("train", "ours")}
+    assert len(done) == 5 and all(r["dtype"] == "amp-bf16" for r in rows)
+    for mode in ("forward", "train"):
+        eager = by[(mode, "eager")]
+        assert eager["median_ms"] == 1.0 and eager["host_ms"] == 0.5 and eager["host_bound"]
+        assert 0 < eager["fwd_rel_error"] < 0.1  # bfloat16 autocast against float64
+        assert by[(mode, "ours")]["median_ms"] is None and by[(mode, "ours")]["error"]
+    assert by[("train", "eager")]["peak_extra_gib"] == 0.25
+    assert by[("forward", "gemm")]["error"]
+    table = bench_run.markdown(rows)
+    assert "| 94 | amp-bf16 | train | 1.000 |" in table and "Failed (no times):" in table
+
+
+def _row(dtype, mode, impl, ms, host=None, gpu=None, **extra):
+    return dict(problem=76, dtype=dtype, mode=mode, impl=impl, batch=1024, sweep=False,
+                median_ms=ms, min_ms=ms, host_ms=host, gpu_ms=gpu,
+                host_bound=None if host is None else host > gpu,
+                peak_extra_gib=0.1 if mode == "train" else None, tflops=100.0,
+                ceiling_fraction=0.5, fwd_rel_error=1e-3, **extra)
+
+
+def test_markdown_shows_amp_rows_host_times_and_failures():
+    rows = [_row("amp-bf16", "train", "eager", 0.62, 0.60, 0.40),
+            _row("amp-bf16", "train", "ours", 0.50, 0.55, 0.35),
+            _row("amp-bf16", "train", "compile", 0.70, 0.20, 0.65),
+            _row("amp-bf16", "train", "ours+graphs", None, error="RuntimeError('capture')"),
+            _row("float32", "forward", "ours", 1.0, 0.1, 0.95)]
+    table = bench_run.markdown(rows).splitlines()
+    head = table[0]
+    assert "ours+graphs ms" in head and "ours host / GPU ms per step" in head
+    assert "host-bound" in head
+    amp = next(line for line in table if "| amp-bf16 |" in line)
+    cells = [c.strip() for c in amp.strip("|").split("|")]
+    assert cells[:4] == ["76", "amp-bf16", "train", "0.620"]
+    assert "0.550 / 0.350" in cells and "eager, ours" in cells and "nan" in cells
+    fp32 = next(line for line in table if "| float32 |" in line)
+    assert "0.100 / 0.950" in fp32 and fp32.rstrip().split("|")[-3].strip() == "-"
+    assert table.count("- 76 amp-bf16 train ours+graphs: RuntimeError('capture')") == 1
+    assert len(head.split("|")) == len(amp.split("|")) == len(fp32.split("|"))
+    # rows of earlier runs (no host times, no ours+graphs): the original columns
+    old = [{k: v for k, v in _row("float32", "train", i, 1.0).items()
+            if k not in ("host_ms", "gpu_ms", "host_bound")} for i in ("eager", "ours")]
+    plain = bench_run.markdown(old)
+    assert "host" not in plain and "graphs" not in plain
+
+
+def test_run_count_and_sweep_leave_compiled_impls_out(tmp_path, monkeypatch):
+    calls = {}
+
+    def fake_bench(problem, dtype, modes, impls, n, warmup, shapes, progress, batch=None, **kw):
+        calls[(dtype, batch)] = list(impls)
+        return []
+
+    monkeypatch.setattr(bench_run, "bench_problem", fake_bench)
+    _fake_device(monkeypatch)
+    bench_run.main(["--problems", "1", "--dtypes", "amp-fp16", "--sweep", "--sweep-dtypes",
+                    "amp-bf16", "--impls", "eager", "ours", "ours+graphs", "--no-plots",
+                    "--out", str(tmp_path)])
+    assert calls[("amp-fp16", None)] == ["eager", "ours", "ours+graphs"]
+    assert {tuple(v) for (d, b), v in calls.items() if b is not None} == {("eager", "ours")}
+    assert {d for d, b in calls if b is not None} == {"amp-bf16"}
+
+
+# benchmarks/kernels.py: byte accounting and selection (CPU tier)
+
+N76 = 1024 * 8192
+
+
+def test_kernel_bytes_forward_reads_z_and_writes_y():
+    mb = bench_kernels.moved_bytes
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    assert mb("bias_relu", "forward", N76, f32, f32) == N76 * 8
+    assert mb("bias_relu", "forward", N76, bf16, bf16) == N76 * 4
+    # with grad on, the 1-bit mask / the float32 mean and 1/std per (row, group)
+    assert mb("bias_relu", "forward", N76, f32, f32, saves=True) == N76 * 8 + N76 // 8
+    assert mb("gn_chain", "forward", N76, f16, f16, row_groups=1024 * 256) == N76 * 4
+    assert (mb("gn_chain", "forward", N76, f16, f16, row_groups=1024 * 256, saves=True)
+            == N76 * 4 + 8 * 1024 * 256)
+    # autocast: half-precision z, float32 y
+    assert mb("gn_chain", "forward", N76, bf16, f32, row_groups=1024 * 256) == N76 * 6
+
+
+def test_kernel_bytes_backward_reads_the_saved_tensor_and_dy_and_writes_dz():
+    mb = bench_kernels.moved_bytes
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert mb("bias_relu", "backward", N76, f32, f32) == N76 // 8 + N76 * 8
+    assert mb("bias_relu", "backward", N76, bf16, bf16) == N76 // 8 + N76 * 4
+    n1 = 128 * 128 * 126 * 126  # problem 1's conv output
+    assert mb("bias_relu", "backward", n1, f32, f32) == n1 // 8 + n1 * 8
+    assert mb("gn_chain", "backward", N76, f32, f32, row_groups=1) == N76 * 12
+    assert mb("gn_chain", "backward", N76, bf16, bf16) == N76 * 6
+    assert mb("gn_chain", "backward", N76, bf16, f32) == N76 * (2 + 4 + 2)  # z, dy, dz
+    assert bench_kernels.mask_bytes(33) == 5 and bench_kernels.mask_bytes(32) == 4
+    with pytest.raises(ValueError):
+        mb("gn_chain", "sideways", N76, f32, f32)
+    with pytest.raises(ValueError):
+        mb("relu", "forward", N76, f32, f32)
+
+
+def test_kernel_cases_and_their_filter():
+    cases = bench_kernels.CASES
+    assert cases["bias_relu_1"].shape == (128, 128, 126, 126)
+    assert [n for n, _ in cases["bias_relu_1"].vectors] == ["bias", "bias2"]
+    gn = {n: c for n, c in cases.items() if c.op == "gn_chain"}
+    assert {c.chain: (c.shape, c.groups) for c in gn.values()} == {
+        "swish_bias_gn": ((32768, 4096), 64), "gn_swish_mul_swish": ((1024, 8192), 256),
+        "bias_hardtanh_mish_gn": ((1024, 8192), 256)}
+    assert [n for n, _ in cases["gn_swish_mul_swish_88"].vectors] == [
+        "lin_bias", "gn_weight", "gn_bias", "mul_weight"]
+    assert list(bench_kernels.select_cases(["bias_relu"])) == ["bias_relu_76", "bias_relu_1"]
+    assert len(bench_kernels.select_cases(["gn"])) == 3
+    assert bench_kernels.select_cases(None) == cases
+    with pytest.raises(SystemExit):
+        bench_kernels.select_cases(["nope"])
+    assert bench_kernels.DTYPES["amp-bf16"] == (torch.bfloat16, torch.float32)
+    args = bench_kernels.parse_args(["--quick", "--kernels", "gn", "--dtypes", "amp-fp16"])
+    assert (args.iters, args.warmup, args.dtypes) == (10, 3, ["amp-fp16"])
+
+
+def test_kernel_timing_queues_the_calls_behind_a_sleep(monkeypatch):
+    """With fake events and a host slower than the GPU, the times are the
+    GPU's (the host's issue time sizes the sleep, and is not timed)."""
+    work, clock = _fake_cuda_timing(monkeypatch, gpu_ms_per_call=0.02, host_ms_per_call=0.08)
+    slept = []
+    monkeypatch.setattr(bench_kernels, "hold_gpu_ms", slept.append)
+    med, best = bench_kernels.time_queued(work, iters=50, warmup=2, clock=clock)
+    assert med == pytest.approx(0.02) and best == pytest.approx(0.02)
+    assert slept == [pytest.approx(1.5 * 0.08 * 50 + 1.0)]
+
+
+def test_kernel_tables_show_unsupported_and_low_rows():
+    base = dict(kernel="gn_swish_mul_swish_88", op="gn_chain", problem=88,
+                chain="gn_swish_mul_swish", shape=[1024, 8192])
+    rows = [dict(base, dtype="bf16", z_dtype="bfloat16", vector_dtype="bfloat16",
+                 y_dtype="bfloat16", direction="forward", status="ok", median_ms=0.02,
+                 bytes=N76 * 4, gbps=1677.7, ceiling_fraction=0.56, low=True),
+            dict(base, dtype="amp-bf16", z_dtype="bfloat16", vector_dtype="float32",
+                 direction="backward", status="unsupported", message="z and vectors differ")]
+    md = bench_kernels.markdown(rows, dict(device="GPU", copy_gbps=3000.0))
+    assert "3000 GB/s" in md and "### gn_swish_mul_swish_88" in md
+    assert "| 1024 x 8192 | bf16 (bfloat16 / bfloat16 / bfloat16) | forward | 0.020 | 34 | " \
+           "1678 | 56% | below 80% |" in md
+    assert "unsupported: z and vectors differ" in md
+    text = bench_kernels.text_table(rows, "gn_swish_mul_swish_88")
+    assert "below 80%" in text and "unsupported" in text
+
+
+def test_kernel_backward_reruns_only_the_recorded_graphs_in_turns(monkeypatch):
+    """_backward_fn (an op written in torch ops on the CPU in place of ours):
+    one graph per copy, each called in turn, gradients of z and every vector."""
+    case = bench_kernels.CASES["bias_relu_76"]
+    calls = []
+    monkeypatch.setattr(bench_kernels, "_call",
+                        lambda c, z, v: (calls.append(1), torch.relu(z + v["bias"]))[1])
+
+    def randn(shape, dt):
+        return torch.randn(shape).to(dt)
+
+    z = randn((4, 8), torch.bfloat16)
+    vectors = {"bias": randn((8,), torch.float32)}  # the autocast combination
+    grads = []
+    real_grad = torch.autograd.grad
+
+    def grad(y, inputs, g, retain_graph):
+        assert retain_graph and g.shape == y.shape and g.dtype == y.dtype == torch.float32
+        out = real_grad(y, inputs, g, retain_graph=retain_graph)
+        grads.append((id(y), [t.dtype for t in out]))
+        return out
+
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    fn = bench_kernels._backward_fn(case, z, vectors, 2, randn)
+    assert len(calls) == 2  # the forwards, once per copy
+    for _ in range(4):
+        fn()
+    assert len(calls) == 2  # timed calls run no forward
+    ids = [i for i, _ in grads]
+    assert ids[0] == ids[2] != ids[1] == ids[3]
+    assert grads[0][1] == [torch.bfloat16, torch.float32]
+    fwd = bench_kernels._forward_fn(case, z, vectors, 3, randn)
+    fwd()
+    assert len(calls) == 3

@@ -183,16 +183,17 @@ def test_saves_less_than_eager_and_nothing_without_grad(problem, device):
 
 @pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
 def test_autocast_half_input_meets_float32_parameters(problem, device):
-    """Under autocast a bfloat16 input meets float32 parameters: ours casts
-    them to the input's dtype (the gradients reach the float32 parameters)
-    and agrees with the reference, whose ops autocast, to bfloat16 rounding."""
+    """Under autocast a bfloat16 input meets float32 parameters: the result
+    has the reference's dtype (float32: its adds with a float32 parameter
+    promote, its GroupNorm runs in float32), agrees with it to bfloat16
+    rounding, and the gradients reach the float32 parameters."""
     _, args, shape = reference.SMALL_PROBLEMS[problem]
     ref, ours = build_pair(problem, args, device, torch.float32)
     x = torch.rand(shape, device=device).to(torch.bfloat16)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         expected = ref(x)
         got = ours(x)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == expected.dtype == torch.float32
     assert rel_error(got, expected) < 3e-2
     got.float().sum().backward()
     for name, p in ours.named_parameters():

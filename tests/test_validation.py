@@ -93,7 +93,8 @@ def test_group_norm_rows_under_2_to_the_30_channels():
 
 
 @pytest.mark.parametrize("eps,exc", [(math.nan, ValueError), (math.inf, ValueError),
-                                     (-1e-5, ValueError), (0.0, ValueError), ("1e-5", TypeError)])
+                                     (-math.inf, ValueError), (-1e-5, ValueError),
+                                     (0.0, ValueError), ("1e-5", TypeError), (True, TypeError)])
 def test_eps_must_be_finite_and_positive(eps, exc):
     from cupy_fused._validation import check_eps
 
@@ -104,8 +105,64 @@ def test_eps_must_be_finite_and_positive(eps, exc):
 def test_non_finite_alpha_is_rejected():
     from cupy_fused._validation import check_finite_scalar
 
-    with pytest.raises(ValueError, match="alpha must be finite"):
+    with pytest.raises(ValueError, match="alpha must be finite, got nan"):
         check_finite_scalar("alpha", float("nan"))
+    with pytest.raises(ValueError, match="alpha must be finite, got -inf"):
+        check_finite_scalar("alpha", -math.inf)
+    with pytest.raises(TypeError, match="alpha must be a float, got bool"):
+        check_finite_scalar("alpha", True)
+    assert check_finite_scalar("alpha", 2) == 2.0 and type(check_finite_scalar("alpha", 2)) is float
+
+
+def test_scalar_checks_take_symbolic_values():
+    """Where Python runs on symbolic values (torch.export's non-strict
+    tracing), a SymInt num_groups and a SymFloat eps pass, the SymFloat kept
+    symbolic (float() would specialise it)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from cupy_fused._validation import check_eps, check_finite_scalar, check_groups
+
+    env = ShapeEnv()
+
+    def symbol(name, value):
+        return env.create_symbol(value, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+
+    eps = env.create_symfloatnode(symbol("eps", 1e-5), hint=1e-5, source=ConstantSource("eps"))
+    groups = env.create_symintnode(symbol("groups", 4), hint=4)
+    assert check_eps(eps) is eps and check_finite_scalar("alpha", eps) is eps
+    assert check_groups(groups, C) is groups
+
+
+def test_scalar_checks_trace_under_dynamic_compile():
+    """Under torch.compile(dynamic=True) a module's float attribute (a
+    GroupNorm's eps) reaches the checks as a SymFloat: they trace with no
+    graph break (math.isfinite would not) and no recompile per batch size."""
+    from torch._dynamo.utils import counters
+
+    from cupy_fused._validation import check_eps, check_finite_scalar, check_groups
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.group_norm = torch.nn.GroupNorm(4, C)
+            self.alpha = 0.5
+
+        def forward(self, x):
+            gn = self.group_norm
+            groups = check_groups(gn.num_groups, x.shape[1])
+            eps = check_eps(gn.eps)
+            alpha = check_finite_scalar("alpha", self.alpha)
+            return x * eps * alpha + groups
+
+    model = Model()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
+    for batch in (5, 9, 17):
+        x = torch.rand(batch, C)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_vector_length_and_dtype_are_checked(past_device_check):

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _bridge, _runtime
+from .._amp import autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, keep_output, needs_grad, take_output
 from .._validation import check_like, check_tensor, check_vector
 from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, ptr_or_null, sm_count
@@ -487,6 +488,10 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     activation: None or ``"relu"``.  precision: ``"3xtf32"``, ``"tf32"``,
     ``"ieee"`` or None (the default of :func:`set_fp32_matmul_precision`);
     float16 / bfloat16 always use cuBLAS.  Returns [..., N] in x's dtype.
+
+    Under ``torch.autocast("cuda", dtype=d)``, as ``F.linear`` there: x,
+    weight and bias (any float dtypes) are cast to d, the product runs in d
+    and returns d; gradients come back in each tensor's own dtype.
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(linear, "x", x, weight, bias, activation, precision)
@@ -494,7 +499,12 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (the features), got a scalar")
     check_tensor("weight", weight, ndim=(2,))
-    check_like("weight", weight, x, "x")
+    amp = autocast_dtype()
+    if amp is not None:
+        check_like("weight", weight, x, "x", weight.dtype)  # the device
+        x, weight, bias = cast(x, amp), cast(weight, amp), cast(bias, amp)
+    else:
+        check_like("weight", weight, x, "x")
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x must have {k} features (weight is [{n}, {k}]) in its last "

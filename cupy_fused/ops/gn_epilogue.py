@@ -7,6 +7,10 @@ Forward saves z (the GEMM output, with or without the linear bias) and the
 per (row, group) mean and 1/std in float32 (one tensor, ``stats`` [2, M,
 groups]); the backward recomputes every other intermediate from them in
 registers.
+
+Under ``torch.autocast`` the GroupNorm runs in float32, as autocast runs
+``group_norm``: a float16 / bfloat16 z meets float32 vectors and the result
+is float32 (the ``AMP_KERNELS`` instantiations); z's gradient keeps z's dtype.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .. import _bridge, _runtime
+from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
 from ._common import (BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
@@ -81,9 +86,11 @@ _GRAD_ROW_OF = {name: chain.grad_row_of for name, chain in CHAINS.items()}
 VALS_PER_LANE = (4, 8)
 
 
-def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int, eager_rounding: bool) -> str:
+def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int, eager_rounding: bool,
+          out_dtype: Optional[torch.dtype] = None) -> str:
+    out = "" if out_dtype is None else f", {cxx_type(out_dtype)}"
     return (f"cf::gn_chain_{kernel}<{cxx_type(dtype)}, {CHAINS[chain].type(eager_rounding)}, "
-            f"{vals}>")
+            f"{vals}{out}>")
 
 
 # Keyed by (kernel, dtype, chain, values per lane).  The eager-rounding
@@ -100,8 +107,20 @@ EAGER_ROUNDING_KERNELS = _runtime.KernelFamily("gn_chain_eager.cu", {
 })
 
 
-def _family(dtype: torch.dtype, eager_rounding: bool) -> _runtime.KernelFamily:
-    return EAGER_ROUNDING_KERNELS if eager_rounding and dtype != torch.float32 else KERNELS
+# Keyed as KERNELS by z's dtype (float16 / bfloat16); the output, its
+# gradient and the vectors are float32 (autocast).
+AMP_KERNELS = _runtime.KernelFamily("gn_chain_amp.cu", {
+    (k, d, c, v): _expr(k, d, c, v, False, torch.float32)
+    for k in ("forward", "backward") for d in HALF_DTYPES for c in CHAINS for v in VALS_PER_LANE
+})
+
+
+def _family(dtype: torch.dtype, eager_rounding: bool, float_out: bool) -> _runtime.KernelFamily:
+    if dtype == torch.float32:
+        return KERNELS
+    if float_out:
+        return AMP_KERNELS
+    return EAGER_ROUNDING_KERNELS if eager_rounding else KERNELS
 
 
 # Whether eager PyTorch's CUDA GroupNorm, on float16 / bfloat16 input,
@@ -144,7 +163,7 @@ def forward_team_shape(channels_per_group: int) -> Tuple[int, int]:
 
 
 # Launch plans per (rows, channels, num_groups, dtype, chain, eager_rounding,
-# device index): what a launch derives from the shapes alone (kernel, grid,
+# float output, device index): what a launch derives from the shapes alone (kernel, grid,
 # team), worked out on a shape's first call instead of on every call (the
 # half-precision training steps are as long as their host work).
 _PLANS_KEPT = 512
@@ -168,9 +187,9 @@ def _keep(plans: Dict[tuple, tuple], key: tuple, plan: tuple) -> tuple:
 
 def _forward_plan(key: tuple) -> tuple:
     """(kernel, grid, team, eager-rounding family) of a forward launch."""
-    rows, channels, num_groups, dtype, chain, eager_rounding, dev = key
+    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, dev = key
     team, vals = forward_team_shape(channels // num_groups)
-    family = _family(dtype, eager_rounding)
+    family = _family(dtype, eager_rounding, float_out)
     return _keep(_forward_plans, key, (
         family.get(("forward", dtype, chain, vals), dev),
         elementwise_grid(rows * num_groups * team, dev), team,
@@ -179,12 +198,12 @@ def _forward_plan(key: tuple) -> tuple:
 
 def _backward_plan(key: tuple) -> tuple:
     """(kernel, grid x, row chunks, rows per chunk, team) of a backward launch."""
-    rows, channels, num_groups, dtype, chain, eager_rounding, dev = key
+    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, dev = key
     team, vals = team_shape(channels // num_groups)
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
     return _keep(_backward_plans, key, (
-        _family(dtype, eager_rounding).get(("backward", dtype, chain, vals), dev), grid_x,
+        _family(dtype, eager_rounding, float_out).get(("backward", dtype, chain, vals), dev), grid_x,
         chunks, rows_per_chunk, team))
 
 
@@ -200,16 +219,19 @@ def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
                    num_groups: int, eps: float, save_stats: bool, bias_in_z: bool,
-                   eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                   eager_rounding: bool = False,
+                   float_out: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, stats): ``stats`` float32 [2, M, num_groups], the mean
-    and 1/std of every (row, group), when ``save_stats``, else empty."""
+    and 1/std of every (row, group), when ``save_stats``, else empty.
+    ``float_out``: out and the vectors are float32 whatever z's dtype
+    (autocast)."""
     rows, channels = z.shape
-    out = torch.empty_like(z)
+    out = torch.empty_like(z, dtype=torch.float32) if float_out else torch.empty_like(z)
     stats = torch.empty((2, rows, num_groups) if save_stats else (0,), dtype=torch.float32,
                         device=z.device)
     if rows and channels:
         dev = z.device.index
-        key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, dev)
+        key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out, dev)
         fn, grid, team, rounds = _forward_plans.get(key) or _forward_plan(key)
         round_statistics = 0
         if rounds:
@@ -228,8 +250,9 @@ def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
                   num_groups: int, eps: float, save_stats: bool, bias_in_z: bool,
-                  eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(z),
+                  eager_rounding: bool = False,
+                  float_out: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(z, dtype=torch.float32) if float_out else torch.empty_like(z),
             z.new_empty((2, z.shape[0], num_groups) if save_stats else (0,), dtype=torch.float32))
 
 
@@ -239,17 +262,19 @@ def launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
                     mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
                     bias_in_z: bool,
                     eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dz, per-column sums [Chain.grad_rows, C]: the parameter
-    gradients, :func:`parameter_grads`).  ``stats``: the forward's.
-    ``eager_rounding`` must be the forward's: the backward recomputes its
-    normalised values."""
+    """Returns (dz in z's dtype, per-column sums [Chain.grad_rows, C] in
+    dout's dtype: the parameter gradients, :func:`parameter_grads`).
+    ``stats``: the forward's.  ``eager_rounding`` must be the forward's: the
+    backward recomputes its normalised values.  dout float32 with a half z:
+    the autocast kernels (see :func:`launch_forward`)."""
     rows, channels = z.shape
     spec = CHAINS[chain]
     dz = torch.empty_like(z)
     if rows == 0 or channels == 0:
-        return dz, torch.zeros((spec.grad_rows, channels), dtype=z.dtype, device=z.device)
+        return dz, torch.zeros((spec.grad_rows, channels), dtype=dout.dtype, device=z.device)
     dev = z.device.index
-    key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, dev)
+    float_out = dout.dtype != z.dtype
+    key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out, dev)
     fn, grid_x, chunks, rows_per_chunk, team = _backward_plans.get(key) or _backward_plan(key)
     dy, dense = broadcast_or_dense(dout)
     partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
@@ -260,7 +285,7 @@ def launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
         ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
         ptr_or_null(mul_weight), dz.data_ptr(), partial.data_ptr(), rows, channels, num_groups,
         team, rows_per_chunk), dev)
-    return dz, reduce_partials(partial, z.dtype, spec.shares_bias_slot)
+    return dz, reduce_partials(partial, dout.dtype, spec.shares_bias_slot)
 
 
 def _backward_fake(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
@@ -269,12 +294,12 @@ def _backward_fake(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
                    mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
                    bias_in_z: bool,
                    eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(z), z.new_empty((CHAINS[chain].grad_rows, z.shape[1]))
+    return torch.empty_like(z), dout.new_empty((CHAINS[chain].grad_rows, z.shape[1]))
 
 
 def _setup_context(ctx, inputs, output):
     (z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, num_groups, _, _, in_z,
-     eager_rounding) = inputs
+     eager_rounding, _) = inputs
     ctx.save_for_backward(z, output[1], lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     ctx.chain = chain
     ctx.num_groups = num_groups
@@ -302,7 +327,7 @@ def _backward_formula(ctx, grads, run_backward):
                             mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z,
                             ctx.eager_rounding)
     return (dz,) + parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
-                                   mul_weight) + (None, None, None, None, None, None)
+                                   mul_weight) + (None, None, None, None, None, None, None)
 
 
 _GN_CHAIN = FusedOp("gn_chain", launch_forward, _forward_fake, _setup_context, _backward_formula,
@@ -315,16 +340,24 @@ def check_chain(chain) -> None:
 
 
 def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name: str, lin_bias,
-                        extra_bias, gn_weight, gn_bias, mul_weight) -> tuple:
+                        extra_bias, gn_weight, gn_bias, mul_weight,
+                        autocast: bool = False) -> tuple:
     """The per-channel vectors of ``chain``, validated against ``like``:
     (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), each flat and
-    contiguous or None (mul_weight is required by the chains that use it)."""
-    return (check_vector("linear_bias", lin_bias, channels, like, like_name),
-            check_vector("bias", extra_bias, channels, like, like_name),
-            check_vector("gn_weight", gn_weight, channels, like, like_name),
-            check_vector("gn_bias", gn_bias, channels, like, like_name),
+    contiguous or None (mul_weight is required by the chains that use it).
+    ``autocast``: cast to float32 (autograd ops) and checked as float32, the
+    dtype autocast runs the GroupNorm in."""
+    dtype = None
+    if autocast:
+        dtype = torch.float32
+        lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
+            cast(v, dtype) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
+    return (check_vector("linear_bias", lin_bias, channels, like, like_name, dtype=dtype),
+            check_vector("bias", extra_bias, channels, like, like_name, dtype=dtype),
+            check_vector("gn_weight", gn_weight, channels, like, like_name, dtype=dtype),
+            check_vector("gn_bias", gn_bias, channels, like, like_name, dtype=dtype),
             check_vector("multiply_weight", mul_weight, channels, like, like_name,
-                         optional=CHAINS[chain].mul_weight is None))
+                         optional=CHAINS[chain].mul_weight is None, dtype=dtype))
 
 
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
@@ -345,7 +378,13 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     output on CUDA to about one unit in the last place.  By
     default the chain runs in float32 and rounds once: closer to the exact
     result, but a few units away from eager's where the normalisation
-    magnifies eager's roundings."""
+    magnifies eager's roundings.
+
+    Under ``torch.autocast("cuda")`` the chain runs in float32, as autocast
+    runs ``group_norm``: the vectors are cast to float32, z keeps its dtype,
+    and the result is float32 (``eager_rounding`` then has no effect).
+
+    Returns [M, C]: z's dtype, or float32 under autocast."""
     if not isinstance(z, torch.Tensor):
         return call_with_cupy_arrays(
             gn_chain, "z", z, chain, num_groups, lin_bias=lin_bias, extra_bias=extra_bias,
@@ -356,22 +395,25 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     channels = z.shape[1]
     num_groups = check_groups(num_groups, channels)
     eps = check_eps(eps)
+    amp = autocast_dtype() is not None
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
-        chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+        chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp)
     return run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
-                        mul_weight, eps, bool(linear_bias_in_z), bool(eager_rounding))
+                        mul_weight, eps, bool(linear_bias_in_z), bool(eager_rounding),
+                        amp and z.dtype != torch.float32)
 
 
 def run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_bias, gn_weight,
                  gn_bias, mul_weight, eps: float, linear_bias_in_z: bool,
-                 eager_rounding: bool = False) -> torch.Tensor:
+                 eager_rounding: bool = False, float_out: bool = False) -> torch.Tensor:
     """:func:`gn_chain` on arguments it (or a caller applying the same
     checks, as :func:`.linear_gn.linear_gn_chain`) has already validated:
-    the vectors flat and contiguous or None."""
+    the vectors flat and contiguous or None, in z's dtype, or float32 with
+    ``float_out`` (a float16 / bfloat16 z under autocast; float32 result)."""
     z = z if z.is_contiguous() else z.contiguous()
     grad = needs_grad(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     return _GN_CHAIN.run(grad, z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
-                         num_groups, eps, grad, linear_bias_in_z, eager_rounding)[0]
+                         num_groups, eps, grad, linear_bias_in_z, eager_rounding, float_out)[0]
 
 
 def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,

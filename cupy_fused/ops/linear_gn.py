@@ -34,6 +34,11 @@ Float16 / bfloat16, precision ``"ieee"`` and GPUs without TF32 tensor cores
 take :func:`.gemm.linear` (cuBLAS) with the linear bias in its epilogue
 (added in float32 before z is rounded to its dtype), then
 :func:`.gn_epilogue.gn_chain`.
+
+Under ``torch.autocast("cuda", dtype=d)``, as the reference: the GEMM in d
+(x, the weight and the linear bias cast to d, cuBLAS), the chain in float32
+(its vectors cast to float32), a float32 result; the casts' backward returns
+each gradient in its tensor's own dtype.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _bridge, _runtime
+from .._amp import autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_eps, check_groups, check_like, check_tensor
 from . import gemm, gn_epilogue
@@ -220,7 +226,8 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     bfloat16), one CUDA device.  precision: as for :func:`.gemm.linear`.
     eager_rounding: as for :func:`.gn_epilogue.gn_chain` (float16 / bfloat16
     only; the linear bias is then in cuBLAS's epilogue, as in eager).
-    Returns [M, N] in x's dtype.
+    Returns [M, N] in x's dtype; float32 under ``torch.autocast`` (see the
+    module docstring; x and weight may then have any float dtype).
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(
@@ -230,7 +237,12 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     gn_epilogue.check_chain(chain)
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))
-    check_like("weight", weight, x, "x")
+    amp = autocast_dtype()
+    if amp is not None:
+        check_like("weight", weight, x, "x", weight.dtype)  # the device
+        x, weight = cast(x, amp), cast(weight, amp)
+    else:
+        check_like("weight", weight, x, "x")
     n, k = weight.shape
     if x.shape[1] != k:
         raise ValueError(f"x must have {k} features (weight is [{n}, {k}]), got shape "
@@ -238,7 +250,7 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     num_groups = check_groups(num_groups, n)
     eps = check_eps(eps)
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = gn_epilogue.check_chain_vectors(
-        chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+        chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None)
     precision = gemm.resolve_precision(precision)
     cublas = gemm.uses_cublas(x.dtype, precision, x.device.index)
     if not cublas:
@@ -255,9 +267,11 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
         # to its dtype (as eager does; adding it to a rounded fp16/bf16 z
         # costs accuracy), detached: its gradient is a column sum of the
         # chain's backward.
-        z = gemm.run_linear(x, weight, lin_bias.detach() if lin_bias is not None else None, 0,
-                            precision)
+        z = gemm.run_linear(x, weight,
+                            cast(lin_bias.detach(), x.dtype) if lin_bias is not None else None,
+                            0, precision)
     else:  # the chain adds it (see the module docstring)
         z = gemm.run_linear(x, weight, None, 0, precision)
     return gn_epilogue.run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
-                                    gn_bias, mul_weight, eps, cublas, bool(eager_rounding))
+                                    gn_bias, mul_weight, eps, cublas, bool(eager_rounding),
+                                    amp is not None)

@@ -2,8 +2,13 @@
 problem 76 (Linear, +bias, ReLU) and problem 1 (Conv2d with its bias, ReLU,
 +bias).  Kernels: ``kernels_cu/bias_relu.cu``.
 
-The forward keeps a 1-bit mask of ``z + bias > 0`` for the backward instead of
-z itself (1/32 of the activation in float32).
+The forward keeps a 1-bit mask of ``z + bias > 0`` (NaN included, as torch's
+ReLU passes the gradient there) for the backward instead of z itself (1/32 of
+the activation in float32).
+
+Dtypes follow torch's type promotion: a float16 / bfloat16 z with float32
+biases (the output of a GEMM or convolution under ``torch.autocast`` meeting
+float32 parameters) gives a float32 result, in one pass.
 """
 from __future__ import annotations
 
@@ -13,21 +18,26 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import _bridge, _runtime
+from .._amp import HALF_DTYPES, cast, promoted
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
 from ._common import (BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
                       ptr_or_null, reduce_partials, row_chunks)
 
-def _expr(kernel: str, dtype: torch.dtype, second_bias: bool) -> str:
+def _expr(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype, second_bias: bool) -> str:
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
-    return f"cf::{kernel}<{cxx_type(dtype)}, {chain}>"
+    out = "" if out_dtype == dtype else f", {cxx_type(out_dtype)}"
+    return f"cf::{kernel}<{cxx_type(dtype)}, {chain}{out}>"
 
 
-# Keyed by (kernel, dtype, second bias present).
+# (z's dtype, the output's): one dtype, or a half z with float32 biases.
+DTYPE_PAIRS = tuple((d, d) for d in FLOAT_DTYPES) + tuple((d, torch.float32) for d in HALF_DTYPES)
+
+# Keyed by (kernel, z's dtype, output dtype, second bias present).
 KERNELS = _runtime.KernelFamily("bias_relu.cu", {
-    (k, d, b): _expr(k, d, b)
+    (k, d, o, b): _expr(k, d, o, b)
     for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs")
-    for d in FLOAT_DTYPES for b in (False, True)
+    for d, o in DTYPE_PAIRS for b in (False, True)
 })
 
 
@@ -43,14 +53,14 @@ def _is_channels_last(z: torch.Tensor) -> bool:
 
 def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
              save_mask: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(z)  # keeps z's memory format
+    out = torch.empty_like(z, dtype=bias.dtype)  # keeps z's memory format
     total = z.numel()
     words = cdiv(total, 32)
     mask = torch.empty((words if save_mask else 0,), dtype=torch.int32, device=z.device)
     if total:
         dev = z.device.index
         inner = _inner(list(z.shape), _is_channels_last(z))
-        fn = KERNELS.get(("bias_relu_forward", z.dtype, bias2 is not None), dev)
+        fn = KERNELS.get(("bias_relu_forward", z.dtype, bias.dtype, bias2 is not None), dev)
         _bridge.launch(fn, (elementwise_grid(words * 32, dev), 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), mask.data_ptr() if save_mask else 0, bias.data_ptr(),
             ptr_or_null(bias2), total, z.shape[1], inner), dev)
@@ -60,21 +70,23 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
 def _forward_fake(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
                   save_mask: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     words = cdiv(z.numel(), 32) if save_mask else 0
-    return torch.empty_like(z), z.new_empty((words,), dtype=torch.int32)
+    return torch.empty_like(z, dtype=bias.dtype), z.new_empty((words,), dtype=torch.int32)
 
 
-def _empty_like_layout(sizes: List[int], channels_last: bool, like: torch.Tensor) -> torch.Tensor:
+def _empty_like_layout(sizes: List[int], channels_last: bool, dtype: torch.dtype,
+                       like: torch.Tensor) -> torch.Tensor:
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(sizes, dtype=like.dtype, device=like.device, memory_format=fmt)
+    return torch.empty(sizes, dtype=dtype, device=like.device, memory_format=fmt)
 
 
 def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
-              second_bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dz, per-channel sums [slots, C]: the gradient of bias, then
-    of bias2 when there is one).  The formula takes the rows: outputs of a
-    custom op must not alias each other."""
+              second_bias: bool, z_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dz in ``z_dtype``, per-channel sums [slots, C] in dout's
+    dtype: the gradient of bias, then of bias2 when there is one).  The
+    formula takes the rows: outputs of a custom op must not alias each
+    other."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    dz = _empty_like_layout(sizes, channels_last, dout)
+    dz = _empty_like_layout(sizes, channels_last, z_dtype, dout)
     channels = sizes[1]
     slots = 2 if second_bias else 1
     dev = dout.device.index
@@ -88,7 +100,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         grid_x = cdiv(channels, BLOCK)
         chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
         partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
-        fn = KERNELS.get(("bias_relu_backward_rows", dout.dtype, second_bias), dev)
+        fn = KERNELS.get(("bias_relu_backward_rows", z_dtype, dout.dtype, second_bias), dev)
         _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
             channels, rows_per_chunk), dev)
@@ -96,7 +108,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
     else:
         batch = total // (channels * inner)
         partial = torch.empty((batch, slots, channels), dtype=torch.float64, device=dout.device)
-        fn = KERNELS.get(("bias_relu_backward_slabs", dout.dtype, second_bias), dev)
+        fn = KERNELS.get(("bias_relu_backward_slabs", z_dtype, dout.dtype, second_bias), dev)
         _bridge.launch(fn, (batch * channels, 1, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), channels,
             inner), dev)
@@ -105,8 +117,8 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
 
 
 def _backward_fake(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
-                   second_bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    dz = _empty_like_layout(sizes, channels_last, dout)
+                   second_bias: bool, z_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    dz = _empty_like_layout(sizes, channels_last, z_dtype, dout)
     return dz, dout.new_empty((2 if second_bias else 1, sizes[1]))
 
 
@@ -116,11 +128,13 @@ def _setup_context(ctx, inputs, output):
     ctx.sizes = list(z.shape)
     ctx.channels_last = _is_channels_last(z)
     ctx.second_bias = bias2 is not None
+    ctx.z_dtype = z.dtype
 
 
 def _backward_formula(ctx, grads, run_backward):
     (mask,) = ctx.saved_tensors
-    dz, sums = run_backward(grads[0], mask, ctx.sizes, ctx.channels_last, ctx.second_bias)
+    dz, sums = run_backward(grads[0], mask, ctx.sizes, ctx.channels_last, ctx.second_bias,
+                            ctx.z_dtype)
     if ctx.second_bias:
         dbias, dbias2 = sums.unbind(0)  # rows of one tensor, no copy
         return dz, dbias, dbias2, None
@@ -134,17 +148,34 @@ _BIAS_RELU = FusedOp("bias_relu", _forward, _forward_fake, _setup_context, _back
 def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``relu(z + bias) + bias2`` in one pass (``bias2`` optional).
 
-    z: [M, C] (GEMM output) or [N, C, H, W] (conv output, NCHW or
-    channels-last; the result keeps z's layout).  bias, bias2: C values each
-    (shape (C,) or (C, 1, 1)).  float32/float16/bfloat16, all one dtype; CUDA
-    tensors or CuPy arrays.
+    Args:
+        z: [M, C] (GEMM output) or [N, C, H, W] (conv output, NCHW or
+            channels-last; the result keeps z's layout).  float32, float16
+            or bfloat16; a CUDA tensor or a CuPy array.
+        bias, bias2: C values each (shape (C,) or (C, 1, 1)), float dtypes,
+            on z's device.
+
+    Returns:
+        z's shape and layout, in the dtype torch's type promotion gives
+        ``relu(z + bias) + bias2`` (z's dtype when all three share it;
+        float32 for a float16 / bfloat16 z with float32 biases, as under
+        autocast).  The biases' gradients come back in their own dtypes.
     """
     if not isinstance(z, torch.Tensor):
         return call_with_cupy_arrays(bias_relu, "z", z, bias, bias2)
     check_tensor("z", z, ndim=(2, 4))
     channels = z.shape[1]
-    bias = check_vector("bias", bias, channels, z, "z", optional=False)
-    bias2 = check_vector("bias2", bias2, channels, z, "z")
+    out_dtype = z.dtype
+    if isinstance(bias, torch.Tensor) and bias.dtype != out_dtype:
+        out_dtype = promoted(out_dtype, bias.dtype)
+    if isinstance(bias2, torch.Tensor) and bias2.dtype != out_dtype:
+        out_dtype = promoted(out_dtype, bias2.dtype)
+    if out_dtype != z.dtype and out_dtype != torch.float32:  # e.g. float64 biases
+        raise TypeError(f"bias and bias2 must be float32, float16 or bfloat16, got "
+                        f"{bias.dtype} and {None if bias2 is None else bias2.dtype}")
+    bias = check_vector("bias", cast(bias, out_dtype), channels, z, "z", optional=False,
+                        dtype=out_dtype)
+    bias2 = check_vector("bias2", cast(bias2, out_dtype), channels, z, "z", dtype=out_dtype)
     z = dense_layout(z)
     grad = needs_grad(z, bias, bias2)
     if grad or is_compiling():

@@ -1,0 +1,424 @@
+"""Bandwidth of our memory-bound kernels alone, at the benchmark shapes:
+``ops.bias_relu`` (problems 76 and 1) and ``ops.gn_chain`` (the chains of
+37, 88 and 94), forward and backward, against the copy ceiling measured in
+the same run.
+
+    python benchmarks/kernels.py                          # every kernel, dtype, direction
+    python benchmarks/kernels.py --kernels gn --dtypes bf16 amp-bf16 --quick
+    python benchmarks/kernels.py --json k.json --md k.md
+
+Copy ceiling: the median time of ``dst.copy_(src)`` on 1 GiB of float32,
+as (bytes read + bytes written) / time.  Each kernel's rate is the minimum
+traffic it must move (:func:`moved_bytes`) over its median time; a row
+below 80% of the ceiling is flagged.
+
+Directions: ``forward`` is the op with grad off (nothing saved for the
+backward).  ``backward`` is ``torch.autograd.grad(y, [z, *vectors], g,
+retain_graph=True)`` on a graph recorded once: our backward kernel and the
+small column reduce of the vectors' gradients, nothing else.
+
+Dtypes: fp32, fp16, bf16 (z, the vectors and y in one dtype), and the
+autocast combinations amp-bf16 / amp-fp16: z in bfloat16 / float16, the
+vectors in float32, as autocast hands the op over (the GroupNorm and the
+output then in float32).  Where the op refuses mixed dtypes (TypeError),
+the row says so and the run goes on.
+
+Times: CUDA events around each call, median over ``--iters`` calls after
+``--warmup``, the calls queued behind a sleep kernel so that the events
+time the GPU's work, not the host's issue of it (:func:`time_queued`).
+Where a kernel's input is smaller than the L2 cache, calls rotate over
+copies of it (together at least twice the L2), so that no call finds its
+input in L2 from the one before.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from run import hold_gpu_ms, l2_bytes, rotation_count  # noqa: E402  (benchmarks/run.py)
+
+# Rows below this fraction of the copy ceiling are flagged.
+LOW_FRACTION = 0.8
+
+
+class Case(NamedTuple):
+    """One kernel at one problem's shape.
+
+    Attributes:
+        op: "bias_relu" or "gn_chain".
+        problem: the problem whose epilogue it is.
+        shape: z's shape.
+        vectors: the per-channel vectors, by keyword (bias_relu: "bias",
+            "bias2"; gn_chain: its keywords), each with its shape.
+        chain: the GroupNorm chain (gn_chain only).
+        groups: GroupNorm groups (gn_chain only).
+    """
+
+    op: str
+    problem: int
+    shape: Tuple[int, ...]
+    vectors: Tuple[Tuple[str, Tuple[int, ...]], ...]
+    chain: Optional[str] = None
+    groups: int = 0
+
+
+def _vectors(names, channels: int) -> tuple:
+    return tuple((n, (channels,)) for n in names)
+
+
+# Name -> case (the names --kernels filters on).
+CASES = {
+    "bias_relu_76": Case("bias_relu", 76, (1024, 8192), _vectors(["bias"], 8192)),
+    # Problem 1: the conv's own bias (C,) and the model's (C, 1, 1), NCHW.
+    "bias_relu_1": Case("bias_relu", 1, (128, 128, 126, 126),
+                        (("bias", (128,)), ("bias2", (128, 1, 1)))),
+    "swish_bias_gn_37": Case("gn_chain", 37, (32768, 4096), _vectors(
+        ["lin_bias", "extra_bias", "gn_weight", "gn_bias"], 4096), "swish_bias_gn", 64),
+    "gn_swish_mul_swish_88": Case("gn_chain", 88, (1024, 8192), _vectors(
+        ["lin_bias", "gn_weight", "gn_bias", "mul_weight"], 8192), "gn_swish_mul_swish", 256),
+    "bias_hardtanh_mish_gn_94": Case("gn_chain", 94, (1024, 8192), _vectors(
+        ["lin_bias", "extra_bias", "gn_weight", "gn_bias"], 8192), "bias_hardtanh_mish_gn", 256),
+}
+
+# --dtypes choice -> (z's dtype, the vectors' dtype).
+DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "fp16": (torch.float16, torch.float16),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "amp-bf16": (torch.bfloat16, torch.float32),
+    "amp-fp16": (torch.float16, torch.float32),
+}
+DIRECTIONS = ("forward", "backward")
+
+
+def mask_bytes(numel: int) -> int:
+    """bias_relu's saved mask: one bit per element."""
+    return -(-numel // 8)
+
+
+def moved_bytes(op: str, direction: str, numel: int, z_dtype: torch.dtype,
+                y_dtype: torch.dtype, *, row_groups: int = 0, saves: bool = False) -> int:
+    """The least traffic of one call of a kernel, in bytes.
+
+    Forward: read z, write y, and, when it ``saves`` for a backward,
+    bias_relu's mask (1 bit per element) or gn_chain's statistics (a
+    float32 mean and 1/std per (row, group): 8 bytes each).  Backward: read
+    what the forward saved (bias_relu: the mask; gn_chain: z), read dy (y's
+    dtype), write dz (z's dtype).  The per-channel vectors and their
+    gradients are a few KiB: left out.
+
+    Args:
+        op: "bias_relu" or "gn_chain".
+        direction: "forward" or "backward".
+        numel: elements of z (and of y).
+        z_dtype, y_dtype: dtypes of z (and dz) and of y (and dy).
+        row_groups: rows x groups of the GroupNorm (gn_chain).
+        saves: the forward saves for the backward (grad on).
+
+    Returns:
+        Bytes.
+    """
+    if op not in ("bias_relu", "gn_chain"):
+        raise ValueError(f"op must be bias_relu or gn_chain, got {op!r}")
+    z_size, y_size = z_dtype.itemsize, y_dtype.itemsize
+    if direction == "forward":
+        saved = 0
+        if saves:
+            saved = mask_bytes(numel) if op == "bias_relu" else 8 * row_groups
+        return numel * (z_size + y_size) + saved
+    if direction == "backward":
+        saved = mask_bytes(numel) if op == "bias_relu" else numel * z_size
+        return saved + numel * y_size + numel * z_size
+    raise ValueError(f"direction must be forward or backward, got {direction!r}")
+
+
+def _call(case: Case, z: torch.Tensor, vectors: dict) -> torch.Tensor:
+    from cupy_fused import ops
+
+    if case.op == "bias_relu":  # a half z with float32 vectors promotes
+        return ops.bias_relu(z, vectors["bias"], vectors.get("bias2"))
+    if any(v.dtype != z.dtype for v in vectors.values()):
+        # The GroupNorm takes float32 vectors with a half z under autocast only.
+        with torch.autocast("cuda", dtype=z.dtype):
+            return ops.gn_chain(z, case.chain, case.groups, **vectors)
+    return ops.gn_chain(z, case.chain, case.groups, **vectors)
+
+
+def time_queued(fn, iters: int, warmup: int, clock=time.perf_counter) -> Tuple[float, float]:
+    """(median, min) milliseconds of ``fn`` from CUDA events around each of
+    ``iters`` calls, as ``cupy_fused.testing.time_ms``, but with the calls
+    queued behind a sleep kernel that outlasts their issue: each event pair
+    then times the GPU's work alone.  (A kernel of a few microseconds takes
+    less time than the host needs to issue its call, the autograd engine's
+    work included; timed as issued, its events would time the host.)
+
+    Args:
+        fn: the call to time.
+        iters: timed calls.
+        warmup: untimed calls first.
+        clock: wall clock in seconds.
+
+    Returns:
+        (median ms, min ms).
+    """
+    for _ in range(warmup):
+        fn()
+    # The host's issue time per call sizes the sleep (three more calls,
+    # after the warm-up: a first call may compile its kernel).
+    torch.cuda.synchronize()
+    t0 = clock()
+    for _ in range(3):
+        fn()
+    per_call_ms = (clock() - t0) * 1e3 / 3
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    hold_gpu_ms(1.5 * per_call_ms * iters + 1.0)
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in events]
+    return statistics.median(times), min(times)
+
+
+def copy_ceiling_gbps(iters: int, warmup: int) -> float:
+    """Device copy bandwidth in GB/s (read + write) of ``dst.copy_(src)``
+    on 1 GiB of float32, from the median time."""
+    src = torch.empty(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    med, _ = time_queued(lambda: dst.copy_(src), iters, warmup)
+    gbps = 2 * src.numel() * src.element_size() / med / 1e6
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbps
+
+
+def _forward_fn(case: Case, z: torch.Tensor, vectors: dict, copies: int, randn):
+    """The op with grad off, rotating over ``copies`` inputs (z and new
+    ones from ``randn``)."""
+    rotation = itertools.cycle([z] + [randn(z.shape, z.dtype) for _ in range(copies - 1)])
+
+    def fn():
+        with torch.no_grad():
+            _call(case, next(rotation), vectors)
+
+    return fn
+
+
+def _backward_fn(case: Case, z: torch.Tensor, vectors: dict, copies: int, randn):
+    """The backward of the op (its kernel and the vectors' column reduce)
+    on ``copies`` graphs recorded once, in turns: each with its own z
+    (requiring grad, with the vectors) and output gradient from ``randn``."""
+    params = [v.detach().requires_grad_(True) for v in vectors.values()]
+    graphs = []
+    for i in range(copies):
+        zc = (z if i == 0 else randn(z.shape, z.dtype)).detach().requires_grad_(True)
+        y = _call(case, zc, dict(zip(vectors, params)))
+        graphs.append((y, [zc, *params], randn(y.shape, y.dtype)))
+    rotation = itertools.cycle(graphs)
+
+    def fn():
+        y, inputs, g = next(rotation)
+        torch.autograd.grad(y, inputs, g, retain_graph=True)
+
+    return fn
+
+
+def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup: int,
+               ceiling: float) -> list:
+    """Times one kernel in one dtype.
+
+    Args:
+        name: the case's name (a key of :data:`CASES`).
+        case: the case.
+        dtype: a key of :data:`DTYPES`.
+        directions: "forward" and/or "backward".
+        iters, warmup: of :func:`time_queued`.
+        ceiling: the copy ceiling in GB/s.
+
+    Returns:
+        One row (a dict) per direction; a dtype the op refuses (TypeError)
+        or a call that fails gets rows with ``status`` "unsupported" /
+        "error" and the message, and no times.
+    """
+    z_dtype, v_dtype = DTYPES[dtype]
+    numel = math.prod(case.shape)
+    row_groups = case.shape[0] * case.groups
+    base = dict(kernel=name, op=case.op, problem=case.problem, chain=case.chain,
+                shape=list(case.shape), dtype=dtype, z_dtype=str(z_dtype).replace("torch.", ""),
+                vector_dtype=str(v_dtype).replace("torch.", ""))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(shape, dt):
+        return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dt)
+
+    z = randn(case.shape, z_dtype)
+    vectors = {k: randn(shape, v_dtype) for k, shape in case.vectors}
+    try:
+        with torch.no_grad():
+            y_dtype = _call(case, z, vectors).dtype
+    except TypeError as exc:  # mixed dtypes not (yet) taken
+        print(f"  {name} {dtype}: unsupported: {exc}", flush=True)
+        return [dict(base, direction=d, status="unsupported", message=str(exc)) for d in directions]
+    except Exception as exc:  # noqa: BLE001 -- one case, not the run
+        print(f"  {name} {dtype}: failed: {exc!r}", flush=True)
+        return [dict(base, direction=d, status="error", message=repr(exc)) for d in directions]
+    base["y_dtype"] = str(y_dtype).replace("torch.", "")
+    l2 = l2_bytes()
+    rows = []
+    for direction in directions:
+        moved = moved_bytes(case.op, direction, numel, z_dtype, y_dtype, row_groups=row_groups)
+        read = moved - numel * (y_dtype if direction == "forward" else z_dtype).itemsize
+        copies = rotation_count(read, l2)
+        try:
+            make = _forward_fn if direction == "forward" else _backward_fn
+            med, best = time_queued(make(case, z, vectors, copies, randn), iters, warmup)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  {name} {dtype} {direction}: failed: {exc!r}", flush=True)
+            rows.append(dict(base, direction=direction, status="error", message=repr(exc)))
+            continue
+        gbps = moved / med / 1e6
+        rows.append(dict(base, direction=direction, status="ok", median_ms=med, min_ms=best,
+                         bytes=moved, gbps=gbps, ceiling_fraction=gbps / ceiling,
+                         low=gbps / ceiling < LOW_FRACTION, input_copies=copies))
+    del z, vectors
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _flag(row: dict) -> str:
+    return f"below {100 * LOW_FRACTION:.0f}%" if row.get("low") else ""
+
+
+def text_table(rows, name: str) -> str:
+    """The rows of one kernel as a plain-text table."""
+    lines = [f"{name}  ({rows[0]['op']}{', ' + rows[0]['chain'] if rows[0]['chain'] else ''}, "
+             f"problem {rows[0]['problem']})",
+             f"  {'shape':<22}{'dtype':<10}{'direction':<10}{'ms':>9}{'GB/s':>9}{'% copy':>8}"]
+    for r in rows:
+        shape = "x".join(str(s) for s in r["shape"])
+        if r["status"] != "ok":
+            lines.append(f"  {shape:<22}{r['dtype']:<10}{r['direction']:<10}  "
+                         f"{r['status']}: {r['message']}")
+            continue
+        lines.append(f"  {shape:<22}{r['dtype']:<10}{r['direction']:<10}{r['median_ms']:9.3f}"
+                     f"{r['gbps']:9.0f}{100 * r['ceiling_fraction']:7.0f}%  {_flag(r)}")
+    return "\n".join(lines)
+
+
+def markdown(rows, meta: dict) -> str:
+    """The Markdown page: the copy ceiling, then one table per kernel.
+
+    Args:
+        rows: rows of :func:`bench_case`.
+        meta: the run's metadata (``device``, ``copy_gbps``).
+
+    Returns:
+        The Markdown text.
+    """
+    out = [f"Copy ceiling ({meta.get('device', '?')}): {meta['copy_gbps']:.0f} GB/s "
+           f"(read + write, 1 GiB float32 copy, median).", ""]
+    for name in dict.fromkeys(r["kernel"] for r in rows):
+        mine = [r for r in rows if r["kernel"] == name]
+        first = mine[0]
+        what = first["op"] + (f" `{first['chain']}`" if first["chain"] else "")
+        out += [f"### {name}: {what}, problem {first['problem']}", "",
+                "| shape | dtype (z / vectors / y) | direction | ms | MB moved | GB/s | "
+                "% of copy | |", "|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            shape = " x ".join(str(s) for s in r["shape"])
+            dts = f"{r['dtype']} ({r['z_dtype']} / {r['vector_dtype']} / {r.get('y_dtype', '-')})"
+            if r["status"] != "ok":
+                out.append(f"| {shape} | {dts} | {r['direction']} | - | - | - | - | "
+                           f"{r['status']}: {r['message']} |")
+                continue
+            out.append(f"| {shape} | {dts} | {r['direction']} | {r['median_ms']:.3f} | "
+                       f"{r['bytes'] / 1e6:.0f} | {r['gbps']:.0f} | "
+                       f"{100 * r['ceiling_fraction']:.0f}% | {_flag(r)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def select_cases(filters) -> dict:
+    """The cases whose name contains one of ``filters`` (all for None).
+
+    Args:
+        filters: substrings of case names, e.g. ["bias_relu", "gn_swish"].
+
+    Returns:
+        ``{name: case}`` in :data:`CASES` order.
+
+    Raises:
+        SystemExit: a filter that matches no case.
+    """
+    if not filters:
+        return dict(CASES)
+    for f in filters:
+        if not any(f in name for name in CASES):
+            raise SystemExit(f"--kernels {f!r} matches none of {', '.join(CASES)}")
+    return {name: case for name, case in CASES.items() if any(f in name for f in filters)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", nargs="+", default=None, metavar="NAME",
+                        help="kernels whose name contains one of these: " + ", ".join(CASES))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--directions", nargs="+", default=list(DIRECTIONS), choices=DIRECTIONS)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (10 after 3)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON")
+    parser.add_argument("--md", metavar="PATH", default=None, help="write a Markdown page")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.iters, args.warmup = 10, 3
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cases = select_cases(args.kernels)
+    import cupy_fused  # noqa: F401  (after --help: the kernels need a GPU)
+
+    ceiling = copy_ceiling_gbps(args.iters, args.warmup)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                cuda=torch.version.cuda, date=str(datetime.date.today()),
+                argv=sys.argv[1:] if argv is None else list(argv), iters=args.iters,
+                warmup=args.warmup, l2_bytes=l2_bytes(), copy_gbps=ceiling)
+    print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
+    rows = []
+    for name, case in cases.items():
+        mine = []
+        for dtype in args.dtypes:
+            mine += bench_case(name, case, dtype, args.directions, args.iters, args.warmup,
+                               ceiling)
+        print(text_table(mine, name), flush=True)
+        rows += mine
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        print(args.json)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(markdown(rows, meta) + "\n")
+        print(args.md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Double backward (create_graph=True through our backward, e.g. a gradient
+penalty) is refused with an error naming the op, never computed wrong: the
+backward kernels give first-order gradients with no history (GPU tier; the
+mechanism's CPU tests are in test_autograd.py)."""
+import pytest
+import torch
+
+from cupy_fused import models, reference
+from cupy_fused.testing import build_pair
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.bfloat16]
+PROBLEMS = sorted(models.MODELS)
+REFUSED = r"cupy_fused::\w+ does not support double backward"
+
+
+def _model_and_input(problem, dtype, device):
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    _, ours = build_pair(problem, args, device, dtype)
+    x = torch.rand(shape, device=device, dtype=dtype, requires_grad=True)
+    return ours, x
+
+
+def _first_order(model, x, dy, create_graph):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    y = model(x)
+    y.backward(dy, create_graph=create_graph)
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads)
+    model.zero_grad(set_to_none=True)  # (create_graph: a reference cycle through .grad)
+    return [y.detach()] + [g.detach() for g in grads]
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_first_order_training_unchanged_by_create_graph(problem, dtype, device):
+    """loss.backward(create_graph=True) with no second derivative taken
+    works and gives the gradients of a plain backward."""
+    model, x = _model_and_input(problem, dtype, device)
+    with torch.no_grad():
+        dy = torch.randn_like(model(x))
+    expected = _first_order(model, x, dy, create_graph=False)
+    got = _first_order(model, x, dy, create_graph=True)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_gradient_penalty_is_refused(problem, dtype, device):
+    model, x = _model_and_input(problem, dtype, device)
+    y = model(x)
+    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    # Without the refusal g either has no history (the penalty then adds
+    # nothing to any gradient) or only the history of torch ops around our
+    # op (the penalty's gradients then miss our op's second-order terms).
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match=REFUSED):
+        (y.sum() + g.square().sum()).backward()
+
+    # With a constant incoming gradient the second-order terms come from the
+    # weights our backward reads: a penalty differentiated with respect to
+    # the parameters only reaches the refusal too (not "not used in the
+    # graph", nor None with allow_unused).  Not problem 1: its only op of ours
+    # is bias + ReLU, whose gradient is then a constant (ReLU's second
+    # derivative is zero), and the conv's own backward differentiates.
+    if problem == 1:
+        return
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=REFUSED):
+        torch.autograd.grad(g.square().sum(), list(model.parameters()), allow_unused=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_gradient_penalty_is_refused_when_compiled(problem, dtype, device):
+    """Compiled, the region's backward is AOTAutograd's, which refuses double
+    backward itself ("torch.compile with aot_autograd does not currently
+    support double backward", raised when the second backward reaches it)."""
+    model, x = _model_and_input(problem, dtype, device)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        y = compiled(x)
+        (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        (y.sum() + g.square().sum()).backward()
