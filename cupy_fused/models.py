@@ -124,10 +124,13 @@ class GemmAddRelu(nn.Module):
     def forward(self, x):
         weight = self.gemm.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
-        if autocast_dtype() is not None:
-            # The GEMM in the autocast dtype, then bias + ReLU in float32 (the
-            # reference's add with the float32 bias promotes).
-            return ops.bias_relu(ops.linear(x, weight, precision=self.precision), self.bias)
+        amp = autocast_dtype()
+        if amp is not None:
+            # The GEMM in the autocast dtype (x and the weight checked above;
+            # their gradients written in their own dtypes by the backward's
+            # products), then bias + ReLU in float32 (the reference's add
+            # with the float32 bias promotes).
+            return ops.bias_relu(ops.gemm.run_autocast_linear(x, weight, None, amp), self.bias)
         bias = check_vector("bias", self.bias, weight.shape[0], x, "x", optional=False)
         # ops.linear after its checks (done above for these operands): in
         # half precision the training step is as long as its host work.

@@ -7,13 +7,23 @@
 // [N*H*W, C, 1].  ch = (i / inner) % C.
 //
 // Forward writes one bit per element instead of keeping z alive: the
-// backward needs only that mask, 1/32 of the activation.  The bit is clear
-// where u <= 0 and set elsewhere, NaN included: torch's ReLU backward zeroes
-// the gradient exactly where its output is <= 0.
+// backward needs only that mask, 1/32 of the activation.  Bit b of word w is
+// element 32 * w + b.  The bit is clear where u <= 0 and set elsewhere, NaN
+// included: torch's ReLU backward zeroes the gradient exactly where its
+// output is <= 0.
 //
 // Types: z and dz are T; out, dy and the biases are TO, which is T, or float
 // for a float16 / bfloat16 z meeting float32 biases (type promotion, as under
 // autocast): dz is then rounded to z's dtype, as the promotion's backward does.
+//
+// Every kernel moves z / dz in 16-byte vectors of kV = 16 / sizeof(T) values
+// (and out / dy in kV values of TO: 16 or 32 bytes): with one 2- or 4-byte
+// access per value the load/store units, not the memory, set the pace.  A
+// vector starts at an element index that is a multiple of kV, so it is
+// 16-byte aligned whenever the tensor's base is.  The base of a view need not
+// be (z[1:]): each kernel tests its pointers once and, where one is not
+// aligned, reads and writes the same vectors one value at a time (a branch
+// uniform over the grid), so every input takes the same kernel.
 #include "cf_common.cuh"
 
 namespace cf {
@@ -23,88 +33,408 @@ struct BiasReluChain {
   static constexpr bool kHasSecondBias = kSecondBias;
 };
 
-// Grid-stride over 32-element words; warp-uniform loop so __ballot_sync sees
-// the whole warp.  mask may be null (no gradient needed).
+// Helpers of this file only; the kernels call them qualified, so that a
+// helper of the same name added to cf_common.cuh cannot make a call ambiguous.
+namespace brelu {
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15u) == 0;
+}
+
+// Value k of N values of T packed in 32-bit words.
+template <typename T>
+__device__ __forceinline__ float unpack(const unsigned* w, int k) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w[k]);
+  } else {
+    T v;
+    v.bits = static_cast<unsigned short>(w[k / 2] >> (16 * (k % 2)));
+    return to_float(v);
+  }
+}
+
+// Words (32-bit) in N values of T.
+template <typename T, int N>
+constexpr int kWordsOf = N * static_cast<int>(sizeof(T)) / 4;
+
+__device__ __forceinline__ unsigned raw_bits(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ unsigned raw_bits(half x) { return x.bits; }
+__device__ __forceinline__ unsigned raw_bits(bfloat16 x) { return x.bits; }
+
+// N consecutive values at p (N * sizeof(T) = 16 or 32 bytes), packed as in
+// memory.  With `vec` (p 16-byte aligned) and all N wanted: one 16-byte load
+// per 16 bytes.  Otherwise one load per value, of the first n only (the rest
+// read as 0): a misaligned base, or the tensor's last, partial vector.  The
+// values stay packed until used (unpack): a 16-bit vector in flight then
+// takes 4 registers, not 8.
+template <typename T, int N>
+__device__ __forceinline__ void load_raw(const T* p, bool vec, int n,
+                                         unsigned (&w)[kWordsOf<T, N>]) {
+  constexpr int kWords = kWordsOf<T, N>;
+  static_assert(kWords % 4 == 0, "16 or 32 bytes");
+  if (vec && n == N) {
+#pragma unroll
+    for (int c = 0; c < kWords / 4; ++c) {
+      const uint4 r = reinterpret_cast<const uint4*>(p)[c];
+      w[4 * c] = r.x; w[4 * c + 1] = r.y; w[4 * c + 2] = r.z; w[4 * c + 3] = r.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const unsigned bits = k < n ? raw_bits(p[k]) : 0u;
+      if constexpr (sizeof(T) == 4) {
+        w[k] = bits;
+      } else {
+        w[k / 2] = k % 2 ? (w[k / 2] | (bits << 16)) : bits;
+      }
+    }
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void load_values(const T* p, bool vec, int n, float (&out)[N]) {
+  unsigned w[kWordsOf<T, N>];
+  load_raw<T, N>(p, vec, n, w);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = unpack<T>(w, k);
+}
+
+// Stores the first n of N values at p, as load_values reads them.
+template <typename T, int N>
+__device__ __forceinline__ void store_values(T* p, bool vec, int n, const float (&in)[N]) {
+  constexpr int kWords = N * static_cast<int>(sizeof(T)) / 4;
+  static_assert(kWords % 4 == 0, "16 or 32 bytes");
+  if (vec && n == N) {
+    unsigned w[kWords];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if constexpr (sizeof(T) == 4) {
+        w[k] = __float_as_uint(in[k]);
+      } else {
+        const unsigned bits = from_float<T>(in[k]).bits;
+        w[k / 2] = k % 2 ? (w[k / 2] | (bits << 16)) : bits;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kWords / 4; ++c)
+      reinterpret_cast<uint4*>(p)[c] = make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      if (k < n) p[k] = from_float<T>(in[k]);
+  }
+}
+
+// n (<= 32) mask bits from element i on, in the low bits.  They cross into
+// the next word only when that word holds some of the n elements, so nothing
+// past the mask is read.
+__device__ __forceinline__ unsigned mask_bits(const unsigned* mask, i64 i, int n) {
+  const int shift = static_cast<int>(i & 31);
+  unsigned bits = mask[i >> 5] >> shift;
+  if (shift + n > 32) bits |= mask[(i >> 5) + 1] << (32 - shift);
+  return bits;
+}
+
+// The channel of each of the N elements from element e on, as biases: b[k]
+// (and c[k] from the second bias).  Layouts, tested once per launch:
+//  kBiasVector: inner == 1 and C a multiple of N, biases 16-byte aligned —
+//    the N channels are consecutive from e % C: vector loads;
+//  kTwoChannels: inner >= N — at most one channel boundary inside the
+//    vector: the channel of e and the next one, one division per vector;
+//  kPerElement: anything else (inner < N, e.g. [M, 77] or a 2x3 image) —
+//    the channel run is followed element by element.
+enum BiasLayout { kBiasVector, kTwoChannels, kPerElement };
+
+template <typename TO, typename Chain, int N>
+__device__ __forceinline__ void channel_biases(const TO* b1, const TO* b2, int layout, i64 e,
+                                               i64 channels, i64 inner, bool index32,
+                                               float (&b)[N], float (&c)[N]) {
+  i64 q, ch;
+  if (index32) {
+    q = inner == 1 ? e : unsigned(e) / unsigned(inner);
+    ch = unsigned(q) % unsigned(channels);
+  } else {
+    q = inner == 1 ? e : e / inner;
+    ch = q % channels;
+  }
+  if (layout == kBiasVector) {
+    load_values<TO, N>(b1 + ch, true, N, b);
+    if (Chain::kHasSecondBias) load_values<TO, N>(b2 + ch, true, N, c);
+    return;
+  }
+  // Elements of the vector left in channel ch.
+  i64 left = (q + 1) * inner - e;
+  if (layout == kTwoChannels) {
+    const i64 next = ch + 1 == channels ? 0 : ch + 1;
+    const float b_this = to_float(b1[ch]);
+    const float b_next = left < N ? to_float(b1[next]) : b_this;
+    float c_this = 0.0f, c_next = 0.0f;
+    if (Chain::kHasSecondBias) {
+      c_this = to_float(b2[ch]);
+      c_next = left < N ? to_float(b2[next]) : c_this;
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      b[k] = k < left ? b_this : b_next;
+      c[k] = k < left ? c_this : c_next;
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (left == 0) {
+      ch = ch + 1 == channels ? 0 : ch + 1;
+      left = inner;
+    }
+    --left;
+    b[k] = to_float(b1[ch]);
+    c[k] = Chain::kHasSecondBias ? to_float(b2[ch]) : 0.0f;
+  }
+}
+
+}  // namespace brelu
+
+// Forward.  Each lane takes one vector of kV values (16 bytes of z) per
+// pass, kU passes unrolled (their loads issued before any use), each pass a
+// warp's 32 consecutive vectors; kLanes = 32 / kV lanes then hold one mask
+// word and OR their bytes of it together (shuffles inside aligned groups).
+// Grid: a warp per tile of 32 * kU vectors, grid-stride; the loop is
+// warp-uniform so that the shuffles see the whole warp.  mask may be null
+// (no gradient needed).
 template <typename T, typename Chain, typename TO = T>
-__global__ void bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out,
-                                  unsigned* __restrict__ mask, const TO* __restrict__ b1,
-                                  const TO* __restrict__ b2, i64 total, i64 channels, i64 inner) {
+__global__ void __launch_bounds__(256)
+bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out, unsigned* __restrict__ mask,
+                  const TO* __restrict__ b1, const TO* __restrict__ b2, i64 total,
+                  i64 channels, i64 inner) {
+  constexpr int kV = 16 / static_cast<int>(sizeof(T));
+  constexpr int kLanes = 32 / kV;
+  constexpr int kU = 2;
   const int lane = threadIdx.x & 31;
   const i64 warp = (blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x) >> 5;
   const i64 warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;
-  const i64 words = (total + 31) >> 5;
-  // 64-bit division costs several times a 32-bit one and this kernel does
-  // one per element: use 32-bit index math whenever the tensor allows it.
+  const i64 tiles = (total + 32 * kU * kV - 1) / (32 * kU * kV);
+  // 64-bit division costs several times a 32-bit one: 32-bit index math
+  // whenever the tensor allows it.
   const bool index32 = total < (i64(1) << 31);
-  for (i64 w = warp; w < words; w += warps) {
-    const i64 i = (w << 5) + lane;
-    bool positive = false;
-    if (i < total) {
-      const i64 ch = index32 ? i64((unsigned(i) / unsigned(inner)) % unsigned(channels))
-                             : (i / inner) % channels;
-      const float u = to_float(z[i]) + to_float(b1[ch]);
-      positive = !(u <= 0.0f);
-      float r = positive ? u : 0.0f;  // NaN stays NaN, as in torch.relu
-      if (Chain::kHasSecondBias) r += to_float(b2[ch]);
-      out[i] = from_float<TO>(r);
+  const bool vec = brelu::aligned16(z) && brelu::aligned16(out);
+  const bool biases_aligned = brelu::aligned16(b1) && (!b2 || brelu::aligned16(b2));
+  const int layout = inner == 1 && channels % kV == 0 && biases_aligned ? brelu::kBiasVector
+                     : inner >= kV                                      ? brelu::kTwoChannels
+                                                                        : brelu::kPerElement;
+  for (i64 t = warp; t < tiles; t += warps) {
+    unsigned x[kU][brelu::kWordsOf<T, kV>];
+    i64 e[kU];
+    int n[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      e[u] = ((t * kU + u) * 32 + lane) * kV;
+      n[u] = static_cast<int>(max(i64(0), min(i64(kV), total - e[u])));
+      if (n[u] > 0) brelu::load_raw<T, kV>(z + e[u], vec, n[u], x[u]);
     }
-    const unsigned bits = __ballot_sync(0xffffffffu, positive);
-    if (mask && lane == 0) mask[w] = bits;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      unsigned bits = 0;
+      if (n[u] > 0) {
+        float b[kV], c[kV], y[kV];
+        brelu::channel_biases<TO, Chain, kV>(b1, b2, layout, e[u], channels, inner, index32, b, c);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const float v = brelu::unpack<T>(x[u], k) + b[k];
+          const bool positive = !(v <= 0.0f);
+          float r = positive ? v : 0.0f;  // NaN stays NaN, as in torch.relu
+          if (Chain::kHasSecondBias) r += c[k];
+          y[k] = r;
+          bits |= (positive && k < n[u] ? 1u : 0u) << k;
+        }
+        brelu::store_values<TO, kV>(out + e[u], vec, n[u], y);
+      }
+      if (mask) {  // uniform over the grid
+        // e is a multiple of kV: this lane's bits sit at e % 32 of its word.
+        bits <<= static_cast<int>(e[u] & 31);
+#pragma unroll
+        for (int offset = 1; offset < kLanes; offset <<= 1)
+          bits |= __shfl_xor_sync(0xffffffffu, bits, offset);
+        if (lane % kLanes == 0 && n[u] > 0) mask[e[u] >> 5] = bits;
+      }
+    }
   }
 }
 
-__device__ __forceinline__ bool mask_bit(const unsigned* mask, i64 i) {
-  return (mask[i >> 5] >> (i & 31)) & 1u;
-}
+// Blocks per SM the rows kernel is built for (its registers are capped so
+// that they fit: 64 a thread for float, 80 for the 16-bit types, whose 8
+// channels' sums take 32); relu_epilogue.py (ROWS_BLOCKS_PER_SM) sizes its
+// grid from the same numbers.
+template <typename T>
+constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : 3;
 
-// Backward, channel-last layout (inner == 1): thread per channel, looping over
-// the rows [row0, row1) of its chunk.  dz = dy * mask; per-chunk sums go to
-// partial[chunk][slot][C] (double): slot 0 = sum dz (grad of b1), slot 1 =
-// sum dy (b2).
-// dy_dense == 0 means dy is one value broadcast everywhere (e.g. out.sum()).
+// Backward, channel-last layout (inner == 1): dz = dy * mask; per-chunk sums
+// go to partial[chunk][slot][C] (double): slot 0 = sum dz (grad of b1), slot
+// 1 = sum dy (b2).  dy_dense == 0 means dy is one value broadcast everywhere
+// (e.g. out.sum()).
+//
+// A thread owns one vector of kV consecutive channels; a block is `cols`
+// (a power of two, <= 32) vectors wide and blockDim.x / cols row groups deep.
+// Row group g of chunk blockIdx.y takes rows row0 + g, row0 + g + groups,
+// ..., kR of them per pass with their loads issued first; each thread sums
+// its rows in order (CompensatedSum per channel), then the row groups
+// combine in a fixed tree in shared memory (double), so that one partial per
+// chunk covers many rows: the partials are written and read again by
+// reduce_partials, traffic that grows with the chunk count.  When C is not
+// a multiple of kV the rows are not vector-aligned: values one at a time
+// (the same sums).
 template <typename T, typename Chain, typename TO = T>
-__global__ void bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
-                                        const unsigned* __restrict__ mask, T* __restrict__ dz,
-                                        double* __restrict__ partial, i64 rows, i64 channels,
-                                        i64 rows_per_chunk) {
-  const i64 c = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
-  if (c >= channels) return;
+__global__ void __launch_bounds__(256, kRowsBlocksPerSm<T>)
+bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
+                        const unsigned* __restrict__ mask, T* __restrict__ dz,
+                        double* __restrict__ partial, i64 rows, i64 channels,
+                        i64 rows_per_chunk, i64 cols) {
+  constexpr int kV = 16 / static_cast<int>(sizeof(T));
+  // Rows per pass: 64 bytes of dy in flight per thread for float; 32 for
+  // a 16-bit z, whose 8 channels' sums already hold 32 registers (more
+  // would spill at kRowsBlocksPerSm).
+  constexpr int kR = sizeof(T) == 4 ? 4 : 32 / (kV * static_cast<int>(sizeof(TO)));
+  constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
+  __shared__ double scratch[kV][256];
+  const int tid = threadIdx.x;
+  const int groups = blockDim.x / static_cast<int>(cols);
+  const int group = tid / static_cast<int>(cols);
+  const i64 c0 = (blockIdx.x * cols + tid % cols) * kV;
+  const int nc = static_cast<int>(max(i64(0), min(i64(kV), channels - c0)));
+  const bool vec =
+      channels % kV == 0 && brelu::aligned16(dz) && (!dy_dense || brelu::aligned16(dy));
+  const float g_all = dy_dense ? 0.0f : to_float(dy[0]);
   const i64 row0 = blockIdx.y * rows_per_chunk;
   const i64 row1 = min(rows, row0 + rows_per_chunk);
-  CompensatedSum sum_dz, sum_dy;
-  for (i64 r = row0; r < row1; ++r) {
-    const i64 i = r * channels + c;
-    const float g = to_float(dy[dy_dense ? i : 0]);
-    const float d = mask_bit(mask, i) ? g : 0.0f;
-    dz[i] = from_float<T>(d);
-    sum_dz.add(d);
-    if (Chain::kHasSecondBias) sum_dy.add(g);
+  CompensatedSum sum_dz[kV], sum_dy[kV];
+  if (nc > 0) {
+#pragma unroll 1
+    for (i64 r = row0 + group; r < row1; r += i64(groups) * kR) {
+      unsigned g[kR][brelu::kWordsOf<TO, kV>];
+      unsigned bits[kR];
+#pragma unroll
+      for (int u = 0; u < kR; ++u) {
+        const i64 row = r + i64(u) * groups;
+        if (row < row1) {
+          const i64 i = row * channels + c0;
+          if (dy_dense) brelu::load_raw<TO, kV>(dy + i, vec, nc, g[u]);
+          bits[u] = brelu::mask_bits(mask, i, nc) & ((1u << nc) - 1u);  // not the next row's
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kR; ++u) {
+        const i64 row = r + i64(u) * groups;
+        if (row < row1) {
+          float gv[kV], d[kV];
+#pragma unroll
+          for (int k = 0; k < kV; ++k) {
+            gv[k] = dy_dense ? brelu::unpack<TO>(g[u], k) : g_all;
+            d[k] = (bits[u] >> k) & 1u ? gv[k] : 0.0f;
+          }
+          brelu::store_values<T, kV>(dz + row * channels + c0, vec, nc, d);
+          // Channels past C (k >= nc) sum values that are never written out.
+#pragma unroll
+          for (int k = 0; k < kV; ++k) {
+            sum_dz[k].add(d[k]);
+            if (Chain::kHasSecondBias) sum_dy[k].add(gv[k]);
+          }
+        }
+      }
+    }
   }
-  constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
   double* p = partial + blockIdx.y * kSlots * channels;
-  p[c] = sum_dz.total();
-  if (Chain::kHasSecondBias) p[channels + c] = sum_dy.total();
+#pragma unroll
+  for (int slot = 0; slot < kSlots; ++slot) {
+    double v[kV];
+#pragma unroll
+    for (int k = 0; k < kV; ++k) v[k] = (slot == 0 ? sum_dz[k] : sum_dy[k]).total();
+    // Row group g adds group g + s, s = groups / 2, ..., 1: fixed order.
+    for (int s = groups / 2; s > 0; s >>= 1) {
+      __syncthreads();
+      if (group >= s && group < 2 * s) {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) scratch[k][tid] = v[k];
+      }
+      __syncthreads();
+      if (group < s) {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) v[k] += scratch[k][tid + s * static_cast<int>(cols)];
+      }
+    }
+    if (group == 0) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k)
+        if (k < nc) p[slot * channels + c0 + k] = v[k];
+    }
+  }
 }
 
 // Backward, channel-major layout (inner > 1, e.g. NCHW): block per (n, ch)
-// slab of `inner` contiguous elements; partial[n][slot][C].
+// slab of `inner` contiguous elements; partial[n][slot][C].  The slab's
+// vectors start at its first element index that is a multiple of kV (a slab
+// starts at slab * inner, which need not be one): the elements before it
+// (head) and after its last whole vector (tail), fewer than kV each, go one
+// per thread.  Each thread sums its head element, its vectors in order and
+// its tail element; then a fixed tree over the block.  Registers capped at
+// 64 (4 blocks per SM): the compiler would otherwise take up to 114 for the
+// vectors in flight and leave 2 blocks per SM, which stall together in their
+// final block sums.
 template <typename T, typename Chain, typename TO = T>
-__global__ void bias_relu_backward_slabs(const TO* __restrict__ dy, i64 dy_dense,
-                                         const unsigned* __restrict__ mask, T* __restrict__ dz,
-                                         double* __restrict__ partial, i64 channels, i64 inner) {
+__global__ void __launch_bounds__(256, 4)
+bias_relu_backward_slabs(const TO* __restrict__ dy, i64 dy_dense,
+                         const unsigned* __restrict__ mask, T* __restrict__ dz,
+                         double* __restrict__ partial, i64 channels, i64 inner) {
+  constexpr int kV = 16 / static_cast<int>(sizeof(T));
+  constexpr int kU = 64 / (kV * static_cast<int>(sizeof(TO)));  // 64 bytes of dy in flight
   __shared__ double scratch[32];
   const i64 slab = blockIdx.x;  // n * C + ch
   const i64 n = slab / channels, ch = slab % channels;
-  const i64 base = slab * inner;
+  const i64 base = slab * inner, end = base + inner;
+  const i64 first = min(end, (base + kV - 1) / kV * kV);
+  const i64 vectors = (end - first) / kV;
+  const i64 body_end = first + vectors * kV;
+  const bool vec = brelu::aligned16(dz) && (!dy_dense || brelu::aligned16(dy));
+  const float g_all = dy_dense ? 0.0f : to_float(dy[0]);
   CompensatedSum thread_dz, thread_dy;
-  for (i64 k = threadIdx.x; k < inner; k += blockDim.x) {
-    const i64 i = base + k;
-    const float g = to_float(dy[dy_dense ? i : 0]);
-    const float d = mask_bit(mask, i) ? g : 0.0f;
+  auto scalar = [&](i64 i) {
+    const float g = dy_dense ? to_float(dy[i]) : g_all;
+    const float d = (mask[i >> 5] >> (i & 31)) & 1u ? g : 0.0f;
     dz[i] = from_float<T>(d);
     thread_dz.add(d);
     if (Chain::kHasSecondBias) thread_dy.add(g);
+  };
+  if (base + threadIdx.x < first) scalar(base + threadIdx.x);
+  for (i64 j = threadIdx.x; j < vectors; j += i64(blockDim.x) * kU) {
+    unsigned g[kU][brelu::kWordsOf<TO, kV>];
+    unsigned bits[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const i64 jj = j + i64(u) * blockDim.x;
+      if (jj < vectors) {
+        const i64 i = first + jj * kV;
+        if (dy_dense) brelu::load_raw<TO, kV>(dy + i, vec, kV, g[u]);
+        bits[u] = mask[i >> 5] >> (i & 31);  // kV divides 32: one word
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const i64 jj = j + i64(u) * blockDim.x;
+      if (jj < vectors) {
+        float gv[kV], d[kV];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          gv[k] = dy_dense ? brelu::unpack<TO>(g[u], k) : g_all;
+          d[k] = (bits[u] >> k) & 1u ? gv[k] : 0.0f;
+        }
+        brelu::store_values<T, kV>(dz + first + jj * kV, vec, kV, d);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          thread_dz.add(d[k]);
+          if (Chain::kHasSecondBias) thread_dy.add(gv[k]);
+        }
+      }
+    }
   }
+  if (body_end + threadIdx.x < end) scalar(body_end + threadIdx.x);
   // Tree over the block (fixed order), then the chunk stage over n.
   const double sum_dz = block_sum(thread_dz.total(), scratch);
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;

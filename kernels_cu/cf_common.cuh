@@ -31,11 +31,16 @@ template <> __device__ __forceinline__ half from_float<half>(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
   return h;
 }
-// Round-to-nearest-even in integer arithmetic: works on every architecture
-// (the cvt.rn.bf16.f32 instruction needs sm_80) and matches it bit for bit.
+// Round-to-nearest-even: cvt.rn.bf16.f32 from sm_80 on, integer arithmetic
+// below it (the same bits for every number; a NaN stays a quiet NaN).
 template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float f) {
-  unsigned u = __float_as_uint(f);
   bfloat16 b;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // One instruction where the architecture has it: same bits.
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(f));
+  return b;
+#endif
+  unsigned u = __float_as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) {
     b.bits = static_cast<unsigned short>((u >> 16) | 0x40u);  // quiet NaN
   } else {
@@ -43,6 +48,72 @@ template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float f) {
     b.bits = static_cast<unsigned short>(u >> 16);
   }
   return b;
+}
+
+// ---- vector access: N consecutive values in one to two wide transactions ----
+// The memory-bound kernels move 16 bytes per load or store where the layout
+// allows: a 2- or 4-byte access per value leaves the load/store units, not
+// the memory, setting the pace.  `p` must be aligned to N * sizeof(T) bytes
+// (at most 16), and N * sizeof(T) must be 8, 16 or 32.
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[N]) {
+  constexpr int kWords = N * static_cast<int>(sizeof(T)) / 4;
+  static_assert(kWords == 2 || kWords % 4 == 0, "8, 16 or 32 bytes");
+  unsigned w[kWords];
+  if constexpr (kWords == 2) {
+    const uint2 r = *reinterpret_cast<const uint2*>(p);
+    w[0] = r.x; w[1] = r.y;
+  } else {
+#pragma unroll
+    for (int c = 0; c < kWords / 4; ++c) {
+      const uint4 r = reinterpret_cast<const uint4*>(p)[c];
+      w[4 * c] = r.x; w[4 * c + 1] = r.y; w[4 * c + 2] = r.z; w[4 * c + 3] = r.w;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if constexpr (sizeof(T) == 4) {
+      out[k] = __uint_as_float(w[k]);
+    } else {
+      T v;
+      v.bits = static_cast<unsigned short>(w[k / 2] >> (16 * (k % 2)));
+      out[k] = to_float(v);
+    }
+  }
+}
+
+// As load_vec; a null `p` (an absent per-channel vector) gives `fallback`.
+template <typename T, int N>
+__device__ __forceinline__ void load_vec_or(const T* p, float (&out)[N], float fallback) {
+  if (p) {
+    load_vec<T, N>(p, out);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = fallback;
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const float (&in)[N]) {
+  constexpr int kWords = N * static_cast<int>(sizeof(T)) / 4;
+  static_assert(kWords == 2 || kWords % 4 == 0, "8, 16 or 32 bytes");
+  unsigned w[kWords];
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if constexpr (sizeof(T) == 4) {
+      w[k] = __float_as_uint(in[k]);
+    } else {
+      const unsigned bits = from_float<T>(in[k]).bits;
+      w[k / 2] = k % 2 ? (w[k / 2] | (bits << 16)) : bits;
+    }
+  }
+  if constexpr (kWords == 2) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kWords / 4; ++c)
+      reinterpret_cast<uint4*>(p)[c] = make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
+  }
 }
 
 // Loads a value of a per-column / per-channel vector, or `fallback` when the
@@ -68,6 +139,45 @@ __device__ __forceinline__ float mishf(float x) { return __fmul_rn(x, tanhf(log1
 __device__ __forceinline__ float mish_grad(float x) {
   const float t = tanhf(log1pf(expf(x)));
   return t + x * (1.0f - t * t) * sigmoidf(x);
+}
+
+// ---- the same activations, selectable fast ----
+// kFast (the vectorised GroupNorm kernels on a float16 / bfloat16 z): one
+// hardware exp2 and an approximate divide instead of IEEE libm.  Their few
+// units of float32 rounding sit far below the input's own (2^-8 or 2^-11),
+// and a half-precision z leaves these kernels bound by instruction issue,
+// not memory, with libm's expf, log1pf and tanhf.  kFast = false is exactly
+// the functions above.
+template <bool kFast>
+__device__ __forceinline__ float sigmoid_of(float x) {
+  if constexpr (kFast) return __fdividef(1.0f, 1.0f + __expf(-x));
+  else return sigmoidf(x);
+}
+// swish(x) and its derivative from one sigmoid.
+template <bool kFast>
+__device__ __forceinline__ float swish_and_grad(float x, float& grad) {
+  const float s = sigmoid_of<kFast>(x);
+  grad = s + x * s * (1.0f - s);
+  return __fmul_rn(x, s);
+}
+// mish(x) and its derivative sharing one tanh(softplus(x)).  Fast:
+// tanh(log1p(e)) = n / (n + 2) with n = e (e + 2), e = exp(x), one exp for
+// both (above x = 15 both tanh and sigmoid are 1 in float).
+template <bool kFast>
+__device__ __forceinline__ float mish_and_grad(float x, float& grad) {
+  if constexpr (kFast) {
+    const float e = __expf(x);
+    const float n = e * (e + 2.0f);
+    const bool big = x > 15.0f;
+    const float t = big ? 1.0f : __fdividef(n, n + 2.0f);
+    const float s = big ? 1.0f : __fdividef(e, 1.0f + e);
+    grad = t + x * (1.0f - t * t) * s;
+    return __fmul_rn(x, t);
+  } else {
+    const float t = tanhf(log1pf(expf(x)));
+    grad = t + x * (1.0f - t * t) * sigmoidf(x);
+    return __fmul_rn(x, t);
+  }
 }
 // fminf/fmaxf return the other operand for a NaN: NaN must come through, as
 // in torch.nn.functional.hardtanh.

@@ -98,7 +98,7 @@ gemm_tf32_wgmma_gn(const float* __restrict__ a, const float* __restrict__ b, flo
       const float z[4] = {zv.x, zv.y, zv.z, zv.w};
       float v[4], s[4], d2[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = col + e < N ? Chain::template pre<float>(z[e], p, col + e) : 0.0f;
+      for (int e = 0; e < 4; ++e) v[e] = col + e < N ? Chain::pre(z[e], p, col + e) : 0.0f;
       group_sums(v, s);
       float mean[4];
 #pragma unroll
@@ -114,9 +114,8 @@ gemm_tf32_wgmma_gn(const float* __restrict__ a, const float* __restrict__ b, flo
         rstd[e] = 1.0f / sqrtf(s[e] * inv_cpg + feps);
         out[e] = 0.0f;
         if (col + e < N) {
-          const float yh = (v[e] - mean[e]) * rstd[e] * load_or(p.gn_weight, col + e, 1.0f) +
-                           load_or(p.gn_bias, col + e, 0.0f);
-          out[e] = Chain::template post<float>(yh, p, col + e);
+          const float yh = (v[e] - mean[e]) * rstd[e] * p.gamma(col + e) + p.beta(col + e);
+          out[e] = Chain::post(yh, p, col + e);
         }
       }
       float* const yrow = y + row * N;

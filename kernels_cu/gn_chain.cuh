@@ -26,11 +26,31 @@
 #ifndef CF_GN_FORWARD_MIN_BLOCKS
 #define CF_GN_FORWARD_MIN_BLOCKS 8
 #endif
+// The vectorised forward holds up to 2 x 8 values and their columns'
+// vectors per lane: 64 registers (4 blocks), where 32 would spill.
+#ifndef CF_GN_FORWARD_VEC_MIN_BLOCKS
+#define CF_GN_FORWARD_VEC_MIN_BLOCKS 4
+#endif
+// The vectorised backward: two rows of loads, a vector's per-column sums and
+// its columns' vectors per lane in registers.
+#ifndef CF_GN_BACKWARD_VEC_MIN_BLOCKS
+#define CF_GN_BACKWARD_VEC_MIN_BLOCKS 3
+#endif
 #ifndef CF_GN_BACKWARD_MIN_BLOCKS
 #define CF_GN_BACKWARD_MIN_BLOCKS 4
 #endif
 
 namespace cf {
+
+// Whether the chain's activations run fast (sigmoid_of in cf_common.cuh):
+// for a float16 / bfloat16 z, except in the chains that round like eager.
+// Every kernel of a dtype and chain, scalar or vectorised, forward or
+// backward, makes the same choice, so that the backward recomputes exactly
+// the forward's normalised values.
+template <typename T, typename Chain>
+__device__ constexpr bool fast_math() {
+  return sizeof(T) == 2 && !Chain::kRoundsLikeEager;
+}
 
 // Forward.  Writes out (may alias z: every element is read before it is
 // written, by the same thread) and, when mean_out is not null, the per
@@ -46,7 +66,9 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
                                  const TO* __restrict__ gn_bias, const TO* __restrict__ mul_weight,
                                  i64 rows, i64 channels, i64 groups, i64 team, double eps,
                                  i64 round_statistics) {
-  const ColumnVectors<TO> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
+  constexpr bool kFast = fast_math<T, Chain>();
+  const ColumnVectors<TO, kFast> p =
+      column_vectors<TO, kFast>(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
   const bool round_stats = Chain::kRoundsLikeEager && round_statistics != 0;
   // Offsets within a row in 32 bits (gn_chain checks channels < 2^30):
@@ -114,9 +136,8 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
         const int c = s * slice + team_lane + j * t;
         if (valid && c < cpg) {
           const int col = col0 + c;
-          const float yh = (v[j] - mean) * rstd * load_or(p.gn_weight, col, 1.0f) +
-                           load_or(p.gn_bias, col, 0.0f);
-          out[first + c] = from_float<TO>(Chain::template post<TO>(yh, p, col));
+          const float yh = (v[j] - mean) * rstd * p.gamma(col) + p.beta(col);
+          out[first + c] = from_float<TO>(Chain::post(yh, p, col));
         }
       }
     }
@@ -129,13 +150,27 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
 
 // Per-element part of the backward shared by both paths below: recomputes
 // x^ and y^ from z and the saved statistics, returns dy^ * gn_weight (= dx^).
-template <typename V, typename Chain>
-__device__ __forceinline__ float element_backward(float z, float dy, float mean, float rstd, i64 col,
-                                                  const ColumnVectors<V>& p, float& xhat,
+// P, C: ColumnVectors and a column, or LaneVectors and a lane's column index.
+// From Pre's value v (the vectorised backward computes it with its derivative).
+template <typename Chain, typename P, typename C>
+__device__ __forceinline__ float element_backward_from_pre(float v, float dy, float mean, float rstd,
+                                                           C col, const P& p, float& xhat,
+                                                           float& dyhat, float& mul_grad) {
+  const float w = p.gamma(col);
+  xhat = (v - mean) * rstd;
+  const float yh = xhat * w + p.beta(col);
+  mul_grad = 0.0f;
+  dyhat = Chain::post_backward(yh, dy, p, col, mul_grad);
+  return dyhat * w;
+}
+
+template <typename Chain, typename P, typename C>
+__device__ __forceinline__ float element_backward(float z, float dy, float mean, float rstd, C col,
+                                                  const P& p, float& xhat,
                                                   float& dyhat, float& mul_grad) {
-  const float w = load_or(p.gn_weight, col, 1.0f);
+  const float w = p.gamma(col);
   xhat = (Chain::pre(z, p, col) - mean) * rstd;
-  const float yh = xhat * w + load_or(p.gn_bias, col, 0.0f);
+  const float yh = xhat * w + p.beta(col);
   mul_grad = 0.0f;
   dyhat = Chain::post_backward(yh, dy, p, col, mul_grad);
   return dyhat * w;
@@ -165,7 +200,9 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
                                   double* __restrict__ partial, i64 rows, i64 channels, i64 groups,
                                   i64 team, i64 rows_per_chunk) {
   constexpr int S = Chain::kSlots;
-  const ColumnVectors<TO> p = column_vectors(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
+  constexpr bool kFast = fast_math<T, Chain>();
+  const ColumnVectors<TO, kFast> p =
+      column_vectors<TO, kFast>(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
   // Offsets within a row in 32 bits, as in the forward.
   const int cpg = static_cast<int>(channels / groups);
@@ -198,7 +235,7 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
           const int col = col0 + c;
           const i64 i = row_start + col;
           zs[j] = to_float(z[i]);
-          dxh[j] = element_backward<TO, Chain>(zs[j], to_float(dy[dy_dense ? i : 0]), mu, rs, col,
+          dxh[j] = element_backward<Chain>(zs[j], to_float(dy[dy_dense ? i : 0]), mu, rs, col,
                                               p, xh[j], dyh[j], mg[j]);
           s1 += dxh[j];
           s2 += dxh[j] * xh[j];
@@ -244,7 +281,7 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
       const int col = col0 + c;
       const i64 i = row_start + col;
       float xh, dyh, mg;
-      const float dxh = element_backward<TO, Chain>(to_float(z[i]), to_float(dy[dy_dense ? i : 0]),
+      const float dxh = element_backward<Chain>(to_float(z[i]), to_float(dy[dy_dense ? i : 0]),
                                                    mu, rs, col, p, xh, dyh, mg);
       s1 += dxh;
       s2 += dxh * xh;
@@ -257,7 +294,7 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
       const i64 i = row_start + col;
       const float zf = to_float(z[i]);
       float xh, dyh, mg;
-      const float dxh = element_backward<TO, Chain>(zf, to_float(dy[dy_dense ? i : 0]), mu, rs, col,
+      const float dxh = element_backward<Chain>(zf, to_float(dy[dy_dense ? i : 0]), mu, rs, col,
                                                    p, xh, dyh, mg);
       const float dv = rs * (dxh - s1 - xh * s2);
       const float d = dv * Chain::pre_grad(zf, p, col);
@@ -268,6 +305,226 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
       for (int s = 0; s < S; ++s)
         part[s * channels + col] = (r == row0 ? 0.0 : part[s * channels + col]) + vals[s];
     }
+  }
+}
+
+
+// ---- Vectorised kernels ----
+// The same computation with every access kE values wide (load_vec /
+// store_vec: 8 to 32 bytes): a lane owns whole vectors of kE consecutive
+// channels, kVecs of them per (row, group), and the per-channel vectors come
+// in with the same wide loads (LaneVectors).  With 2- or 4-byte accesses per
+// value the load/store units, not the memory, set the pace.  Preconditions
+// (gn_epilogue.vector_shape): channels per group a multiple of kE and at most
+// 32 * kVecs * kE; z, dy and every vector 16-byte aligned (out and dz are
+// new allocations).  Sums
+// run in another order than the scalar kernels', so the two agree to
+// rounding; each is bitwise reproducible.
+
+template <typename T, typename Chain, int kE, int kVecs, typename TO = T>
+__global__ void __launch_bounds__(256, CF_GN_FORWARD_VEC_MIN_BLOCKS) gn_chain_forward_vec(
+    const T* __restrict__ z, TO* __restrict__ out, float* __restrict__ mean_out,
+    float* __restrict__ rstd_out, const TO* __restrict__ lin_bias,
+    const TO* __restrict__ extra_bias, const TO* __restrict__ gn_weight,
+    const TO* __restrict__ gn_bias, const TO* __restrict__ mul_weight, i64 rows, i64 channels,
+    i64 groups, i64 team, double eps, i64 round_statistics) {
+  constexpr bool kFast = fast_math<T, Chain>();
+  const ColumnVectors<TO, kFast> p =
+      column_vectors<TO, kFast>(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
+  const int t = static_cast<int>(team);
+  const bool round_stats = Chain::kRoundsLikeEager && round_statistics != 0;
+  const int cpg = static_cast<int>(channels / groups);
+  const int nvec = cpg / kE;
+  const int team_lane = threadIdx.x & (t - 1);
+  const i64 teams_per_block = blockDim.x / t;
+  const i64 pairs = rows * groups;
+  const float inv_cpg = 1.0f / static_cast<float>(cpg);
+  const float feps = static_cast<float>(eps);
+  for (i64 base = blockIdx.x * teams_per_block; base < pairs; base += gridDim.x * teams_per_block) {
+    const i64 pair = base + threadIdx.x / t;
+    const bool valid = pair < pairs;
+    i64 row = 0;
+    int g = 0;
+    if (valid) {
+      if (pairs < (i64(1) << 31)) {
+        row = unsigned(pair) / unsigned(groups);
+        g = static_cast<int>(unsigned(pair) - unsigned(row) * unsigned(groups));
+      } else {
+        row = pair / groups;
+        g = static_cast<int>(pair - row * groups);
+      }
+    }
+    const i64 first = row * channels + static_cast<i64>(g) * cpg;
+    const int col0 = g * cpg;
+    float v[kVecs][kE];
+    // Every load of the pair first, then the arithmetic: kVecs wide loads
+    // of z in flight per lane.
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int vi = team_lane + j * t;
+      if (valid && vi < nvec) {
+        load_vec<T, kE>(z + first + vi * kE, v[j]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kE; ++k) v[j][k] = 0.0f;
+      }
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int vi = team_lane + j * t;
+      if (valid && vi < nvec) {
+        LaneVectors<TO, kE, kFast> lv;
+        lv.load(p, col0 + vi * kE);
+#pragma unroll
+        for (int k = 0; k < kE; ++k) {
+          v[j][k] = Chain::pre(v[j][k], lv, k);
+          sum += v[j][k];
+        }
+      }
+    }
+    float mean = team_sum(sum, t) * inv_cpg;
+    float sq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (valid && team_lane + j * t < nvec) {
+#pragma unroll
+        for (int k = 0; k < kE; ++k) {
+          const float d = v[j][k] - mean;
+          sq += d * d;
+        }
+      }
+    }
+    float rstd = 1.0f / sqrtf(team_sum(sq, t) * inv_cpg + feps);
+    if (round_stats) {
+      mean = to_float(from_float<T>(mean));
+      rstd = to_float(from_float<T>(rstd));
+    }
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int vi = team_lane + j * t;
+      if (valid && vi < nvec) {
+        LaneVectors<TO, kE, kFast> lv;
+        lv.load(p, col0 + vi * kE);
+        float o[kE];
+#pragma unroll
+        for (int k = 0; k < kE; ++k)
+          o[k] = Chain::post((v[j][k] - mean) * rstd * lv.gamma(k) + lv.beta(k), lv, k);
+        store_vec<TO, kE>(out + first + vi * kE, o);
+      }
+    }
+    if (valid && team_lane == 0 && mean_out) {
+      mean_out[pair] = mean;
+      rstd_out[pair] = rstd;
+    }
+  }
+}
+
+// Backward: grid = (ceil(groups / teams_per_block), chunks), as
+// gn_chain_backward's; a lane owns one vector of kE channels of its team's
+// group for every row of its chunk, so its per-channel vectors are loaded
+// once.  Column sums: plain
+// float over the chunk's rows (gn_epilogue bounds them), double across
+// chunks.
+template <typename T, typename Chain, int kE, typename TO = T>
+__global__ void __launch_bounds__(256, CF_GN_BACKWARD_VEC_MIN_BLOCKS) gn_chain_backward_vec(
+    const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
+    const float* __restrict__ mean, const float* __restrict__ rstd,
+    const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
+    const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
+    const TO* __restrict__ mul_weight, T* __restrict__ dz_out, double* __restrict__ partial,
+    i64 rows, i64 channels, i64 groups, i64 team, i64 rows_per_chunk) {
+  constexpr int S = Chain::kSlots;
+  constexpr bool kFast = fast_math<T, Chain>();
+  const ColumnVectors<TO, kFast> p =
+      column_vectors<TO, kFast>(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
+  const int t = static_cast<int>(team);
+  const int cpg = static_cast<int>(channels / groups);
+  const int nvec = cpg / kE;
+  const int team_lane = threadIdx.x & (t - 1);
+  const int teams_per_block = blockDim.x / t;
+  const int g = blockIdx.x * teams_per_block + threadIdx.x / t;
+  const bool active = g < groups && team_lane < nvec;  // every lane still joins the team sums
+  const int col = (g < groups ? g * cpg : 0) + team_lane * kE;  // this lane's first channel
+  const i64 row0 = blockIdx.y * rows_per_chunk;
+  const i64 row1 = min(rows, row0 + rows_per_chunk);
+  const float inv_cpg = 1.0f / static_cast<float>(cpg);
+  double* part = partial + blockIdx.y * S * channels;
+
+  LaneVectors<TO, kE, kFast> lv;
+  if (active) lv.load(p, col);
+  float acc[S][kE];
+#pragma unroll
+  for (int s = 0; s < S; ++s)
+#pragma unroll
+    for (int k = 0; k < kE; ++k) acc[s][k] = 0.0f;
+
+  const float dy_one = dy_dense ? 0.0f : to_float(dy[0]);
+  // Two rows of loads in flight per lane: each row's z, dy and statistics
+  // are loaded two rows ahead, into one of two buffers.  (One row ahead
+  // leaves the lane waiting on memory latency every row.)
+  struct Row {
+    float z[kE], dy[kE], mu, rs;
+  };
+  auto load_row = [&](Row& b, i64 r) {
+    if (active && r < row1) {
+      load_vec<T, kE>(z + r * channels + col, b.z);
+      if (dy_dense) load_vec<TO, kE>(dy + r * channels + col, b.dy);
+      b.mu = mean[r * groups + g];
+      b.rs = rstd[r * groups + g];
+    }
+  };
+  auto do_row = [&](Row& b, i64 r) {
+    float zs[kE], dys[kE];
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      zs[k] = b.z[k];
+      dys[k] = dy_dense ? b.dy[k] : dy_one;
+    }
+    const float mu = active ? b.mu : 0.0f;
+    const float rs = active ? b.rs : 0.0f;
+    load_row(b, r + 2);
+    float xh[kE], dxh[kE], dyh[kE], mg[kE], pg[kE];
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      xh[k] = dxh[k] = dyh[k] = mg[k] = pg[k] = 0.0f;
+      if (active) {
+        const float v = Chain::pre_with_grad(zs[k], lv, k, pg[k]);
+        dxh[k] = element_backward_from_pre<Chain>(v, dys[k], mu, rs, k, lv, xh[k], dyh[k], mg[k]);
+        s1 += dxh[k];
+        s2 += dxh[k] * xh[k];
+      }
+    }
+    s1 = team_sum(s1, t) * inv_cpg;
+    s2 = team_sum(s2, t) * inv_cpg;
+    if (active) {
+      float d[kE];
+#pragma unroll
+      for (int k = 0; k < kE; ++k) {
+        const float dv = rs * (dxh[k] - s1 - xh[k] * s2);
+        d[k] = dv * pg[k];
+        float vals[S];
+        slot_values<Chain>(vals, d[k], dv, xh[k], dyh[k], mg[k]);
+#pragma unroll
+        for (int s = 0; s < S; ++s) acc[s][k] += vals[s];
+      }
+      store_vec<T, kE>(dz_out + r * channels + col, d);
+    }
+  };
+  Row even, odd;
+  load_row(even, row0);
+  load_row(odd, row0 + 1);
+  // Block-uniform trip count (the team sums need every lane).
+  for (i64 r = row0; r < row1; r += 2) {
+    do_row(even, r);
+    if (r + 1 < row1) do_row(odd, r + 1);
+  }
+  if (active) {
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int k = 0; k < kE; ++k) part[s * channels + col + k] = acc[s][k];
   }
 }
 

@@ -12,13 +12,48 @@
 namespace cf {
 
 // The per-column vectors a chain may read; null where the model has none.
-template <typename T>
+// Chains read them through the accessors (column c), which both this type
+// (global memory) and LaneVectors (a lane's columns, in registers) provide;
+// value_type is the dtype the eager-rounding chains round to; kFast selects
+// the fast activations (cf_common.cuh).
+template <typename T, bool kFastMath = false>
 struct ColumnVectors {
+  using value_type = T;
+  static constexpr bool kFast = kFastMath;
   const T* lin_bias;    // nn.Linear bias, added to the GEMM output
   const T* extra_bias;  // the model's own `bias` parameter
   const T* gn_weight;
   const T* gn_bias;
   const T* mul_weight;  // problem 88's multiply_weight
+  __device__ __forceinline__ float lin(i64 c) const { return load_or(lin_bias, c, 0.0f); }
+  __device__ __forceinline__ float extra(i64 c) const { return load_or(extra_bias, c, 0.0f); }
+  __device__ __forceinline__ float gamma(i64 c) const { return load_or(gn_weight, c, 1.0f); }
+  __device__ __forceinline__ float beta(i64 c) const { return load_or(gn_bias, c, 0.0f); }
+  __device__ __forceinline__ float mul(i64 c) const { return to_float(mul_weight[c]); }
+};
+
+// N consecutive columns of every vector, loaded once into registers with
+// wide loads (load_vec): the vectorised kernels read a column's values from
+// here, indexed by the column's place among the N (accessors as above).
+// Vectors a chain never reads are never loaded (the loads are dead code).
+template <typename T, int N, bool kFastMath = false>
+struct LaneVectors {
+  using value_type = T;
+  static constexpr bool kFast = kFastMath;
+  float lin_[N], extra_[N], gamma_[N], beta_[N], mul_[N];
+  template <bool kF>
+  __device__ __forceinline__ void load(const ColumnVectors<T, kF>& p, i64 col0) {
+    load_vec_or<T, N>(p.lin_bias ? p.lin_bias + col0 : nullptr, lin_, 0.0f);
+    load_vec_or<T, N>(p.extra_bias ? p.extra_bias + col0 : nullptr, extra_, 0.0f);
+    load_vec_or<T, N>(p.gn_weight ? p.gn_weight + col0 : nullptr, gamma_, 1.0f);
+    load_vec_or<T, N>(p.gn_bias ? p.gn_bias + col0 : nullptr, beta_, 0.0f);
+    load_vec_or<T, N>(p.mul_weight ? p.mul_weight + col0 : nullptr, mul_, 0.0f);
+  }
+  __device__ __forceinline__ float lin(int k) const { return lin_[k]; }
+  __device__ __forceinline__ float extra(int k) const { return extra_[k]; }
+  __device__ __forceinline__ float gamma(int k) const { return gamma_[k]; }
+  __device__ __forceinline__ float beta(int k) const { return beta_[k]; }
+  __device__ __forceinline__ float mul(int k) const { return mul_[k]; }
 };
 
 // Backward slots: per-column sums the backward emits, one parameter gradient
@@ -53,10 +88,10 @@ __device__ __forceinline__ float eager_round(float v) {
 
 // Post = identity: the chains that end with the GroupNorm (37, 94).
 struct PostIdentity {
-  template <typename T>
-  __device__ static float post(float yh, const ColumnVectors<T>&, i64) { return yh; }
-  template <typename T>
-  __device__ static float post_backward(float, float dy, const ColumnVectors<T>&, i64, float&) {
+  template <typename P, typename C>
+  __device__ static float post(float yh, const P&, C) { return yh; }
+  template <typename P, typename C>
+  __device__ static float post_backward(float, float dy, const P&, C, float&) {
     return dy;
   }
 };
@@ -68,16 +103,27 @@ struct ChainSwishBiasGN : PostIdentity {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
                        kSlotMul = -1;
-  template <typename T>
-  __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    const float zb = __fadd_rn(z, load_or(p.lin_bias, c, 0.0f));
-    const float s = eager_round<T, kEagerRounding>(sigmoidf(zb));
+  // Pre and its derivative from one sigmoid (grad: d Pre / dz).
+  template <typename P, typename C>
+  __device__ static float pre_with_grad(float z, const P& p, C c, float& grad) {
+    using T = typename P::value_type;
+    const float zb = __fadd_rn(z, p.lin(c));
+    const float s0 = sigmoid_of<P::kFast>(zb);
+    grad = s0 + zb * s0 * (1.0f - s0);
+    const float s = eager_round<T, kEagerRounding>(s0);
     return eager_round<T, kEagerRounding>(
-        __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), load_or(p.extra_bias, c, 0.0f)));
+        __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), p.extra(c)));
   }
-  template <typename T>
-  __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {
-    return swish_grad(z + load_or(p.lin_bias, c, 0.0f));
+  template <typename P, typename C>
+  __device__ static float pre(float z, const P& p, C c) {
+    float unused;
+    return pre_with_grad(z, p, c, unused);
+  }
+  template <typename P, typename C>
+  __device__ static float pre_grad(float z, const P& p, C c) {
+    float grad;
+    pre_with_grad(z, p, c, grad);
+    return grad;
   }
 };
 
@@ -89,30 +135,37 @@ struct ChainGNSwishMulSwish {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = 3;
-  template <typename T>
-  __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return __fadd_rn(z, load_or(p.lin_bias, c, 0.0f));
+  template <typename P, typename C>
+  __device__ static float pre_with_grad(float z, const P& p, C c, float& grad) {
+    grad = 1.0f;
+    return __fadd_rn(z, p.lin(c));
   }
-  template <typename T>
-  __device__ static float pre_grad(float, const ColumnVectors<T>&, i64) { return 1.0f; }
-  template <typename T>
-  __device__ static float post(float yh, const ColumnVectors<T>& p, i64 c) {
+  template <typename P, typename C>
+  __device__ static float pre(float z, const P& p, C c) {
+    return __fadd_rn(z, p.lin(c));
+  }
+  template <typename P, typename C>
+  __device__ static float pre_grad(float, const P&, C) { return 1.0f; }
+  template <typename P, typename C>
+  __device__ static float post(float yh, const P& p, C c) {
+    using T = typename P::value_type;
     const float g = eager_round<T, kEagerRounding>(yh);
     const float a = eager_round<T, kEagerRounding>(
-        __fmul_rn(g, eager_round<T, kEagerRounding>(sigmoidf(g))));
-    const float m = eager_round<T, kEagerRounding>(a * to_float(p.mul_weight[c]));
-    return __fmul_rn(m, eager_round<T, kEagerRounding>(sigmoidf(m)));
+        __fmul_rn(g, eager_round<T, kEagerRounding>(sigmoid_of<P::kFast>(g))));
+    const float m = eager_round<T, kEagerRounding>(a * p.mul(c));
+    return __fmul_rn(m, eager_round<T, kEagerRounding>(sigmoid_of<P::kFast>(m)));
   }
   // a = swish(y^), m = a * w, y = swish(m):  dm = dy swish'(m),
   // d(w) += dm * a,  dy^ = dm * w * swish'(y^).
-  template <typename T>
-  __device__ static float post_backward(float yh, float dy, const ColumnVectors<T>& p, i64 c,
-                                        float& mul_grad) {
-    const float w = to_float(p.mul_weight[c]);
-    const float a = swishf(yh);
-    const float dm = dy * swish_grad(a * w);
+  template <typename P, typename C>
+  __device__ static float post_backward(float yh, float dy, const P& p, C c, float& mul_grad) {
+    const float w = p.mul(c);
+    float da, dmm;
+    const float a = swish_and_grad<P::kFast>(yh, da);
+    swish_and_grad<P::kFast>(a * w, dmm);
+    const float dm = dy * dmm;
     mul_grad = dm * a;
-    return dm * w * swish_grad(yh);
+    return dm * w * da;
   }
 };
 
@@ -124,24 +177,38 @@ struct ChainBiasHardtanhMishGN : PostIdentity {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
-  template <typename T>
-  __device__ static float pre(float z, const ColumnVectors<T>& p, i64 c) {
-    return eager_round<T, kEagerRounding>(mishf(hardtanhf(eager_round<T, kEagerRounding>(
-        __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f))))));
+  // Pre and its derivative sharing mish's tanh(softplus) (the derivative
+  // at the unrounded sum, as eager's backward takes it).
+  template <typename P, typename C>
+  __device__ static float pre_with_grad(float z, const P& p, C c, float& grad) {
+    using T = typename P::value_type;
+    const float u = __fadd_rn(__fadd_rn(z, p.lin(c)), p.extra(c));
+    float mg;
+    const float m = mish_and_grad<P::kFast>(hardtanhf(eager_round<T, kEagerRounding>(u)), mg);
+    if (kEagerRounding) mish_and_grad<P::kFast>(hardtanhf(u), mg);
+    grad = hardtanh_grad(u) * mg;
+    return eager_round<T, kEagerRounding>(m);
   }
-  template <typename T>
-  __device__ static float pre_grad(float z, const ColumnVectors<T>& p, i64 c) {
-    const float u =
-        __fadd_rn(__fadd_rn(z, load_or(p.lin_bias, c, 0.0f)), load_or(p.extra_bias, c, 0.0f));
-    return hardtanh_grad(u) * mish_grad(hardtanhf(u));
+  template <typename P, typename C>
+  __device__ static float pre(float z, const P& p, C c) {
+    float unused;
+    return pre_with_grad(z, p, c, unused);
+  }
+  template <typename P, typename C>
+  __device__ static float pre_grad(float z, const P& p, C c) {
+    float grad;
+    pre_with_grad(z, p, c, grad);
+    return grad;
   }
 };
 
-template <typename T>
-__device__ __forceinline__ ColumnVectors<T> column_vectors(const T* lin_bias, const T* extra_bias,
-                                                           const T* gn_weight, const T* gn_bias,
-                                                           const T* mul_weight) {
-  ColumnVectors<T> p;
+template <typename T, bool kFast = false>
+__device__ __forceinline__ ColumnVectors<T, kFast> column_vectors(const T* lin_bias,
+                                                                  const T* extra_bias,
+                                                                  const T* gn_weight,
+                                                                  const T* gn_bias,
+                                                                  const T* mul_weight) {
+  ColumnVectors<T, kFast> p;
   p.lin_bias = lin_bias;
   p.extra_bias = extra_bias;
   p.gn_weight = gn_weight;

@@ -262,3 +262,113 @@ def test_linear_gn_chain_under_autocast(chain, amp, device):
 
     errors = _op_errors(ours, ref, inputs, amp)
     assert not worse_than_eager(errors, amp), errors
+
+
+# ---------------------------------------------------------------- the autocast linear op
+#
+# ops.linear / linear_gn_chain / GemmAddRelu under autocast run one node
+# (cupy_fused::linear_autocast) whose backward writes x's and W's gradients
+# in their own dtypes straight from cuBLAS (aten::mm.dtype, float32 output
+# from float16 / bfloat16 operands), where autograd's casts would round them
+# to the autocast dtype and cast them back.
+
+@pytest.mark.parametrize("amp", AMP, ids=str)
+def test_mm_to_writes_float32_from_cublas(amp, device):
+    from cupy_fused.ops import gemm as G
+
+    assert G.MM_OUT_DTYPE, "this torch has no aten::mm.dtype: the backward casts (fallback)"
+    a, b = _rand(130, 300, dtype=amp), _rand(300, 70, dtype=amp, seed=1)
+    out = G.mm_to(a, b, torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.ops.aten.mm.dtype(a, b, torch.float32))
+    truth = a.double() @ b.double()
+    assert rel_error(out, truth) <= rel_error((a @ b).float(), truth)  # no rounding to amp
+
+
+def _no_cast_nodes(y):
+    seen, stack = set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        assert type(node).__name__ != "ToCopyBackward0", "a cast node in the backward graph"
+        stack.extend(n for n, _ in node.next_functions)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("amp", AMP, ids=str)
+def test_autocast_linear_is_f_linears_product_with_own_dtype_gradients(amp, with_bias, device):
+    """Float32 x, W, bias: F.linear's output under autocast bit for bit
+    (the same cuBLAS call on the same casts); gradients float32 with no cast
+    node, errors within 1.5x eager's against float64."""
+    x, w, b = _rand(256, 512), _rand(128, 512, seed=1) * 0.05, _rand(128, seed=2)
+    inputs = [x, w, b] if with_bias else [x, w]
+    with _autocast(amp), torch.no_grad():
+        assert torch.equal(ops.linear(*inputs), F.linear(*inputs))
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    with _autocast(amp):
+        y = ops.linear(*leaves)
+    assert y.dtype == amp
+    _no_cast_nodes(y)
+    y.backward(torch.ones_like(y))
+    assert all(t.grad.dtype == torch.float32 for t in leaves)
+    errors = _op_errors(lambda *t: ops.linear(*t), F.linear, inputs, amp)
+    assert not worse_than_eager(errors, amp), errors
+
+
+@pytest.mark.parametrize("amp", AMP, ids=str)
+def test_autocast_linear_compiles(amp, device):
+    x, w, b = _rand(64, 96), _rand(48, 96, seed=1) * 0.2, _rand(48, seed=2)
+    g = _rand(64, 48, dtype=amp, seed=3)
+    results = []
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: ops.linear(*t), fullgraph=True)
+    for fn in (lambda *t: ops.linear(*t), compiled):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        with _autocast(amp):
+            y = fn(*leaves)
+        y.backward(g)
+        results.append((y.detach(), [t.grad for t in leaves]))
+    (y0, g0), (y1, g1) = results
+    assert y1.dtype == y0.dtype == amp and torch.equal(y1, y0)
+    for a, c in zip(g0, g1):
+        assert c.dtype == a.dtype == torch.float32 and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("problem", [p for p in PROBLEMS if p != 1])
+def test_gemm_models_under_autocast_have_no_cast_nodes(problem, device):
+    """Float32 models: the GEMM's node takes x and W themselves (their
+    casts are its own business), the chains' vectors are float32 already."""
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    _, ours = build_pair(problem, args, device, torch.float32)
+    x = torch.rand(shape, device=device, requires_grad=True)
+    with _autocast(torch.bfloat16):
+        y = ours(x)
+    _no_cast_nodes(y)
+    y.backward(torch.ones_like(y))
+    assert x.grad.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in ours.parameters())
+
+
+def test_problem_76_training_peak_under_autocast_is_at_most_the_references(device):
+    """The backward writes float32 gradients once, where the reference holds
+    each in bfloat16 and float32 at once."""
+    ref, ours = build_pair(76, (1024, 2048, (2048,)), device, torch.float32)
+    x = torch.rand(512, 1024, device=device)
+    g = torch.randn(512, 2048, device=device)
+    peaks = []
+    for model in (ref, ours):
+        for step in range(2):  # the first allocates what persists (cuBLAS workspaces)
+            for p in model.parameters():
+                p.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            with _autocast(torch.bfloat16):
+                y = model(x)
+            y.backward(g)
+            del y
+            torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated(device) - base)
+    assert peaks[1] <= peaks[0], peaks

@@ -488,3 +488,147 @@ def test_half_precision_takes_the_cublas_path(dtype, device):
     assert (y.double() - truth).abs().max() <= eager_err  # the bias is added before rounding
     y = ops.linear(x.requires_grad_(True), w, b, activation="relu")
     assert y.grad_fn is not None and torch.equal(y.detach(), torch._addmm_activation(b, x, w.t()))
+
+
+# ---------------------------------------------------------------- autocast op (CPU tier)
+#
+# ``ops.linear`` under autocast (here with autocast_dtype patched, on CPU
+# tensors: the same torch ops; the float32-output GEMM, aten::mm.dtype, has
+# a CUDA kernel only, so mm_to takes its fallback here, the product in the
+# autocast dtype then cast, which is what autograd's casts give).
+
+def _graph_nodes(t):
+    """Names of every autograd node reachable from ``t``."""
+    seen, stack, names = set(), [t.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+def test_mm_to_writes_the_requested_dtype():
+    assert G.MM_OUT_DTYPE == hasattr(torch.ops.aten.mm, "dtype")
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 7, generator=gen).bfloat16()
+    b = torch.randn(7, 3, generator=gen).bfloat16()
+    assert torch.equal(G.mm_to(a, b, torch.bfloat16), a @ b)
+    out = G.mm_to(a, b, torch.float32)  # CPU: the fallback
+    assert out.dtype == torch.float32 and torch.equal(out, (a @ b).float())
+    assert torch.equal(G.mm_to(a, b, torch.float64), (a @ b).double())
+    if G.MM_OUT_DTYPE:  # the call mm_to makes on CUDA, as the installed torch's schema has it
+        meta = torch.mm(a.to("meta"), b.to("meta"), out_dtype=torch.float32)
+        assert meta.dtype == torch.float32 and meta.shape == (5, 3)
+
+
+@pytest.mark.parametrize("x_dims", [2, 3])
+@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=str)
+def test_linear_under_autocast_is_one_node_with_float32_gradients(
+        amp, with_bias, activation, x_dims, past_device_check, monkeypatch):
+    """Float32 x, W, bias under autocast: the output is F.linear's on the
+    casts (the same addmm / mm), the gradients float32 from one node whose
+    next functions are the leaves (no cast nodes), x's and W's equal to
+    autograd's casts' (bitwise here: the fallback computes what they do),
+    the bias's summed in float32; the node saves the casts."""
+    monkeypatch.setattr(G, "autocast_dtype", lambda: amp)
+    gen = torch.Generator().manual_seed(6)
+    shape = (7, 33) if x_dims == 2 else (2, 4, 33)
+    x = torch.rand(shape, generator=gen) - 0.5
+    w, b = torch.randn(19, 33, generator=gen), torch.randn(19, generator=gen)
+    dy = torch.randn(shape[:-1] + (19,), generator=gen).to(amp)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)][:3 if with_bias else 2]
+    y = ops.linear(*leaves, activation=activation)
+    ref = [t.clone().requires_grad_(True) for t in (x, w, b)][:3 if with_bias else 2]
+    y_ref = torch.nn.functional.linear(*[t.to(amp) for t in ref])
+    y_ref = torch.relu(y_ref) if activation else y_ref
+    assert y.dtype == amp and torch.equal(y, y_ref)
+    assert "ToCopyBackward0" not in _graph_nodes(y)
+    if activation is None and x_dims == 2:  # x's cast saved, W's kept for one use
+        assert [t.dtype for t in y.grad_fn.saved_tensors] == [amp]
+    y.backward(dy)
+    y_ref.backward(dy)
+    for ours, theirs in zip(leaves, ref):
+        assert ours.grad.dtype == torch.float32
+    assert torch.equal(leaves[0].grad, ref[0].grad) and torch.equal(leaves[1].grad, ref[1].grad)
+    if with_bias:
+        exact = dy.double().reshape(-1, 19) * (y > 0).reshape(-1, 19) if activation else \
+            dy.double().reshape(-1, 19)
+        torch.testing.assert_close(leaves[2].grad, exact.sum(0).float())
+
+
+def test_linear_under_autocast_keeps_half_operands_and_their_dtypes(past_device_check,
+                                                                   monkeypatch):
+    """A bfloat16 input meeting float32 parameters: x's gradient in bfloat16,
+    W's in float32; a bfloat16 operand is saved itself, not copied."""
+    monkeypatch.setattr(G, "autocast_dtype", lambda: torch.bfloat16)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 16, generator=gen).bfloat16().requires_grad_(True)
+    w = torch.randn(8, 16, generator=gen).requires_grad_(True)
+    y = ops.linear(x, w)
+    (saved_x,) = y.grad_fn.saved_tensors
+    assert saved_x.data_ptr() == x.data_ptr()
+    y.backward(torch.ones_like(y))
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, (torch.ones(6, 8).bfloat16().t() @ x.detach()).float())
+    with pytest.raises(TypeError, match="bias must have dtype torch.bfloat16, got torch.int64"):
+        ops.linear(x, w, torch.ones(8, dtype=torch.int64))
+
+
+def test_autocast_linear_retained_graph_recasts_the_weight(past_device_check, monkeypatch):
+    """The weight's cast is dropped by the first backward (before dW is
+    allocated); a second backward through a retained graph recasts it, and
+    refuses if the weight changed in place meanwhile."""
+    monkeypatch.setattr(G, "autocast_dtype", lambda: torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 12, generator=gen).requires_grad_(True)
+    w = torch.randn(4, 12, generator=gen).requires_grad_(True)
+    y = ops.linear(x, w)
+    g = torch.randn(5, 4, generator=gen).bfloat16()
+    y.backward(g, retain_graph=True)
+    first = (x.grad.clone(), w.grad.clone())
+    y.backward(g, retain_graph=True)
+    assert torch.equal(x.grad, 2 * first[0]) and torch.equal(w.grad, 2 * first[1])
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(g)
+
+
+def test_autocast_linear_without_bias_gradient(past_device_check):
+    """bias_grad=False (linear_gn_chain's GEMM): the bias is in the product,
+    its gradient left to the caller."""
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(5, 12, generator=gen), torch.randn(4, 12, generator=gen)
+    b = torch.randn(4, generator=gen).requires_grad_(True)
+    x.requires_grad_(True)
+    z = G.run_autocast_linear(x, w, b, torch.bfloat16, bias_grad=False)
+    assert torch.equal(z, torch.addmm(b.detach().bfloat16(), x.detach().bfloat16(),
+                                      w.bfloat16().t()))
+    z.sum().backward()
+    assert b.grad is None and x.grad.dtype == torch.float32 and w.grad is None
+
+
+def test_autocast_linear_traces_under_compile(past_device_check, monkeypatch):
+    """fullgraph torch.compile (the registered custom ops): eager's output
+    and gradients, bit for bit."""
+    monkeypatch.setattr(G, "autocast_dtype", lambda: torch.bfloat16)
+    gen = torch.Generator().manual_seed(10)
+    x, w, b = torch.randn(9, 24, generator=gen), torch.randn(16, 24, generator=gen), \
+        torch.randn(16, generator=gen)
+    dy = torch.randn(9, 16, generator=gen).bfloat16()
+    eager = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = ops.linear(*eager)
+    y.backward(dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: ops.linear(*t), backend="aot_eager", fullgraph=True)
+    traced = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y2 = compiled(*traced)
+    y2.backward(dy)
+    assert torch.equal(y2, y)
+    for a, c in zip(eager, traced):
+        assert c.grad.dtype == torch.float32 and torch.equal(a.grad, c.grad)

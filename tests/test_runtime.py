@@ -22,7 +22,7 @@ def test_every_kernel_file_has_declared_instantiations():
     table = _runtime.declared()
     files = _runtime.source_files()
     assert set(files) == {"smoke.cu", "bias_relu.cu", "column_reduce.cu", "gn_chain.cu",
-                          "gn_chain_eager.cu", "gn_chain_amp.cu", "gemm_tf32.cu", "gemm_tf32_gn.cu"}
+                          "gn_chain_eager.cu", "gn_chain_amp.cu", "gn_chain_vec.cu", "gemm_tf32.cu", "gemm_tf32_gn.cu"}
     for name in files:
         assert table.get(name), f"{name} has no declared instantiation"
 

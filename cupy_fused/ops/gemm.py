@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _bridge, _runtime
-from .._amp import autocast_dtype, cast
+from .._amp import autocast_dtype
 from .._autograd import FusedOp, is_compiling, keep_output, needs_grad, take_output
 from .._validation import check_like, check_tensor, check_vector
 from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, ptr_or_null, sm_count
@@ -478,6 +478,160 @@ _CUBLAS_RELU = FusedOp("linear_relu_cublas", _cublas_relu_forward, _cublas_relu_
                        eager_setup_context=_cublas_relu_eager_setup_context)
 
 
+# ---------------------------------------------------------------- autocast
+
+# cuBLAS products of float16 / bfloat16 operands written straight to float32
+# (``aten::mm.dtype``: ``torch.mm(a, b, out_dtype=torch.float32)``, CUDA
+# only, torch >= 2.8; cuBLAS accumulates in float32 either way, and this
+# only skips the rounding to the half dtype).  Without it the product is
+# rounded to the operands' dtype, then cast: the same values to that
+# rounding, one more kernel.
+MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+# torch refuses float16 operands with a float32 result when cuBLAS may
+# accumulate in float16 (torch.backends.cuda.matmul.allow_fp16_accumulation).
+_fp16_accumulation = getattr(torch._C, "_get_cublas_allow_fp16_accumulation", lambda: False)
+
+
+def mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (2-D, one dtype) with its result in ``dtype``: written
+    directly by cuBLAS when ``dtype`` is float32 and the operands float16 /
+    bfloat16 on CUDA (:data:`MM_OUT_DTYPE`), else the product in the
+    operands' dtype cast to ``dtype``."""
+    if dtype == a.dtype:
+        return torch.mm(a, b)
+    if (MM_OUT_DTYPE and dtype == torch.float32 and a.is_cuda
+            and not (a.dtype == torch.float16 and _fp16_accumulation())):
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b).to(dtype)
+
+
+def _autocast_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      x_d: torch.Tensor, w_d: torch.Tensor,
+                      bias_d: Optional[torch.Tensor]) -> torch.Tensor:
+    # x, weight, bias: what the gradients go to (their dtypes); the product
+    # reads their casts, as nn.Linear's under autocast: the same cuBLAS call.
+    if bias_d is None:
+        return torch.mm(x_d, w_d.t())
+    return torch.addmm(bias_d, x_d, w_d.t())
+
+
+def _autocast_forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                           x_d: torch.Tensor, w_d: torch.Tensor,
+                           bias_d: Optional[torch.Tensor]) -> torch.Tensor:
+    return x_d.new_empty((x_d.shape[0], w_d.shape[0]))
+
+
+def autocast_linear_backward(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
+                             x_dtype: torch.dtype, weight_dtype: torch.dtype,
+                             bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
+                             want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``x_d W_d^T + bias_d`` (operands cast from x, W, bias):
+    (dx, dW, dbias) in x's, W's and the bias's own dtypes, each written by
+    its product / sum (:func:`mm_to`; the column sum accumulates in
+    float32), with no cast kernels; each is empty when not wanted."""
+    dz = dz.contiguous()  # also materialises a broadcast gradient
+    # The bias gradient first (see cublas_relu_backward).
+    dbias = dz.sum(0, dtype=bias_dtype) if want_bias else dz.new_empty((0,))
+    dx = mm_to(dz, w_d, x_dtype) if want_x else dz.new_empty((0,))
+    dw = mm_to(dz.t(), x_d, weight_dtype) if want_weight else dz.new_empty((0,))
+    return dx, dw, dbias
+
+
+def _autocast_backward_fake(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
+                            x_dtype: torch.dtype, weight_dtype: torch.dtype,
+                            bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
+                            want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (x_d.new_empty(x_d.shape if want_x else (0,), dtype=x_dtype),
+            w_d.new_empty(w_d.shape if want_weight else (0,), dtype=weight_dtype),
+            dz.new_empty((w_d.shape[0],) if want_bias else (0,), dtype=bias_dtype))
+
+
+def _autocast_setup_context(ctx, inputs, output):
+    x, weight, bias, x_d, w_d, _ = inputs
+    # The casts, as autocast's own nn.Linear saves them (not x and W).
+    ctx.save_for_backward(x_d, w_d)
+    ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
+    ctx.has_bias = bias is not None
+
+
+def _autocast_eager_setup_context(ctx, inputs, output):
+    # Eager: the weight's cast is kept for one use (as keep_output keeps an
+    # output), so that the backward drops it after dX and before dW, the
+    # largest tensor of the step, is allocated: the reference's autograd
+    # frees its own cast there too (MmBackward's saved tensors go before the
+    # cast back to float32 runs).
+    x, weight, bias, x_d, w_d, _ = inputs
+    ctx.save_for_backward(x_d)
+    ctx.kept_w_d, ctx.weight, ctx.weight_version = w_d, weight, weight._version
+    ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
+    ctx.has_bias = bias is not None
+
+
+def _take_weight_cast(ctx) -> torch.Tensor:
+    """The weight's cast kept by the eager setup, which the node then no
+    longer holds; recast from the weight for a second backward through a
+    retained graph (refused, as autograd refuses, if the weight changed in
+    place since the forward)."""
+    w_d, ctx.kept_w_d = ctx.kept_w_d, None
+    if w_d is not None:
+        return w_d
+    if ctx.weight._version != ctx.weight_version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: the weight of cupy_fused::linear_autocast is at version "
+            f"{ctx.weight._version}; expected version {ctx.weight_version} instead")
+    return ctx.weight.detach().to(ctx.saved_tensors[0].dtype)
+
+
+def _autocast_backward_formula(ctx, grads, run_backward):
+    want = ctx.needs_input_grad
+    want_bias = ctx.has_bias and want[2]
+    if hasattr(ctx, "kept_w_d"):  # eager (see _autocast_eager_setup_context)
+        (x_d,) = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dz = grads[0].contiguous()
+        dbias = dz.sum(0, dtype=b_dtype) if want_bias else None
+        w_d = _take_weight_cast(ctx)
+        dx = mm_to(dz, w_d, x_dtype) if want[0] else None
+        del w_d  # before dW exists
+        dw = mm_to(dz.t(), x_d, w_dtype) if want[1] else None
+        return dx, dw, dbias, None, None, None
+    x_d, w_d = ctx.saved_tensors
+    dx, dw, dbias = run_backward(grads[0], x_d, w_d, *ctx.dtypes, want[0], want[1], want_bias)
+    return (dx if want[0] else None, dw if want[1] else None, dbias if want_bias else None,
+            None, None, None)
+
+
+# nn.Linear under torch.autocast("cuda", dtype=d), without the casts'
+# autograd nodes: inputs x, W, bias (any float dtypes; they receive the
+# gradients) and their casts to d (no gradient; the product reads them),
+# output z in d.  The backward writes dX, dW and dbias in x's, W's and the
+# bias's dtypes straight from cuBLAS (mm_to), where autograd's casts would
+# produce them in d and cast them back, one more kernel each (problem 76's
+# weight gradient, 8192 x 8192: ~0.13 ms of an H100 per step) and both
+# copies alive at once.  It saves the casts, as the reference does.
+_LINEAR_AUTOCAST = FusedOp("linear_autocast", _autocast_forward, _autocast_forward_fake,
+                           _autocast_setup_context, _autocast_backward_formula,
+                           autocast_linear_backward, _autocast_backward_fake,
+                           eager_setup_context=_autocast_eager_setup_context)
+
+
+def run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        dtype: torch.dtype, bias_grad: bool = True) -> torch.Tensor:
+    """``F.linear(x2, weight, bias)`` under ``torch.autocast("cuda",
+    dtype=dtype)``, on operands already checked (x2 [M, K], weight [N, K],
+    bias (N,) flat or None; any float dtypes, one device): the product in
+    ``dtype`` (bias in cuBLAS's epilogue), gradients in each tensor's own
+    dtype (:data:`_LINEAR_AUTOCAST`).  ``bias_grad=False``: the bias is
+    added but gets no gradient from this op (a caller computes it)."""
+    x_d = x2.detach().to(dtype)  # (.to returns the tensor itself when already in dtype)
+    w_d = weight.detach().to(dtype)
+    bias_d = bias.detach().to(dtype) if bias is not None else None
+    if not bias_grad:
+        bias = None
+    return _LINEAR_AUTOCAST.run(needs_grad(x2, weight, bias), x2, weight, bias, x_d, w_d, bias_d)
+
+
 def linear(x, weight, bias=None, activation: Optional[str] = None,
            precision: Optional[str] = None):
     """``act(x @ weight.T + bias)``, like ``torch.nn.functional.linear``
@@ -491,7 +645,9 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
 
     Under ``torch.autocast("cuda", dtype=d)``, as ``F.linear`` there: x,
     weight and bias (any float dtypes) are cast to d, the product runs in d
-    and returns d; gradients come back in each tensor's own dtype.
+    (cuBLAS; the ReLU after it) and returns d; gradients come back in each
+    tensor's own dtype, written so by the backward's products
+    (:func:`run_autocast_linear`).
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(linear, "x", x, weight, bias, activation, precision)
@@ -502,23 +658,28 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     amp = autocast_dtype()
     if amp is not None:
         check_like("weight", weight, x, "x", weight.dtype)  # the device
-        x, weight, bias = cast(x, amp), cast(weight, amp), cast(bias, amp)
     else:
         check_like("weight", weight, x, "x")
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x must have {k} features (weight is [{n}, {k}]) in its last "
                          f"dimension, got shape {tuple(x.shape)}")
-    bias = check_vector("bias", bias, n, x, "x")
+    if amp is not None:  # any float dtype (cast to amp by the op)
+        bias = check_vector("bias", bias, n, x, "x", dtype=(
+            bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else amp))
+    else:
+        bias = check_vector("bias", bias, n, x, "x")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or 'relu', got {activation!r}")
     act, precision = ACTIVATIONS[activation], resolve_precision(precision)
-    if x.dim() == 2:  # no reshape: a view is one more autograd node per call
-        return run_linear(x, weight, bias, act, precision)
-    lead = x.shape[:-1]
-    y = run_linear(x.reshape(lead.numel(), k),  # not -1: that is ambiguous when k == 0
-                   weight, bias, act, precision)
-    return y.reshape(*lead, n)
+    x2 = x if x.dim() == 2 else x.reshape(x.shape[:-1].numel(), k)  # (not -1: k may be 0)
+    if amp is not None:
+        y = run_autocast_linear(x2, weight, bias, amp)
+        if act:  # relu(F.linear(x, weight, bias)) in amp, as the reference
+            y = y.relu_()
+    else:  # (2-D x: no reshape, a view is one more autograd node per call)
+        y = run_linear(x2, weight, bias, act, precision)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
 def uses_cublas(dtype: torch.dtype, precision: str, device_index: int) -> bool:

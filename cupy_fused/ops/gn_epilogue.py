@@ -107,20 +107,100 @@ EAGER_ROUNDING_KERNELS = _runtime.KernelFamily("gn_chain_eager.cu", {
 })
 
 
-# Keyed as KERNELS by z's dtype (float16 / bfloat16); the output, its
-# gradient and the vectors are float32 (autocast).
+# The vectorised kernels (``gn_chain_forward_vec`` / ``gn_chain_backward_vec``
+# in gn_chain.cuh): every access 8 to 32 bytes wide, where the shape and
+# alignment allow (:func:`vector_shape`); the kernels above take the rest.
+# Forward keyed by ("forward_vec", dtype, chain, vectors per lane), backward
+# by ("backward_vec", dtype, chain, values per vector).
+VECS_PER_LANE = (1, 2)
+
+
+def _vec_values(dtype: torch.dtype) -> int:
+    """Values per vector: 16 bytes of z."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _vec_exprs(dtypes, out_dtype: Optional[torch.dtype]) -> Dict[tuple, str]:
+    exprs = {}
+    for d in dtypes:
+        out = "" if out_dtype is None else f", {cxx_type(out_dtype)}"
+        for c in CHAINS:
+            kind = CHAINS[c].type(False)
+            e = _vec_values(d)
+            for n in VECS_PER_LANE:
+                exprs[("forward_vec", d, c, n)] = (
+                    f"cf::gn_chain_forward_vec<{cxx_type(d)}, {kind}, {e}, {n}{out}>")
+            exprs[("backward_vec", d, c, BACKWARD_VEC_VALUES[d])] = (
+                f"cf::gn_chain_backward_vec<{cxx_type(d)}, {kind}, {BACKWARD_VEC_VALUES[d]}{out}>")
+    return exprs
+
+
+# Values per vector in the backward: 4 (8 bytes of a half z), which holds
+# its per-value state and per-column sums in registers.
+BACKWARD_VEC_VALUES = {torch.float32: 4, torch.float16: 4, torch.bfloat16: 4}
+
+VEC_KERNELS = _runtime.KernelFamily("gn_chain_vec.cu", _vec_exprs(FLOAT_DTYPES, None))
+
+# Keyed as KERNELS and VEC_KERNELS by z's dtype (float16 / bfloat16); the
+# output, its gradient and the vectors are float32 (autocast).
 AMP_KERNELS = _runtime.KernelFamily("gn_chain_amp.cu", {
-    (k, d, c, v): _expr(k, d, c, v, False, torch.float32)
-    for k in ("forward", "backward") for d in HALF_DTYPES for c in CHAINS for v in VALS_PER_LANE
+    **{(k, d, c, v): _expr(k, d, c, v, False, torch.float32)
+       for k in ("forward", "backward") for d in HALF_DTYPES for c in CHAINS
+       for v in VALS_PER_LANE},
+    **_vec_exprs(HALF_DTYPES, torch.float32),
 })
 
 
-def _family(dtype: torch.dtype, eager_rounding: bool, float_out: bool) -> _runtime.KernelFamily:
+def _family(dtype: torch.dtype, eager_rounding: bool, float_out: bool,
+            vec: bool = False) -> _runtime.KernelFamily:
+    if float_out and dtype != torch.float32:
+        return AMP_KERNELS
+    if vec:
+        return VEC_KERNELS
     if dtype == torch.float32:
         return KERNELS
-    if float_out:
-        return AMP_KERNELS
     return EAGER_ROUNDING_KERNELS if eager_rounding else KERNELS
+
+
+# The vectorised backward sums each column in float over its chunk's rows:
+# at most this many, so that the sum stays well inside float's accuracy
+# (the chunks are then summed in double).
+VEC_MAX_ROWS_PER_CHUNK = 256
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def vector_shape(dtype: torch.dtype, channels_per_group: int,
+                 backward: bool) -> Optional[Tuple[int, int]]:
+    """(team lanes, vectors per lane (forward) or values per vector
+    (backward)) of the vectorised kernels for this group width, or None
+    where they do not apply: the width not a multiple of the vector, or
+    wider than a team holds (the forward's lanes take up to 2 vectors each,
+    the backward's one)."""
+    values = BACKWARD_VEC_VALUES[dtype] if backward else _vec_values(dtype)
+    if channels_per_group % values:
+        return None
+    vectors = channels_per_group // values
+    if backward:
+        return (_next_pow2(vectors), values) if vectors <= 32 else None
+    # Two vectors per lane once there are more than 4: two loads in flight
+    # per lane and half the shuffle steps per group (for 4 or fewer, teams
+    # of 2 lanes measured slower than teams of 4 with one vector each).
+    per_lane = 1 if vectors <= 4 else 2
+    if vectors > 32 * per_lane:
+        return None
+    return _next_pow2(-(-vectors // per_lane)), per_lane
+
+
+def aligned(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether every tensor given starts on 16 bytes (the vector kernels'
+    wide accesses)."""
+    for t in tensors:
+        if t is not None and t.data_ptr() % 16:
+            return False
+    return True
 
 
 # Whether eager PyTorch's CUDA GroupNorm, on float16 / bfloat16 input,
@@ -163,9 +243,10 @@ def forward_team_shape(channels_per_group: int) -> Tuple[int, int]:
 
 
 # Launch plans per (rows, channels, num_groups, dtype, chain, eager_rounding,
-# float output, device index): what a launch derives from the shapes alone (kernel, grid,
-# team), worked out on a shape's first call instead of on every call (the
-# half-precision training steps are as long as their host work).
+# float output, operands aligned, device index): what a launch derives from
+# the shapes alone (kernel, grid, team), worked out on a shape's first call
+# instead of on every call (the half-precision training steps are as long as
+# their host work).
 _PLANS_KEPT = 512
 _forward_plans: Dict[tuple, tuple] = {}
 _backward_plans: Dict[tuple, tuple] = {}
@@ -187,18 +268,39 @@ def _keep(plans: Dict[tuple, tuple], key: tuple, plan: tuple) -> tuple:
 
 def _forward_plan(key: tuple) -> tuple:
     """(kernel, grid, team, eager-rounding family) of a forward launch."""
-    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, dev = key
-    team, vals = forward_team_shape(channels // num_groups)
-    family = _family(dtype, eager_rounding, float_out)
+    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, is_aligned, dev = key
+    rounds = eager_rounding and dtype != torch.float32 and not float_out
+    shape = None if rounds or not is_aligned else vector_shape(dtype, channels // num_groups,
+                                                               False)
+    if shape is not None:
+        team, per_lane = shape
+        fn = _family(dtype, False, float_out, True).get(("forward_vec", dtype, chain, per_lane),
+                                                        dev)
+    else:
+        team, vals = forward_team_shape(channels // num_groups)
+        fn = _family(dtype, eager_rounding, float_out).get(("forward", dtype, chain, vals), dev)
     return _keep(_forward_plans, key, (
-        family.get(("forward", dtype, chain, vals), dev),
-        elementwise_grid(rows * num_groups * team, dev), team,
-        family is EAGER_ROUNDING_KERNELS))
+        fn, elementwise_grid(rows * num_groups * team, dev), team, rounds))
 
 
 def _backward_plan(key: tuple) -> tuple:
     """(kernel, grid x, row chunks, rows per chunk, team) of a backward launch."""
-    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, dev = key
+    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, is_aligned, dev = key
+    rounds = eager_rounding and dtype != torch.float32 and not float_out
+    shape = None if rounds or not is_aligned else vector_shape(dtype, channels // num_groups,
+                                                               True)
+    if shape is not None:
+        team, values = shape
+        grid_x = cdiv(num_groups, BLOCK // team)
+        chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
+        if rows_per_chunk > VEC_MAX_ROWS_PER_CHUNK:
+            chunks = min(65535, cdiv(rows, VEC_MAX_ROWS_PER_CHUNK))
+            rows_per_chunk = cdiv(rows, chunks)
+            chunks = cdiv(rows, rows_per_chunk)
+        if rows_per_chunk <= VEC_MAX_ROWS_PER_CHUNK:
+            fn = _family(dtype, False, float_out, True).get(
+                ("backward_vec", dtype, chain, values), dev)
+            return _keep(_backward_plans, key, (fn, grid_x, chunks, rows_per_chunk, team))
     team, vals = team_shape(channels // num_groups)
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
@@ -231,7 +333,8 @@ def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
                         device=z.device)
     if rows and channels:
         dev = z.device.index
-        key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out, dev)
+        key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out,
+               aligned(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
         fn, grid, team, rounds = _forward_plans.get(key) or _forward_plan(key)
         round_statistics = 0
         if rounds:
@@ -274,9 +377,10 @@ def launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
         return dz, torch.zeros((spec.grad_rows, channels), dtype=dout.dtype, device=z.device)
     dev = z.device.index
     float_out = dout.dtype != z.dtype
-    key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out, dev)
-    fn, grid_x, chunks, rows_per_chunk, team = _backward_plans.get(key) or _backward_plan(key)
     dy, dense = broadcast_or_dense(dout)
+    key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out,
+           aligned(z, dy, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
+    fn, grid_x, chunks, rows_per_chunk, team = _backward_plans.get(key) or _backward_plan(key)
     partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
     mean, rstd = stats_pointers(stats)
     _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (

@@ -37,8 +37,9 @@ take :func:`.gemm.linear` (cuBLAS) with the linear bias in its epilogue
 
 Under ``torch.autocast("cuda", dtype=d)``, as the reference: the GEMM in d
 (x, the weight and the linear bias cast to d, cuBLAS), the chain in float32
-(its vectors cast to float32), a float32 result; the casts' backward returns
-each gradient in its tensor's own dtype.
+(its vectors cast to float32), a float32 result; each gradient in its
+tensor's own dtype (x's and the weight's written so by the backward's
+products: :func:`.gemm.run_autocast_linear`).
 """
 from __future__ import annotations
 
@@ -238,9 +239,8 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
-    if amp is not None:
+    if amp is not None:  # x and weight in any float dtypes, cast to amp by the GEMM's op
         check_like("weight", weight, x, "x", weight.dtype)  # the device
-        x, weight = cast(x, amp), cast(weight, amp)
     else:
         check_like("weight", weight, x, "x")
     n, k = weight.shape
@@ -252,6 +252,15 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = gn_epilogue.check_chain_vectors(
         chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None)
     precision = gemm.resolve_precision(precision)
+    if amp is not None:
+        # The GEMM in amp on cuBLAS with the linear bias (detached, cast to
+        # amp) in its epilogue, x's and W's gradients written in their own
+        # dtypes by the backward's products (no cast kernels); the chain in
+        # float32 produces the linear bias's gradient.
+        z = gemm.run_autocast_linear(x, weight, lin_bias, amp, bias_grad=False)
+        return gn_epilogue.run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
+                                        gn_bias, mul_weight, eps, True, bool(eager_rounding),
+                                        True)
     cublas = gemm.uses_cublas(x.dtype, precision, x.device.index)
     if not cublas:
         x = x if x.is_contiguous() else x.contiguous()

@@ -9,9 +9,15 @@ the activation in float32).
 Dtypes follow torch's type promotion: a float16 / bfloat16 z with float32
 biases (the output of a GEMM or convolution under ``torch.autocast`` meeting
 float32 parameters) gives a float32 result, in one pass.
+
+The kernels read and write 16-byte vectors (8 half / 4 float values of z).
+Any tensor takes them: each kernel tests its pointers' alignment itself (a
+view such as ``z[1:]`` may start mid-vector) and moves misaligned data one
+value at a time, so no host-side check or second kernel is needed.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional, Tuple
 
@@ -21,8 +27,8 @@ from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, cast, promoted
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
-from ._common import (BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
-                      ptr_or_null, reduce_partials, row_chunks)
+from ._common import (BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, ptr_or_null,
+                      reduce_partials, sm_count)
 
 def _expr(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype, second_bias: bool) -> str:
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
@@ -39,6 +45,50 @@ KERNELS = _runtime.KernelFamily("bias_relu.cu", {
     for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs")
     for d, o in DTYPE_PAIRS for b in (False, True)
 })
+
+
+# The kernels move z and dz in 16-byte vectors: values per vector, by dtype.
+VECTOR = {d: 16 // d.itemsize for d in FLOAT_DTYPES}
+
+# The forward's lanes take 2 vectors each (kU in bias_relu.cu): elements
+# per block of BLOCK threads.  Its grid covers the tensor once (blocks come
+# and go as in torch's own elementwise kernels); the kernel's grid-stride
+# loop would take a smaller one too.
+_FORWARD_BLOCK_ELEMENTS = {d: BLOCK * 2 * v for d, v in VECTOR.items()}
+_MAX_GRID = 2**31 - 1
+
+# Blocks per SM the rows backward's registers are capped for, by z's dtype
+# (kRowsBlocksPerSm in bias_relu.cu): its grid is that many blocks per SM,
+# all resident at once.
+ROWS_BLOCKS_PER_SM = {torch.float32: 4, torch.float16: 3, torch.bfloat16: 3}
+
+
+def forward_grid(total: int, dtype: torch.dtype) -> int:
+    """Blocks of the forward for ``total`` elements of z (> 0)."""
+    return min(cdiv(total, _FORWARD_BLOCK_ELEMENTS[dtype]), _MAX_GRID)
+
+
+@functools.lru_cache(maxsize=256)
+def rows_launch(rows: int, channels: int, vector: int,
+                resident_blocks: int) -> Tuple[int, int, int, int]:
+    """Launch of ``bias_relu_backward_rows`` over [rows, channels] (both
+    > 0): (cols, grid_x, chunks, rows_per_chunk).
+
+    A thread owns ``vector`` consecutive channels; a block is ``cols``
+    such threads wide (a power of two, at most a warp: the channels of one
+    row in a warp's 16-byte accesses) and BLOCK // cols row groups deep,
+    which sum their rows together before the block writes one partial per
+    chunk.  The chunks (grid y) bring the grid to ``resident_blocks``, what
+    the GPU holds at once: fewer would leave it idle, more would add
+    partials (written, then read by reduce_partials) and a second wave.
+    Every chunk is non-empty."""
+    vectors = cdiv(channels, vector)
+    cols = min(32, 1 << (vectors - 1).bit_length())
+    grid_x = cdiv(vectors, cols)
+    groups = BLOCK // cols
+    chunks = max(1, min(cdiv(rows, groups), resident_blocks // grid_x, 65535))
+    rows_per_chunk = cdiv(rows, chunks)
+    return cols, grid_x, cdiv(rows, rows_per_chunk), rows_per_chunk
 
 
 def _inner(sizes: List[int], channels_last: bool) -> int:
@@ -61,7 +111,7 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
         dev = z.device.index
         inner = _inner(list(z.shape), _is_channels_last(z))
         fn = KERNELS.get(("bias_relu_forward", z.dtype, bias.dtype, bias2 is not None), dev)
-        _bridge.launch(fn, (elementwise_grid(words * 32, dev), 1, 1), BLOCK, (
+        _bridge.launch(fn, (forward_grid(total, z.dtype), 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), mask.data_ptr() if save_mask else 0, bias.data_ptr(),
             ptr_or_null(bias2), total, z.shape[1], inner), dev)
     return out, mask
@@ -97,13 +147,13 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         sums = torch.zeros((slots, channels), dtype=dout.dtype, device=dout.device)
     elif inner == 1:
         rows = total // channels
-        grid_x = cdiv(channels, BLOCK)
-        chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
+        cols, grid_x, chunks, rows_per_chunk = rows_launch(
+            rows, channels, VECTOR[z_dtype], sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
         partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
         fn = KERNELS.get(("bias_relu_backward_rows", z_dtype, dout.dtype, second_bias), dev)
         _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
-            channels, rows_per_chunk), dev)
+            channels, rows_per_chunk, cols), dev)
         sums = reduce_partials(partial, dout.dtype)
     else:
         batch = total // (channels * inner)

@@ -1,0 +1,277 @@
+"""bias_relu's vectorised kernels: launch arithmetic (CPU tier) and the
+vectors' edges on the GPU — sizes that are not a multiple of the vector,
+one row, NCHW slabs that start mid-vector, channel rows that cross mask
+words, views that start mid-vector, small grids — against torch in float64."""
+import math
+import re
+
+import pytest
+import torch
+
+from cupy_fused import _runtime, ops
+from cupy_fused.ops import relu_epilogue
+from cupy_fused.ops._common import BLOCK
+
+PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float16),
+         (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+         (torch.bfloat16, torch.float32)]
+
+
+def _pair_id(pair):
+    z, o = pair
+    return str(z).split(".")[1] + ("" if z == o else "-to-float32")
+
+
+# ---------------------------------------------------------------- CPU tier
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_forward_grid_covers_the_tensor_once(dtype):
+    """Two 16-byte vectors per thread: the grid covers every element, and one
+    block fewer would not."""
+    per_block = BLOCK * 2 * (16 // dtype.itemsize)
+    for total in (1, 7, 8, 31, 32, 33, per_block - 1, per_block, per_block + 1, 1024 * 8192,
+                  128 * 128 * 126 * 126, (1 << 31) + 1024):
+        blocks = relu_epilogue.forward_grid(total, dtype)
+        assert blocks * per_block >= total > (blocks - 1) * per_block
+
+
+def test_rows_launch_shapes():
+    """Blocks of cols (a power of two, at most a warp) channel vectors by
+    BLOCK // cols row groups; the channel vectors cover C once; chunks are
+    never empty; the grid stays within what the GPU holds at once unless a
+    single chunk already exceeds it."""
+    for vector in (4, 8):
+        for channels in (1, 3, 4, 5, 8, 9, 77, 96, 100, 128, 255, 256, 257, 8192, 65536):
+            for rows in (1, 2, 7, 9, 255, 1024, 32768, 2032128):
+                for resident in (1, 396, 528):
+                    cols, grid_x, chunks, per = relu_epilogue.rows_launch(
+                        rows, channels, vector, resident)
+                    vectors = math.ceil(channels / vector)
+                    assert cols & (cols - 1) == 0 and 1 <= cols <= 32 and BLOCK % cols == 0
+                    assert cols >= min(32, vectors)
+                    assert grid_x == math.ceil(vectors / cols)
+                    assert chunks * per >= rows > (chunks - 1) * per
+                    assert 1 <= chunks <= 65535
+                    assert grid_x * chunks <= max(resident, grid_x)
+                    assert chunks <= math.ceil(rows / (BLOCK // cols))
+
+
+def test_rows_launch_for_the_benchmark_shapes():
+    """Problem 76's [1024, 8192] on an H100 (132 SMs): one wave of resident
+    blocks, a few chunks, so that the float64 partials stay small next to
+    dy and dz."""
+    for dtype in (torch.float32, torch.float16):
+        resident = 132 * relu_epilogue.ROWS_BLOCKS_PER_SM[dtype]
+        cols, grid_x, chunks, per = relu_epilogue.rows_launch(
+            1024, 8192, relu_epilogue.VECTOR[dtype], resident)
+        assert cols == 32 and grid_x * chunks <= resident
+        assert chunks * 8192 * 8 < 1024 * 8192 * dtype.itemsize // 8
+
+
+def test_launch_constants_match_the_kernel_source():
+    """relu_epilogue.py mirrors two constants of bias_relu.cu: the forward's
+    vectors per lane and the rows kernel's blocks per SM."""
+    src = (_runtime.kernel_dir() / "bias_relu.cu").read_text()
+    forward = src[src.index("bias_relu_forward("):]
+    assert re.search(r"constexpr int kU = (\d+);", forward).group(1) == "2"
+    assert relu_epilogue._FORWARD_BLOCK_ELEMENTS[torch.float32] == BLOCK * 2 * 4
+    m = re.search(r"kRowsBlocksPerSm = sizeof\(T\) == 4 \? (\d+) : (\d+);", src)
+    assert m, "kRowsBlocksPerSm's definition changed: update ROWS_BLOCKS_PER_SM and this test"
+    assert relu_epilogue.ROWS_BLOCKS_PER_SM == {
+        torch.float32: int(m.group(1)), torch.float16: int(m.group(2)),
+        torch.bfloat16: int(m.group(2))}
+
+
+# ---------------------------------------------------------------- GPU tier
+
+# (shape, channels-last): tails not a multiple of 4 or 8, one row, C not a
+# multiple of the vector (rows cross mask words mid-vector), C below the
+# vector, NCHW with H*W below / not a multiple of / a multiple of 8, 1x1
+# images, channels-last.
+SHAPES = [
+    ((1, 1), False), ((1, 7), False), ((3, 5), False), ((5, 77), False), ((1, 8192), False),
+    ((37, 96), False), ((257, 100), False), ((33, 128), False), ((2, 4), False),
+    ((2, 3, 1, 1), False), ((1, 3, 17, 23), False), ((3, 5, 9, 31), False),
+    ((2, 4, 2, 3), False), ((2, 3, 4, 4), False), ((2, 3, 5, 13), False), ((1, 2, 63, 63), False),
+    ((2, 8, 13, 11), True), ((2, 5, 3, 3), True), ((1, 16, 2, 2), True),
+]
+
+
+def _shape_id(case):
+    shape, cl = case
+    return "x".join(map(str, shape)) + ("-cl" if cl else "")
+
+
+def _poison_allocator(device, nbytes):
+    """Leaves NaN in the caching allocator's free blocks of about ``nbytes``,
+    so that outputs the op allocates next start as NaN: an element the
+    kernel never writes shows."""
+    for n in (nbytes, 2 * nbytes, 4 * nbytes):
+        torch.full((max(1, n // 4),), float("nan"), device=device)
+
+
+def _in_layout(flat, shape, channels_last):
+    """``flat`` (memory order) viewed as ``shape``, NCHW or channels-last."""
+    if channels_last:
+        n, c, h, w = shape
+        return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+    return flat.view(shape)
+
+
+def _inputs(shape, channels_last, z_dtype, out_dtype, second, device, *, offset=0,
+            bias_offset=0, nonfinite=False, seed=0):
+    """z and the biases requiring grad; with ``offset`` / ``bias_offset``,
+    views that start that many elements into their storage (mid-vector)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, c = math.prod(shape), shape[1]
+    z = torch.randn(n + offset, generator=gen) * 2
+    if nonfinite and n:
+        pick = torch.randint(0, n + offset, (max(1, n // 5),), generator=gen)
+        special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+        z[pick] = special[torch.randint(0, 5, pick.shape, generator=gen)]
+    z = z.to(device, z_dtype).requires_grad_(True)
+    z = _in_layout(z[offset:], shape, channels_last)
+    biases = []
+    for _ in range(2 if second else 1):
+        b = torch.randn(c + bias_offset, generator=gen).to(device, out_dtype).requires_grad_(True)
+        biases.append(b[bias_offset:])
+    return z, biases[0], (biases[1] if second else None)
+
+
+def _per_channel(v, z):
+    return v.view(-1, *[1] * (z.dim() - 2))
+
+
+def _check(z, b1, b2, *, grad_mode="dense", dy_offset=0, seed=1):
+    """Output and the gradients of z and both biases against torch's float64
+    run of relu(z + b1) + b2.  The mask decisions match exactly (float's
+    z + b1 has the sign of the exact sum), so the output is checked bit for
+    bit against the same sums in float, and dz bit for bit."""
+    out_dtype = b1.dtype
+    channels_last = z.dim() == 4 and not z.is_contiguous()
+    sources = [t for t in (z, b1, b2) if t is not None]
+    nbytes = z.numel() * max(4, z.element_size())
+    _poison_allocator(z.device, nbytes)
+    out = ops.bias_relu(z, b1, b2)
+    assert out.dtype == out_dtype and out.shape == z.shape and out.stride() == z.stride()
+
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in sources]
+    ref = torch.relu(ref_leaves[0] + _per_channel(ref_leaves[1], z))
+    exact = torch.relu(z.detach().float() + _per_channel(b1.detach().float(), z))
+    if b2 is not None:
+        ref = ref + _per_channel(ref_leaves[2], z)
+        exact = exact + _per_channel(b2.detach().float(), z)
+    torch.testing.assert_close(out, exact.to(out_dtype), rtol=0, atol=0, equal_nan=True)
+    # Against float64: two float roundings, then one to the output dtype.
+    size = z.detach().double().abs() + _per_channel(b1.detach().double().abs(), z)
+    if b2 is not None:
+        size = size + _per_channel(b2.detach().double().abs(), z)
+    finite = torch.isfinite(ref)
+    err = (out.double() - ref.detach()).abs()
+    eps = torch.finfo(out_dtype).eps
+    assert (err[finite] <= 2 * eps * size[finite]).all()
+    torch.testing.assert_close(out.double()[~finite], ref.detach()[~finite], equal_nan=True)
+
+    if grad_mode == "sum":
+        _poison_allocator(z.device, nbytes)
+        grads = torch.autograd.grad(out.sum(), sources)
+        ref_grads = torch.autograd.grad(ref.sum(), ref_leaves)
+        terms = torch.ones_like(ref, dtype=torch.float64)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        dy = torch.randn(z.numel() + dy_offset, generator=gen).to(z.device, out_dtype)
+        dy = _in_layout(dy[dy_offset:], z.shape, channels_last)
+        _poison_allocator(z.device, nbytes)
+        grads = torch.autograd.grad(out, sources, dy)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, dy.double())
+        terms = dy.double()
+    assert grads[0].dtype == z.dtype and grads[0].stride() == z.stride()
+    # dz = dy or 0 where the mask says: exact in z's dtype.
+    torch.testing.assert_close(grads[0], ref_grads[0].to(z.dtype), rtol=0, atol=0)
+    # Bias gradients: compensated float sums, then float64 partials: at most
+    # the rounding of the result to its dtype plus a few float ulps of the
+    # terms' magnitude.
+    dims = [0] + list(range(2, z.dim()))
+    passed = torch.where(ref_grads[0] != 0, terms.abs(), torch.zeros_like(terms))
+    scales = [passed.sum(dims), terms.abs().sum(dims)]
+    for got, want, scale in zip(grads[1:], ref_grads[1:], scales):
+        assert got.dtype == out_dtype and not got.isnan().any()
+        bound = eps * want.abs() + 1e-6 * scale
+        assert ((got.double() - want).abs() <= bound).all(), (got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("second", [False, True], ids=["one-bias", "two-biases"])
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+@pytest.mark.parametrize("case", SHAPES, ids=_shape_id)
+def test_vector_edges_match_float64(case, pair, second, device):
+    shape, cl = case
+    _check(*_inputs(shape, cl, *pair, second, device, seed=sum(shape)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+@pytest.mark.parametrize("case", [((5, 77), False), ((33, 128), False), ((1, 8192), False),
+                                  ((3, 5, 9, 31), False), ((2, 3, 4, 4), False),
+                                  ((2, 8, 13, 11), True)], ids=_shape_id)
+def test_views_starting_mid_vector(case, pair, device):
+    """z, dy and the biases one element past a 16-byte boundary: the kernels
+    take the same vectors a value at a time."""
+    shape, cl = case
+    z, b1, b2 = _inputs(shape, cl, *pair, True, device, offset=1, bias_offset=1)
+    assert z.data_ptr() % 16 != 0 and b1.data_ptr() % 16 != 0
+    _check(z, b1, b2, dy_offset=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+@pytest.mark.parametrize("case", [((37, 96), False), ((257, 100), False), ((1, 3, 17, 23), False),
+                                  ((2, 8, 13, 11), True)], ids=_shape_id)
+def test_non_finite_values_and_the_sum_backward(case, pair, device):
+    """NaN, +-inf and +-0 in z (NaN passes the gradient, as torch's ReLU
+    does); out.sum()'s broadcast gradient reaches the kernels as one value."""
+    shape, cl = case
+    z, b1, b2 = _inputs(shape, cl, *pair, True, device, nonfinite=True)
+    _check(z, b1, b2)
+    _check(z, b1, b2, grad_mode="sum")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_grids_smaller_than_the_work(pair, device, monkeypatch):
+    """One forward block (its grid-stride loop takes every tile) and one
+    resident block for the rows backward (one chunk of every row)."""
+    launch = relu_epilogue.rows_launch
+    monkeypatch.setattr(relu_epilogue, "forward_grid", lambda total, dtype: 1)
+    monkeypatch.setattr(relu_epilogue, "rows_launch",
+                        lambda rows, channels, vector, resident: launch(rows, channels, vector, 1))
+    for shape, cl in [((300, 77), False), ((64, 256), False), ((2, 3, 33, 35), False),
+                      ((3, 16, 9, 7), True)]:
+        _check(*_inputs(shape, cl, *pair, True, device, nonfinite=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_batch_of_zero(pair, device):
+    for shape in [(0, 64), (0, 3, 4, 4)]:
+        z, b1, b2 = _inputs(shape, False, *pair, True, device)
+        out = ops.bias_relu(z, b1, b2)
+        dz, db1, db2 = torch.autograd.grad(out.sum(), [z, b1, b2])
+        assert out.shape == shape and out.dtype == pair[1] and dz.shape == shape
+        assert db1.shape == (shape[1],) and not db1.any() and not db2.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "mid-vector"])
+def test_repeated_runs_are_bitwise_equal(offset, device):
+    """Fixed summation order: the same output and gradients bit for bit."""
+    for shape, cl in [((257, 100), False), ((64, 8192), False), ((2, 4, 33, 35), False),
+                      ((2, 8, 13, 11), True)]:
+        z, b1, b2 = _inputs(shape, cl, torch.float16, torch.float16, True, device, offset=offset)
+        dy = torch.randn(z.shape, device=device, dtype=torch.float16)
+        runs = []
+        for _ in range(2):
+            out = ops.bias_relu(z, b1, b2)
+            runs.append([out, *torch.autograd.grad(out, [z, b1, b2], dy)])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)

@@ -1,0 +1,112 @@
+"""gn_chain: the vectorised kernels and the scalar ones they fall back to.
+CPU tier: which shapes take which kernel.  GPU tier: both against a float64
+run of the torch chain, output and every gradient, in every dtype and under
+autocast."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cupy_fused import ops
+from cupy_fused.ops import gn_epilogue as G
+from cupy_fused.testing import rel_error
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def test_vector_shape_rules():
+    # Problem 37's groups (64 channels): half 8 vectors of 8, float 16 of 4,
+    # two per lane in the forward; one vector of 4 per lane in the backward.
+    assert G.vector_shape(torch.bfloat16, 64, False) == (4, 2)
+    assert G.vector_shape(torch.float32, 64, False) == (8, 2)
+    assert G.vector_shape(torch.bfloat16, 64, True) == (16, 4)
+    # 88 / 94 (32 channels).
+    assert G.vector_shape(torch.float16, 32, False) == (4, 1)
+    assert G.vector_shape(torch.float16, 8, False) == (1, 1)
+    assert G.vector_shape(torch.float32, 32, True) == (8, 4)
+    # Widths that are no multiple of the vector, or wider than a team holds.
+    assert G.vector_shape(torch.bfloat16, 10, False) is None
+    assert G.vector_shape(torch.float32, 6, True) is None
+    assert G.vector_shape(torch.bfloat16, 600, False) is None  # 75 vectors
+    assert G.vector_shape(torch.float32, 256, True) is None    # 64 vectors
+    assert G.vector_shape(torch.float32, 12, False) == (4, 1)  # 3 vectors: a team of 4
+
+
+def _reference(chain, groups, z, lin_bias, v, gw, gb):
+    z = z + lin_bias
+    if chain == "swish_bias_gn":
+        return F.group_norm(F.silu(z) + v, groups, gw, gb)
+    if chain == "gn_swish_mul_swish":
+        return F.silu(F.silu(F.group_norm(z, groups, gw, gb)) * v)
+    return F.group_norm(F.mish(F.hardtanh(z + v)), groups, gw, gb)
+
+
+def _ours(chain, groups, z, lin_bias, v, gw, gb):
+    kw = {"mul_weight": v} if chain == "gn_swish_mul_swish" else {"extra_bias": v}
+    return ops.gn_chain(z, chain, groups, lin_bias=lin_bias, gn_weight=gw, gn_bias=gb, **kw)
+
+
+def _run(fn, tensors, g, amp, offset=0):
+    """fn's output and gradients.  ``offset``: z (the first tensor) is
+    passed as a view starting that many elements into a leaf of its own."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    z = leaves[0]
+    if offset:
+        leaves[0] = torch.cat([z.new_zeros(offset), z.detach().flatten()]).requires_grad_(True)
+        z = leaves[0][offset:].view(g.shape)
+        assert z.data_ptr() % 16 != 0
+    with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+        y = fn(z, *leaves[1:])
+    y.backward(g.to(y.dtype))
+    grads = [t.grad for t in leaves]
+    if offset:
+        grads[0] = grads[0][offset:].view(g.shape)
+    return [y.detach()] + grads
+
+
+# (rows, channels, groups, z offset in elements): the offset makes z a view
+# that does not start on 16 bytes, which takes the scalar kernels.
+SHAPES = [(37, 256, 4, 0), (5, 96, 3, 0), (1, 64, 2, 0), (33, 128, 16, 0), (9, 256, 4, 1),
+          (7, 60, 6, 0), (3, 1200, 2, 0), (300, 64, 1, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "amp-bf16", "amp-fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chain", sorted(ops.CHAINS))
+def test_against_float64(chain, shape, mode, device):
+    rows, channels, groups, offset = shape
+    amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(mode)
+    dtype = amp or dict(fp32=torch.float32, fp16=torch.float16, bf16=torch.bfloat16)[mode]
+    vec_dtype = torch.float32 if amp else dtype
+    gen = torch.Generator().manual_seed(rows * channels + offset)
+    z = (torch.randn(rows, channels, generator=gen) * 2).to(device=device, dtype=dtype)
+    vectors = [torch.randn(channels, generator=gen).to(device, vec_dtype) for _ in range(4)]
+    out_dtype = torch.float32 if amp else dtype
+    g = torch.randn(rows, channels, generator=gen).to(device)
+    truth = _run(lambda *t: _reference(chain, groups, *t),
+                 [z.double()] + [v.double() for v in vectors], g.double(), None)
+    eager = _run(lambda *t: _reference(chain, groups, *t), [z] + vectors, g, amp)
+    ours = _run(lambda *t: _ours(chain, groups, *t), [z] + vectors, g, amp, offset)
+    assert ours[0].dtype == out_dtype and ours[1].dtype == dtype
+    ulp = torch.finfo(out_dtype if amp is None else dtype).eps
+    for name, a, b, t in zip(["out", "z", "lin_bias", "v", "gn_weight", "gn_bias"], ours, eager,
+                             truth):
+        assert rel_error(a, t) <= 1.5 * rel_error(b, t) + ulp, (name, rel_error(a, t),
+                                                               rel_error(b, t))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vector_and_scalar_kernels_agree(dtype, device):
+    """The same values through the vectorised kernels (aligned z) and the
+    scalar ones (the same values in a view off the 16-byte grid)."""
+    rows, channels, groups = 65, 256, 4
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(rows, channels, generator=gen).to(device, dtype)
+    vectors = [torch.randn(channels, generator=gen).to(device, dtype) for _ in range(4)]
+    g = torch.randn(rows, channels, generator=gen).to(device)
+    for chain in ops.CHAINS:
+        a = _run(lambda *t: _ours(chain, groups, *t), [z] + vectors, g, None)
+        b = _run(lambda *t: _ours(chain, groups, *t), [z] + vectors, g, None, offset=1)
+        for x, y in zip(a, b):
+            assert rel_error(x, y) < 8 * torch.finfo(dtype).eps, chain
