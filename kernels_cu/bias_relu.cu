@@ -105,19 +105,7 @@ __device__ __forceinline__ void store_values(T* p, bool vec, int n, const float 
   constexpr int kWords = N * static_cast<int>(sizeof(T)) / 4;
   static_assert(kWords % 4 == 0, "16 or 32 bytes");
   if (vec && n == N) {
-    unsigned w[kWords];
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      if constexpr (sizeof(T) == 4) {
-        w[k] = __float_as_uint(in[k]);
-      } else {
-        const unsigned bits = from_float<T>(in[k]).bits;
-        w[k / 2] = k % 2 ? (w[k / 2] | (bits << 16)) : bits;
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < kWords / 4; ++c)
-      reinterpret_cast<uint4*>(p)[c] = make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
+    store_vec<T, N>(p, in);
   } else {
 #pragma unroll
     for (int k = 0; k < N; ++k)

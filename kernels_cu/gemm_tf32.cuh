@@ -81,11 +81,18 @@ __device__ __forceinline__ void cp_async_wait() {
 // (the cvt is several instructions on sm_80/sm_90, and this runs once per
 // fragment element).  A carry out of the mantissa correctly bumps the
 // exponent; values that round past FLT_MAX become inf, as with the cvt.
-// A NaN is kept as the canonical NaN: the add would carry a NaN with a high
-// mantissa (the GPU's own NaN is 0x7fffffff) into the sign bit and make it
-// a zero.
+// A NaN with a high mantissa (the GPU's own NaN is 0x7fffffff) would carry
+// into the sign bit and become a zero: see to_tf32_keep_nan.
 __device__ __forceinline__ unsigned to_tf32(float x) {
-  return x != x ? 0x7fffe000u : (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
+// to_tf32 that keeps a NaN a NaN, for the "big" part of a split: a NaN
+// operand then reaches the output through the big x big product.  (The
+// small part needs no such care: x - big is NaN only where big is already
+// NaN or infinite, and for an infinite x a small part of zero is what the
+// correction products need.)
+__device__ __forceinline__ unsigned to_tf32_keep_nan(float x) {
+  return x != x ? 0x7fffe000u : to_tf32(x);
 }
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
@@ -99,7 +106,7 @@ template <int kPasses, int N>
 struct Split {
   unsigned big[N], small[N];
   __device__ __forceinline__ void set(int i, float x) {
-    big[i] = to_tf32(x);
+    big[i] = to_tf32_keep_nan(x);
     if constexpr (kPasses == 3) small[i] = to_tf32(x - __uint_as_float(big[i]));
   }
 };

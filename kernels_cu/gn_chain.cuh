@@ -32,9 +32,14 @@
 #define CF_GN_FORWARD_VEC_MIN_BLOCKS 4
 #endif
 // The vectorised backward: two rows of loads, a vector's per-column sums and
-// its columns' vectors per lane in registers.
-#ifndef CF_GN_BACKWARD_VEC_MIN_BLOCKS
-#define CF_GN_BACKWARD_VEC_MIN_BLOCKS 3
+// its columns' vectors per lane in registers.  Blocks per SM, by z's element
+// size: a half-precision z runs faster at 3 (a few spilled registers), a
+// float32 one at 2 (none).
+#ifndef CF_GN_BACKWARD_VEC_MIN_BLOCKS_HALF
+#define CF_GN_BACKWARD_VEC_MIN_BLOCKS_HALF 3
+#endif
+#ifndef CF_GN_BACKWARD_VEC_MIN_BLOCKS_FLOAT
+#define CF_GN_BACKWARD_VEC_MIN_BLOCKS_FLOAT 2
 #endif
 #ifndef CF_GN_BACKWARD_MIN_BLOCKS
 #define CF_GN_BACKWARD_MIN_BLOCKS 4
@@ -50,6 +55,18 @@ namespace cf {
 template <typename T, typename Chain>
 __device__ constexpr bool fast_math() {
   return sizeof(T) == 2 && !Chain::kRoundsLikeEager;
+}
+
+// (row, group) of a (row, group) pair index: a 32-bit division whenever the
+// pair count allows (a 64-bit one is far slower).
+__device__ __forceinline__ void split_pair(i64 pair, i64 pairs, i64 groups, i64& row, int& g) {
+  if (pairs < (i64(1) << 31)) {
+    row = unsigned(pair) / unsigned(groups);
+    g = static_cast<int>(unsigned(pair) - unsigned(row) * unsigned(groups));
+  } else {
+    row = pair / groups;
+    g = static_cast<int>(pair - row * groups);
+  }
 }
 
 // Forward.  Writes out (may alias z: every element is read before it is
@@ -85,18 +102,9 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
   for (i64 base = blockIdx.x * teams_per_block; base < pairs; base += gridDim.x * teams_per_block) {
     const i64 pair = base + threadIdx.x / t;
     const bool valid = pair < pairs;
-    // 32-bit division whenever the pair count allows (a 64-bit one is far slower).
     i64 row = 0;
     int g = 0;
-    if (valid) {
-      if (pairs < (i64(1) << 31)) {
-        row = unsigned(pair) / unsigned(groups);
-        g = static_cast<int>(unsigned(pair) - unsigned(row) * unsigned(groups));
-      } else {
-        row = pair / groups;
-        g = static_cast<int>(pair - row * groups);
-      }
-    }
+    if (valid) split_pair(pair, pairs, groups, row, g);
     const i64 first = row * channels + static_cast<i64>(g) * cpg;
     const int col0 = g * cpg;  // the group's first channel
     float v[kMaxVals];
@@ -345,15 +353,7 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_VEC_MIN_BLOCKS) gn_chain_fo
     const bool valid = pair < pairs;
     i64 row = 0;
     int g = 0;
-    if (valid) {
-      if (pairs < (i64(1) << 31)) {
-        row = unsigned(pair) / unsigned(groups);
-        g = static_cast<int>(unsigned(pair) - unsigned(row) * unsigned(groups));
-      } else {
-        row = pair / groups;
-        g = static_cast<int>(pair - row * groups);
-      }
-    }
+    if (valid) split_pair(pair, pairs, groups, row, g);
     const i64 first = row * channels + static_cast<i64>(g) * cpg;
     const int col0 = g * cpg;
     float v[kVecs][kE];
@@ -427,7 +427,9 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_VEC_MIN_BLOCKS) gn_chain_fo
 // float over the chunk's rows (gn_epilogue bounds them), double across
 // chunks.
 template <typename T, typename Chain, int kE, typename TO = T>
-__global__ void __launch_bounds__(256, CF_GN_BACKWARD_VEC_MIN_BLOCKS) gn_chain_backward_vec(
+__global__ void __launch_bounds__(256, sizeof(T) == 2 ? CF_GN_BACKWARD_VEC_MIN_BLOCKS_HALF
+                                                     : CF_GN_BACKWARD_VEC_MIN_BLOCKS_FLOAT)
+    gn_chain_backward_vec(
     const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
     const float* __restrict__ mean, const float* __restrict__ rstd,
     const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,

@@ -96,10 +96,27 @@ struct PostIdentity {
   }
 };
 
+// Pre and its derivative alone, for a chain that computes both in one
+// pre_with_grad (sharing the activation's exp).
+template <typename Chain>
+struct PreFromPreWithGrad {
+  template <typename P, typename C>
+  __device__ static float pre(float z, const P& p, C c) {
+    float unused;
+    return Chain::pre_with_grad(z, p, c, unused);
+  }
+  template <typename P, typename C>
+  __device__ static float pre_grad(float z, const P& p, C c) {
+    float grad;
+    Chain::pre_with_grad(z, p, c, grad);
+    return grad;
+  }
+};
+
 // Problem 37: v = swish(z + lin_bias) + bias; Post = identity.
 // (Eager: s = sigmoid(z); u = s * z; v = u + bias, each rounded.)
 template <bool kEagerRounding>
-struct ChainSwishBiasGN : PostIdentity {
+struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEagerRounding>> {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
                        kSlotMul = -1;
@@ -113,17 +130,6 @@ struct ChainSwishBiasGN : PostIdentity {
     const float s = eager_round<T, kEagerRounding>(s0);
     return eager_round<T, kEagerRounding>(
         __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), p.extra(c)));
-  }
-  template <typename P, typename C>
-  __device__ static float pre(float z, const P& p, C c) {
-    float unused;
-    return pre_with_grad(z, p, c, unused);
-  }
-  template <typename P, typename C>
-  __device__ static float pre_grad(float z, const P& p, C c) {
-    float grad;
-    pre_with_grad(z, p, c, grad);
-    return grad;
   }
 };
 
@@ -173,7 +179,8 @@ struct ChainGNSwishMulSwish {
 // Both biases sit before the nonlinearity, so both gradients are sum dz.
 // (Eager: z + bias rounded; hardtanh exact; mish rounded.)
 template <bool kEagerRounding>
-struct ChainBiasHardtanhMishGN : PostIdentity {
+struct ChainBiasHardtanhMishGN : PostIdentity,
+                                 PreFromPreWithGrad<ChainBiasHardtanhMishGN<kEagerRounding>> {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
@@ -188,17 +195,6 @@ struct ChainBiasHardtanhMishGN : PostIdentity {
     if (kEagerRounding) mish_and_grad<P::kFast>(hardtanhf(u), mg);
     grad = hardtanh_grad(u) * mg;
     return eager_round<T, kEagerRounding>(m);
-  }
-  template <typename P, typename C>
-  __device__ static float pre(float z, const P& p, C c) {
-    float unused;
-    return pre_with_grad(z, p, c, unused);
-  }
-  template <typename P, typename C>
-  __device__ static float pre_grad(float z, const P& p, C c) {
-    float grad;
-    pre_with_grad(z, p, c, grad);
-    return grad;
   }
 };
 

@@ -166,6 +166,7 @@ def _family(dtype: torch.dtype, eager_rounding: bool, float_out: bool,
 # at most this many, so that the sum stays well inside float's accuracy
 # (the chunks are then summed in double).
 VEC_MAX_ROWS_PER_CHUNK = 256
+VEC_MIN_ROWS_PER_CHUNK = 32
 
 
 def _next_pow2(n: int) -> int:
@@ -293,6 +294,12 @@ def _backward_plan(key: tuple) -> tuple:
         team, values = shape
         grid_x = cdiv(num_groups, BLOCK // team)
         chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
+        if rows_per_chunk < VEC_MIN_ROWS_PER_CHUNK < rows:
+            # Few rows (88's and 94's 1024): chunks of a handful of rows make
+            # the float64 partial sums (chunks x slots x channels) outweigh
+            # the activation itself.
+            rows_per_chunk = VEC_MIN_ROWS_PER_CHUNK
+            chunks = cdiv(rows, rows_per_chunk)
         if rows_per_chunk > VEC_MAX_ROWS_PER_CHUNK:
             chunks = min(65535, cdiv(rows, VEC_MAX_ROWS_PER_CHUNK))
             rows_per_chunk = cdiv(rows, chunks)
