@@ -57,14 +57,14 @@ def run(shapes, iters: int, tiles=()):
         for layout in G.LAYOUTS:
             a, b, ref = operands(layout, *PRODUCT_SIZES[layout](m, k, n), 0, 0, device)
             impls = {
-                "ours 3xtf32": lambda: G.gemm(a, b, layout, 3),
-                "ours tf32": lambda: G.gemm(a, b, layout, 1),
+                "ours 3xtf32": lambda: G._gemm(a, b, layout, 3),
+                "ours tf32": lambda: G._gemm(a, b, layout, 1),
                 "cublas sgemm": lambda: ref(a, b),
                 "cublas tf32": lambda: _with_tf32(ref, a, b),
             }
             for tile in tiles:
                 impls[f"ours 3xtf32 on {tile}"] = (
-                    lambda tile=tile: G.gemm_on_tile(a, b, layout, 3, tile))
+                    lambda tile=tile: G._gemm_on_tile(a, b, layout, 3, tile))
             # In turns (see time_interleaved), not one after another.
             times = time_interleaved(impls, iters, warmup=3)
             row = {"shape": shape, "layout": layout}
@@ -74,7 +74,7 @@ def run(shapes, iters: int, tiles=()):
                 row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
                              "error": err}
             row["speedup 3xtf32 vs sgemm"] = row["cublas sgemm"]["median_ms"] / row["ours 3xtf32"]["median_ms"]
-            row["tile"] = G.choose_tile(*G.product_shape(a, b, layout), True, device.index)
+            row["tile"] = G.choose_tile(*G._product_shape(a, b, layout), True, device.index)
             rows.append(row)
             print(f"{shape} {layout:12s} " + "  ".join(
                 f"{nm}: {row[nm]['median_ms']:.3f} ms {row[nm]['tflops']:.0f} TF/s err {row[nm]['error']:.1e}"
@@ -114,9 +114,9 @@ def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256)
                 for k in ks:
                     a, b, ref = operands(layout, p, k, q, spread, k, device)
                     row = {"size": f"{p}x{q}", "layout": layout, "k": k, "spread": spread,
-                           "3xtf32": scaled_gemm_error(G.gemm(a, b, layout, 3), a, b, ref),
+                           "3xtf32": scaled_gemm_error(G._gemm(a, b, layout, 3), a, b, ref),
                            "sgemm": scaled_gemm_error(ref(a, b), a, b, ref),
-                           "tf32": scaled_gemm_error(G.gemm(a, b, layout, 1), a, b, ref)}
+                           "tf32": scaled_gemm_error(G._gemm(a, b, layout, 1), a, b, ref)}
                     out.append(row)
                     print(f"accuracy {p}x{q} {layout:11s} k={k:6d} spread=2^{spread:<2d} "
                           f"3xtf32 {row['3xtf32']:.2e} sgemm {row['sgemm']:.2e} "

@@ -63,6 +63,25 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
     return x
 
 
+def _plain(sub: nn.Module, cls: type, owner: nn.Module, name: str) -> nn.Module:
+    """``sub`` (the submodule ``owner.<name>``), checked to be what the fused
+    forward stands in for: a plain ``cls`` with no hooks.  The fused forward
+    reads its parameters and never calls it, so a hook on it would not fire
+    and a replacement (LoRA, quantisation, a custom layer) would be silently
+    ignored: refused instead.  (Runs on every forward: one type check and
+    four empty-dict tests on the common path.)"""
+    if (type(sub) is cls and not sub._forward_hooks and not sub._forward_pre_hooks
+            and not sub._backward_hooks and not sub._backward_pre_hooks):
+        return sub
+    what = (f"has been replaced by a {type(sub).__name__}" if type(sub) is not cls
+            else "has hooks registered")
+    raise RuntimeError(
+        f"{type(owner).__name__}.{name} {what}: the cupy_fused module is one fused unit that "
+        f"reads {name}'s parameters and never calls its forward, so that would be ignored.  "
+        f"Keep {name} a plain torch.nn.{cls.__name__} without hooks (hook or wrap the fused "
+        "module as a whole), or use the reference module (cupy_fused.reference).")
+
+
 def _gemm_precision(precision):
     """The ``precision`` ctor argument: None (process default, read at each
     call) or one of ``ops.PRECISIONS``."""
@@ -79,7 +98,7 @@ class ConvReluBiasAdd(nn.Module):
         self.bias = nn.Parameter(torch.randn(bias_shape))
 
     def forward(self, x):
-        conv = self.conv
+        conv = _plain(self.conv, nn.Conv2d, self, "conv")
         weight = conv.weight
         _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)")
         z = F.conv2d(x, weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
@@ -101,10 +120,11 @@ class MatmulSwishSumGroupNorm(nn.Module):
         self.group_norm = nn.GroupNorm(num_groups, out_features)
 
     def forward(self, x):
-        linear = self.matmul  # (each submodule attribute is a Module.__getattr__ call)
+        # (each submodule attribute is a Module.__getattr__ call: read once)
+        linear = _plain(self.matmul, nn.Linear, self, "matmul")
+        gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
-        gn = self.group_norm
         return ops.linear_gn_chain(x, weight, linear.bias,
                                    "swish_bias_gn", gn.num_groups, extra_bias=self.bias,
                                    gn_weight=gn.weight, gn_bias=gn.bias,
@@ -122,7 +142,7 @@ class GemmAddRelu(nn.Module):
         self.bias = nn.Parameter(torch.randn(bias_shape))
 
     def forward(self, x):
-        weight = self.gemm.weight
+        weight = _plain(self.gemm, nn.Linear, self, "gemm").weight
         _check_input(x, weight, 2, weight.shape[1], "features")
         amp = autocast_dtype()
         if amp is not None:
@@ -130,11 +150,11 @@ class GemmAddRelu(nn.Module):
             # their gradients written in their own dtypes by the backward's
             # products), then bias + ReLU in float32 (the reference's add
             # with the float32 bias promotes).
-            return ops.bias_relu(ops.gemm.run_autocast_linear(x, weight, None, amp), self.bias)
+            return ops.bias_relu(ops.gemm._run_autocast_linear(x, weight, None, amp), self.bias)
         bias = check_vector("bias", self.bias, weight.shape[0], x, "x", optional=False)
         # ops.linear after its checks (done above for these operands): in
         # half precision the training step is as long as its host work.
-        return ops.gemm.run_linear(x, weight, bias, ops.gemm.ACTIVATIONS["relu"],
+        return ops.gemm._run_linear(x, weight, bias, ops.gemm.ACTIVATIONS["relu"],
                                    ops.gemm.resolve_precision(self.precision))
 
 
@@ -152,10 +172,10 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
         self.multiply_weight = nn.Parameter(torch.randn(multiply_weight_shape))
 
     def forward(self, x):
-        linear = self.gemm
+        linear = _plain(self.gemm, nn.Linear, self, "gemm")
+        gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
-        gn = self.group_norm
         return ops.linear_gn_chain(x, weight, linear.bias,
                                    "gn_swish_mul_swish", gn.num_groups,
                                    gn_weight=gn.weight, gn_bias=gn.bias,
@@ -178,10 +198,15 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
         self.groupnorm = nn.GroupNorm(num_groups=num_groups, num_channels=out_features)
 
     def forward(self, x):
-        linear = self.gemm
+        linear = _plain(self.gemm, nn.Linear, self, "gemm")
+        gn = _plain(self.groupnorm, nn.GroupNorm, self, "groupnorm")
+        hardtanh = _plain(self.hardtanh, nn.Hardtanh, self, "hardtanh")
+        _plain(self.mish, nn.Mish, self, "mish")
+        if hardtanh.min_val != -1.0 or hardtanh.max_val != 1.0:
+            raise ValueError(f"hardtanh must clamp to [-1, 1] (the fused chain's bounds), got "
+                             f"[{hardtanh.min_val}, {hardtanh.max_val}]")
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
-        gn = self.groupnorm
         return ops.linear_gn_chain(x, weight, linear.bias,
                                    "bias_hardtanh_mish_gn", gn.num_groups,
                                    extra_bias=self.bias, gn_weight=gn.weight,

@@ -267,7 +267,7 @@ constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : 3;
 // its rows in order (CompensatedSum per channel), then the row groups
 // combine in a fixed tree in shared memory (double), so that one partial per
 // chunk covers many rows: the partials are written and read again by
-// reduce_partials, traffic that grows with the chunk count.  When C is not
+// _reduce_partials, traffic that grows with the chunk count.  When C is not
 // a multiple of kV the rows are not vector-aligned: values one at a time
 // (the same sums).
 template <typename T, typename Chain, typename TO = T>

@@ -48,10 +48,11 @@ if torch.float32 in dtypes:
             ref = {"forward": lambda a, b: a @ b.t(), "grad_input": lambda a, b: a @ b,
                    "grad_weight": lambda a, b: a.t() @ b}[layout]
             for passes in (1, 3):
-                outs = {"word loads": G.gemm(a_unaligned, b, layout, passes)}
+                outs = {"word loads": G._gemm(a_unaligned, b, layout, passes)}
                 for name in G.available_tiles(0):
-                    outs[name] = G.gemm_on_tile(a, b, layout, passes, name,
-                                                out=torch.full((m, n), float("nan"), device="cuda"))
+                    outs[name] = G._gemm_on_tile(
+                        a, b, layout, passes, name,
+                        out=torch.full((m, n), float("nan"), device="cuda"))
                 for name, out in outs.items():
                     err = scaled_gemm_error(out, a, b, ref)
                     ok = err <= (2.0 ** -20 if passes == 3 else 2e-3)
@@ -75,11 +76,11 @@ if torch.float32 in dtypes:
             vecs = [torch.rand(n, device="cuda", generator=gen) + 0.5 for _ in range(5)]
             for chain in gn_epilogue.CHAINS:
                 for save in (True, False):
-                    y = LG.launch_fused(x, w, *vecs, chain, groups, 1e-5, 3, save,
-                                        y=torch.full((m, n), float("nan"), device="cuda"))[0]
+                    y = LG._launch_fused(x, w, *vecs, chain, groups, 1e-5, 3, save,
+                                         y=torch.full((m, n), float("nan"), device="cuda"))[0]
                     z = F.linear(x.double(), w.double(), vecs[0].double()).float()
-                    want = gn_epilogue.launch_forward(z, None, *vecs[1:], chain, groups, 1e-5,
-                                                      False, True)[0]
+                    want = gn_epilogue._launch_forward(z, None, *vecs[1:], chain, groups, 1e-5,
+                                                       False, True)[0]
                     err = rel_error(y, want)
                     ok = err < 1e-4
                     print("linear_gn", chain, (m, k, n, groups), save, "OK" if ok else f"ERROR {err}",

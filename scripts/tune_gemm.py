@@ -34,11 +34,11 @@ def main():
         m, k, n = map(int, shape.split("x"))
         x, w = torch.rand(m, k, device="cuda"), torch.rand(n, k, device="cuda")
         out = torch.empty(m, n, device="cuda")
-        ref = G.gemm(x, w, "forward", args.passes)
+        ref = G._gemm(x, w, "forward", args.passes)
         for name, tile in tiles.items():
             fn = family.get(name, 0)
-            med, _ = time_ms(lambda: G.launch_gemm(fn, tile, "forward", x, w, out,
-                                                       passes=args.passes), args.iters, 1)
+            med, _ = time_ms(lambda: G._launch_gemm(fn, tile, "forward", x, w, out,
+                                                    passes=args.passes), args.iters, 1)
             same = torch.equal(out, ref)
             print(f"{shape} {name:10s} {med:.3f} ms {2 * m * n * k / med / 1e9:.0f} TFLOP/s"
                   f"{'' if same else '  (result differs from the default tile: summation order)'}",

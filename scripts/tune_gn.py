@@ -58,16 +58,16 @@ def main(argv=None):
                     def fwd(family=family):
                         gn.KERNELS = family
                         gn.clear_launch_plans()
-                        return gn.launch_forward(z, v[0], v[1], v[2], v[3], v[4], chain, groups,
-                                                 1e-5, True, False)
+                        return gn._launch_forward(z, v[0], v[1], v[2], v[3], v[4], chain, groups,
+                                                  1e-5, True, False)
 
                     _, stats = fwd()
 
                     def bwd(family=family, stats=stats):
                         gn.KERNELS = family
                         gn.clear_launch_plans()
-                        return gn.launch_backward(dy, z, stats, v[0], v[1], v[2], v[3],
-                                                  v[4], chain, groups, False)
+                        return gn._launch_backward(dy, z, stats, v[0], v[1], v[2], v[3],
+                                                   v[4], chain, groups, False)
 
                     runs[(fwd_blocks, bwd_blocks, "forward")] = fwd
                     runs[(fwd_blocks, bwd_blocks, "backward")] = bwd

@@ -278,7 +278,7 @@ def test_mm_to_writes_float32_from_cublas(amp, device):
 
     assert G.MM_OUT_DTYPE, "this torch has no aten::mm.dtype: the backward casts (fallback)"
     a, b = _rand(130, 300, dtype=amp), _rand(300, 70, dtype=amp, seed=1)
-    out = G.mm_to(a, b, torch.float32)
+    out = G._mm_to(a, b, torch.float32)
     assert out.dtype == torch.float32
     assert torch.equal(out, torch.ops.aten.mm.dtype(a, b, torch.float32))
     truth = a.double() @ b.double()

@@ -64,9 +64,9 @@ def test_tile_choice(monkeypatch, wgmma):
 def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
     a, b = torch.rand(8, 6), torch.rand(8, 6)  # contiguous extent 6: rows not 16-byte aligned
     with pytest.raises(ValueError, match="rows start on 16 bytes"):
-        G.gemm_on_tile(a, b, "forward", 3, "64x64")
+        G._gemm_on_tile(a, b, "forward", 3, "64x64")
     with pytest.raises(ValueError, match=r"non-empty sum \(K >= 1\)"):
-        G.gemm_on_tile(torch.rand(8, 0), torch.rand(8, 0), "forward", 1, "wgmma128x128")
+        G._gemm_on_tile(torch.rand(8, 0), torch.rand(8, 0), "forward", 1, "wgmma128x128")
 
 
 def test_gemm_kernels_need_compute_capability_8_0(monkeypatch):
@@ -102,8 +102,8 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
     assert not G.uses_sgemm(3, G.SGEMM_BELOW_INNER) and not G.uses_sgemm(1, 1)
     assert G.uses_sgemm(1, 0)  # an empty sum never reaches a tile kernel
     a = torch.empty(5, 7)
-    assert G.inner_size(a, "forward") == G.inner_size(a, "grad_input") == 7
-    assert G.inner_size(a, "grad_weight") == 5
+    assert G._inner_size(a, "forward") == G._inner_size(a, "grad_input") == 7
+    assert G._inner_size(a, "grad_weight") == 5
 
 
 def test_every_kernel_variant_is_declared():
@@ -256,7 +256,7 @@ def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
     gen = torch.Generator(device=device).manual_seed(m * 7 + k * 3 + n)
     a, b, ref = _operands(layout, m, k, n, device, gen, spread)
     poison_allocator(device, 4 * m * n)
-    ours = G.gemm(a, b, layout, 3)
+    ours = G._gemm(a, b, layout, 3)
     sgemm = ref(a, b)
     e_ours, e_sgemm = scaled_gemm_error(ours, a, b, ref), scaled_gemm_error(sgemm, a, b, ref)
     if k >= 256 and m * n >= 2**20:
@@ -270,15 +270,15 @@ def test_3xtf32_at_least_as_accurate_as_sgemm(layout, shape, spread, device):
         # with long sums: cuBLAS splits k and its error drops to ~4e-8, ours
         # measured up to 2x that.  Both stay within a few float32 roundings.
         assert e_ours <= 2.0 ** -20, (e_ours, e_sgemm)
-    tf32 = G.gemm(a, b, layout, 1)
+    tf32 = G._gemm(a, b, layout, 1)
     assert scaled_gemm_error(tf32, a, b, ref) < 2e-3
 
 
 def _run_tile(name, a, b, layout, passes):
     """One product on tile kernel ``name``, into a NaN-poisoned output."""
-    m, n = G.product_shape(a, b, layout)
-    return G.gemm_on_tile(a, b, layout, passes, name,
-                          out=torch.full((m, n), float("nan"), device=a.device))
+    m, n = G._product_shape(a, b, layout)
+    return G._gemm_on_tile(a, b, layout, passes, name,
+                           out=torch.full((m, n), float("nan"), device=a.device))
 
 
 @gpu
@@ -319,14 +319,15 @@ def test_gemm_takes_the_wgmma_kernel_on_hopper(device, monkeypatch):
     gen = torch.Generator(device=device).manual_seed(7)
     for layout in G.LAYOUTS:
         a, b, ref = _operands(layout, m, k, n, device, gen)
-        ours = G.gemm(a, b, layout, 3)
+        ours = G._gemm(a, b, layout, 3)
         assert torch.equal(ours, _run_tile("wgmma128x128", a, b, layout, 3))
         # B split beforehand: the same split, the same products, the same bits
         assert torch.equal(ours, _run_tile("wgmma128x128_split_b", a, b, layout, 3))
-        assert torch.equal(G.gemm(a, b, layout, 1), _run_tile("wgmma128x128_split_b", a, b, layout, 1))
+        assert torch.equal(G._gemm(a, b, layout, 1),
+                           _run_tile("wgmma128x128_split_b", a, b, layout, 1))
         G.set_wgmma_enabled(False)
         try:
-            mma_sync = G.gemm(a, b, layout, 3)
+            mma_sync = G._gemm(a, b, layout, 3)
         finally:
             G.set_wgmma_enabled(True)
         assert torch.equal(mma_sync, _run_tile("128x128", a, b, layout, 3))
@@ -345,8 +346,8 @@ def test_unaligned_operands_take_the_word_load_kernel(layout, device):
     a, b, ref = _operands(layout, m, k, n, device, gen)
     a_off = torch.empty(a.numel() + 1, device=device)[1:].view_as(a).copy_(a)
     assert a_off.data_ptr() % 16 != 0
-    out = G.gemm(a_off, b, layout, 3)
-    assert torch.equal(out, G.gemm(a, b, layout, 3))  # same sums, only the loads differ
+    out = G._gemm(a_off, b, layout, 3)
+    assert torch.equal(out, G._gemm(a, b, layout, 3))  # same sums, only the loads differ
     assert scaled_gemm_error(out, a, b, ref) <= 2.0 ** -20
 
 
@@ -355,7 +356,7 @@ def test_unaligned_operands_take_the_word_load_kernel(layout, device):
 def test_bitwise_reproducible(layout, device):
     gen = torch.Generator(device=device).manual_seed(2)
     a, b, _ = _operands(layout, 300, 777, 260, device, gen)
-    assert torch.equal(G.gemm(a, b, layout, 3), G.gemm(a, b, layout, 3))
+    assert torch.equal(G._gemm(a, b, layout, 3), G._gemm(a, b, layout, 3))
 
 
 @gpu
@@ -373,7 +374,7 @@ def test_short_sums_run_on_sgemm_per_product(device):
     y.backward(dy)
     dz = torch.where(y > 0, dy, 0.0)
     assert torch.equal(x.grad, dz @ w.detach())
-    assert torch.equal(w.grad, G.gemm(dz, x.detach(), "grad_weight", 3))
+    assert torch.equal(w.grad, G._gemm(dz, x.detach(), "grad_weight", 3))
     assert not torch.equal(w.grad, dz.t() @ x.detach())  # tells the two paths apart
 
 
@@ -390,7 +391,7 @@ def test_zero_inner_dimension_gives_bias(device):
                                    bias.expand(2048, 2048), rtol=0, atol=0)
     for layout, (a, b) in {"forward": (x, w), "grad_input": (x, w.t().contiguous()),
                            "grad_weight": (x.t().contiguous(), w.t().contiguous())}.items():
-        assert torch.equal(G.gemm(a, b, layout, 1), torch.zeros(2048, 2048, device=device)), layout
+        assert torch.equal(G._gemm(a, b, layout, 1), torch.zeros(2048, 2048, device=device)), layout
 
 
 @gpu
@@ -494,7 +495,7 @@ def test_half_precision_takes_the_cublas_path(dtype, device):
 #
 # ``ops.linear`` under autocast (here with autocast_dtype patched, on CPU
 # tensors: the same torch ops; the float32-output GEMM, aten::mm.dtype, has
-# a CUDA kernel only, so mm_to takes its fallback here, the product in the
+# a CUDA kernel only, so _mm_to takes its fallback here, the product in the
 # autocast dtype then cast, which is what autograd's casts give).
 
 def _graph_nodes(t):
@@ -515,11 +516,11 @@ def test_mm_to_writes_the_requested_dtype():
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(5, 7, generator=gen).bfloat16()
     b = torch.randn(7, 3, generator=gen).bfloat16()
-    assert torch.equal(G.mm_to(a, b, torch.bfloat16), a @ b)
-    out = G.mm_to(a, b, torch.float32)  # CPU: the fallback
+    assert torch.equal(G._mm_to(a, b, torch.bfloat16), a @ b)
+    out = G._mm_to(a, b, torch.float32)  # CPU: the fallback
     assert out.dtype == torch.float32 and torch.equal(out, (a @ b).float())
-    assert torch.equal(G.mm_to(a, b, torch.float64), (a @ b).double())
-    if G.MM_OUT_DTYPE:  # the call mm_to makes on CUDA, as the installed torch's schema has it
+    assert torch.equal(G._mm_to(a, b, torch.float64), (a @ b).double())
+    if G.MM_OUT_DTYPE:  # the call _mm_to makes on CUDA, as the installed torch's schema has it
         meta = torch.mm(a.to("meta"), b.to("meta"), out_dtype=torch.float32)
         assert meta.dtype == torch.float32 and meta.shape == (5, 3)
 
@@ -606,7 +607,7 @@ def test_autocast_linear_without_bias_gradient(past_device_check):
     x, w = torch.randn(5, 12, generator=gen), torch.randn(4, 12, generator=gen)
     b = torch.randn(4, generator=gen).requires_grad_(True)
     x.requires_grad_(True)
-    z = G.run_autocast_linear(x, w, b, torch.bfloat16, bias_grad=False)
+    z = G._run_autocast_linear(x, w, b, torch.bfloat16, bias_grad=False)
     assert torch.equal(z, torch.addmm(b.detach().bfloat16(), x.detach().bfloat16(),
                                       w.bfloat16().t()))
     z.sum().backward()

@@ -44,17 +44,17 @@ def _shaped(*shape):
 
 def test_one_launch_rule(hopper_rule, monkeypatch):
     x, w = _shaped(1536, 64), _shaped(1536, 64)
-    assert LG.fuses_group_norm(x, w, 12, 3)        # 128 channels per group, 144 tiles
-    assert LG.fuses_group_norm(x, w, 1536, 1)      # one channel per group, TF32
-    assert not LG.fuses_group_norm(x, w, 6, 3)     # 256 channels: wider than the tile
-    assert not LG.fuses_group_norm(x, w, 16, 3)    # 96 channels: not a power of two
-    assert not LG.fuses_group_norm(_shaped(256, 64), _shaped(1536, 64), 12, 3)  # 24 tiles
-    assert not LG.fuses_group_norm(_shaped(1536, 16), _shaped(1536, 16), 12, 3)  # short sums
-    assert not LG.fuses_group_norm(_shaped(1536, 66), _shaped(1536, 66), 12, 3)  # unaligned rows
-    assert LG.fuses_group_norm(_shaped(32768, 1024), _shaped(4096, 1024), 64, 3)  # problem 37
-    assert LG.fuses_group_norm(_shaped(1024, 8192), _shaped(8192, 8192), 256, 3)  # 88, 94
+    assert LG._fuses_group_norm(x, w, 12, 3)        # 128 channels per group, 144 tiles
+    assert LG._fuses_group_norm(x, w, 1536, 1)      # one channel per group, TF32
+    assert not LG._fuses_group_norm(x, w, 6, 3)     # 256 channels: wider than the tile
+    assert not LG._fuses_group_norm(x, w, 16, 3)    # 96 channels: not a power of two
+    assert not LG._fuses_group_norm(_shaped(256, 64), _shaped(1536, 64), 12, 3)  # 24 tiles
+    assert not LG._fuses_group_norm(_shaped(1536, 16), _shaped(1536, 16), 12, 3)  # short sums
+    assert not LG._fuses_group_norm(_shaped(1536, 66), _shaped(1536, 66), 12, 3)  # unaligned rows
+    assert LG._fuses_group_norm(_shaped(32768, 1024), _shaped(4096, 1024), 64, 3)  # problem 37
+    assert LG._fuses_group_norm(_shaped(1024, 8192), _shaped(8192, 8192), 256, 3)  # 88, 94
     monkeypatch.setattr(G, "has_wgmma", lambda dev: False)
-    assert not LG.fuses_group_norm(x, w, 12, 3)
+    assert not LG._fuses_group_norm(x, w, 12, 3)
 
 
 def test_one_launch_is_off_by_default(monkeypatch):
@@ -62,10 +62,10 @@ def test_one_launch_is_off_by_default(monkeypatch):
     monkeypatch.setattr(G, "sm_count", lambda dev: 132)
     monkeypatch.setattr(G, "has_wgmma", lambda dev: True)
     assert not LG.gn_epilogue_enabled()
-    assert not LG.fuses_group_norm(_shaped(32768, 1024), _shaped(4096, 1024), 64, 3)
+    assert not LG._fuses_group_norm(_shaped(32768, 1024), _shaped(4096, 1024), 64, 3)
     LG.set_gn_epilogue_enabled(True)
     try:
-        assert LG.fuses_group_norm(_shaped(32768, 1024), _shaped(4096, 1024), 64, 3)
+        assert LG._fuses_group_norm(_shaped(32768, 1024), _shaped(4096, 1024), 64, 3)
     finally:
         LG.set_gn_epilogue_enabled(False)
 
@@ -120,8 +120,8 @@ def test_where_the_linear_bias_is_added(dtype, cublas, past_device_check, monkey
         calls["chain_bias"], calls["bias_in_z"] = lin_bias, rest[-3]
         return z
 
-    monkeypatch.setattr(G, "run_linear", run_linear)
-    monkeypatch.setattr(gn_epilogue, "run_gn_chain", run_gn_chain)
+    monkeypatch.setattr(G, "_run_linear", run_linear)
+    monkeypatch.setattr(gn_epilogue, "_run_gn_chain", run_gn_chain)
     x, w = torch.rand(4, 8, dtype=dtype), torch.rand(16, 8, dtype=dtype)
     b = torch.rand(16, dtype=dtype, requires_grad=True)
     ops.linear_gn_chain(x, w, b, "swish_bias_gn", 4)
@@ -179,8 +179,8 @@ def test_one_launch_kernel_against_float64(chain, shape, device):
     eager_err = rel_error(chain_on_z(F.linear(x, w, lin_bias), chain, groups, *vecs[1:], eps), truth)
     for passes in (3, 1):
         poison_allocator(device, 4 * m * n)
-        y, z, stats = LG.launch_fused(x, w, *vecs, chain, groups, eps, passes, True,
-                                      y=torch.full((m, n), float("nan"), device=device))
+        y, z, stats = LG._launch_fused(x, w, *vecs, chain, groups, eps, passes, True,
+                                       y=torch.full((m, n), float("nan"), device=device))
         if passes == 3:
             err = rel_error(y, truth)
             assert err <= 1.5 * eager_err + torch.finfo(torch.float32).eps, (err, eager_err)
@@ -193,13 +193,13 @@ def test_one_launch_kernel_against_float64(chain, shape, device):
             assert err <= 1.5 * eager_from_z + torch.finfo(torch.float32).eps, (err, eager_from_z)
         assert rel_error(z, z64) < (2.0 ** -20 if passes == 3 else 2e-3)
         # mean and 1/std of Pre(z) per (row, group), as gn_chain's forward saves them
-        _, stats_ref = gn_epilogue.launch_forward(z, None, extra_bias, gn_weight, gn_bias,
-                                                  mul_weight, chain, groups, eps, True, True)
+        _, stats_ref = gn_epilogue._launch_forward(z, None, extra_bias, gn_weight, gn_bias,
+                                                   mul_weight, chain, groups, eps, True, True)
         assert stats.shape == stats_ref.shape == (2, m, groups)
         torch.testing.assert_close(stats[0], stats_ref[0], rtol=1e-5, atol=1e-6)  # mean
         torch.testing.assert_close(stats[1], stats_ref[1], rtol=1e-4, atol=0)  # 1/std
-        y_again, z_none, stats_none = LG.launch_fused(x, w, *vecs, chain, groups, eps, passes,
-                                                      False)
+        y_again, z_none, stats_none = LG._launch_fused(x, w, *vecs, chain, groups, eps, passes,
+                                                       False)
         assert z_none.numel() == 0 and stats_none.numel() == 0
         assert torch.equal(y, y_again)
 
@@ -223,7 +223,7 @@ def test_models_take_one_launch_and_match_the_reference(problem, args, shape, de
         raise AssertionError("the two-launch path ran")
 
     launches = []
-    launch_fused = LG.launch_fused
+    launch_fused = LG._launch_fused
 
     def counted(*args, **kwargs):
         launches.append(args[7])  # the chain
@@ -231,7 +231,7 @@ def test_models_take_one_launch_and_match_the_reference(problem, args, shape, de
 
     # The gn_chain op holds its own reference to its forward.
     monkeypatch.setattr(gn_epilogue._GN_CHAIN, "forward", not_called)
-    monkeypatch.setattr(LG, "launch_fused", counted)
+    monkeypatch.setattr(LG, "_launch_fused", counted)
     errors = compare(problem, args, shape, torch.float32, device, seed=problem)
     bad = worse_than_eager(errors, torch.float32)
     assert not bad, {name: errors[name] for name in bad}

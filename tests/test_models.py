@@ -98,6 +98,25 @@ def test_benchmark_shapes(problem, device):
                 assert (ours_err < eager_err).all(), (ours_err.max().item(), eager_err.max().item())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("problem", sorted(reference.PROBLEMS))
+def test_ieee_precision_meets_allclose_1e5_against_eager(problem, seed, device):
+    """The original task's assertion, allclose(ours, eager_fp32, atol=rtol=1e-5)
+    at the benchmark shapes: met with precision="ieee" (cuBLAS SGEMM, as
+    eager: the default 3xTF32 GEMM is closer to float64 than eager's SGEMM,
+    and eager's own error then trips the check on a few elements)."""
+    _, args, shape = reference.PROBLEMS[problem]
+    ref, ours = build_pair(problem, args, device, torch.float32)
+    if problem != 1:  # the convolution is cuDNN's for both
+        ours.precision = "ieee"
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.rand(shape, generator=gen).to(device)
+    with torch.no_grad():
+        y_ours, y_eager = ours(x), ref(x)
+    torch.testing.assert_close(y_ours, y_eager, atol=1e-5, rtol=1e-5)
+
+
 def _train_step(model, x, dy):
     for p in model.parameters():
         p.grad = None

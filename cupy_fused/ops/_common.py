@@ -29,7 +29,7 @@ def sm_count(device_index: int) -> int:
     return n
 
 
-def ptr_or_null(t) -> int:
+def _ptr_or_null(t) -> int:
     """Device pointer of an optional tensor for a kernel argument: 0 for None
     (the kernels read a null vector as absent)."""
     return t.data_ptr() if t is not None else 0
@@ -63,8 +63,8 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int
     return cdiv(rows, rows_per_chunk), rows_per_chunk
 
 
-def reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
-                    duplicate_first_row: bool = False) -> torch.Tensor:
+def _reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
+                     duplicate_first_row: bool = False) -> torch.Tensor:
     """``partial``: float64 [chunks, slots, C] -> [slots, C] in ``dtype``,
     summed over chunks in order (bitwise reproducible).  With
     ``duplicate_first_row``, [slots + 1, C]: the last row repeats the first
@@ -81,7 +81,7 @@ def reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
     return out
 
 
-def broadcast_or_dense(dy: torch.Tensor, memory_format=None):
+def _broadcast_or_dense(dy: torch.Tensor, memory_format=None):
     """Gradient of an output, as (tensor, dense flag).  A gradient that is one
     value broadcast everywhere (``out.sum().backward()``) is passed as that
     single value (flag 0) instead of being materialised; any other is made

@@ -18,10 +18,10 @@ default of :func:`set_fp32_matmul_precision`):
 * ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``).  This is also
   the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
   cuBLAS's own.  On this path bias and ReLU are cuBLAS's too (no kernel of
-  ours: see :func:`run_linear`): cuBLASLt's fused bias + ReLU epilogue
+  ours: see :func:`_run_linear`): cuBLASLt's fused bias + ReLU epilogue
   (``torch._addmm_activation``); in training the backward (torch ops) gates
   the gradient with ReLU's own backward kernel, then
-  :func:`cublas_relu_backward` does the rest.
+  :func:`_cublas_relu_backward` does the rest.
 
 The cuBLAS products follow torch's own settings: with
 ``torch.backends.cuda.matmul.allow_tf32 = True`` they run in TF32.
@@ -49,7 +49,7 @@ from .. import _bridge, _runtime
 from .._amp import autocast_dtype
 from .._autograd import FusedOp, is_compiling, keep_output, needs_grad, take_output
 from .._validation import check_like, check_tensor, check_vector
-from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, ptr_or_null, sm_count
+from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, _ptr_or_null, sm_count
 from .relu_epilogue import bias_relu
 
 PRECISIONS = ("3xtf32", "tf32", "ieee")
@@ -220,17 +220,17 @@ def choose_tile(m: int, n: int, vec: bool, device_index: int, passes: int = 3) -
     return "64x64"
 
 
-def rows_aligned(t: torch.Tensor, contiguous_extent: int) -> bool:
+def _rows_aligned(t: torch.Tensor, contiguous_extent: int) -> bool:
     """Every row of the 2-D contiguous ``t`` starts on 16 bytes."""
     return t.data_ptr() % 16 == 0 and contiguous_extent % 4 == 0
 
 
-def inner_size(a: torch.Tensor, layout: str) -> int:
+def _inner_size(a: torch.Tensor, layout: str) -> int:
     """K of a product in ``layout`` whose left operand is ``a``."""
     return a.shape[1] if LAYOUTS[layout][0] else a.shape[0]
 
 
-def product_shape(a: torch.Tensor, b: torch.Tensor, layout: str) -> Tuple[int, int]:
+def _product_shape(a: torch.Tensor, b: torch.Tensor, layout: str) -> Tuple[int, int]:
     """(M, N) of the product of ``a`` and ``b`` in ``layout``."""
     a_kmajor, b_kmajor = LAYOUTS[layout]
     return (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
@@ -244,12 +244,12 @@ def uses_sgemm(passes: int, k: int) -> bool:
     return k == 0 or (passes == 3 and k < SGEMM_BELOW_INNER)
 
 
-def product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
-            bias: Optional[torch.Tensor] = None, activation: int = 0) -> torch.Tensor:
-    """:func:`gemm`, or cuBLAS SGEMM plus the epilogue where
+def _product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
+             bias: Optional[torch.Tensor] = None, activation: int = 0) -> torch.Tensor:
+    """:func:`_gemm`, or cuBLAS SGEMM plus the epilogue where
     :func:`uses_sgemm` says so (same operands, same result shape)."""
-    if not uses_sgemm(passes, inner_size(a, layout)):
-        return gemm(a, b, layout, passes, bias, activation)
+    if not uses_sgemm(passes, _inner_size(a, layout)):
+        return _gemm(a, b, layout, passes, bias, activation)
     if layout == "forward":
         out = torch.addmm(bias, a, b.t()) if bias is not None else a @ b.t()
     else:
@@ -259,8 +259,8 @@ def product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     return out.relu_() if activation == 1 else out
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
-         bias: Optional[torch.Tensor] = None, activation: int = 0) -> torch.Tensor:
+def _gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
+          bias: Optional[torch.Tensor] = None, activation: int = 0) -> torch.Tensor:
     """One float32 product on the tensor cores (contiguous 2-D operands).
 
     layout ``"forward"``: a [M, K], b [N, K] -> a b^T [M, N];
@@ -269,59 +269,59 @@ def gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     ``passes``: 3 (3xTF32) or 1 (TF32).  Epilogue: ``act(. + bias)``, bias
     (N,) or None, activation 0 (none) or 1 (ReLU).
     """
-    m, n = product_shape(a, b, layout)
+    m, n = _product_shape(a, b, layout)
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
         return out
-    if inner_size(a, layout) == 0:  # an empty sum: no kernel (see uses_sgemm)
+    if _inner_size(a, layout) == 0:  # an empty sum: no kernel (see uses_sgemm)
         out.zero_()
         if bias is not None:
             out += bias
         return out.relu_() if activation == 1 else out
-    vec = rows_aligned(a, a.shape[1]) and rows_aligned(b, b.shape[1])
+    vec = _rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])
     tile = choose_tile(m, n, vec, a.device.index, passes)
-    launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
-                a, b, out, bias, activation, passes)
+    _launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
+                 a, b, out, bias, activation, passes)
     return out
 
 
-def gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, tile: str,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`gemm` on the tile kernel ``tile`` (a key of :data:`TILES`, one
+def _gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, tile: str,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`_gemm` on the tile kernel ``tile`` (a key of :data:`TILES`, one
     of :func:`available_tiles`) with 16-byte loads, whatever
     :func:`choose_tile` would pick: for tests, sanitizer runs and tuning.
     The operands' rows must be 16-byte aligned.  ``out``: the [M, N] result
     to write (e.g. NaN-poisoned), else a new one."""
-    m, n = product_shape(a, b, layout)
-    if not (rows_aligned(a, a.shape[1]) and rows_aligned(b, b.shape[1])):
-        raise ValueError("gemm_on_tile needs operands whose rows start on 16 bytes "
+    m, n = _product_shape(a, b, layout)
+    if not (_rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])):
+        raise ValueError("_gemm_on_tile needs operands whose rows start on 16 bytes "
                          "(aligned pointers, contiguous extents that are multiples of 4)")
-    if inner_size(a, layout) == 0:
-        raise ValueError("gemm_on_tile needs a non-empty sum (K >= 1)")
+    if _inner_size(a, layout) == 0:
+        raise ValueError("_gemm_on_tile needs a non-empty sum (K >= 1)")
     out = torch.empty((m, n), dtype=torch.float32, device=a.device) if out is None else out
-    launch_gemm(KERNELS.get((tile, passes, layout, True), a.device.index), TILES[tile], layout,
-                a, b, out, passes=passes)
+    _launch_gemm(KERNELS.get((tile, passes, layout, True), a.device.index), TILES[tile], layout,
+                 a, b, out, passes=passes)
     return out
 
 
-def launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                bias: Optional[torch.Tensor] = None, activation: int = 0, passes: int = 3) -> None:
+def _launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None, activation: int = 0, passes: int = 3) -> None:
     """Launches ``fn``, a ``gemm_tf32`` (or ``gemm_tf32_wgmma``)
     instantiation of ``tile``, ``passes`` and ``layout``, writing ``out``
-    [M, N] (operands as in :func:`gemm`)."""
+    [M, N] (operands as in :func:`_gemm`)."""
     a_kmajor, b_kmajor = LAYOUTS[layout]
     m, n = out.shape
-    k = inner_size(a, layout)
+    k = _inner_size(a, layout)
     dev, ldb = a.device.index, b.shape[1]
     if tile.split_b:  # the kernel then reads the planes image (and ignores ldb)
-        b = split_b(b, n, k, b_kmajor, passes)
+        b = _split_b(b, n, k, b_kmajor, passes)
     _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), tile.threads, (
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), ptr_or_null(bias),
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), _ptr_or_null(bias),
         activation, m, n, k, a.shape[1], ldb, n), dev,
         shared_mem=tile.shared_bytes(a_kmajor, b_kmajor, passes))
 
 
-def split_b(b: torch.Tensor, n: int, k: int, b_kmajor: bool, passes: int) -> torch.Tensor:
+def _split_b(b: torch.Tensor, n: int, k: int, b_kmajor: bool, passes: int) -> torch.Tensor:
     """B's planes image for the ``split_b`` wgmma kernel (layout in
     ``kernels_cu/gemm_tf32.cuh``, ``plane_float_offset``): one float32
     buffer of ``passes == 3 ? 2 : 1`` planes of 128 x 32 values per (128-column
@@ -342,7 +342,7 @@ def split_b(b: torch.Tensor, n: int, k: int, b_kmajor: bool, passes: int) -> tor
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
              activation: int, passes: int) -> torch.Tensor:
-    return product(x, weight, "forward", passes, bias, activation)
+    return _product(x, weight, "forward", passes, bias, activation)
 
 
 def _forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -350,15 +350,15 @@ def _forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def linear_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
-                    want_x: bool, want_weight: bool,
-                    want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _linear_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
+                     want_x: bool, want_weight: bool,
+                     want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``x W^T + bias``.  Returns (dx, dW, dbias); each is empty
     when not wanted."""
     dz = dout.contiguous()  # also materialises a broadcast gradient
     dbias = dz.sum(0) if want_bias else dz.new_empty((0,))
-    dx = product(dz, weight, "grad_input", passes) if want_x else x.new_empty((0,))
-    dw = product(dz, x, "grad_weight", passes) if want_weight else weight.new_empty((0,))
+    dx = _product(dz, weight, "grad_input", passes) if want_x else x.new_empty((0,))
+    dw = _product(dz, x, "grad_weight", passes) if want_weight else weight.new_empty((0,))
     return dx, dw, dbias
 
 
@@ -389,7 +389,7 @@ def _backward_formula(ctx, grads, run_backward):
 
 
 _LINEAR = FusedOp("linear_tf32", _forward, _forward_fake, _setup_context, _backward_formula,
-                  linear_backward, _backward_fake)
+                  _linear_backward, _backward_fake)
 
 
 # ---------------------------------------------------------------- cuBLAS bias + ReLU
@@ -405,9 +405,9 @@ def _cublas_relu_forward_fake(x: torch.Tensor, weight: torch.Tensor,
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def cublas_relu_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
-                         want_weight: bool,
-                         want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cublas_relu_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
+                          want_weight: bool,
+                          want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the linear part of ``relu(x W^T + bias)``, given the
     gradient dz already gated by the ReLU.  Returns (dx, dW, dbias); each is
     empty when not wanted."""
@@ -470,11 +470,11 @@ def _cublas_relu_backward_formula(ctx, grads, run_backward):
 # the gate only (keep_output) and drop it before the products.  Traced
 # calls, whose graph carries saved tensors only, gate with a native relu_
 # that the caller applies to the output (values unchanged: they are >= 0
-# already), whose own node then frees the output.  Only run_linear uses it,
+# already), whose own node then frees the output.  Only _run_linear uses it,
 # that way.
 _CUBLAS_RELU = FusedOp("linear_relu_cublas", _cublas_relu_forward, _cublas_relu_forward_fake,
                        _cublas_relu_setup_context, _cublas_relu_backward_formula,
-                       cublas_relu_backward, _cublas_relu_backward_fake,
+                       _cublas_relu_backward, _cublas_relu_backward_fake,
                        eager_setup_context=_cublas_relu_eager_setup_context)
 
 
@@ -492,7 +492,7 @@ MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 _fp16_accumulation = getattr(torch._C, "_get_cublas_allow_fp16_accumulation", lambda: False)
 
 
-def mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` (2-D, one dtype) with its result in ``dtype``: written
     directly by cuBLAS when ``dtype`` is float32 and the operands float16 /
     bfloat16 on CUDA (:data:`MM_OUT_DTYPE`), else the product in the
@@ -521,19 +521,19 @@ def _autocast_forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     return x_d.new_empty((x_d.shape[0], w_d.shape[0]))
 
 
-def autocast_linear_backward(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
-                             x_dtype: torch.dtype, weight_dtype: torch.dtype,
-                             bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
-                             want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _autocast_linear_backward(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
+                              x_dtype: torch.dtype, weight_dtype: torch.dtype,
+                              bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
+                              want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``x_d W_d^T + bias_d`` (operands cast from x, W, bias):
     (dx, dW, dbias) in x's, W's and the bias's own dtypes, each written by
-    its product / sum (:func:`mm_to`; the column sum accumulates in
+    its product / sum (:func:`_mm_to`; the column sum accumulates in
     float32), with no cast kernels; each is empty when not wanted."""
     dz = dz.contiguous()  # also materialises a broadcast gradient
-    # The bias gradient first (see cublas_relu_backward).
+    # The bias gradient first (see _cublas_relu_backward).
     dbias = dz.sum(0, dtype=bias_dtype) if want_bias else dz.new_empty((0,))
-    dx = mm_to(dz, w_d, x_dtype) if want_x else dz.new_empty((0,))
-    dw = mm_to(dz.t(), x_d, weight_dtype) if want_weight else dz.new_empty((0,))
+    dx = _mm_to(dz, w_d, x_dtype) if want_x else dz.new_empty((0,))
+    dw = _mm_to(dz.t(), x_d, weight_dtype) if want_weight else dz.new_empty((0,))
     return dx, dw, dbias
 
 
@@ -592,9 +592,9 @@ def _autocast_backward_formula(ctx, grads, run_backward):
         dz = grads[0].contiguous()
         dbias = dz.sum(0, dtype=b_dtype) if want_bias else None
         w_d = _take_weight_cast(ctx)
-        dx = mm_to(dz, w_d, x_dtype) if want[0] else None
+        dx = _mm_to(dz, w_d, x_dtype) if want[0] else None
         del w_d  # before dW exists
-        dw = mm_to(dz.t(), x_d, w_dtype) if want[1] else None
+        dw = _mm_to(dz.t(), x_d, w_dtype) if want[1] else None
         return dx, dw, dbias, None, None, None
     x_d, w_d = ctx.saved_tensors
     dx, dw, dbias = run_backward(grads[0], x_d, w_d, *ctx.dtypes, want[0], want[1], want_bias)
@@ -606,18 +606,18 @@ def _autocast_backward_formula(ctx, grads, run_backward):
 # autograd nodes: inputs x, W, bias (any float dtypes; they receive the
 # gradients) and their casts to d (no gradient; the product reads them),
 # output z in d.  The backward writes dX, dW and dbias in x's, W's and the
-# bias's dtypes straight from cuBLAS (mm_to), where autograd's casts would
+# bias's dtypes straight from cuBLAS (_mm_to), where autograd's casts would
 # produce them in d and cast them back, one more kernel each (problem 76's
 # weight gradient, 8192 x 8192: ~0.13 ms of an H100 per step) and both
 # copies alive at once.  It saves the casts, as the reference does.
 _LINEAR_AUTOCAST = FusedOp("linear_autocast", _autocast_forward, _autocast_forward_fake,
                            _autocast_setup_context, _autocast_backward_formula,
-                           autocast_linear_backward, _autocast_backward_fake,
+                           _autocast_linear_backward, _autocast_backward_fake,
                            eager_setup_context=_autocast_eager_setup_context)
 
 
-def run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                        dtype: torch.dtype, bias_grad: bool = True) -> torch.Tensor:
+def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         dtype: torch.dtype, bias_grad: bool = True) -> torch.Tensor:
     """``F.linear(x2, weight, bias)`` under ``torch.autocast("cuda",
     dtype=dtype)``, on operands already checked (x2 [M, K], weight [N, K],
     bias (N,) flat or None; any float dtypes, one device): the product in
@@ -647,7 +647,7 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     weight and bias (any float dtypes) are cast to d, the product runs in d
     (cuBLAS; the ReLU after it) and returns d; gradients come back in each
     tensor's own dtype, written so by the backward's products
-    (:func:`run_autocast_linear`).
+    (:func:`_run_autocast_linear`).
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(linear, "x", x, weight, bias, activation, precision)
@@ -674,11 +674,11 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     act, precision = ACTIVATIONS[activation], resolve_precision(precision)
     x2 = x if x.dim() == 2 else x.reshape(x.shape[:-1].numel(), k)  # (not -1: k may be 0)
     if amp is not None:
-        y = run_autocast_linear(x2, weight, bias, amp)
+        y = _run_autocast_linear(x2, weight, bias, amp)
         if act:  # relu(F.linear(x, weight, bias)) in amp, as the reference
             y = y.relu_()
     else:  # (2-D x: no reshape, a view is one more autograd node per call)
-        y = run_linear(x2, weight, bias, act, precision)
+        y = _run_linear(x2, weight, bias, act, precision)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
@@ -689,8 +689,8 @@ def uses_cublas(dtype: torch.dtype, precision: str, device_index: int) -> bool:
             or not has_tf32_tensor_cores(device_index))
 
 
-def run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               activation: int, precision: str) -> torch.Tensor:
+def _run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                activation: int, precision: str) -> torch.Tensor:
     """:func:`linear` on operands it (or a caller applying the same rules)
     has already checked: x2 [M, K], weight [N, K], bias (N,) flat or None,
     activation 0 (none) or 1 (ReLU), precision resolved.  Returns [M, N]."""

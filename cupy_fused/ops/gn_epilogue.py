@@ -24,8 +24,8 @@ from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
-from ._common import (BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
-                      ptr_or_null, reduce_partials, row_chunks)
+from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
+                      _ptr_or_null, _reduce_partials, row_chunks)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Chain:
     @property
     def grad_rows(self) -> int:
         """Rows of the backward's reduced sums: the slots, plus a copy of the
-        shared bias slot (see :func:`.reduce_partials`)."""
+        shared bias slot (see :func:`._reduce_partials`)."""
         return self.slots + int(self.shares_bias_slot)
 
     @property
@@ -195,7 +195,7 @@ def vector_shape(dtype: torch.dtype, channels_per_group: int,
     return _next_pow2(-(-vectors // per_lane)), per_lane
 
 
-def aligned(*tensors: Optional[torch.Tensor]) -> bool:
+def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether every tensor given starts on 16 bytes (the vector kernels'
     wide accesses)."""
     for t in tensors:
@@ -316,7 +316,7 @@ def _backward_plan(key: tuple) -> tuple:
         chunks, rows_per_chunk, team))
 
 
-def stats_pointers(stats: torch.Tensor) -> Tuple[int, int]:
+def _stats_pointers(stats: torch.Tensor) -> Tuple[int, int]:
     """Device pointers of the mean and 1/std planes of ``stats`` [2, M,
     groups] (one allocation, one saved tensor, where two would cost a
     second allocation on every forward)."""
@@ -324,12 +324,12 @@ def stats_pointers(stats: torch.Tensor) -> Tuple[int, int]:
     return mean, mean + 4 * stats.shape[1] * stats.shape[2]
 
 
-def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
-                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
-                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                   num_groups: int, eps: float, save_stats: bool, bias_in_z: bool,
-                   eager_rounding: bool = False,
-                   float_out: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def _launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+                    num_groups: int, eps: float, save_stats: bool, bias_in_z: bool,
+                    eager_rounding: bool = False,
+                    float_out: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, stats): ``stats`` float32 [2, M, num_groups], the mean
     and 1/std of every (row, group), when ``save_stats``, else empty.
     ``float_out``: out and the vectors are float32 whatever z's dtype
@@ -341,17 +341,17 @@ def launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
     if rows and channels:
         dev = z.device.index
         key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out,
-               aligned(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
+               _aligned(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
         fn, grid, team, rounds = _forward_plans.get(key) or _forward_plan(key)
         round_statistics = 0
         if rounds:
             eps = _rounded_eps(eps, z.dtype)
             round_statistics = int(EAGER_GN_ROUNDS_STATISTICS)
-        mean, rstd = stats_pointers(stats) if save_stats else (0, 0)
+        mean, rstd = _stats_pointers(stats) if save_stats else (0, 0)
         _bridge.launch(fn, (grid, 1, 1), BLOCK, (
-            z.data_ptr(), out.data_ptr(), mean, rstd, 0 if bias_in_z else ptr_or_null(lin_bias),
-            ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
-            ptr_or_null(mul_weight), rows, channels, num_groups, team, eps, round_statistics),
+            z.data_ptr(), out.data_ptr(), mean, rstd, 0 if bias_in_z else _ptr_or_null(lin_bias),
+            _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
+            _ptr_or_null(mul_weight), rows, channels, num_groups, team, eps, round_statistics),
             dev)
     return out, stats
 
@@ -366,17 +366,17 @@ def _forward_fake(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
             z.new_empty((2, z.shape[0], num_groups) if save_stats else (0,), dtype=torch.float32))
 
 
-def launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
-                    lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
-                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
-                    mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
-                    bias_in_z: bool,
-                    eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def _launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
+                     lin_bias: Optional[torch.Tensor], extra_bias: Optional[torch.Tensor],
+                     gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
+                     mul_weight: Optional[torch.Tensor], chain: str, num_groups: int,
+                     bias_in_z: bool,
+                     eager_rounding: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz in z's dtype, per-column sums [Chain.grad_rows, C] in
-    dout's dtype: the parameter gradients, :func:`parameter_grads`).
+    dout's dtype: the parameter gradients, :func:`_parameter_grads`).
     ``stats``: the forward's.  ``eager_rounding`` must be the forward's: the
     backward recomputes its normalised values.  dout float32 with a half z:
-    the autocast kernels (see :func:`launch_forward`)."""
+    the autocast kernels (see :func:`_launch_forward`)."""
     rows, channels = z.shape
     spec = CHAINS[chain]
     dz = torch.empty_like(z)
@@ -384,19 +384,19 @@ def launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
         return dz, torch.zeros((spec.grad_rows, channels), dtype=dout.dtype, device=z.device)
     dev = z.device.index
     float_out = dout.dtype != z.dtype
-    dy, dense = broadcast_or_dense(dout)
+    dy, dense = _broadcast_or_dense(dout)
     key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out,
-           aligned(z, dy, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
+           _aligned(z, dy, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
     fn, grid_x, chunks, rows_per_chunk, team = _backward_plans.get(key) or _backward_plan(key)
     partial = torch.empty((chunks, spec.slots, channels), dtype=torch.float64, device=z.device)
-    mean, rstd = stats_pointers(stats)
+    mean, rstd = _stats_pointers(stats)
     _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
         z.data_ptr(), dy.data_ptr(), dense, mean, rstd,
-        0 if bias_in_z else ptr_or_null(lin_bias),
-        ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
-        ptr_or_null(mul_weight), dz.data_ptr(), partial.data_ptr(), rows, channels, num_groups,
+        0 if bias_in_z else _ptr_or_null(lin_bias),
+        _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
+        _ptr_or_null(mul_weight), dz.data_ptr(), partial.data_ptr(), rows, channels, num_groups,
         team, rows_per_chunk), dev)
-    return dz, reduce_partials(partial, dout.dtype, spec.shares_bias_slot)
+    return dz, _reduce_partials(partial, dout.dtype, spec.shares_bias_slot)
 
 
 def _backward_fake(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
@@ -418,8 +418,8 @@ def _setup_context(ctx, inputs, output):
     ctx.eager_rounding = eager_rounding
 
 
-def parameter_grads(chain: str, sums: torch.Tensor, lin_bias, extra_bias, gn_weight, gn_bias,
-                    mul_weight) -> tuple:
+def _parameter_grads(chain: str, sums: torch.Tensor, lin_bias, extra_bias, gn_weight, gn_bias,
+                     mul_weight) -> tuple:
     """The gradients of (lin_bias, extra_bias, gn_weight, gn_bias,
     mul_weight): rows of the backward's ``sums`` [Chain.grad_rows, C] (one
     row per parameter), None for an absent vector."""
@@ -437,12 +437,12 @@ def _backward_formula(ctx, grads, run_backward):
     dz, sums = run_backward(grads[0], z, stats, lin_bias, extra_bias, gn_weight, gn_bias,
                             mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z,
                             ctx.eager_rounding)
-    return (dz,) + parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
-                                   mul_weight) + (None, None, None, None, None, None, None)
+    return (dz,) + _parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
+                                    mul_weight) + (None, None, None, None, None, None, None)
 
 
-_GN_CHAIN = FusedOp("gn_chain", launch_forward, _forward_fake, _setup_context, _backward_formula,
-                    launch_backward, _backward_fake, nondifferentiable=(1,))
+_GN_CHAIN = FusedOp("gn_chain", _launch_forward, _forward_fake, _setup_context, _backward_formula,
+                    _launch_backward, _backward_fake, nondifferentiable=(1,))
 
 
 def check_chain(chain) -> None:
@@ -509,14 +509,14 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     amp = autocast_dtype() is not None
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp)
-    return run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
-                        mul_weight, eps, bool(linear_bias_in_z), bool(eager_rounding),
-                        amp and z.dtype != torch.float32)
+    return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
+                         mul_weight, eps, bool(linear_bias_in_z), bool(eager_rounding),
+                         amp and z.dtype != torch.float32)
 
 
-def run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_bias, gn_weight,
-                 gn_bias, mul_weight, eps: float, linear_bias_in_z: bool,
-                 eager_rounding: bool = False, float_out: bool = False) -> torch.Tensor:
+def _run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_bias, gn_weight,
+                  gn_bias, mul_weight, eps: float, linear_bias_in_z: bool,
+                  eager_rounding: bool = False, float_out: bool = False) -> torch.Tensor:
     """:func:`gn_chain` on arguments it (or a caller applying the same
     checks, as :func:`.linear_gn.linear_gn_chain`) has already validated:
     the vectors flat and contiguous or None, in z's dtype, or float32 with

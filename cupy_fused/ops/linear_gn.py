@@ -15,7 +15,7 @@ or ``"tf32"``):
 * opt-in, **one launch** (``gemm_tf32_wgmma_gn`` in
   ``kernels_cu/gemm_tf32_gn.cu``): the GroupNorm chain applied to the Hopper
   GEMM's accumulators before its only store, where each group lies inside
-  one 128-column tile (:func:`fuses_group_norm`).  It is correct and tested
+  one 128-column tile (:func:`_fuses_group_norm`).  It is correct and tested
   but slower on H100 (problem 37's forward 4.32 ms against 4.16 ms for two
   launches when it was measured; the two launches now take 3.01 ms;
   GEMM_NOTES.md, "GroupNorm in the GEMM's store"): with one block per SM
@@ -39,7 +39,7 @@ Under ``torch.autocast("cuda", dtype=d)``, as the reference: the GEMM in d
 (x, the weight and the linear bias cast to d, cuBLAS), the chain in float32
 (its vectors cast to float32), a float32 result; each gradient in its
 tensor's own dtype (x's and the weight's written so by the backward's
-products: :func:`.gemm.run_autocast_linear`).
+products: :func:`.gemm._run_autocast_linear`).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from .._amp import autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_eps, check_groups, check_like, check_tensor
 from . import gemm, gn_epilogue
-from ._common import call_with_cupy_arrays, cdiv, ptr_or_null
+from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null
 
 WGMMA_TILE = gemm.TILES["wgmma128x128"]
 
@@ -85,7 +85,7 @@ def gn_epilogue_enabled() -> bool:
     return _gn_epilogue_setting["enabled"]
 
 
-def fuses_group_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, passes: int) -> bool:
+def _fuses_group_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, passes: int) -> bool:
     """Whether the forward of ``x`` [M, K] (contiguous float32) through
     ``weight`` [N, K] is one launch: when switched on, where the wgmma GEMM
     is the kernel :func:`.gemm.choose_tile` picks, K is not below
@@ -94,21 +94,21 @@ def fuses_group_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, pas
         return False
     m, k = x.shape
     n = weight.shape[0]
-    aligned = gemm.rows_aligned(x, k) and gemm.rows_aligned(weight, k)
+    aligned = gemm._rows_aligned(x, k) and gemm._rows_aligned(weight, k)
     return (m > 0 and group_fits_tile(n, num_groups) and not gemm.uses_sgemm(passes, k)
             and gemm.TILES[gemm.choose_tile(m, n, aligned, x.device.index, passes)].wgmma)
 
 
-def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
-                 extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
-                 gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                 num_groups: int, eps: float, passes: int, save: bool,
-                 y: Optional[torch.Tensor] = None):
+def _launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                  extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                  gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+                  num_groups: int, eps: float, passes: int, save: bool,
+                  y: Optional[torch.Tensor] = None):
     """The one-launch forward on the wgmma kernel, whatever the size rule
     says (tests and sanitizer runs call it directly; it needs a compute
     capability 9.0 device, :func:`group_fits_tile` and 16-byte aligned rows).
     Returns (y, z, stats): z and the per (row, group) mean and 1/std, stats
-    [2, M, num_groups] as :func:`.gn_epilogue.launch_forward` saves them, are
+    [2, M, num_groups] as :func:`.gn_epilogue._launch_forward` saves them, are
     empty unless ``save``.
     ``y``: the [M, N] output to write (e.g. NaN-poisoned), else a new one."""
     m, k = x.shape
@@ -120,7 +120,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch
     if n == 0 or n % num_groups or not group_fits_tile(n, num_groups):
         raise ValueError(f"the one-launch GEMM + GroupNorm needs channels per group a power "
                          f"of two <= 128, got {n} channels in {num_groups} groups")
-    if k == 0 or not (gemm.rows_aligned(x, k) and gemm.rows_aligned(weight, k)):
+    if k == 0 or not (gemm._rows_aligned(x, k) and gemm._rows_aligned(weight, k)):
         raise ValueError("the one-launch GEMM + GroupNorm needs K >= 1 and x and weight rows "
                          "on 16 bytes")
     if gn_epilogue.CHAINS[chain].mul_weight is not None and mul_weight is None:
@@ -133,13 +133,13 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch
     stats = torch.empty((2, m, num_groups) if save else (0,), dtype=torch.float32,
                         device=x.device)
     if m:
-        mean, rstd = gn_epilogue.stats_pointers(stats) if save else (0, 0)
+        mean, rstd = gn_epilogue._stats_pointers(stats) if save else (0, 0)
         _bridge.launch(KERNELS.get((chain, passes), dev),
                        (cdiv(m, WGMMA_TILE.bm) * cdiv(n, WGMMA_TILE.bn), 1, 1), WGMMA_TILE.threads, (
                            x.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                           ptr_or_null(z) if save else 0, mean, rstd, ptr_or_null(lin_bias),
-                           ptr_or_null(extra_bias), ptr_or_null(gn_weight), ptr_or_null(gn_bias),
-                           ptr_or_null(mul_weight),
+                           _ptr_or_null(z) if save else 0, mean, rstd, _ptr_or_null(lin_bias),
+                           _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
+                           _ptr_or_null(mul_weight),
                            m, n, k, k, k, num_groups, eps), dev,
                        shared_mem=WGMMA_TILE.shared_bytes(True, True, passes))
     return y, z, stats
@@ -153,8 +153,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Ten
              num_groups: int, eps: float, passes: int,
              save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, z, stats); z and stats are empty unless ``save``."""
-    return launch_fused(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
-                        num_groups, eps, passes, save)
+    return _launch_fused(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                         num_groups, eps, passes, save)
 
 
 def _forward_fake(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
@@ -175,9 +175,9 @@ def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torc
               want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dW, per-column sums [Chain.grad_rows, N]); dx / dW empty
     when not wanted."""
-    dz, sums = gn_epilogue.launch_backward(dout, z, stats, lin_bias, extra_bias, gn_weight,
-                                           gn_bias, mul_weight, chain, num_groups, True)
-    dx, dw, _ = gemm.linear_backward(dz, x, weight, passes, want_x, want_weight, False)
+    dz, sums = gn_epilogue._launch_backward(dout, z, stats, lin_bias, extra_bias, gn_weight,
+                                            gn_bias, mul_weight, chain, num_groups, True)
+    dx, dw, _ = gemm._linear_backward(dz, x, weight, passes, want_x, want_weight, False)
     return dx, dw, sums
 
 
@@ -206,8 +206,8 @@ def _backward_formula(ctx, grads, run_backward):
                                 gn_weight, gn_bias, mul_weight, ctx.chain, ctx.num_groups,
                                 ctx.passes, want[0], want[1])
     return ((dx if want[0] else None, dw if want[1] else None)
-            + gn_epilogue.parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight,
-                                          gn_bias, mul_weight)
+            + gn_epilogue._parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight,
+                                           gn_bias, mul_weight)
             + (None, None, None, None, None))
 
 
@@ -257,16 +257,16 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
         # amp) in its epilogue, x's and W's gradients written in their own
         # dtypes by the backward's products (no cast kernels); the chain in
         # float32 produces the linear bias's gradient.
-        z = gemm.run_autocast_linear(x, weight, lin_bias, amp, bias_grad=False)
-        return gn_epilogue.run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
-                                        gn_bias, mul_weight, eps, True, bool(eager_rounding),
-                                        True)
+        z = gemm._run_autocast_linear(x, weight, lin_bias, amp, bias_grad=False)
+        return gn_epilogue._run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
+                                         gn_bias, mul_weight, eps, True, bool(eager_rounding),
+                                         True)
     cublas = gemm.uses_cublas(x.dtype, precision, x.device.index)
     if not cublas:
         x = x if x.is_contiguous() else x.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
         passes = gemm.PASSES[precision]
-        if fuses_group_norm(x, weight, num_groups, passes):
+        if _fuses_group_norm(x, weight, num_groups, passes):
             grad = needs_grad(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
             return _LINEAR_GN.run(grad, x, weight, lin_bias, extra_bias, gn_weight, gn_bias,
                                   mul_weight, chain, num_groups, eps, passes, grad)[0]
@@ -276,11 +276,11 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
         # to its dtype (as eager does; adding it to a rounded fp16/bf16 z
         # costs accuracy), detached: its gradient is a column sum of the
         # chain's backward.
-        z = gemm.run_linear(x, weight,
-                            cast(lin_bias.detach(), x.dtype) if lin_bias is not None else None,
-                            0, precision)
+        z = gemm._run_linear(x, weight,
+                             cast(lin_bias.detach(), x.dtype) if lin_bias is not None else None,
+                             0, precision)
     else:  # the chain adds it (see the module docstring)
-        z = gemm.run_linear(x, weight, None, 0, precision)
-    return gn_epilogue.run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
-                                    gn_bias, mul_weight, eps, cublas, bool(eager_rounding),
-                                    amp is not None)
+        z = gemm._run_linear(x, weight, None, 0, precision)
+    return gn_epilogue._run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
+                                     gn_bias, mul_weight, eps, cublas, bool(eager_rounding),
+                                     amp is not None)

@@ -27,8 +27,8 @@ from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, cast, promoted
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
-from ._common import (BLOCK, broadcast_or_dense, call_with_cupy_arrays, cdiv, ptr_or_null,
-                      reduce_partials, sm_count)
+from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, _ptr_or_null,
+                      _reduce_partials, sm_count)
 
 def _expr(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype, second_bias: bool) -> str:
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
@@ -80,7 +80,7 @@ def rows_launch(rows: int, channels: int, vector: int,
     which sum their rows together before the block writes one partial per
     chunk.  The chunks (grid y) bring the grid to ``resident_blocks``, what
     the GPU holds at once: fewer would leave it idle, more would add
-    partials (written, then read by reduce_partials) and a second wave.
+    partials (written, then read by _reduce_partials) and a second wave.
     Every chunk is non-empty."""
     vectors = cdiv(channels, vector)
     cols = min(32, 1 << (vectors - 1).bit_length())
@@ -113,7 +113,7 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
         fn = KERNELS.get(("bias_relu_forward", z.dtype, bias.dtype, bias2 is not None), dev)
         _bridge.launch(fn, (forward_grid(total, z.dtype), 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), mask.data_ptr() if save_mask else 0, bias.data_ptr(),
-            ptr_or_null(bias2), total, z.shape[1], inner), dev)
+            _ptr_or_null(bias2), total, z.shape[1], inner), dev)
     return out, mask
 
 
@@ -140,7 +140,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
     channels = sizes[1]
     slots = 2 if second_bias else 1
     dev = dout.device.index
-    dy, dense = broadcast_or_dense(dout, fmt)
+    dy, dense = _broadcast_or_dense(dout, fmt)
     inner = _inner(sizes, channels_last)
     total = dz.numel()
     if total == 0:
@@ -154,7 +154,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
             channels, rows_per_chunk, cols), dev)
-        sums = reduce_partials(partial, dout.dtype)
+        sums = _reduce_partials(partial, dout.dtype)
     else:
         batch = total // (channels * inner)
         partial = torch.empty((batch, slots, channels), dtype=torch.float64, device=dout.device)
@@ -162,7 +162,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         _bridge.launch(fn, (batch * channels, 1, 1), BLOCK, (
             dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), channels,
             inner), dev)
-        sums = reduce_partials(partial, dout.dtype)
+        sums = _reduce_partials(partial, dout.dtype)
     return dz, sums
 
 
