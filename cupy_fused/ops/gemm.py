@@ -9,7 +9,7 @@ default of :func:`set_fp32_matmul_precision`):
 * ``"3xtf32"`` (default): each operand split into two TF32 parts, three
   tensor-core products, accumulated in float32 chunks of 16 k-values.  On
   sums of 32 products or more it is about as accurate as cuBLAS SGEMM or
-  more (see the README's accuracy table).  Shorter sums, where the split's
+  more (see the accuracy table in docs/gemm.md).  Shorter sums, where the split's
   own ~2^-22 representation error would dominate (up to 8x SGEMM's error at
   one product), run on cuBLAS SGEMM instead: see :func:`uses_sgemm`.  This
   applies per product, so a batch of 16 rows takes SGEMM for the weight
@@ -117,7 +117,7 @@ class Tile:
 # beforehand and the kernel copies its planes (4 stages of raw A and planes,
 # 200 KiB).  Elsewhere, 128x128 on mma.sync (4 stages, 147 KiB); 64x64
 # for smaller GEMMs and for operands not 16-byte aligned (word-by-word loads).
-# Measured with scripts/tune_gemm.py and benchmarks/gemm.py (see GEMM_NOTES.md).
+# Measured with scripts/tune_gemm.py and benchmarks/gemm.py (see docs/gemm.md).
 TILES = {"wgmma128x128": Tile(128, 128, 3, wgmma=True),
          "wgmma128x128_split_b": Tile(128, 128, 4, wgmma=True, split_b=True),
          "128x128": Tile(128, 128, 4), "64x64": Tile(64, 64, 4)}
@@ -136,7 +136,7 @@ def splits_b(m: int, n: int, passes: int) -> bool:
     caller already holds.  (On problem 76's weight gradient, 8192 x 8192
     from a batch of 1024, the split was faster, 1.24 against 1.57 ms, but
     its 64 MiB image raised the training step's peak memory above
-    torch.compile's: GEMM_NOTES.md.)"""
+    torch.compile's: docs/gemm.md.)"""
     return m >= SPLIT_B_MIN_ROWS and m >= (2 if passes == 3 else 1) * n
 
 # (A K-major, B K-major) of the three products of a linear layer.
@@ -177,7 +177,7 @@ SPLIT_B_KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
 ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 
 # Under "3xtf32", products summing fewer k-values than this run on cuBLAS
-# SGEMM.  Measured (GEMM_NOTES.md, max scaled error vs float64 at 1024x1024):
+# SGEMM.  Measured (docs/gemm.md, max scaled error vs float64 at 1024x1024):
 # 3xTF32 / SGEMM = 8.3x at k = 1, 1.2-2.4x at k = 8, 0.9-1.4x at k = 32 and
 # 0.3-0.6x at k = 128-512.
 SGEMM_BELOW_INNER = 32
@@ -699,8 +699,8 @@ def _run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if cublas:
         if activation == 0:
             return F.linear(x2, weight, bias)
-        # cuBLAS's own epilogue, no kernel of ours (see "What is fused" in the
-        # README): cuBLASLt's bias + ReLU in the GEMM, one launch; backward in
+        # cuBLAS's own epilogue, no kernel of ours (see "What is fused" in
+        # docs/design.md): cuBLASLt's bias + ReLU in the GEMM, one launch; backward in
         # torch ops.  A half-precision training step of problem 76 takes less
         # GPU time (~0.6 ms on H100) than the host needs to issue it, so the
         # fewest launches and autograd nodes win.

@@ -11,14 +11,14 @@ or ``"tf32"``):
   autograd nodes: z, saved by the second, is freed before the backward's
   GEMMs run).  In float32 both places give the same sum, rounded once; in
   the memory-bound chain it is one more per-column value, in the GEMM's store it
-  cost 0.42 ms at problem 37's shape (2.90 against 3.32 ms, GEMM_NOTES.md);
+  cost 0.42 ms at problem 37's shape (2.90 against 3.32 ms, docs/gemm.md);
 * opt-in, **one launch** (``gemm_tf32_wgmma_gn`` in
   ``kernels_cu/gemm_tf32_gn.cu``): the GroupNorm chain applied to the Hopper
   GEMM's accumulators before its only store, where each group lies inside
   one 128-column tile (:func:`_fuses_group_norm`).  It is correct and tested
   but slower on H100 (problem 37's forward 4.32 ms against 4.16 ms for two
   launches when it was measured; the two launches now take 3.01 ms;
-  GEMM_NOTES.md, "GroupNorm in the GEMM's store"): with one block per SM
+  docs/gemm.md, "GroupNorm in the GEMM's store"): with one block per SM
   nothing overlaps the chain's latency with the tensor cores.  Turn it on with ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``
   or :func:`set_gn_epilogue_enabled`.  Its autograd node saves x, W, z and
   the per (row, group) mean and 1/std (``stats``); the backward is the ``gn_chain``
