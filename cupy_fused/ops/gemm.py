@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -521,20 +521,33 @@ def _autocast_forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     return x_d.new_empty((x_d.shape[0], w_d.shape[0]))
 
 
+def _autocast_products(dz: torch.Tensor, x_d: torch.Tensor, take_w_d: Callable[[], torch.Tensor],
+                       x_dtype: torch.dtype, weight_dtype: torch.dtype, bias_dtype: torch.dtype,
+                       want_x: bool, want_weight: bool, want_bias: bool):
+    """(dx, dW, dbias) of ``x_d W_d^T + bias_d`` in x's, W's and the bias's
+    own dtypes, each written by its product / sum (:func:`_mm_to`; the column
+    sum accumulates in float32), with no cast kernels; None where not wanted.
+    ``take_w_d`` returns W_d, which is dropped here after dX and before dW is
+    allocated (the eager path holds no other reference to it)."""
+    dz = dz.contiguous()  # also materialises a broadcast gradient
+    # The bias gradient first (see _cublas_relu_backward).
+    dbias = dz.sum(0, dtype=bias_dtype) if want_bias else None
+    w_d = take_w_d()
+    dx = _mm_to(dz, w_d, x_dtype) if want_x else None
+    del w_d
+    dw = _mm_to(dz.t(), x_d, weight_dtype) if want_weight else None
+    return dx, dw, dbias
+
+
 def _autocast_linear_backward(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
                               x_dtype: torch.dtype, weight_dtype: torch.dtype,
                               bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
                               want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``x_d W_d^T + bias_d`` (operands cast from x, W, bias):
-    (dx, dW, dbias) in x's, W's and the bias's own dtypes, each written by
-    its product / sum (:func:`_mm_to`; the column sum accumulates in
-    float32), with no cast kernels; each is empty when not wanted."""
-    dz = dz.contiguous()  # also materialises a broadcast gradient
-    # The bias gradient first (see _cublas_relu_backward).
-    dbias = dz.sum(0, dtype=bias_dtype) if want_bias else dz.new_empty((0,))
-    dx = _mm_to(dz, w_d, x_dtype) if want_x else dz.new_empty((0,))
-    dw = _mm_to(dz.t(), x_d, weight_dtype) if want_weight else dz.new_empty((0,))
-    return dx, dw, dbias
+    """The backward custom op: :func:`_autocast_products`, each gradient
+    empty when not wanted."""
+    grads = _autocast_products(dz, x_d, lambda: w_d, x_dtype, weight_dtype, bias_dtype, want_x,
+                               want_weight, want_bias)
+    return tuple(g if g is not None else dz.new_empty((0,)) for g in grads)
 
 
 def _autocast_backward_fake(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
@@ -588,14 +601,8 @@ def _autocast_backward_formula(ctx, grads, run_backward):
     want_bias = ctx.has_bias and want[2]
     if hasattr(ctx, "kept_w_d"):  # eager (see _autocast_eager_setup_context)
         (x_d,) = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        dz = grads[0].contiguous()
-        dbias = dz.sum(0, dtype=b_dtype) if want_bias else None
-        w_d = _take_weight_cast(ctx)
-        dx = _mm_to(dz, w_d, x_dtype) if want[0] else None
-        del w_d  # before dW exists
-        dw = _mm_to(dz.t(), x_d, w_dtype) if want[1] else None
-        return dx, dw, dbias, None, None, None
+        return _autocast_products(grads[0], x_d, lambda: _take_weight_cast(ctx), *ctx.dtypes,
+                                  want[0], want[1], want_bias) + (None, None, None)
     x_d, w_d = ctx.saved_tensors
     dx, dw, dbias = run_backward(grads[0], x_d, w_d, *ctx.dtypes, want[0], want[1], want_bias)
     return (dx if want[0] else None, dw if want[1] else None, dbias if want_bias else None,

@@ -267,12 +267,24 @@ def _keep(plans: Dict[tuple, tuple], key: tuple, plan: tuple) -> tuple:
     return plan
 
 
+def _rounds(dtype: torch.dtype, eager_rounding: bool, float_out: bool) -> bool:
+    """Whether a launch takes the eager-rounding kernels (scalar only)."""
+    return eager_rounding and dtype != torch.float32 and not float_out
+
+
+def _plan_vector_shape(key: tuple, backward: bool) -> Optional[Tuple[int, int]]:
+    """:func:`vector_shape` for a plan's key, None where the vectorised
+    kernels do not apply (operands off the 16-byte grid, eager rounding)."""
+    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, is_aligned, dev = key
+    if not is_aligned or _rounds(dtype, eager_rounding, float_out):
+        return None
+    return vector_shape(dtype, channels // num_groups, backward)
+
+
 def _forward_plan(key: tuple) -> tuple:
     """(kernel, grid, team, eager-rounding family) of a forward launch."""
-    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, is_aligned, dev = key
-    rounds = eager_rounding and dtype != torch.float32 and not float_out
-    shape = None if rounds or not is_aligned else vector_shape(dtype, channels // num_groups,
-                                                               False)
+    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, _, dev = key
+    shape = _plan_vector_shape(key, False)
     if shape is not None:
         team, per_lane = shape
         fn = _family(dtype, False, float_out, True).get(("forward_vec", dtype, chain, per_lane),
@@ -280,16 +292,14 @@ def _forward_plan(key: tuple) -> tuple:
     else:
         team, vals = forward_team_shape(channels // num_groups)
         fn = _family(dtype, eager_rounding, float_out).get(("forward", dtype, chain, vals), dev)
-    return _keep(_forward_plans, key, (
-        fn, elementwise_grid(rows * num_groups * team, dev), team, rounds))
+    return _keep(_forward_plans, key, (fn, elementwise_grid(rows * num_groups * team, dev), team,
+                                       _rounds(dtype, eager_rounding, float_out)))
 
 
 def _backward_plan(key: tuple) -> tuple:
     """(kernel, grid x, row chunks, rows per chunk, team) of a backward launch."""
-    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, is_aligned, dev = key
-    rounds = eager_rounding and dtype != torch.float32 and not float_out
-    shape = None if rounds or not is_aligned else vector_shape(dtype, channels // num_groups,
-                                                               True)
+    rows, channels, num_groups, dtype, chain, eager_rounding, float_out, _, dev = key
+    shape = _plan_vector_shape(key, True)
     if shape is not None:
         team, values = shape
         grid_x = cdiv(num_groups, BLOCK // team)
