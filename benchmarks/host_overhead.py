@@ -12,7 +12,7 @@ several rounds and each reports its best round.  Variants:
 * naive DLPack    two ``cupy.from_dlpack`` + a fresh ``ExternalStream`` per call
 * ours, no_grad / requires_grad — with autograd recording
 
-The ratio of ours to torch is also measured in pairs (:func:`paired_ratios`):
+The ratio of ours to torch is also measured in pairs (``harness.paired_ratios``):
 many short rounds, each timing torch and ours back to back (in alternating
 order), one ratio per round, reported as the median and quartiles over the
 rounds.  Best-of-rounds times of two runs of the same code, minutes apart
@@ -26,65 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import os
+import sys
 
 import torch
 
+# The library of this tree, and benchmarks/ itself when loaded by path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-def per_call_us(variants: dict, calls: int, rounds: int = 11) -> dict:
-    """Host microseconds per call of each variant: the variants take turns
-    (round robin, so machine noise hits them alike) and each keeps its best
-    round."""
-    for fn in variants.values():
-        for _ in range(200):
-            fn()
-    torch.cuda.synchronize()
-    best = {name: float("inf") for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            best[name] = min(best[name], (t1 - t0) / calls * 1e6)
-    return best
-
-
-def paired_ratios(base, other, calls: int = 2000, rounds: int = 101) -> dict:
-    """Host time per call of ``other`` over ``base``, one ratio per round of
-    ``calls`` calls of each, timed back to back (``base`` first in even
-    rounds, ``other`` first in odd ones).  Returns the median ratio, its
-    quartiles, and the median microseconds per call of each."""
-    for _ in range(200):
-        base()
-        other()
-    torch.cuda.synchronize()
-
-    def timed(fn):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        return (t1 - t0) / calls * 1e6
-
-    ratios, base_us, other_us = [], [], []
-    for r in range(rounds):
-        if r % 2 == 0:
-            b = timed(base)
-            o = timed(other)
-        else:
-            o = timed(other)
-            b = timed(base)
-        ratios.append(o / b)
-        base_us.append(b)
-        other_us.append(o)
-    q = statistics.quantiles(ratios, n=4)
-    return {"median_ratio": statistics.median(ratios), "q1": q[0], "q3": q[2],
-            "base_us": statistics.median(base_us), "other_us": statistics.median(other_us),
-            "rounds": rounds, "calls": calls}
+from harness import paired_ratios, per_call_us  # noqa: E402
 
 
 def main(argv=None):

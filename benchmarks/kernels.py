@@ -25,7 +25,7 @@ the row says so and the run goes on.
 
 Times: CUDA events around each call, median over ``--iters`` calls after
 ``--warmup``, the calls queued behind a sleep kernel so that the events
-time the GPU's work, not the host's issue of it (:func:`time_queued`).
+time the GPU's work, not the host's issue of it (``harness.time_queued``).
 Where a kernel's input is smaller than the L2 cache, calls rotate over
 copies of it (together at least twice the L2), so that no call finds its
 input in L2 from the one before.
@@ -38,17 +38,16 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+# The library of this tree, and benchmarks/ itself when loaded by path (the tests).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from run import hold_gpu_ms, l2_bytes, rotation_count  # noqa: E402  (benchmarks/run.py)
+from harness import DTYPES, l2_bytes, rotation_count, time_queued  # noqa: E402
 
 # Rows below this fraction of the copy ceiling are flagged.
 LOW_FRACTION = 0.8
@@ -93,14 +92,6 @@ CASES = {
         ["lin_bias", "extra_bias", "gn_weight", "gn_bias"], 8192), "bias_hardtanh_mish_gn", 256),
 }
 
-# --dtypes choice -> (z's dtype, the vectors' dtype).
-DTYPES = {
-    "fp32": (torch.float32, torch.float32),
-    "fp16": (torch.float16, torch.float16),
-    "bf16": (torch.bfloat16, torch.bfloat16),
-    "amp-bf16": (torch.bfloat16, torch.float32),
-    "amp-fp16": (torch.float16, torch.float32),
-}
 DIRECTIONS = ("forward", "backward")
 
 
@@ -157,45 +148,6 @@ def _call(case: Case, z: torch.Tensor, vectors: dict) -> torch.Tensor:
     return ops.gn_chain(z, case.chain, case.groups, **vectors)
 
 
-def time_queued(fn, iters: int, warmup: int, clock=time.perf_counter) -> Tuple[float, float]:
-    """(median, min) milliseconds of ``fn`` from CUDA events around each of
-    ``iters`` calls, as ``cupy_fused.testing.time_ms``, but with the calls
-    queued behind a sleep kernel that outlasts their issue: each event pair
-    then times the GPU's work alone.  (A kernel of a few microseconds takes
-    less time than the host needs to issue its call, the autograd engine's
-    work included; timed as issued, its events would time the host.)
-
-    Args:
-        fn: the call to time.
-        iters: timed calls.
-        warmup: untimed calls first.
-        clock: wall clock in seconds.
-
-    Returns:
-        (median ms, min ms).
-    """
-    for _ in range(warmup):
-        fn()
-    # The host's issue time per call sizes the sleep (three more calls,
-    # after the warm-up: a first call may compile its kernel).
-    torch.cuda.synchronize()
-    t0 = clock()
-    for _ in range(3):
-        fn()
-    per_call_ms = (clock() - t0) * 1e3 / 3
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters)]
-    hold_gpu_ms(1.5 * per_call_ms * iters + 1.0)
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = [start.elapsed_time(end) for start, end in events]
-    return statistics.median(times), min(times)
-
-
 def copy_ceiling_gbps(iters: int, warmup: int) -> float:
     """Device copy bandwidth in GB/s (read + write) of ``dst.copy_(src)``
     on 1 GiB of float32, from the median time."""
@@ -246,9 +198,11 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
     Args:
         name: the case's name (a key of :data:`CASES`).
         case: the case.
-        dtype: a key of :data:`DTYPES`.
+        dtype: a key of ``harness.DTYPES``: z in its compute dtype (the
+            autocast dtype in the autocast modes), the vectors in its model
+            dtype (float32 parameters under autocast).
         directions: "forward" and/or "backward".
-        iters, warmup: of :func:`time_queued`.
+        iters, warmup: of ``harness.time_queued``.
         ceiling: the copy ceiling in GB/s.
 
     Returns:
@@ -256,7 +210,7 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
         or a call that fails gets rows with ``status`` "unsupported" /
         "error" and the message, and no times.
     """
-    z_dtype, v_dtype = DTYPES[dtype]
+    z_dtype, v_dtype = DTYPES[dtype].compute, DTYPES[dtype].model
     numel = math.prod(case.shape)
     row_groups = case.shape[0] * case.groups
     base = dict(kernel=name, op=case.op, problem=case.problem, chain=case.chain,

@@ -45,7 +45,7 @@ inputs), in GiB.
 Host-bound steps: the event time of a step is the GPU's time only when the
 host issues the step faster than the GPU runs it; otherwise the GPU waits
 between kernels and the event time is the host's.  So each step is also
-timed twice more (:func:`host_and_gpu_ms`): the host's issue time (the
+timed twice more (``harness.host_and_gpu_ms``): the host's issue time (the
 wall time of issuing ``--host-steps`` steps without synchronising) and the
 GPU's time with the host far ahead (the same steps queued behind a sleep
 kernel).  A row is ``host_bound`` where the first is the longer.
@@ -70,7 +70,6 @@ import datetime
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -78,16 +77,17 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # see above; before
 
 import torch
 
+# The library of this tree, and benchmarks/ itself when loaded by path (the tests).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cupy_fused import reference  # noqa: E402
-from cupy_fused.testing import build_pair, time_interleaved, time_ms  # noqa: E402
+from cupy_fused.testing import build_pair  # noqa: E402
+from harness import (DTYPES, Progress, autocast_dtype, dtype_label, gpu_state,  # noqa: E402
+                     host_and_gpu_ms, l2_bytes, model_dtype, peak_extra_gib, rotation_count,
+                     say, time_interleaved, time_ms)
 
-# --dtypes: the model and its input in one dtype ...
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# ... or float32 under autocast to the given dtype.
-AMP_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
-ALL_DTYPES = tuple(DTYPES) + tuple(AMP_DTYPES)
+ALL_DTYPES = tuple(DTYPES)
 IMPLS = ("eager", "compile", "ours", "ours+compile")
 # "gemm": the GEMM (or conv) alone, as our modules call it, forward only:
 # ours minus this is the cost of the fused epilogue.  "ours+graphs": ours
@@ -99,33 +99,6 @@ COMPILED = ("compile", "ours+compile", "ours+graphs")
 # Batch sizes of the size sweep (1: a point dominated by per-call host cost).
 SWEEP_GEMM = (1, 64, 256, 1024, 4096, 16384, 32768)
 SWEEP_CONV = (1, 8, 32, 64, 128)
-
-
-def dtype_label(dtype: str) -> str:
-    """The ``dtype`` field of the result rows for a ``--dtypes`` choice:
-    the torch dtype's name ("float32", ...), or the autocast mode's own
-    name ("amp-bf16", "amp-fp16").
-
-    Args:
-        dtype: a key of :data:`DTYPES` or :data:`AMP_DTYPES`.
-
-    Returns:
-        The label.
-    """
-    if dtype in AMP_DTYPES:
-        return dtype
-    return str(DTYPES[dtype]).replace("torch.", "")
-
-
-def model_dtype(dtype: str) -> torch.dtype:
-    """The dtype of the model's parameters and input for a ``--dtypes``
-    choice (float32 in the autocast modes)."""
-    return torch.float32 if dtype in AMP_DTYPES else DTYPES[dtype]
-
-
-def autocast_dtype(dtype: str):
-    """The autocast dtype of a ``--dtypes`` choice, None outside autocast."""
-    return AMP_DTYPES.get(dtype)
 
 
 def _autocast(amp, device_type: str = "cuda"):
@@ -202,118 +175,13 @@ def forward_errors(problem, args, shape, dtype: str, device="cuda") -> dict:
                 with _autocast(autocast_dtype(dtype), x.device.type):
                     y = m(x)
             except Exception as exc:  # noqa: BLE001 -- reported, the timing decides
-                print(f"  {problem} {dtype} {name}: forward failed: {exc!r}", flush=True)
+                say(f"  {problem} {dtype} {name}: forward failed: {exc!r}")
                 continue
             errs[name] = (y.double() - truth).abs().max().item() / scale
     del truth
     if x.is_cuda:
         torch.cuda.empty_cache()
     return errs
-
-
-def rotation_count(input_bytes: int, l2_bytes: int, most: int = 16) -> int:
-    """Copies of an input to rotate over: 1 when it does not fit in L2, else
-    enough that together they hold at least twice the L2 (at most ``most``)."""
-    if input_bytes <= 0 or input_bytes >= l2_bytes:
-        return 1
-    return min(most, -(-2 * l2_bytes // input_bytes))
-
-
-def l2_bytes() -> int:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return int(getattr(props, "L2_cache_size", 50 * 2**20))
-
-
-def gpu_state() -> dict:
-    """The GPU's SM clock (MHz), power draw (W), temperature (C) and active
-    clock-limit reasons from ``nvidia-smi``, or {} where it is missing: taken
-    at the start and end of a run, for the record."""
-    import subprocess
-
-    fields = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(fields),
-                              "--format=csv,noheader,nounits", "-i", str(torch.cuda.current_device())],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
-    return dict(zip(fields, values)) if len(values) == len(fields) else {}
-
-
-def peak_extra_gib(fn, reset) -> float:
-    reset()  # drop the gradients of earlier steps before taking the baseline
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
-_sleep_cycles_per_ms = []
-
-
-def hold_gpu_ms(ms: float) -> None:
-    """Holds the current stream for about ``ms`` with a sleep kernel, so
-    that the host can queue work behind it (torch.cuda._sleep spins for a
-    count of clock cycles: their rate is measured once per process).
-
-    Args:
-        ms: milliseconds.
-    """
-    if not _sleep_cycles_per_ms:
-        cycles = 10**7
-        torch.cuda._sleep(cycles)  # warm-up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        torch.cuda.synchronize()
-        _sleep_cycles_per_ms.append(cycles / max(start.elapsed_time(end), 1e-3))
-    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[0]))
-
-
-def host_and_gpu_ms(step, steps: int = 10, rounds: int = 3, clock=time.perf_counter):
-    """Host issue time and GPU time of one call of ``step``, in ms.
-
-    Host: the wall time of issuing ``steps`` calls, the GPU idle at the
-    start and no synchronisation in the loop, per call.  GPU: CUDA events
-    around the same calls queued behind a sleep kernel that outlasts their
-    issue, per call: the GPU's own time, without the gaps where it waits
-    for the host (which the per-call event time of a host-bound step
-    includes).  ``steps`` is kept small so that the queued launches stay
-    within the driver's launch queue (the host would block on a full one).
-
-    Args:
-        step: the function to time (a training step or a forward).
-        steps: calls per round.
-        rounds: rounds; each time is the median over them.
-        clock: wall clock in seconds.
-
-    Returns:
-        (host ms, GPU ms) per call.
-    """
-    host, gpu = [], []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = clock()
-        for _ in range(steps):
-            step()
-        issue_ms = (clock() - t0) * 1e3
-        torch.cuda.synchronize()
-        host.append(issue_ms / steps)
-        # Sleep for the issue time and half again (plus a margin): the GPU
-        # starts the first step only once the host has queued the last.
-        hold_gpu_ms(1.5 * issue_ms + 1.0)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        gpu.append(start.elapsed_time(end) / steps)
-    return statistics.median(host), statistics.median(gpu)
 
 
 def _gemm_only(model):
@@ -420,17 +288,17 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
 
     Args:
         problem: the problem id.
-        dtype: a ``--dtypes`` choice (a key of :data:`DTYPES` or
-            :data:`AMP_DTYPES`).
+        dtype: a ``--dtypes`` choice (a key of ``harness.DTYPES``).
         modes: "forward" and/or "train".
         impls: implementations (:data:`IMPLS` and :data:`EXTRA_IMPLS`).
-        iters, warmup, min_ms: as :func:`cupy_fused.testing.time_interleaved`.
+        iters, warmup, min_ms: as ``harness.time_interleaved``.
         shapes: the problem table (``reference.PROBLEMS`` or ``SMALL_PROBLEMS``).
-        progress: called after each timed implementation.
+        progress: called after each timed implementation, with its name
+            ("76 float32 b1024 train ours").
         batch: the batch size of a sweep point, None at the problem's shape.
         errors: measure the forward's error against float64.
         peak: the TFLOP/s ceiling, for ``ceiling_fraction``.
-        host_steps, host_rounds: of :func:`host_and_gpu_ms` (0 steps: skip).
+        host_steps, host_rounds: of ``harness.host_and_gpu_ms`` (0 steps: skip).
         device: where to run (the timing needs CUDA; tests pass "cpu" with
             fake CUDA timers).
 
@@ -479,10 +347,10 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
                                     graphs=impl == "ours+graphs", device_type=x.device.type)
                 step()  # the first call compiles, and fails here if it fails
             except Exception as exc:  # noqa: BLE001 -- one implementation, not the run
-                print(f"  {problem:>3} {label:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
-                      f"failed: {exc!r}", flush=True)
+                say(f"  {problem:>3} {label:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
+                    f"failed: {exc!r}")
                 rows.append(row(mode, impl, median_ms=None, min_ms=None, error=repr(exc)))
-                progress()
+                progress(f"{problem} {label} b{shape[0]} {mode} {impl}")
                 continue
             steps[impl], resets[impl] = step, reset
         # All implementations in turns (see time_interleaved), not one after another.
@@ -502,12 +370,12 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
                             ceiling_fraction=tflops / peak if peak else None,
                             fwd_rel_error=errs.get("ours" if impl.startswith("ours") else "eager")
                             if impl != "gemm" else None))
-            progress()
+            progress(f"{problem} {label} b{shape[0]} {mode} {impl}")
             host_text = "" if host is None else (
                 f"  host {host:7.3f} GPU {gpu:7.3f} ms" + ("  host-bound" if host > gpu else ""))
-            print(f"  {problem:>3} {label:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
-                  f"median {med:8.3f} ms  min {best:8.3f} ms  {tflops:6.1f} TFLOP/s" + host_text
-                  + (f"  peak extra {mem:6.3f} GiB" if mem is not None else ""), flush=True)
+            say(f"  {problem:>3} {label:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
+                f"median {med:8.3f} ms  min {best:8.3f} ms  {tflops:6.1f} TFLOP/s" + host_text
+                + (f"  peak extra {mem:6.3f} GiB" if mem is not None else ""))
     models.clear()
     bases.clear()
     torch._dynamo.reset()
@@ -585,7 +453,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-ms", type=float, default=150.0,
                         help="time each implementation for at least this many ms of its steps: "
                              "short steps get more iterations, up to 10x --iters "
-                             "(cupy_fused.testing.time_interleaved)")
+                             "(benchmarks/harness.py: time_interleaved)")
     parser.add_argument("--host-steps", type=int, default=10,
                         help="steps per round of the host issue / GPU time of each row "
                              "(host_and_gpu_ms); 0 skips it")
@@ -689,27 +557,21 @@ def main(argv=None):
     meta["invocations"].append(invocation)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))
     runs = run_count(jobs, args.modes, args.impls, sweep_impls)
-    done = [0]
-
-    def progress():
-        done[0] += 1
-        bar = "#" * (30 * done[0] // max(1, runs))
-        print(f"\r[{bar:<30}] {done[0]}/{runs}", end="\n", file=sys.stderr, flush=True)
-
     start = time.monotonic()
     left = list(jobs)
-    while left:
-        dtype, problem, batch = left.pop(0)
-        impls = args.impls if batch is None else sweep_impls
-        peak = ceiling(problem, dtype, peaks)
-        iters = args.iters if batch is None else min(args.iters, args.sweep_iters)
-        rows += bench_problem(problem, dtype, args.modes, impls, iters, args.warmup,
-                              shapes, progress, batch=batch, errors=batch is None, peak=peak,
-                              min_ms=0.0 if args.quick else args.min_ms,
-                              host_steps=args.host_steps, host_rounds=args.host_rounds)
-        _write_json(stem + ".json", dict(meta=meta, rows=rows))  # after every job
-        if args.time_limit is not None and time.monotonic() - start > 60 * args.time_limit:
-            break  # (each invocation completes one job at least)
+    with Progress(runs, "timed runs") as progress:
+        while left:
+            dtype, problem, batch = left.pop(0)
+            impls = args.impls if batch is None else sweep_impls
+            peak = ceiling(problem, dtype, peaks)
+            iters = args.iters if batch is None else min(args.iters, args.sweep_iters)
+            rows += bench_problem(problem, dtype, args.modes, impls, iters, args.warmup,
+                                  shapes, progress, batch=batch, errors=batch is None, peak=peak,
+                                  min_ms=0.0 if args.quick else args.min_ms,
+                                  host_steps=args.host_steps, host_rounds=args.host_rounds)
+            _write_json(stem + ".json", dict(meta=meta, rows=rows))  # after every job
+            if args.time_limit is not None and time.monotonic() - start > 60 * args.time_limit:
+                break  # (each invocation completes one job at least)
     invocation["gpu_state_after"] = gpu_state()
     _write_json(stem + ".json", dict(meta=meta, rows=rows))
     table = markdown([r for r in rows if not r["sweep"]])
@@ -727,8 +589,7 @@ def main(argv=None):
             print("matplotlib is not installed: no plots (python benchmarks/plot.py "
                   f"{stem}.json makes them later)")
         else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            import plot
+            import plot  # benchmarks/ is on sys.path (above)
 
             plot.main(stem + ".json")
 

@@ -2,10 +2,14 @@
 NVRTC through CuPy — no nvcc, no C++ build.
 
 Importing the package needs neither CuPy nor a GPU and compiles nothing;
-the first kernel launch compiles (and caches) what it uses.
+the first kernel launch compiles (and caches) what it uses;
+:func:`precompile` compiles ahead of time.
 """
 from . import ops
-from .ops import get_fp32_matmul_precision, set_fp32_matmul_precision
+from ._runtime import precompile
+from . import settings
+from .settings import (fp32_matmul_precision, get_fp32_matmul_precision,
+                       set_fp32_matmul_precision)
 from .models import (
     ConvReluBiasAdd,
     GemmAddRelu,
@@ -14,7 +18,7 @@ from .models import (
     MatmulSwishSumGroupNorm,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "ConvReluBiasAdd",
@@ -22,7 +26,10 @@ __all__ = [
     "GemmBiasAddHardtanhMishGroupNorm",
     "GemmGroupNormSwishMultiplySwish",
     "MatmulSwishSumGroupNorm",
+    "fp32_matmul_precision",
     "get_fp32_matmul_precision",
     "ops",
+    "precompile",
     "set_fp32_matmul_precision",
+    "settings",
 ]

@@ -1,6 +1,13 @@
 """``python -m cupy_fused``: environment report, then a smoke kernel against
 torch and the five models against the reference; without a GPU, the NVRTC
-compile check of every kernel instead."""
+compile check of every kernel instead.
+
+  python -m cupy_fused                     report, then the checks
+  python -m cupy_fused --precompile        report, then compile every kernel for this GPU
+                                           (CuPy's disk cache keeps them for later processes)
+  python -m cupy_fused --no-compile-check  without a GPU: the report only
+  python -m cupy_fused --arch sm_90a       without a GPU: check these architectures only
+"""
 from __future__ import annotations
 
 import argparse
@@ -14,36 +21,31 @@ def _line(key: str, value) -> None:
     print(f"  {key:<22} {value}")
 
 
-def _cupy_distribution() -> str:
-    from importlib import metadata
-
-    for name in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
-        try:
-            metadata.version(name)
-            return name
-        except metadata.PackageNotFoundError:
-            continue
-    return "unknown distribution"
-
-
 def _report_cupy():
+    """Prints CuPy's and NVRTC's versions; returns (cupy module or None,
+    whether NVRTC loads)."""
+    from . import _runtime
     from ._cupy import cupy_available, INSTALL_HINT
 
     if not cupy_available():
         _line("CuPy", "NOT INSTALLED")
         print(INSTALL_HINT)
-        return None
+        return None, False
     import cupy
-    from cupy.cuda import nvrtc
 
-    _line("CuPy", f"{cupy.__version__} ({_cupy_distribution()})")
+    _line("CuPy", f"{cupy.__version__} ({_runtime.cupy_distribution() or 'unknown distribution'})")
+    nvrtc_ok = True
     try:
-        major, minor = nvrtc.getVersion()
+        major, minor = _runtime.nvrtc_version()
         _line("NVRTC", f"{major}.{minor}")
+    except _runtime.NvrtcNotFoundError as exc:
+        _line("NVRTC", "NOT FOUND")
+        print(exc)
+        nvrtc_ok = False
     except Exception as exc:  # noqa: BLE001 - report, don't crash
         _line("NVRTC", f"unavailable ({exc})")
     _line("kernel cache", os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")))
-    return cupy
+    return cupy, nvrtc_ok
 
 
 def _smoke(device: int) -> bool:
@@ -77,10 +79,65 @@ def _models(device: int) -> bool:
     return ok
 
 
+def _compile_check(archs) -> bool:
+    from . import _runtime
+
+    archs = archs or _runtime.check_architectures()
+    for arch in archs:
+        try:
+            _runtime._check_arch(arch)
+        except ValueError as exc:
+            print(exc)
+            return False
+    count = sum(len(v) for v in _runtime.declared().values())
+    major, minor = _runtime.nvrtc_version()
+    print(f"\nNo CUDA GPU is visible: compile check of {count} instantiations for "
+          f"{', '.join(archs)} with NVRTC {major}.{minor} (this takes a few minutes).")
+    ok = True
+    for arch in archs:
+        t0 = time.perf_counter()
+        try:
+            sizes = _runtime.compile_check(arch, progress=True)
+        except _runtime.CompileError as exc:
+            print(f"  {arch}: FAILED\n{exc}")
+            ok = False
+            continue
+        print(f"  {arch}: {len(sizes)} sources, {count} instantiations compiled "
+              f"in {time.perf_counter() - t0:.1f} s")
+    return ok
+
+
+def _precompile(device: int) -> bool:
+    from . import _runtime
+
+    arch = _runtime.device_arch(device)
+    print(f"\nCompiling every kernel instantiation for {arch} (GPU {device}); CuPy's disk "
+          "cache keeps them for later processes:")
+    t0 = time.perf_counter()
+    try:
+        done = _runtime.precompile(device=device, progress=True)
+    except _runtime.CompileError as exc:
+        print(f"  FAILED\n{exc}")
+        return False
+    print(f"  {len(done)} instantiations ready in {time.perf_counter() - t0:.1f} s")
+    return True
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupy_fused", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cupy_fused", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-models", action="store_true", help="skip the five-model check")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile every kernel instantiation for the current GPU, then exit "
+                             "(without a GPU: the compile check)")
+    parser.add_argument("--no-compile-check", action="store_true",
+                        help="without a GPU, print the report only")
+    parser.add_argument("--arch", nargs="+", metavar="ARCH",
+                        help="without a GPU, check these architectures (default: sm_75, sm_80, "
+                             "sm_90, sm_90a, and sm_70 where NVRTC supports it)")
     args = parser.parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # each line as it comes, also into a pipe (CI logs)
+        sys.stdout.reconfigure(line_buffering=True)
 
     import torch
 
@@ -89,30 +146,28 @@ def main(argv=None) -> int:
     print(f"cupy-fused {__version__}")
     _line("python", platform.python_version())
     _line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
-    cupy = _report_cupy()
+    cupy, nvrtc_ok = _report_cupy()
     _line("kernel sources", _runtime.kernel_dir())
-    if cupy is None:
+    if cupy is None or not nvrtc_ok:
         return 1
+    try:
+        return _checks(args, cupy, torch)
+    except _runtime.NvrtcNotFoundError as exc:
+        print(exc)
+        return 1
+
+
+def _checks(args, cupy, torch) -> int:
     gpu = torch.cuda.is_available()
     try:
         n_cupy = cupy.cuda.runtime.getDeviceCount() if gpu else 0
     except Exception:  # noqa: BLE001
         n_cupy = 0
     if not gpu or n_cupy == 0:
-        print("\nNo CUDA GPU is visible: running the NVRTC compile check of every kernel instead.")
-        ok = True
-        for arch in ("sm_75", "sm_80", "sm_90", "sm_90a"):
-            t0 = time.perf_counter()
-            try:
-                sizes = _runtime.compile_check(arch)
-            except _runtime.CompileError as exc:
-                print(f"  {arch}: FAILED\n{exc}")
-                ok = False
-                continue
-            n = sum(len(v) for v in _runtime.declared().values())
-            print(f"  {arch}: {len(sizes)} sources, {n} instantiations compiled "
-                  f"in {time.perf_counter() - t0:.1f} s")
-        return 0 if ok else 1
+        if args.no_compile_check:
+            print("\nNo CUDA GPU is visible (compile check skipped: --no-compile-check).")
+            return 0
+        return 0 if _compile_check(args.arch) else 1
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     _line("GPU", f"{props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
@@ -121,6 +176,8 @@ def main(argv=None) -> int:
     drv = rt.driverGetVersion()
     run = rt.runtimeGetVersion()
     _line("CUDA driver / runtime", f"{drv // 1000}.{drv % 1000 // 10} / {run // 1000}.{run % 1000 // 10}")
+    if args.precompile:
+        return 0 if _precompile(dev) else 1
     print("\nSmoke kernel against torch:")
     ok = _smoke(dev)
     if not args.no_models:

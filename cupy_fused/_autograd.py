@@ -54,10 +54,36 @@ is_compiling = _compiler_is_compiling()
 # What torch.autograd.Function.apply checks and does before its C++ apply
 # (see FusedOp.run): whether a torch.func transform is active, and the
 # unwrapping of dead functorch wrappers (tensors that escaped a finished
-# transform, e.g. the results of torch.func.vjp's vjp_fn).
+# transform, e.g. the results of torch.func.vjp's vjp_fn).  Private torch
+# APIs, looked up, not assumed: where one is missing, FusedOp.run calls
+# Function.apply (see _direct_apply).
 _functorch = getattr(torch._C, "_functorch", None)
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _unwrap_if_dead = getattr(_functorch, "unwrap_if_dead", None)
+_FunctionBase = getattr(torch._C, "_FunctionBase", None)
+
+
+def _direct_apply(function: type) -> Optional[Callable]:
+    """The C++ apply of the eager ``torch.autograd.Function`` subclass
+    ``function`` (``torch._C._FunctionBase.apply``, what ``Function.apply``
+    calls last), for :meth:`FusedOp.run` to call without torch's Python
+    wrapper around it; None where this torch lacks something a direct call
+    relies on: the check for an active torch.func transform, the unwrapping
+    of dead functorch wrappers, or the C++ base class with its ``apply``.
+    With None, run() calls ``Function.apply``: the same node and results,
+    a little more host time per call.
+
+    The wrapper does one more thing, binding default arguments, only for a
+    Function that defines ``setup_context``; FusedOp's Function does not
+    (its forward takes ``ctx``)."""
+    if _transforms_active is None or _unwrap_if_dead is None or _FunctionBase is None:
+        return None
+    if not isinstance(function, type) or not issubclass(function, _FunctionBase):
+        return None
+    if "setup_context" in vars(function):
+        return None
+    apply = getattr(super(torch.autograd.Function, function), "apply", None)
+    return apply if callable(apply) else None
 
 
 def _tensor_positions(forward: Callable) -> Tuple[int, ...]:
@@ -72,7 +98,7 @@ def _tensor_positions(forward: Callable) -> Tuple[int, ...]:
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     """True when autograd will record a graph for these inputs."""
     if torch.is_grad_enabled():
-        for t in tensors:  # a loop, not any(<generator>): half the host time
+        for t in tensors:  # a loop, not any(<generator>): no generator per call
             if t is not None and t.requires_grad:
                 return True
     return False
@@ -218,13 +244,13 @@ class FusedOp:
         # wrapper around it (Function.apply) where that wrapper would only
         # unwrap dead functorch wrappers among the tensor inputs: run() does
         # that itself, and goes through the wrapper when a torch.func
-        # transform is active.  Half of the wrapper's cost is its generic
-        # argument handling (measured on CPU: 4.4 against 2.8 us per call of
-        # a one-tensor Function), on every training step's forward.
+        # transform is active.  The wrapper's generic handling (a classmethod
+        # call, the setup_context test, a generator over every argument into
+        # a new tuple) is a large part of a small op's host time, paid on
+        # every training step's forward.  None where this torch lacks what
+        # that needs (_direct_apply): run() then calls Function.apply.
         self._tensor_args = _tensor_positions(forward)
-        self._c_apply = None
-        if _transforms_active is not None and _unwrap_if_dead is not None:
-            self._c_apply = super(torch.autograd.Function, self._function).apply
+        self._c_apply = _direct_apply(self._function)
 
     def _make_function(self):
         op, nondiff, formula, run_backward = self, self._nondiff, self._formula, self.backward
@@ -255,8 +281,8 @@ class FusedOp:
     def run(self, requires_grad: bool, *inputs):
         """Runs the op on ``inputs``.  ``requires_grad``: whether autograd
         must record it (callers compute it with :func:`needs_grad`).  (A
-        plain method with positional arguments: calling the instance with a
-        keyword costs twice as much host time, on every op call.)
+        plain method with positional arguments: calling the instance, or
+        with a keyword, adds host time on every op call.)
 
         The elementwise ops, whose whole cost on a small tensor is host time,
         call ``forward`` themselves when there is no graph to record and

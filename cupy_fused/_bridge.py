@@ -4,7 +4,9 @@ and kernels are launched.
 * :func:`launch` runs a compiled kernel on the *current torch stream of the
   tensor's device*, with that device current.  Arguments are raw device
   pointers (``tensor.data_ptr()``), 64-bit integers and doubles, packed into
-  one parameter buffer handed to ``cuLaunchKernel`` (through CuPy's driver
+  one parameter buffer by the layout of the kernel's declared signature
+  (:func:`kernel_signature`: a wrong count or type is a ``TypeError``
+  before the launch) and handed to ``cuLaunchKernel`` (through CuPy's driver
   bindings).  No DLPack capsule, no CuPy array and no CuPy stream object is
   made per call: that is what keeps the per-call host cost near a torch
   elementwise op (see ``benchmarks/host_overhead.py``).
@@ -14,10 +16,11 @@ and kernels are launched.
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 import sys
 import threading
-from typing import Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -43,23 +46,71 @@ class _ParamBuffer:
         self.params_ptr = ctypes.addressof(self.pointers)
 
 
-def _param_struct(kernel, args: tuple) -> struct.Struct:
-    """Parameter layout of ``kernel``, fixed by its first launch: every
-    parameter is 8 bytes, a pointer or ``long long`` (Python int) or a
-    ``double`` (Python float), so the C layout is the packed one.  Cached on
-    the kernel, since its signature never changes."""
-    layout = kernel.params
+_GLOBAL = re.compile(
+    r"__global__\s+void\s+(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
+    r"(\w+)\s*\(([^)]*)\)")
+_QUALIFIERS = {"const", "__restrict__", "volatile"}
+_signatures: Dict[str, struct.Struct] = {}
+
+
+def _parameter_code(kernel: str, parameter: str) -> str:
+    """struct code of one declared parameter: every parameter is 8 bytes, a
+    pointer or ``i64`` (``q``) or a ``double`` (``d``)."""
+    if "*" in parameter:
+        return "q"
+    words = [w for w in parameter.split() if w not in _QUALIFIERS]
+    ctype = " ".join(words[:-1])
+    if ctype in ("i64", "long long", "int64_t", "long long int"):
+        return "q"
+    if ctype == "double":
+        return "d"
+    raise TypeError(f"kernel {kernel}: parameter {parameter.strip()!r} is not a pointer, i64 or "
+                    "double (launch() passes 8-byte values only)")
+
+
+def kernel_signature(kernel: str) -> struct.Struct:
+    """The packed parameter layout of the ``__global__`` function ``kernel``
+    (its plain name, or a name expression such as ``cf::scale_add<float>``),
+    read from its declaration in the kernel sources.  Cached per name."""
+    base = kernel.split("<", 1)[0].rsplit("::", 1)[-1].strip()
+    layout = _signatures.get(base)
     if layout is None:
-        codes = []
-        for value in args:
-            if type(value) is float:
-                codes.append("d")
-            elif type(value) is int or type(value) is bool:
-                codes.append("q")
-            else:
-                raise TypeError(f"kernel arguments must be int or float, got {type(value).__name__}")
-        layout = kernel.params = struct.Struct("<" + "".join(codes))
+        from ._runtime import kernel_dir
+
+        found = {}
+        for path in sorted(kernel_dir().glob("*.cu*")):
+            for match in _GLOBAL.finditer(path.read_text()):
+                found.setdefault(match.group(1), match.group(2))
+        if base not in found:
+            raise TypeError(f"kernel {kernel}: no __global__ declaration of {base!r} in "
+                            f"{kernel_dir()}")
+        params = [p for p in found[base].split(",") if p.strip()]
+        layout = struct.Struct("<" + "".join(_parameter_code(base, p) for p in params))
+        _signatures[base] = layout
     return layout
+
+
+def _param_struct(kernel, args: tuple) -> struct.Struct:
+    """Parameter layout of ``kernel`` from its declared signature, cached on
+    the kernel."""
+    layout = kernel.params = kernel_signature(kernel.name)
+    return layout
+
+
+def _packing_error(kernel, args: tuple, exc: Exception) -> TypeError:
+    """A clear error for arguments that do not fit the kernel's signature."""
+    layout = kernel_signature(kernel.name)
+    codes = layout.format.lstrip("<")
+    if len(args) != len(codes):
+        return TypeError(f"kernel {kernel.name}: {len(args)} arguments for its {len(codes)} "
+                         "parameters")
+    for i, (code, value) in enumerate(zip(codes, args)):
+        ok = (type(value) in (int, bool)) if code == "q" else (type(value) in (int, float))
+        if not ok:
+            expected = "an int (pointer or i64)" if code == "q" else "a float (double)"
+            return TypeError(f"kernel {kernel.name}: argument {i} must be {expected}, got "
+                             f"{type(value).__name__}")
+    return TypeError(f"kernel {kernel.name}: arguments do not fit its parameters ({exc})")
 
 
 def current_stream_ptr(device_index: int) -> int:
@@ -90,7 +141,10 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
     except AttributeError:
         require_cupy()
         buf = _local.buffer = _ParamBuffer()
-    (kernel.params or _param_struct(kernel, args)).pack_into(buf.data, 0, *args)
+    try:
+        (kernel.params or _param_struct(kernel, args)).pack_into(buf.data, 0, *args)
+    except struct.error as exc:  # before any launch: a wrong count or type
+        raise _packing_error(kernel, args, exc) from None
     if _get_device() == device_index:
         _launch_kernel(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
                        _raw_stream(device_index), buf.params_ptr, 0)

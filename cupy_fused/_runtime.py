@@ -5,32 +5,55 @@ launchable function.
   ``cupy_fused/kernels_cu``).  A ``.cu`` file may include the shared ``.cuh``
   headers of that folder.
 * Every template instantiation the library launches is *declared* up front with
-  :func:`declare` (pure Python, at import).  A source is compiled once per
-  device with all its declared instantiations as NVRTC name expressions.
-* Compiled modules are cached in process per (source, options, device); CuPy's
-  on-disk kernel cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)
-  keeps the binaries across processes.  The NVRTC options carry a hash of all
-  kernel sources, so editing a header invalidates the disk cache too.
-* On compute capability 9.0 (H100, H200) sources are compiled for ``sm_90a``,
+  :func:`declare` (pure Python, at import).
+* Compiling is lazy and per instantiation: the first launch of an
+  instantiation on a device compiles that instantiation alone (its source
+  with one NVRTC name expression), so a first call waits for the kernels it
+  runs, not for every variant its source declares.
+* Compiled kernels are cached in process per (source, instantiation, device,
+  extra defines); the launch path's lookup (:meth:`KernelFamily.get`) is one
+  dict lookup.  CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``, default
+  ``~/.cupy/kernel_cache``) keeps each binary across processes.  The NVRTC
+  options carry a hash of all kernel sources, so editing a header
+  invalidates the disk cache too.
+* A compile holds a lock of its own (instantiation, device): threads that
+  launch different kernels compile them concurrently (NVRTC releases the
+  GIL), and threads that launch the same one compile it once.
+* Each compile logs an INFO line to the ``"cupy_fused"`` logger when it
+  starts and one with its time when it ends (the library adds no handler:
+  ``logging.basicConfig(level=logging.INFO)`` shows them).
+* On compute capability 9.0 (H100, H200) kernels are compiled for ``sm_90a``,
   which adds Hopper's architecture-specific instructions (``wgmma``) to
   sm_90; kernels test ``__CUDA_ARCH_FEAT_SM90_ALL`` before using them.
-* Importing :mod:`cupy_fused` compiles nothing; the first launch compiles.
-* :func:`compile_check` compiles every declared instantiation with NVRTC alone,
-  for a given architecture, without a GPU or driver (the CPU CI tier).
+* Importing :mod:`cupy_fused` compiles nothing.  :func:`precompile` compiles
+  declared instantiations up front, for a device or (NVRTC alone, no GPU)
+  for an architecture; :func:`compile_check` compiles every declared
+  instantiation for an architecture and fails on any error (the CPU CI tier).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
+import re
+import sys
 import threading
-from dataclasses import dataclass
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from ._cupy import require_cupy
 
+log = logging.getLogger("cupy_fused")
+
 # Fixed NVRTC options (the architecture is added per device / per check).
 BASE_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
+
+# Architectures the compile check covers, those the installed NVRTC
+# supports (:func:`check_architectures`; NVRTC 13 dropped sm_70).
+CHECK_ARCHS: Tuple[str, ...] = ("sm_70", "sm_75", "sm_80", "sm_90", "sm_90a")
 
 
 def kernel_dir() -> Path:
@@ -106,6 +129,169 @@ def device_capability(device: int) -> Tuple[int, int]:
     return cap
 
 
+def device_arch(device: int) -> str:
+    """The architecture name of CUDA device ``device`` as NVRTC spells it:
+    ``"sm_90a"`` on compute capability 9.0 (see :func:`arch_options`),
+    ``"sm_XY"`` elsewhere."""
+    major, minor = device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+
+
+# ---------------------------------------------------------------- NVRTC itself
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a source; the message holds the compiler log."""
+
+
+class NvrtcNotFoundError(RuntimeError):
+    """CuPy is installed but the NVRTC library it loads is not; the message
+    names the package that provides it."""
+
+
+def cupy_distribution() -> Optional[str]:
+    """The installed CuPy distribution (``"cupy-cuda12x"``, ``"cupy-cuda13x"``
+    or ``"cupy"`` for a source build), or None when none is installed."""
+    from importlib import metadata
+
+    for name in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        try:
+            metadata.version(name)
+            return name
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def nvrtc_install_hint() -> str:
+    """What to install to give the installed CuPy its NVRTC library."""
+    dist = cupy_distribution()
+    if dist == "cupy-cuda12x":
+        return "cupy-cuda12x needs CUDA 12's NVRTC: pip install nvidia-cuda-nvrtc-cu12"
+    if dist == "cupy-cuda13x":
+        return "cupy-cuda13x needs CUDA 13's NVRTC: pip install 'nvidia-cuda-nvrtc==13.*'"
+    return ("install the NVRTC library of CuPy's CUDA version: the CUDA toolkit, or "
+            "pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / 'nvidia-cuda-nvrtc==13.*' (CUDA 13)")
+
+
+def missing_nvrtc_message(exc: BaseException) -> Optional[str]:
+    """A one-line message naming the package to install when ``exc`` (or an
+    exception it was raised from) says that the NVRTC library could not be
+    loaded; None for any other error.
+
+    Args:
+        exc: an exception raised by CuPy while compiling or querying NVRTC.
+
+    Returns:
+        The message, or None.
+    """
+    seen = set()
+    err: Optional[BaseException] = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err).lower()
+        # CuPy's loader (cuda-pathfinder's DynamicLibNotFoundError, or an
+        # OSError from older CuPy) and NVRTC's own "failed to open
+        # libnvrtc-builtins" all name the library file; a compiler log of a
+        # broken kernel never does.
+        if "libnvrtc" in text or (type(err).__name__ == "DynamicLibNotFoundError"
+                                  and "nvrtc" in text):
+            return f"NVRTC (CUDA's runtime compiler) was not found: {nvrtc_install_hint()}"
+        err = err.__cause__ or err.__context__
+    return None
+
+
+@contextlib.contextmanager
+def _naming_missing_nvrtc():
+    """Turns a failure to load NVRTC into :class:`NvrtcNotFoundError`."""
+    try:
+        yield
+    except NvrtcNotFoundError:
+        raise
+    except Exception as exc:
+        message = missing_nvrtc_message(exc)
+        if message is None:
+            raise
+        raise NvrtcNotFoundError(message) from exc
+
+
+def nvrtc_version() -> Tuple[int, int]:
+    """(major, minor) of the NVRTC library CuPy loads.
+
+    Returns:
+        The version, e.g. ``(12, 9)``.  Raises :class:`NvrtcNotFoundError`
+        when the library is missing.
+    """
+    require_cupy()
+    from cupy.cuda import nvrtc
+
+    with _naming_missing_nvrtc():
+        major, minor = nvrtc.getVersion()
+    return int(major), int(minor)
+
+
+_ARCH_NAME = re.compile(r"^(?:sm|compute)_(\d+)[af]?$")
+
+
+def check_architectures() -> List[str]:
+    """The architectures of :data:`CHECK_ARCHS` that the installed NVRTC
+    compiles for (NVRTC 13 no longer accepts sm_70).
+
+    Returns:
+        Architecture names, e.g. ``["sm_70", "sm_75", "sm_80", "sm_90", "sm_90a"]``.
+    """
+    supported = _supported_arch_numbers()
+    return [a for a in CHECK_ARCHS if int(_ARCH_NAME.match(a).group(1)) in supported]
+
+
+def _supported_arch_numbers() -> Tuple[int, ...]:
+    require_cupy()
+    from cupy.cuda import nvrtc
+
+    with _naming_missing_nvrtc():
+        if hasattr(nvrtc, "getSupportedArchs"):
+            return tuple(int(a) for a in nvrtc.getSupportedArchs())
+        major, _ = nvrtc.getVersion()
+    # Without the query (older CuPy): what the check needs, by release.
+    return (75, 80, 90) if major >= 13 else (70, 75, 80, 90)
+
+
+def _check_arch(arch: str) -> None:
+    match = _ARCH_NAME.match(arch)
+    if match is None:
+        raise ValueError(f"not an architecture name: {arch!r} (expected e.g. 'sm_90a')")
+    supported = _supported_arch_numbers()
+    if int(match.group(1)) not in supported:
+        major, minor = nvrtc_version()
+        raise ValueError(f"NVRTC {major}.{minor} does not compile for {arch}; it supports "
+                         + ", ".join(f"sm_{a}" for a in supported))
+
+
+def _nvrtc_compile(source: str, exprs: Sequence[str], arch: str) -> int:
+    """Compiles ``exprs`` (name expressions of ``source``) as one NVRTC
+    program for ``arch``, with NVRTC alone (no GPU, no driver).  Returns the
+    cubin's size in bytes; raises :class:`CompileError` with the log."""
+    require_cupy()
+    from cupy.cuda import nvrtc
+
+    what = f"{source}: {', '.join(exprs)}"
+    with _naming_missing_nvrtc():
+        prog = nvrtc.createProgram(_read_source(source), source, [], [])
+        try:
+            for expr in exprs:
+                nvrtc.addNameExpression(prog, expr)
+            try:
+                nvrtc.compileProgram(prog, list(nvrtc_options()) + [f"--gpu-architecture={arch}"])
+            except nvrtc.NVRTCError as exc:
+                raise CompileError(
+                    f"{what} for {arch} failed: {exc}\n{nvrtc.getProgramLog(prog)}") from None
+            for expr in exprs:
+                if not nvrtc.getLoweredName(prog, expr):
+                    raise CompileError(f"{source}: {expr} was not instantiated")
+            return len(nvrtc.getCUBIN(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+
+
 # ---------------------------------------------------------------- declarations
 
 _declared: Dict[str, List[str]] = {}
@@ -127,13 +313,6 @@ def declared() -> Dict[str, List[str]]:
 
 
 # ---------------------------------------------------------------- compile + cache
-
-@dataclass(frozen=True)
-class _ModuleKey:
-    source: str
-    options: Tuple[str, ...]
-    device: int
-
 
 class Kernel:
     """A launchable kernel: its CUfunction handle (``ptr``), the CuPy object
@@ -161,9 +340,20 @@ class Kernel:
         return f"Kernel({self.name!r})"
 
 
-_modules: Dict[_ModuleKey, object] = {}
-_functions: Dict[Tuple[str, str, int, Tuple[str, ...]], object] = {}
-_lock = threading.Lock()
+# (source, name expression, device, extra defines) -> Kernel, and the lock
+# that the first caller holds while compiling it.
+_Key = Tuple[str, str, int, Tuple[str, ...]]
+_functions: Dict[_Key, Kernel] = {}
+_locks: Dict[_Key, threading.Lock] = {}
+_locks_guard = threading.Lock()  # held only to create an entry of _locks
+
+
+def _lock_of(key: _Key) -> threading.Lock:
+    lock = _locks.get(key)
+    if lock is None:
+        with _locks_guard:
+            lock = _locks.setdefault(key, threading.Lock())
+    return lock
 
 
 def _read_source(source: str) -> str:
@@ -173,46 +363,59 @@ def _read_source(source: str) -> str:
     return path.read_text()
 
 
+def _compile_and_load(source: str, name_expression: str, device: int,
+                      defines: Tuple[str, ...]) -> Kernel:
+    """Builds one instantiation for ``device`` through ``cupy.RawModule``
+    (whose disk cache answers when an earlier process compiled it)."""
+    cupy = require_cupy()
+    arch = device_arch(device)
+    options = nvrtc_options() + arch_options(device) + tuple(f"-D{d}" for d in defines)
+    what = f"{source}: {name_expression}" + "".join(f" -D{d}" for d in defines)
+    log.info("compiling %s for %s (first use; cached afterwards)", what, arch)
+    start = time.perf_counter()
+    with _naming_missing_nvrtc(), cupy.cuda.Device(device):
+        module = cupy.RawModule(code=_read_source(source), options=options,
+                                name_expressions=(name_expression,))
+        raw = module.get_function(name_expression)  # NVRTC (or the disk cache) runs here
+        kernel = Kernel(name_expression, raw.kernel.ptr, raw, device)
+    log.info("compiled %s for %s in %.2f s", what, arch, time.perf_counter() - start)
+    return kernel
+
+
 def get_function(source: str, name_expression: str, device: int,
                  defines: Tuple[str, ...] = ()) -> Kernel:
-    """Returns the :class:`Kernel` of one instantiation on ``device``.
+    """Returns the :class:`Kernel` of one instantiation on ``device``,
+    compiling that instantiation (alone) on its first use there.
 
-    Compiles ``source`` (all its declared instantiations at once) on first use
-    for that device.  Raises ``KeyError`` for an undeclared instantiation.
-    ``defines``: extra preprocessor definitions (``"NAME=VALUE"``) for a
-    separate build of the source, e.g. the tuning knobs a kernel file reads
-    (``scripts/tune_gn.py``); the library itself passes none.
+    Args:
+        source: the ``.cu`` file's name in the kernel folder.
+        name_expression: a declared instantiation of it (:func:`declare`).
+        device: CUDA device index.
+        defines: extra preprocessor definitions (``"NAME=VALUE"``) for a
+            separate build, e.g. the tuning knobs a kernel file reads
+            (``scripts/tune_gn.py``); the library itself passes none.
+
+    Returns:
+        The kernel.  Raises ``KeyError`` for an undeclared instantiation,
+        :class:`NvrtcNotFoundError` when NVRTC is missing.
     """
     key = (source, name_expression, device, defines)
     fn = _functions.get(key)
     if fn is not None:
         return fn
-    with _lock:
+    if name_expression not in _declared.get(source, ()):
+        raise KeyError(
+            f"{name_expression!r} is not a declared instantiation of {source}; "
+            "declare it with cupy_fused._runtime.declare()"
+        )
+    with _lock_of(key):
         fn = _functions.get(key)
-        if fn is not None:
-            return fn
-        names = _declared.get(source, [])
-        if name_expression not in names:
-            raise KeyError(
-                f"{name_expression!r} is not a declared instantiation of {source}; "
-                "declare it with cupy_fused._runtime.declare()"
-            )
-        cupy = require_cupy()
-        mkey = _ModuleKey(source, nvrtc_options() + arch_options(device)
-                          + tuple(f"-D{d}" for d in defines), device)
-        with cupy.cuda.Device(device):
-            module = _modules.get(mkey)
-            if module is None:
-                module = cupy.RawModule(
-                    code=_read_source(source),
-                    options=mkey.options,
-                    name_expressions=tuple(names),
-                )
-                _modules[mkey] = module
-            raw = module.get_function(name_expression)
-            fn = Kernel(name_expression, raw.kernel.ptr, raw, device)
-        _functions[key] = fn
-        return fn
+        if fn is None:
+            fn = _functions[key] = _compile_and_load(source, name_expression, device, defines)
+    return fn
+
+
+_families: List["KernelFamily"] = []
 
 
 class KernelFamily:
@@ -226,6 +429,7 @@ class KernelFamily:
         self.expressions = dict(expressions)
         declare(source, self.expressions.values())
         self._kernels: Dict[Tuple[object, int], Kernel] = {}
+        _families.append(self)
 
     def get(self, key, device: int) -> Kernel:
         try:  # runs on every launch: one dict lookup once compiled
@@ -237,50 +441,234 @@ class KernelFamily:
 
 
 def compiled_modules() -> int:
-    """Number of modules compiled (or loaded from disk cache) in this process."""
-    return len(_modules)
+    """Number of modules compiled (or loaded from disk cache) in this
+    process: one per instantiation and device."""
+    return len(_functions)
 
 
-# ---------------------------------------------------------------- compile check
+# ---------------------------------------------------------------- many at once
 
-class CompileError(RuntimeError):
-    """NVRTC rejected a source; the message holds the compiler log."""
+def default_workers() -> int:
+    """Compiles :func:`precompile` and :func:`compile_check` run at once: the
+    CPUs this process may use, at most 16 (which bounds the memory that the
+    NVRTC compiles in flight hold together)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus))
 
 
-def compile_check(arch: str, sources: Optional[Iterable[str]] = None) -> Dict[str, int]:
-    """Compiles every declared instantiation for ``arch`` (e.g. ``"sm_90"``,
-    or ``"sm_90a"`` for the Hopper-only kernel bodies) with NVRTC only (no
-    GPU, no driver needed).
+class _Progress:
+    """Progress on stderr: tqdm's bar when tqdm is installed, else one line
+    per finished item."""
 
-    Returns ``{source: cubin size in bytes}``.  Raises :class:`CompileError`
-    with the NVRTC log when a source fails, or when a ``.cu`` file has no
-    declared instantiation (every kernel must be covered).
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.total, self.desc, self.done, self.enabled = total, desc, 0, enabled
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.bar = tqdm(total=total, desc=desc, unit="kernel", file=sys.stderr)
+
+    def update(self, label: str, seconds: float) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"  {self.desc} [{self.done}/{self.total}] {label} ({seconds:.1f} s)",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+_Job = Tuple[str, str]  # (source, name expression)
+
+
+def _run_jobs(jobs: Sequence[_Job], build: Callable[[str, str], object], desc: str,
+              progress: bool, workers: Optional[int]) -> Dict[_Job, Tuple[object, float]]:
+    """Runs ``build(source, expr)`` for every job on a thread pool (NVRTC
+    releases the GIL, so compiles run in parallel).  Returns
+    ``{job: (result, seconds)}``; raises one :class:`CompileError` listing
+    every failure once all have run, or :class:`NvrtcNotFoundError` at once."""
+
+    def timed(job: _Job):
+        start = time.perf_counter()
+        value = build(*job)
+        return value, time.perf_counter() - start
+
+    bar = _Progress(len(jobs), desc, progress)
+    results: Dict[_Job, Tuple[object, float]] = {}
+    failures: List[str] = []
+    pool = ThreadPoolExecutor(max_workers=workers or default_workers(),
+                              thread_name_prefix="cupy_fused-compile")
+    try:
+        futures = {pool.submit(timed, job): job for job in jobs}
+        for future in as_completed(futures):
+            job = futures[future]
+            try:
+                results[job] = future.result()
+            except (CompileError, KeyError) as exc:
+                failures.append(str(exc))
+            except NvrtcNotFoundError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. CuPy's CompileException: listed
+                failures.append(f"{job[0]}: {job[1]} failed: {type(exc).__name__}: {exc}")
+            bar.update(f"{job[0]}: {job[1]}", results.get(job, (None, 0.0))[1])
+    finally:
+        # On an error (or Ctrl-C) drop what has not started; running compiles finish.
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    if failures:
+        raise CompileError(f"{len(failures)} of {len(jobs)} instantiations failed:\n\n"
+                           + "\n\n".join(failures))
+    return {job: results[job] for job in jobs}
+
+
+def _key_dtypes(key) -> set:
+    import torch
+
+    parts = key if isinstance(key, tuple) else (key,)
+    return {p for p in parts if isinstance(p, torch.dtype)}
+
+
+def _selection(families, dtypes) -> List[_Job]:
+    """The (source, name expression) pairs :func:`precompile` builds."""
+    table = declared()
+    if families is None:
+        chosen = list(table.items())
+    else:
+        if isinstance(families, (str, KernelFamily)):
+            families = [families]
+        chosen = []
+        for family in families:
+            if isinstance(family, KernelFamily):
+                chosen.append((family.source, list(family.expressions.values())))
+            elif family in table:
+                chosen.append((family, table[family]))
+            else:
+                raise ValueError(f"no declared kernel source {family!r}; declared: "
+                                 + ", ".join(sorted(table)))
+    keep: Callable[[str, str], bool] = lambda source, expr: True
+    if dtypes is not None:
+        wanted = set(dtypes)
+        keys: Dict[_Job, list] = {}
+        for fam in _families:
+            for key, expr in fam.expressions.items():
+                keys.setdefault((fam.source, expr), []).append(key)
+
+        def keep(source: str, expr: str) -> bool:
+            found = keys.get((source, expr))
+            if not found:  # declared outside a family: nothing to filter by
+                return True
+            return any(not _key_dtypes(k) or _key_dtypes(k) & wanted for k in found)
+
+    jobs: Dict[_Job, None] = {}  # ordered, without repeats
+    for source, exprs in chosen:
+        for expr in exprs:
+            if keep(source, expr):
+                jobs[source, expr] = None
+    return list(jobs)
+
+
+def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
+               progress: bool = True, workers: Optional[int] = None) -> Dict[_Job, float]:
+    """Compiles declared kernel instantiations up front, so that first
+    launches find them ready, e.g. at the start of a training job, or once
+    per machine (``python -m cupy_fused --precompile``) to fill CuPy's disk
+    cache for later processes.  Compiles run on a thread pool.
+
+    Args:
+        families: which kernels: ``.cu`` file names (``"gemm_tf32.cu"``) or
+            :class:`KernelFamily` objects (e.g. ``cupy_fused.ops.gemm.KERNELS``),
+            one or a list; None for every declared instantiation.
+        device: a CUDA device (index or ``torch.device``), or None for the
+            current device: each instantiation is compiled and loaded there
+            as its first launch would, so the launch path then finds it in
+            memory and later processes in CuPy's disk cache.  Or an
+            architecture name (``"sm_90a"``): NVRTC alone, no GPU needed;
+            this checks that they compile and caches nothing.
+        dtypes: torch dtypes: only instantiations whose family key names one
+            of them, or names no dtype (the float32 GEMMs' keys do not);
+            None for all.
+        progress: show progress on stderr (a tqdm bar if tqdm is installed,
+            else one line per instantiation).
+        workers: compiles in flight at once; None for
+            :func:`default_workers`.
+
+    Returns:
+        ``{(source, name expression): seconds}`` for each instantiation
+        covered (near 0 for one already compiled in this process).  Raises
+        :class:`CompileError` listing every failure, once all have run;
+        :class:`NvrtcNotFoundError` when NVRTC is missing.
     """
-    require_cupy()
-    from cupy.cuda import nvrtc
+    jobs = _selection(families, dtypes)
+    if isinstance(device, str):
+        arch = device
+        _check_arch(arch)
 
+        def build(source: str, expr: str):
+            return _nvrtc_compile(source, (expr,), arch)
+    else:
+        if getattr(device, "type", None) == "cuda":  # a torch.device
+            device = device.index
+        if device is None:
+            cupy = require_cupy()
+            try:
+                device = cupy.cuda.runtime.getDevice()
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                raise RuntimeError(
+                    "no CUDA GPU is visible; to check that the kernels compile without one, "
+                    "pass an architecture, e.g. precompile(device='sm_90a')") from exc
+        index = int(device)
+        arch = device_arch(index)
+
+        def build(source: str, expr: str):
+            return get_function(source, expr, index)
+    results = _run_jobs(jobs, build, f"precompile {arch}", progress, workers)
+    return {job: seconds for job, (_, seconds) in results.items()}
+
+
+def compile_check(arch: str, sources: Optional[Iterable[str]] = None, *,
+                  progress: bool = False, workers: Optional[int] = None) -> Dict[str, int]:
+    """Compiles every declared instantiation for ``arch`` with NVRTC alone (no
+    GPU, no driver needed), each as its own program, as the run time
+    compiles them.
+
+    Args:
+        arch: e.g. ``"sm_90"``, or ``"sm_90a"`` for the Hopper-only kernel
+            bodies.
+        sources: ``.cu`` file names; None for every file in the kernel folder.
+        progress: show progress on stderr (see :func:`precompile`).
+        workers: compiles in flight at once; None for :func:`default_workers`.
+
+    Returns:
+        ``{source: total cubin size in bytes}``.  Raises :class:`CompileError`
+        with the NVRTC logs when any instantiation fails (after trying all),
+        or when a ``.cu`` file has no declared instantiation (every kernel
+        must be covered); ``ValueError`` for an architecture NVRTC does not
+        know.
+    """
+    _check_arch(arch)
     table = declared()
     names = list(sources) if sources is not None else source_files()
-    sizes: Dict[str, int] = {}
+    jobs: List[_Job] = []
     for source in names:
         exprs = table.get(source)
         if not exprs:
             raise CompileError(f"{source}: no declared instantiation, so nothing would test it")
-        prog = nvrtc.createProgram(_read_source(source), source, [], [])
-        try:
-            for expr in exprs:
-                nvrtc.addNameExpression(prog, expr)
-            options = list(nvrtc_options()) + [f"--gpu-architecture={arch}"]
-            try:
-                nvrtc.compileProgram(prog, options)
-            except nvrtc.NVRTCError as exc:
-                raise CompileError(
-                    f"{source} for {arch} failed: {exc}\n{nvrtc.getProgramLog(prog)}"
-                ) from None
-            for expr in exprs:
-                if not nvrtc.getLoweredName(prog, expr):
-                    raise CompileError(f"{source}: {expr} was not instantiated")
-            sizes[source] = len(nvrtc.getCUBIN(prog))
-        finally:
-            nvrtc.destroyProgram(prog)
+        jobs.extend((source, expr) for expr in exprs)
+
+    def build(source: str, expr: str) -> int:
+        return _nvrtc_compile(source, (expr,), arch)
+
+    results = _run_jobs(jobs, build, arch, progress, workers)
+    sizes = dict.fromkeys(names, 0)
+    for (source, _), (size, _) in results.items():
+        sizes[source] += size
     return sizes

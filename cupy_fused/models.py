@@ -3,12 +3,12 @@ arguments (same order), parameter names and initialisation order, so
 ``state_dict`` loads both ways and ``torch.manual_seed`` gives the same
 initial values.  The GEMM models take one keyword-only extra, ``precision``:
 the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process default of
-:func:`cupy_fused.set_fp32_matmul_precision`).
+:func:`cupy_fused.settings.fp32_matmul_precision`).
 
 * GEMM problems (37, 76, 88, 94): float32 GEMMs run on our tensor-core
   kernel, float16/bfloat16 and ``"ieee"`` on cuBLAS.  76 is
-  :func:`cupy_fused.ops.linear` with the bias and ReLU in the GEMM's store
-  (on cuBLAS: cuBLAS's own bias + ReLU epilogue, no kernel of ours);
+  :func:`cupy_fused.ops.linear` with ``activation="relu"`` (where the bias
+  and ReLU run on each route: see :mod:`cupy_fused.ops.linear`);
   37, 88 and 94 are :func:`cupy_fused.ops.linear_gn_chain`: the GEMM, then
   one fused kernel for the linear bias and the GroupNorm chain (an opt-in
   variant does both in one launch; see that op).  The
@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from . import ops
 from ._amp import autocast_dtype
 from ._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
+from .ops.linear import _linear_prechecked
+from .settings import check_precision
 
 
 def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -> torch.Tensor:
@@ -85,7 +87,14 @@ def _plain(sub: nn.Module, cls: type, owner: nn.Module, name: str) -> nn.Module:
 def _gemm_precision(precision):
     """The ``precision`` ctor argument: None (process default, read at each
     call) or one of ``ops.PRECISIONS``."""
-    return None if precision is None else ops.gemm.resolve_precision(precision)
+    return None if precision is None else check_precision(precision)
+
+
+def _fields(**values) -> str:
+    """``extra_repr`` text: ``name=value`` for each value, in the
+    constructor's order (a submodule's size reads None if the submodule was
+    replaced by one without it: the forward refuses that anyway)."""
+    return ", ".join(f"{name}={value!r}" for name, value in values.items())
 
 
 class ConvReluBiasAdd(nn.Module):
@@ -105,6 +114,13 @@ class ConvReluBiasAdd(nn.Module):
         # Under autocast z is in the autocast dtype and the biases float32:
         # bias_relu promotes, as the reference's add does.
         return ops.bias_relu(z, conv.bias, self.bias)
+
+    def extra_repr(self) -> str:
+        conv = self.conv
+        return _fields(in_channels=getattr(conv, "in_channels", None),
+                       out_channels=getattr(conv, "out_channels", None),
+                       kernel_size=getattr(conv, "kernel_size", None),
+                       bias_shape=tuple(self.bias.shape))
 
 
 class MatmulSwishSumGroupNorm(nn.Module):
@@ -131,6 +147,13 @@ class MatmulSwishSumGroupNorm(nn.Module):
                                    eps=gn.eps, precision=self.precision,
                                    eager_rounding=self.eager_rounding)
 
+    def extra_repr(self) -> str:
+        return _fields(in_features=getattr(self.matmul, "in_features", None),
+                       out_features=getattr(self.matmul, "out_features", None),
+                       num_groups=getattr(self.group_norm, "num_groups", None),
+                       bias_shape=tuple(self.bias.shape), precision=self.precision,
+                       eager_rounding=self.eager_rounding)
+
 
 class GemmAddRelu(nn.Module):
     """Problem 76: ``relu(gemm(x) + bias)``.  x: [M, in] → [M, out]."""
@@ -144,18 +167,23 @@ class GemmAddRelu(nn.Module):
     def forward(self, x):
         weight = _plain(self.gemm, nn.Linear, self, "gemm").weight
         _check_input(x, weight, 2, weight.shape[1], "features")
-        amp = autocast_dtype()
-        if amp is not None:
-            # The GEMM in the autocast dtype (x and the weight checked above;
-            # their gradients written in their own dtypes by the backward's
-            # products), then bias + ReLU in float32 (the reference's add
-            # with the float32 bias promotes).
-            return ops.bias_relu(ops.gemm._run_autocast_linear(x, weight, None, amp), self.bias)
+        # ops.linear's internal entry point: x and the weight are checked
+        # above, and ops.linear would check them again on every call (see
+        # _linear_prechecked).
+        if autocast_dtype() is not None:
+            # The GEMM in the autocast dtype (gradients written in x's and
+            # the weight's own dtypes by the backward's products), then bias
+            # + ReLU in float32 (the reference's add with the float32 bias
+            # promotes).
+            return ops.bias_relu(_linear_prechecked(x, weight, None, None, self.precision),
+                                 self.bias)
         bias = check_vector("bias", self.bias, weight.shape[0], x, "x", optional=False)
-        # ops.linear after its checks (done above for these operands): in
-        # half precision the training step is as long as its host work.
-        return ops.gemm._run_linear(x, weight, bias, ops.gemm.ACTIVATIONS["relu"],
-                                   ops.gemm.resolve_precision(self.precision))
+        return _linear_prechecked(x, weight, bias, "relu", self.precision)
+
+    def extra_repr(self) -> str:
+        return _fields(in_features=getattr(self.gemm, "in_features", None),
+                       out_features=getattr(self.gemm, "out_features", None),
+                       bias_shape=tuple(self.bias.shape), precision=self.precision)
 
 
 class GemmGroupNormSwishMultiplySwish(nn.Module):
@@ -181,6 +209,13 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
                                    gn_weight=gn.weight, gn_bias=gn.bias,
                                    mul_weight=self.multiply_weight, eps=gn.eps,
                                    precision=self.precision, eager_rounding=self.eager_rounding)
+
+    def extra_repr(self) -> str:
+        return _fields(in_features=getattr(self.gemm, "in_features", None),
+                       out_features=getattr(self.gemm, "out_features", None),
+                       num_groups=getattr(self.group_norm, "num_groups", None),
+                       multiply_weight_shape=tuple(self.multiply_weight.shape),
+                       precision=self.precision, eager_rounding=self.eager_rounding)
 
 
 class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
@@ -212,6 +247,13 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
                                    extra_bias=self.bias, gn_weight=gn.weight,
                                    gn_bias=gn.bias, eps=gn.eps, precision=self.precision,
                                    eager_rounding=self.eager_rounding)
+
+    def extra_repr(self) -> str:
+        return _fields(in_features=getattr(self.gemm, "in_features", None),
+                       out_features=getattr(self.gemm, "out_features", None),
+                       bias_shape=tuple(self.bias.shape),
+                       num_groups=getattr(self.groupnorm, "num_groups", None),
+                       precision=self.precision, eager_rounding=self.eager_rounding)
 
 
 # Problem id -> fused module class (same ctor as cupy_fused.reference.PROBLEMS).

@@ -1,6 +1,7 @@
 """Checking the fused models against the PyTorch reference: shared by the
-test suite, ``python -m cupy_fused`` and the benchmarks (with the timing
-helper and the GEMM error measure they share).
+test suite, ``python -m cupy_fused`` and the benchmarks (with the GEMM
+error measure they share).  The benchmarks' timing is outside the
+package, in ``benchmarks/harness.py``.
 
 Ground truth is a float64 run of the reference (inputs and parameters
 upcast from the same values).  Errors are reported as
@@ -11,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
-import statistics
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -57,68 +56,6 @@ def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn)
     if torch.isnan(err).any():
         raise AssertionError("unwritten (NaN) output elements")
     return err.max().item()
-
-
-def time_ms(fn, iters: int, warmup: int) -> Tuple[float, float]:
-    """(median, min) milliseconds of ``fn`` over ``iters`` calls after
-    ``warmup``, from CUDA events around each call on the current stream."""
-    return time_interleaved({"fn": fn}, iters, warmup, rounds=1)["fn"]
-
-
-def timed_calls(estimate_ms: float, iters: int, min_ms: float, most: int) -> int:
-    """How many calls to time of a function that takes ``estimate_ms`` per
-    call: ``iters``, or more, up to ``most``, so that together they take
-    ``min_ms``."""
-    if min_ms <= 0 or not estimate_ms > 0:
-        return iters
-    return max(iters, min(most, math.ceil(min_ms / estimate_ms)))
-
-
-def time_interleaved(fns: Dict[str, Callable[[], object]], iters: int, warmup: int,
-                     rounds: int = 5, min_ms: float = 0.0) -> Dict[str, Tuple[float, float]]:
-    """(median, min) milliseconds of each of ``fns`` over ``iters`` calls, as
-    :func:`time_ms`, but taken in turns: ``rounds`` rounds, each running a
-    share of every function's iterations (after one untimed call, so that
-    none inherits the caches of the one before).  Whatever drifts over a run
-    (the GPU's clock and temperature, load on the host) then hits all of
-    them alike instead of favouring whichever runs first.
-
-    ``min_ms``: a function whose ``iters`` calls would take less than this
-    (timed over three calls after the warm-up) gets more calls, up to
-    ``10 * iters`` (:func:`timed_calls`).  A step of well under a
-    millisecond is as long as the host takes to issue it, and the host's
-    pace varies: for problem 76's half-precision training step (0.6 ms),
-    30 calls gave ours/eager ratios from 0.75 to 1.03 over four runs,
-    200-300 calls 1.01-1.06 in 12 of 14."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    calls = {name: iters for name in fns}
-    if min_ms > 0:
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(3):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            calls[name] = timed_calls(start.elapsed_time(end) / 3, iters, min_ms, 10 * iters)
-    rounds = max(1, min(rounds, min(calls.values())))
-    times: Dict[str, list] = {name: [] for name in fns}
-    for r in range(rounds):
-        for name, fn in fns.items():
-            n = calls[name]
-            share = n // rounds + (1 if r < n % rounds else 0)
-            fn()
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(share)]
-            for start, end in events:
-                start.record()
-                fn()
-                end.record()
-            torch.cuda.synchronize()
-            times[name] += [s.elapsed_time(e) for s, e in events]
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def _run(model, x, dy, grad_mode: str, autocast: Optional[torch.dtype] = None):

@@ -1,3 +1,5 @@
-// Kernel family "gn_chain" (templates in gn_chain.cuh): the instantiations
-// that keep the op chain in float32 (every dtype).
+// Kernel family "gn_chain" (cupy_fused/ops/gn_chain.py): the GroupNorm-chain
+// kernels of gn_chain.cuh, scalar and vectorised, same-dtype, eager-rounding
+// and autocast (float32 output) forms.  Instantiations are compiled one at a
+// time on first use, so one unit serves them all.
 #include "gn_chain.cuh"

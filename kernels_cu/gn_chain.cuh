@@ -69,13 +69,49 @@ __device__ __forceinline__ void split_pair(i64 pair, i64 pairs, i64 groups, i64&
   }
 }
 
+// A GroupNorm statistic rounded to T as eager rounds it (see
+// gn_chain_forward).  With kKeepTies, a value within kStatisticTieUlps
+// float32 units of a midpoint between two values of T is kept in float:
+// eager's own float32 statistic (reduced in another order) may round the
+// other way there, a whole unit of T apart.  The float32 bits that T drops
+// give the distance to the midpoint: 16 for bfloat16, 13 for float16
+// (normal range; in float16's subnormal range the test is approximate, and
+// such a statistic moves the outputs by far less than a unit).
+constexpr int kStatisticTieUlps = 16;
+template <typename T> struct DroppedFloatBits { static constexpr int value = 0; };
+template <> struct DroppedFloatBits<half> { static constexpr int value = 13; };
+template <> struct DroppedFloatBits<bfloat16> { static constexpr int value = 16; };
+template <typename T, bool kKeepTies>
+__device__ __forceinline__ float round_statistic(float v) {
+  constexpr int kDropped = DroppedFloatBits<T>::value;
+  if constexpr (kKeepTies && kDropped > 0) {
+    constexpr int kHalf = 1 << (kDropped - 1);
+    const int low = static_cast<int>(__float_as_uint(v) & ((1u << kDropped) - 1u));
+    if (abs(low - kHalf) <= kStatisticTieUlps) return v;
+  }
+  return to_float(from_float<T>(v));
+}
+
+// The GroupNorm's rstd: eager's formula (rsqrtf) where the chain rounds like
+// eager, so that its rounding to T agrees with eager's as often as it can.
+__device__ __forceinline__ float group_rstd(float var_plus_eps, bool like_eager) {
+  return like_eager ? rsqrtf(var_plus_eps) : 1.0f / sqrtf(var_plus_eps);
+}
+
 // Forward.  Writes out (may alias z: every element is read before it is
 // written, by the same thread) and, when mean_out is not null, the per
 // (row, group) mean and rstd that the backward reuses.
 // round_statistics (read only by chains that round like eager): normalise
 // with mean and rstd rounded to T, as eager PyTorch's CUDA GroupNorm does
 // before torch 2.13 (its statistics are tensors of the input's dtype there);
-// the variance itself comes from the unrounded mean, as in eager.
+// the variance itself comes from the unrounded mean, as in eager, and rstd
+// from rsqrtf, as in eager.  Eager reduces in another order, so its float32
+// statistic can still differ from ours in the last bits, and then round to
+// the other neighbour in T when it lies near a midpoint.  Where the
+// GroupNorm is the chain's last step, such a statistic is kept in float: the
+// outputs are then within a unit of either of eager's.  Where ops follow it
+// (problem 88), every later rounding would amplify the half-unit offset, so
+// the statistic is rounded as eager's is.
 template <typename T, typename Chain, int kMaxVals, typename TO = T>
 __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forward(const T* z, TO* out, float* __restrict__ mean_out,
                                  float* __restrict__ rstd_out, const TO* __restrict__ lin_bias,
@@ -132,10 +168,10 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forwar
         if (c < cpg) sq += d * d;
       }
     }
-    float rstd = 1.0f / sqrtf(team_sum(sq, t) * inv_cpg + feps);
+    float rstd = group_rstd(team_sum(sq, t) * inv_cpg + feps, round_stats);
     if (round_stats) {
-      mean = to_float(from_float<T>(mean));
-      rstd = to_float(from_float<T>(rstd));
+      mean = round_statistic<T, Chain::kGroupNormIsLast>(mean);
+      rstd = round_statistic<T, Chain::kGroupNormIsLast>(rstd);
     }
     for (int s = 0; s < nslices; ++s) {
       if (nslices > 1) load_slice(s);
@@ -257,7 +293,7 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
         if (valid && c < cpg) {
           const int col = col0 + c;
           const float dv = rs * (dxh[j] - s1 - xh[j] * s2);
-          const float d = dv * Chain::pre_grad(zs[j], p, col);
+          const float d = times_pre_grad<Chain>(dv, Chain::pre_grad(zs[j], p, col));
           dz_out[row_start + col] = from_float<T>(d);
           float vals[S];
           slot_values<Chain>(vals, d, dv, xh[j], dyh[j], mg[j]);
@@ -305,7 +341,7 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
       const float dxh = element_backward<Chain>(zf, to_float(dy[dy_dense ? i : 0]), mu, rs, col,
                                                    p, xh, dyh, mg);
       const float dv = rs * (dxh - s1 - xh * s2);
-      const float d = dv * Chain::pre_grad(zf, p, col);
+      const float d = times_pre_grad<Chain>(dv, Chain::pre_grad(zf, p, col));
       dz_out[i] = from_float<T>(d);
       float vals[S];
       slot_values<Chain>(vals, d, dv, xh, dyh, mg);
@@ -395,10 +431,10 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_VEC_MIN_BLOCKS) gn_chain_fo
         }
       }
     }
-    float rstd = 1.0f / sqrtf(team_sum(sq, t) * inv_cpg + feps);
+    float rstd = group_rstd(team_sum(sq, t) * inv_cpg + feps, round_stats);
     if (round_stats) {
-      mean = to_float(from_float<T>(mean));
-      rstd = to_float(from_float<T>(rstd));
+      mean = round_statistic<T, Chain::kGroupNormIsLast>(mean);
+      rstd = round_statistic<T, Chain::kGroupNormIsLast>(rstd);
     }
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
@@ -505,7 +541,7 @@ __global__ void __launch_bounds__(256, sizeof(T) == 2 ? CF_GN_BACKWARD_VEC_MIN_B
 #pragma unroll
       for (int k = 0; k < kE; ++k) {
         const float dv = rs * (dxh[k] - s1 - xh[k] * s2);
-        d[k] = dv * pg[k];
+        d[k] = times_pre_grad<Chain>(dv, pg[k]);
         float vals[S];
         slot_values<Chain>(vals, d[k], dv, xh[k], dyh[k], mg[k]);
 #pragma unroll

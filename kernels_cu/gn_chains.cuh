@@ -88,6 +88,7 @@ __device__ __forceinline__ float eager_round(float v) {
 
 // Post = identity: the chains that end with the GroupNorm (37, 94).
 struct PostIdentity {
+  static constexpr bool kGroupNormIsLast = true;
   template <typename P, typename C>
   __device__ static float post(float yh, const P&, C) { return yh; }
   template <typename P, typename C>
@@ -113,11 +114,21 @@ struct PreFromPreWithGrad {
   }
 };
 
+// dv times Pre's derivative.  Where a chain's derivative is a gate (0 where
+// hardtanh saturates), the product is 0 whatever dv is, NaN included, as
+// eager's hardtanh_backward selects rather than multiplies.
+template <typename Chain>
+__device__ __forceinline__ float times_pre_grad(float dv, float grad) {
+  if constexpr (Chain::kGatedPreGrad) return grad == 0.0f ? 0.0f : dv * grad;
+  else return dv * grad;
+}
+
 // Problem 37: v = swish(z + lin_bias) + bias; Post = identity.
 // (Eager: s = sigmoid(z); u = s * z; v = u + bias, each rounded.)
 template <bool kEagerRounding>
 struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEagerRounding>> {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
+  static constexpr bool kGatedPreGrad = false;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
                        kSlotMul = -1;
   // Pre and its derivative from one sigmoid (grad: d Pre / dz).
@@ -139,6 +150,8 @@ struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEag
 template <bool kEagerRounding>
 struct ChainGNSwishMulSwish {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
+  static constexpr bool kGatedPreGrad = false;
+  static constexpr bool kGroupNormIsLast = false;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = 3;
   template <typename P, typename C>
@@ -182,6 +195,9 @@ template <bool kEagerRounding>
 struct ChainBiasHardtanhMishGN : PostIdentity,
                                  PreFromPreWithGrad<ChainBiasHardtanhMishGN<kEagerRounding>> {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
+  // Pre's derivative is 0 exactly where hardtanh saturates (mish' > 0 on
+  // [-1, 1]): a gate (see times_pre_grad).
+  static constexpr bool kGatedPreGrad = true;
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
   // Pre and its derivative sharing mish's tanh(softplus) (the derivative

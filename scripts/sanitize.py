@@ -65,8 +65,8 @@ if torch.float32 in dtypes:
         # saving the backward's tensors or not; y against float64.
         import torch.nn.functional as F
 
-        from cupy_fused.ops import gn_epilogue
-        from cupy_fused.ops import linear_gn as LG
+        from cupy_fused.ops.gn_chain import CHAINS, _launch_forward
+        from cupy_fused.ops.linear_gn_chain import _launch_fused
         from cupy_fused.testing import rel_error
 
         for m, k, n, groups in ((3, 64, 132, 33), (130, 64, 200, 200), (66, 128, 130, 65),
@@ -74,20 +74,20 @@ if torch.float32 in dtypes:
             x = torch.rand(m, k, device="cuda", generator=gen)
             w = torch.rand(n, k, device="cuda", generator=gen) / k
             vecs = [torch.rand(n, device="cuda", generator=gen) + 0.5 for _ in range(5)]
-            for chain in gn_epilogue.CHAINS:
+            for chain in CHAINS:
                 for save in (True, False):
-                    y = LG._launch_fused(x, w, *vecs, chain, groups, 1e-5, 3, save,
-                                         y=torch.full((m, n), float("nan"), device="cuda"))[0]
+                    y = _launch_fused(x, w, *vecs, chain, groups, 1e-5, 3, save,
+                                      y=torch.full((m, n), float("nan"), device="cuda"))[0]
                     z = F.linear(x.double(), w.double(), vecs[0].double()).float()
-                    want = gn_epilogue._launch_forward(z, None, *vecs[1:], chain, groups, 1e-5,
-                                                       False, True)[0]
+                    want = _launch_forward(z, None, *vecs[1:], chain, groups, 1e-5, False,
+                                           True)[0]
                     err = rel_error(y, want)
                     ok = err < 1e-4
-                    print("linear_gn", chain, (m, k, n, groups), save, "OK" if ok else f"ERROR {err}",
-                          flush=True)
-                    failed += [] if ok else [f"linear_gn {chain} {(m, k, n, groups)}"]
+                    print("linear_gn_chain", chain, (m, k, n, groups), save,
+                          "OK" if ok else f"ERROR {err}", flush=True)
+                    failed += [] if ok else [f"linear_gn_chain {chain} {(m, k, n, groups)}"]
 for dtype in (d for d in dtypes if d != torch.float32):
-    # The eager-rounding GroupNorm kernels (gn_chain_eager.cu), forward and
+    # The eager-rounding GroupNorm kernels, forward and
     # backward, on the same group shapes as the models above: wide groups,
     # one channel per group, a ragged count; output against eager's chain in
     # the same dtype (KernelBench's 1e-2 check).
@@ -121,7 +121,7 @@ for dtype in (d for d in dtypes if d != torch.float32):
                   flush=True)
             failed += [] if ok else [f"eager_rounding {chain} {dtype} {(rows, channels, groups)}"]
 for amp in (d for d in dtypes if d != torch.float32):
-    # Autocast: the mixed-dtype kernels (gn_chain_amp.cu, bias_relu's half z
+    # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.
     for problem, (_, args, shape) in reference.SMALL_PROBLEMS.items():
         errors = compare(problem, args, shape, torch.float32, "cuda", autocast=amp)

@@ -8,12 +8,16 @@ kernel, whose block tile is fixed at 128x128).  Candidates are declared as
 extra instantiations of gemm_tf32.cu, so the first run compiles them all.
 """
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from cupy_fused import _runtime
 from cupy_fused.ops import gemm as G
-from cupy_fused.testing import time_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from harness import time_ms  # noqa: E402  (benchmarks/harness.py)
 
 CANDIDATES = ["wgmma128x128x3", "wgmma128x128x2", "128x128x3", "128x128x4", "64x128x3", "64x128x4",
               "128x64x3", "128x64x4", "64x64x4"]

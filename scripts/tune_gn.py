@@ -4,24 +4,30 @@ for each (team, values per lane) shape and each pair of launch bounds (the
 minimum resident blocks per SM, CF_GN_FORWARD_MIN_BLOCKS /
 CF_GN_BACKWARD_MIN_BLOCKS in gn_chain.cuh, which cap the registers per
 thread; ptxas -v shows what spills under each).  The shipped shapes are
-gn_epilogue.forward_team_shape and team_shape.
+gn_chain.forward_team_shape and team_shape.
 
     python scripts/tune_gn.py [--bounds 8,4 6,3 4,2]
 """
 import argparse
+import importlib
+import sys
+from pathlib import Path
 
 import torch
 
 from cupy_fused import _runtime
-from cupy_fused.ops import gn_epilogue as gn
-from cupy_fused.testing import time_interleaved
+
+gn = importlib.import_module("cupy_fused.ops.gn_chain")  # the module, not the op
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from harness import time_interleaved  # noqa: E402  (benchmarks/harness.py)
 
 SHAPES = ((32768, 4096, 64, "swish_bias_gn"), (32768, 4096, 32, "swish_bias_gn"),
           (1024, 8192, 256, "gn_swish_mul_swish"))
 
 
 class _BoundsFamily:
-    """gn_epilogue.KERNELS built with other launch bounds."""
+    """gn_chain.KERNELS built with other launch bounds."""
 
     def __init__(self, shipped: _runtime.KernelFamily, forward_blocks: int, backward_blocks: int):
         # (gn.KERNELS is this object while it is timed: keep the shipped one's names.)

@@ -274,11 +274,11 @@ def test_linear_gn_chain_under_autocast(chain, amp, device):
 
 @pytest.mark.parametrize("amp", AMP, ids=str)
 def test_mm_to_writes_float32_from_cublas(amp, device):
-    from cupy_fused.ops import gemm as G
+    from cupy_fused.ops.linear import MM_OUT_DTYPE, _mm_to
 
-    assert G.MM_OUT_DTYPE, "this torch has no aten::mm.dtype: the backward casts (fallback)"
+    assert MM_OUT_DTYPE, "this torch has no aten::mm.dtype: the backward casts (fallback)"
     a, b = _rand(130, 300, dtype=amp), _rand(300, 70, dtype=amp, seed=1)
-    out = G._mm_to(a, b, torch.float32)
+    out = _mm_to(a, b, torch.float32)
     assert out.dtype == torch.float32
     assert torch.equal(out, torch.ops.aten.mm.dtype(a, b, torch.float32))
     truth = a.double() @ b.double()

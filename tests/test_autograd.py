@@ -106,6 +106,63 @@ def test_torch_func_transforms_and_their_dead_wrappers():
     assert y.requires_grad == expected.requires_grad == False  # noqa: E712
 
 
+def test_direct_apply_needs_every_feature_it_relies_on(monkeypatch):
+    """The C++ apply is used only where this torch has the transform check,
+    the dead-wrapper unwrapping and the C++ base class; each one missing,
+    run() falls back to Function.apply."""
+    from cupy_fused import _autograd
+
+    function = _SCALE._function
+    assert _autograd._direct_apply(function) is not None  # this torch has them all
+    assert _SCALE._c_apply is not None
+    for name in ("_transforms_active", "_unwrap_if_dead", "_FunctionBase"):
+        with monkeypatch.context() as m:
+            m.setattr(_autograd, name, None)
+            assert _autograd._direct_apply(function) is None, name
+
+    class WithSetupContext(torch.autograd.Function):  # Function.apply binds its defaults
+        @staticmethod
+        def forward(x):
+            return x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+    assert _autograd._direct_apply(WithSetupContext) is None
+
+
+@pytest.mark.parametrize("path", ["direct", "Function.apply"])
+def test_run_gives_the_same_results_with_or_without_the_direct_apply(path, monkeypatch):
+    """Both branches of run(): the C++ apply (where this torch allows it)
+    and the fallback through Function.apply give the same node, output and
+    gradient, unwrap a dead functorch wrapper, and refuse a torch.func
+    transform."""
+    if path == "Function.apply":
+        monkeypatch.setattr(_SCALE, "_c_apply", None)
+        calls = []
+        apply = _SCALE._function.apply
+        monkeypatch.setattr(_SCALE._function, "apply",
+                            lambda *a: calls.append(1) or apply(*a))
+    x = torch.rand(3, 4, dtype=torch.float64, requires_grad=True)
+    y = _SCALE.run(True, x, 2.5)
+    assert type(y.grad_fn) is _SCALE._function._backward_cls
+    assert torch.equal(y, 2.5 * x.detach())
+    (gy,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(gy, torch.full_like(x, 2.5))
+    if path == "Function.apply":
+        assert calls == [1]
+
+    leaked = []
+    torch.func.grad(lambda t: leaked.append(t) or t.sin().sum())(x.detach())
+    (dead,) = leaked
+    y = _SCALE.run(True, dead, 2.0)
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(y)
+    assert torch.equal(y, 2.0 * x.detach())
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: _SCALE.run(True, t, 3.0).sum())(x.detach())
+
+
 # ---------------------------------------------------------------- double backward
 # Torch ops stand in for the kernels; the backward's results are detached, as
 # a kernel's are (they record no graph).

@@ -1,5 +1,10 @@
 """The benchmark runner's pure-Python parts (CPU tier)."""
+import importlib
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,9 @@ _spec.loader.exec_module(bench_run)
 _kspec = importlib.util.spec_from_file_location("bench_kernels", REPO / "benchmarks/kernels.py")
 bench_kernels = importlib.util.module_from_spec(_kspec)
 _kspec.loader.exec_module(bench_kernels)
+# The harness the scripts share (run.py has put benchmarks/ on sys.path): the
+# same module object, so that patching it reaches them.
+bench_harness = importlib.import_module("harness")
 
 MiB = 2**20
 
@@ -76,8 +84,6 @@ def test_run_count_times_the_gemm_alone_in_the_forward_mode_only():
 
 
 def test_a_time_limited_run_saves_each_job_and_resume_finishes_it(tmp_path, monkeypatch, capsys):
-    import json
-
     ran = []
 
     def fake_bench(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
@@ -134,8 +140,7 @@ def test_sweep_points_take_fewer_iterations(tmp_path, monkeypatch):
 
 
 def test_short_steps_get_more_timed_calls_up_to_ten_times():
-    from cupy_fused.testing import timed_calls
-
+    timed_calls = bench_harness.timed_calls
     assert timed_calls(5.0, 30, 150.0, 300) == 30       # 30 x 5 ms: enough already
     assert timed_calls(0.6, 30, 150.0, 300) == 250      # 0.6 ms steps: 150 ms of them
     assert timed_calls(0.01, 30, 150.0, 300) == 300     # capped
@@ -146,10 +151,6 @@ def test_short_steps_get_more_timed_calls_up_to_ten_times():
 def test_time_interleaved_times_each_function_its_own_count(monkeypatch):
     """With fake CUDA events (CPU tier): the calls each function gets, in
     turns, after its warm-up and the three calls of the estimate."""
-    import torch
-
-    from cupy_fused import testing
-
     clock = [0.0]
 
     class FakeEvent:
@@ -172,18 +173,107 @@ def test_time_interleaved_times_each_function_its_own_count(monkeypatch):
             clock[0] += ms
         return fn
 
-    times = testing.time_interleaved({"short": step("short", 0.5), "long": step("long", 20.0)},
-                                     iters=10, warmup=2, rounds=5, min_ms=50.0)
+    times = bench_harness.time_interleaved(
+        {"short": step("short", 0.5), "long": step("long", 20.0)},
+        iters=10, warmup=2, rounds=5, min_ms=50.0)
     # warm-up 2 + estimate 3 + one untimed call per round 5 + timed calls
     assert calls == {"short": 2 + 3 + 5 + 100, "long": 2 + 3 + 5 + 10}
     assert times == {"short": (0.5, 0.5), "long": (20.0, 20.0)}
 
 
+def test_the_benchmarks_share_one_dtype_table():
+    assert bench_run.DTYPES is bench_kernels.DTYPES is bench_harness.DTYPES
+    assert list(bench_harness.DTYPES) == ["fp32", "fp16", "bf16", "amp-bf16", "amp-fp16"]
+    assert bench_run.ALL_DTYPES == tuple(bench_harness.DTYPES)
+    assert bench_kernels.parse_args([]).dtypes == list(bench_harness.DTYPES)
+    for name, choice in bench_harness.DTYPES.items():
+        # autocast modes: float32 model, half compute; the others: one dtype
+        assert (choice.autocast is not None) == name.startswith("amp-")
+        assert choice.compute == (choice.autocast or choice.model)
+        assert (choice.model is torch.float32) or choice.autocast is None
+
+
+def test_progress_without_tqdm_is_one_line_per_item_on_stderr(monkeypatch, capsys):
+    monkeypatch.setattr(bench_harness, "_tqdm", None)
+    with bench_harness.Progress(3, "timed runs") as progress:
+        progress("76 float32 b1024 forward eager")
+        bench_harness.say("  a result line")
+        progress("76 float32 b1024 forward ours")
+        progress()
+    out, err = capsys.readouterr()
+    assert out == "  a result line\n"
+    lines = err.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("timed runs [1/3] 0:0") and lines[0].endswith(" forward eager")
+    assert lines[1].startswith("timed runs [2/3] ") and lines[2].startswith("timed runs [3/3] ")
+    with pytest.raises(ImportError, match="tqdm"):
+        bench_harness.Progress(3, bar=True)
+
+
+def test_progress_bar_with_tqdm_keeps_stdout_clean(capsys):
+    pytest.importorskip("tqdm")
+    assert bench_harness._tqdm is not None
+    with bench_harness.Progress(2, "timed runs") as progress:
+        progress("first")
+        bench_harness.say("  a result line")
+        progress("second")
+    out, err = capsys.readouterr()
+    assert out == "  a result line\n"
+    assert "timed runs" in err and "2/2" in err and "second" in err
+
+
+def test_run_reports_progress_on_stderr_and_results_on_stdout(tmp_path, monkeypatch, capsys):
+    """A whole run (timing faked), without tqdm: one stderr line per timed
+    implementation; stdout and the files as with no progress at all."""
+    def fake_bench(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
+                   **kw):
+        rows = []
+        for impl in impls:
+            rows.append(dict(problem=problem, dtype=bench_run.dtype_label(dtype), mode="forward",
+                             impl=impl, batch=1024, sweep=False, median_ms=1.0, min_ms=1.0,
+                             peak_extra_gib=None, tflops=1.0, ceiling_fraction=0.5,
+                             fwd_rel_error=None))
+            bench_run.say(f"  {problem} {impl} timed")
+            progress(f"{problem} {impl}")
+        return rows
+
+    monkeypatch.setattr(bench_run, "bench_problem", fake_bench)
+    monkeypatch.setattr(bench_harness, "_tqdm", None)
+    _fake_device(monkeypatch)
+    bench_run.main(["--problems", "76", "88", "--modes", "forward", "--impls", "eager", "ours",
+                    "--no-plots", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert [line.split("] ")[0] for line in err.splitlines()] == [
+        f"timed runs [{i}/4" for i in range(1, 5)]
+    assert err.splitlines()[-1].endswith(" 88 ours")
+    assert "timed runs" not in out
+    assert out.index("  76 eager timed") < out.index("  88 ours timed") < out.index("| problem |")
+    (saved,) = tmp_path.glob("*.json")
+    rows = json.loads(saved.read_text())["rows"]
+    assert len(rows) == 4
+    assert saved.with_suffix(".md").read_text() == bench_run.markdown(rows) + "\n"
+
+
+def test_scripts_start_from_anywhere_and_show_their_help(tmp_path):
+    """``python <script> --help`` outside the repository, with the library on
+    PYTHONPATH as scripts/gpu_check.sh sets it: each finds the harness by its
+    own path.  (In parallel: each subprocess spends a second importing torch.)"""
+    scripts = ["benchmarks/run.py", "benchmarks/kernels.py", "benchmarks/gemm.py",
+               "benchmarks/host_overhead.py", "scripts/tune_gn.py", "scripts/tune_gemm.py"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = {script: subprocess.Popen([sys.executable, str(REPO / script), "--help"],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+             for script in scripts}
+    for script, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (script, err)
+        assert out.startswith("usage: "), script
+
+
 def test_plots_draw_the_speedup_bars_and_the_sweep_grid(tmp_path):
     """benchmarks/plot.py on a small results file: both PNGs, one sweep panel
     per (dtype, problem), a series per (implementation, mode) present."""
-    import json
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -317,7 +407,7 @@ def _fake_cuda_timing(monkeypatch, gpu_ms_per_call, host_ms_per_call):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(bench_run, "_sleep_cycles_per_ms", [])
+    monkeypatch.setattr(bench_harness, "_sleep_cycles_per_ms", [])
 
     def work():
         clock["gpu"] += gpu_ms_per_call
@@ -350,11 +440,12 @@ def test_bench_problem_on_cpu_in_an_autocast_mode(monkeypatch):
     done = []
     rows = bench_run.bench_problem(94, "amp-bf16", ["forward", "train"], ["eager", "ours", "gemm"],
                                    3, 1, bench_run.reference.SMALL_PROBLEMS,
-                                   lambda: done.append(1), peak=1.0, device="cpu")
+                                   done.append, peak=1.0, device="cpu")
     by = {(r["mode"], r["impl"]): r for r in rows}
     assert set(by) == {("forward", "eager"), ("forward", "ours"), ("forward", "gemm"),
                        ("train", "eager"), ("train", "ours")}
-    assert len(done) == 5 and all(r["dtype"] == "amp-bf16" for r in rows)
+    assert all(r["dtype"] == "amp-bf16" for r in rows)
+    assert sorted(done) == sorted(f"94 amp-bf16 b{rows[0]['batch']} {m} {i}" for m, i in by)
     for mode in ("forward", "train"):
         eager = by[(mode, "eager")]
         assert eager["median_ms"] == 1.0 and eager["host_ms"] == 0.5 and eager["host_bound"]
@@ -467,7 +558,10 @@ def test_kernel_cases_and_their_filter():
     assert bench_kernels.select_cases(None) == cases
     with pytest.raises(SystemExit):
         bench_kernels.select_cases(["nope"])
-    assert bench_kernels.DTYPES["amp-bf16"] == (torch.bfloat16, torch.float32)
+    amp = bench_kernels.DTYPES["amp-bf16"]  # z as autocast hands it over, float32 vectors
+    assert (amp.compute, amp.model) == (torch.bfloat16, torch.float32)
+    assert (bench_kernels.DTYPES["fp16"].compute, bench_kernels.DTYPES["fp16"].model) == (
+        torch.float16, torch.float16)
     args = bench_kernels.parse_args(["--quick", "--kernels", "gn", "--dtypes", "amp-fp16"])
     assert (args.iters, args.warmup, args.dtypes) == (10, 3, ["amp-fp16"])
 
@@ -477,8 +571,8 @@ def test_kernel_timing_queues_the_calls_behind_a_sleep(monkeypatch):
     GPU's (the host's issue time sizes the sleep, and is not timed)."""
     work, clock = _fake_cuda_timing(monkeypatch, gpu_ms_per_call=0.02, host_ms_per_call=0.08)
     slept = []
-    monkeypatch.setattr(bench_kernels, "hold_gpu_ms", slept.append)
-    med, best = bench_kernels.time_queued(work, iters=50, warmup=2, clock=clock)
+    monkeypatch.setattr(bench_harness, "hold_gpu_ms", slept.append)
+    med, best = bench_harness.time_queued(work, iters=50, warmup=2, clock=clock)
     assert med == pytest.approx(0.02) and best == pytest.approx(0.02)
     assert slept == [pytest.approx(1.5 * 0.08 * 50 + 1.0)]
 

@@ -2,6 +2,7 @@
 vectors' edges on the GPU — sizes that are not a multiple of the vector,
 one row, NCHW slabs that start mid-vector, channel rows that cross mask
 words, views that start mid-vector, small grids — against torch in float64."""
+import importlib
 import math
 import re
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from cupy_fused import _runtime, ops
-from cupy_fused.ops import relu_epilogue
 from cupy_fused.ops._common import BLOCK
+
+# The module (``cupy_fused.ops.bias_relu`` as an attribute is the op itself).
+BR = importlib.import_module("cupy_fused.ops.bias_relu")
 
 PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float16),
          (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
@@ -31,7 +34,7 @@ def test_forward_grid_covers_the_tensor_once(dtype):
     per_block = BLOCK * 2 * (16 // dtype.itemsize)
     for total in (1, 7, 8, 31, 32, 33, per_block - 1, per_block, per_block + 1, 1024 * 8192,
                   128 * 128 * 126 * 126, (1 << 31) + 1024):
-        blocks = relu_epilogue.forward_grid(total, dtype)
+        blocks = BR.forward_grid(total, dtype)
         assert blocks * per_block >= total > (blocks - 1) * per_block
 
 
@@ -44,7 +47,7 @@ def test_rows_launch_shapes():
         for channels in (1, 3, 4, 5, 8, 9, 77, 96, 100, 128, 255, 256, 257, 8192, 65536):
             for rows in (1, 2, 7, 9, 255, 1024, 32768, 2032128):
                 for resident in (1, 396, 528):
-                    cols, grid_x, chunks, per = relu_epilogue.rows_launch(
+                    cols, grid_x, chunks, per = BR.rows_launch(
                         rows, channels, vector, resident)
                     vectors = math.ceil(channels / vector)
                     assert cols & (cols - 1) == 0 and 1 <= cols <= 32 and BLOCK % cols == 0
@@ -61,23 +64,23 @@ def test_rows_launch_for_the_benchmark_shapes():
     blocks, a few chunks, so that the float64 partials stay small next to
     dy and dz."""
     for dtype in (torch.float32, torch.float16):
-        resident = 132 * relu_epilogue.ROWS_BLOCKS_PER_SM[dtype]
-        cols, grid_x, chunks, per = relu_epilogue.rows_launch(
-            1024, 8192, relu_epilogue.VECTOR[dtype], resident)
+        resident = 132 * BR.ROWS_BLOCKS_PER_SM[dtype]
+        cols, grid_x, chunks, per = BR.rows_launch(
+            1024, 8192, BR.VECTOR[dtype], resident)
         assert cols == 32 and grid_x * chunks <= resident
         assert chunks * 8192 * 8 < 1024 * 8192 * dtype.itemsize // 8
 
 
 def test_launch_constants_match_the_kernel_source():
-    """relu_epilogue.py mirrors two constants of bias_relu.cu: the forward's
+    """ops/bias_relu.py mirrors two constants of bias_relu.cu: the forward's
     vectors per lane and the rows kernel's blocks per SM."""
     src = (_runtime.kernel_dir() / "bias_relu.cu").read_text()
     forward = src[src.index("bias_relu_forward("):]
     assert re.search(r"constexpr int kU = (\d+);", forward).group(1) == "2"
-    assert relu_epilogue._FORWARD_BLOCK_ELEMENTS[torch.float32] == BLOCK * 2 * 4
+    assert BR._FORWARD_BLOCK_ELEMENTS[torch.float32] == BLOCK * 2 * 4
     m = re.search(r"kRowsBlocksPerSm = sizeof\(T\) == 4 \? (\d+) : (\d+);", src)
     assert m, "kRowsBlocksPerSm's definition changed: update ROWS_BLOCKS_PER_SM and this test"
-    assert relu_epilogue.ROWS_BLOCKS_PER_SM == {
+    assert BR.ROWS_BLOCKS_PER_SM == {
         torch.float32: int(m.group(1)), torch.float16: int(m.group(2)),
         torch.bfloat16: int(m.group(2))}
 
@@ -241,9 +244,9 @@ def test_non_finite_values_and_the_sum_backward(case, pair, device):
 def test_grids_smaller_than_the_work(pair, device, monkeypatch):
     """One forward block (its grid-stride loop takes every tile) and one
     resident block for the rows backward (one chunk of every row)."""
-    launch = relu_epilogue.rows_launch
-    monkeypatch.setattr(relu_epilogue, "forward_grid", lambda total, dtype: 1)
-    monkeypatch.setattr(relu_epilogue, "rows_launch",
+    launch = BR.rows_launch
+    monkeypatch.setattr(BR, "forward_grid", lambda total, dtype: 1)
+    monkeypatch.setattr(BR, "rows_launch",
                         lambda rows, channels, vector, resident: launch(rows, channels, vector, 1))
     for shape, cl in [((300, 77), False), ((64, 256), False), ((2, 3, 33, 35), False),
                       ((3, 16, 9, 7), True)]:
@@ -259,6 +262,15 @@ def test_batch_of_zero(pair, device):
         dz, db1, db2 = torch.autograd.grad(out.sum(), [z, b1, b2])
         assert out.shape == shape and out.dtype == pair[1] and dz.shape == shape
         assert db1.shape == (shape[1],) and not db1.any() and not db2.any()
+
+
+@pytest.mark.gpu
+def test_zero_size_inputs(device):
+    z = torch.empty(0, 64, device=device, requires_grad=True)
+    b = torch.randn(64, device=device, requires_grad=True)
+    out = ops.bias_relu(z, b)
+    out.sum().backward()
+    assert out.shape == (0, 64) and b.grad.shape == (64,) and not b.grad.any()
 
 
 @pytest.mark.gpu

@@ -76,3 +76,64 @@ def test_plain_submodules_pass_the_check(problem):
     model, x = _model_and_input(problem)
     with pytest.raises(ValueError, match="CUDA"):
         model(x)
+
+
+# What print(model) shows on each module's first line: the constructor's
+# sizes and shapes, then the precision and eager_rounding settings.
+REPRS = {
+    1: "in_channels=8, out_channels=16, kernel_size=(3, 3), bias_shape=(16, 1, 1)",
+    37: "in_features=64, out_features=256, num_groups=8, bias_shape=(256,), precision=None, "
+        "eager_rounding=False",
+    76: "in_features=64, out_features=256, bias_shape=(256,), precision=None",
+    88: "in_features=64, out_features=256, num_groups=16, multiply_weight_shape=(256,), "
+        "precision=None, eager_rounding=False",
+    94: "in_features=64, out_features=256, bias_shape=(256,), num_groups=16, precision=None, "
+        "eager_rounding=False",
+}
+
+
+@pytest.mark.parametrize("problem", sorted(REPRS))
+def test_print_shows_the_sizes_and_settings(problem):
+    model, _ = _model_and_input(problem)
+    assert model.extra_repr() == REPRS[problem]
+    assert str(model).splitlines()[1].strip() == REPRS[problem]
+    if problem != 1:
+        _, args, _ = reference.SMALL_PROBLEMS[problem]
+        kwargs = {"precision": "tf32"}
+        if problem != 76:
+            kwargs["eager_rounding"] = True
+        text = repr(models.MODELS[problem](*args, **kwargs))
+        assert "precision='tf32'" in text
+        assert ("eager_rounding=True" in text) is (problem != 76)
+        model.precision = "ieee"  # read when printed, as when run
+        assert "precision='ieee'" in repr(model)
+
+
+@pytest.fixture
+def past_device_check(monkeypatch):
+    from cupy_fused import _validation
+
+    monkeypatch.setattr(_validation, "DEVICE_TYPES", ("cuda", "cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemm_add_relu_is_ops_linear(dtype, past_device_check):
+    """Problem 76's module through ops.linear's internal entry point gives
+    what the public op gives: output, gradients, one autograd node (here
+    on CPU tensors at precision "ieee", the cuBLAS route's torch ops)."""
+    from cupy_fused import ops
+
+    torch.manual_seed(2)
+    model = models.GemmAddRelu(24, 40, (40,), precision="ieee").to(dtype)
+    x = torch.rand(7, 24, dtype=dtype) - 0.5
+    dy = torch.randn(7, 40).to(dtype)
+    leaves = [x.clone().requires_grad_(True)]
+    y = model(leaves[0])
+    y.backward(dy)
+    ref = [t.detach().clone().requires_grad_(True)
+           for t in (x, model.gemm.weight, model.bias)]
+    y_ref = ops.linear(*ref, activation="relu", precision="ieee")
+    y_ref.backward(dy)
+    assert torch.equal(y, y_ref) and type(y.grad_fn) is type(y_ref.grad_fn)
+    for ours, theirs in zip((leaves[0], model.gemm.weight, model.bias), ref):
+        assert torch.equal(ours.grad, theirs.grad)

@@ -1,14 +1,26 @@
-"""Kernel runtime: declarations, compile check (CPU tier), lazy import."""
+"""Kernel runtime: declarations, lazy per-instantiation compile, locks,
+logging, precompile, compile check (CPU tier), lazy import."""
+import contextlib
+import importlib
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+import cupy_fused
+from cupy_fused import __main__ as main_job
 from cupy_fused import _runtime
-from cupy_fused.ops import gn_epilogue as gn_chain_module
+from cupy_fused.ops import gemm
 from cupy_fused.ops._common import row_chunks, _sm_counts
+
+gn_chain_module = importlib.import_module("cupy_fused.ops.gn_chain")  # the module, not the op
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,15 +34,19 @@ def test_every_kernel_file_has_declared_instantiations():
     table = _runtime.declared()
     files = _runtime.source_files()
     assert set(files) == {"smoke.cu", "bias_relu.cu", "column_reduce.cu", "gn_chain.cu",
-                          "gn_chain_eager.cu", "gn_chain_amp.cu", "gn_chain_vec.cu", "gemm_tf32.cu", "gemm_tf32_gn.cu"}
+                          "gemm_tf32.cu", "gemm_tf32_gn.cu"}
     for name in files:
         assert table.get(name), f"{name} has no declared instantiation"
 
 
-@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90", "sm_90a"])
+@pytest.mark.parametrize("arch", _runtime.CHECK_ARCHS)
 def test_nvrtc_compile_check(arch):
     """Every kernel file and every instantiation the library launches compiles
-    with NVRTC for the architecture, without a GPU."""
+    with NVRTC for the architecture, without a GPU (each as its own program,
+    as the run time compiles it)."""
+    if arch not in _runtime.check_architectures():
+        version = ".".join(map(str, _runtime.nvrtc_version()))
+        pytest.skip(f"NVRTC {version} does not compile for {arch}")
     sizes = _runtime.compile_check(arch)
     assert set(sizes) == set(_runtime.source_files())
     assert all(size > 0 for size in sizes.values())
@@ -117,3 +133,289 @@ def test_row_chunks_are_never_empty(monkeypatch):
             chunks, per = row_chunks(rows, blocks, 99)
             assert chunks * per >= rows and (chunks - 1) * per < rows
             assert 1 <= chunks <= 65535
+
+
+# ---------------------------------------------------------------- lazy compile, locks, logging
+# A stand-in for CuPy records the programs the run time would hand to NVRTC:
+# the real get_function / KernelFamily code runs, without a GPU.
+
+class _FakeCupy:
+    def __init__(self, compile_hook=None):
+        self.programs = []  # (name expressions, options) of each RawModule compiled
+        fake = self
+
+        class RawModule:
+            def __init__(self, code, options, name_expressions):
+                self.names = tuple(name_expressions)
+                fake.programs.append((self.names, tuple(options)))
+
+            def get_function(self, name):
+                assert name in self.names
+                if compile_hook is not None:
+                    compile_hook(self.names)
+                return SimpleNamespace(kernel=SimpleNamespace(ptr=id(self)))
+
+        self.RawModule = RawModule
+        self.cuda = SimpleNamespace(Device=lambda device: contextlib.nullcontext())
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """Installs a fresh run-time state (caches, locks, declarations) and a
+    fake CuPy; device 0 is a compute capability 9.0 GPU, device 1 an 8.0."""
+    monkeypatch.setattr(_runtime, "_functions", {})
+    monkeypatch.setattr(_runtime, "_locks", {})
+    monkeypatch.setattr(_runtime, "_declared", {})
+    monkeypatch.setattr(_runtime, "_families", [])
+    monkeypatch.setattr(_runtime, "_capabilities", {0: (9, 0), 1: (8, 0)})
+    monkeypatch.setattr(_runtime, "_read_source", lambda source: "// " + source)
+
+    def install(compile_hook=None):
+        fake = _FakeCupy(compile_hook)
+        monkeypatch.setattr(_runtime, "require_cupy", lambda: fake)
+        return fake
+
+    return install
+
+
+def _gemm_family():
+    return _runtime.KernelFamily("gemm_tf32.cu", gemm.KERNELS.expressions)
+
+
+def test_first_get_compiles_only_that_instantiation(fake_cupy):
+    fake = fake_cupy()
+    family = _gemm_family()
+    assert len(family.expressions) > 1
+    key = ("64x64", 3, "forward", True)
+    kernel = family.get(key, 0)
+    assert [names for names, _ in fake.programs] == [(family.expressions[key],)]
+    assert "-arch=sm_90a" in fake.programs[0][1]
+    assert kernel.name == family.expressions[key] and kernel.device == 0
+    assert family.get(key, 0) is kernel and len(fake.programs) == 1  # cached
+    assert family.get(key, 1) is not kernel  # another device: its own build
+    assert len(fake.programs) == 2 and "-arch=sm_90a" not in fake.programs[1][1]
+    assert _runtime.compiled_modules() == 2
+
+
+def test_threads_compile_different_kernels_concurrently(fake_cupy):
+    """Each compile waits at a barrier until the other one has started too:
+    one lock for all compiles would hold the second thread back, and the
+    barrier would break."""
+    barrier = threading.Barrier(2, timeout=10)
+    fake = fake_cupy(lambda names: barrier.wait())
+    family = _gemm_family()
+    keys = [("64x64", 3, "forward", True), ("64x64", 3, "grad_input", True)]
+    errors = []
+
+    def launch(key):
+        try:
+            family.get(key, 0)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=launch, args=(k,)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(names for names, _ in fake.programs) == sorted(
+        (family.expressions[k],) for k in keys)
+
+
+def test_threads_launching_the_same_kernel_compile_it_once(fake_cupy):
+    fake = fake_cupy(lambda names: time.sleep(0.2))
+    family = _gemm_family()
+    key = ("64x64", 3, "forward", True)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(family.get(key, 0))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(fake.programs) == 1
+    assert len(got) == 4 and all(k is got[0] for k in got)
+
+
+def test_a_compile_logs_when_it_starts_and_ends(fake_cupy, caplog):
+    fake_cupy()
+    family = _gemm_family()
+    key = ("64x64", 3, "forward", True)
+    caplog.set_level(logging.INFO, logger="cupy_fused")
+    family.get(key, 0)
+    expr = family.expressions[key]
+    records = [r for r in caplog.records if r.name == "cupy_fused"]
+    assert [r.levelno for r in records] == [logging.INFO, logging.INFO]
+    assert records[0].getMessage() == (
+        f"compiling gemm_tf32.cu: {expr} for sm_90a (first use; cached afterwards)")
+    assert records[1].getMessage().startswith(f"compiled gemm_tf32.cu: {expr} for sm_90a in ")
+    assert records[1].getMessage().endswith(" s")
+    caplog.clear()
+    family.get(key, 0)
+    assert not caplog.records  # cached: nothing to say
+
+
+def test_precompile_on_a_device_builds_each_instantiation_as_a_first_launch_would(fake_cupy):
+    fake = fake_cupy()
+    family = _gemm_family()
+    done = cupy_fused.precompile([family], device=1, progress=False, workers=3)
+    exprs = list(dict.fromkeys(family.expressions.values()))  # (keys may share one)
+    assert list(done) == [("gemm_tf32.cu", e) for e in exprs]
+    assert sorted(names for names, _ in fake.programs) == sorted((e,) for e in exprs)
+    key = ("64x64", 3, "forward", True)
+    family.get(key, 1)  # the launch path finds it built
+    assert len(fake.programs) == len(exprs)
+
+
+def test_compile_check_compiles_each_instantiation_as_its_own_program(monkeypatch):
+    programs = []
+
+    def fake_compile(source, exprs, arch):
+        programs.append((source, tuple(exprs), arch))
+        return 100
+
+    monkeypatch.setattr(_runtime, "_nvrtc_compile", fake_compile)
+    sizes = _runtime.compile_check("sm_80", ["smoke.cu", "column_reduce.cu"])
+    table = _runtime.declared()
+    assert sorted(programs) == sorted(
+        (s, (e,), "sm_80") for s in ("smoke.cu", "column_reduce.cu") for e in table[s])
+    assert sizes == {"smoke.cu": 100 * len(table["smoke.cu"]),
+                     "column_reduce.cu": 100 * len(table["column_reduce.cu"])}
+
+
+def test_compile_jobs_run_in_parallel_and_report_every_failure():
+    barrier = threading.Barrier(2, timeout=10)
+
+    def build(source, expr):
+        barrier.wait()  # both jobs in flight at once, or this breaks
+        if expr == "bad":
+            raise _runtime.CompileError(f"{source}: {expr} failed: log")
+        return 1
+
+    with pytest.raises(_runtime.CompileError, match=r"1 of 2 instantiations failed:\n\na.cu: bad"):
+        _runtime._run_jobs([("a.cu", "good"), ("a.cu", "bad")], build, "sm_80", False, 2)
+
+
+# ---------------------------------------------------------------- precompile without a GPU
+
+def test_precompile_for_an_architecture_needs_no_gpu(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain progress lines
+    done = cupy_fused.precompile(["smoke.cu", "column_reduce.cu"], device="sm_80",
+                                 dtypes=[torch.float32])
+    assert set(done) == {("smoke.cu", "cf::scale_add<float>"),
+                         ("column_reduce.cu", "cf::reduce_column_partials<float>")}
+    err = capsys.readouterr().err
+    assert "precompile sm_80 [1/2]" in err and "precompile sm_80 [2/2]" in err
+
+
+def test_precompile_selection():
+    every = _runtime._selection(None, None)
+    assert len(every) == sum(len(v) for v in _runtime.declared().values())
+    # the float32 GEMMs' keys name no dtype: kept under any dtype filter
+    assert (len(_runtime._selection([gemm.KERNELS], [torch.float16]))
+            == len(set(gemm.KERNELS.expressions.values())))
+    # bias_relu: (kernel, z dtype, output dtype, second bias); float16 z
+    # takes a float16 or (autocast) float32 output: 3 kernels x 2 x 2
+    half = _runtime._selection("bias_relu.cu", [torch.float16])
+    assert len(half) == 12 and all("cf::half" in e for _, e in half)
+    with pytest.raises(ValueError, match="no declared kernel source 'nope.cu'"):
+        _runtime._selection(["nope.cu"], None)
+    with pytest.raises(ValueError, match="not an architecture name"):
+        cupy_fused.precompile("smoke.cu", device="hopper", progress=False)
+
+
+def test_check_architectures_follow_what_nvrtc_supports(monkeypatch):
+    from cupy.cuda import nvrtc
+
+    monkeypatch.setattr(nvrtc, "getSupportedArchs", lambda: (75, 80, 86, 89, 90, 100, 120),
+                        raising=False)
+    assert _runtime.check_architectures() == ["sm_75", "sm_80", "sm_90", "sm_90a"]
+    monkeypatch.setattr(nvrtc, "getSupportedArchs", lambda: (50, 70, 72, 75, 80, 90))
+    assert _runtime.check_architectures() == ["sm_70", "sm_75", "sm_80", "sm_90", "sm_90a"]
+    monkeypatch.delattr(nvrtc, "getSupportedArchs")
+    monkeypatch.setattr(nvrtc, "getVersion", lambda: (13, 0))
+    assert _runtime.check_architectures() == ["sm_75", "sm_80", "sm_90", "sm_90a"]
+    monkeypatch.setattr(nvrtc, "getVersion", lambda: (12, 9))
+    assert _runtime.check_architectures()[0] == "sm_70"
+
+
+# ---------------------------------------------------------------- NVRTC missing
+
+class DynamicLibNotFoundError(RuntimeError):
+    """Named as cuda-pathfinder's error, which CuPy raises when it cannot
+    find libnvrtc."""
+
+
+def _nvrtc_missing(*args, **kwargs):
+    raise DynamicLibNotFoundError('Failure finding "libnvrtc.so": no such file')
+
+
+def test_missing_nvrtc_names_the_package(monkeypatch):
+    from cupy.cuda import nvrtc
+
+    monkeypatch.setattr(_runtime, "cupy_distribution", lambda: "cupy-cuda12x")
+    monkeypatch.setattr(nvrtc, "createProgram", _nvrtc_missing)
+    with pytest.raises(_runtime.NvrtcNotFoundError, match="pip install nvidia-cuda-nvrtc-cu12"):
+        _runtime.compile_check("sm_80", ["smoke.cu"])
+    monkeypatch.setattr(_runtime, "cupy_distribution", lambda: "cupy-cuda13x")
+    with pytest.raises(_runtime.NvrtcNotFoundError, match=r"nvidia-cuda-nvrtc==13\.\*"):
+        cupy_fused.precompile("smoke.cu", device="sm_80", progress=False)
+    # A broken kernel's compiler log is not a missing library.
+    assert _runtime.missing_nvrtc_message(_runtime.CompileError(
+        "broken.cu: k<float> for sm_80 failed: NVRTC_ERROR_COMPILATION (6)\n"
+        'broken.cu(2): error: cannot open source file "nope.cuh"')) is None
+
+
+def test_missing_nvrtc_on_a_first_launch(fake_cupy, monkeypatch):
+    fake_cupy(lambda names: _nvrtc_missing())
+    monkeypatch.setattr(_runtime, "cupy_distribution", lambda: "cupy-cuda12x")
+    family = _gemm_family()
+    with pytest.raises(_runtime.NvrtcNotFoundError, match="nvidia-cuda-nvrtc-cu12"):
+        family.get(("64x64", 3, "forward", True), 0)
+
+
+def test_main_job_says_which_package_brings_nvrtc(monkeypatch, capsys):
+    from cupy.cuda import nvrtc
+
+    monkeypatch.setattr(_runtime, "cupy_distribution", lambda: "cupy-cuda12x")
+    monkeypatch.setattr(nvrtc, "getVersion", _nvrtc_missing)
+    assert main_job.main([]) == 1
+    out = capsys.readouterr()
+    lines = [line for line in out.out.splitlines() if "nvidia-cuda-nvrtc-cu12" in line]
+    assert lines == ["NVRTC (CUDA's runtime compiler) was not found: cupy-cuda12x needs "
+                     "CUDA 12's NVRTC: pip install nvidia-cuda-nvrtc-cu12"]
+    assert "Traceback" not in out.out + out.err
+
+
+# ---------------------------------------------------------------- the main job without a GPU
+
+def test_main_job_announces_the_compile_check_then_runs_it(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    count = sum(len(v) for v in _runtime.declared().values())
+    checked = []
+
+    def fake_check(arch, progress=False):
+        if not checked:  # the announcement is out before the first (slow) compile starts
+            assert "No CUDA GPU is visible: compile check of" in capsys.readouterr().out
+        checked.append((arch, progress))
+        if arch == "sm_90a":
+            raise _runtime.CompileError("gemm_tf32.cu: ... failed")
+        return {s: 1 for s in _runtime.source_files()}
+
+    monkeypatch.setattr(_runtime, "compile_check", fake_check)
+    assert main_job.main(["--arch", "sm_80", "sm_90a"]) == 1
+    assert checked == [("sm_80", True), ("sm_90a", True)]
+    monkeypatch.setattr(_runtime, "compile_check", lambda arch, progress=False: {})
+    assert main_job.main(["--arch", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert f"compile check of {count} instantiations for sm_80" in out
+    assert "this takes a few minutes" in out
+
+
+def test_main_job_report_only(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the report only, also on a machine with a GPU
+    proc = subprocess.run([sys.executable, "-m", "cupy_fused", "--no-compile-check"], env=env,
+                          capture_output=True, text=True, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NVRTC" in proc.stdout and "compile check skipped" in proc.stdout

@@ -1,16 +1,17 @@
 """Functional API: every fused op, callable on torch tensors (with autograd)
 or on CuPy arrays (returns CuPy arrays, zero-copy).  Importing this package
 declares each op's kernel instantiations; it compiles nothing."""
-from .relu_epilogue import bias_relu
-from .gemm import PRECISIONS, get_fp32_matmul_precision, linear, set_fp32_matmul_precision
-from .gn_epilogue import (
+from .bias_relu import bias_relu
+from ..settings import PRECISIONS, get_fp32_matmul_precision, set_fp32_matmul_precision
+from .gn_chain import (
     CHAINS,
     bias_hardtanh_mish_group_norm,
     gn_chain,
     group_norm_swish_multiply_swish,
     swish_bias_group_norm,
 )
-from .linear_gn import linear_gn_chain
+from .linear import linear
+from .linear_gn_chain import linear_gn_chain
 from .smoke import scale_add
 
 __all__ = [

@@ -1,10 +1,14 @@
-"""``linear``: ``y = act(x W^T + bias)`` with the GEMM on TF32 tensor cores at
-float32 accuracy ("3xTF32"), the bias and activation fused into the GEMM's
-store; its backward runs ``dX = dz W`` and ``dW = dz^T x`` on the same kernel
-family.  Kernels: ``kernels_cu/gemm_tf32.cu``.
+"""The float32 GEMM engine: one product on TF32 tensor cores at float32
+accuracy ("3xTF32") or in one TF32 pass, with a bias and ReLU fused into its
+store; which kernel runs a product (the tile dispatch, B split into its TF32
+planes beforehand, cuBLAS SGEMM for short sums), which products leave the
+tensor cores for cuBLAS altogether (:func:`uses_cublas`), and the autograd op
+of a float32 linear layer on it (``dX = dz W`` and ``dW = dz^T x`` on the
+same kernel family).  Kernels: ``kernels_cu/gemm_tf32.cu`` (shared parts in
+``gemm_tf32.cuh``).  The public op on top is :func:`.linear.linear`.
 
-Precision of float32 products (``precision=`` argument, or the process-wide
-default of :func:`set_fp32_matmul_precision`):
+Precision of float32 products (``precision=`` argument of the ops, or the
+process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
 
 * ``"3xtf32"`` (default): each operand split into two TF32 parts, three
   tensor-core products, accumulated in float32 chunks of 16 k-values.  On
@@ -17,11 +21,7 @@ default of :func:`set_fp32_matmul_precision`):
 * ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
 * ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``).  This is also
   the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
-  cuBLAS's own.  On this path bias and ReLU are cuBLAS's too (no kernel of
-  ours: see :func:`_run_linear`): cuBLASLt's fused bias + ReLU epilogue
-  (``torch._addmm_activation``); in training the backward (torch ops) gates
-  the gradient with ReLU's own backward kernel, then
-  :func:`_cublas_relu_backward` does the rest.
+  cuBLAS's own (bias and ReLU on that path: see :mod:`.linear`).
 
 The cuBLAS products follow torch's own settings: with
 ``torch.backends.cuda.matmul.allow_tf32 = True`` they run in TF32.
@@ -38,46 +38,19 @@ Use ``"ieee"`` where infinities must survive the product.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .. import _bridge, _runtime
-from .._amp import autocast_dtype
-from .._autograd import FusedOp, is_compiling, keep_output, needs_grad, take_output
-from .._validation import check_like, check_tensor, check_vector
-from ._common import BLOCK, call_with_cupy_arrays, cdiv, elementwise_grid, _ptr_or_null, sm_count
-from .relu_epilogue import bias_relu
+from .._autograd import FusedOp
+from ..settings import get_gemm_wgmma
+from ._common import BLOCK, cdiv, elementwise_grid, _ptr_or_null, sm_count
 
-PRECISIONS = ("3xtf32", "tf32", "ieee")
+# Tensor-core passes of each precision that runs on our kernels ("ieee"
+# runs on cuBLAS).
 PASSES = {"3xtf32": 3, "tf32": 1}
-_default = {"precision": "3xtf32"}
-
-
-def _check_precision(precision) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, "
-                         f"got {precision!r}")
-    return precision
-
-
-def set_fp32_matmul_precision(precision: str) -> None:
-    """Process-wide default precision of cupy-fused's float32 GEMMs (used
-    where ``precision=None``): ``"3xtf32"`` (default), ``"tf32"`` or
-    ``"ieee"``.  Read when a model or op runs (under ``torch.compile``: when
-    it is traced)."""
-    _default["precision"] = _check_precision(precision)
-
-
-def get_fp32_matmul_precision() -> str:
-    return _default["precision"]
-
-
-def resolve_precision(precision: Optional[str]) -> str:
-    return _default["precision"] if precision is None else _check_precision(precision)
 
 
 # ---------------------------------------------------------------- kernels
@@ -117,7 +90,8 @@ class Tile:
 # beforehand and the kernel copies its planes (4 stages of raw A and planes,
 # 200 KiB).  Elsewhere, 128x128 on mma.sync (4 stages, 147 KiB); 64x64
 # for smaller GEMMs and for operands not 16-byte aligned (word-by-word loads).
-# Measured with scripts/tune_gemm.py and benchmarks/gemm.py (see docs/gemm.md).
+# scripts/tune_gemm.py and benchmarks/gemm.py compare the candidates (see
+# docs/gemm.md).
 TILES = {"wgmma128x128": Tile(128, 128, 3, wgmma=True),
          "wgmma128x128_split_b": Tile(128, 128, 4, wgmma=True, split_b=True),
          "128x128": Tile(128, 128, 4), "64x64": Tile(64, 64, 4)}
@@ -134,9 +108,9 @@ def splits_b(m: int, n: int, passes: int) -> bool:
     image (``passes == 3 ? 2 : 1`` times B's n x k values) is no larger than
     A (m x k), so that the transient buffer never outgrows an operand the
     caller already holds.  (On problem 76's weight gradient, 8192 x 8192
-    from a batch of 1024, the split was faster, 1.24 against 1.57 ms, but
-    its 64 MiB image raised the training step's peak memory above
-    torch.compile's: docs/gemm.md.)"""
+    from a batch of 1024, the split is faster, but its 64 MiB image, twice
+    A, would raise the training step's peak memory above torch.compile's:
+    docs/gemm.md.)"""
     return m >= SPLIT_B_MIN_ROWS and m >= (2 if passes == 3 else 1) * n
 
 # (A K-major, B K-major) of the three products of a linear layer.
@@ -174,12 +148,11 @@ SPLIT_B_KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
     for passes in (1, 3) for b_kmajor in (True, False)
 })
 
-ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 
 # Under "3xtf32", products summing fewer k-values than this run on cuBLAS
-# SGEMM.  Measured (docs/gemm.md, max scaled error vs float64 at 1024x1024):
-# 3xTF32 / SGEMM = 8.3x at k = 1, 1.2-2.4x at k = 8, 0.9-1.4x at k = 32 and
-# 0.3-0.6x at k = 128-512.
+# SGEMM: on short sums the split's own representation error dominates and
+# 3xTF32 is less accurate than SGEMM; from about 32 terms on it is as
+# accurate or more (the accuracy table in docs/gemm.md).
 SGEMM_BELOW_INNER = 32
 
 
@@ -190,19 +163,12 @@ def has_tf32_tensor_cores(device_index: int) -> bool:
     return _runtime.device_capability(device_index) >= (8, 0)
 
 
-_wgmma_setting = {"enabled": os.environ.get("CUPY_FUSED_GEMM_WGMMA", "1") != "0"}
-
-
 def has_wgmma(device_index: int) -> bool:
     """Whether the GEMMs on this device may use the wgmma kernel: compute
-    capability 9.0, unless ``CUPY_FUSED_GEMM_WGMMA=0`` (or
-    :func:`set_wgmma_enabled`) turns it off, e.g. to compare with mma.sync."""
-    return _wgmma_setting["enabled"] and _runtime.device_capability(device_index) == (9, 0)
-
-
-def set_wgmma_enabled(enabled: bool) -> None:
-    """Process-wide switch of the Hopper wgmma GEMM (default: on)."""
-    _wgmma_setting["enabled"] = bool(enabled)
+    capability 9.0, unless the setting :func:`cupy_fused.settings.gemm_wgmma`
+    (``CUPY_FUSED_GEMM_WGMMA=0``) turns it off, e.g. to compare with
+    mma.sync."""
+    return get_gemm_wgmma() and _runtime.device_capability(device_index) == (9, 0)
 
 
 def available_tiles(device_index: int) -> Tuple[str, ...]:
@@ -392,303 +358,6 @@ _LINEAR = FusedOp("linear_tf32", _forward, _forward_fake, _setup_context, _backw
                   _linear_backward, _backward_fake)
 
 
-# ---------------------------------------------------------------- cuBLAS bias + ReLU
-
-def _cublas_relu_forward(x: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor) -> torch.Tensor:
-    # cuBLASLt's bias + ReLU epilogue: the whole layer in one launch.
-    return torch._addmm_activation(bias, x, weight.t())
-
-
-def _cublas_relu_forward_fake(x: torch.Tensor, weight: torch.Tensor,
-                              bias: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-def _cublas_relu_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
-                          want_weight: bool,
-                          want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of the linear part of ``relu(x W^T + bias)``, given the
-    gradient dz already gated by the ReLU.  Returns (dx, dW, dbias); each is
-    empty when not wanted."""
-    dz = dz.contiguous()
-    # The bias gradient first, so that the column sum's scratch is freed
-    # before the weight gradient exists (F.linear's backward sums it after the
-    # products, on the engine's side: +64 MiB of peak on problem 76 in bf16).
-    dbias = dz.sum(0) if want_bias else dz.new_empty((0,))
-    # torch.mm, not @: Tensor.__matmul__ is a Python wrapper around
-    # torch.matmul, which then picks mm; host work counts here, since at
-    # problem 76's shape the half-precision step is as long as its host work.
-    dx = torch.mm(dz, weight) if want_x else x.new_empty((0,))
-    dw = torch.mm(dz.t(), x) if want_weight else weight.new_empty((0,))
-    return dx, dw, dbias
-
-
-def _cublas_relu_backward_fake(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                               want_x: bool, want_weight: bool,
-                               want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_fake(dz, x, weight, 0, want_x, want_weight, want_bias)  # (passes: unused)
-
-
-def _cublas_relu_setup_context(ctx, inputs, output):
-    # Traced (the registered custom op): the caller's relu_ gates the gradient.
-    x, weight, _ = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.gates = False
-
-
-def _cublas_relu_eager_setup_context(ctx, inputs, output):
-    # Eager: this node gates the gradient itself, with the output kept for
-    # that one use (see _CUBLAS_RELU); the bias is saved to recompute it.
-    ctx.save_for_backward(*inputs)
-    keep_output(ctx, output)
-    ctx.gates = True
-
-
-def _cublas_relu_backward_formula(ctx, grads, run_backward):
-    dz = grads[0]
-    if ctx.gates:
-        x, weight, bias = ctx.saved_tensors
-        y = take_output(ctx)
-        if y is None:  # a second backward through a retained graph
-            y = _cublas_relu_forward(x, weight, bias)
-        # ReLU's own backward kernel (as eager's ReLU node), then y is dropped
-        # before the products allocate dW.
-        dz = torch.ops.aten.threshold_backward(dz, y, 0)
-        del y
-    else:
-        x, weight = ctx.saved_tensors
-    want = ctx.needs_input_grad
-    dx, dw, dbias = run_backward(dz, x, weight, want[0], want[1], want[2])
-    return (dx if want[0] else None, dw if want[1] else None, dbias if want[2] else None)
-
-
-# relu(x W^T + bias) in one cuBLASLt launch, and its backward: the ReLU's
-# gate, the bias gradient's column sum, dX and dW.  The gate needs the
-# output, which must not stay alive through the products (+16 MiB of peak
-# on problem 76 in bf16, above torch.compile's).  Eager calls keep it for
-# the gate only (keep_output) and drop it before the products.  Traced
-# calls, whose graph carries saved tensors only, gate with a native relu_
-# that the caller applies to the output (values unchanged: they are >= 0
-# already), whose own node then frees the output.  Only _run_linear uses it,
-# that way.
-_CUBLAS_RELU = FusedOp("linear_relu_cublas", _cublas_relu_forward, _cublas_relu_forward_fake,
-                       _cublas_relu_setup_context, _cublas_relu_backward_formula,
-                       _cublas_relu_backward, _cublas_relu_backward_fake,
-                       eager_setup_context=_cublas_relu_eager_setup_context)
-
-
-# ---------------------------------------------------------------- autocast
-
-# cuBLAS products of float16 / bfloat16 operands written straight to float32
-# (``aten::mm.dtype``: ``torch.mm(a, b, out_dtype=torch.float32)``, CUDA
-# only, torch >= 2.8; cuBLAS accumulates in float32 either way, and this
-# only skips the rounding to the half dtype).  Without it the product is
-# rounded to the operands' dtype, then cast: the same values to that
-# rounding, one more kernel.
-MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
-# torch refuses float16 operands with a float32 result when cuBLAS may
-# accumulate in float16 (torch.backends.cuda.matmul.allow_fp16_accumulation).
-_fp16_accumulation = getattr(torch._C, "_get_cublas_allow_fp16_accumulation", lambda: False)
-
-
-def _mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` (2-D, one dtype) with its result in ``dtype``: written
-    directly by cuBLAS when ``dtype`` is float32 and the operands float16 /
-    bfloat16 on CUDA (:data:`MM_OUT_DTYPE`), else the product in the
-    operands' dtype cast to ``dtype``."""
-    if dtype == a.dtype:
-        return torch.mm(a, b)
-    if (MM_OUT_DTYPE and dtype == torch.float32 and a.is_cuda
-            and not (a.dtype == torch.float16 and _fp16_accumulation())):
-        return torch.mm(a, b, out_dtype=dtype)
-    return torch.mm(a, b).to(dtype)
-
-
-def _autocast_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      x_d: torch.Tensor, w_d: torch.Tensor,
-                      bias_d: Optional[torch.Tensor]) -> torch.Tensor:
-    # x, weight, bias: what the gradients go to (their dtypes); the product
-    # reads their casts, as nn.Linear's under autocast: the same cuBLAS call.
-    if bias_d is None:
-        return torch.mm(x_d, w_d.t())
-    return torch.addmm(bias_d, x_d, w_d.t())
-
-
-def _autocast_forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           x_d: torch.Tensor, w_d: torch.Tensor,
-                           bias_d: Optional[torch.Tensor]) -> torch.Tensor:
-    return x_d.new_empty((x_d.shape[0], w_d.shape[0]))
-
-
-def _autocast_products(dz: torch.Tensor, x_d: torch.Tensor, take_w_d: Callable[[], torch.Tensor],
-                       x_dtype: torch.dtype, weight_dtype: torch.dtype, bias_dtype: torch.dtype,
-                       want_x: bool, want_weight: bool, want_bias: bool):
-    """(dx, dW, dbias) of ``x_d W_d^T + bias_d`` in x's, W's and the bias's
-    own dtypes, each written by its product / sum (:func:`_mm_to`; the column
-    sum accumulates in float32), with no cast kernels; None where not wanted.
-    ``take_w_d`` returns W_d, which is dropped here after dX and before dW is
-    allocated (the eager path holds no other reference to it)."""
-    dz = dz.contiguous()  # also materialises a broadcast gradient
-    # The bias gradient first (see _cublas_relu_backward).
-    dbias = dz.sum(0, dtype=bias_dtype) if want_bias else None
-    w_d = take_w_d()
-    dx = _mm_to(dz, w_d, x_dtype) if want_x else None
-    del w_d
-    dw = _mm_to(dz.t(), x_d, weight_dtype) if want_weight else None
-    return dx, dw, dbias
-
-
-def _autocast_linear_backward(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
-                              x_dtype: torch.dtype, weight_dtype: torch.dtype,
-                              bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
-                              want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward custom op: :func:`_autocast_products`, each gradient
-    empty when not wanted."""
-    grads = _autocast_products(dz, x_d, lambda: w_d, x_dtype, weight_dtype, bias_dtype, want_x,
-                               want_weight, want_bias)
-    return tuple(g if g is not None else dz.new_empty((0,)) for g in grads)
-
-
-def _autocast_backward_fake(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
-                            x_dtype: torch.dtype, weight_dtype: torch.dtype,
-                            bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
-                            want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (x_d.new_empty(x_d.shape if want_x else (0,), dtype=x_dtype),
-            w_d.new_empty(w_d.shape if want_weight else (0,), dtype=weight_dtype),
-            dz.new_empty((w_d.shape[0],) if want_bias else (0,), dtype=bias_dtype))
-
-
-def _autocast_setup_context(ctx, inputs, output):
-    x, weight, bias, x_d, w_d, _ = inputs
-    # The casts, as autocast's own nn.Linear saves them (not x and W).
-    ctx.save_for_backward(x_d, w_d)
-    ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
-    ctx.has_bias = bias is not None
-
-
-def _autocast_eager_setup_context(ctx, inputs, output):
-    # Eager: the weight's cast is kept for one use (as keep_output keeps an
-    # output), so that the backward drops it after dX and before dW, the
-    # largest tensor of the step, is allocated: the reference's autograd
-    # frees its own cast there too (MmBackward's saved tensors go before the
-    # cast back to float32 runs).
-    x, weight, bias, x_d, w_d, _ = inputs
-    ctx.save_for_backward(x_d)
-    ctx.kept_w_d, ctx.weight, ctx.weight_version = w_d, weight, weight._version
-    ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
-    ctx.has_bias = bias is not None
-
-
-def _take_weight_cast(ctx) -> torch.Tensor:
-    """The weight's cast kept by the eager setup, which the node then no
-    longer holds; recast from the weight for a second backward through a
-    retained graph (refused, as autograd refuses, if the weight changed in
-    place since the forward)."""
-    w_d, ctx.kept_w_d = ctx.kept_w_d, None
-    if w_d is not None:
-        return w_d
-    if ctx.weight._version != ctx.weight_version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: the weight of cupy_fused::linear_autocast is at version "
-            f"{ctx.weight._version}; expected version {ctx.weight_version} instead")
-    return ctx.weight.detach().to(ctx.saved_tensors[0].dtype)
-
-
-def _autocast_backward_formula(ctx, grads, run_backward):
-    want = ctx.needs_input_grad
-    want_bias = ctx.has_bias and want[2]
-    if hasattr(ctx, "kept_w_d"):  # eager (see _autocast_eager_setup_context)
-        (x_d,) = ctx.saved_tensors
-        return _autocast_products(grads[0], x_d, lambda: _take_weight_cast(ctx), *ctx.dtypes,
-                                  want[0], want[1], want_bias) + (None, None, None)
-    x_d, w_d = ctx.saved_tensors
-    dx, dw, dbias = run_backward(grads[0], x_d, w_d, *ctx.dtypes, want[0], want[1], want_bias)
-    return (dx if want[0] else None, dw if want[1] else None, dbias if want_bias else None,
-            None, None, None)
-
-
-# nn.Linear under torch.autocast("cuda", dtype=d), without the casts'
-# autograd nodes: inputs x, W, bias (any float dtypes; they receive the
-# gradients) and their casts to d (no gradient; the product reads them),
-# output z in d.  The backward writes dX, dW and dbias in x's, W's and the
-# bias's dtypes straight from cuBLAS (_mm_to), where autograd's casts would
-# produce them in d and cast them back, one more kernel each (problem 76's
-# weight gradient, 8192 x 8192: ~0.13 ms of an H100 per step) and both
-# copies alive at once.  It saves the casts, as the reference does.
-_LINEAR_AUTOCAST = FusedOp("linear_autocast", _autocast_forward, _autocast_forward_fake,
-                           _autocast_setup_context, _autocast_backward_formula,
-                           _autocast_linear_backward, _autocast_backward_fake,
-                           eager_setup_context=_autocast_eager_setup_context)
-
-
-def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         dtype: torch.dtype, bias_grad: bool = True) -> torch.Tensor:
-    """``F.linear(x2, weight, bias)`` under ``torch.autocast("cuda",
-    dtype=dtype)``, on operands already checked (x2 [M, K], weight [N, K],
-    bias (N,) flat or None; any float dtypes, one device): the product in
-    ``dtype`` (bias in cuBLAS's epilogue), gradients in each tensor's own
-    dtype (:data:`_LINEAR_AUTOCAST`).  ``bias_grad=False``: the bias is
-    added but gets no gradient from this op (a caller computes it)."""
-    x_d = x2.detach().to(dtype)  # (.to returns the tensor itself when already in dtype)
-    w_d = weight.detach().to(dtype)
-    bias_d = bias.detach().to(dtype) if bias is not None else None
-    if not bias_grad:
-        bias = None
-    return _LINEAR_AUTOCAST.run(needs_grad(x2, weight, bias), x2, weight, bias, x_d, w_d, bias_d)
-
-
-def linear(x, weight, bias=None, activation: Optional[str] = None,
-           precision: Optional[str] = None):
-    """``act(x @ weight.T + bias)``, like ``torch.nn.functional.linear``
-    followed by the activation.
-
-    x: [..., K]; weight: [N, K]; bias: (N,) or None; all one dtype
-    (float32, float16 or bfloat16) on one CUDA device (or CuPy arrays).
-    activation: None or ``"relu"``.  precision: ``"3xtf32"``, ``"tf32"``,
-    ``"ieee"`` or None (the default of :func:`set_fp32_matmul_precision`);
-    float16 / bfloat16 always use cuBLAS.  Returns [..., N] in x's dtype.
-
-    Under ``torch.autocast("cuda", dtype=d)``, as ``F.linear`` there: x,
-    weight and bias (any float dtypes) are cast to d, the product runs in d
-    (cuBLAS; the ReLU after it) and returns d; gradients come back in each
-    tensor's own dtype, written so by the backward's products
-    (:func:`_run_autocast_linear`).
-    """
-    if not isinstance(x, torch.Tensor):
-        return call_with_cupy_arrays(linear, "x", x, weight, bias, activation, precision)
-    check_tensor("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least 1 dimension (the features), got a scalar")
-    check_tensor("weight", weight, ndim=(2,))
-    amp = autocast_dtype()
-    if amp is not None:
-        check_like("weight", weight, x, "x", weight.dtype)  # the device
-    else:
-        check_like("weight", weight, x, "x")
-    n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x must have {k} features (weight is [{n}, {k}]) in its last "
-                         f"dimension, got shape {tuple(x.shape)}")
-    if amp is not None:  # any float dtype (cast to amp by the op)
-        bias = check_vector("bias", bias, n, x, "x", dtype=(
-            bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else amp))
-    else:
-        bias = check_vector("bias", bias, n, x, "x")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or 'relu', got {activation!r}")
-    act, precision = ACTIVATIONS[activation], resolve_precision(precision)
-    x2 = x if x.dim() == 2 else x.reshape(x.shape[:-1].numel(), k)  # (not -1: k may be 0)
-    if amp is not None:
-        y = _run_autocast_linear(x2, weight, bias, amp)
-        if act:  # relu(F.linear(x, weight, bias)) in amp, as the reference
-            y = y.relu_()
-    else:  # (2-D x: no reshape, a view is one more autograd node per call)
-        y = _run_linear(x2, weight, bias, act, precision)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
-
-
 def uses_cublas(dtype: torch.dtype, precision: str, device_index: int) -> bool:
     """Whether a product runs on cuBLAS (see the module docstring): float16 /
     bfloat16, ``"ieee"``, or a GPU without TF32 tensor cores."""
@@ -696,36 +365,16 @@ def uses_cublas(dtype: torch.dtype, precision: str, device_index: int) -> bool:
             or not has_tf32_tensor_cores(device_index))
 
 
-def _run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                activation: int, precision: str) -> torch.Tensor:
-    """:func:`linear` on operands it (or a caller applying the same rules)
-    has already checked: x2 [M, K], weight [N, K], bias (N,) flat or None,
-    activation 0 (none) or 1 (ReLU), precision resolved.  Returns [M, N]."""
-    cublas = uses_cublas(x2.dtype, precision, x2.get_device())
-    grad = needs_grad(x2, weight, bias)
-    if cublas:
-        if activation == 0:
-            return F.linear(x2, weight, bias)
-        # cuBLAS's own epilogue, no kernel of ours (see "What is fused" in
-        # docs/design.md): cuBLASLt's bias + ReLU in the GEMM, one launch; backward in
-        # torch ops.  A half-precision training step of problem 76 takes less
-        # GPU time (~0.6 ms on H100) than the host needs to issue it, so the
-        # fewest launches and autograd nodes win.
-        if bias is None or x2.numel() == 0 or weight.numel() == 0:
-            return F.linear(x2, weight, bias).relu_()  # native autograd
-        y = _CUBLAS_RELU.run(grad, x2, weight, bias)
-        # Traced, the ReLU's gate is a native node (see _CUBLAS_RELU).
-        return y.relu_() if grad and is_compiling() else y
-    x2 = x2 if x2.is_contiguous() else x2.contiguous()
-    weight = weight if weight.is_contiguous() else weight.contiguous()
-    passes = PASSES[precision]
-    if activation == 1 and grad:
-        # The GEMM, then bias + ReLU in the bias_relu kernel, which keeps a
-        # 1-bit mask for the backward.  With ReLU fused into the GEMM's store
-        # the backward would need the float32 output instead, alive until
-        # both weight and input gradients are done: one more activation of
-        # peak training memory (measured on problem 76: 0.344 GiB against
-        # 0.313) to save one pass over the output.
-        z = _LINEAR.run(grad, x2, weight, None, 0, passes)
-        return bias_relu(z, bias if bias is not None else z.new_zeros((weight.shape[0],)))
-    return _LINEAR.run(grad, x2, weight, bias, activation, passes)
+# What :func:`route` returns for a product that runs on cuBLAS.
+CUBLAS = 0
+
+
+def route(dtype: torch.dtype, precision: str, device_index: int) -> int:
+    """Where a linear layer's products of ``dtype`` operands at
+    ``precision`` (resolved) run on this device: :data:`CUBLAS` where
+    :func:`uses_cublas` says so, else the passes of our tensor-core kernels
+    (3 for ``"3xtf32"``, 1 for ``"tf32"``).  An op decides this once per
+    call and hands the result down."""
+    return CUBLAS if uses_cublas(dtype, precision, device_index) else PASSES[precision]
+
+

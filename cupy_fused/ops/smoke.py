@@ -42,11 +42,21 @@ _SCALE_ADD = FusedOp("scale_add", _forward, _forward_fake, _setup_context, _back
 
 
 def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """``alpha * x + y`` elementwise in one kernel.
+    """``alpha * x + y`` elementwise in one kernel (arithmetic in float32),
+    differentiable in x and y.
 
-    x, y: CUDA tensors of one shape and dtype (float32/float16/bfloat16), or
-    CuPy arrays (the result is then a CuPy array).  Arithmetic in float32.
-    Returns a new contiguous tensor.
+    Args:
+        x: any shape, float32, float16 or bfloat16 on a CUDA device; or a
+            CuPy array (y one too: the result is then a CuPy array).
+        y: x's shape, dtype and device.
+        alpha: a finite real number.
+
+    Returns:
+        A new contiguous tensor of x's shape and dtype.
+
+    Raises:
+        TypeError, ValueError: an argument of another type, dtype, device or
+            shape, or a non-finite alpha, before anything runs.
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(scale_add, "x", x, y, alpha)

@@ -3,15 +3,19 @@ launch on Hopper where the groups fit the GEMM tile (the GroupNorm epilogue
 of the wgmma GEMM), else the GEMM and the gn_chain kernel.  The rule and the
 validation on the CPU tier; the one-launch kernel itself on ragged shapes and
 every group size, and the models through it, on the GPU tier."""
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cupy_fused import ops
+from cupy_fused import ops, settings
 from cupy_fused.ops import gemm as G
-from cupy_fused.ops import gn_epilogue
-from cupy_fused.ops import linear_gn as LG
 from cupy_fused.testing import compare, poison_allocator, rel_error, worse_than_eager
+
+# The modules (as attributes of cupy_fused.ops, these names are the ops themselves).
+GN = importlib.import_module("cupy_fused.ops.gn_chain")
+LG = importlib.import_module("cupy_fused.ops.linear_gn_chain")
 
 gpu = pytest.mark.gpu
 
@@ -26,8 +30,9 @@ def test_groups_fit_the_tile_when_a_power_of_two_up_to_128_channels():
 
 
 @pytest.fixture
-def one_launch_on(monkeypatch):
-    monkeypatch.setitem(LG._gn_epilogue_setting, "enabled", True)
+def one_launch_on():
+    with settings.gemm_gn_epilogue(True):
+        yield
 
 
 @pytest.fixture
@@ -58,20 +63,18 @@ def test_one_launch_rule(hopper_rule, monkeypatch):
 
 
 def test_one_launch_is_off_by_default(monkeypatch):
-    """Two launches measured at least as fast on H100 (see ops.linear_gn)."""
+    """Off unless switched on: two launches are at least as fast on H100 (see
+    ops/linear_gn_chain.py)."""
     monkeypatch.setattr(G, "sm_count", lambda dev: 132)
     monkeypatch.setattr(G, "has_wgmma", lambda dev: True)
-    assert not LG.gn_epilogue_enabled()
+    assert not settings.get_gemm_gn_epilogue()
     assert not LG._fuses_group_norm(_shaped(32768, 1024), _shaped(4096, 1024), 64, 3)
-    LG.set_gn_epilogue_enabled(True)
-    try:
+    with settings.gemm_gn_epilogue(True):
         assert LG._fuses_group_norm(_shaped(32768, 1024), _shaped(4096, 1024), 64, 3)
-    finally:
-        LG.set_gn_epilogue_enabled(False)
 
 
 def test_every_fused_kernel_is_declared():
-    assert set(LG.KERNELS.expressions) == {(c, p) for c in gn_epilogue.CHAINS for p in (1, 3)}
+    assert set(LG.KERNELS.expressions) == {(c, p) for c in GN.CHAINS for p in (1, 3)}
 
 
 @pytest.fixture
@@ -111,7 +114,7 @@ def test_where_the_linear_bias_is_added(dtype, cublas, past_device_check, monkey
     monkeypatch.setattr(G, "has_tf32_tensor_cores", lambda dev: True)
     calls = {}
 
-    def run_linear(x, weight, bias, activation, precision):
+    def run_linear(x, weight, bias, activation, passes):
         calls["gemm_bias"] = bias
         return F.linear(x, weight, bias)
 
@@ -120,8 +123,8 @@ def test_where_the_linear_bias_is_added(dtype, cublas, past_device_check, monkey
         calls["chain_bias"], calls["bias_in_z"] = lin_bias, rest[-3]
         return z
 
-    monkeypatch.setattr(G, "_run_linear", run_linear)
-    monkeypatch.setattr(gn_epilogue, "_run_gn_chain", run_gn_chain)
+    monkeypatch.setattr(LG, "_run_linear", run_linear)
+    monkeypatch.setattr(LG, "_run_gn_chain", run_gn_chain)
     x, w = torch.rand(4, 8, dtype=dtype), torch.rand(16, 8, dtype=dtype)
     b = torch.rand(16, dtype=dtype, requires_grad=True)
     ops.linear_gn_chain(x, w, b, "swish_bias_gn", 4)
@@ -130,6 +133,42 @@ def test_where_the_linear_bias_is_added(dtype, cublas, past_device_check, monkey
         assert torch.equal(calls["gemm_bias"], b) and not calls["gemm_bias"].requires_grad
     else:
         assert calls["gemm_bias"] is None
+
+
+def _counting_route(monkeypatch):
+    """Records every decision of where a product runs (gemm.uses_cublas,
+    which gemm.route asks)."""
+    decisions = []
+    uses_cublas = G.uses_cublas
+
+    def counted(*args):
+        decisions.append(args)
+        return uses_cublas(*args)
+
+    monkeypatch.setattr(G, "uses_cublas", counted)
+    return decisions
+
+
+@pytest.mark.parametrize("dtype, passes", [(torch.float32, 3), (torch.bfloat16, G.CUBLAS)])
+def test_the_route_is_decided_once(dtype, passes, past_device_check, monkeypatch):
+    """linear_gn_chain decides where its GEMM runs once and hands that down
+    to the linear op's runner (here on CPU tensors: K = 8 takes SGEMM, a
+    torch op, on the tensor-core route too; the chain is stubbed)."""
+    monkeypatch.setattr(G, "has_tf32_tensor_cores", lambda dev: True)
+    decisions = _counting_route(monkeypatch)
+    handed = []
+    run_linear = LG._run_linear
+
+    def recorded(x, weight, bias, activation, passes):
+        handed.append(passes)
+        return run_linear(x, weight, bias, activation, passes)
+
+    monkeypatch.setattr(LG, "_run_linear", recorded)
+    monkeypatch.setattr(LG, "_run_gn_chain", lambda z, *rest: z)
+    x, w = torch.rand(4, 8, dtype=dtype), torch.rand(16, 8, dtype=dtype)
+    z = ops.linear_gn_chain(x, w, torch.rand(16, dtype=dtype), "swish_bias_gn", 4)
+    assert len(decisions) == 1 and handed == [passes]
+    assert z.shape == (4, 16)
 
 
 # ---------------------------------------------------------------- GPU tier
@@ -159,7 +198,7 @@ FUSED_SHAPES = [(1, 64, 128, 1), (3, 68, 132, 33), (257, 72, 130, 65), (130, 64,
 
 
 @gpu
-@pytest.mark.parametrize("chain", list(gn_epilogue.CHAINS))
+@pytest.mark.parametrize("chain", list(GN.CHAINS))
 @pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_launch_kernel_against_float64(chain, shape, device):
     """The GroupNorm epilogue of the wgmma GEMM, launched directly (the size
@@ -193,8 +232,8 @@ def test_one_launch_kernel_against_float64(chain, shape, device):
             assert err <= 1.5 * eager_from_z + torch.finfo(torch.float32).eps, (err, eager_from_z)
         assert rel_error(z, z64) < (2.0 ** -20 if passes == 3 else 2e-3)
         # mean and 1/std of Pre(z) per (row, group), as gn_chain's forward saves them
-        _, stats_ref = gn_epilogue._launch_forward(z, None, extra_bias, gn_weight, gn_bias,
-                                                   mul_weight, chain, groups, eps, True, True)
+        _, stats_ref = GN._launch_forward(z, None, extra_bias, gn_weight, gn_bias,
+                                          mul_weight, chain, groups, eps, True, True)
         assert stats.shape == stats_ref.shape == (2, m, groups)
         torch.testing.assert_close(stats[0], stats_ref[0], rtol=1e-5, atol=1e-6)  # mean
         torch.testing.assert_close(stats[1], stats_ref[1], rtol=1e-4, atol=0)  # 1/std
@@ -230,7 +269,7 @@ def test_models_take_one_launch_and_match_the_reference(problem, args, shape, de
         return launch_fused(*args, **kwargs)
 
     # The gn_chain op holds its own reference to its forward.
-    monkeypatch.setattr(gn_epilogue._GN_CHAIN, "forward", not_called)
+    monkeypatch.setattr(GN._GN_CHAIN, "forward", not_called)
     monkeypatch.setattr(LG, "_launch_fused", counted)
     errors = compare(problem, args, shape, torch.float32, device, seed=problem)
     bad = worse_than_eager(errors, torch.float32)

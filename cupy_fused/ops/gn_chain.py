@@ -93,14 +93,15 @@ def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int, eager_rounding
             f"{vals}{out}>")
 
 
-# Keyed by (kernel, dtype, chain, values per lane).  The eager-rounding
-# variants (float16 / bfloat16 only: rounding to float32 is the identity)
-# are a source of their own, compiled on their first use.
+# Keyed by (kernel, dtype, chain, values per lane).  Every family below is
+# compiled from the one unit gn_chain.cu, an instantiation at a time on its
+# first use.  The eager-rounding variants: float16 / bfloat16 only
+# (rounding to float32 is the identity).
 KERNELS = _runtime.KernelFamily("gn_chain.cu", {
     (k, d, c, v): _expr(k, d, c, v, False)
     for k in ("forward", "backward") for d in FLOAT_DTYPES for c in CHAINS for v in VALS_PER_LANE
 })
-EAGER_ROUNDING_KERNELS = _runtime.KernelFamily("gn_chain_eager.cu", {
+EAGER_ROUNDING_KERNELS = _runtime.KernelFamily("gn_chain.cu", {
     (k, d, c, v): _expr(k, d, c, v, True)
     for k in ("forward", "backward") for d in FLOAT_DTYPES if d != torch.float32 for c in CHAINS
     for v in VALS_PER_LANE
@@ -139,11 +140,11 @@ def _vec_exprs(dtypes, out_dtype: Optional[torch.dtype]) -> Dict[tuple, str]:
 # its per-value state and per-column sums in registers.
 BACKWARD_VEC_VALUES = {torch.float32: 4, torch.float16: 4, torch.bfloat16: 4}
 
-VEC_KERNELS = _runtime.KernelFamily("gn_chain_vec.cu", _vec_exprs(FLOAT_DTYPES, None))
+VEC_KERNELS = _runtime.KernelFamily("gn_chain.cu", _vec_exprs(FLOAT_DTYPES, None))
 
 # Keyed as KERNELS and VEC_KERNELS by z's dtype (float16 / bfloat16); the
 # output, its gradient and the vectors are float32 (autocast).
-AMP_KERNELS = _runtime.KernelFamily("gn_chain_amp.cu", {
+AMP_KERNELS = _runtime.KernelFamily("gn_chain.cu", {
     **{(k, d, c, v): _expr(k, d, c, v, False, torch.float32)
        for k in ("forward", "backward") for d in HALF_DTYPES for c in CHAINS
        for v in VALS_PER_LANE},
@@ -188,7 +189,8 @@ def vector_shape(dtype: torch.dtype, channels_per_group: int,
         return (_next_pow2(vectors), values) if vectors <= 32 else None
     # Two vectors per lane once there are more than 4: two loads in flight
     # per lane and half the shuffle steps per group (for 4 or fewer, teams
-    # of 2 lanes measured slower than teams of 4 with one vector each).
+    # of 4 lanes with one vector each are the faster shape: the loads of
+    # more lanes are in flight at once).
     per_lane = 1 if vectors <= 4 else 2
     if vectors > 32 * per_lane:
         return None
@@ -233,10 +235,9 @@ def forward_team_shape(channels_per_group: int) -> Tuple[int, int]:
     """The forward's (team, values per lane): as :func:`team_shape`, but
     where that gives teams of 16 or 32 lanes with 4 values each, half the
     lanes with 8 values: twice the loads in flight per thread, which the
-    forward, bound by memory latency, needs (H100, problem 37's shape, 64
-    channels per group: 0.61 against 0.76 ms, ``scripts/tune_gn.py``).  The
-    backward keeps :func:`team_shape`: with 8 values its per-column sums
-    spill (3.6 against 1.3 ms there)."""
+    forward, bound by memory latency, needs (``scripts/tune_gn.py`` times
+    the shapes).  The backward keeps :func:`team_shape`: with 8 values its
+    per-column sums spill out of registers."""
     team, vals = team_shape(channels_per_group)
     if vals == VALS_PER_LANE[0] and team >= 16:
         return team // 2, VALS_PER_LANE[1]
@@ -484,28 +485,52 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
              gn_weight=None, gn_bias=None, mul_weight=None, eps: float = 1e-5,
              linear_bias_in_z: bool = False, eager_rounding: bool = False) -> torch.Tensor:
-    """The GroupNorm epilogue ``chain`` (a key of :data:`CHAINS`) on
-    z: [M, C].  Vectors: C values each, z's dtype and device; None = absent
-    (GroupNorm weight 1, bias 0).
+    """The GroupNorm op chain ``chain`` on z (a linear layer's output),
+    forward in one kernel, differentiable in z and every vector.  The vectors (lin_bias, extra_bias, gn_weight, gn_bias,
+    mul_weight) have C values each, shape (C,), z's dtype and device; None
+    is absent (GroupNorm weight 1, bias 0).
 
-    ``linear_bias_in_z=True``: z already holds the linear bias (added by the
-    GEMM's epilogue, e.g. ``F.linear(x, W, lin_bias.detach())``, before z is
-    rounded to its dtype); the kernels then only produce its gradient.
+    Args:
+        z: [M, C], float32, float16 or bfloat16 on a CUDA device (or a CuPy
+            array, with CuPy arrays for the vectors: the result is then one
+            too).
+        chain: a key of :data:`CHAINS`: ``"swish_bias_gn"`` (problem 37:
+            ``group_norm(swish(z + lin_bias) + extra_bias)``),
+            ``"gn_swish_mul_swish"`` (88: ``swish(swish(group_norm(z +
+            lin_bias)) * mul_weight)``) or ``"bias_hardtanh_mish_gn"`` (94:
+            ``group_norm(mish(hardtanh(z + lin_bias + extra_bias)))``).
+        num_groups: GroupNorm groups; divides C.
+        lin_bias: the linear layer's bias, or None.
+        extra_bias: the chain's second bias (37 and 94), or None.
+        gn_weight, gn_bias: GroupNorm's affine vectors, or None.
+        mul_weight: the multiplier of ``"gn_swish_mul_swish"``; required by
+            that chain.
+        eps: GroupNorm's epsilon, finite and positive.
+        linear_bias_in_z: z already holds the linear bias (added by the
+            GEMM's epilogue, e.g. ``F.linear(x, W, lin_bias.detach())``,
+            before z is rounded to its dtype); the kernels then only produce
+            its gradient.
+        eager_rounding: (float16 / bfloat16; no effect in float32) round
+            the chain's intermediates to z's dtype where eager PyTorch does
+            (eps too, and the GroupNorm's mean and rstd where the installed
+            torch rounds them: :data:`EAGER_GN_ROUNDS_STATISTICS`), to match
+            eager's output on CUDA to about one unit in the last place.  By
+            default the chain runs in float32 and rounds once: closer to the
+            exact result, but a few units away from eager's where the
+            normalisation magnifies eager's roundings.
 
-    ``eager_rounding=True`` (float16 / bfloat16; no effect in float32):
-    round the chain's intermediates to z's dtype where eager PyTorch does
-    (eps too, and the GroupNorm's mean and rstd where the installed torch
-    rounds them: :data:`EAGER_GN_ROUNDS_STATISTICS`), to match eager's
-    output on CUDA to about one unit in the last place.  By
-    default the chain runs in float32 and rounds once: closer to the exact
-    result, but a few units away from eager's where the normalisation
-    magnifies eager's roundings.
+    Returns:
+        [M, C] in z's dtype; float32 under autocast.
 
     Under ``torch.autocast("cuda")`` the chain runs in float32, as autocast
     runs ``group_norm``: the vectors are cast to float32, z keeps its dtype,
     and the result is float32 (``eager_rounding`` then has no effect).
 
-    Returns [M, C]: z's dtype, or float32 under autocast."""
+    Raises:
+        TypeError, ValueError: an argument of another type, dtype, device or
+            shape, an unknown chain, groups that do not divide C, before
+            anything runs.
+    """
     if not isinstance(z, torch.Tensor):
         return call_with_cupy_arrays(
             gn_chain, "z", z, chain, num_groups, lin_bias=lin_bias, extra_bias=extra_bias,
@@ -528,7 +553,7 @@ def _run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_
                   gn_bias, mul_weight, eps: float, linear_bias_in_z: bool,
                   eager_rounding: bool = False, float_out: bool = False) -> torch.Tensor:
     """:func:`gn_chain` on arguments it (or a caller applying the same
-    checks, as :func:`.linear_gn.linear_gn_chain`) has already validated:
+    checks, as :func:`.linear_gn_chain.linear_gn_chain`) has already validated:
     the vectors flat and contiguous or None, in z's dtype, or float32 with
     ``float_out`` (a float16 / bfloat16 z under autocast; float32 result)."""
     z = z if z.is_contiguous() else z.contiguous()
@@ -540,8 +565,21 @@ def _run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_
 def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
                           eps: float = 1e-5, linear_bias_in_z: bool = False,
                           eager_rounding: bool = False):
-    """Problem 37's epilogue: ``group_norm(swish(z + linear_bias) + bias)``.
-    z: [M, C]; vectors: (C,) (linear_bias may be None)."""
+    """Problem 37's epilogue: ``group_norm(swish(z + linear_bias) + bias)``,
+    :func:`gn_chain` with ``chain="swish_bias_gn"``; the vectors in z's
+    dtype, on its device.
+
+    Args:
+        z: [M, C], float32, float16 or bfloat16 on a CUDA device.
+        linear_bias: (C,) or None.
+        bias: (C,), added after the swish.
+        gn_weight, gn_bias: GroupNorm's affine vectors, (C,) each, or None.
+        num_groups, eps, linear_bias_in_z, eager_rounding: as for
+            :func:`gn_chain`.
+
+    Returns:
+        [M, C] in z's dtype (float32 under autocast).
+    """
     return gn_chain(z, "swish_bias_gn", num_groups, lin_bias=linear_bias, extra_bias=bias,
                     gn_weight=gn_weight, gn_bias=gn_bias, eps=eps,
                     linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
@@ -551,7 +589,20 @@ def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply
                                     num_groups: int, eps: float = 1e-5,
                                     linear_bias_in_z: bool = False, eager_rounding: bool = False):
     """Problem 88's epilogue: ``g = group_norm(z + linear_bias);
-    m = swish(g) * multiply_weight; swish(m)``.  z: [M, C]; vectors: (C,)."""
+    m = swish(g) * multiply_weight; swish(m)``, :func:`gn_chain` with
+    ``chain="gn_swish_mul_swish"``; the vectors in z's dtype, on its device.
+
+    Args:
+        z: [M, C], float32, float16 or bfloat16 on a CUDA device.
+        linear_bias: (C,) or None.
+        gn_weight, gn_bias: GroupNorm's affine vectors, (C,) each, or None.
+        multiply_weight: (C,).
+        num_groups, eps, linear_bias_in_z, eager_rounding: as for
+            :func:`gn_chain`.
+
+    Returns:
+        [M, C] in z's dtype (float32 under autocast).
+    """
     return gn_chain(z, "gn_swish_mul_swish", num_groups, lin_bias=linear_bias,
                     gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=multiply_weight, eps=eps,
                     linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
@@ -560,8 +611,22 @@ def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply
 def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
                                   eps: float = 1e-5, linear_bias_in_z: bool = False,
                                   eager_rounding: bool = False):
-    """Problem 94's epilogue: ``group_norm(mish(hardtanh(z + linear_bias + bias)))``.
-    z: [M, C]; vectors: (C,)."""
+    """Problem 94's epilogue:
+    ``group_norm(mish(hardtanh(z + linear_bias + bias)))``, :func:`gn_chain`
+    with ``chain="bias_hardtanh_mish_gn"``; the vectors in z's dtype, on
+    its device.
+
+    Args:
+        z: [M, C], float32, float16 or bfloat16 on a CUDA device.
+        linear_bias: (C,) or None.
+        bias: (C,), added with the linear bias.
+        gn_weight, gn_bias: GroupNorm's affine vectors, (C,) each, or None.
+        num_groups, eps, linear_bias_in_z, eager_rounding: as for
+            :func:`gn_chain`.
+
+    Returns:
+        [M, C] in z's dtype (float32 under autocast).
+    """
     return gn_chain(z, "bias_hardtanh_mish_gn", num_groups, lin_bias=linear_bias,
                     extra_bias=bias, gn_weight=gn_weight, gn_bias=gn_bias, eps=eps,
                     linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)

@@ -1,5 +1,5 @@
 """``linear_gn_chain``: a linear layer followed by one of the GroupNorm op
-chains of :mod:`.gn_epilogue` (problems 37, 88 and 94),
+chains of :mod:`.gn_chain` (problems 37, 88 and 94),
 
     z = x W^T + lin_bias,   y = Post(GroupNorm(Pre(z))),
 
@@ -7,43 +7,42 @@ with its backward.  Float32 on the tensor-core GEMM (precision ``"3xtf32"``
 or ``"tf32"``):
 
 * by default **two launches** forward: the GEMM without bias, then
-  :func:`.gn_epilogue.gn_chain`, whose Pre adds the linear bias (two
-  autograd nodes: z, saved by the second, is freed before the backward's
-  GEMMs run).  In float32 both places give the same sum, rounded once; in
-  the memory-bound chain it is one more per-column value, in the GEMM's store it
-  cost 0.42 ms at problem 37's shape (2.90 against 3.32 ms, docs/gemm.md);
+  :func:`.gn_chain.gn_chain`, whose Pre adds the linear bias (two autograd
+  nodes: z, saved by the second, is freed before the backward's GEMMs run).
+  In float32 both places give the same sum, rounded once; in the
+  memory-bound chain it is one more per-column value, where in the GEMM's
+  store it lengthens the GEMM (docs/gemm.md);
 * opt-in, **one launch** (``gemm_tf32_wgmma_gn`` in
   ``kernels_cu/gemm_tf32_gn.cu``): the GroupNorm chain applied to the Hopper
   GEMM's accumulators before its only store, where each group lies inside
-  one 128-column tile (:func:`_fuses_group_norm`).  It is correct and tested
-  but slower on H100 (problem 37's forward 4.32 ms against 4.16 ms for two
-  launches when it was measured; the two launches now take 3.01 ms;
-  docs/gemm.md, "GroupNorm in the GEMM's store"): with one block per SM
-  nothing overlaps the chain's latency with the tensor cores.  Turn it on with ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``
-  or :func:`set_gn_epilogue_enabled`.  Its autograd node saves x, W, z and
-  the per (row, group) mean and 1/std (``stats``); the backward is the ``gn_chain``
-  backward (dz and every vector's gradient as column sums), then dX = dz W
-  and dW = dz^T x, with z alive until the end (one activation more of peak
-  training memory than two launches).  Its group statistics are summed in
-  another order than the ``gn_chain`` kernel's, so the two forwards agree to
-  rounding, not bit for bit.  Under ``torch.compile`` the
+  one 128-column tile (:func:`_fuses_group_norm`).  It is correct and
+  tested but no faster on H100 (docs/gemm.md, "GroupNorm in the GEMM's
+  store"): with one block per SM nothing overlaps the chain's latency with
+  the tensor cores.  Turn it on with
+  :func:`cupy_fused.settings.gemm_gn_epilogue` (or
+  ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``).  Its autograd node saves x, W, z and
+  the per (row, group) mean and 1/std (``stats``); the backward is the
+  ``gn_chain`` backward (dz and every vector's gradient as column sums),
+  then dX = dz W and dW = dz^T x, with z alive until the end (one activation
+  more of peak training memory than two launches).  Its group statistics
+  are summed in another order than the ``gn_chain`` kernel's, so the two
+  forwards agree to rounding, not bit for bit.  Under ``torch.compile`` the
   operands' alignment is unknown at trace time, so compiled code always
   takes two launches.
 
 Float16 / bfloat16, precision ``"ieee"`` and GPUs without TF32 tensor cores
-take :func:`.gemm.linear` (cuBLAS) with the linear bias in its epilogue
+take :func:`.linear.linear` (cuBLAS) with the linear bias in its epilogue
 (added in float32 before z is rounded to its dtype), then
-:func:`.gn_epilogue.gn_chain`.
+:func:`.gn_chain.gn_chain`.
 
 Under ``torch.autocast("cuda", dtype=d)``, as the reference: the GEMM in d
 (x, the weight and the linear bias cast to d, cuBLAS), the chain in float32
 (its vectors cast to float32), a float32 result; each gradient in its
 tensor's own dtype (x's and the weight's written so by the backward's
-products: :func:`.gemm._run_autocast_linear`).
+products: :func:`.linear._run_autocast_linear`).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -52,16 +51,20 @@ from .. import _bridge, _runtime
 from .._amp import autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_eps, check_groups, check_like, check_tensor
-from . import gemm, gn_epilogue
+from ..settings import get_gemm_gn_epilogue, resolve_precision
+from . import gemm
 from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null
+from .gn_chain import (CHAINS, _launch_backward as _gn_chain_backward, _parameter_grads,
+                       _run_gn_chain, _stats_pointers, check_chain, check_chain_vectors)
+from .linear import _run_autocast_linear, _run_linear
 
 WGMMA_TILE = gemm.TILES["wgmma128x128"]
 
 # Keyed by (chain, passes).  Forward layout only: x [M, K], W [N, K].
 KERNELS = _runtime.KernelFamily("gemm_tf32_gn.cu", {
     (chain, passes): (f"cf::gemm_tf32_wgmma_gn<{WGMMA_TILE.stages}, {passes}, "
-                      f"{gn_epilogue.CHAINS[chain].type()}>")
-    for chain in gn_epilogue.CHAINS for passes in (1, 3)
+                      f"{CHAINS[chain].type()}>")
+    for chain in CHAINS for passes in (1, 3)
 })
 
 
@@ -72,25 +75,13 @@ def group_fits_tile(channels: int, num_groups: int) -> bool:
     return cpg <= WGMMA_TILE.bn and cpg & (cpg - 1) == 0
 
 
-_gn_epilogue_setting = {"enabled": os.environ.get("CUPY_FUSED_GEMM_GN_EPILOGUE", "0") == "1"}
-
-
-def set_gn_epilogue_enabled(enabled: bool) -> None:
-    """Process-wide switch of the one-launch GEMM + GroupNorm forward
-    (default: off, see the module docstring)."""
-    _gn_epilogue_setting["enabled"] = bool(enabled)
-
-
-def gn_epilogue_enabled() -> bool:
-    return _gn_epilogue_setting["enabled"]
-
-
 def _fuses_group_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, passes: int) -> bool:
     """Whether the forward of ``x`` [M, K] (contiguous float32) through
-    ``weight`` [N, K] is one launch: when switched on, where the wgmma GEMM
+    ``weight`` [N, K] is one launch: when switched on
+    (:func:`cupy_fused.settings.gemm_gn_epilogue`), where the wgmma GEMM
     is the kernel :func:`.gemm.choose_tile` picks, K is not below
     :data:`.gemm.SGEMM_BELOW_INNER` and :func:`group_fits_tile`."""
-    if not _gn_epilogue_setting["enabled"] or is_compiling():
+    if not get_gemm_gn_epilogue() or is_compiling():
         return False
     m, k = x.shape
     n = weight.shape[0]
@@ -108,7 +99,7 @@ def _launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torc
     says (tests and sanitizer runs call it directly; it needs a compute
     capability 9.0 device, :func:`group_fits_tile` and 16-byte aligned rows).
     Returns (y, z, stats): z and the per (row, group) mean and 1/std, stats
-    [2, M, num_groups] as :func:`.gn_epilogue._launch_forward` saves them, are
+    [2, M, num_groups] as :func:`.gn_chain._launch_forward` saves them, are
     empty unless ``save``.
     ``y``: the [M, N] output to write (e.g. NaN-poisoned), else a new one."""
     m, k = x.shape
@@ -123,7 +114,7 @@ def _launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torc
     if k == 0 or not (gemm._rows_aligned(x, k) and gemm._rows_aligned(weight, k)):
         raise ValueError("the one-launch GEMM + GroupNorm needs K >= 1 and x and weight rows "
                          "on 16 bytes")
-    if gn_epilogue.CHAINS[chain].mul_weight is not None and mul_weight is None:
+    if CHAINS[chain].mul_weight is not None and mul_weight is None:
         raise TypeError("multiply_weight is required by this chain, got None")
     if y is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -133,7 +124,7 @@ def _launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torc
     stats = torch.empty((2, m, num_groups) if save else (0,), dtype=torch.float32,
                         device=x.device)
     if m:
-        mean, rstd = gn_epilogue._stats_pointers(stats) if save else (0, 0)
+        mean, rstd = _stats_pointers(stats) if save else (0, 0)
         _bridge.launch(KERNELS.get((chain, passes), dev),
                        (cdiv(m, WGMMA_TILE.bm) * cdiv(n, WGMMA_TILE.bn), 1, 1), WGMMA_TILE.threads, (
                            x.data_ptr(), weight.data_ptr(), y.data_ptr(),
@@ -175,8 +166,8 @@ def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torc
               want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dW, per-column sums [Chain.grad_rows, N]); dx / dW empty
     when not wanted."""
-    dz, sums = gn_epilogue._launch_backward(dout, z, stats, lin_bias, extra_bias, gn_weight,
-                                            gn_bias, mul_weight, chain, num_groups, True)
+    dz, sums = _gn_chain_backward(dout, z, stats, lin_bias, extra_bias, gn_weight, gn_bias,
+                                  mul_weight, chain, num_groups, True)
     dx, dw, _ = gemm._linear_backward(dz, x, weight, passes, want_x, want_weight, False)
     return dx, dw, sums
 
@@ -189,7 +180,7 @@ def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z:
                    want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty_like(x) if want_x else x.new_empty((0,)),
             torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
-            z.new_empty((gn_epilogue.CHAINS[chain].grad_rows, weight.shape[0])))
+            z.new_empty((CHAINS[chain].grad_rows, weight.shape[0])))
 
 
 def _setup_context(ctx, inputs, output):
@@ -206,8 +197,8 @@ def _backward_formula(ctx, grads, run_backward):
                                 gn_weight, gn_bias, mul_weight, ctx.chain, ctx.num_groups,
                                 ctx.passes, want[0], want[1])
     return ((dx if want[0] else None, dw if want[1] else None)
-            + gn_epilogue._parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight,
-                                           gn_bias, mul_weight)
+            + _parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
+                               mul_weight)
             + (None, None, None, None, None))
 
 
@@ -219,23 +210,49 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
                     chain: str, num_groups: int, *, extra_bias=None, gn_weight=None,
                     gn_bias=None, mul_weight=None, eps: float = 1e-5,
                     precision: Optional[str] = None, eager_rounding: bool = False) -> torch.Tensor:
-    """``gn_chain(x @ weight.T + lin_bias)``: the GroupNorm epilogue ``chain``
-    (a key of :data:`.gn_epilogue.CHAINS`) after a linear layer.
+    """``gn_chain(x @ weight.T + lin_bias)``: the GroupNorm op chain
+    ``chain`` after a linear layer, differentiable in x, weight and every
+    vector (where it runs: see the module docstring).  The vectors
+    (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight) have x's dtype
+    (any float dtype under ``torch.autocast``) and device.
 
-    x: [M, K]; weight: [N, K]; lin_bias and the chain's vectors: (N,) or
-    None (GroupNorm weight 1, bias 0); one dtype (float32, float16,
-    bfloat16), one CUDA device.  precision: as for :func:`.gemm.linear`.
-    eager_rounding: as for :func:`.gn_epilogue.gn_chain` (float16 / bfloat16
-    only; the linear bias is then in cuBLAS's epilogue, as in eager).
-    Returns [M, N] in x's dtype; float32 under ``torch.autocast`` (see the
-    module docstring; x and weight may then have any float dtype).
+    Args:
+        x: [M, K], float32, float16 or bfloat16 on a CUDA device (or a CuPy
+            array, with CuPy arrays for the other tensors: the result is then
+            one too).
+        weight: [N, K], x's dtype and device.
+        lin_bias: the linear layer's bias, (N,), or None.
+        chain: a key of :data:`.gn_chain.CHAINS`: ``"swish_bias_gn"``
+            (problem 37), ``"gn_swish_mul_swish"`` (88) or
+            ``"bias_hardtanh_mish_gn"`` (94).
+        num_groups: GroupNorm groups; divides N.
+        extra_bias: the chain's second bias, (N,) (37 and 94), or None.
+        gn_weight, gn_bias: GroupNorm's affine vectors, (N,) each, or None
+            (weight 1, bias 0).
+        mul_weight: the multiplier of ``"gn_swish_mul_swish"``, (N,);
+            required by that chain.
+        eps: GroupNorm's epsilon, finite and positive.
+        precision: as for :func:`.linear.linear`.
+        eager_rounding: as for :func:`.gn_chain.gn_chain` (float16 /
+            bfloat16 only; the linear bias is then in cuBLAS's epilogue, as
+            in eager).
+
+    Returns:
+        [M, N] in x's dtype.  Under ``torch.autocast`` (where x and weight
+        may have any float dtype): float32, as the reference's (see the
+        module docstring).
+
+    Raises:
+        TypeError, ValueError: an argument of another type, dtype, device or
+            shape, an unknown chain, groups that do not divide N, before
+            anything runs.
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(
             linear_gn_chain, "x", x, weight, lin_bias, chain, num_groups, extra_bias=extra_bias,
             gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight, eps=eps,
             precision=precision, eager_rounding=eager_rounding)
-    gn_epilogue.check_chain(chain)
+    check_chain(chain)
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
@@ -249,23 +266,23 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
                          f"{tuple(x.shape)}")
     num_groups = check_groups(num_groups, n)
     eps = check_eps(eps)
-    lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = gn_epilogue.check_chain_vectors(
+    lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None)
-    precision = gemm.resolve_precision(precision)
+    precision = resolve_precision(precision)
     if amp is not None:
         # The GEMM in amp on cuBLAS with the linear bias (detached, cast to
         # amp) in its epilogue, x's and W's gradients written in their own
         # dtypes by the backward's products (no cast kernels); the chain in
         # float32 produces the linear bias's gradient.
-        z = gemm._run_autocast_linear(x, weight, lin_bias, amp, bias_grad=False)
-        return gn_epilogue._run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
-                                         gn_bias, mul_weight, eps, True, bool(eager_rounding),
-                                         True)
-    cublas = gemm.uses_cublas(x.dtype, precision, x.device.index)
+        z = _run_autocast_linear(x, weight, lin_bias, amp, bias_grad=False)
+        return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
+                             mul_weight, eps, True, bool(eager_rounding), True)
+    # Where the GEMM runs, decided once and handed to _run_linear.
+    passes = gemm.route(x.dtype, precision, x.device.index)
+    cublas = passes == gemm.CUBLAS
     if not cublas:
         x = x if x.is_contiguous() else x.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
-        passes = gemm.PASSES[precision]
         if _fuses_group_norm(x, weight, num_groups, passes):
             grad = needs_grad(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
             return _LINEAR_GN.run(grad, x, weight, lin_bias, extra_bias, gn_weight, gn_bias,
@@ -276,11 +293,10 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
         # to its dtype (as eager does; adding it to a rounded fp16/bf16 z
         # costs accuracy), detached: its gradient is a column sum of the
         # chain's backward.
-        z = gemm._run_linear(x, weight,
-                             cast(lin_bias.detach(), x.dtype) if lin_bias is not None else None,
-                             0, precision)
+        z = _run_linear(x, weight,
+                        cast(lin_bias.detach(), x.dtype) if lin_bias is not None else None,
+                        0, passes)
     else:  # the chain adds it (see the module docstring)
-        z = gemm._run_linear(x, weight, None, 0, precision)
-    return gn_epilogue._run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight,
-                                     gn_bias, mul_weight, eps, cublas, bool(eager_rounding),
-                                     amp is not None)
+        z = _run_linear(x, weight, None, 0, passes)
+    return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
+                         mul_weight, eps, cublas, bool(eager_rounding), amp is not None)

@@ -1,0 +1,180 @@
+"""cupy-fused's settings, in one place:
+
+* the precision of float32 GEMMs: ``"3xtf32"`` (default), ``"tf32"`` or
+  ``"ieee"`` (see :mod:`cupy_fused.ops.gemm`); per call, ops and modules
+  also take ``precision=``.  :func:`fp32_matmul_precision`,
+  :func:`get_fp32_matmul_precision`, :func:`set_fp32_matmul_precision`.
+* the Hopper ``wgmma`` GEMM kernel on compute capability 9.0: on by
+  default.  :func:`gemm_wgmma`, :func:`get_gemm_wgmma`,
+  :func:`set_gemm_wgmma`.
+* the one-launch float32 GEMM + GroupNorm forward of ``linear_gn_chain``
+  (see :mod:`cupy_fused.ops.linear_gn_chain`): off by default.
+  :func:`gemm_gn_epilogue`, :func:`get_gemm_gn_epilogue`,
+  :func:`set_gemm_gn_epilogue`.
+
+Each has a getter, a setter and a context manager that sets it for the
+duration of a ``with`` block and restores the previous value on exit, also
+when the block raises (the context managers also work as decorators)::
+
+    import cupy_fused
+
+    with cupy_fused.fp32_matmul_precision("ieee"):
+        y = model(x)
+
+Environment variables, read once when this module is imported (the setters
+override them afterwards):
+
+* ``CUPY_FUSED_GEMM_WGMMA=0``: the ``wgmma`` kernel off (any other value:
+  on).
+* ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``: the one-launch GEMM + GroupNorm on (any
+  other value: off).
+
+Read by the kernel runtime (``cupy_fused/_runtime.py``) when it compiles,
+not settable here:
+
+* ``CUPY_FUSED_KERNEL_DIR``: the folder the ``.cu`` sources are read from
+  (default: the ``kernels_cu/`` installed with the package).
+* ``CUPY_FUSED_NVRTC_OPTIONS``: extra NVRTC options, space-separated (e.g.
+  ``-lineinfo``).
+* ``CUPY_CACHE_DIR``: CuPy's on-disk cache of compiled kernels (CuPy's own).
+
+**Scope.**  The values are process-wide, not per thread: a setter, or a
+``with`` block while it runs, changes them for every thread.  The context
+managers restore the value they found, so blocks overlapping in two threads
+can restore each other's values.  Set them before starting threads, or pass
+``precision=`` to each op or module, which needs no shared state.
+
+**When they are read.**  When an op runs; under ``torch.compile``, when it
+is traced.  The values live in a module-level dict, which TorchDynamo
+guards on: a compiled function called after a change is traced again with
+the new value.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Dict, Iterator, Optional
+
+PRECISIONS = ("3xtf32", "tf32", "ieee")
+
+# One dict for every value: cheap to read on each op call (ops read the
+# precision on every call, the GEMM dispatch the wgmma switch on every
+# product), and a global TorchDynamo guards on.
+_values: Dict[str, Any] = {
+    "fp32_matmul_precision": "3xtf32",
+    "gemm_wgmma": os.environ.get("CUPY_FUSED_GEMM_WGMMA", "1") != "0",
+    "gemm_gn_epilogue": os.environ.get("CUPY_FUSED_GEMM_GN_EPILOGUE", "0") == "1",
+}
+
+
+@contextlib.contextmanager
+def _setting(name: str, value: object) -> Iterator[None]:
+    """``_values[name] = value`` for the ``with`` block, then the previous
+    value again, however the block ends."""
+    previous = _values[name]
+    _values[name] = value
+    try:
+        yield
+    finally:
+        _values[name] = previous
+
+
+# ---------------------------------------------------------------- float32 GEMM precision
+
+def check_precision(precision: object) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`; raises ValueError
+    otherwise."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, "
+                         f"got {precision!r}")
+    return precision
+
+
+def set_fp32_matmul_precision(precision: str) -> None:
+    """Sets the process-wide default precision of cupy-fused's float32 GEMMs,
+    used where an op or module has ``precision=None``.
+
+    Args:
+        precision: ``"3xtf32"`` (default: float32 accuracy on TF32 tensor
+            cores), ``"tf32"`` (one TF32 pass, fastest) or ``"ieee"`` (cuBLAS
+            SGEMM).
+
+    Raises:
+        ValueError: any other value (the setting is then unchanged).
+    """
+    _values["fp32_matmul_precision"] = check_precision(precision)
+
+
+def get_fp32_matmul_precision() -> str:
+    """The process-wide default precision of the float32 GEMMs.
+
+    Returns:
+        ``"3xtf32"``, ``"tf32"`` or ``"ieee"`` (see
+        :func:`set_fp32_matmul_precision`).
+    """
+    return _values["fp32_matmul_precision"]
+
+
+def fp32_matmul_precision(precision: str):
+    """Context manager: :func:`set_fp32_matmul_precision` for the ``with``
+    block, the previous default again on exit (also after an exception).
+
+    Args:
+        precision: as for :func:`set_fp32_matmul_precision`; checked before
+            anything changes.
+
+    Returns:
+        The context manager (also usable as a function decorator).
+    """
+    return _setting("fp32_matmul_precision", check_precision(precision))
+
+
+def resolve_precision(precision: Optional[str]) -> str:
+    """The precision an op runs at: ``precision`` checked, or the default
+    when it is None.  (Called on every op call: one dict lookup.)"""
+    if precision is None:
+        return _values["fp32_matmul_precision"]
+    return check_precision(precision)
+
+
+# ---------------------------------------------------------------- GEMM kernel switches
+
+def set_gemm_wgmma(enabled: bool) -> None:
+    """Switches the Hopper ``wgmma`` GEMM kernel on or off, process-wide
+    (off: compute capability 9.0 runs the ``mma.sync`` kernels as 8.x does,
+    e.g. to compare the two).  Default: on, unless
+    ``CUPY_FUSED_GEMM_WGMMA=0``."""
+    _values["gemm_wgmma"] = bool(enabled)
+
+
+def get_gemm_wgmma() -> bool:
+    """Whether the ``wgmma`` GEMM kernel may run (where the device has it:
+    :func:`cupy_fused.ops.gemm.has_wgmma`)."""
+    return _values["gemm_wgmma"]
+
+
+def gemm_wgmma(enabled: bool):
+    """Context manager: :func:`set_gemm_wgmma` for the ``with`` block, the
+    previous value again on exit (also after an exception)."""
+    return _setting("gemm_wgmma", bool(enabled))
+
+
+def set_gemm_gn_epilogue(enabled: bool) -> None:
+    """Switches the one-launch float32 GEMM + GroupNorm forward of
+    ``ops.linear_gn_chain`` on or off, process-wide.  Default: off (two
+    launches are at least as fast on H100: see
+    :mod:`cupy_fused.ops.linear_gn_chain`), unless
+    ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``."""
+    _values["gemm_gn_epilogue"] = bool(enabled)
+
+
+def get_gemm_gn_epilogue() -> bool:
+    """Whether the one-launch GEMM + GroupNorm forward is on (it then runs
+    where its size rule allows)."""
+    return _values["gemm_gn_epilogue"]
+
+
+def gemm_gn_epilogue(enabled: bool):
+    """Context manager: :func:`set_gemm_gn_epilogue` for the ``with`` block,
+    the previous value again on exit (also after an exception)."""
+    return _setting("gemm_gn_epilogue", bool(enabled))

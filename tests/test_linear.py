@@ -1,0 +1,378 @@
+"""``ops.linear`` (``cupy_fused/ops/linear.py``): validation, the cuBLAS
+bias + ReLU node and the autocast op on CPU tensors (CPU tier); forward and
+gradients against float64, leading dimensions, torch.compile, the fused
+ReLU store and the half-precision route (GPU tier)."""
+import importlib
+
+import pytest
+import torch
+
+from cupy_fused import ops
+from cupy_fused.testing import poison_allocator
+
+# The module (``cupy_fused.ops.linear`` as an attribute is the op itself).
+L = importlib.import_module("cupy_fused.ops.linear")
+
+gpu = pytest.mark.gpu
+
+
+# ---------------------------------------------------------------- CPU tier
+
+@pytest.fixture
+def past_device_check(monkeypatch):
+    from cupy_fused import _validation
+
+    monkeypatch.setattr(_validation, "DEVICE_TYPES", ("cuda", "cpu"))
+
+
+def test_linear_validation(past_device_check):
+    x, w = torch.rand(4, 8), torch.rand(16, 8)
+    with pytest.raises(ValueError, match=r"x must have 8 features \(weight is \[16, 8\]\)"):
+        ops.linear(torch.rand(4, 7), w)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        ops.linear(x, torch.rand(16, 8, 1))
+    with pytest.raises(TypeError, match="weight must have the dtype of x"):
+        ops.linear(x, w.half())
+    with pytest.raises(ValueError, match=r"bias must hold one value per channel \(16 values"):
+        ops.linear(x, w, torch.rand(15))
+    with pytest.raises(ValueError, match="activation must be None or 'relu', got 'gelu'"):
+        ops.linear(x, w, activation="gelu")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ops.linear(x, w, precision="fast")
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        ops.linear(torch.tensor(1.0), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cublas_relu_backward_keeps_its_output_for_one_use(dtype, past_device_check):
+    """The eager node gates with the output it kept, then drops it; a second
+    backward through a retained graph recomputes it (same gradients); an
+    output modified in place after the forward is refused, as autograd
+    refuses a modified saved tensor."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.rand(7, 33, generator=gen) - 0.5).to(dtype)
+    w = torch.randn(19, 33, generator=gen).to(dtype)
+    b = torch.randn(19, generator=gen).to(dtype)
+    dy = torch.randn(7, 19, generator=gen).to(dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = ops.linear(*leaves, activation="relu", precision="ieee")
+    assert (y == 0).any() and (y > 0).any()
+    assert y.grad_fn.kept_output is not None
+    y.backward(dy, retain_graph=True)
+    assert y.grad_fn.kept_output is None  # dropped by the first backward
+    first = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    y.backward(dy)  # recomputes the gate
+    for again, once in zip(leaves, first):
+        assert torch.equal(again.grad, once)
+    ref = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    torch.relu(torch.nn.functional.linear(*ref)).backward(dy)
+    for ours, theirs in zip(first, ref):
+        torch.testing.assert_close(ours, theirs.grad)
+    y = ops.linear(*leaves, activation="relu", precision="ieee")
+    with torch.no_grad():
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cublas_relu_route_uses_cublas_epilogues(dtype, past_device_check):
+    """float16/bfloat16 and "ieee" (here on CPU tensors, the same torch ops):
+    cuBLAS's bias epilogue and torch's ReLU (not cuBLASLt's ReLU epilogue,
+    which turns NaN into 0), and a backward from the output that gives
+    eager's gradients."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.rand(6, 40, generator=gen) - 0.5).to(dtype)
+    w = torch.randn(24, 40, generator=gen).to(dtype)
+    b = torch.randn(24, generator=gen).to(dtype)
+    with torch.no_grad():
+        y = ops.linear(x, w, b, activation="relu", precision="ieee")
+    assert torch.equal(y, torch.addmm(b, x, w.t()).relu())
+    assert (y == 0).any() and (y > 0).any()
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = ops.linear(*leaves, activation="relu", precision="ieee")
+    assert torch.equal(y, torch.addmm(b, x, w.t()).relu())
+    dy = torch.randn(y.shape, generator=gen).to(dtype)
+    y.backward(dy)
+    ref = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    torch.relu(torch.nn.functional.linear(*ref)).backward(dy)
+    for ours, theirs in zip(leaves, ref):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+    with torch.no_grad():  # no bias: the GEMM and relu_
+        assert torch.equal(ops.linear(x, w, None, activation="relu", precision="ieee"),
+                           torch.relu(x @ w.t()))
+    # Traced (the registered custom op, then relu_ on its output): the same.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: ops.linear(*t, activation="relu", precision="ieee"),
+                             backend="aot_eager", fullgraph=True)
+    traced = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y2 = compiled(*traced)
+    y2.backward(dy)
+    assert torch.equal(y2, y)
+    for ours, again in zip(leaves, traced):
+        assert torch.equal(ours.grad, again.grad)
+
+
+@pytest.mark.parametrize("dtype, precision, passes", [
+    (torch.float32, "3xtf32", 3), (torch.float32, "ieee", 0), (torch.bfloat16, "3xtf32", 0)])
+def test_the_route_is_decided_once(dtype, precision, passes, past_device_check, monkeypatch):
+    """ops.linear asks once where its product runs (gemm.route) and hands
+    that to _run_linear (here on CPU tensors: K = 8 takes SGEMM, a torch op,
+    on the tensor-core route too)."""
+    from cupy_fused.ops import gemm as G
+
+    assert G.CUBLAS == 0
+    monkeypatch.setattr(G, "has_tf32_tensor_cores", lambda dev: True)
+    decisions, handed = [], []
+    uses_cublas, run_linear = G.uses_cublas, L._run_linear
+    monkeypatch.setattr(G, "uses_cublas", lambda *a: decisions.append(a) or uses_cublas(*a))
+    monkeypatch.setattr(L, "_run_linear",
+                        lambda *a: handed.append(a[-1]) or run_linear(*a))
+    x, w = torch.rand(4, 8, dtype=dtype), torch.rand(16, 8, dtype=dtype)
+    b = torch.rand(16, dtype=dtype)
+    y = ops.linear(x, w, b, precision=precision)
+    assert len(decisions) == 1 and handed == [passes]
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b))
+
+
+def test_internal_entry_point_checks_activation_and_precision():
+    x, w = torch.rand(4, 8), torch.rand(16, 8)
+    with pytest.raises(ValueError, match="activation must be None or 'relu', got 'gelu'"):
+        L._linear_prechecked(x, w, None, "gelu")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        L._linear_prechecked(x, w, None, "relu", "fp32")
+
+
+# ---------------------------------------------------------------- GPU tier
+
+def _eager_linear(x, w, bias, act):
+    y = torch.nn.functional.linear(x, w, bias)
+    return torch.relu(y) if act == "relu" else y
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["3xtf32", "ieee"])
+@pytest.mark.parametrize("act", [None, "relu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_forward_and_gradients_against_float64(precision, act, with_bias, device):
+    torch.manual_seed(3)
+    m, k, n = 133, 257, 190
+    leaves64 = [torch.rand(m, k, device=device, dtype=torch.float64) * 2 - 1,
+                torch.randn(n, k, device=device, dtype=torch.float64) / 16,
+                torch.randn(n, device=device, dtype=torch.float64) if with_bias else None]
+    dy = torch.randn(m, n, device=device, dtype=torch.float64)
+
+    def run(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_(True) if t is not None else None
+                  for t in leaves64]
+        y = fn(*leaves)
+        y.backward(dy.to(dtype))
+        return [y] + [t.grad for t in leaves if t is not None]
+
+    truth = run(lambda x, w, b: _eager_linear(x, w, b, act), torch.float64)
+    eager = run(lambda x, w, b: _eager_linear(x, w, b, act), torch.float32)
+    poison_allocator(device, 4 * m * n)
+    ours = run(lambda x, w, b: ops.linear(x, w, b, activation=act, precision=precision),
+               torch.float32)
+    for name, o, e, t in zip(["y", "x.grad", "w.grad", "b.grad"], ours, eager, truth):
+        err_o = ((o.double() - t).abs().max() / t.abs().max()).item()
+        err_e = ((e.double() - t).abs().max() / t.abs().max()).item()
+        assert err_o <= 1.5 * err_e + 1e-7, (name, err_o, err_e)
+
+
+@gpu
+def test_linear_keeps_leading_dimensions_and_compiles(device):
+    x = torch.rand(2, 3, 40, device=device, requires_grad=True)
+    w = torch.randn(24, 40, device=device, requires_grad=True)
+    b = torch.randn(24, device=device, requires_grad=True)
+    y = ops.linear(x, w, b, activation="relu")
+    assert y.shape == (2, 3, 24)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    grads = [x.grad, w.grad, b.grad]
+    x.grad = w.grad = b.grad = None
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b: ops.linear(x, w, b, activation="relu"), fullgraph=True)
+    y2 = fn(x, w, b)
+    y2.backward(dy)
+    torch.testing.assert_close(y2, y, rtol=0, atol=0)
+    for g1, g2 in zip(grads, [x.grad, w.grad, b.grad]):
+        torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_relu_store_matches_the_training_path(with_bias, device):
+    """Without autograd, bias + ReLU run in the GEMM's store; with it, in the
+    bias_relu kernel (1-bit mask for the backward): the same float32 sums."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    x = torch.rand(70, 96, device=device, generator=gen) - 0.5
+    w = torch.randn(130, 96, device=device, generator=gen)
+    b = torch.randn(130, device=device, generator=gen) if with_bias else None
+    with torch.no_grad():
+        fused = ops.linear(x, w, b, activation="relu")
+    y = ops.linear(x.requires_grad_(True), w, b, activation="relu")
+    assert y.grad_fn is not None and torch.equal(fused, y)
+    assert (y == 0).any() and (y > 0).any()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_takes_the_cublas_path(dtype, device):
+    x = torch.rand(9, 32, device=device, dtype=dtype)
+    w = torch.randn(16, 32, device=device, dtype=dtype)
+    b = torch.randn(16, device=device, dtype=dtype)
+    truth = torch.relu(torch.nn.functional.linear(x.double(), w.double(), b.double()))
+    eager_err = (torch.relu(torch.nn.functional.linear(x, w) + b).double() - truth).abs().max()
+    with torch.no_grad():
+        y = ops.linear(x, w, b, activation="relu")
+    assert torch.equal(y, torch.addmm(b, x, w.t()).relu())
+    assert (y.double() - truth).abs().max() <= eager_err  # the bias is added before rounding
+    y = ops.linear(x.requires_grad_(True), w, b, activation="relu")
+    assert y.grad_fn is not None and torch.equal(y.detach(), torch.addmm(b, x, w.t()).relu())
+
+
+# ---------------------------------------------------------------- autocast op (CPU tier)
+#
+# ``ops.linear`` under autocast (here with autocast_dtype patched, on CPU
+# tensors: the same torch ops; the float32-output GEMM, aten::mm.dtype, has
+# a CUDA kernel only, so _mm_to takes its fallback here, the product in the
+# autocast dtype then cast, which is what autograd's casts give).
+
+def _graph_nodes(t):
+    """Names of every autograd node reachable from ``t``."""
+    seen, stack, names = set(), [t.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+def test_mm_to_writes_the_requested_dtype():
+    assert L.MM_OUT_DTYPE == hasattr(torch.ops.aten.mm, "dtype")
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 7, generator=gen).bfloat16()
+    b = torch.randn(7, 3, generator=gen).bfloat16()
+    assert torch.equal(L._mm_to(a, b, torch.bfloat16), a @ b)
+    out = L._mm_to(a, b, torch.float32)  # CPU: the fallback
+    assert out.dtype == torch.float32 and torch.equal(out, (a @ b).float())
+    assert torch.equal(L._mm_to(a, b, torch.float64), (a @ b).double())
+    if L.MM_OUT_DTYPE:  # the call _mm_to makes on CUDA, as the installed torch's schema has it
+        meta = torch.mm(a.to("meta"), b.to("meta"), out_dtype=torch.float32)
+        assert meta.dtype == torch.float32 and meta.shape == (5, 3)
+
+
+@pytest.mark.parametrize("x_dims", [2, 3])
+@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=str)
+def test_linear_under_autocast_is_one_node_with_float32_gradients(
+        amp, with_bias, activation, x_dims, past_device_check, monkeypatch):
+    """Float32 x, W, bias under autocast: the output is F.linear's on the
+    casts (the same addmm / mm), the gradients float32 from one node whose
+    next functions are the leaves (no cast nodes), x's and W's equal to
+    autograd's casts' (bitwise here: the fallback computes what they do),
+    the bias's summed in float32; the node saves the casts."""
+    monkeypatch.setattr(L, "autocast_dtype", lambda: amp)
+    gen = torch.Generator().manual_seed(6)
+    shape = (7, 33) if x_dims == 2 else (2, 4, 33)
+    x = torch.rand(shape, generator=gen) - 0.5
+    w, b = torch.randn(19, 33, generator=gen), torch.randn(19, generator=gen)
+    dy = torch.randn(shape[:-1] + (19,), generator=gen).to(amp)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)][:3 if with_bias else 2]
+    y = ops.linear(*leaves, activation=activation)
+    ref = [t.clone().requires_grad_(True) for t in (x, w, b)][:3 if with_bias else 2]
+    y_ref = torch.nn.functional.linear(*[t.to(amp) for t in ref])
+    y_ref = torch.relu(y_ref) if activation else y_ref
+    assert y.dtype == amp and torch.equal(y, y_ref)
+    assert "ToCopyBackward0" not in _graph_nodes(y)
+    if activation is None and x_dims == 2:  # x's cast saved, W's kept for one use
+        assert [t.dtype for t in y.grad_fn.saved_tensors] == [amp]
+    y.backward(dy)
+    y_ref.backward(dy)
+    for ours, theirs in zip(leaves, ref):
+        assert ours.grad.dtype == torch.float32
+    assert torch.equal(leaves[0].grad, ref[0].grad) and torch.equal(leaves[1].grad, ref[1].grad)
+    if with_bias:
+        exact = dy.double().reshape(-1, 19) * (y > 0).reshape(-1, 19) if activation else \
+            dy.double().reshape(-1, 19)
+        torch.testing.assert_close(leaves[2].grad, exact.sum(0).float())
+
+
+def test_linear_under_autocast_keeps_half_operands_and_their_dtypes(past_device_check,
+                                                                   monkeypatch):
+    """A bfloat16 input meeting float32 parameters: x's gradient in bfloat16,
+    W's in float32; a bfloat16 operand is saved itself, not copied."""
+    monkeypatch.setattr(L, "autocast_dtype", lambda: torch.bfloat16)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 16, generator=gen).bfloat16().requires_grad_(True)
+    w = torch.randn(8, 16, generator=gen).requires_grad_(True)
+    y = ops.linear(x, w)
+    (saved_x,) = y.grad_fn.saved_tensors
+    assert saved_x.data_ptr() == x.data_ptr()
+    y.backward(torch.ones_like(y))
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, (torch.ones(6, 8).bfloat16().t() @ x.detach()).float())
+    with pytest.raises(TypeError, match="bias must have dtype torch.bfloat16, got torch.int64"):
+        ops.linear(x, w, torch.ones(8, dtype=torch.int64))
+
+
+def test_autocast_linear_retained_graph_recasts_the_weight(past_device_check, monkeypatch):
+    """The weight's cast is dropped by the first backward (before dW is
+    allocated); a second backward through a retained graph recasts it, and
+    refuses if the weight changed in place meanwhile."""
+    monkeypatch.setattr(L, "autocast_dtype", lambda: torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 12, generator=gen).requires_grad_(True)
+    w = torch.randn(4, 12, generator=gen).requires_grad_(True)
+    y = ops.linear(x, w)
+    g = torch.randn(5, 4, generator=gen).bfloat16()
+    y.backward(g, retain_graph=True)
+    first = (x.grad.clone(), w.grad.clone())
+    y.backward(g, retain_graph=True)
+    assert torch.equal(x.grad, 2 * first[0]) and torch.equal(w.grad, 2 * first[1])
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(g)
+
+
+def test_autocast_linear_without_bias_gradient(past_device_check):
+    """bias_grad=False (linear_gn_chain's GEMM): the bias is in the product,
+    its gradient left to the caller."""
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(5, 12, generator=gen), torch.randn(4, 12, generator=gen)
+    b = torch.randn(4, generator=gen).requires_grad_(True)
+    x.requires_grad_(True)
+    z = L._run_autocast_linear(x, w, b, torch.bfloat16, bias_grad=False)
+    assert torch.equal(z, torch.addmm(b.detach().bfloat16(), x.detach().bfloat16(),
+                                      w.bfloat16().t()))
+    z.sum().backward()
+    assert b.grad is None and x.grad.dtype == torch.float32 and w.grad is None
+
+
+def test_autocast_linear_traces_under_compile(past_device_check, monkeypatch):
+    """fullgraph torch.compile (the registered custom ops): eager's output
+    and gradients, bit for bit."""
+    monkeypatch.setattr(L, "autocast_dtype", lambda: torch.bfloat16)
+    gen = torch.Generator().manual_seed(10)
+    x, w, b = torch.randn(9, 24, generator=gen), torch.randn(16, 24, generator=gen), \
+        torch.randn(16, generator=gen)
+    dy = torch.randn(9, 16, generator=gen).bfloat16()
+    eager = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = ops.linear(*eager)
+    y.backward(dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: ops.linear(*t), backend="aot_eager", fullgraph=True)
+    traced = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y2 = compiled(*traced)
+    y2.backward(dy)
+    assert torch.equal(y2, y)
+    for a, c in zip(eager, traced):
+        assert c.grad.dtype == torch.float32 and torch.equal(a.grad, c.grad)

@@ -1,0 +1,688 @@
+"""Property-based tests (hypothesis, GPU tier): every public op against a
+float64 run of its torch reference, on random shapes, group counts, dtypes,
+layouts and special values.
+
+For the output and the gradient of every input tensor (random upstream
+gradient), our error against the float64 run
+(:func:`cupy_fused.testing.rel_error`) must be at most 1.5x eager's (the
+torch reference in the same dtype, under the same autocast) plus one unit of
+rounding (``finfo(dtype).eps``) of the tensor's dtype, or in "amp" mode of
+bfloat16, as in tests/test_autocast.py.  Output and gradient dtypes and shapes must be
+eager's.
+
+With a NaN or +-inf in one input element (drawn with some probability) the
+NaN / +inf / -inf masks of the output and of every gradient must equal
+eager's instead.  A float32 ``linear`` (and ``linear_gn_chain``) with an
+infinite input runs with ``precision="ieee"``: the default 3xTF32 product is
+documented to turn an infinite operand into NaN.
+
+Modes: float32, float16, bfloat16, and "amp": float32 inputs (for bias_relu
+and gn_chain also a bfloat16 z, as a GEMM's output under autocast) with the
+forward under ``torch.autocast("cuda", dtype=torch.bfloat16)``.
+
+Layouts of the activation (z / x, and linear's weight): contiguous, a
+transposed-back non-contiguous view, and a view starting one element into a
+buffer (misaligned, with NaN on either side, so that a read outside the view
+shows); 4-D z also channels-last, plain and misaligned.  Vectors are
+optionally misaligned the same way.
+
+One tolerance exception, the gradients through a GroupNorm's input (of z,
+x, the weight and the biases before it): that gradient is a cancellation of
+terms of size ``rstd * |gamma * dy|``, so the error of any float
+computation of it (eager's too) scales with the terms, not with the
+result.  The slack there is 16 units of rounding of the terms' magnitude;
+over 1 or 2 channels per group, where the exact result is (nearly) zero,
+2^-7 of it (a real bug errs by the terms' whole size).  The same holds for
+x's gradient in ``linear_gn_chain`` with one input feature: x[i] then only
+scales row i of the GroupNorm's input, which the normalisation undoes.
+
+A second one, float32 products in 3xTF32 (the default): their error is
+bounded by the split's representation error, about 2^-21 of the product's
+terms, which where the sum cancels can be a few times SGEMM's; the
+output's slack is then 2^-20 of the terms, carried through the chain
+(:func:`_split_product`).
+
+Deterministic: derandomized hypothesis without an example database, torch
+generators seeded from the drawn case.  Without hypothesis the module skips.
+"""
+import contextlib
+import dataclasses
+import math
+import os
+from typing import Optional, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("hypothesis", reason="the property tests need hypothesis "
+                                         "(pip install -e '.[test]')")
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cupy_fused import ops  # noqa: E402
+from cupy_fused.testing import poison_allocator, rel_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# The `device` fixture is function-scoped but stateless: its reuse across
+# examples is safe.
+# CUPY_FUSED_PROPERTY_EXAMPLES: examples per test (more for a longer search).
+PROPERTY_SETTINGS = settings(
+    max_examples=int(os.environ.get("CUPY_FUSED_PROPERTY_EXAMPLES", "12")), deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+AMP = torch.bfloat16
+MODES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "amp": None}
+FLOAT_MODES = ("fp32", "fp16", "bf16")
+CHAINS = sorted(ops.CHAINS)
+NAN, INF = float("nan"), float("inf")
+
+# Which of the optional vectors each chain takes (mul_weight: required).
+CHAIN_VECTORS = {
+    "swish_bias_gn": ("lin_bias", "extra_bias", "gn_weight", "gn_bias"),
+    "gn_swish_mul_swish": ("lin_bias", "gn_weight", "gn_bias", "mul_weight"),
+    "bias_hardtanh_mish_gn": ("lin_bias", "extra_bias", "gn_weight", "gn_bias"),
+}
+OPTIONAL_VECTORS = ("lin_bias", "extra_bias", "gn_weight", "gn_bias")
+ALL_VECTORS = OPTIONAL_VECTORS + ("mul_weight",)
+
+
+# ---------------------------------------------------------------- strategies
+
+ROWS = st.integers(0, 70)
+FEATURES = st.integers(1, 80)
+# Channel counts: any, and multiples of 8 (the vectorised kernels' widths).
+CHANNELS = st.one_of(st.integers(1, 80), st.integers(1, 10).map(lambda v: 8 * v))
+GROUPS = st.integers(1, 6)
+PER_GROUP = st.one_of(st.integers(1, 70), st.integers(1, 8).map(lambda v: 8 * v))
+SCALE = st.floats(-1.0, 1.0).map(lambda e: 10.0 ** e)  # [0.1, 10], log-uniform
+SEED = st.integers(0, 2**31 - 1)
+EPS = st.sampled_from([1e-5, 1e-3, 0.1])
+LAYOUTS = st.sampled_from(["contiguous", "transposed", "offset"])
+LAYOUTS_4D = st.sampled_from(["contiguous", "channels_last", "transposed", "offset",
+                              "channels_last_offset"])
+PRECISIONS = st.sampled_from([None, "3xtf32", "ieee"])
+# Three in eight cases get a non-finite input element.
+SPECIAL_VALUE = st.sampled_from([None] * 5 + [NAN, INF, -INF])
+
+
+def _scales(n):
+    return st.tuples(*[SCALE] * n)
+
+
+@st.composite
+def _special(draw, targets):
+    """None, or (input name, raw flat index, value): the value goes into that
+    input at ``raw % numel`` (:func:`_place_special`)."""
+    value = draw(SPECIAL_VALUE)
+    if value is None:
+        return None
+    return draw(st.sampled_from(targets)), draw(st.integers(0, 2**20)), value
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCase:
+    lead: Tuple[int, ...]  # x's dimensions before the features
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: Optional[str]
+    precision: Optional[str]  # float32 only
+    x_layout: str
+    w_layout: str
+    vec_offset: bool
+    scales: Tuple[float, float, float]  # x, weight, bias
+    seed: int
+    special: Optional[tuple] = None
+
+
+@st.composite
+def linear_cases(draw):
+    rows = draw(ROWS)
+    return LinearCase(
+        lead=draw(st.sampled_from([(rows,), (rows,), (2, rows), (3, rows)])),
+        in_features=draw(FEATURES), out_features=draw(FEATURES), bias=draw(st.booleans()),
+        activation=draw(st.sampled_from([None, "relu"])), precision=draw(PRECISIONS),
+        x_layout=draw(LAYOUTS), w_layout=draw(LAYOUTS), vec_offset=draw(st.booleans()),
+        scales=draw(_scales(3)), seed=draw(SEED),
+        special=draw(_special(["x", "x", "weight", "bias"])))
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasReluCase:
+    shape: Tuple[int, ...]  # [M, C] or [N, C, H, W]
+    layout: str
+    bias2: bool
+    bias_shape: str  # "flat": (C,); "c11": (C, 1, 1)
+    vec_offset: bool
+    half_z: bool  # amp mode: z in bfloat16 (float32 biases)
+    scales: Tuple[float, float, float]  # z, bias, bias2
+    seed: int
+    special: Optional[tuple] = None
+
+
+@st.composite
+def bias_relu_cases(draw):
+    if draw(st.booleans()):
+        shape, layout = (draw(ROWS), draw(CHANNELS)), draw(LAYOUTS)
+    else:
+        shape = (draw(st.integers(0, 3)), draw(st.integers(1, 24)), draw(st.integers(1, 9)),
+                 draw(st.integers(1, 9)))
+        layout = draw(LAYOUTS_4D)
+    return BiasReluCase(
+        shape=shape, layout=layout, bias2=draw(st.booleans()),
+        bias_shape=draw(st.sampled_from(["flat", "c11"])), vec_offset=draw(st.booleans()),
+        half_z=draw(st.booleans()), scales=draw(_scales(3)), seed=draw(SEED),
+        special=draw(_special(["z", "z", "bias", "bias2"])))
+
+
+@dataclasses.dataclass(frozen=True)
+class GNCase:
+    rows: int
+    groups: int
+    per_group: int
+    vectors: Tuple[str, ...]  # the optional vectors present (mul_weight always is)
+    eps: float
+    layout: str
+    vec_offset: bool
+    half_z: bool  # amp mode: z in bfloat16 (float32 vectors)
+    scales: Tuple[float, ...]  # z, then ALL_VECTORS
+    seed: int
+    special: Optional[tuple] = None
+
+
+@st.composite
+def gn_cases(draw):
+    return GNCase(
+        rows=draw(ROWS), groups=draw(GROUPS), per_group=draw(PER_GROUP),
+        vectors=tuple(sorted(draw(st.sets(st.sampled_from(OPTIONAL_VECTORS))))),
+        eps=draw(EPS), layout=draw(LAYOUTS), vec_offset=draw(st.booleans()),
+        half_z=draw(st.booleans()), scales=draw(_scales(1 + len(ALL_VECTORS))), seed=draw(SEED),
+        # Not gn_weight: an infinite GroupNorm weight meets inf - inf in the
+        # GroupNorm backward, whose NaN / inf pattern depends on how the
+        # formula is arranged (eager's is uncentered), not on correctness.
+        special=draw(_special(["z", "z", "lin_bias", "extra_bias", "gn_bias", "mul_weight"])))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearGNCase:
+    rows: int
+    in_features: int
+    groups: int
+    per_group: int
+    vectors: Tuple[str, ...]
+    eps: float
+    precision: Optional[str]
+    x_layout: str
+    w_layout: str
+    vec_offset: bool
+    scales: Tuple[float, ...]  # x, weight, then ALL_VECTORS
+    seed: int
+    special: Optional[tuple] = None
+
+
+@st.composite
+def linear_gn_cases(draw):
+    return LinearGNCase(
+        rows=draw(ROWS), in_features=draw(FEATURES), groups=draw(GROUPS),
+        per_group=draw(PER_GROUP),
+        vectors=tuple(sorted(draw(st.sets(st.sampled_from(OPTIONAL_VECTORS))))),
+        eps=draw(EPS), precision=draw(PRECISIONS), x_layout=draw(LAYOUTS),
+        w_layout=draw(LAYOUTS), vec_offset=draw(st.booleans()),
+        scales=draw(_scales(2 + len(ALL_VECTORS))), seed=draw(SEED),
+        special=draw(_special(["x", "x", "weight", "lin_bias", "extra_bias", "gn_bias",
+                               "mul_weight"])))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleAddCase:
+    shape: Tuple[int, ...]
+    alpha: float
+    x_layout: str
+    y_layout: str
+    scales: Tuple[float, float]
+    seed: int
+    special: Optional[tuple] = None
+
+
+@st.composite
+def scale_add_cases(draw):
+    shape = draw(st.one_of(st.lists(st.integers(0, 12), min_size=1, max_size=4).map(tuple),
+                           st.integers(0, 5000).map(lambda n: (n,))))
+    # Not below 1e-3 in magnitude: alpha * x rounds alpha to float (as eager
+    # does), and a subnormal alpha rounds to 0 (0 * inf = NaN where the
+    # exact product is inf).
+    alpha = draw(st.one_of(st.just(0.0), st.floats(1e-3, 10.0), st.floats(-10.0, -1e-3)))
+    return ScaleAddCase(
+        shape=shape, alpha=alpha,
+        x_layout=draw(LAYOUTS), y_layout=draw(LAYOUTS), scales=draw(_scales(2)),
+        seed=draw(SEED), special=draw(_special(["x", "y"])))
+
+
+# ---------------------------------------------------------------- inputs
+
+def _randn(gen, shape, scale=1.0):
+    return torch.randn(shape, generator=gen) * scale
+
+
+def _place_special(values, special, main):
+    """Puts ``special`` (see :func:`_special`) into ``values`` (float32 CPU
+    tensors by name); an input this case lacks, or an empty one, takes
+    ``main`` instead.  Returns the value placed, or None."""
+    if special is None:
+        return None
+    name, raw, value = special
+    if name not in values or values[name].numel() == 0:
+        name = main
+    if values[name].numel() == 0:
+        return None
+    values[name].view(-1)[raw % values[name].numel()] = value
+    return value
+
+
+def _in_layout(t, layout):
+    """A tensor holding the values of ``t`` (contiguous) in ``layout``."""
+    if layout == "contiguous":
+        return t.clone()
+    if layout == "channels_last":
+        return t.clone(memory_format=torch.channels_last)
+    if layout == "transposed":  # non-contiguous (unless all but one dimension are 1)
+        dims = list(reversed(range(t.dim())))
+        return t.permute(dims).contiguous().permute(dims)
+    if layout not in ("offset", "channels_last_offset"):
+        raise ValueError(layout)
+    # One element into a buffer (off the 16-byte grid), NaN on either side.
+    cl = layout == "channels_last_offset"
+    mem = t.permute(0, 2, 3, 1) if cl else t
+    buf = torch.full((t.numel() + 2,), NAN, dtype=t.dtype, device=t.device)
+    buf[1:-1] = mem.reshape(-1)
+    view = buf[1:-1].view(mem.shape)
+    return view.permute(0, 3, 1, 2) if cl else view
+
+
+def _autocast(amp):
+    return torch.autocast("cuda", dtype=amp) if amp is not None else contextlib.nullcontext()
+
+
+def _run(fn, leaves, amp, g):
+    """fn's output and the gradient of every leaf, for the upstream gradient g."""
+    with _autocast(amp):
+        y = fn(**leaves)
+    y.backward(g.to(y.dtype))
+    result = {"out": y.detach()}
+    result.update({f"{name}.grad": t.grad for name, t in leaves.items()})
+    return result
+
+
+def _runs(reference, ours, values, dtypes, layouts, amp, out_shape, out_dtype, gen, device,
+          truth_reference=None):
+    """Runs the float64 truth, eager (``reference`` in the inputs' dtypes)
+    and ours (inputs in their layouts) on the same values and upstream
+    gradient.  Returns (truth, eager, ours, our leaves)."""
+    g = torch.randn(out_shape, generator=gen).to(device=device, dtype=out_dtype)
+    cast = {k: v.to(device=device, dtype=dtypes[k]) for k, v in values.items()}
+    truth = _run(truth_reference or reference,
+                 {k: t.double().requires_grad_(True) for k, t in cast.items()}, None, g.double())
+    eager = _run(reference, {k: t.clone().requires_grad_(True) for k, t in cast.items()}, amp, g)
+    assert eager["out"].dtype == out_dtype, (eager["out"].dtype, out_dtype)
+    leaves = {k: _in_layout(t, layouts.get(k, "contiguous")).detach().requires_grad_(True)
+              for k, t in cast.items()}
+    poison_allocator(device, 4 * max([1] + [t.numel() for t in cast.values()]
+                                     + [math.prod(out_shape)]))
+    return truth, eager, _run(ours, leaves, amp, g), leaves
+
+
+def _first_difference(a, b):
+    idx = (a != b).nonzero()
+    return tuple(idx[0].tolist()) if len(idx) else None
+
+
+def _check(truth, eager, ours, special, floors=None, amp=None):
+    """Dtypes and shapes as eager's; then, with a special input value, the
+    non-finite masks as eager's, else the error bound (see the module
+    docstring; ``floors``: name -> (magnitude of cancelling terms, the
+    fraction of it allowed as error); ``amp``:
+    the autocast dtype, whose rounding unit is then the slack: a float32
+    gradient of a bfloat16 product carries bfloat16's error, and on a
+    handful of elements eager's roundings may cancel by chance)."""
+    problems = []
+    for name, theirs in eager.items():
+        mine = ours.get(name)
+        assert theirs is not None and mine is not None, (
+            f"{name}: missing (ours: {mine is not None}, eager: {theirs is not None})")
+        assert mine.dtype == theirs.dtype, f"{name}: dtype {mine.dtype}, eager's {theirs.dtype}"
+        assert mine.shape == theirs.shape, f"{name}: shape {tuple(mine.shape)}, eager's " \
+                                           f"{tuple(theirs.shape)}"
+        if special:
+            for kind, mask in (("nan", torch.isnan), ("+inf", torch.isposinf),
+                               ("-inf", torch.isneginf)):
+                a, b = mask(mine), mask(theirs)
+                if not torch.equal(a, b):
+                    problems.append(f"{name} {kind}: ours {a.sum().item()}, eager "
+                                    f"{b.sum().item()}, first difference at "
+                                    f"{_first_difference(a, b)}")
+            continue
+        t = truth[name]
+        if t.numel() == 0:
+            continue
+        err_ours, err_eager = rel_error(mine, t), rel_error(theirs, t)
+        slack = torch.finfo(mine.dtype if amp is None else amp).eps
+        floor, factor = (floors or {}).get(name, (0.0, 0.0))
+        if floor:
+            scale = t.abs().max().item()
+            slack = max(slack, factor * floor / (scale if scale > 0 else 1.0))
+        if not err_ours <= 1.5 * err_eager + slack:
+            problems.append(f"{name}: error {err_ours:.3e}, eager's {err_eager:.3e}, "
+                            f"slack {slack:.3e}")
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------- references
+
+def _per_channel(v, z):
+    return v.reshape(-1, *[1] * (z.dim() - 2))
+
+
+def _group_norm(a, groups, weight, bias, eps):
+    """torch's GroupNorm (torch.group_norm: F.group_norm refuses a single
+    value per group over the batch), with three detours that keep its
+    values: a bias without a weight gets a weight of ones (the backward of
+    the bias-only form fails on CPU, "tensor does not have a device"), and
+    an empty batch runs the formula in elementwise ops (group_norm's
+    backward fails there too, in float32 under autocast as group_norm);
+    nothing guarantees CUDA does better."""
+    if weight is None and bias is not None:
+        weight = torch.ones_like(bias)
+    if a.shape[0]:
+        return torch.group_norm(a, groups, weight, bias, eps, torch.backends.cudnn.enabled)
+    if a.dtype != torch.float64 and torch.is_autocast_enabled(a.device.type):
+        a, weight, bias = (t if t is None else t.float() for t in (a, weight, bias))  # fp32 list
+    g = a.view(0, groups, a.shape[1] // groups)
+    d = g - g.mean(2, keepdim=True)
+    y = d * ((d * d).mean(2, keepdim=True) + eps).rsqrt()
+    y = y.view(a.shape)
+    y = y if weight is None else y * weight
+    return y if bias is None else y + bias
+
+
+def _chain_reference(chain, groups, eps, z, lin_bias=None, extra_bias=None, gn_weight=None,
+                     gn_bias=None, mul_weight=None, record=None):
+    """The chain in torch ops (tests/test_gn_chain.py's _reference, absent
+    vectors skipped).  ``record``: a dict receiving the GroupNorm's input
+    ``a`` and output ``n`` (its gradient retained)."""
+    a = z if lin_bias is None else z + lin_bias
+    if chain == "swish_bias_gn":
+        a = F.silu(a)
+        a = a if extra_bias is None else a + extra_bias
+    elif chain == "bias_hardtanh_mish_gn":
+        a = F.mish(F.hardtanh(a if extra_bias is None else a + extra_bias))
+    n = _group_norm(a, groups, gn_weight, gn_bias, eps)
+    out = F.silu(F.silu(n) * mul_weight) if chain == "gn_swish_mul_swish" else n
+    if record is not None:
+        n.retain_grad()
+        record.update(a=a, n=n, gn_weight=gn_weight)
+    return out
+
+
+def _gn_terms(record, groups, eps):
+    """[rows, C]: rstd * |gamma * dn| per element, float64, from the truth
+    run's GroupNorm (``record``: see :func:`_chain_reference`): the size of
+    the terms that cancel in the gradient of its input."""
+    a, n, gn_weight = record["a"].detach(), record["n"], record["gn_weight"]
+    rows, channels = a.shape
+    rstd = (a.view(rows, groups, -1).var(2, unbiased=False) + eps).rsqrt()
+    gamma = gn_weight.detach() if gn_weight is not None else 1.0
+    return rstd.repeat_interleave(channels // groups, 1) * (n.grad * gamma).abs()
+
+
+def _cancellation_factor(per_group, dtype):
+    """The error allowed on a gradient through the GroupNorm's input, as a
+    fraction of the cancelling terms' size (see the module docstring): 2^-7
+    over 1 or 2 channels per group, whose exact gradient is (nearly) zero;
+    else 16 units of rounding, a few roundings of each term (a wrong formula
+    errs by the terms' whole size)."""
+    return 2**-7 if per_group <= 2 else 16 * torch.finfo(dtype).eps
+
+
+def _split_product(mode, precision, k):
+    """Whether a float32 product runs as 3xTF32 (the default precision, sums
+    of 32 terms or more: see ops.gemm.uses_sgemm).  Its error is bounded by
+    the split's representation error, about 2^-21 of sum |a_i b_i| (the
+    documented precision), not by SGEMM's: where the sum cancels, that can be
+    a few times eager's error, so the output's slack is 2^-20 of the
+    product's terms, carried through the ops after it."""
+    return mode == "fp32" and precision in (None, "3xtf32") and k >= 32
+
+
+def _chain_inputs(chain, present):
+    return [v for v in CHAIN_VECTORS[chain] if v in present or v == "mul_weight"]
+
+
+# ---------------------------------------------------------------- linear
+
+@pytest.mark.parametrize("mode", list(MODES))
+@PROPERTY_SETTINGS
+@given(case=linear_cases())
+@example(case=LinearCase((0,), 40, 24, True, "relu", None, "contiguous", "contiguous", False,
+                         (1.0, 1.0, 1.0), 0))
+@example(case=LinearCase((1,), 40, 33, True, "relu", None, "offset", "transposed", True,
+                         (1.0, 0.2, 1.0), 1))
+def test_linear(mode, case, device):
+    dtype, amp = MODES[mode], (None if MODES[mode] else AMP)
+    gen = torch.Generator().manual_seed(case.seed)
+    n, k = case.out_features, case.in_features
+    values = {"x": _randn(gen, case.lead + (k,), case.scales[0]),
+              "weight": _randn(gen, (n, k), case.scales[1])}
+    if case.bias:
+        values["bias"] = _randn(gen, (n,), case.scales[2])
+    special = _place_special(values, case.special, "x")
+    precision = case.precision
+    if mode == "fp32" and special is not None and math.isinf(special):
+        precision = "ieee"  # 3xTF32 makes an infinite operand NaN (documented)
+    act = case.activation
+
+    def reference(x, weight, bias=None):
+        y = F.linear(x, weight, bias)
+        return F.relu(y) if act == "relu" else y
+
+    def ours(x, weight, bias=None):
+        return ops.linear(x, weight, bias, activation=act, precision=precision)
+
+    layouts = {"x": case.x_layout, "weight": case.w_layout,
+               "bias": "offset" if case.vec_offset else "contiguous"}
+    truth, eager, mine, _ = _runs(
+        reference, ours, values, {name: dtype or torch.float32 for name in values}, layouts, amp,
+        case.lead + (n,), dtype or AMP, gen, device)
+    floors = None
+    if _split_product(mode, precision, k) and values["x"].numel():
+        x64, w64 = values["x"].reshape(-1, k).double().abs(), values["weight"].double().abs()
+        floors = {"out": ((x64 @ w64.t()).max().item(), 2**-20)}
+    _check(truth, eager, mine, special is not None, floors, amp=amp)
+
+
+# ---------------------------------------------------------------- bias_relu
+
+@pytest.mark.parametrize("mode", list(MODES))
+@PROPERTY_SETTINGS
+@given(case=bias_relu_cases())
+@example(case=BiasReluCase((0, 64), "contiguous", True, "flat", False, False,
+                           (1.0, 1.0, 1.0), 0))
+@example(case=BiasReluCase((1, 5, 3, 7), "channels_last_offset", True, "c11", True, True,
+                           (1.0, 1.0, 1.0), 1))
+def test_bias_relu(mode, case, device):
+    dtype, amp = MODES[mode], (None if MODES[mode] else AMP)
+    gen = torch.Generator().manual_seed(case.seed)
+    channels = case.shape[1]
+    vec_shape = (channels,) if case.bias_shape == "flat" else (channels, 1, 1)
+    values = {"z": _randn(gen, case.shape, case.scales[0]),
+              "bias": _randn(gen, vec_shape, case.scales[1])}
+    if case.bias2:
+        values["bias2"] = _randn(gen, vec_shape, case.scales[2])
+    special = _place_special(values, case.special, "z")
+    dtypes = {name: dtype or torch.float32 for name in values}
+    if amp is not None and case.half_z:
+        dtypes["z"] = AMP
+
+    def reference(z, bias, bias2=None):
+        y = torch.relu(z + _per_channel(bias, z))
+        return y if bias2 is None else y + _per_channel(bias2, z)
+
+    def ours(z, bias, bias2=None):
+        return ops.bias_relu(z, bias, bias2)
+
+    vec_layout = "offset" if case.vec_offset else "contiguous"
+    layouts = {"z": case.layout, "bias": vec_layout, "bias2": vec_layout}
+    truth, eager, mine, leaves = _runs(reference, ours, values, dtypes, layouts, amp, case.shape,
+                                       dtype or torch.float32, gen, device)
+    _check(truth, eager, mine, special is not None, amp=amp)
+    z, out = leaves["z"], mine["out"]
+    if case.layout != "transposed" and z.numel():  # the result keeps z's (dense) layout
+        assert [s for s, n in zip(out.stride(), out.shape) if n > 1] == \
+            [s for s, n in zip(z.stride(), z.shape) if n > 1], (out.stride(), z.stride())
+
+
+# ---------------------------------------------------------------- gn_chain
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("chain", CHAINS)
+@PROPERTY_SETTINGS
+@given(case=gn_cases())
+@example(case=GNCase(0, 4, 8, OPTIONAL_VECTORS, 1e-5, "contiguous", False, False,
+                     (1.0,) * 6, 0))
+@example(case=GNCase(1, 3, 5, OPTIONAL_VECTORS, 1e-5, "offset", True, True, (1.0,) * 6, 1))
+def test_gn_chain(chain, mode, case, device):
+    dtype, amp = MODES[mode], (None if MODES[mode] else AMP)
+    gen = torch.Generator().manual_seed(case.seed)
+    channels = case.groups * case.per_group
+    values = {"z": _randn(gen, (case.rows, channels), case.scales[0])}
+    for name, scale in zip(ALL_VECTORS, case.scales[1:]):
+        vector = _randn(gen, (channels,), scale)  # drawn always: the same values whatever is used
+        if name in _chain_inputs(chain, case.vectors):
+            values[name] = vector
+    special = _place_special(values, case.special, "z")
+    dtypes = {name: dtype or torch.float32 for name in values}
+    if amp is not None and case.half_z:
+        dtypes["z"] = AMP
+    groups, eps = case.groups, case.eps
+
+    def reference(z, record=None, **vectors):
+        return _chain_reference(chain, groups, eps, z, record=record, **vectors)
+
+    def ours(z, **vectors):
+        return ops.gn_chain(z, chain, groups, eps=eps, **vectors)
+
+    record = {}
+    vec_layout = "offset" if case.vec_offset else "contiguous"
+    layouts = {"z": case.layout, **{name: vec_layout for name in ALL_VECTORS}}
+    truth, eager, mine, _ = _runs(
+        reference, ours, values, dtypes, layouts, amp, (case.rows, channels),
+        dtype or torch.float32, gen, device,
+        truth_reference=lambda **t: reference(record=record, **t))
+    floors = None
+    if case.rows:
+        terms = _gn_terms(record, groups, eps)
+        column = terms.sum(0).max().item()
+        factor = _cancellation_factor(case.per_group, amp or dtype)
+        floors = {"z.grad": (terms.max().item(), factor), "lin_bias.grad": (column, factor),
+                  "extra_bias.grad": (column, factor)}
+    _check(truth, eager, mine, special is not None, floors, amp=amp)
+
+
+# ---------------------------------------------------------------- linear_gn_chain
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("chain", CHAINS)
+@PROPERTY_SETTINGS
+@given(case=linear_gn_cases())
+@example(case=LinearGNCase(0, 40, 4, 8, OPTIONAL_VECTORS, 1e-5, None, "contiguous", "contiguous",
+                           False, (1.0, 0.2) + (1.0,) * 5, 0))
+@example(case=LinearGNCase(1, 40, 2, 16, OPTIONAL_VECTORS, 1e-5, None, "offset", "transposed",
+                           True, (1.0, 0.2) + (1.0,) * 5, 1))
+def test_linear_gn_chain(chain, mode, case, device):
+    dtype, amp = MODES[mode], (None if MODES[mode] else AMP)
+    gen = torch.Generator().manual_seed(case.seed)
+    channels, k = case.groups * case.per_group, case.in_features
+    values = {"x": _randn(gen, (case.rows, k), case.scales[0]),
+              "weight": _randn(gen, (channels, k), case.scales[1])}
+    for name, scale in zip(ALL_VECTORS, case.scales[2:]):
+        vector = _randn(gen, (channels,), scale)
+        if name in _chain_inputs(chain, case.vectors):
+            values[name] = vector
+    special = _place_special(values, case.special, "x")
+    precision = case.precision
+    if mode == "fp32" and special is not None and math.isinf(special):
+        precision = "ieee"  # 3xTF32 makes an infinite operand NaN (documented)
+    groups, eps = case.groups, case.eps
+
+    def reference(x, weight, lin_bias=None, record=None, **vectors):
+        # nn.Linear: the bias in the GEMM (in the autocast dtype under autocast)
+        return _chain_reference(chain, groups, eps, F.linear(x, weight, lin_bias),
+                                record=record, **vectors)
+
+    def ours(x, weight, lin_bias=None, **vectors):
+        return ops.linear_gn_chain(x, weight, lin_bias, chain, groups, eps=eps,
+                                   precision=precision, **vectors)
+
+    record = {}
+    vec_layout = "offset" if case.vec_offset else "contiguous"
+    layouts = {"x": case.x_layout, "weight": case.w_layout,
+               **{name: vec_layout for name in ALL_VECTORS}}
+    truth, eager, mine, _ = _runs(
+        reference, ours, values, {name: dtype or torch.float32 for name in values}, layouts, amp,
+        (case.rows, channels), dtype or torch.float32, gen, device,
+        truth_reference=lambda **t: reference(record=record, **t))
+    floors = {}
+    if case.rows:
+        terms = _gn_terms(record, groups, eps)
+        x64, w64 = (values[n].to(device=device, dtype=dtype or torch.float32).double()
+                    for n in ("x", "weight"))
+        factor = _cancellation_factor(case.per_group, amp or dtype)
+        column = terms.sum(0).max().item()
+        # One feature: x[i] scales row i of z, which the GroupNorm undoes.
+        floors = {"x.grad": ((terms @ w64.abs()).max().item(),
+                             2**-7 if k == 1 else factor),
+                  "weight.grad": ((terms.t() @ x64.abs()).max().item(), factor),
+                  "lin_bias.grad": (column, factor), "extra_bias.grad": (column, factor)}
+        if _split_product(mode, precision, k):
+            # z's error, through the chain: Pre's slope (<= 1.1), the
+            # normalisation (rstd * |gamma|, three terms), Post's slope.
+            a = record["a"].detach()
+            rstd = (a.view(case.rows, groups, -1).var(2, unbiased=False) + eps).rsqrt().max()
+            gain = 3.3 * rstd.item()
+            for name in ("gn_weight", "mul_weight"):
+                if name in values:
+                    gain *= max(1.0, values[name].abs().max().item())
+            if chain == "gn_swish_mul_swish":
+                gain *= 1.21  # the two swishes
+            z_terms = (x64.abs() @ w64.abs().t()).max().item()
+            floors["out"] = (gain * z_terms, 2**-20)
+    _check(truth, eager, mine, special is not None, floors, amp=amp)
+
+
+# ---------------------------------------------------------------- scale_add
+
+@pytest.mark.parametrize("mode", FLOAT_MODES)
+@PROPERTY_SETTINGS
+@given(case=scale_add_cases())
+@example(case=ScaleAddCase((0, 7), 2.5, "contiguous", "offset", (1.0, 1.0), 0))
+@example(case=ScaleAddCase((1, 33), -0.75, "offset", "transposed", (1.0, 1.0), 1))
+def test_scale_add(mode, case, device):
+    dtype = MODES[mode]
+    gen = torch.Generator().manual_seed(case.seed)
+    values = {"x": _randn(gen, case.shape, case.scales[0]),
+              "y": _randn(gen, case.shape, case.scales[1])}
+    special = _place_special(values, case.special, "x")
+    alpha = case.alpha
+
+    def reference(x, y):
+        return alpha * x + y
+
+    def ours(x, y):
+        return ops.scale_add(x, y, alpha)
+
+    truth, eager, mine, _ = _runs(
+        reference, ours, values, {"x": dtype, "y": dtype}, {"x": case.x_layout, "y": case.y_layout},
+        None, case.shape, dtype, gen, device)
+    _check(truth, eager, mine, special is not None)

@@ -1,0 +1,122 @@
+"""cupy_fused.settings (CPU tier): validation, getters and setters, context
+managers that restore on exit (also after an exception), the environment
+read at import, and the precision read at trace time under torch.compile."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cupy_fused
+from cupy_fused import ops, settings
+
+SWITCHES = [  # (context manager, getter, setter)
+    (settings.gemm_wgmma, settings.get_gemm_wgmma, settings.set_gemm_wgmma),
+    (settings.gemm_gn_epilogue, settings.get_gemm_gn_epilogue, settings.set_gemm_gn_epilogue),
+]
+
+
+def test_precision_setting_is_validated_and_restored():
+    assert cupy_fused.get_fp32_matmul_precision() == "3xtf32"
+    with pytest.raises(ValueError, match="precision must be one of '3xtf32', 'tf32', 'ieee'"):
+        cupy_fused.set_fp32_matmul_precision("fp32")
+    cupy_fused.set_fp32_matmul_precision("tf32")
+    try:
+        assert settings.resolve_precision(None) == "tf32"
+        assert settings.resolve_precision("ieee") == "ieee"
+    finally:
+        cupy_fused.set_fp32_matmul_precision("3xtf32")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        cupy_fused.GemmAddRelu(8, 16, (16,), precision="TF32")
+
+
+def test_one_home_for_the_precision_functions():
+    """The package and cupy_fused.ops re-export the settings' own functions."""
+    for name in ("get_fp32_matmul_precision", "set_fp32_matmul_precision"):
+        assert getattr(cupy_fused, name) is getattr(ops, name) is getattr(settings, name)
+    assert cupy_fused.fp32_matmul_precision is settings.fp32_matmul_precision
+    assert ops.PRECISIONS is settings.PRECISIONS
+
+
+def test_precision_context_manager_restores_on_exit_and_after_an_exception():
+    assert settings.get_fp32_matmul_precision() == "3xtf32"
+    with cupy_fused.fp32_matmul_precision("ieee"):
+        assert settings.resolve_precision(None) == "ieee"
+        with cupy_fused.fp32_matmul_precision("tf32"):  # nested: back to "ieee" after
+            assert settings.get_fp32_matmul_precision() == "tf32"
+        assert settings.get_fp32_matmul_precision() == "ieee"
+    assert settings.get_fp32_matmul_precision() == "3xtf32"
+    with pytest.raises(KeyError):
+        with cupy_fused.fp32_matmul_precision("tf32"):
+            raise KeyError("inside the block")
+    assert settings.get_fp32_matmul_precision() == "3xtf32"
+    # An invalid value raises before anything changes.
+    with pytest.raises(ValueError, match="precision must be one of"):
+        with cupy_fused.fp32_matmul_precision("fp16"):
+            pass  # pragma: no cover
+    assert settings.get_fp32_matmul_precision() == "3xtf32"
+
+
+def test_precision_context_manager_as_a_decorator():
+    @cupy_fused.fp32_matmul_precision("tf32")
+    def read():
+        return settings.resolve_precision(None)
+
+    assert read() == "tf32" and read() == "tf32"
+    assert settings.get_fp32_matmul_precision() == "3xtf32"
+
+
+@pytest.mark.parametrize("manager, get, set_", SWITCHES, ids=lambda f: f.__name__)
+def test_switches_set_get_and_restore(manager, get, set_):
+    before = get()
+    with manager(not before):
+        assert get() is (not before)
+    assert get() is before
+    with pytest.raises(RuntimeError):
+        with manager(not before):
+            raise RuntimeError("inside the block")
+    assert get() is before
+    set_(not before)
+    try:
+        assert get() is (not before)
+    finally:
+        set_(before)
+    assert get() is before
+
+
+def _run_python(code: str, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=str(Path(__file__).resolve().parent))
+
+
+@pytest.mark.parametrize("name, value, getter, expected", [
+    ("CUPY_FUSED_GEMM_WGMMA", "0", "get_gemm_wgmma", False),
+    ("CUPY_FUSED_GEMM_WGMMA", "1", "get_gemm_wgmma", True),
+    ("CUPY_FUSED_GEMM_GN_EPILOGUE", "1", "get_gemm_gn_epilogue", True),
+    ("CUPY_FUSED_GEMM_GN_EPILOGUE", "0", "get_gemm_gn_epilogue", False),
+])
+def test_environment_is_read_at_import(name, value, getter, expected):
+    result = _run_python(f"from cupy_fused import settings; print(settings.{getter}())",
+                         **{name: value})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(expected)
+
+
+def test_precision_is_read_at_trace_time_and_a_change_retraces():
+    """Under torch.compile the default precision is read when the op is
+    traced, and TorchDynamo guards on it: calling the compiled function
+    after a change traces it again with the new value."""
+    scale = {"3xtf32": 3.0, "tf32": 1.0, "ieee": 0.5}
+
+    def fn(x):
+        return x * scale[settings.resolve_precision(None)]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    x = torch.ones(3)
+    assert torch.equal(compiled(x), x * 3.0)
+    with cupy_fused.fp32_matmul_precision("ieee"):
+        assert torch.equal(compiled(x), x * 0.5)
+    assert torch.equal(compiled(x), x * 3.0)
