@@ -21,29 +21,10 @@
 #pragma once
 #include "gn_chains.cuh"
 
-// Minimum resident blocks per SM (of 256 threads) the compiler must allow:
-// caps registers per thread.  Tuned on H100 (scripts/tune_gn.py).
-#ifndef CF_GN_FORWARD_MIN_BLOCKS
-#define CF_GN_FORWARD_MIN_BLOCKS 8
-#endif
-// The vectorised forward holds up to 2 x 8 values and their columns'
-// vectors per lane: 64 registers (4 blocks), where 32 would spill.
-#ifndef CF_GN_FORWARD_VEC_MIN_BLOCKS
-#define CF_GN_FORWARD_VEC_MIN_BLOCKS 4
-#endif
-// The vectorised backward: two rows of loads, a vector's per-column sums and
-// its columns' vectors per lane in registers.  Blocks per SM, by z's element
-// size: a half-precision z runs faster at 3 (a few spilled registers), a
-// float32 one at 2 (none).
-#ifndef CF_GN_BACKWARD_VEC_MIN_BLOCKS_HALF
-#define CF_GN_BACKWARD_VEC_MIN_BLOCKS_HALF 3
-#endif
-#ifndef CF_GN_BACKWARD_VEC_MIN_BLOCKS_FLOAT
-#define CF_GN_BACKWARD_VEC_MIN_BLOCKS_FLOAT 2
-#endif
-#ifndef CF_GN_BACKWARD_MIN_BLOCKS
-#define CF_GN_BACKWARD_MIN_BLOCKS 4
-#endif
+// kMinBlocks (every kernel below): the minimum resident blocks per SM (of
+// 256 threads) the compiler must allow, which caps registers per thread.
+// A launch shape, chosen per instantiation by the op (LaunchShapes in
+// cupy_fused/ops/gn_chain.py, tuned with scripts/tune_gn.py).
 
 namespace cf {
 
@@ -112,8 +93,8 @@ __device__ __forceinline__ float group_rstd(float var_plus_eps, bool like_eager)
 // outputs are then within a unit of either of eager's.  Where ops follow it
 // (problem 88), every later rounding would amplify the half-unit offset, so
 // the statistic is rounded as eager's is.
-template <typename T, typename Chain, int kMaxVals, typename TO = T>
-__global__ void __launch_bounds__(256, CF_GN_FORWARD_MIN_BLOCKS) gn_chain_forward(const T* z, TO* out, float* __restrict__ mean_out,
+template <typename T, typename Chain, int kMaxVals, typename TO, int kMinBlocks>
+__global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, TO* out, float* __restrict__ mean_out,
                                  float* __restrict__ rstd_out, const TO* __restrict__ lin_bias,
                                  const TO* __restrict__ extra_bias, const TO* __restrict__ gn_weight,
                                  const TO* __restrict__ gn_bias, const TO* __restrict__ mul_weight,
@@ -235,8 +216,8 @@ __device__ __forceinline__ void slot_values(float (&out)[Chain::kSlots], float d
 // partial[chunk][slot][channels] (double) that reduce_column_partials folds
 // in order.
 // dy_dense == 0: dy is a single value broadcast to every element.
-template <typename T, typename Chain, int kMaxVals, typename TO = T>
-__global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backward(const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
+template <typename T, typename Chain, int kMaxVals, typename TO, int kMinBlocks>
+__global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
                                   const float* __restrict__ mean, const float* __restrict__ rstd,
                                   const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
                                   const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
@@ -365,8 +346,8 @@ __global__ void __launch_bounds__(256, CF_GN_BACKWARD_MIN_BLOCKS) gn_chain_backw
 // run in another order than the scalar kernels', so the two agree to
 // rounding; each is bitwise reproducible.
 
-template <typename T, typename Chain, int kE, int kVecs, typename TO = T>
-__global__ void __launch_bounds__(256, CF_GN_FORWARD_VEC_MIN_BLOCKS) gn_chain_forward_vec(
+template <typename T, typename Chain, int kE, int kVecs, typename TO, int kMinBlocks>
+__global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward_vec(
     const T* __restrict__ z, TO* __restrict__ out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, const TO* __restrict__ lin_bias,
     const TO* __restrict__ extra_bias, const TO* __restrict__ gn_weight,
@@ -460,12 +441,11 @@ __global__ void __launch_bounds__(256, CF_GN_FORWARD_VEC_MIN_BLOCKS) gn_chain_fo
 // gn_chain_backward's; a lane owns one vector of kE channels of its team's
 // group for every row of its chunk, so its per-channel vectors are loaded
 // once.  Column sums: plain
-// float over the chunk's rows (gn_epilogue bounds them), double across
+// float over the chunk's rows (ops/gn_chain.py bounds them), double across
 // chunks.
-template <typename T, typename Chain, int kE, typename TO = T>
-__global__ void __launch_bounds__(256, sizeof(T) == 2 ? CF_GN_BACKWARD_VEC_MIN_BLOCKS_HALF
-                                                     : CF_GN_BACKWARD_VEC_MIN_BLOCKS_FLOAT)
-    gn_chain_backward_vec(
+template <typename T, typename Chain, int kE, typename TO, int kMinBlocks>
+__global__ void __launch_bounds__(256, kMinBlocks)
+gn_chain_backward_vec(
     const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
     const float* __restrict__ mean, const float* __restrict__ rstd,
     const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,

@@ -32,7 +32,7 @@ PURE = {
     "gemm": {"Tile", "splits_b", "has_tf32_tensor_cores", "has_wgmma", "available_tiles",
              "choose_tile", "uses_sgemm", "uses_cublas", "route"},
     "gn_chain": {"Chain", "vector_shape", "team_shape", "forward_team_shape",
-                 "clear_launch_plans"},
+                 "clear_launch_plans", "LaunchShapes", "launch_shapes"},
     "linear": set(),
     "linear_gn_chain": {"group_fits_tile"},
     "bias_relu": {"forward_grid", "rows_launch"},

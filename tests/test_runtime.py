@@ -419,3 +419,32 @@ def test_main_job_report_only(tmp_path):
                           capture_output=True, text=True, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NVRTC" in proc.stdout and "compile check skipped" in proc.stdout
+
+
+def test_launch_shapes_are_data_in_the_kernel_names():
+    """The gn_chain kernels' launch bounds are template parameters chosen by
+    gn_chain.LaunchShapes; launch_shapes swaps them for a block (tuning)
+    and restores the shipped ones, also after an error."""
+    import dataclasses
+
+    shipped = gn_chain_module.SHIPPED_SHAPES
+    exprs = gn_chain_module._family(torch.float32, False, False).expressions
+    fwd = exprs[("forward", torch.float32, "swish_bias_gn", 4)]
+    assert fwd.endswith(f", float, {shipped.forward_min_blocks}>"), fwd
+    tuned = dataclasses.replace(shipped, forward_min_blocks=6, team=(16, 8))
+    with pytest.raises(RuntimeError, match="inside"):
+        with gn_chain_module.launch_shapes(tuned):
+            exprs = gn_chain_module._family(torch.float32, False, False).expressions
+            assert exprs[("forward", torch.float32, "swish_bias_gn", 4)].endswith(", float, 6>")
+            assert gn_chain_module.team_shape(64) == (16, 8)
+            assert gn_chain_module.forward_team_shape(64) == (16, 8)
+            raise RuntimeError("inside")
+    assert gn_chain_module._family(torch.float32, False, False).expressions[
+        ("forward", torch.float32, "swish_bias_gn", 4)] == fwd
+    assert gn_chain_module.team_shape(64) == (16, 4)
+    half = gn_chain_module._family(torch.bfloat16, False, False, True).expressions
+    assert half[("backward_vec", torch.bfloat16, "swish_bias_gn", 4)].endswith(
+        f", {shipped.backward_vec_min_blocks_half}>")
+    with pytest.raises(TypeError, match="LaunchShapes"):
+        with gn_chain_module.launch_shapes({"forward_min_blocks": 6}):
+            pass

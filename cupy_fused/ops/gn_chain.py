@@ -10,13 +10,14 @@ registers.
 
 Under ``torch.autocast`` the GroupNorm runs in float32, as autocast runs
 ``group_norm``: a float16 / bfloat16 z meets float32 vectors and the result
-is float32 (the ``AMP_KERNELS`` instantiations); z's gradient keeps z's dtype.
+is float32 (the "amp" family of instantiations); z's gradient keeps z's dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -86,34 +87,67 @@ _GRAD_ROW_OF = {name: chain.grad_row_of for name, chain in CHAINS.items()}
 VALS_PER_LANE = (4, 8)
 
 
+@dataclass(frozen=True)
+class LaunchShapes:
+    """Launch shapes of the gn_chain kernels: data, tuned on H100 with
+    ``scripts/tune_gn.py``; :func:`launch_shapes` swaps them for a block.
+
+    The ``*_min_blocks`` are each kernel's template parameter ``kMinBlocks``:
+    the minimum resident 256-thread blocks per SM the compiler must allow,
+    which caps its registers per thread.
+
+    Attributes:
+        forward_min_blocks: the scalar forward.
+        backward_min_blocks: the scalar backward.
+        forward_vec_min_blocks: the vectorised forward, which holds up to 2 x
+            8 values and their columns' vectors per lane (64 registers; 32
+            would spill).
+        backward_vec_min_blocks_half: the vectorised backward on a float16 /
+            bfloat16 z (two rows of loads, a vector's column sums and its
+            columns' vectors per lane: faster with a few spilled registers
+            at 3 blocks).
+        backward_vec_min_blocks_float: the same on a float32 z (no spills
+            at 2).
+        team: a fixed (team lanes, values per lane) for the scalar kernels
+            instead of :func:`team_shape` / :func:`forward_team_shape`'s
+            rule (tuning only), or None.
+    """
+    forward_min_blocks: int = 8
+    backward_min_blocks: int = 4
+    forward_vec_min_blocks: int = 4
+    backward_vec_min_blocks_half: int = 3
+    backward_vec_min_blocks_float: int = 2
+    team: Optional[Tuple[int, int]] = None
+
+    def min_blocks(self, kernel: str, dtype: torch.dtype) -> int:
+        """kMinBlocks of ``kernel`` ("forward", "backward", "forward_vec" or
+        "backward_vec") on a z of ``dtype``."""
+        if kernel == "backward_vec":
+            return (self.backward_vec_min_blocks_half if dtype in HALF_DTYPES
+                    else self.backward_vec_min_blocks_float)
+        return getattr(self, f"{kernel}_min_blocks")
+
+
+SHIPPED_SHAPES = LaunchShapes()
+
+
 def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int, eager_rounding: bool,
-          out_dtype: Optional[torch.dtype] = None) -> str:
-    out = "" if out_dtype is None else f", {cxx_type(out_dtype)}"
+          out_dtype: Optional[torch.dtype], shapes: LaunchShapes) -> str:
+    out = cxx_type(out_dtype or dtype)
     return (f"cf::gn_chain_{kernel}<{cxx_type(dtype)}, {CHAINS[chain].type(eager_rounding)}, "
-            f"{vals}{out}>")
-
-
-# Keyed by (kernel, dtype, chain, values per lane).  Every family below is
-# compiled from the one unit gn_chain.cu, an instantiation at a time on its
-# first use.  The eager-rounding variants: float16 / bfloat16 only
-# (rounding to float32 is the identity).
-KERNELS = _runtime.KernelFamily("gn_chain.cu", {
-    (k, d, c, v): _expr(k, d, c, v, False)
-    for k in ("forward", "backward") for d in FLOAT_DTYPES for c in CHAINS for v in VALS_PER_LANE
-})
-EAGER_ROUNDING_KERNELS = _runtime.KernelFamily("gn_chain.cu", {
-    (k, d, c, v): _expr(k, d, c, v, True)
-    for k in ("forward", "backward") for d in FLOAT_DTYPES if d != torch.float32 for c in CHAINS
-    for v in VALS_PER_LANE
-})
+            f"{vals}, {out}, {shapes.min_blocks(kernel, dtype)}>")
 
 
 # The vectorised kernels (``gn_chain_forward_vec`` / ``gn_chain_backward_vec``
 # in gn_chain.cuh): every access 8 to 32 bytes wide, where the shape and
-# alignment allow (:func:`vector_shape`); the kernels above take the rest.
+# alignment allow (:func:`vector_shape`); the scalar kernels take the rest.
 # Forward keyed by ("forward_vec", dtype, chain, vectors per lane), backward
 # by ("backward_vec", dtype, chain, values per vector).
 VECS_PER_LANE = (1, 2)
+
+# Values per vector in the backward: 4 (8 bytes of a half z), which holds
+# its per-value state and per-column sums in registers.
+BACKWARD_VEC_VALUES = {torch.float32: 4, torch.float16: 4, torch.bfloat16: 4}
 
 
 def _vec_values(dtype: torch.dtype) -> int:
@@ -121,46 +155,85 @@ def _vec_values(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
-def _vec_exprs(dtypes, out_dtype: Optional[torch.dtype]) -> Dict[tuple, str]:
+def _vec_exprs(dtypes, out_dtype: Optional[torch.dtype], shapes: LaunchShapes) -> Dict[tuple, str]:
     exprs = {}
     for d in dtypes:
-        out = "" if out_dtype is None else f", {cxx_type(out_dtype)}"
+        out = cxx_type(out_dtype or d)
         for c in CHAINS:
             kind = CHAINS[c].type(False)
             e = _vec_values(d)
             for n in VECS_PER_LANE:
                 exprs[("forward_vec", d, c, n)] = (
-                    f"cf::gn_chain_forward_vec<{cxx_type(d)}, {kind}, {e}, {n}{out}>")
-            exprs[("backward_vec", d, c, BACKWARD_VEC_VALUES[d])] = (
-                f"cf::gn_chain_backward_vec<{cxx_type(d)}, {kind}, {BACKWARD_VEC_VALUES[d]}{out}>")
+                    f"cf::gn_chain_forward_vec<{cxx_type(d)}, {kind}, {e}, {n}, {out}, "
+                    f"{shapes.min_blocks('forward_vec', d)}>")
+            v = BACKWARD_VEC_VALUES[d]
+            exprs[("backward_vec", d, c, v)] = (
+                f"cf::gn_chain_backward_vec<{cxx_type(d)}, {kind}, {v}, {out}, "
+                f"{shapes.min_blocks('backward_vec', d)}>")
     return exprs
 
 
-# Values per vector in the backward: 4 (8 bytes of a half z), which holds
-# its per-value state and per-column sums in registers.
-BACKWARD_VEC_VALUES = {torch.float32: 4, torch.float16: 4, torch.bfloat16: 4}
+@functools.lru_cache(maxsize=None)
+def _families(shapes: LaunchShapes) -> Dict[str, _runtime.KernelFamily]:
+    """The kernel families of ``shapes``, compiled from the one unit
+    gn_chain.cu, an instantiation at a time on its first use.  Scalar
+    kernels keyed by (kernel, dtype, chain, values per lane); "eager": the
+    eager-rounding variants (float16 / bfloat16 only: rounding to float32
+    is the identity); "amp": z in float16 / bfloat16, the output, its
+    gradient and the vectors in float32 (autocast), scalar and vectorised."""
+    scalar = [(k, d, c, v) for k in ("forward", "backward") for d in FLOAT_DTYPES
+              for c in CHAINS for v in VALS_PER_LANE]
+    return {
+        "plain": _runtime.KernelFamily("gn_chain.cu", {
+            key: _expr(*key, False, None, shapes) for key in scalar}),
+        "eager": _runtime.KernelFamily("gn_chain.cu", {
+            key: _expr(*key, True, None, shapes) for key in scalar if key[1] != torch.float32}),
+        "vec": _runtime.KernelFamily("gn_chain.cu", _vec_exprs(FLOAT_DTYPES, None, shapes)),
+        "amp": _runtime.KernelFamily("gn_chain.cu", {
+            **{key: _expr(*key, False, torch.float32, shapes) for key in scalar
+               if key[1] in HALF_DTYPES},
+            **_vec_exprs(HALF_DTYPES, torch.float32, shapes)}),
+    }
 
-VEC_KERNELS = _runtime.KernelFamily("gn_chain.cu", _vec_exprs(FLOAT_DTYPES, None))
 
-# Keyed as KERNELS and VEC_KERNELS by z's dtype (float16 / bfloat16); the
-# output, its gradient and the vectors are float32 (autocast).
-AMP_KERNELS = _runtime.KernelFamily("gn_chain.cu", {
-    **{(k, d, c, v): _expr(k, d, c, v, False, torch.float32)
-       for k in ("forward", "backward") for d in HALF_DTYPES for c in CHAINS
-       for v in VALS_PER_LANE},
-    **_vec_exprs(HALF_DTYPES, torch.float32),
-})
+_families(SHIPPED_SHAPES)  # declared at import: the compile check covers them
+_shapes = [SHIPPED_SHAPES]  # the shapes in use (launch_shapes swaps them)
 
 
 def _family(dtype: torch.dtype, eager_rounding: bool, float_out: bool,
             vec: bool = False) -> _runtime.KernelFamily:
+    families = _families(_shapes[0])
     if float_out and dtype != torch.float32:
-        return AMP_KERNELS
+        return families["amp"]
     if vec:
-        return VEC_KERNELS
+        return families["vec"]
     if dtype == torch.float32:
-        return KERNELS
-    return EAGER_ROUNDING_KERNELS if eager_rounding else KERNELS
+        return families["plain"]
+    return families["eager" if eager_rounding else "plain"]
+
+
+@contextlib.contextmanager
+def launch_shapes(shapes: LaunchShapes) -> Iterator[LaunchShapes]:
+    """Runs the block's gn_chain launches with ``shapes`` (for tuning:
+    ``scripts/tune_gn.py``), then the shipped ones again, also when the
+    block raises.  Process-wide, like the launch plans it clears.
+
+    Args:
+        shapes: a :class:`LaunchShapes`.
+
+    Returns:
+        A context manager yielding ``shapes``.
+    """
+    if not isinstance(shapes, LaunchShapes):
+        raise TypeError(f"shapes must be a LaunchShapes, got {type(shapes).__name__}")
+    previous = _shapes[0]
+    _shapes[0] = shapes
+    clear_launch_plans()
+    try:
+        yield shapes
+    finally:
+        _shapes[0] = previous
+        clear_launch_plans()
 
 
 # The vectorised backward sums each column in float over its chunk's rows:
@@ -222,7 +295,11 @@ def _rounded_eps(eps: float, dtype: torch.dtype) -> float:
 
 
 def team_shape(channels_per_group: int) -> Tuple[int, int]:
-    """(lanes per (row, group) pair: a power of two <= 32, values per lane)."""
+    """(lanes per (row, group) pair: a power of two <= 32, values per lane)
+    of the scalar backward (and, via :func:`forward_team_shape`, forward),
+    unless the launch shapes in use fix one (:class:`LaunchShapes`)."""
+    if _shapes[0].team is not None:
+        return _shapes[0].team
     small = VALS_PER_LANE[0]
     team = 1
     while team < 32 and team * small < channels_per_group:
@@ -239,6 +316,8 @@ def forward_team_shape(channels_per_group: int) -> Tuple[int, int]:
     the shapes).  The backward keeps :func:`team_shape`: with 8 values its
     per-column sums spill out of registers."""
     team, vals = team_shape(channels_per_group)
+    if _shapes[0].team is not None:
+        return team, vals
     if vals == VALS_PER_LANE[0] and team >= 16:
         return team // 2, VALS_PER_LANE[1]
     return team, vals
@@ -255,8 +334,8 @@ _backward_plans: Dict[tuple, tuple] = {}
 
 
 def clear_launch_plans() -> None:
-    """Forgets every launch plan (after swapping the kernel families, as
-    ``scripts/tune_gn.py`` does)."""
+    """Forgets every launch plan (:func:`launch_shapes` does, on entry and
+    exit)."""
     _forward_plans.clear()
     _backward_plans.clear()
 
