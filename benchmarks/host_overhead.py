@@ -49,7 +49,7 @@ def main(argv=None):
     import cupy
 
     from cupy_fused import ops
-    from cupy_fused.ops.smoke import KERNELS
+    from cupy_fused.ops.scale_add import KERNELS
 
     x = torch.rand(1024, device="cuda")
     y = torch.rand(1024, device="cuda")
@@ -77,7 +77,7 @@ def main(argv=None):
     from cupy_fused import _bridge
     from cupy_fused._autograd import is_compiling
     from cupy_fused._validation import check_finite_scalar, check_pair
-    from cupy_fused.ops.smoke import _forward
+    from cupy_fused.ops.scale_add import _forward
 
     kernel = KERNELS.get(torch.float32, 0)
     ops.scale_add(x, y, 0.5)  # first launch: fixes the kernel's parameter layout

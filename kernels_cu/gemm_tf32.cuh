@@ -1,5 +1,5 @@
 // Shared machinery of the "gemm_tf32" kernel family (gemm_tf32.cu: the
-// plain products with bias / ReLU epilogues; gemm_tf32_gn.cu: the GroupNorm
+// plain products with bias / ReLU epilogues; linear_gn_chain.cu: the GroupNorm
 // epilogue): float32 GEMM on TF32 tensor cores, C = A * B, with the
 // "3xTF32" split for float32-class accuracy.
 //

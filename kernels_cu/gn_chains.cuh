@@ -1,6 +1,6 @@
 // The op chains around a GroupNorm of problems 37, 88 and 94, shared by the
 // standalone GroupNorm epilogue kernels (gn_chain.cu) and the GEMM kernel
-// whose store applies them (gemm_tf32_gn.cu):
+// whose store applies them (linear_gn_chain.cu):
 //
 //     v  = Pre(z)                      elementwise, before the norm
 //     x^ = (v - mean_g) * rstd_g       GroupNorm over the channels of group g

@@ -33,8 +33,8 @@ def _run_python(code: str, env=None):
 def test_every_kernel_file_has_declared_instantiations():
     table = _runtime.declared()
     files = _runtime.source_files()
-    assert set(files) == {"smoke.cu", "bias_relu.cu", "column_reduce.cu", "gn_chain.cu",
-                          "gemm_tf32.cu", "gemm_tf32_gn.cu"}
+    assert set(files) == {"scale_add.cu", "bias_relu.cu", "column_reduce.cu", "gn_chain.cu",
+                          "gemm_tf32.cu", "linear_gn_chain.cu"}
     for name in files:
         assert table.get(name), f"{name} has no declared instantiation"
 
@@ -74,7 +74,7 @@ def test_compile_check_rejects_a_kernel_file_nobody_declares(tmp_path, monkeypat
 
 def test_undeclared_instantiation_is_a_clear_error():
     with pytest.raises(KeyError, match="not a declared instantiation"):
-        _runtime.get_function("smoke.cu", "cf::scale_add<double>", 0)
+        _runtime.get_function("scale_add.cu", "cf::scale_add<double>", 0)
 
 
 def test_options_carry_a_hash_of_the_sources():
@@ -92,7 +92,7 @@ def test_import_compiles_nothing_and_needs_no_cupy():
         "assert _runtime.compiled_modules() == 0\n"
         "m = cupy_fused.GemmAddRelu(4, 8, (8,))\n"
         "try:\n"
-        "    _runtime.get_function('smoke.cu', 'cf::scale_add<float>', 0)\n"
+        "    _runtime.get_function('scale_add.cu', 'cf::scale_add<float>', 0)\n"
         "except ImportError as e:\n"
         "    print('ERR', e)\n"
     )
@@ -275,11 +275,11 @@ def test_compile_check_compiles_each_instantiation_as_its_own_program(monkeypatc
         return 100
 
     monkeypatch.setattr(_runtime, "_nvrtc_compile", fake_compile)
-    sizes = _runtime.compile_check("sm_80", ["smoke.cu", "column_reduce.cu"])
+    sizes = _runtime.compile_check("sm_80", ["scale_add.cu", "column_reduce.cu"])
     table = _runtime.declared()
     assert sorted(programs) == sorted(
-        (s, (e,), "sm_80") for s in ("smoke.cu", "column_reduce.cu") for e in table[s])
-    assert sizes == {"smoke.cu": 100 * len(table["smoke.cu"]),
+        (s, (e,), "sm_80") for s in ("scale_add.cu", "column_reduce.cu") for e in table[s])
+    assert sizes == {"scale_add.cu": 100 * len(table["scale_add.cu"]),
                      "column_reduce.cu": 100 * len(table["column_reduce.cu"])}
 
 
@@ -300,9 +300,9 @@ def test_compile_jobs_run_in_parallel_and_report_every_failure():
 
 def test_precompile_for_an_architecture_needs_no_gpu(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain progress lines
-    done = cupy_fused.precompile(["smoke.cu", "column_reduce.cu"], device="sm_80",
+    done = cupy_fused.precompile(["scale_add.cu", "column_reduce.cu"], device="sm_80",
                                  dtypes=[torch.float32])
-    assert set(done) == {("smoke.cu", "cf::scale_add<float>"),
+    assert set(done) == {("scale_add.cu", "cf::scale_add<float>"),
                          ("column_reduce.cu", "cf::reduce_column_partials<float>")}
     err = capsys.readouterr().err
     assert "precompile sm_80 [1/2]" in err and "precompile sm_80 [2/2]" in err
@@ -321,7 +321,7 @@ def test_precompile_selection():
     with pytest.raises(ValueError, match="no declared kernel source 'nope.cu'"):
         _runtime._selection(["nope.cu"], None)
     with pytest.raises(ValueError, match="not an architecture name"):
-        cupy_fused.precompile("smoke.cu", device="hopper", progress=False)
+        cupy_fused.precompile("scale_add.cu", device="hopper", progress=False)
 
 
 def test_check_architectures_follow_what_nvrtc_supports(monkeypatch):
@@ -356,10 +356,10 @@ def test_missing_nvrtc_names_the_package(monkeypatch):
     monkeypatch.setattr(_runtime, "cupy_distribution", lambda: "cupy-cuda12x")
     monkeypatch.setattr(nvrtc, "createProgram", _nvrtc_missing)
     with pytest.raises(_runtime.NvrtcNotFoundError, match="pip install nvidia-cuda-nvrtc-cu12"):
-        _runtime.compile_check("sm_80", ["smoke.cu"])
+        _runtime.compile_check("sm_80", ["scale_add.cu"])
     monkeypatch.setattr(_runtime, "cupy_distribution", lambda: "cupy-cuda13x")
     with pytest.raises(_runtime.NvrtcNotFoundError, match=r"nvidia-cuda-nvrtc==13\.\*"):
-        cupy_fused.precompile("smoke.cu", device="sm_80", progress=False)
+        cupy_fused.precompile("scale_add.cu", device="sm_80", progress=False)
     # A broken kernel's compiler log is not a missing library.
     assert _runtime.missing_nvrtc_message(_runtime.CompileError(
         "broken.cu: k<float> for sm_80 failed: NVRTC_ERROR_COMPILATION (6)\n"

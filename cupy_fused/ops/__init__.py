@@ -12,7 +12,7 @@ from .gn_chain import (
 )
 from .linear import linear
 from .linear_gn_chain import linear_gn_chain
-from .smoke import scale_add
+from .scale_add import scale_add
 
 __all__ = [
     "CHAINS",

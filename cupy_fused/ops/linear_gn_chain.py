@@ -13,7 +13,7 @@ or ``"tf32"``):
   memory-bound chain it is one more per-column value, where in the GEMM's
   store it lengthens the GEMM (docs/gemm.md);
 * opt-in, **one launch** (``gemm_tf32_wgmma_gn`` in
-  ``kernels_cu/gemm_tf32_gn.cu``): the GroupNorm chain applied to the Hopper
+  ``kernels_cu/linear_gn_chain.cu``): the GroupNorm chain applied to the Hopper
   GEMM's accumulators before its only store, where each group lies inside
   one 128-column tile (:func:`_fuses_group_norm`).  It is correct and
   tested but no faster on H100 (docs/gemm.md, "GroupNorm in the GEMM's
@@ -61,7 +61,7 @@ from .linear import _run_autocast_linear, _run_linear
 WGMMA_TILE = gemm.TILES["wgmma128x128"]
 
 # Keyed by (chain, passes).  Forward layout only: x [M, K], W [N, K].
-KERNELS = _runtime.KernelFamily("gemm_tf32_gn.cu", {
+KERNELS = _runtime.KernelFamily("linear_gn_chain.cu", {
     (chain, passes): (f"cf::gemm_tf32_wgmma_gn<{WGMMA_TILE.stages}, {passes}, "
                       f"{CHAINS[chain].type()}>")
     for chain in CHAINS for passes in (1, 3)

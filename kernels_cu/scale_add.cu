@@ -1,4 +1,4 @@
-// Smoke kernel: out = alpha * x + y, elementwise.  The smallest fused op: used
+// Kernel family "scale_add": out = alpha * x + y, elementwise.  The smallest fused op: used
 // by `python -m cupy_fused`, the runtime tests and the host-overhead benchmark.
 #include "cf_common.cuh"
 

@@ -1,4 +1,4 @@
-// Kernel family "gemm_tf32_gn": the Hopper 3xTF32 GEMM of gemm_tf32.cuh with
+// Kernel family "linear_gn_chain" (cupy_fused/ops/linear_gn_chain.py): the Hopper 3xTF32 GEMM of gemm_tf32.cuh with
 // a GroupNorm op chain (gn_chains.cuh) applied in its store.  A source of its
 // own: it is opt-in (ops.linear_gn), and compiling it with gemm_tf32.cu would
 // add its six instantiations to every first use of the GEMM.

@@ -12,7 +12,7 @@ from .._autograd import FusedOp, is_compiling
 from .._validation import FLOAT_DTYPES, check_finite_scalar, check_pair, cxx_type
 from ._common import BLOCK, call_with_cupy_arrays, elementwise_grid
 
-KERNELS = _runtime.KernelFamily("smoke.cu", {d: f"cf::scale_add<{cxx_type(d)}>" for d in FLOAT_DTYPES})
+KERNELS = _runtime.KernelFamily("scale_add.cu", {d: f"cf::scale_add<{cxx_type(d)}>" for d in FLOAT_DTYPES})
 
 
 def _forward(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tensor]:
