@@ -79,6 +79,19 @@ __device__ __forceinline__ float group_rstd(float var_plus_eps, bool like_eager)
   return like_eager ? rsqrtf(var_plus_eps) : 1.0f / sqrtf(var_plus_eps);
 }
 
+// A group's rstd from its summed squared deviations, then its mean and
+// rstd rounded as eager rounds them where the chain rounds like eager
+// (round_stats; see gn_chain_forward).  Shared by both forward kernels.
+template <typename T, typename Chain>
+__device__ __forceinline__ void finish_statistics(float sq_sum, float inv_cpg, float feps,
+                                                  bool round_stats, float& mean, float& rstd) {
+  rstd = group_rstd(sq_sum * inv_cpg + feps, round_stats);
+  if (round_stats) {
+    mean = round_statistic<T, Chain::kGroupNormIsLast>(mean);
+    rstd = round_statistic<T, Chain::kGroupNormIsLast>(rstd);
+  }
+}
+
 // Forward.  Writes out (may alias z: every element is read before it is
 // written, by the same thread) and, when mean_out is not null, the per
 // (row, group) mean and rstd that the backward reuses.
@@ -149,11 +162,8 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, 
         if (c < cpg) sq += d * d;
       }
     }
-    float rstd = group_rstd(team_sum(sq, t) * inv_cpg + feps, round_stats);
-    if (round_stats) {
-      mean = round_statistic<T, Chain::kGroupNormIsLast>(mean);
-      rstd = round_statistic<T, Chain::kGroupNormIsLast>(rstd);
-    }
+    float rstd;
+    finish_statistics<T, Chain>(team_sum(sq, t), inv_cpg, feps, round_stats, mean, rstd);
     for (int s = 0; s < nslices; ++s) {
       if (nslices > 1) load_slice(s);
 #pragma unroll
@@ -412,11 +422,8 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward_vec(
         }
       }
     }
-    float rstd = group_rstd(team_sum(sq, t) * inv_cpg + feps, round_stats);
-    if (round_stats) {
-      mean = round_statistic<T, Chain::kGroupNormIsLast>(mean);
-      rstd = round_statistic<T, Chain::kGroupNormIsLast>(rstd);
-    }
+    float rstd;
+    finish_statistics<T, Chain>(team_sum(sq, t), inv_cpg, feps, round_stats, mean, rstd);
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       const int vi = team_lane + j * t;
