@@ -16,6 +16,7 @@ and kernels are launched.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import struct
 import sys
@@ -75,19 +76,29 @@ def kernel_signature(kernel: str) -> struct.Struct:
     base = kernel.split("<", 1)[0].rsplit("::", 1)[-1].strip()
     layout = _signatures.get(base)
     if layout is None:
-        from ._runtime import kernel_dir
+        declarations = _declarations()
+        if base not in declarations:
+            from ._runtime import kernel_dir
 
-        found = {}
-        for path in sorted(kernel_dir().glob("*.cu*")):
-            for match in _GLOBAL.finditer(path.read_text()):
-                found.setdefault(match.group(1), match.group(2))
-        if base not in found:
             raise TypeError(f"kernel {kernel}: no __global__ declaration of {base!r} in "
                             f"{kernel_dir()}")
-        params = [p for p in found[base].split(",") if p.strip()]
+        params = [p for p in declarations[base].split(",") if p.strip()]
         layout = struct.Struct("<" + "".join(_parameter_code(base, p) for p in params))
         _signatures[base] = layout
     return layout
+
+
+@functools.lru_cache(maxsize=1)
+def _declarations() -> Dict[str, str]:
+    """Parameter list of every ``__global__`` function, by name, read once
+    from the kernel sources."""
+    from ._runtime import kernel_dir
+
+    found: Dict[str, str] = {}
+    for path in sorted(kernel_dir().glob("*.cu*")):
+        for match in _GLOBAL.finditer(path.read_text()):
+            found.setdefault(match.group(1), match.group(2))
+    return found
 
 
 def _param_struct(kernel, args: tuple) -> struct.Struct:
