@@ -21,6 +21,7 @@ back their parameters as CPU tensors through ``torch.save``.  An exception
 in a child fails the test with the child's traceback.
 """
 import datetime
+import gc
 import importlib.util
 import os
 import time
@@ -174,6 +175,11 @@ def _worker(rank, spec):
                 results[(problem, dtype)] = _case(problem, dtype, spec, rank, device)
         if rank == 0:
             torch.save(results, spec["out"])
+        # DDP's reducer sits in reference cycles: collect it while its
+        # process group is alive, not at interpreter exit after the group is
+        # destroyed (where a gloo or NCCL thread still attached to it can
+        # end the process with std::terminate).
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
