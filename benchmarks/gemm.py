@@ -5,6 +5,7 @@ against float64.
 
     python benchmarks/gemm.py [--shapes 1024x8192x8192 32768x1024x4096] [--json F] [--md F]
     python benchmarks/gemm.py --tiles wgmma128x128 wgmma128x128_split_b   # also each tile kernel
+    python benchmarks/gemm.py --half     # the float16 / bfloat16 engine (Hopper) against cuBLAS
 
 A shape MxKxN is batch x in_features x out_features: forward y = x W^T with
 x [M, K], W [N, K]; grad_input dx = dy W; grad_weight dW = dy^T x.  Error:
@@ -127,6 +128,47 @@ def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256)
     return out
 
 
+def half_run(shapes, iters: int):
+    """The forward product x W^T in float16 and bfloat16: our Hopper engine
+    (``G._half_linear``, kernels_cu/gemm.cuh) against cuBLAS (``torch.mm``),
+    timed in turns; relative error of each against float64."""
+    device = torch.device("cuda")
+    rows = []
+    for shape in shapes:
+        m, k, n = map(int, shape.split("x"))
+        flops = 2.0 * m * n * k
+        for dtype in (torch.float16, torch.bfloat16):
+            g = torch.Generator(device=device).manual_seed(m + k + n)
+            x = torch.randn(m, k, device=device, generator=g).to(dtype)
+            w = (torch.randn(n, k, device=device, generator=g) / k ** 0.5).to(dtype)
+            impls = {"ours": lambda: G._half_linear(x, w), "cublas": lambda: torch.mm(x, w.t())}
+            times = time_interleaved(impls, iters, warmup=3)
+            truth = x.double() @ w.double().t()
+            row = {"shape": shape, "dtype": str(dtype).replace("torch.", "")}
+            for name, fn in impls.items():
+                med, best = times[name]
+                err = ((fn().double() - truth).abs().max() / truth.abs().max()).item()
+                row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
+                             "error": err}
+            row["ours vs cublas"] = row["cublas"]["median_ms"] / row["ours"]["median_ms"]
+            rows.append(row)
+            print(f"{shape} {row['dtype']:9s} ours {row['ours']['median_ms']:.3f} ms "
+                  f"{row['ours']['tflops']:.0f} TF/s  cuBLAS {row['cublas']['median_ms']:.3f} ms "
+                  f"{row['cublas']['tflops']:.0f} TF/s  x{row['ours vs cublas']:.3f}", flush=True)
+    return rows
+
+
+def half_markdown(rows) -> str:
+    lines = ["| shape (MxKxN) | dtype | ours ms | TFLOP/s | cuBLAS ms | TFLOP/s | ours vs cuBLAS | "
+             "error ours | error cuBLAS |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        o, c = r["ours"], r["cublas"]
+        lines.append(f"| {r['shape']} | {r['dtype']} | {o['median_ms']:.3f} | {o['tflops']:.0f} | "
+                     f"{c['median_ms']:.3f} | {c['tflops']:.0f} | {r['ours vs cublas']:.3f}x | "
+                     f"{o['error']:.1e} | {c['error']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows) -> str:
     lines = ["| shape (MxKxN) | product | ours 3xTF32 ms | TFLOP/s | cuBLAS SGEMM ms | TFLOP/s | "
              "speedup | ours TF32 ms | cuBLAS TF32 ms | error 3xTF32 | error SGEMM | error TF32 |",
@@ -160,7 +202,20 @@ def main(argv=None):
     p.add_argument("--accuracy-sizes", nargs="+", default=["256x256"],
                    help="result sizes PxQ of the accuracy sweep")
     p.add_argument("--no-timing", action="store_true", help="only the accuracy sweep")
+    p.add_argument("--half", action="store_true",
+                   help="the float16 / bfloat16 forward on our Hopper engine against cuBLAS "
+                        "(instead of the float32 products)")
     args = p.parse_args(argv)
+    if args.half:
+        rows = half_run(args.shapes, args.iters)
+        md = half_markdown(rows)
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        if args.json:
+            Path(args.json).write_text(json.dumps({"meta": meta, "half": rows}, indent=1))
+        if args.md:
+            Path(args.md).write_text(f"16-bit GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)
+        print(md)
+        return
     rows = [] if args.no_timing else run(args.shapes, args.iters, args.tiles)
     sizes = [tuple(map(int, s.split("x"))) for s in args.accuracy_sizes]
     accuracy = accuracy_sweep(sizes=sizes) if args.accuracy else []

@@ -12,7 +12,13 @@ memory.  Writes JSON and a Markdown table.
 Writes ``<out>/<device>-<date>.json`` (after every problem, dtype and
 size, so that a stopped run keeps what it measured), the Markdown table
 beside it and the PNG plots of ``benchmarks/plot.py`` (unless
-``--no-plots``).
+``--no-plots``).  A finished run in the repository's ``results/`` (the
+default ``--out``, from the repository root) is then published by
+``benchmarks/publish.py``: its rows replace theirs in
+``results/latest.json``, the tables of docs/performance.md and README.md
+are redrawn from that, and a row is appended to ``results/history.jsonl``
+(not with ``--quick`` or ``--no-publish``; a run stopped by
+``--time-limit`` publishes when ``--resume`` finishes it).
 
 Dtypes: ``fp32``, ``fp16``, ``bf16`` cast the model and its input to that
 dtype.  ``amp-bf16`` and ``amp-fp16`` keep both in float32 and run the
@@ -78,14 +84,17 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # see above; before
 import torch
 
 # The library of this tree, and benchmarks/ itself when loaded by path (the tests).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import publish  # noqa: E402
 from cupy_fused import reference  # noqa: E402
 from cupy_fused.testing import build_pair  # noqa: E402
 from harness import (DTYPES, Progress, autocast_dtype, dtype_label, gpu_state,  # noqa: E402
                      host_and_gpu_ms, l2_bytes, model_dtype, peak_extra_gib, rotation_count,
                      say, time_interleaved, time_ms)
+from publish import markdown  # noqa: E402,F401 -- the table beside the JSON
 
 ALL_DTYPES = tuple(DTYPES)
 IMPLS = ("eager", "compile", "ours", "ours+compile")
@@ -384,61 +393,6 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
     return rows
 
 
-def _ms(value) -> str:
-    return "nan" if value is None else f"{value:.3f}"
-
-
-def markdown(rows) -> str:
-    """The Markdown table of the rows at the benchmark shapes: one line per
-    problem, dtype and mode.  The ours+graphs column and the host columns
-    (ours's host issue / GPU time per step, and which implementations are
-    host-bound) appear when the rows have them; implementations that failed
-    are listed under the table.
-
-    Args:
-        rows: result rows of :func:`bench_problem`.
-
-    Returns:
-        The Markdown text.
-    """
-    key = lambda r: (r["problem"], r["dtype"], r["mode"], r["batch"])  # noqa: E731
-    groups = {}
-    for r in rows:
-        groups.setdefault(key(r), {})[r["impl"]] = r
-    graphs = any(r["impl"] == "ours+graphs" for r in rows)
-    host = any(r.get("host_ms") is not None for r in rows)
-    head = ["problem", "dtype", "mode", "eager ms", "compile ms", "ours ms", "ours+compile ms"]
-    head += ["ours+graphs ms"] * graphs
-    head += ["GEMM/conv alone ms", "ours/eager speedup", "ours/compile speedup",
-             "peak extra GiB (eager / compile / ours)", "ours TFLOP/s (of ceiling)"]
-    head += ["ours host / GPU ms per step", "host-bound"] * host
-    head += ["fwd rel. error vs fp64 (ours / eager)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    failed = []
-    for (p, d, m, _), g in groups.items():
-        def get(i, f="median_ms"):
-            value = g[i].get(f) if i in g else None
-            return float("nan") if value is None else value
-
-        mem = " / ".join(f"{get(i, 'peak_extra_gib'):.3f}" for i in ("eager", "compile", "ours"))
-        cells = [p, d, m] + [f"{get(i):.3f}" for i in ("eager", "compile", "ours", "ours+compile")]
-        cells += [f"{get('ours+graphs'):.3f}"] * graphs
-        cells += [f"{get('gemm'):.3f}", f"{get('eager') / get('ours'):.2f}x",
-                  f"{get('compile') / get('ours'):.2f}x", mem if m == "train" else "-",
-                  f"{get('ours', 'tflops'):.1f} ({100 * get('ours', 'ceiling_fraction'):.0f}%)"]
-        if host:
-            ours = g.get("ours", {})
-            cells.append(f"{_ms(ours.get('host_ms'))} / {_ms(ours.get('gpu_ms'))}")
-            bound = [i for i, r in g.items() if r.get("host_bound")]
-            cells.append(", ".join(bound) if bound else "-")
-        cells.append(f"{get('ours', 'fwd_rel_error'):.1e} / {get('eager', 'fwd_rel_error'):.1e}")
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-        failed += [f"- {p} {d} {m} {i}: {r['error']}" for i, r in g.items() if r.get("error")]
-    if failed:
-        lines += ["", "Failed (no times):", ""] + failed
-    return "\n".join(lines)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, nargs="+", default=sorted(reference.PROBLEMS))
@@ -473,6 +427,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "implementation (ours+graphs included), and the size sweep in every "
                              "dtype: the whole benchmark page in one command")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--no-publish", action="store_true",
+                        help="do not publish the finished run (benchmarks/publish.py: "
+                             "results/latest.json and history.jsonl, the tables of "
+                             "docs/performance.md and README.md)")
     parser.add_argument("--resume", metavar="JSON", default=None,
                         help="add to the results file of an earlier run of the same command, "
                              "skipping the jobs it holds")
@@ -520,6 +478,22 @@ def _write_json(path: str, data: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)  # a run stopped mid-write keeps the previous file
+
+
+def _publish(path: str, args) -> None:
+    """Publishes a finished run (``benchmarks/publish.py``), unless it ran
+    small shapes (``--quick``) or ``--no-publish``, or wrote outside the
+    repository's ``results/`` (a run into another folder, such as the logs
+    of a GPU check, leaves the published tables alone)."""
+    if args.quick or args.no_publish:
+        return
+    results = os.path.join(REPO, "results")
+    if os.path.realpath(os.path.dirname(os.path.abspath(path))) != os.path.realpath(results):
+        print(f"not published (not in {results}): python benchmarks/publish.py {path}")
+        return
+    publish.publish([path], root=REPO)
+    print("published: results/latest.json, results/history.jsonl, docs/performance.md, "
+          "README.md")
 
 
 def main(argv=None):
@@ -582,6 +556,8 @@ def main(argv=None):
     if left:
         print(f"stopped after --time-limit {args.time_limit} min with {len(left)} of "
               f"{len(jobs)} jobs left; the same command with --resume {stem}.json goes on")
+    else:
+        _publish(stem + ".json", args)
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401

@@ -3,7 +3,8 @@ and kernels are launched.
 
 * :func:`launch` runs a compiled kernel on the *current torch stream of the
   tensor's device*, with that device current.  Arguments are raw device
-  pointers (``tensor.data_ptr()``), 64-bit integers and doubles, packed into
+  pointers (``tensor.data_ptr()``), 64-bit integers, doubles and TMA
+  descriptors (128 ``bytes``, for ``TensorMap`` parameters), packed into
   one parameter buffer by the layout of the kernel's declared signature
   (:func:`kernel_signature`: a wrong count or type is a ``TypeError``
   before the launch) and handed to ``cuLaunchKernel`` (through CuPy's driver
@@ -37,7 +38,9 @@ class _ParamBuffer:
     before it returns, so one buffer is reused by every launch.  ``data``
     holds the packed values; ``params_ptr`` is the address of the ``void*[]``
     array of cuLaunchKernel's ``kernelParams``, pointing at each 8-byte slot
-    of ``data`` (fixed once, since every parameter is 8 bytes)."""
+    of ``data`` (fixed once: that fits every signature of 8-byte
+    parameters).  A signature with a wider parameter (a ``TensorMap``) gets
+    its own pointer array, made once per thread (:meth:`pointers_for`)."""
 
     def __init__(self):
         self.data = ctypes.create_string_buffer(MAX_PARAM_BYTES)
@@ -45,18 +48,34 @@ class _ParamBuffer:
         self.pointers = (ctypes.c_void_p * (MAX_PARAM_BYTES // 8))(
             *(base + 8 * i for i in range(MAX_PARAM_BYTES // 8)))
         self.params_ptr = ctypes.addressof(self.pointers)
+        self._irregular: Dict[str, tuple] = {}
+
+    def pointers_for(self, layout: struct.Struct) -> int:
+        """Address of a ``kernelParams`` array for ``layout``, one of the
+        :data:`_IRREGULAR` layouts: a pointer at each parameter's offset."""
+        entry = self._irregular.get(layout.format)
+        if entry is None:
+            base = ctypes.addressof(self.data)
+            offsets = _IRREGULAR[layout.format]
+            array = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
+            entry = self._irregular[layout.format] = (array, ctypes.addressof(array))
+        return entry[1]
 
 
 _GLOBAL = re.compile(
     r"__global__\s+void\s+(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
     r"(\w+)\s*\(([^)]*)\)")
-_QUALIFIERS = {"const", "__restrict__", "volatile"}
+_QUALIFIERS = {"const", "__restrict__", "volatile", "__grid_constant__"}
 _signatures: Dict[str, struct.Struct] = {}
+TENSOR_MAP_BYTES = 128  # a TensorMap (CUDA's CUtensorMap), passed by value
+# Formats of the layouts with a parameter wider than 8 bytes -> the byte
+# offset of every parameter (kernelParams points at each).
+_IRREGULAR: Dict[str, Tuple[int, ...]] = {}
 
 
 def _parameter_code(kernel: str, parameter: str) -> str:
-    """struct code of one declared parameter: every parameter is 8 bytes, a
-    pointer or ``i64`` (``q``) or a ``double`` (``d``)."""
+    """struct code of one declared parameter: a pointer or ``i64`` (``q``), a
+    ``double`` (``d``), or a ``TensorMap`` (128 bytes, ``128s``)."""
     if "*" in parameter:
         return "q"
     words = [w for w in parameter.split() if w not in _QUALIFIERS]
@@ -65,8 +84,26 @@ def _parameter_code(kernel: str, parameter: str) -> str:
         return "q"
     if ctype == "double":
         return "d"
-    raise TypeError(f"kernel {kernel}: parameter {parameter.strip()!r} is not a pointer, i64 or "
-                    "double (launch() passes 8-byte values only)")
+    if ctype in ("TensorMap", "cf::TensorMap"):
+        return f"{TENSOR_MAP_BYTES}s"
+    raise TypeError(f"kernel {kernel}: parameter {parameter.strip()!r} is not a pointer, i64, "
+                    "double or TensorMap")
+
+
+def _layout(codes) -> struct.Struct:
+    """The packed layout of parameters with struct codes ``codes``; a layout
+    with a parameter wider than 8 bytes records its offsets in
+    :data:`_IRREGULAR`.  (Packed without padding: cuLaunchKernel copies each
+    parameter from its own pointer, so only the kernel's own layout needs
+    the alignment.)"""
+    layout = struct.Struct("<" + "".join(codes))
+    if any(c != "q" and c != "d" for c in codes):
+        offsets, at = [], 0
+        for c in codes:
+            offsets.append(at)
+            at += struct.calcsize("<" + c)
+        _IRREGULAR[layout.format] = tuple(offsets)
+    return layout
 
 
 def kernel_signature(kernel: str) -> struct.Struct:
@@ -83,7 +120,7 @@ def kernel_signature(kernel: str) -> struct.Struct:
             raise TypeError(f"kernel {kernel}: no __global__ declaration of {base!r} in "
                             f"{kernel_dir()}")
         params = [p for p in declarations[base].split(",") if p.strip()]
-        layout = struct.Struct("<" + "".join(_parameter_code(base, p) for p in params))
+        layout = _layout([_parameter_code(base, p) for p in params])
         _signatures[base] = layout
     return layout
 
@@ -111,14 +148,19 @@ def _param_struct(kernel, args: tuple) -> struct.Struct:
 def _packing_error(kernel, args: tuple, exc: Exception) -> TypeError:
     """A clear error for arguments that do not fit the kernel's signature."""
     layout = kernel_signature(kernel.name)
-    codes = layout.format.lstrip("<")
+    codes = re.findall(r"\d*[a-z]", layout.format.lstrip("<"))
     if len(args) != len(codes):
         return TypeError(f"kernel {kernel.name}: {len(args)} arguments for its {len(codes)} "
                          "parameters")
     for i, (code, value) in enumerate(zip(codes, args)):
-        ok = (type(value) in (int, bool)) if code == "q" else (type(value) in (int, float))
+        if code == "q":
+            ok, expected = type(value) in (int, bool), "an int (pointer or i64)"
+        elif code == "d":
+            ok, expected = type(value) in (int, float), "a float (double)"
+        else:
+            ok = type(value) is bytes and len(value) == TENSOR_MAP_BYTES
+            expected = f"{TENSOR_MAP_BYTES} bytes (a TensorMap)"
         if not ok:
-            expected = "an int (pointer or i64)" if code == "q" else "a float (double)"
             return TypeError(f"kernel {kernel.name}: argument {i} must be {expected}, got "
                              f"{type(value).__name__}")
     return TypeError(f"kernel {kernel.name}: arguments do not fit its parameters ({exc})")
@@ -152,17 +194,25 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
     except AttributeError:
         require_cupy()
         buf = _local.buffer = _ParamBuffer()
+    layout = kernel.params or _param_struct(kernel, args)
     try:
-        (kernel.params or _param_struct(kernel, args)).pack_into(buf.data, 0, *args)
+        layout.pack_into(buf.data, 0, *args)
     except struct.error as exc:  # before any launch: a wrong count or type
         raise _packing_error(kernel, args, exc) from None
+    if layout.format in _IRREGULAR:
+        # struct pads or cuts a bytes value to its field: check the lengths.
+        if any(type(a) is bytes and len(a) != TENSOR_MAP_BYTES for a in args):
+            raise _packing_error(kernel, args, struct.error("a TensorMap is 128 bytes"))
+        params = buf.pointers_for(layout)
+    else:
+        params = buf.params_ptr
     if _get_device() == device_index:
         _launch_kernel(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
-                       _raw_stream(device_index), buf.params_ptr, 0)
+                       _raw_stream(device_index), params, 0)
     else:
         with require_cupy().cuda.Device(device_index):
             _launch_kernel(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
-                           _raw_stream(device_index), buf.params_ptr, 0)
+                           _raw_stream(device_index), params, 0)
 
 
 def _bind_driver() -> int:

@@ -7,10 +7,6 @@
 * the Hopper ``wgmma`` GEMM kernel on compute capability 9.0: on by
   default.  :func:`gemm_wgmma`, :func:`get_gemm_wgmma`,
   :func:`set_gemm_wgmma`.
-* the one-launch float32 GEMM + GroupNorm forward of ``linear_gn_chain``
-  (see :mod:`cupy_fused.ops.linear_gn_chain`): off by default.
-  :func:`gemm_gn_epilogue`, :func:`get_gemm_gn_epilogue`,
-  :func:`set_gemm_gn_epilogue`.
 
 Each has a getter, a setter and a context manager that sets it for the
 duration of a ``with`` block and restores the previous value on exit, also
@@ -26,8 +22,6 @@ override them afterwards):
 
 * ``CUPY_FUSED_GEMM_WGMMA=0``: the ``wgmma`` kernel off (any other value:
   on).
-* ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``: the one-launch GEMM + GroupNorm on (any
-  other value: off).
 
 Read by the kernel runtime (``cupy_fused/_runtime.py``) when it compiles,
 not settable here:
@@ -63,7 +57,6 @@ PRECISIONS = ("3xtf32", "tf32", "ieee")
 _values: Dict[str, Any] = {
     "fp32_matmul_precision": "3xtf32",
     "gemm_wgmma": os.environ.get("CUPY_FUSED_GEMM_WGMMA", "1") != "0",
-    "gemm_gn_epilogue": os.environ.get("CUPY_FUSED_GEMM_GN_EPILOGUE", "0") == "1",
 }
 
 
@@ -157,24 +150,3 @@ def gemm_wgmma(enabled: bool):
     """Context manager: :func:`set_gemm_wgmma` for the ``with`` block, the
     previous value again on exit (also after an exception)."""
     return _setting("gemm_wgmma", bool(enabled))
-
-
-def set_gemm_gn_epilogue(enabled: bool) -> None:
-    """Switches the one-launch float32 GEMM + GroupNorm forward of
-    ``ops.linear_gn_chain`` on or off, process-wide.  Default: off (two
-    launches are at least as fast on H100: see
-    :mod:`cupy_fused.ops.linear_gn_chain`), unless
-    ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``."""
-    _values["gemm_gn_epilogue"] = bool(enabled)
-
-
-def get_gemm_gn_epilogue() -> bool:
-    """Whether the one-launch GEMM + GroupNorm forward is on (it then runs
-    where its size rule allows)."""
-    return _values["gemm_gn_epilogue"]
-
-
-def gemm_gn_epilogue(enabled: bool):
-    """Context manager: :func:`set_gemm_gn_epilogue` for the ``with`` block,
-    the previous value again on exit (also after an exception)."""
-    return _setting("gemm_gn_epilogue", bool(enabled))

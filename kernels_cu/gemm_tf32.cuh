@@ -45,7 +45,7 @@
 // (K-major: 32 + 4 words, MN-major: extent + 4 words) so those loads are free
 // of bank conflicts.
 #pragma once
-#include "cf_common.cuh"
+#include "sm90.cuh"
 
 namespace cf {
 
@@ -59,11 +59,6 @@ static_assert(kChunkK % 8 == 0 && (kChunkK <= kGemmBK ? kGemmBK % kChunkK == 0 :
               "a chunk is whole MMA steps and divides (or is a multiple of) the k-tile");
 
 // ---- PTX wrappers (no toolkit headers under NVRTC) ----
-__device__ __forceinline__ unsigned shared_addr(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
 // 16-byte / 4-byte asynchronous copies; `bytes` = 0 zero-fills the target.
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
@@ -265,15 +260,6 @@ __device__ __forceinline__ unsigned long long plane_desc(unsigned addr) {
   return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) | (static_cast<unsigned long long>(128 >> 4) << 16) |
          (static_cast<unsigned long long>(256 >> 4) << 32);
 }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Keeps the compiler from moving reads or writes of the accumulator
-// registers across the asynchronous MMAs' issue and wait.
-__device__ __forceinline__ void fence_registers(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 #define CF_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
                  "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 // d (+)= a * B, a: this warp's 16 x 8 TF32 fragment, B: 8 x 128 from shared
@@ -293,24 +279,6 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4
 }
 #undef CF_D8
 
-// mbarriers (one phase per use of a stage).
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 #endif
 
 // A consumer thread's place in the tile: its sums lie in physical rows row and
@@ -499,7 +467,7 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
     wgmma_commit();
   };
   auto fold = [&]() {
-    wgmma_wait_all();
+    wgmma_wait<0>();
     fence_registers(acc);
 #pragma unroll
     for (int i = 0; i < 64; ++i) sum[i] += acc[i];

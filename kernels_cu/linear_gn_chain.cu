@@ -1,150 +1,207 @@
-// Kernel family "linear_gn_chain" (cupy_fused/ops/linear_gn_chain.py): the Hopper 3xTF32 GEMM of gemm_tf32.cuh with
-// a GroupNorm op chain (gn_chains.cuh) applied in its store.  A source of its
-// own: it is opt-in (ops.linear_gn), and compiling it with gemm_tf32.cu would
-// add its six instantiations to every first use of the GEMM.
-#include "gemm_tf32.cuh"
-#include "gn_chains.cuh"
+// Kernel family "linear_gn_chain" (cupy_fused/ops/linear_gn_chain.py): a
+// linear layer whose GEMM applies a GroupNorm op chain (gn_chains.cuh) in
+// its store, on the Hopper GEMM engine of gemm.cuh (float16 / bfloat16).
+#include "gemm.cuh"
+#include "gn_chain.cuh"
 
 namespace cf {
 
-// Forward of a linear layer followed by a GroupNorm op chain (gn_chains.cuh),
-// in one launch on Hopper:
-//     z = x W^T + lin_bias,  y = Post(GroupNorm(Pre(z)))
-// for groups of cpg = N / groups channels with cpg a power of two <= 128, so
-// that every group lies inside one 128-column tile and its statistics need
-// only the block's own values.  Opt-in (ops.linear_gn): on H100 it is not
-// faster than the GEMM followed by the gn_chain kernel, because with one
-// block per SM nothing hides the epilogue's latency (GEMM_NOTES.md).
+// z = x W^T + lin_bias on the GEMM engine (gemm.cuh), then,
+// in the store of each 128 x 128 tile,
+//     z rounded to T (as cuBLAS's output with the bias in its epilogue),
+//     v = Pre(z), GroupNorm over each group of kCpg columns, y = Post(y^)
+// for groups of kCpg channels (a power of two, 8 <= kCpg <= 128: every group
+// lies inside one tile).
 //
-// After the mainloop each consumer warp holds 16 whole rows of the tile (its
-// sums cover rows 16 * (warp % 4) .. + 15 of its warpgroup, all 128 columns,
-// spread over the warp's lanes).  It stages them through shared memory so
-// that a lane then owns 4 adjacent columns of a row: groups of >= 4 channels
-// are then teams of cpg / 4 lanes (butterfly sums, fixed order), smaller ones
-// lie inside a lane, and every store is a coalesced 16-byte one.  (Working on
-// the accumulator registers directly, with butterflies over the quad and the
-// lane's column blocks, measured slower.)  The statistics are float and
-// two-pass over the register-resident values (no E[x^2] - E[x]^2), as in
-// gn_chain_forward.
+// The store runs on one warp per scheduler while the other warpgroup's MMAs
+// run, and the accumulators leave no registers for the chain: so z goes to
+// shared memory first, as the tile TMA stores (TmaTileWriter's layout),
+// and leaves through TMA as it is when the backward needs it.  Then each
+// thread takes one row of the tile and works through its groups from shared
+// memory, as gn_chain_forward does: Pre, the statistics (float, two-pass,
+// summed in column order by one thread: bitwise reproducible), the
+// normalisation and Post, each group's values in registers; y replaces z in
+// place and leaves through TMA.  The tile's columns of every vector are
+// cached in shared memory first (one coalesced load per vector and thread;
+// every lane then reads the same column: a broadcast).  Pre takes the fast
+// activations exactly where the gn_chain kernels do (fast_math), so that
+// gn_chain_backward recomputes these normalised values from z and the saved
+// statistics.
 //
-// Outputs: y [M, N]; with z_out not null also z [M, N] and mean / rstd
-// [M, groups] (what gn_chain_backward reads).  x: [M, K], W: [N, K],
-// K-major, 16-byte aligned rows; vectors: N floats or null.
-constexpr int kGnStageStride = kWgBN + 4;  // words; conflict-free float2 writes, float4 reads
+// Outputs: y [M, N] through map_y; with mean_out not null (training) also z [M, N]
+// through map_z and mean / rstd [M, groups] (what gn_chain_backward reads).
+// x [M, K] and W [N, K] through their tensor maps; vectors: N values of T,
+// or null.
+constexpr int kGnVectors = 5;                               // lin_bias, extra_bias, gn_weight, gn_bias, mul_weight
+constexpr int kGnVectorBytes = 4096;                        // a warpgroup's cache of them (5 x 128 floats, padded)
+constexpr int kGnStagingBytes = kHgStagingBytes + 2 * kGnVectorBytes;  // per block
+static_assert(kGnVectors * kHgBN * 4 <= kGnVectorBytes && kGnVectorBytes % 1024 == 0, "cache fits, alignment kept");
 
-template <int kStages, int kPasses, typename Chain>
-__global__ void __launch_bounds__(kWgThreads, 1)
-gemm_tf32_wgmma_gn(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y,
-                   float* __restrict__ z_out, float* __restrict__ mean_out,
-                   float* __restrict__ rstd_out, const float* __restrict__ lin_bias,
-                   const float* __restrict__ extra_bias, const float* __restrict__ gn_weight,
-                   const float* __restrict__ gn_bias, const float* __restrict__ mul_weight, i64 M,
-                   i64 N, i64 K, i64 lda, i64 ldb, i64 groups, double eps) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(2 * 64 * kGnStageStride * 4 <= kStages * WgmmaConfig<kStages, kPasses, true, true>::kStageBytes,
-                "the staged tile fits in the pipeline's shared memory");
-  extern __shared__ __align__(128) float4 wgmma_shared[];
-  char* const smem = reinterpret_cast<char*>(wgmma_shared);
-  i64 m0, n0;
-  grouped_tile(M, N, kWgBM, kWgBN, m0, n0);
-  auto store = [&](const float (&sum)[64], const ConsumerLane& me) {
-    // The staging area overlaps the pipeline: wait until both consumer
-    // warpgroups are past their last MMA (barrier 1 is the producer's).
-    asm volatile("bar.sync 2, 256;\n" ::: "memory");
-    float* const stage = reinterpret_cast<float*>(smem + kWgBarrierBytes) + 16 * me.warp * kGnStageStride;
-    const int local_row = me.row & 15;  // within the warp's 16 rows
+// A warpgroup's cached columns of the chain's vectors (tile-local column c),
+// with the accessors the chains call.  The linear bias is in z: lin() is 0.
+template <typename T, bool kFastMath>
+struct TileVectors {
+  using value_type = T;
+  static constexpr bool kFast = kFastMath;
+  unsigned base;  // shared address: [vector][128] floats
+  __device__ __forceinline__ float at(int v, int c) const {
+    float r;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(r) : "r"(base + 4u * (v * kHgBN + c)));
+    return r;
+  }
+  __device__ __forceinline__ float lin(int) const { return 0.0f; }
+  __device__ __forceinline__ float bias(int c) const { return at(0, c); }  // the linear bias itself
+  __device__ __forceinline__ float extra(int c) const { return at(1, c); }
+  __device__ __forceinline__ float gamma(int c) const { return at(2, c); }
+  __device__ __forceinline__ float beta(int c) const { return at(3, c); }
+  __device__ __forceinline__ float mul(int c) const { return at(4, c); }
+};
+
+template <typename T, typename Chain, int kCpg>
+struct GroupNormTileStore {
+  static_assert(kCpg >= 8 && kCpg <= kHgBN && (kCpg & (kCpg - 1)) == 0, "a group inside a tile");
+  static constexpr bool kFast = fast_math<T, Chain>();
+  static constexpr int kChunks = kCpg / 8;      // 16-byte chunks (8 values) per group
+  static constexpr int kGroups = kHgBN / kCpg;  // groups per tile row
+  const TensorMap& map_y;
+  const TensorMap& map_z;
+  bool save;  // z, mean and rstd for the backward
+  float* mean_out;
+  float* rstd_out;
+  const T* vectors[kGnVectors];  // lin_bias, extra_bias, gn_weight, gn_bias, mul_weight (null: absent)
+  i64 M, N, groups;
+  float feps;
+  bool round_stats;
+
+  // Shared address of chunk k (columns 8k .. 8k + 7) of tile row r in the
+  // staging area (TmaTileWriter's layout).
+  __device__ __forceinline__ static unsigned chunk_addr(unsigned staging, int r, int k) {
+    return staging + (k >> 3) * (kHgBM * 128) + r * 128 + (((k & 7) ^ (r & 7)) << 4);
+  }
+
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned staging) const {
+    const TileVectors<T, kFast> p{staging + kHgStagingBytes / 2};
+    const int lt = threadIdx.x & 127;
+    TmaTileWriter::begin(me);  // the previous tile has left the staging area and the cache
+    // The cache: column n0 + lt of every vector (absent vectors and columns
+    // past N: the neutral value).
+    {
+      const i64 col = n0 + lt;
+      constexpr float kNeutral[kGnVectors] = {0.0f, 0.0f, 1.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const i64 col = n0 + 8 * i + 2 * me.t;
-      const float b0 = (lin_bias && col < N) ? lin_bias[col] : 0.0f;
-      const float b1 = (lin_bias && col + 1 < N) ? lin_bias[col + 1] : 0.0f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(stage + (local_row + h) * kGnStageStride + 8 * i + 2 * me.t) =
-            make_float2(__fadd_rn(sum[4 * i + 2 * h], b0), __fadd_rn(sum[4 * i + 2 * h + 1], b1));
+      for (int v = 0; v < kGnVectors; ++v) {
+        const float value = (vectors[v] && col < N) ? to_float(vectors[v][col]) : kNeutral[v];
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(p.base + 4u * (v * kHgBN + lt)), "f"(value) : "memory");
+      }
+      named_barrier(1 + me.wg, 128);
     }
-    __syncwarp();  // a warp reads back only the rows it wrote
-
-    // lin_bias is in z now: the chain sees it as absent.
-    const ColumnVectors<float> p = column_vectors<float>(nullptr, extra_bias, gn_weight, gn_bias, mul_weight);
-    const int cpg = static_cast<int>(N / groups);  // a power of two <= 128
-    const int cpg_shift = __ffs(cpg) - 1;
-    const float inv_cpg = 1.0f / static_cast<float>(cpg);
-    const float feps = static_cast<float>(eps);
-    const i64 col = n0 + 4 * me.lane;
-    const bool vec_store = (N % 4 == 0) && ((reinterpret_cast<unsigned long long>(y) & 15) == 0) &&
-                           ((reinterpret_cast<unsigned long long>(z_out) & 15) == 0);
-    // Sums of each value's group: in-lane for cpg <= 4, then over the cpg / 4
-    // lanes of a team.  Warp-uniform control flow (every lane shuffles).
-    auto group_sums = [&](const float (&v)[4], float (&s)[4]) {
-      if (cpg == 1) {
+    // z = acc + lin_bias, rounded, into the staging area.
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[e] = v[e];
-      } else if (cpg == 2) {
-        s[0] = s[1] = v[0] + v[1];
-        s[2] = s[3] = v[2] + v[3];
-      } else {
-        float total = (v[0] + v[1]) + (v[2] + v[3]);
-        for (int offset = 1; offset < (cpg >> 2); offset <<= 1)
-          total += __shfl_xor_sync(0xffffffffu, total, offset);
+    for (int i = 0; i < kHgAccs / 4; ++i) {
+      const int c = 8 * i + 2 * me.t;
+      const float b0 = p.bias(c), b1 = p.bias(c + 1);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[e] = total;
+      for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          TmaTileWriter::put(staging, 64 * hm + me.row + 8 * h, i, me.t,
+                             pack2<T>(__fadd_rn(acc[hm][4 * i + 2 * h], b0), __fadd_rn(acc[hm][4 * i + 2 * h + 1], b1)));
+    }
+    fence_proxy_async();
+    named_barrier(1 + me.wg, 128);
+    if (save) {  // z leaves as it is; y may overwrite it once the copy has read it
+      if (me.leader()) {
+#pragma unroll
+        for (int box = 0; box < kHgBN / 64; ++box)
+          tma_store_2d(map_z, staging + box * (kHgBM * 128), static_cast<int>(n0) + 64 * box, static_cast<int>(m0));
+        bulk_commit();
+        bulk_wait_read();
       }
-    };
-    for (int r = 0; r < 16; ++r) {
-      const i64 row = m0 + 64 * (me.warp >> 2) + 16 * (me.warp & 3) + r;
-      if (row >= M) break;  // warp-uniform
-      const float4 zv = *reinterpret_cast<const float4*>(stage + r * kGnStageStride + 4 * me.lane);
-      const float z[4] = {zv.x, zv.y, zv.z, zv.w};
-      float v[4], s[4], d2[4];
+      named_barrier(1 + me.wg, 128);
+    }
+    // Row lt of the tile, group by group.
+    const i64 row = m0 + lt;
+    const float inv_cpg = 1.0f / static_cast<float>(kCpg);
+#pragma unroll 1
+    for (int q = 0; q < kGroups; ++q) {
+      float v[kCpg];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = col + e < N ? Chain::pre(z[e], p, col + e) : 0.0f;
-      group_sums(v, s);
-      float mean[4];
+      for (int k = 0; k < kChunks; ++k) {
+        unsigned w[4];
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                     : "r"(chunk_addr(staging, lt, q * kChunks + k)));
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        mean[e] = s[e] * inv_cpg;
-        const float dv = v[e] - mean[e];
-        d2[e] = col + e < N ? dv * dv : 0.0f;
-      }
-      group_sums(d2, s);
-      float out[4], rstd[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        rstd[e] = 1.0f / sqrtf(s[e] * inv_cpg + feps);
-        out[e] = 0.0f;
-        if (col + e < N) {
-          const float yh = (v[e] - mean[e]) * rstd[e] * p.gamma(col + e) + p.beta(col + e);
-          out[e] = Chain::post(yh, p, col + e);
+        for (int e = 0; e < 8; ++e) {
+          T z;
+          z.bits = static_cast<unsigned short>(w[e / 2] >> (16 * (e % 2)));
+          v[8 * k + e] = Chain::pre(to_float(z), p, q * kCpg + 8 * k + e);
         }
       }
-      float* const yrow = y + row * N;
-      float* const zrow = z_out ? z_out + row * N : nullptr;
-      if (vec_store && col < N) {
-        *reinterpret_cast<float4*>(yrow + col) = make_float4(out[0], out[1], out[2], out[3]);
-        if (zrow) *reinterpret_cast<float4*>(zrow + col) = zv;
-      } else {
+      float sum = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (col + e < N) {
-            yrow[col + e] = out[e];
-            if (zrow) zrow[col + e] = z[e];
-          }
+      for (int e = 0; e < kCpg; ++e) sum += v[e];
+      float mean = sum * inv_cpg, sq = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kCpg; ++e) {
+        const float d = v[e] - mean;
+        sq += d * d;
       }
-      // Statistics (mean_out and rstd_out are both set or both null): one lane
-      // per (row, group) writes them, the one holding its first column.
-      if (mean_out) {
+      float rstd;
+      finish_statistics<T, Chain>(sq, inv_cpg, feps, round_stats, mean, rstd);
+      const i64 g = n0 / kCpg + q;
+      if (save && row < M && g < groups) {
+        mean_out[row * groups + g] = mean;
+        rstd_out[row * groups + g] = rstd;
+      }
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (col + e < N && ((col + e) & (cpg - 1)) == 0) {
-            const i64 pair = row * groups + ((col + e) >> cpg_shift);
-            mean_out[pair] = mean[e];
-            rstd_out[pair] = rstd[e];
-          }
+      for (int k = 0; k < kChunks; ++k) {
+        float y[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int c = q * kCpg + 8 * k + e;
+          y[e] = Chain::post((v[8 * k + e] - mean) * rstd * p.gamma(c) + p.beta(c), p, c);
+        }
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk_addr(staging, lt, q * kChunks + k)),
+                     "r"(pack2<T>(y[0], y[1])), "r"(pack2<T>(y[2], y[3])), "r"(pack2<T>(y[4], y[5])),
+                     "r"(pack2<T>(y[6], y[7]))
+                     : "memory");
       }
     }
-  };
-  wgmma_tile_product<kStages, kPasses, true, true>(smem, a, b, M, N, K, lda, ldb, m0, n0, store);
+    TmaTileWriter::end(map_y, me, staging, m0, n0);
+  }
+  __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
+};
+
+// Grid: at most one block per SM (persistent), kHgThreads threads,
+// HalfGemmShared<kGnHalfStages, kGnStagingBytes>::kBytes of dynamic shared
+// memory (ops.linear_gn_chain.HALF_SHARED_BYTES).
+constexpr int kGnHalfStages = 4;
+template <typename T, typename Chain, int kCpg>
+__global__ void __launch_bounds__(kHgThreads, 1)
+linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
+                      const __grid_constant__ TensorMap map_y, const __grid_constant__ TensorMap map_z,
+                      float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                      const T* __restrict__ lin_bias, const T* __restrict__ extra_bias,
+                      const T* __restrict__ gn_weight, const T* __restrict__ gn_bias,
+                      const T* __restrict__ mul_weight, i64 M, i64 N, i64 K, i64 groups, double eps,
+                      i64 round_statistics) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char gemm_shared[];
+  GroupNormTileStore<T, Chain, kCpg> store{map_y,
+                                           map_z,
+                                           mean_out != nullptr,
+                                           mean_out,
+                                           rstd_out,
+                                           {lin_bias, extra_bias, gn_weight, gn_bias, mul_weight},
+                                           M,
+                                           N,
+                                           groups,
+                                           static_cast<float>(eps),
+                                           Chain::kRoundsLikeEager && round_statistics != 0};
+  half_gemm_persistent<T, kGnHalfStages, kGnStagingBytes>(reinterpret_cast<char*>(gemm_shared), map_x, map_w, M,
+                                                          N, K, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

@@ -20,6 +20,7 @@ _kspec.loader.exec_module(bench_kernels)
 # The harness the scripts share (run.py has put benchmarks/ on sys.path): the
 # same module object, so that patching it reaches them.
 bench_harness = importlib.import_module("harness")
+bench_publish = importlib.import_module("publish")
 
 MiB = 2**20
 
@@ -505,6 +506,153 @@ def test_run_count_and_sweep_leave_compiled_impls_out(tmp_path, monkeypatch):
     assert calls[("amp-fp16", None)] == ["eager", "ours", "ours+graphs"]
     assert {tuple(v) for (d, b), v in calls.items() if b is not None} == {("eager", "ours")}
     assert {d for d, b in calls if b is not None} == {"amp-bf16"}
+
+
+# benchmarks/publish.py: latest.json, the tables between markers, history.jsonl (CPU tier)
+
+def _result(path, date, times, device="NVIDIA H100 80GB HBM3"):
+    """A results file as run.py writes it: ``times`` maps (problem, dtype)
+    to (eager, compile, ours) ms, the forward's at half the training step's."""
+    rows = []
+    for (problem, dtype), ms in times.items():
+        for mode, scale in (("forward", 0.5), ("train", 1.0)):
+            for impl, t in zip(("eager", "compile", "ours"), ms):
+                rows.append(dict(problem=problem, dtype=dtype, mode=mode, impl=impl, batch=1024,
+                                 sweep=False, input_copies=1, median_ms=t * scale,
+                                 min_ms=t * scale, host_ms=0.1, gpu_ms=t * scale,
+                                 host_bound=False, peak_extra_gib=0.5 if mode == "train" else None,
+                                 tflops=100.0, ceiling_fraction=0.5, fwd_rel_error=1e-3))
+    meta = dict(device=device, torch="2.x", cuda="13.0", date=date, ceilings={}, invocations=[])
+    path.write_text(json.dumps(dict(meta=meta, rows=rows)))
+    return path
+
+
+def _publish_root(tmp_path):
+    """A copy of the repository's README.md and docs/performance.md (with
+    their markers) and a history with one row, under ``tmp_path``."""
+    (tmp_path / "docs").mkdir(parents=True)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "README.md").write_text((REPO / "README.md").read_text())
+    (tmp_path / "docs/performance.md").write_text((REPO / "docs/performance.md").read_text())
+    (tmp_path / "results/history.jsonl").write_text('{"date": "2026-11-01", "run": "old"}\n')
+    return tmp_path
+
+
+def _outside(text, name):
+    """The text before the start marker and from the end marker on."""
+    start, end = text.index(f"<!-- {name}:start"), text.index(f"<!-- {name}:end -->")
+    return text[:start], text[end:]
+
+
+def test_publish_merges_a_partial_run_and_rewrites_only_between_markers(tmp_path):
+    root = _publish_root(tmp_path)
+    readme0, perf0 = (root / "README.md").read_text(), (root / "docs/performance.md").read_text()
+    first = _result(root / "results/GPU-2026-11-24-all.json", "2026-11-24", {
+        (76, "amp-bf16"): (3.0, 2.0, 1.0), (88, "amp-bf16"): (4.0, 3.0, 2.0),
+        (76, "bfloat16"): (5.0, 4.0, 2.5), (88, "bfloat16"): (6.0, 5.0, 3.0),
+        (76, "float16"): (7.0, 6.0, 3.5)})
+    second = _result(root / "results/GPU-2026-12-01-bf16.json", "2026-12-01",
+                     {(76, "bfloat16"): (9.0, 8.0, 4.0)})
+    publish = bench_publish.publish
+    assert publish([first], root=str(root), history=False, commit="abc1234")["run"] == "all"
+    assert (root / "results/history.jsonl").read_text().count("\n") == 1  # bootstrap: no row
+    row = publish([second], root=str(root), commit="abc1234")
+
+    readme, perf = (root / "README.md").read_text(), (root / "docs/performance.md").read_text()
+    assert _outside(readme, "headline") == _outside(readme0, "headline")
+    assert _outside(perf, "latest-run") == _outside(perf0, "latest-run")
+    assert "| 76 | bfloat16 | 4.00 | 2.25x | 2.00x | 2.00x |" in readme  # the second file's
+    assert "| 76 | bfloat16 | 2.50 |" not in readme
+    assert "| 88 | bfloat16 | 3.00 | 2.00x | 1.67x | 1.67x |" in readme  # kept from the first
+    assert "| 76 | amp-bf16 | 1.00 | 3.00x | 2.00x | 2.00x |" in readme
+    assert "| 76 | float16 |" not in readme  # not a headline dtype
+    assert "| 37 |" not in readme.split("<!-- headline:start")[1].split("headline:end")[0]
+    assert "\nH100, 2026-12-01, two runs, implementations timed in turns" in readme
+    section = perf.split("<!-- latest-run:start")[1].split("<!-- latest-run:end")[0]
+    assert "## Latest run (H100, 2026-12-01)" in section
+    assert "### Under autocast, float32 model" in section
+    assert "### Model in bf16 and fp16" in section
+    assert "| 76 | bfloat16 | train | 9.000 | 8.000 | 4.000 |" in section
+    assert "| 76 | bfloat16 | train | 5.000 |" not in section
+    assert "| 88 | bfloat16 | train | 6.000 | 5.000 | 3.000 |" in section
+    assert "| 76 | float16 | forward | 3.500 | 3.000 | 1.750 |" in section
+    # the replaced key where it was: 76 bfloat16 before 88 bfloat16
+    assert section.index("| 76 | bfloat16 | forward") < section.index("| 88 | bfloat16 | forward")
+
+    latest = json.loads((root / "results/latest.json").read_text())
+    sources = {(r["problem"], r["dtype"]): r["source"] for r in latest["rows"]}
+    assert sources[(76, "bfloat16")] == "results/GPU-2026-12-01-bf16.json"
+    assert sources[(88, "bfloat16")] == "results/GPU-2026-11-24-all.json"
+    assert len(latest["rows"]) == 5 * 2 * 3 and set(latest["sources"]) == set(sources.values())
+
+    history = (root / "results/history.jsonl").read_text().splitlines()
+    assert len(history) == 2 and json.loads(history[-1]) == row
+    assert row == dict(date="2026-12-01", run="bf16", device="NVIDIA H100 80GB HBM3",
+                       commit="abc1234", versions={"torch": "2.x", "cuda": "13.0"},
+                       headline={"76 bfloat16 forward ours/compile": 2.0,
+                                 "76 bfloat16 train ours/compile": 2.0})
+    # redrawing from latest.json alone changes nothing and appends nothing
+    assert publish([], root=str(root)) is None
+    assert (root / "README.md").read_text() == readme
+    assert (root / "docs/performance.md").read_text() == perf
+    assert len((root / "results/history.jsonl").read_text().splitlines()) == 2
+
+
+def test_publish_without_markers_writes_nothing(tmp_path):
+    root = _publish_root(tmp_path)
+    (root / "README.md").write_text("# cupy-fused\n\nno markers\n")
+    result = _result(root / "results/GPU-2026-11-24.json", "2026-11-24",
+                     {(76, "float32"): (2.0, 2.0, 1.0)})
+    with pytest.raises(ValueError, match="headline"):
+        bench_publish.publish([result], root=str(root), commit=None)
+    assert not (root / "results/latest.json").exists()
+    assert (root / "docs/performance.md").read_text() == (REPO / "docs/performance.md").read_text()
+    assert (root / "results/history.jsonl").read_text().count("\n") == 1
+
+
+def test_device_names_and_run_labels():
+    assert bench_publish.short_device("NVIDIA H100 80GB HBM3") == "H100"
+    assert bench_publish.short_device("NVIDIA A100-SXM4-80GB") == "A100"
+    assert bench_publish.short_device("NVIDIA GeForce RTX 4090") == "RTX 4090"
+    rows = [dict(dtype="bfloat16"), dict(dtype="amp-fp16"), dict(dtype="bfloat16")]
+    assert bench_publish.run_label("results/X-2026-11-24-autocast.json", rows) == "autocast"
+    assert bench_publish.run_label("results/X-2026-11-24.json", rows) == "bf16+amp-fp16"
+
+
+def test_the_published_tables_are_what_latest_json_draws():
+    """README.md and docs/performance.md hold the tables publish.py draws from
+    results/latest.json (tables edited by hand fail here)."""
+    readme, perf = (REPO / "README.md").read_text(), (REPO / "docs/performance.md").read_text()
+    latest = json.loads((REPO / "results/latest.json").read_text())
+    assert bench_publish.replace_between(
+        perf, "latest-run", lambda old: bench_publish.performance_section(latest)) == perf
+    assert bench_publish.replace_between(
+        readme, "headline", lambda old: bench_publish.readme_section(old, latest)) == readme
+
+
+def test_a_finished_run_in_results_publishes_unless_quick_or_asked_not_to(tmp_path, monkeypatch):
+    def fake_bench(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
+                   **kw):
+        return [dict(problem=problem, dtype=bench_run.dtype_label(dtype), mode=mode, impl=impl,
+                     batch=1024, sweep=False, median_ms=ms, min_ms=ms, peak_extra_gib=None,
+                     tflops=1.0, ceiling_fraction=0.5, fwd_rel_error=None)
+                for mode in modes for impl, ms in (("eager", 2.0), ("compile", 1.5), ("ours", 1.0))]
+
+    monkeypatch.setattr(bench_run, "bench_problem", fake_bench)
+    _fake_device(monkeypatch)
+    root = _publish_root(tmp_path / "repo")
+    monkeypatch.setattr(bench_run, "REPO", str(root))
+    history = root / "results/history.jsonl"
+    argv = ["--problems", "76", "--dtypes", "bf16", "--no-plots"]
+    for extra in (["--quick"], ["--no-publish"], ["--out", str(tmp_path / "elsewhere")]):
+        bench_run.main(argv + ["--out", str(root / "results")] + extra)
+        assert len(history.read_text().splitlines()) == 1, extra
+        assert not (root / "results/latest.json").exists()
+    bench_run.main(argv + ["--out", str(root / "results")])
+    assert len(history.read_text().splitlines()) == 2
+    assert json.loads(history.read_text().splitlines()[-1])["headline"] == {
+        "76 bfloat16 forward ours/compile": 1.5, "76 bfloat16 train ours/compile": 1.5}
+    assert "| 76 | bfloat16 | 1.00 | 2.00x | 1.50x | 1.50x |" in (root / "README.md").read_text()
 
 
 # benchmarks/kernels.py: byte accounting and selection (CPU tier)

@@ -17,14 +17,18 @@ def _all_instantiations():
     return [expr for exprs in _runtime.declared().values() for expr in exprs]
 
 
-def test_every_declared_instantiation_has_an_eight_byte_signature():
+def test_every_declared_instantiation_has_a_signature_of_known_parameters():
+    """Pointers, i64 and doubles (8 bytes) and TMA descriptors (128 bytes)."""
     names = _all_instantiations()
     assert names
     for expr in names:
         layout = _bridge.kernel_signature(expr)
-        codes = layout.format.lstrip("<")
-        assert codes and set(codes) <= {"q", "d"}, (expr, codes)
-        assert layout.size == 8 * len(codes)
+        codes = re.findall(r"\d*[a-z]", layout.format.lstrip("<"))
+        assert codes and set(codes) <= {"q", "d", "128s"}, (expr, codes)
+        assert layout.size == sum(128 if c == "128s" else 8 for c in codes)
+        if "128s" in codes:  # a pointer array of its own, at every parameter's offset
+            offsets = _bridge._IRREGULAR[layout.format]
+            assert offsets[0] == 0 and len(offsets) == len(codes)
 
 
 def test_kernel_names_are_unique_across_the_sources():
@@ -69,5 +73,27 @@ def test_arguments_that_do_not_fit_are_refused_before_launch(monkeypatch, args, 
 
 
 def test_a_parameter_of_another_width_is_refused():
-    with pytest.raises(TypeError, match="not a pointer, i64 or double"):
+    with pytest.raises(TypeError, match="not a pointer, i64, double or TensorMap"):
         _bridge._parameter_code("k", " int n")
+
+
+def test_tensor_maps_pack_as_128_bytes_and_other_lengths_are_refused(monkeypatch):
+    """gemm_wgmma(TensorMap a, TensorMap b, TensorMap c, T* c, const T* bias,
+    i64 act, i64 M, i64 N, i64 K, i64 ldc): each map at its own offset."""
+    expr = "cf::gemm_wgmma<cf::half, 4, true>"
+    layout = _bridge.kernel_signature(expr)
+    assert _bridge._IRREGULAR[layout.format] == (0, 128, 256, 384, 392, 400, 408, 416, 424, 432)
+    launched = []
+    monkeypatch.setattr(_bridge, "_launch_kernel", lambda *a: launched.append(a))
+    monkeypatch.setattr(_bridge, "_get_device", lambda: 0)
+    monkeypatch.setattr(_bridge, "_raw_stream", lambda dev: 0)
+    monkeypatch.setattr(_bridge._local, "buffer", _bridge._ParamBuffer(), raising=False)
+    maps = [bytes([i]) * 128 for i in (1, 2, 3)]
+    _bridge.launch(_FakeKernel(expr), (1, 1, 1), 384, (*maps, 7, 0, 1, 2, 3, 4, 5), 0)
+    assert len(launched) == 1
+    data = bytes(_bridge._local.buffer.data)
+    assert data[:384] == b"".join(maps) and struct.unpack_from("<q", data, 384)[0] == 7
+    with pytest.raises(TypeError, match="argument 1 must be 128 bytes"):
+        _bridge.launch(_FakeKernel(expr), (1, 1, 1), 384,
+                       (maps[0], maps[1][:64], maps[2], 7, 0, 1, 2, 3, 4, 5), 0)
+    assert len(launched) == 1

@@ -289,3 +289,80 @@ def test_non_finite_inputs_stay_non_finite(device):
     assert not torch.isfinite(y[1]).any() and torch.isnan(y[2]).all()
     torch.testing.assert_close(y[[0, 3]], x[[0, 3]] @ w.t(), rtol=1e-5, atol=1e-5)
     assert torch.isinf(ops.linear(x, w, precision="ieee")[1]).all()
+
+
+# ---------------------------------------------------------------- 16-bit engine (Hopper)
+
+HALF = [torch.float16, torch.bfloat16]
+# (M, K, N): ragged M (the TMA store clips rows), K not a multiple of the
+# 64-deep k-tile, N not a multiple of the 128-column tile, N % 8 != 0 (rows
+# TMA cannot store: the register store), one row, a K of one 16-byte row.
+HALF_SHAPES = [(1, 8, 8), (129, 72, 257), (1000, 1024, 300), (257, 200, 1032), (37, 64, 4100),
+               (128, 64, 128)]
+
+
+def _half_operands(m, k, n, dtype, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed + m + k + n)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=g).to(device=device, dtype=dtype)
+    return x, w, b
+
+
+def _needs_half_engine(x, w):
+    if not G._uses_half_engine(x, w):
+        pytest.skip("the 16-bit engine needs compute capability 9.0")
+
+
+@gpu
+@pytest.mark.parametrize("activation", [0, 1])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_half_engine_against_float64(shape, dtype, activation, device):
+    """act(x W^T + bias) into NaN: error against float64 no worse than
+    cuBLAS's (1.5x, plus a unit of rounding), with and without the bias."""
+    m, k, n = shape
+    x, w, b = _half_operands(m, k, n, dtype, device)
+    _needs_half_engine(x, w)
+    for bias in (b, None):
+        truth = x.double() @ w.double().t() + (bias.double() if bias is not None else 0)
+        cublas = torch.addmm(bias, x, w.t()) if bias is not None else torch.mm(x, w.t())
+        if activation:
+            truth, cublas = truth.relu(), cublas.relu()
+        poison_allocator(device, 2 * m * n)
+        ours = G._half_linear(x, w, bias, activation,
+                              out=torch.full((m, n), float("nan"), device=device, dtype=dtype))
+        err = (ours.double() - truth).abs().max().item()
+        ref = (cublas.double() - truth).abs().max().item()
+        assert err <= 1.5 * ref + torch.finfo(dtype).eps * truth.abs().max().item(), (err, ref)
+
+
+@gpu
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_engine_non_finite_lands_where_cublas_puts_it(value, dtype, device):
+    """A non-finite element of x (and one of W): NaN / +inf / -inf of the
+    product, and through the ReLU (NaN kept), where cuBLAS and torch put them."""
+    x, w, b = _half_operands(200, 72, 264, dtype, device)
+    _needs_half_engine(x, w)
+    x[17, 5] = value
+    w[100, 3] = value
+    for activation in (0, 1):
+        want = torch.addmm(b, x, w.t())
+        want = want.relu() if activation else want
+        got = G._half_linear(x, w, b, activation)
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(got), test(want)), (test.__name__, activation)
+
+
+@gpu
+def test_half_engine_is_bitwise_reproducible_and_refuses_what_it_cannot_run(device):
+    x, w, b = _half_operands(1000, 1024, 1032, torch.bfloat16, device)
+    _needs_half_engine(x, w)
+    assert torch.equal(G._half_linear(x, w, b, 1), G._half_linear(x, w, b, 1))
+    with pytest.raises(ValueError, match="half_linear needs"):
+        G._half_linear(x.float(), w.float())
+    with pytest.raises(ValueError, match="half_linear needs"):
+        G._half_linear(x.view(-1)[1:1 + 999 * 1024].view(999, 1024), w)  # starts off 16 bytes
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        G._half_linear(x, w, out=torch.empty(1000, 1031, device=device, dtype=torch.bfloat16))

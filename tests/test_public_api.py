@@ -34,7 +34,7 @@ PURE = {
     "gn_chain": {"Chain", "vector_shape", "team_shape", "forward_team_shape",
                  "clear_launch_plans", "LaunchShapes", "launch_shapes"},
     "linear": set(),
-    "linear_gn_chain": {"group_fits_tile"},
+    "linear_gn_chain": {"fusion_pays"},
     "bias_relu": {"forward_grid", "rows_launch"},
     "scale_add": set(),
 }

@@ -14,7 +14,6 @@ from cupy_fused import ops, settings
 
 SWITCHES = [  # (context manager, getter, setter)
     (settings.gemm_wgmma, settings.get_gemm_wgmma, settings.set_gemm_wgmma),
-    (settings.gemm_gn_epilogue, settings.get_gemm_gn_epilogue, settings.set_gemm_gn_epilogue),
 ]
 
 
@@ -94,8 +93,6 @@ def _run_python(code: str, **env):
 @pytest.mark.parametrize("name, value, getter, expected", [
     ("CUPY_FUSED_GEMM_WGMMA", "0", "get_gemm_wgmma", False),
     ("CUPY_FUSED_GEMM_WGMMA", "1", "get_gemm_wgmma", True),
-    ("CUPY_FUSED_GEMM_GN_EPILOGUE", "1", "get_gemm_gn_epilogue", True),
-    ("CUPY_FUSED_GEMM_GN_EPILOGUE", "0", "get_gemm_gn_epilogue", False),
 ])
 def test_environment_is_read_at_import(name, value, getter, expected):
     result = _run_python(f"from cupy_fused import settings; print(settings.{getter}())",

@@ -38,6 +38,9 @@ Use ``"ieee"`` where infinities must survive the product.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -302,6 +305,140 @@ def _split_b(b: torch.Tensor, n: int, k: int, b_kmajor: bool, passes: int) -> to
     _bridge.launch(SPLIT_B_KERNELS.get((passes, b_kmajor), dev), (elementwise_grid(items, dev), 1, 1),
                    BLOCK, (b.data_ptr(), image.data_ptr(), n, k, b.shape[1], k_tiles, items), dev)
     return image
+
+
+# ---------------------------------------------------------------- 16-bit engine (Hopper)
+#
+# The float16 / bfloat16 forward product x W^T on our own persistent,
+# warp-specialised wgmma kernel (kernels_cu/gemm.cuh: TMA loads into a ring
+# of 128-byte swizzled stages, 128 x 128 tiles taken in turns by two
+# consumer warpgroups, TMA stores), with the bias and ReLU in its store
+# (kernels_cu/gemm.cu).  No model routes its plain products here (cuBLAS is
+# as fast at their shapes: docs/gemm.md); ops.linear_gn_chain runs the same
+# engine with the GroupNorm chain as its store.
+
+HALF_TILE = (128, 128)   # rows x columns of C per tile
+HALF_BOX_K = 64          # k-values per tile (one 128-byte swizzle row)
+HALF_THREADS = 384
+# Pipeline stages (32 KiB each) beside the TMA store's staging (a tile per
+# consumer warpgroup, 64 KiB): 5 measured no faster (docs/gemm.md).
+HALF_STAGES = 4
+_HALF_TYPES = {torch.float16: "cf::half", torch.bfloat16: "cf::bfloat16"}
+
+
+def _half_shared_bytes(tma_store: bool) -> int:
+    """HalfGemmShared<stages, staging>::kBytes (kernels_cu/gemm.cuh)."""
+    stages = HALF_STAGES
+    return (1024 + stages * (HALF_TILE[0] + HALF_TILE[1]) * HALF_BOX_K * 2
+            + (2 * HALF_TILE[0] * HALF_TILE[1] * 2 if tma_store else 0) + 2 * stages * 8 + 16)
+
+
+# Keyed by (dtype, C stored through TMA).
+HALF_KERNELS = _runtime.KernelFamily("gemm.cu", {
+    (dtype, tma): f"cf::gemm_wgmma<{name}, {HALF_STAGES}, {_cxx_bool(tma)}>"
+    for dtype, name in _HALF_TYPES.items() for tma in (True, False)
+})
+
+# CUtensorMapDataType of each dtype; the driver's enums for no interleave,
+# 128-byte swizzle, 256-byte L2 promotion and zero fill.
+_TMA_DTYPE = {torch.float16: 6, torch.bfloat16: 9}
+_TMA_SWIZZLE_128B, _TMA_L2_256B = 3, 3
+
+
+@functools.lru_cache(maxsize=1)
+def _encode_tiled():
+    """The driver's ``cuTensorMapEncodeTiled`` (CUDA 12+ drivers), through
+    ctypes: CuPy does not wrap it."""
+    lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
+                   u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=256)
+def _encode_tensor_map(ptr: int, rows: int, cols: int, row_stride: int, dtype: torch.dtype,
+                box_rows: int) -> bytes:
+    # The descriptor depends only on these values, so equal arguments give an
+    # equal, valid descriptor whatever tensor they came from.
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    storage = ctypes.create_string_buffer(128 + 64)  # CUtensorMap is 64-byte aligned
+    at = -ctypes.addressof(storage) % 64
+    status = _encode_tiled()(
+        ctypes.addressof(storage) + at, _TMA_DTYPE[dtype], 2, ptr, (u64 * 2)(cols, rows),
+        (u64 * 1)(row_stride * 2), (u32 * 2)(HALF_BOX_K, box_rows), (u32 * 2)(1, 1), 0,
+        _TMA_SWIZZLE_128B, _TMA_L2_256B, 0)
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a "
+                           f"[{rows}, {cols}] {dtype} tensor (row stride {row_stride})")
+    return ctypes.string_at(ctypes.addressof(storage) + at, 128)
+
+
+def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
+    """The TMA descriptor (128 bytes, for a ``TensorMap`` kernel parameter)
+    of the 2-D float16 / bfloat16 tensor ``t`` [rows, cols] with unit column
+    stride: boxes of ``box_rows`` x 64 elements, 128-byte swizzle; loads
+    read zeros outside the tensor, stores skip it.  ``t`` must satisfy
+    :func:`_tma_compatible`."""
+    return _encode_tensor_map(t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), t.dtype, box_rows)
+
+
+def _tma_compatible(t: torch.Tensor) -> bool:
+    """Whether the copy engine can read the 2-D ``t``: unit column stride, a
+    row stride that is a multiple of 16 bytes, a 16-byte aligned start and
+    fewer than 2^31 rows and columns (the coordinates are 32-bit)."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * 2) % 16 == 0
+            and t.data_ptr() % 16 == 0 and t.shape[0] < 2**31 and t.shape[1] < 2**31)
+
+
+def _uses_half_engine(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the float16 / bfloat16 product ``x W^T`` runs on the Hopper
+    engine: a compute capability 9.0 GPU (and the ``gemm_wgmma`` setting
+    on), x and W of one 16-bit dtype that :func:`_tma_compatible` accepts,
+    and a non-empty product.  Elsewhere the product stays on cuBLAS (the
+    named fallback)."""
+    return (x.dtype in _TMA_DTYPE and weight.dtype == x.dtype and has_wgmma(x.device.index)
+            and x.shape[0] > 0 and weight.shape[0] > 0 and x.shape[1] > 0
+            and _tma_compatible(x) and _tma_compatible(weight))
+
+
+def _half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                activation: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``act(x W^T + bias)`` on the Hopper engine, rounded once to x's dtype.
+
+    Args:
+        x: [M, K] float16 / bfloat16; weight: [N, K], same dtype (both
+            accepted by :func:`_uses_half_engine`).
+        bias: [N] of the same dtype, contiguous, or None.
+        activation: 0 (none) or 1 (ReLU, NaN kept).
+        out: the contiguous [M, N] result to write (e.g. NaN-poisoned),
+            else a new one.
+
+    Returns:
+        [M, N] tensor of x's dtype.
+    """
+    if not _uses_half_engine(x, weight):
+        raise ValueError("_half_linear needs a compute capability 9.0 GPU and float16 / bfloat16 "
+                         "x [M, K] and weight [N, K] of one dtype whose rows the copy engine can "
+                         "read (_tma_compatible)")
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor of x's dtype")
+    dev = x.device.index
+    tiles = cdiv(m, HALF_TILE[0]) * cdiv(n, HALF_TILE[1])
+    map_a = _tensor_map(x, HALF_TILE[0])
+    tma = _tma_compatible(out)
+    map_c = _tensor_map(out, HALF_TILE[0]) if tma else map_a  # (unused without the TMA store)
+    _bridge.launch(HALF_KERNELS.get((x.dtype, tma), dev), (min(tiles, sm_count(dev)), 1, 1),
+                   HALF_THREADS, (map_a, _tensor_map(weight, HALF_TILE[1]), map_c, out.data_ptr(),
+                                  _ptr_or_null(bias), activation, m, n, k, n), dev,
+                   shared_mem=_half_shared_bytes(tma))
+    return out
 
 
 # ---------------------------------------------------------------- autograd op

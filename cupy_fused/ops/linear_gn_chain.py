@@ -3,37 +3,32 @@ chains of :mod:`.gn_chain` (problems 37, 88 and 94),
 
     z = x W^T + lin_bias,   y = Post(GroupNorm(Pre(z))),
 
-with its backward.  Float32 on the tensor-core GEMM (precision ``"3xtf32"``
-or ``"tf32"``):
+with its backward.
 
-* by default **two launches** forward: the GEMM without bias, then
+* Float32 on the tensor-core GEMM (precision ``"3xtf32"`` or ``"tf32"``):
+  **two launches** forward, the GEMM without bias, then
   :func:`.gn_chain.gn_chain`, whose Pre adds the linear bias (two autograd
   nodes: z, saved by the second, is freed before the backward's GEMMs run).
   In float32 both places give the same sum, rounded once; in the
   memory-bound chain it is one more per-column value, where in the GEMM's
-  store it lengthens the GEMM (docs/gemm.md);
-* opt-in, **one launch** (``gemm_tf32_wgmma_gn`` in
-  ``kernels_cu/linear_gn_chain.cu``): the GroupNorm chain applied to the Hopper
-  GEMM's accumulators before its only store, where each group lies inside
-  one 128-column tile (:func:`_fuses_group_norm`).  It is correct and
-  tested but no faster on H100 (docs/gemm.md, "GroupNorm in the GEMM's
-  store"): with one block per SM nothing overlaps the chain's latency with
-  the tensor cores.  Turn it on with
-  :func:`cupy_fused.settings.gemm_gn_epilogue` (or
-  ``CUPY_FUSED_GEMM_GN_EPILOGUE=1``).  Its autograd node saves x, W, z and
+  store it lengthens the GEMM (docs/gemm.md).
+* Float16 / bfloat16 on Hopper, where :func:`_half_engine_fuses` (groups of
+  8 to 128 channels, a power of two; a short product that fills the GPU
+  many times over): **one launch** forward, ``linear_gn_chain_wgmma`` in
+  ``kernels_cu/linear_gn_chain.cu``, the GEMM engine of
+  ``kernels_cu/gemm.cuh`` with the chain applied in its store, so z never
+  makes the round trip through memory.  Its autograd node saves x, W, z and
   the per (row, group) mean and 1/std (``stats``); the backward is the
   ``gn_chain`` backward (dz and every vector's gradient as column sums),
-  then dX = dz W and dW = dz^T x, with z alive until the end (one activation
-  more of peak training memory than two launches).  Its group statistics
-  are summed in another order than the ``gn_chain`` kernel's, so the two
-  forwards agree to rounding, not bit for bit.  Under ``torch.compile`` the
-  operands' alignment is unknown at trace time, so compiled code always
-  takes two launches.
-
-Float16 / bfloat16, precision ``"ieee"`` and GPUs without TF32 tensor cores
-take :func:`.linear.linear` (cuBLAS) with the linear bias in its epilogue
-(added in float32 before z is rounded to its dtype), then
-:func:`.gn_chain.gn_chain`.
+  then dX = dz W and dW = dz^T x on cuBLAS, with z alive until the end (one
+  activation more of peak training memory than two launches).  Its
+  statistics are summed in another order than the ``gn_chain`` kernel's, so
+  the two routes agree to rounding, not bit for bit.
+* Float16 / bfloat16 elsewhere (the **named fallback route**: other GPUs,
+  shapes where one launch does not pay, ``eager_rounding=True``), precision
+  ``"ieee"`` and GPUs without TF32 tensor cores: :func:`.linear.linear`
+  (cuBLAS) with the linear bias in its epilogue (added in float32 before z
+  is rounded to its dtype), then :func:`.gn_chain.gn_chain`.
 
 Under ``torch.autocast("cuda", dtype=d)``, as the reference: the GEMM in d
 (x, the weight and the linear bias cast to d, cuBLAS), the chain in float32
@@ -51,89 +46,123 @@ from .. import _bridge, _runtime
 from .._amp import autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_eps, check_groups, check_like, check_tensor
-from ..settings import get_gemm_gn_epilogue, resolve_precision
+from ..settings import resolve_precision
 from . import gemm
 from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null
-from .gn_chain import (CHAINS, _launch_backward as _gn_chain_backward, _parameter_grads,
+from .gn_chain import (CHAINS, _launch_backward as _gn_chain_backward,
+                       _launch_forward as _gn_chain_forward, _parameter_grads,
                        _run_gn_chain, _stats_pointers, check_chain, check_chain_vectors)
 from .linear import _run_autocast_linear, _run_linear
 
-WGMMA_TILE = gemm.TILES["wgmma128x128"]
+# ---------------------------------------------------------------- 16-bit, one launch (Hopper)
 
-# Keyed by (chain, passes).  Forward layout only: x [M, K], W [N, K].
-KERNELS = _runtime.KernelFamily("linear_gn_chain.cu", {
-    (chain, passes): (f"cf::gemm_tf32_wgmma_gn<{WGMMA_TILE.stages}, {passes}, "
-                      f"{CHAINS[chain].type()}>")
-    for chain in CHAINS for passes in (1, 3)
+# Channels per group the 16-bit one-launch kernel takes: a group inside one
+# tile, in whole 16-byte chunks (kernels_cu/linear_gn_chain.cu).
+HALF_GROUP_SIZES = (8, 16, 32, 64, 128)
+# HalfGemmShared<kGnHalfStages, kGnStagingBytes>::kBytes: alignment slack, 4
+# stages of 32 KiB, per consumer warpgroup a tile of y's staging (32 KiB) and
+# its vector cache (4 KiB), the barriers.
+HALF_SHARED_BYTES = 1024 + 4 * 32768 + 2 * (32768 + 4096) + 2 * 4 * 8 + 16
+
+# Keyed by (dtype, chain, channels per group).
+HALF_KERNELS = _runtime.KernelFamily("linear_gn_chain.cu", {
+    (dtype, chain, cpg): f"cf::linear_gn_chain_wgmma<{name}, {CHAINS[chain].type()}, {cpg}>"
+    for dtype, name in gemm._HALF_TYPES.items() for chain in CHAINS for cpg in HALF_GROUP_SIZES
 })
 
 
-def group_fits_tile(channels: int, num_groups: int) -> bool:
-    """Whether every group lies inside one 128-column tile: channels per
-    group a power of two <= 128."""
-    cpg = channels // num_groups
-    return cpg <= WGMMA_TILE.bn and cpg & (cpg - 1) == 0
+# Where one launch pays (measured on H100 against cuBLAS followed by the
+# gn_chain kernel, docs/gemm.md): the launch saves the round trip of z
+# through memory, while the engine's GEMM runs at 0.82-0.93x cuBLAS.  So it
+# wins where the product is short (K up to 2048) and fills the GPU many
+# times over (from 8 tiles per SM); at K = 8192, or with 4 tiles per SM, it
+# loses.
+HALF_FUSE_MAX_K = 2048
+HALF_FUSE_MIN_TILES_PER_SM = 8
 
 
-def _fuses_group_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, passes: int) -> bool:
-    """Whether the forward of ``x`` [M, K] (contiguous float32) through
-    ``weight`` [N, K] is one launch: when switched on
-    (:func:`cupy_fused.settings.gemm_gn_epilogue`), where the wgmma GEMM
-    is the kernel :func:`.gemm.choose_tile` picks, K is not below
-    :data:`.gemm.SGEMM_BELOW_INNER` and :func:`group_fits_tile`."""
-    if not get_gemm_gn_epilogue() or is_compiling():
-        return False
-    m, k = x.shape
+def fusion_pays(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether the one-launch forward of an [m, k] x [n, k]^T product is
+    faster than two launches on a GPU with ``sms`` SMs (see
+    :data:`HALF_FUSE_MAX_K`)."""
+    tiles = cdiv(m, gemm.HALF_TILE[0]) * cdiv(n, gemm.HALF_TILE[1])
+    return k <= HALF_FUSE_MAX_K and tiles >= HALF_FUSE_MIN_TILES_PER_SM * sms
+
+
+def _half_engine_supports(x: torch.Tensor, weight: torch.Tensor, num_groups: int) -> bool:
+    """Whether the 16-bit one-launch kernel can run this forward: where
+    :func:`.gemm._uses_half_engine` accepts the product and the groups hold
+    one of :data:`HALF_GROUP_SIZES` channels."""
     n = weight.shape[0]
-    aligned = gemm._rows_aligned(x, k) and gemm._rows_aligned(weight, k)
-    return (m > 0 and group_fits_tile(n, num_groups) and not gemm.uses_sgemm(passes, k)
-            and gemm.TILES[gemm.choose_tile(m, n, aligned, x.device.index, passes)].wgmma)
+    return n % num_groups == 0 and n // num_groups in HALF_GROUP_SIZES and \
+        gemm._uses_half_engine(x, weight)
 
 
-def _launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
-                  extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
-                  gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                  num_groups: int, eps: float, passes: int, save: bool,
-                  y: Optional[torch.Tensor] = None):
-    """The one-launch forward on the wgmma kernel, whatever the size rule
-    says (tests and sanitizer runs call it directly; it needs a compute
-    capability 9.0 device, :func:`group_fits_tile` and 16-byte aligned rows).
-    Returns (y, z, stats): z and the per (row, group) mean and 1/std, stats
-    [2, M, num_groups] as :func:`.gn_chain._launch_forward` saves them, are
-    empty unless ``save``.
-    ``y``: the [M, N] output to write (e.g. NaN-poisoned), else a new one."""
+def _half_engine_fuses(x: torch.Tensor, weight: torch.Tensor, num_groups: int) -> bool:
+    """Whether the float16 / bfloat16 forward of ``x`` through ``weight``
+    runs as one launch on the Hopper GEMM engine: where
+    :func:`_half_engine_supports` and :func:`fusion_pays`.  Elsewhere the
+    op's forward is the named fallback route: cuBLAS (the linear bias in
+    its epilogue), then the ``gn_chain`` kernel."""
+    return (fusion_pays(x.shape[0], weight.shape[0], x.shape[1], gemm.sm_count(x.device.index))
+            and _half_engine_supports(x, weight, num_groups))
+
+
+def _launch_fused_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                       extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                       gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor],
+                       chain: str, num_groups: int, eps: float, save: bool,
+                       y: Optional[torch.Tensor] = None):
+    """The 16-bit one-launch forward (``linear_gn_chain_wgmma``), whatever
+    :func:`fusion_pays` says (tests and sanitizer runs call it directly);
+    needs :func:`_half_engine_supports`.  Returns (y, z, stats): y [M, N];
+    when ``save``, z [M, N] (x W^T + lin_bias, rounded to x's dtype) and
+    the per (row, group) mean and 1/std, stats float32 [2, M, num_groups],
+    as :func:`.gn_chain._launch_forward` saves them; else both empty.
+    ``y``: the output to write (e.g. NaN-poisoned), else a new one."""
     m, k = x.shape
     n = weight.shape[0]
     dev = x.device.index
-    if not gemm.has_wgmma(dev):
-        raise ValueError("the one-launch GEMM + GroupNorm needs the wgmma GEMM (compute "
-                         "capability 9.0)")
-    if n == 0 or n % num_groups or not group_fits_tile(n, num_groups):
-        raise ValueError(f"the one-launch GEMM + GroupNorm needs channels per group a power "
-                         f"of two <= 128, got {n} channels in {num_groups} groups")
-    if k == 0 or not (gemm._rows_aligned(x, k) and gemm._rows_aligned(weight, k)):
-        raise ValueError("the one-launch GEMM + GroupNorm needs K >= 1 and x and weight rows "
-                         "on 16 bytes")
-    if CHAINS[chain].mul_weight is not None and mul_weight is None:
-        raise TypeError("multiply_weight is required by this chain, got None")
+    if not _half_engine_supports(x, weight, num_groups):
+        raise ValueError("the 16-bit one-launch GEMM + GroupNorm needs a compute capability 9.0 "
+                         "GPU, x and weight rows the copy engine can read and "
+                         f"{HALF_GROUP_SIZES} channels per group")
     if y is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif y.shape != (m, n) or y.dtype != x.dtype or not y.is_contiguous():
-        raise ValueError(f"y must be a contiguous [{m}, {n}] tensor of x's dtype")
     z = torch.empty((m, n) if save else (0,), dtype=x.dtype, device=x.device)
     stats = torch.empty((2, m, num_groups) if save else (0,), dtype=torch.float32,
                         device=x.device)
-    if m:
-        mean, rstd = _stats_pointers(stats) if save else (0, 0)
-        _bridge.launch(KERNELS.get((chain, passes), dev),
-                       (cdiv(m, WGMMA_TILE.bm) * cdiv(n, WGMMA_TILE.bn), 1, 1), WGMMA_TILE.threads, (
-                           x.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                           _ptr_or_null(z) if save else 0, mean, rstd, _ptr_or_null(lin_bias),
-                           _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
-                           _ptr_or_null(mul_weight),
-                           m, n, k, k, k, num_groups, eps), dev,
-                       shared_mem=WGMMA_TILE.shared_bytes(True, True, passes))
+    mean, rstd = _stats_pointers(stats) if save else (0, 0)
+    tiles = cdiv(m, gemm.HALF_TILE[0]) * cdiv(n, gemm.HALF_TILE[1])
+    map_y = gemm._tensor_map(y, gemm.HALF_TILE[0])
+    _bridge.launch(HALF_KERNELS.get((x.dtype, chain, n // num_groups), dev),
+                   (min(tiles, gemm.sm_count(dev)), 1, 1), gemm.HALF_THREADS, (
+                       gemm._tensor_map(x, gemm.HALF_TILE[0]),
+                       gemm._tensor_map(weight, gemm.HALF_TILE[1]),
+                       map_y, gemm._tensor_map(z, gemm.HALF_TILE[0]) if save else map_y, mean, rstd,
+                       _ptr_or_null(lin_bias),
+                       _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
+                       _ptr_or_null(mul_weight), m, n, k, num_groups, eps, 0), dev,
+                   shared_mem=HALF_SHARED_BYTES)
     return y, z, stats
+
+
+def _forward_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
+                  extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
+                  gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
+                  num_groups: int, eps: float,
+                  save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 16-bit forward: one launch where :func:`_half_engine_fuses` (decided
+    here, at run time, so that compiled graphs take it too), else cuBLAS
+    with the linear bias in its epilogue followed by the ``gn_chain`` kernel;
+    the same (y, z, stats) either way."""
+    if _half_engine_fuses(x, weight, num_groups):
+        return _launch_fused_half(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
+                                  chain, num_groups, eps, save)
+    z = torch.addmm(lin_bias, x, weight.t()) if lin_bias is not None else torch.mm(x, weight.t())
+    y, stats = _gn_chain_forward(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                                 num_groups, eps, save, True)
+    return y, (z if save else z.new_empty((0,))), stats
 
 
 # ---------------------------------------------------------------- autograd op
@@ -141,34 +170,35 @@ def _launch_fused(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torc
 def _forward(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
              extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
              gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-             num_groups: int, eps: float, passes: int,
+             num_groups: int, eps: float,
              save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, z, stats); z and stats are empty unless ``save``."""
-    return _launch_fused(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
-                         num_groups, eps, passes, save)
+    return _forward_half(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                         num_groups, eps, save)
 
 
 def _forward_fake(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                  num_groups: int, eps: float, passes: int,
+                  num_groups: int, eps: float,
                   save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = x.shape[0], weight.shape[0]
     return (x.new_empty((m, n)), x.new_empty((m, n) if save else (0,)),
-            x.new_empty((2, m, num_groups) if save else (0,)))
+            x.new_empty((2, m, num_groups) if save else (0,), dtype=torch.float32))
 
 
 def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
               stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
               extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
               gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-              num_groups: int, passes: int, want_x: bool,
+              num_groups: int, want_x: bool,
               want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dW, per-column sums [Chain.grad_rows, N]); dx / dW empty
-    when not wanted."""
+    when not wanted.  The products on cuBLAS."""
     dz, sums = _gn_chain_backward(dout, z, stats, lin_bias, extra_bias, gn_weight, gn_bias,
                                   mul_weight, chain, num_groups, True)
-    dx, dw, _ = gemm._linear_backward(dz, x, weight, passes, want_x, want_weight, False)
+    dx = torch.mm(dz, weight) if want_x else x.new_empty((0,))
+    dw = torch.mm(dz.t(), x) if want_weight else weight.new_empty((0,))
     return dx, dw, sums
 
 
@@ -176,7 +206,7 @@ def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z:
                    stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                   num_groups: int, passes: int, want_x: bool,
+                   num_groups: int, want_x: bool,
                    want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty_like(x) if want_x else x.new_empty((0,)),
             torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
@@ -184,10 +214,10 @@ def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z:
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, groups, _, passes, _ = inputs
+    x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, groups, _, _ = inputs
     ctx.save_for_backward(x, weight, output[1], output[2], lin_bias, extra_bias, gn_weight,
                           gn_bias, mul_weight)
-    ctx.chain, ctx.num_groups, ctx.passes = chain, groups, passes
+    ctx.chain, ctx.num_groups = chain, groups
 
 
 def _backward_formula(ctx, grads, run_backward):
@@ -195,15 +225,29 @@ def _backward_formula(ctx, grads, run_backward):
     want = ctx.needs_input_grad
     dx, dw, sums = run_backward(grads[0], x, weight, z, stats, lin_bias, extra_bias,
                                 gn_weight, gn_bias, mul_weight, ctx.chain, ctx.num_groups,
-                                ctx.passes, want[0], want[1])
+                                want[0], want[1])
     return ((dx if want[0] else None, dw if want[1] else None)
             + _parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
                                mul_weight)
-            + (None, None, None, None, None))
+            + (None, None, None, None))
 
 
 _LINEAR_GN = FusedOp("linear_gn_chain", _forward, _forward_fake, _setup_context,
                      _backward_formula, _backward, _backward_fake, nondifferentiable=(1, 2))
+
+
+def _takes_one_launch(x: torch.Tensor, weight: torch.Tensor, num_groups: int) -> bool:
+    """Whether :func:`linear_gn_chain` records the one-launch op for a
+    16-bit x on a compute capability 9.0 GPU: where :func:`_half_engine_fuses`
+    says so, or, while tracing (where a tensor's alignment is unknown), where
+    the dtypes, group size and :func:`fusion_pays` say so; the op itself
+    falls back to two launches at run time if its operands turn out
+    unaligned."""
+    if not is_compiling():
+        return _half_engine_fuses(x, weight, num_groups)
+    n = weight.shape[0]
+    return (weight.dtype == x.dtype and n // num_groups in HALF_GROUP_SIZES
+            and fusion_pays(x.shape[0], n, x.shape[1], gemm.sm_count(x.device.index)))
 
 
 def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
@@ -280,13 +324,13 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     # Where the GEMM runs, decided once and handed to _run_linear.
     passes = gemm.route(x.dtype, precision, x.device.index)
     cublas = passes == gemm.CUBLAS
-    if not cublas:
+    if x.dtype != torch.float32 and not eager_rounding and gemm.has_wgmma(x.device.index):
         x = x if x.is_contiguous() else x.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
-        if _fuses_group_norm(x, weight, num_groups, passes):
+        if _takes_one_launch(x, weight, num_groups):
             grad = needs_grad(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
             return _LINEAR_GN.run(grad, x, weight, lin_bias, extra_bias, gn_weight, gn_bias,
-                                  mul_weight, chain, num_groups, eps, passes, grad)[0]
+                                  mul_weight, chain, num_groups, eps, grad)[0]
     # Everything was validated above, once: the unchecked entry points follow.
     if cublas:
         # The bias in cuBLAS's epilogue, added in float32 before z is rounded

@@ -1,0 +1,296 @@
+// The Hopper GEMM engine for 16-bit operands (float16, bfloat16; float32
+// accumulation): C = A B^T with A [M, K] and B [N, K], both K-major (the
+// forward product of a linear layer, x W^T), any M, N and K % 8 == 0.  The
+// main loop is shared by every kernel on it; what is done with the
+// accumulators is the caller's `Store` (gemm.cu: bias and activation;
+// linear_gn_chain.cu: the GroupNorm chains).
+//
+// Persistent and warp-specialised: one block of three warpgroups per SM
+// walks the output tiles (128 x 128) in a fixed grouped order, blockIdx.x,
+// + gridDim.x, ...
+//  * the producer warpgroup (one thread of it) streams the tiles of A and B
+//    (128 x 64 each) with the bulk tensor copy engine (TMA) into a kStages
+//    ring of shared memory, 128-byte swizzled, each stage guarded by a
+//    "full" mbarrier (the copies' bytes) and an "empty" one (the consumer's
+//    release), tile after tile;
+//  * two consumer warpgroups take the tiles in turn ("ping-pong"): while one
+//    stores its tile, the other runs its MMAs, so the tensor cores do not
+//    wait for the store.  A consumer runs wgmma.m64n128k16 on both 64-row
+//    halves of its tile, operands read from shared memory, with one group of
+//    MMAs in flight: a stage is released as soon as the MMAs that read it
+//    have completed.
+// The tensor maps' out-of-bounds fill (zeros) predicates every edge: the
+// loads need no bounds checks, and the stores clip rows and columns.
+//
+// Accumulator layout (m64n128k16, per warp of a consumer warpgroup: 16 rows
+// of each half h = 0, 1): acc[h][4i + 0/1] = row 64h + 16 warp + g, columns
+// 8i + 2t, +1; acc[h][4i + 2/3] = that row + 8, the same columns (g = lane / 4,
+// t = lane % 4).
+#pragma once
+#include "sm90.cuh"
+
+namespace cf {
+
+constexpr int kHgBM = 128, kHgBN = 128, kHgBK = 64;  // a consumer's tile (k: one 128-byte swizzle row)
+constexpr int kHgThreads = 384;                      // producer + 2 consumer warpgroups
+constexpr int kHgTileABytes = kHgBM * kHgBK * 2;     // 16 KiB
+constexpr int kHgTileBBytes = kHgBN * kHgBK * 2;     // 16 KiB
+constexpr int kHgStageBytes = kHgTileABytes + kHgTileBBytes;
+constexpr int kHgAccs = 64;                          // accumulators per consumer thread and half
+
+// Dynamic shared memory of the engine: the stages (1024-byte aligned, as the
+// 128-byte swizzle pattern repeats every 1024 bytes), the store's staging
+// area of kStagingBytes (a multiple of 1024), and the stages' mbarriers.
+template <int kStages, int kStagingBytes>
+struct HalfGemmShared {
+  static constexpr int kBarrierBytes = 2 * kStages * 8 + 16;  // full, empty, and the two turns
+  static constexpr int kBytes = 1024 + kStages * kHgStageBytes + kStagingBytes + kBarrierBytes;  // 1024: alignment slack
+};
+
+// A consumer thread: its warpgroup (wg: 0, 1) and where its accumulators
+// lie in its tile: rows 64h + row, 64h + row + 8 (row = 16 * warp + g),
+// columns 8i + 2t, +1.
+struct HalfGemmLane {
+  int wg, row, t;
+  __device__ __forceinline__ HalfGemmLane() {
+    const int ctid = static_cast<int>(threadIdx.x) - 128;
+    const int warp = ctid >> 5, lane = ctid & 31;
+    wg = warp >> 2;
+    t = lane & 3;
+    row = 16 * (warp & 3) + (lane >> 2);
+  }
+  // The warpgroup's first thread (its bulk copies, its barrier's leader).
+  __device__ __forceinline__ bool leader() const { return (threadIdx.x & 127) == 0; }
+};
+
+// Output tile `tile` of a tiles_m x tiles_n grid in grouped order: 8 tile-rows
+// at a time, column by column, so that the tiles in flight together share
+// their A and B tiles in L2.
+__device__ __forceinline__ void grouped_tile_of(i64 tile, i64 tiles_m, i64 tiles_n, i64& tm, i64& tn) {
+  constexpr i64 kGroup = 8;
+  const i64 in_group = kGroup * tiles_n;
+  const i64 first_m = (tile / in_group) * kGroup;
+  const i64 group_rows = min(tiles_m - first_m, kGroup);
+  tm = first_m + (tile % in_group) % group_rows;
+  tn = (tile % in_group) / group_rows;
+}
+
+// The TMA store of a consumer warpgroup's 128 x 128 tile of 16-bit C: the
+// warpgroup writes its values, rounded and packed in pairs, into its staging
+// area as two 128 x 64 boxes in the 128-byte swizzle layout (a warp's 8 rows
+// x 16 bytes then hit 32 distinct banks), and one thread hands the boxes to
+// TMA, which writes whole lines and clips at the tensor's edges.  The
+// warpgroup's next tile starts while those writes drain; its staging area is
+// reused once they have read it.  C needs a row stride of a multiple of 16
+// bytes (ops.gemm._tma_compatible).  Usage, by all 128 threads of the
+// warpgroup: begin(); put() every pair; end(); and finish() after the last tile.
+constexpr int kHgStagingBytes = 2 * kHgBM * kHgBN * 2;  // a tile of 16-bit C per consumer warpgroup
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+struct TmaTileWriter {
+  // Waits until the previous tile's boxes have left the staging area.
+  __device__ __forceinline__ static void begin(const HalfGemmLane& me) {
+    if (me.leader()) bulk_wait_read();
+    named_barrier(1 + me.wg, 128);
+  }
+  // The packed pair at tile row r, columns 8i + 2t, +1.
+  __device__ __forceinline__ static void put(unsigned staging, int r, int i, int t, unsigned word) {
+    const unsigned at = staging + (i >> 3) * (kHgBM * 128) + r * 128 + (((i & 7) ^ (r & 7)) << 4) + 4 * t;
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(word) : "memory");
+  }
+  __device__ __forceinline__ static void end(const TensorMap& map, const HalfGemmLane& me, unsigned staging,
+                                             i64 m0, i64 n0) {
+    fence_proxy_async();
+    named_barrier(1 + me.wg, 128);
+    if (me.leader()) {
+#pragma unroll
+      for (int box = 0; box < kHgBN / 64; ++box)
+        tma_store_2d(map, staging + box * (kHgBM * 128), static_cast<int>(n0) + 64 * box, static_cast<int>(m0));
+      bulk_commit();
+    }
+  }
+  // Shared memory must outlive the copies.
+  __device__ __forceinline__ static void finish(const HalfGemmLane& me) {
+    if (me.leader()) bulk_wait();
+  }
+};
+#endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte
+// swizzle layout that TMA writes: rows of 128 bytes, 8-row (1024-byte) core
+// groups (stride-byte offset 1024; the leading-byte offset is unused there).
+__device__ __forceinline__ unsigned long long swizzle128_desc(unsigned addr) {
+  return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) | (1ull << 16) |
+         (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// Two floats rounded to T and packed into one word (lo in the low half), in
+// one instruction.
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<bfloat16>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ unsigned pack2<half>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Element type names of wgmma for T.
+template <typename T> struct WgmmaType;
+template <> struct WgmmaType<half> { static constexpr bool kBf16 = false; };
+template <> struct WgmmaType<bfloat16> { static constexpr bool kBf16 = true; };
+
+#define CF_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+                 "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CF_D32(i) CF_D8(i), CF_D8(i + 8), CF_D8(i + 16), CF_D8(i + 24)
+#define CF_WGMMA_M64N128K16(TYPE)                                                                      \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                    \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                 \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "    \
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "     \
+      "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                       \
+      : CF_D32(0), CF_D32(32)                                                                          \
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+// d (+)= A B^T for a 64 x 16 slice of A and a 128 x 16 slice of B, both in
+// shared memory (descriptors).  accumulate = 0 ignores d's old value.
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long desc_a,
+                                                 unsigned long long desc_b, int accumulate) {
+  if constexpr (WgmmaType<T>::kBf16) {
+    CF_WGMMA_M64N128K16("bf16");
+  } else {
+    CF_WGMMA_M64N128K16("f16");
+  }
+}
+#undef CF_WGMMA_M64N128K16
+#undef CF_D32
+#undef CF_D8
+
+// The engine, run by all kHgThreads threads of a block: every tile of C this
+// block owns, each handed to store(acc, lane, m0, n0, staging) by every
+// thread of the consumer warpgroup that computed it (its 2 x kHgAccs sums,
+// layout above) after its last read of the tile's stages; `staging`: the
+// shared address of that warpgroup's kStagingBytes / 2 of staging area.
+// After its last tile every consumer thread calls store.finish(lane).  The
+// store runs inside the consumer branch: code after a join of the producer's
+// and the consumers' paths would be held to the producer's register budget.
+// map_a / map_b: A [M, K] and B [N, K] with boxes of 128 x 64 elements,
+// 128-byte swizzle (ops.gemm._tensor_map).
+template <typename T, int kStages, int kStagingBytes, typename Store>
+__device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const TensorMap& map_a,
+                                                     const TensorMap& map_b, i64 M, i64 N, i64 K,
+                                                     Store& store) {
+  // 1024-byte aligned stages, the staging area, then the barriers: full[s] at
+  // + 8s, empty[s] at + 8 (kStages + s), turn[w] at + 8 (2 kStages + w).
+  const unsigned base = (shared_addr(smem_raw) + 1023u) & ~1023u;
+  const unsigned staging = base + kStages * kHgStageBytes;
+  const unsigned bars = staging + kStagingBytes;
+  auto tile_a = [&](int s) { return base + s * kHgStageBytes; };
+  auto tile_b = [&](int s) { return base + s * kHgStageBytes + kHgTileABytes; };
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (kStages + s); };
+  auto turn = [&](int w) { return bars + 8u * (2 * kStages + w); };
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const i64 tiles_m = (M + kHgBM - 1) / kHgBM, tiles_n = (N + kHgBN - 1) / kHgBN;
+  const i64 tiles = tiles_m * tiles_n;
+  const int ktiles = static_cast<int>((K + kHgBK - 1) / kHgBK);
+
+  if (tid == 0) {
+    tma_prefetch_descriptor(map_a);
+    tma_prefetch_descriptor(map_b);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 1);   // the producer's arrive; the copies complete the phase
+      mbar_init(empty(s), 4);  // one arrive per warp of the consuming warpgroup
+    }
+    mbar_init(turn(0), 4);  // one arrive per warp of the other consumer warpgroup
+    mbar_init(turn(1), 4);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // The block's j-th tile is blockIdx.x + j * gridDim.x, consumed by
+  // warpgroup j % 2; its k-tile kt is the pipeline's it = j * ktiles + kt-th
+  // use of a stage (stage it % kStages, phase it / kStages).  The consumers'
+  // main loops take turns: warpgroup w starts tile j once the other has
+  // issued every MMA of tile j - 1 (its arrive on turn[w]).  Besides
+  // ordering the tensor-core work, that keeps every wait on a stage's "full"
+  // barrier at most one phase ahead of the barrier, as waits by parity need:
+  // without it, a warpgroup could wait for a stage's next-but-one phase and
+  // take the completion of the phase before it.
+  if (warp < 4) {
+    // ---------------- producer ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (tid != 0) return;
+    int it = 0;
+    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      i64 tm, tn;
+      grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
+      const int m0 = static_cast<int>(tm * kHgBM), n0 = static_cast<int>(tn * kHgBN);
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % kStages;
+        // The stage's previous use (it - kStages) must have been released.
+        if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
+        mbar_arrive_expect_tx(full(s), kHgStageBytes);
+        tma_load_2d(tile_a(s), map_a, kt * kHgBK, m0, full(s));
+        tma_load_2d(tile_b(s), map_b, kt * kHgBK, n0, full(s));
+      }
+    }
+    return;
+  }
+  // ---------------- consumers ----------------
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const HalfGemmLane me;
+  const bool warp_leader = (tid & 31) == 0;
+  const unsigned my_staging = staging + me.wg * (kStagingBytes / 2);
+  float acc[2][kHgAccs];
+  for (i64 j = me.wg, tile = blockIdx.x + j * gridDim.x; tile < tiles; j += 2, tile += 2 * gridDim.x) {
+    i64 tm, tn;
+    grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
+    // The first MMA of a tile ignores the accumulators; zeroing them here
+    // ends the previous tile's values at its store, so that the store has
+    // the registers they held.
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < kHgAccs; ++i) acc[h][i] = 0.0f;
+    int it = static_cast<int>(j) * ktiles;
+    // Tile j is this warpgroup's (j / 2)-th: wait for the other's tile j - 1,
+    // the turn barrier's phase (j - 1) / 2.
+    if (j > 0) mbar_wait(turn(me.wg), ((j - 1) >> 1) & 1);
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % kStages;
+      mbar_wait(full(s), (it / kStages) & 1);
+      const unsigned a = tile_a(s), b = tile_b(s);
+      fence_registers(acc[0]);
+      fence_registers(acc[1]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHgBK / 16; ++kk) {  // 16 k-values = 32 bytes along the swizzled row
+        const unsigned long long db = swizzle128_desc(b + 32 * kk);
+        wgmma_m64n128k16<T>(acc[0], swizzle128_desc(a + 32 * kk), db, kt > 0 || kk > 0);
+        wgmma_m64n128k16<T>(acc[1], swizzle128_desc(a + 64 * 128 + 32 * kk), db, kt > 0 || kk > 0);
+      }
+      wgmma_commit();
+      if (kt > 0) {
+        wgmma_wait<1>();  // the previous k-tile's MMAs are done: release its stage
+        if (warp_leader) mbar_arrive(empty((it - 1) % kStages));
+      }
+    }
+    if (warp_leader) mbar_arrive(turn(1 - me.wg));  // every MMA of tile j is issued
+    wgmma_wait<0>();
+    fence_registers(acc[0]);
+    fence_registers(acc[1]);
+    if (warp_leader) mbar_arrive(empty((it - 1) % kStages));
+    store(acc, me, tm * kHgBM, tn * kHgBN, my_staging);
+  }
+  store.finish(me);
+}
+#endif
+
+}  // namespace cf

@@ -1,0 +1,103 @@
+// PTX wrappers for the GEMM kernels' asynchronous machinery: shared-memory
+// addresses, mbarriers, the bulk tensor copy engine (TMA) and the warpgroup
+// MMA (wgmma) fences.  Written out in PTX because NVRTC builds these
+// sources without any toolkit header.  Everything but shared_addr and
+// TensorMap needs sm_90a; the kernels that use it are compiled for every
+// architecture (the compile check covers them) and trap without it.
+#pragma once
+#include "cf_common.cuh"
+
+namespace cf {
+
+// The 32-bit shared-window address of a shared-memory pointer.
+__device__ __forceinline__ unsigned shared_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// A TMA descriptor (CUDA's CUtensorMap: 128 opaque bytes, 64-byte aligned),
+// encoded on the host (cupy_fused.ops.gemm._tensor_map) and passed by value
+// as a __grid_constant__ kernel parameter, so that the copy engine reads it
+// from the parameter space.
+struct __align__(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most kPending committed groups of this warpgroup's MMAs are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving reads or writes of the accumulator
+// registers across the asynchronous MMAs' issue and wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// mbarriers (one phase per use of a stage).
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives and adds `bytes` to the transactions the current phase waits for
+// (the TMA copies complete them).
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// One box of a 2-D tensor (inner coordinate first) into shared memory at
+// `dst`, completing its bytes on the mbarrier `bar`.  Elements outside the
+// tensor arrive as zeros, which is what predicates the GEMM's edges.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, int inner, int outer,
+                                            unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(inner), "r"(outer), "r"(bar)
+      : "memory");
+}
+// The box of a 2-D tensor at (inner, outer) from shared memory at `src`, as
+// one bulk asynchronous group of this thread; elements outside the tensor
+// are not written.
+__device__ __forceinline__ void tma_store_2d(const TensorMap& map, unsigned src, int inner, int outer) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(&map)),
+               "r"(inner), "r"(outer), "r"(src)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have finished reading shared memory.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Waits until this thread's bulk groups are complete (their writes done).
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Orders this thread's shared-memory writes before later reads by the copy
+// engine or the tensor cores (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Barrier `id` (1..15; 0 is __syncthreads) over `count` threads.
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_descriptor(const TensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
+}
+#endif
+
+}  // namespace cf
