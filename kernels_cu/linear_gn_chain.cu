@@ -28,20 +28,32 @@ namespace cf {
 // gn_chain_backward recomputes these normalised values from z and the saved
 // statistics.
 //
-// Outputs: y [M, N] through map_y; with mean_out not null (training) also z [M, N]
-// through map_z and mean / rstd [M, groups] (what gn_chain_backward reads).
-// x [M, K] and W [N, K] through their tensor maps; vectors: N values of T,
-// or null.
+// TO: the type of y and of the chain's vectors: T, or float under autocast
+// (the GroupNorm then runs, and returns, float32; z stays T, and so does the
+// linear bias, cast with the GEMM's operands).  A 16-bit y leaves through
+// TMA, in place of z in the staging area.  A float32 y (twice z's bytes, no
+// room to stage it) is stored from registers by a second pass in which a
+// warp covers whole rows (a lane 4 adjacent columns: 512 contiguous bytes
+// per row and store): the row phase then only computes the statistics
+// (kept in shared memory), and the second pass recomputes Pre, bit for bit
+// the same, from z.
+//
+// Outputs: y [M, N] (through map_y when TO is 16-bit, else y); with mean_out
+// not null (training) also z [M, N] through map_z and mean / rstd [M, groups]
+// (what gn_chain_backward reads).  x [M, K] and W [N, K] through their tensor
+// maps; lin_bias: N values of T, the other vectors N values of TO, or null.
 constexpr int kGnVectors = 5;                               // lin_bias, extra_bias, gn_weight, gn_bias, mul_weight
-constexpr int kGnVectorBytes = 4096;                        // a warpgroup's cache of them (5 x 128 floats, padded)
+constexpr int kGnVectorBytes = 8192;  // a warpgroup's cache of them (5 x 128 floats) and, at kGnStatsOffset,
+                                      // a float32 y's statistics
+constexpr int kGnStatsOffset = 4096;
 constexpr int kGnStagingBytes = kHgStagingBytes + 2 * kGnVectorBytes;  // per block
-static_assert(kGnVectors * kHgBN * 4 <= kGnVectorBytes && kGnVectorBytes % 1024 == 0, "cache fits, alignment kept");
+static_assert(kGnVectors * kHgBN * 4 <= kGnStatsOffset && kGnVectorBytes % 1024 == 0, "cache fits, alignment kept");
 
 // A warpgroup's cached columns of the chain's vectors (tile-local column c),
 // with the accessors the chains call.  The linear bias is in z: lin() is 0.
-template <typename T, bool kFastMath>
+template <typename TO, bool kFastMath>
 struct TileVectors {
-  using value_type = T;
+  using value_type = TO;
   static constexpr bool kFast = kFastMath;
   unsigned base;  // shared address: [vector][128] floats
   __device__ __forceinline__ float at(int v, int c) const {
@@ -57,7 +69,7 @@ struct TileVectors {
   __device__ __forceinline__ float mul(int c) const { return at(4, c); }
 };
 
-template <typename T, typename Chain, int kCpg>
+template <typename T, typename TO, typename Chain, int kCpg>
 struct GroupNormTileStore {
   static_assert(kCpg >= 8 && kCpg <= kHgBN && (kCpg & (kCpg - 1)) == 0, "a group inside a tile");
   static constexpr bool kFast = fast_math<T, Chain>();
@@ -66,9 +78,11 @@ struct GroupNormTileStore {
   const TensorMap& map_y;
   const TensorMap& map_z;
   bool save;  // z, mean and rstd for the backward
+  TO* y;  // (a float32 y; a 16-bit one leaves through map_y)
   float* mean_out;
   float* rstd_out;
-  const T* vectors[kGnVectors];  // lin_bias, extra_bias, gn_weight, gn_bias, mul_weight (null: absent)
+  const T* lin_bias;
+  const TO* vectors[kGnVectors - 1];  // extra_bias, gn_weight, gn_bias, mul_weight (null: absent)
   i64 M, N, groups;
   float feps;
   bool round_stats;
@@ -81,7 +95,7 @@ struct GroupNormTileStore {
 
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
-    const TileVectors<T, kFast> p{staging + kHgStagingBytes / 2};
+    const TileVectors<TO, kFast> p{staging + kHgStagingBytes / 2};
     const int lt = threadIdx.x & 127;
     TmaTileWriter::begin(me);  // the previous tile has left the staging area and the cache
     // The cache: column n0 + lt of every vector (absent vectors and columns
@@ -91,7 +105,11 @@ struct GroupNormTileStore {
       constexpr float kNeutral[kGnVectors] = {0.0f, 0.0f, 1.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int v = 0; v < kGnVectors; ++v) {
-        const float value = (vectors[v] && col < N) ? to_float(vectors[v][col]) : kNeutral[v];
+        float value = kNeutral[v];
+        if (col < N) {
+          if (v == 0 && lin_bias) value = to_float(lin_bias[col]);
+          if (v > 0 && vectors[v - 1]) value = to_float(vectors[v - 1][col]);
+        }
         asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(p.base + 4u * (v * kHgBN + lt)), "f"(value) : "memory");
       }
       named_barrier(1 + me.wg, 128);
@@ -123,6 +141,7 @@ struct GroupNormTileStore {
     // Row lt of the tile, group by group.
     const i64 row = m0 + lt;
     const float inv_cpg = 1.0f / static_cast<float>(kCpg);
+    const unsigned stats = p.base + kGnStatsOffset;  // float32 y: [128 rows][kGroups] (mean, rstd)
 #pragma unroll 1
     for (int q = 0; q < kGroups; ++q) {
       float v[kCpg];
@@ -155,21 +174,65 @@ struct GroupNormTileStore {
         mean_out[row * groups + g] = mean;
         rstd_out[row * groups + g] = rstd;
       }
+      if constexpr (sizeof(TO) == 2) {
 #pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        float y[8];
+        for (int k = 0; k < kChunks; ++k) {
+          float yv[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int c = q * kCpg + 8 * k + e;
-          y[e] = Chain::post((v[8 * k + e] - mean) * rstd * p.gamma(c) + p.beta(c), p, c);
+          for (int e = 0; e < 8; ++e) {
+            const int c = q * kCpg + 8 * k + e;
+            yv[e] = Chain::post((v[8 * k + e] - mean) * rstd * p.gamma(c) + p.beta(c), p, c);
+          }
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk_addr(staging, lt, q * kChunks + k)),
+                       "r"(pack2<TO>(yv[0], yv[1])), "r"(pack2<TO>(yv[2], yv[3])), "r"(pack2<TO>(yv[4], yv[5])),
+                       "r"(pack2<TO>(yv[6], yv[7]))
+                       : "memory");
         }
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk_addr(staging, lt, q * kChunks + k)),
-                     "r"(pack2<T>(y[0], y[1])), "r"(pack2<T>(y[2], y[3])), "r"(pack2<T>(y[4], y[5])),
-                     "r"(pack2<T>(y[6], y[7]))
+      } else {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stats + 8u * (lt * kGroups + q)), "f"(mean),
+                     "f"(rstd)
                      : "memory");
       }
     }
-    TmaTileWriter::end(map_y, me, staging, m0, n0);
+    if constexpr (sizeof(TO) == 2) {
+      TmaTileWriter::end(map_y, me, staging, m0, n0);
+    } else {
+      static_assert(kHgBM * kGroups * 8 <= kGnVectorBytes - kGnStatsOffset, "the statistics fit");
+      named_barrier(1 + me.wg, 128);  // every row's statistics are in
+      // Warp wr of the warpgroup takes rows wr, wr + 4, ...; lane l columns
+      // 4l .. 4l + 3 of each (half of a 16-byte chunk of z).
+      const int wr = lt >> 5, lane = lt & 31, c0 = 4 * lane, q = c0 / kCpg;
+      float gamma[4], beta[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        gamma[e] = p.gamma(c0 + e);
+        beta[e] = p.beta(c0 + e);
+      }
+      const i64 col = n0 + c0;  // N is a multiple of kCpg >= 8: the 4 columns are in or out
+#pragma unroll 1
+      for (int r = wr; r < kHgBM; r += 4) {
+        unsigned w[2];
+        float mean, rstd;
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                     : "=r"(w[0]), "=r"(w[1])
+                     : "r"(chunk_addr(staging, r, lane >> 1) + 8u * (lane & 1)));
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                     : "=f"(mean), "=f"(rstd)
+                     : "r"(stats + 8u * (r * kGroups + q)));
+        float yv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          T z;
+          z.bits = static_cast<unsigned short>(w[e / 2] >> (16 * (e % 2)));
+          const float vv = Chain::pre(to_float(z), p, c0 + e);
+          yv[e] = Chain::post((vv - mean) * rstd * gamma[e] + beta[e], p, c0 + e);
+        }
+        if (m0 + r < M && col < N)
+          *reinterpret_cast<float4*>(y + (m0 + r) * N + col) = make_float4(yv[0], yv[1], yv[2], yv[3]);
+      }
+      // The next tile's begin() waits for every thread of the warpgroup
+      // before the staging area is written again.
+    }
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
@@ -178,28 +241,30 @@ struct GroupNormTileStore {
 // HalfGemmShared<kGnHalfStages, kGnStagingBytes>::kBytes of dynamic shared
 // memory (ops.linear_gn_chain.HALF_SHARED_BYTES).
 constexpr int kGnHalfStages = 4;
-template <typename T, typename Chain, int kCpg>
+template <typename T, typename TO, typename Chain, int kCpg>
 __global__ void __launch_bounds__(kHgThreads, 1)
 linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
                       const __grid_constant__ TensorMap map_y, const __grid_constant__ TensorMap map_z,
-                      float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                      const T* __restrict__ lin_bias, const T* __restrict__ extra_bias,
-                      const T* __restrict__ gn_weight, const T* __restrict__ gn_bias,
-                      const T* __restrict__ mul_weight, i64 M, i64 N, i64 K, i64 groups, double eps,
+                      TO* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                      const T* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
+                      const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
+                      const TO* __restrict__ mul_weight, i64 M, i64 N, i64 K, i64 groups, double eps,
                       i64 round_statistics) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char gemm_shared[];
-  GroupNormTileStore<T, Chain, kCpg> store{map_y,
-                                           map_z,
-                                           mean_out != nullptr,
-                                           mean_out,
-                                           rstd_out,
-                                           {lin_bias, extra_bias, gn_weight, gn_bias, mul_weight},
-                                           M,
-                                           N,
-                                           groups,
-                                           static_cast<float>(eps),
-                                           Chain::kRoundsLikeEager && round_statistics != 0};
+  GroupNormTileStore<T, TO, Chain, kCpg> store{map_y,
+                                               map_z,
+                                               mean_out != nullptr,
+                                               y,
+                                               mean_out,
+                                               rstd_out,
+                                               lin_bias,
+                                               {extra_bias, gn_weight, gn_bias, mul_weight},
+                                               M,
+                                               N,
+                                               groups,
+                                               static_cast<float>(eps),
+                                               Chain::kRoundsLikeEager && round_statistics != 0};
   half_gemm_persistent<T, kGnHalfStages, kGnStagingBytes>(reinterpret_cast<char*>(gemm_shared), map_x, map_w, M,
                                                           N, K, store);
 #else

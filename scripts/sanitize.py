@@ -130,6 +130,19 @@ if G.has_wgmma(0):
                     print("linear_gn_chain", chain, dtype, (m, k, n, groups), save,
                           "OK" if ok else "ERROR", flush=True)
                     failed += [] if ok else [f"linear_gn_chain {chain} {dtype} {(m, k, n)}"]
+                if n // groups not in LG.HALF_FLOAT_OUT_GROUP_SIZES:
+                    continue
+                # float32 output and vectors (autocast), from the same z
+                vf = [vecs[0]] + [v.float() for v in vecs[1:]]
+                y32, z, _ = LG._launch_fused_half(x, w, *vf, chain, groups, 1e-5, True,
+                                                  y=torch.full((m, n), float("nan"), device="cuda"),
+                                                  float_out=True)
+                want = _launch_forward(z, None, *vf[1:], chain, groups, 1e-5, False, True,
+                                       float_out=True)[0]
+                ok = torch.allclose(y32, want, atol=1e-4, rtol=1e-4)
+                print("linear_gn_chain float32 out", chain, dtype, (m, k, n, groups),
+                      "OK" if ok else "ERROR", flush=True)
+                failed += [] if ok else [f"linear_gn_chain float32 out {chain} {dtype} {(m, k, n)}"]
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.

@@ -54,8 +54,9 @@ def test_what_the_one_launch_kernel_supports(monkeypatch):
 
 def test_every_one_launch_kernel_is_declared():
     assert set(LG.HALF_KERNELS.expressions) == {
-        (d, c, cpg) for d in (torch.float16, torch.bfloat16) for c in GN.CHAINS
-        for cpg in LG.HALF_GROUP_SIZES}
+        (d, f, c, cpg) for d in (torch.float16, torch.bfloat16) for f in (False, True)
+        for c in GN.CHAINS
+        for cpg in (LG.HALF_FLOAT_OUT_GROUP_SIZES if f else LG.HALF_GROUP_SIZES)}
 
 
 def test_16bit_models_record_one_op_where_one_launch_pays(monkeypatch, past_device_check):
@@ -243,6 +244,16 @@ def test_one_launch_kernel_against_float64(chain, shape, dtype, device):
     y_again, z_none, stats_none = LG._launch_fused_half(x, w, *vecs, chain, groups, eps, False)
     assert z_none.numel() == 0 and stats_none.numel() == 0
     assert torch.equal(y, y_again)
+    if m > 0 and n // groups in LG.HALF_FLOAT_OUT_GROUP_SIZES:
+        # float32 y and vectors (autocast): the chain in float32 from the same z
+        vf = [vecs[0]] + [t.float() for t in vecs[1:]]
+        y32, z32, stats32 = LG._launch_fused_half(
+            x, w, *vf, chain, groups, eps, True, float_out=True,
+            y=torch.full((m, n), float("nan"), device=device))
+        assert torch.equal(z32, z) and torch.equal(stats32, stats)
+        want, _ = GN._launch_forward(z, None, *vf[1:], chain, groups, eps, True, True,
+                                     float_out=True)
+        torch.testing.assert_close(y32, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture
@@ -268,55 +279,76 @@ MODEL_CASES = [
 ]
 
 
+# (model dtype, autocast dtype or None)
+MODES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None),
+         "amp-bf16": (torch.float32, torch.bfloat16), "amp-fp16": (torch.float32, torch.float16)}
+
+
 @gpu
-@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("problem,args,shape", MODEL_CASES)
-def test_models_take_one_launch_and_match_the_reference(problem, args, shape, dtype, device,
+def test_models_take_one_launch_and_match_the_reference(problem, args, shape, mode, device,
                                                         monkeypatch, one_launch_everywhere):
-    """Where the rule says so, the 16-bit models' forward is the one-launch
-    kernel (the gn_chain forward is never called), and their output and
-    every gradient are no worse than eager's against float64."""
+    """Where the rule says so, the 16-bit models' forward, and the float32
+    models' under autocast, is the one-launch kernel (the gn_chain forward
+    is never called), and their output (in the reference's dtype) and every
+    gradient are no worse than eager's against float64."""
     if not G.has_wgmma(device.index):
         pytest.skip("the one-launch kernel needs the Hopper GEMM engine (compute capability 9.0)")
+    dtype, amp = MODES[mode]
+    groups = args[3] if problem == 94 else args[2]
+    one_launch = args[1] // groups in (LG.HALF_FLOAT_OUT_GROUP_SIZES if amp else LG.HALF_GROUP_SIZES)
 
     def not_called(*args, **kwargs):
         raise AssertionError("the two-launch path ran")
 
-    # The gn_chain op holds its own reference to its forward.
-    monkeypatch.setattr(GN._GN_CHAIN, "forward", not_called)
-    for mode in ("random", "sum"):
-        errors = compare(problem, args, shape, dtype, device, seed=problem, grad_mode=mode)
-        bad = worse_than_eager(errors, dtype)
+    if one_launch:  # (else: a group size the float32-output kernel does not take)
+        # The gn_chain op holds its own reference to its forward.
+        monkeypatch.setattr(GN._GN_CHAIN, "forward", not_called)
+    # Through a GroupNorm with unit weights as the last op (37, 94), the
+    # input's gradient of y.sum() is zero: its relative error would compare
+    # rounding noise with rounding noise.
+    for grad_mode in ("random",) if problem in (37, 94) else ("random", "sum"):
+        errors = compare(problem, args, shape, dtype, device, seed=problem, grad_mode=grad_mode,
+                         autocast=amp)
+        bad = worse_than_eager(errors, amp or dtype)
         assert not bad, {name: errors[name] for name in bad}
-    assert set(one_launch_everywhere) == {{37: "swish_bias_gn", 88: "gn_swish_mul_swish",
-                                           94: "bias_hardtanh_mish_gn"}[problem]}
+    assert set(one_launch_everywhere) == ({{37: "swish_bias_gn", 88: "gn_swish_mul_swish",
+                                            94: "bias_hardtanh_mish_gn"}[problem]}
+                                          if one_launch else set())
 
 
 @gpu
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize("mode", ["bf16", "amp-bf16"])
 @pytest.mark.parametrize("problem,args,shape", MODEL_CASES)
 def test_one_launch_non_finite_input_lands_where_the_references_does(
-        problem, args, shape, value, device, one_launch_everywhere):
+        problem, args, shape, mode, value, device, one_launch_everywhere):
     """One non-finite input element through the one-launch route: the NaN /
     +inf / -inf masks of the output and of every gradient equal eager's."""
     if not G.has_wgmma(device.index):
         pytest.skip("the one-launch kernel needs the Hopper GEMM engine (compute capability 9.0)")
     from cupy_fused.testing import build_pair
 
-    ref, ours = build_pair(problem, args, device, torch.bfloat16)
+    dtype, amp = MODES[mode]
+    ref, ours = build_pair(problem, args, device, dtype)
     gen = torch.Generator(device="cpu").manual_seed(problem)
-    x = torch.rand(shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+    x = torch.rand(shape, generator=gen).to(device=device, dtype=dtype)
     x.view(-1)[x.numel() // 3] = value
-    g = torch.randn(shape[0], args[1], generator=gen).to(device=device, dtype=torch.bfloat16)
+    g = torch.randn(shape[0], args[1], generator=gen).to(device=device, dtype=torch.float32 if amp
+                                                         else dtype)
     masks = []
     for model in (ref, ours):
         xx = x.clone().requires_grad_(True)
-        y = model(xx)
+        with torch.autocast("cuda", dtype=amp or torch.float16, enabled=amp is not None):
+            y = model(xx)
         y.backward(g)
         tensors = {"out": y.detach(), "x.grad": xx.grad}
         tensors.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
         masks.append({n: (t.isnan(), t.isposinf(), t.isneginf()) for n, t in tensors.items()})
-    assert one_launch_everywhere
+    groups = args[3] if problem == 94 else args[2]
+    if args[1] // groups in (LG.HALF_FLOAT_OUT_GROUP_SIZES if amp else LG.HALF_GROUP_SIZES):
+        assert one_launch_everywhere
     for name, want in masks[0].items():
         for kind, a, b in zip(("nan", "+inf", "-inf"), want, masks[1][name]):
             assert torch.equal(a, b), (name, kind, a.sum().item(), b.sum().item())

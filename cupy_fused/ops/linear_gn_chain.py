@@ -12,16 +12,20 @@ with its backward.
   In float32 both places give the same sum, rounded once; in the
   memory-bound chain it is one more per-column value, where in the GEMM's
   store it lengthens the GEMM (docs/gemm.md).
-* Float16 / bfloat16 on Hopper, where :func:`_half_engine_fuses` (groups of
-  8 to 128 channels, a power of two; a short product that fills the GPU
-  many times over): **one launch** forward, ``linear_gn_chain_wgmma`` in
+* Float16 / bfloat16 on Hopper, and float32 models under autocast there,
+  where :func:`_half_engine_fuses` (groups of 8 to 128 channels, a power
+  of two, 32 to 128 under autocast; a short product that fills the GPU many
+  times over): **one launch** forward, ``linear_gn_chain_wgmma`` in
   ``kernels_cu/linear_gn_chain.cu``, the GEMM engine of
   ``kernels_cu/gemm.cuh`` with the chain applied in its store, so z never
   makes the round trip through memory.  Its autograd node saves x, W, z and
   the per (row, group) mean and 1/std (``stats``); the backward is the
   ``gn_chain`` backward (dz and every vector's gradient as column sums),
-  then dX = dz W and dW = dz^T x on cuBLAS, with z alive until the end (one
-  activation more of peak training memory than two launches).  Its
+  then dX = dz W and dW = dz^T x on cuBLAS (written in x's and W's own
+  dtypes), with z alive until the end (one activation more of peak training
+  memory than two launches).  Under autocast the GEMM reads x, W and the
+  linear bias cast to the autocast dtype, and the chain runs in float32 with
+  a float32 result, as the reference's.  Its
   statistics are summed in another order than the ``gn_chain`` kernel's, so
   the two routes agree to rounding, not bit for bit.
 * Float16 / bfloat16 elsewhere (the **named fallback route**: other GPUs,
@@ -31,10 +35,11 @@ with its backward.
   is rounded to its dtype), then :func:`.gn_chain.gn_chain`.
 
 Under ``torch.autocast("cuda", dtype=d)``, as the reference: the GEMM in d
-(x, the weight and the linear bias cast to d, cuBLAS), the chain in float32
-(its vectors cast to float32), a float32 result; each gradient in its
-tensor's own dtype (x's and the weight's written so by the backward's
-products: :func:`.linear._run_autocast_linear`).
+(x, the weight and the linear bias cast to d; one launch as above, or
+cuBLAS), the chain in float32 (its vectors cast to float32), a float32
+result; each gradient in its tensor's own dtype (x's and the weight's
+written so by the backward's products: :func:`.linear._run_autocast_linear`
+on the two-launch route).
 """
 from __future__ import annotations
 
@@ -52,22 +57,28 @@ from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null
 from .gn_chain import (CHAINS, _launch_backward as _gn_chain_backward,
                        _launch_forward as _gn_chain_forward, _parameter_grads,
                        _run_gn_chain, _stats_pointers, check_chain, check_chain_vectors)
-from .linear import _run_autocast_linear, _run_linear
+from .linear import _mm_to, _run_autocast_linear, _run_linear
 
 # ---------------------------------------------------------------- 16-bit, one launch (Hopper)
 
 # Channels per group the 16-bit one-launch kernel takes: a group inside one
 # tile, in whole 16-byte chunks (kernels_cu/linear_gn_chain.cu).
 HALF_GROUP_SIZES = (8, 16, 32, 64, 128)
+# With a float32 y (autocast), each thread keeps its row's statistics of the
+# tile in 4 KiB: at most 4 groups per 128 columns.
+HALF_FLOAT_OUT_GROUP_SIZES = (32, 64, 128)
 # HalfGemmShared<kGnHalfStages, kGnStagingBytes>::kBytes: alignment slack, 4
-# stages of 32 KiB, per consumer warpgroup a tile of y's staging (32 KiB) and
-# its vector cache (4 KiB), the barriers.
-HALF_SHARED_BYTES = 1024 + 4 * 32768 + 2 * (32768 + 4096) + 2 * 4 * 8 + 16
+# stages of 32 KiB, per consumer warpgroup a tile of staging (32 KiB) and its
+# vector cache and statistics (8 KiB), the barriers.
+HALF_SHARED_BYTES = 1024 + 4 * 32768 + 2 * (32768 + 8192) + 2 * 4 * 8 + 16
 
-# Keyed by (dtype, chain, channels per group).
+# Keyed by (dtype, float32 output and vectors (autocast), chain, channels per group).
 HALF_KERNELS = _runtime.KernelFamily("linear_gn_chain.cu", {
-    (dtype, chain, cpg): f"cf::linear_gn_chain_wgmma<{name}, {CHAINS[chain].type()}, {cpg}>"
-    for dtype, name in gemm._HALF_TYPES.items() for chain in CHAINS for cpg in HALF_GROUP_SIZES
+    (dtype, float_out, chain, cpg): (
+        f"cf::linear_gn_chain_wgmma<{name}, {'float' if float_out else name}, "
+        f"{CHAINS[chain].type()}, {cpg}>")
+    for dtype, name in gemm._HALF_TYPES.items() for float_out in (False, True) for chain in CHAINS
+    for cpg in (HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES)
 })
 
 
@@ -89,58 +100,64 @@ def fusion_pays(m: int, n: int, k: int, sms: int) -> bool:
     return k <= HALF_FUSE_MAX_K and tiles >= HALF_FUSE_MIN_TILES_PER_SM * sms
 
 
-def _half_engine_supports(x: torch.Tensor, weight: torch.Tensor, num_groups: int) -> bool:
+def _half_engine_supports(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
+                          float_out: bool = False) -> bool:
     """Whether the 16-bit one-launch kernel can run this forward: where
     :func:`.gemm._uses_half_engine` accepts the product and the groups hold
-    one of :data:`HALF_GROUP_SIZES` channels."""
+    one of :data:`HALF_GROUP_SIZES` channels (:data:`HALF_FLOAT_OUT_GROUP_SIZES`
+    with a float32 output)."""
     n = weight.shape[0]
-    return n % num_groups == 0 and n // num_groups in HALF_GROUP_SIZES and \
-        gemm._uses_half_engine(x, weight)
+    sizes = HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES
+    return n % num_groups == 0 and n // num_groups in sizes and gemm._uses_half_engine(x, weight)
 
 
-def _half_engine_fuses(x: torch.Tensor, weight: torch.Tensor, num_groups: int) -> bool:
+def _half_engine_fuses(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
+                       float_out: bool = False) -> bool:
     """Whether the float16 / bfloat16 forward of ``x`` through ``weight``
     runs as one launch on the Hopper GEMM engine: where
     :func:`_half_engine_supports` and :func:`fusion_pays`.  Elsewhere the
     op's forward is the named fallback route: cuBLAS (the linear bias in
     its epilogue), then the ``gn_chain`` kernel."""
     return (fusion_pays(x.shape[0], weight.shape[0], x.shape[1], gemm.sm_count(x.device.index))
-            and _half_engine_supports(x, weight, num_groups))
+            and _half_engine_supports(x, weight, num_groups, float_out))
 
 
 def _launch_fused_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
                        extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                        gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor],
                        chain: str, num_groups: int, eps: float, save: bool,
-                       y: Optional[torch.Tensor] = None):
+                       y: Optional[torch.Tensor] = None, float_out: bool = False):
     """The 16-bit one-launch forward (``linear_gn_chain_wgmma``), whatever
     :func:`fusion_pays` says (tests and sanitizer runs call it directly);
     needs :func:`_half_engine_supports`.  Returns (y, z, stats): y [M, N];
     when ``save``, z [M, N] (x W^T + lin_bias, rounded to x's dtype) and
     the per (row, group) mean and 1/std, stats float32 [2, M, num_groups],
     as :func:`.gn_chain._launch_forward` saves them; else both empty.
-    ``y``: the output to write (e.g. NaN-poisoned), else a new one."""
+    lin_bias in x's dtype; the other vectors and y in x's dtype, or float32
+    with ``float_out`` (autocast).  ``y``: the output to write (e.g.
+    NaN-poisoned), else a new one."""
     m, k = x.shape
     n = weight.shape[0]
     dev = x.device.index
-    if not _half_engine_supports(x, weight, num_groups):
+    if not _half_engine_supports(x, weight, num_groups, float_out):
         raise ValueError("the 16-bit one-launch GEMM + GroupNorm needs a compute capability 9.0 "
                          "GPU, x and weight rows the copy engine can read and "
                          f"{HALF_GROUP_SIZES} channels per group")
     if y is None:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype, device=x.device)
     z = torch.empty((m, n) if save else (0,), dtype=x.dtype, device=x.device)
     stats = torch.empty((2, m, num_groups) if save else (0,), dtype=torch.float32,
                         device=x.device)
     mean, rstd = _stats_pointers(stats) if save else (0, 0)
     tiles = cdiv(m, gemm.HALF_TILE[0]) * cdiv(n, gemm.HALF_TILE[1])
-    map_y = gemm._tensor_map(y, gemm.HALF_TILE[0])
-    _bridge.launch(HALF_KERNELS.get((x.dtype, chain, n // num_groups), dev),
+    map_x = gemm._tensor_map(x, gemm.HALF_TILE[0])
+    # A float32 y is stored from registers: its map argument is unused.
+    map_y = map_x if float_out else gemm._tensor_map(y, gemm.HALF_TILE[0])
+    _bridge.launch(HALF_KERNELS.get((x.dtype, float_out, chain, n // num_groups), dev),
                    (min(tiles, gemm.sm_count(dev)), 1, 1), gemm.HALF_THREADS, (
-                       gemm._tensor_map(x, gemm.HALF_TILE[0]),
-                       gemm._tensor_map(weight, gemm.HALF_TILE[1]),
-                       map_y, gemm._tensor_map(z, gemm.HALF_TILE[0]) if save else map_y, mean, rstd,
-                       _ptr_or_null(lin_bias),
+                       map_x, gemm._tensor_map(weight, gemm.HALF_TILE[1]),
+                       map_y, gemm._tensor_map(z, gemm.HALF_TILE[0]) if save else map_y,
+                       y.data_ptr(), mean, rstd, _ptr_or_null(lin_bias),
                        _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
                        _ptr_or_null(mul_weight), m, n, k, num_groups, eps, 0), dev,
                    shared_mem=HALF_SHARED_BYTES)
@@ -150,103 +167,119 @@ def _launch_fused_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional
 def _forward_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                   gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                  num_groups: int, eps: float,
-                  save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_groups: int, eps: float, save: bool,
+                  float_out: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 16-bit forward: one launch where :func:`_half_engine_fuses` (decided
     here, at run time, so that compiled graphs take it too), else cuBLAS
     with the linear bias in its epilogue followed by the ``gn_chain`` kernel;
-    the same (y, z, stats) either way."""
-    if _half_engine_fuses(x, weight, num_groups):
+    the same (y, z, stats) either way.  Arguments as for
+    :func:`_launch_fused_half`."""
+    if _half_engine_fuses(x, weight, num_groups, float_out):
         return _launch_fused_half(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
-                                  chain, num_groups, eps, save)
+                                  chain, num_groups, eps, save, float_out=float_out)
     z = torch.addmm(lin_bias, x, weight.t()) if lin_bias is not None else torch.mm(x, weight.t())
-    y, stats = _gn_chain_forward(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
-                                 num_groups, eps, save, True)
+    y, stats = _gn_chain_forward(z, None, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                                 num_groups, eps, save, True, float_out=float_out)
     return y, (z if save else z.new_empty((0,))), stats
 
 
 # ---------------------------------------------------------------- autograd op
+#
+# Inputs: x, weight and the chain's vectors (what the gradients go to, in
+# their own dtypes), and x_d, w_d, lin_d: the GEMM's operands and linear
+# bias in the 16-bit dtype it runs in (the same tensors for a 16-bit model;
+# detached casts under autocast, which the op reads instead, as nn.Linear's
+# product under autocast reads its casts).  float_out: y and the vectors
+# float32 (autocast).
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
              extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
-             gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-             num_groups: int, eps: float,
+             gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor],
+             x_d: torch.Tensor, w_d: torch.Tensor, lin_d: Optional[torch.Tensor], chain: str,
+             num_groups: int, eps: float, float_out: bool,
              save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, z, stats); z and stats are empty unless ``save``."""
-    return _forward_half(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
-                         num_groups, eps, save)
+    return _forward_half(x_d, w_d, lin_d, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                         num_groups, eps, save, float_out)
 
 
 def _forward_fake(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
                   extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
-                  gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                  num_groups: int, eps: float,
+                  gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor],
+                  x_d: torch.Tensor, w_d: torch.Tensor, lin_d: Optional[torch.Tensor], chain: str,
+                  num_groups: int, eps: float, float_out: bool,
                   save: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    m, n = x.shape[0], weight.shape[0]
-    return (x.new_empty((m, n)), x.new_empty((m, n) if save else (0,)),
-            x.new_empty((2, m, num_groups) if save else (0,), dtype=torch.float32))
+    m, n = x_d.shape[0], w_d.shape[0]
+    return (x_d.new_empty((m, n), dtype=torch.float32 if float_out else x_d.dtype),
+            x_d.new_empty((m, n) if save else (0,)),
+            x_d.new_empty((2, m, num_groups) if save else (0,), dtype=torch.float32))
 
 
-def _backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
+def _backward(dout: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor, z: torch.Tensor,
               stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
               extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
               gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-              num_groups: int, want_x: bool,
+              num_groups: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, want_x: bool,
               want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx, dW, per-column sums [Chain.grad_rows, N]); dx / dW empty
-    when not wanted.  The products on cuBLAS."""
+    """Returns (dx, dW, per-column sums [Chain.grad_rows, N]); dx and dW in
+    x's and W's own dtypes, written by cuBLAS (no cast kernels), empty when
+    not wanted."""
     dz, sums = _gn_chain_backward(dout, z, stats, lin_bias, extra_bias, gn_weight, gn_bias,
                                   mul_weight, chain, num_groups, True)
-    dx = torch.mm(dz, weight) if want_x else x.new_empty((0,))
-    dw = torch.mm(dz.t(), x) if want_weight else weight.new_empty((0,))
+    dx = _mm_to(dz, w_d, x_dtype) if want_x else x_d.new_empty((0,))
+    dw = _mm_to(dz.t(), x_d, weight_dtype) if want_weight else w_d.new_empty((0,))
     return dx, dw, sums
 
 
-def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
+def _backward_fake(dout: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor, z: torch.Tensor,
                    stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
-                   num_groups: int, want_x: bool,
+                   num_groups: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, want_x: bool,
                    want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(x) if want_x else x.new_empty((0,)),
-            torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
-            z.new_empty((CHAINS[chain].grad_rows, weight.shape[0])))
+    return (torch.empty_like(x_d, dtype=x_dtype) if want_x else x_d.new_empty((0,)),
+            torch.empty_like(w_d, dtype=weight_dtype) if want_weight else w_d.new_empty((0,)),
+            dout.new_empty((CHAINS[chain].grad_rows, w_d.shape[0])))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain, groups, _, _ = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2], lin_bias, extra_bias, gn_weight,
+    (x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, x_d, w_d, _, chain, groups,
+     _, _, _) = inputs
+    ctx.save_for_backward(x_d, w_d, output[1], output[2], lin_bias, extra_bias, gn_weight,
                           gn_bias, mul_weight)
-    ctx.chain, ctx.num_groups = chain, groups
+    ctx.chain, ctx.num_groups, ctx.dtypes = chain, groups, (x.dtype, weight.dtype)
 
 
 def _backward_formula(ctx, grads, run_backward):
-    x, weight, z, stats, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
+    x_d, w_d, z, stats, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = ctx.saved_tensors
     want = ctx.needs_input_grad
-    dx, dw, sums = run_backward(grads[0], x, weight, z, stats, lin_bias, extra_bias,
+    dx, dw, sums = run_backward(grads[0], x_d, w_d, z, stats, lin_bias, extra_bias,
                                 gn_weight, gn_bias, mul_weight, ctx.chain, ctx.num_groups,
-                                want[0], want[1])
+                                *ctx.dtypes, want[0], want[1])
     return ((dx if want[0] else None, dw if want[1] else None)
             + _parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
                                mul_weight)
-            + (None, None, None, None))
+            + (None,) * 8)
 
 
 _LINEAR_GN = FusedOp("linear_gn_chain", _forward, _forward_fake, _setup_context,
                      _backward_formula, _backward, _backward_fake, nondifferentiable=(1, 2))
 
 
-def _takes_one_launch(x: torch.Tensor, weight: torch.Tensor, num_groups: int) -> bool:
-    """Whether :func:`linear_gn_chain` records the one-launch op for a
-    16-bit x on a compute capability 9.0 GPU: where :func:`_half_engine_fuses`
-    says so, or, while tracing (where a tensor's alignment is unknown), where
-    the dtypes, group size and :func:`fusion_pays` say so; the op itself
-    falls back to two launches at run time if its operands turn out
-    unaligned."""
-    if not is_compiling():
-        return _half_engine_fuses(x, weight, num_groups)
+def _takes_one_launch(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
+                      compute: torch.dtype, float_out: bool) -> bool:
+    """Whether :func:`linear_gn_chain` records the one-launch op, whose GEMM
+    runs in ``compute`` (float16 / bfloat16) on a compute capability 9.0
+    GPU: where :func:`_half_engine_fuses` says so for a 16-bit x; while
+    tracing (where a tensor's alignment is unknown), or under autocast
+    (before the operands are cast), where the group size and
+    :func:`fusion_pays` say so.  The op itself falls back to two launches at
+    run time if its operands turn out unaligned."""
+    if x.dtype == compute and not is_compiling():
+        return _half_engine_fuses(x, weight, num_groups, float_out)
     n = weight.shape[0]
-    return (weight.dtype == x.dtype and n // num_groups in HALF_GROUP_SIZES
+    sizes = HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES
+    return (n // num_groups in sizes
             and fusion_pays(x.shape[0], n, x.shape[1], gemm.sm_count(x.device.index)))
 
 
@@ -313,7 +346,20 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None)
     precision = resolve_precision(precision)
+    hopper = not eager_rounding and gemm.has_wgmma(x.device.index)
     if amp is not None:
+        if hopper and _takes_one_launch(x, weight, num_groups, amp, True):
+            # One launch: the GEMM reads x, W and the linear bias cast to amp
+            # (detached casts: the op writes x's and W's gradients in their
+            # own dtypes), the chain runs in float32 and produces the linear
+            # bias's gradient.
+            x_d = x.detach().to(amp).contiguous()
+            w_d = weight.detach().to(amp).contiguous()
+            lin_d = lin_bias.detach().to(amp) if lin_bias is not None else None
+            grad = needs_grad(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+            return _LINEAR_GN.run(grad, x, weight, lin_bias, extra_bias, gn_weight, gn_bias,
+                                  mul_weight, x_d, w_d, lin_d, chain, num_groups, eps, True,
+                                  grad)[0]
         # The GEMM in amp on cuBLAS with the linear bias (detached, cast to
         # amp) in its epilogue, x's and W's gradients written in their own
         # dtypes by the backward's products (no cast kernels); the chain in
@@ -324,13 +370,15 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     # Where the GEMM runs, decided once and handed to _run_linear.
     passes = gemm.route(x.dtype, precision, x.device.index)
     cublas = passes == gemm.CUBLAS
-    if x.dtype != torch.float32 and not eager_rounding and gemm.has_wgmma(x.device.index):
+    if x.dtype != torch.float32 and hopper:
         x = x if x.is_contiguous() else x.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
-        if _takes_one_launch(x, weight, num_groups):
+        if _takes_one_launch(x, weight, num_groups, x.dtype, False):
+            # The GEMM reads the operands themselves.
             grad = needs_grad(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
             return _LINEAR_GN.run(grad, x, weight, lin_bias, extra_bias, gn_weight, gn_bias,
-                                  mul_weight, chain, num_groups, eps, grad)[0]
+                                  mul_weight, x, weight, lin_bias, chain, num_groups, eps, False,
+                                  grad)[0]
     # Everything was validated above, once: the unchecked entry points follow.
     if cublas:
         # The bias in cuBLAS's epilogue, added in float32 before z is rounded
