@@ -10,8 +10,9 @@ the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process defau
   :func:`cupy_fused.ops.linear` with ``activation="relu"`` (where the bias
   and ReLU run on each route: see :mod:`cupy_fused.ops.linear`);
   37, 88 and 94 are :func:`cupy_fused.ops.linear_gn_chain`: the GEMM, then
-  one fused kernel for the linear bias and the GroupNorm chain (an opt-in
-  variant does both in one launch; see that op).  The
+  one fused kernel for the linear bias and the GroupNorm chain; in float16 /
+  bfloat16 (and under autocast) on Hopper, one launch where that pays
+  (problem 37's shape; see that op).  The
   backward is one fused kernel (the chain rule, the GroupNorm backward and
   every vector's gradient as column sums), then the two GEMMs.
 * Problem 1: the convolution stays in cuDNN (``F.conv2d`` without bias);

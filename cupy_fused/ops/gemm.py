@@ -21,7 +21,9 @@ process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
 * ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
 * ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``).  This is also
   the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
-  cuBLAS's own (bias and ReLU on that path: see :mod:`.linear`).
+  cuBLAS's own (bias and ReLU on that path: see :mod:`.linear`), except
+  the one-launch GroupNorm forward of :mod:`.linear_gn_chain`, on the 16-bit
+  Hopper engine at the end of this module.
 
 The cuBLAS products follow torch's own settings: with
 ``torch.backends.cuda.matmul.allow_tf32 = True`` they run in TF32.
