@@ -94,7 +94,7 @@ from cupy_fused.testing import build_pair  # noqa: E402
 from harness import (DTYPES, Progress, autocast_dtype, dtype_label, gpu_state,  # noqa: E402
                      host_and_gpu_ms, l2_bytes, model_dtype, peak_extra_gib, rotation_count,
                      say, time_interleaved, time_ms)
-from publish import markdown  # noqa: E402,F401 -- the table beside the JSON
+from publish import markdown  # noqa: E402 -- the table beside the JSON
 
 ALL_DTYPES = tuple(DTYPES)
 IMPLS = ("eager", "compile", "ours", "ours+compile")
@@ -474,10 +474,8 @@ def run_count(jobs, modes, impls, sweep_impls) -> int:
 
 
 def _write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)  # a run stopped mid-write keeps the previous file
+    # (atomic: a run stopped mid-write keeps the previous file)
+    publish._write(path, json.dumps(data, indent=1))
 
 
 def _publish(path: str, args) -> None:

@@ -140,8 +140,11 @@ def _declarations() -> Dict[str, str]:
 
 def _param_struct(kernel, args: tuple) -> struct.Struct:
     """Parameter layout of ``kernel`` from its declared signature, cached on
-    the kernel."""
-    layout = kernel.params = kernel_signature(kernel.name)
+    the kernel with whether it is one of the :data:`_IRREGULAR` layouts (so
+    that a launch tests a flag, not the layout's format string)."""
+    layout = kernel_signature(kernel.name)
+    kernel.wide_params = layout.format in _IRREGULAR
+    kernel.params = layout
     return layout
 
 
@@ -182,8 +185,9 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
            shared_mem: int = 0) -> None:
     """Launches ``kernel`` (a :class:`cupy_fused._runtime.Kernel`) on torch's
     current stream of ``device_index``.  ``grid``: (x, y, z) blocks; ``block``:
-    threads per block (1-D).  ``args``: ints (pointers, 64-bit integers) and
-    floats (doubles), matching the kernel's parameters.  ``shared_mem``: bytes
+    threads per block (1-D).  ``args``: ints (pointers, 64-bit integers),
+    floats (doubles) and 128-byte ``bytes`` (TMA descriptors, for
+    ``TensorMap`` parameters), matching the kernel's parameters.  ``shared_mem``: bytes
     of dynamic shared memory (above 48 KiB the kernel is opted in on first
     use).  The CUDA device is switched only when it is not already current.
     (This runs on every launch, so it is written for few Python operations.)"""
@@ -199,7 +203,7 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
         layout.pack_into(buf.data, 0, *args)
     except struct.error as exc:  # before any launch: a wrong count or type
         raise _packing_error(kernel, args, exc) from None
-    if layout.format in _IRREGULAR:
+    if kernel.wide_params:
         # struct pads or cuts a bytes value to its field: check the lengths.
         if any(type(a) is bytes and len(a) != TENSOR_MAP_BYTES for a in args):
             raise _packing_error(kernel, args, struct.error("a TensorMap is 128 bytes"))

@@ -317,13 +317,15 @@ def declared() -> Dict[str, List[str]]:
 class Kernel:
     """A launchable kernel: its CUfunction handle (``ptr``), the CuPy object
     that owns it (``raw``, a ``cupy.RawKernel``; keeps the module loaded) and
-    its parameter layout (``params``, set by the first launch), on CUDA device
-    ``device``."""
+    its parameter layout (``params``, set by the first launch, with
+    ``wide_params``: whether a parameter is wider than 8 bytes), on CUDA
+    device ``device``."""
 
-    __slots__ = ("name", "ptr", "raw", "params", "shared_limit", "device")
+    __slots__ = ("name", "ptr", "raw", "params", "wide_params", "shared_limit", "device")
 
     def __init__(self, name: str, ptr: int, raw: object, device: int):
         self.name, self.ptr, self.raw, self.params = name, ptr, raw, None
+        self.wide_params = False
         self.shared_limit = 48 * 1024  # dynamic shared memory allowed without opting in
         self.device = device
 

@@ -73,6 +73,24 @@ def _run(model, x, dy, grad_mode: str, autocast: Optional[torch.dtype] = None):
     return out.detach(), grads
 
 
+def non_finite_masks(model, x: torch.Tensor, g: torch.Tensor,
+                     autocast: Optional[torch.dtype] = None) -> Dict[str, tuple]:
+    """The NaN, +inf and -inf masks of ``model``'s output on ``x`` and of the
+    gradients of x and of every parameter after ``y.backward(g)`` (the
+    forward under ``torch.autocast("cuda", dtype=autocast)`` when given),
+    by name: what a check that non-finite values land where the reference
+    puts them compares."""
+    x = x.detach().clone().requires_grad_(True)
+    for p in model.parameters():
+        p.grad = None
+    with torch.autocast("cuda", dtype=autocast) if autocast else contextlib.nullcontext():
+        y = model(x)
+    y.backward(g.to(y.dtype))
+    tensors = {"out": y.detach(), "x.grad": x.grad}
+    tensors.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
+    return {n: (t.isnan(), t.isposinf(), t.isneginf()) for n, t in tensors.items()}
+
+
 def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dtype, device,
             seed: int = 0, grad_mode: str = "random",
             layout: str = "contiguous",

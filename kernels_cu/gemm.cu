@@ -82,7 +82,7 @@ struct DirectStore {
 // C [M, N] = act(A B^T + bias): A [M, K] and B [N, K] through their tensor
 // maps (ops.gemm._tensor_map), any K.  kTmaStore: C through map_c (boxes of
 // 128 x 64), else through c with row stride ldc.  Grid: at most one block per
-// SM (persistent), kHgThreads threads, HalfGemmShared<kStages, staging>::kBytes
+// SM (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages, staging>()
 // of dynamic shared memory.
 template <typename T, int kStages, bool kTmaStore>
 __global__ void __launch_bounds__(kHgThreads, 1)

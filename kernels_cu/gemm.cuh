@@ -1,6 +1,7 @@
 // The Hopper GEMM engine for 16-bit operands (float16, bfloat16; float32
 // accumulation): C = A B^T with A [M, K] and B [N, K], both K-major (the
-// forward product of a linear layer, x W^T), any M, N and K % 8 == 0.  The
+// forward product of a linear layer, x W^T), any M, N and K, with row
+// strides of a multiple of 16 bytes (ops.gemm._tma_compatible).  The
 // main loop is shared by every kernel on it; what is done with the
 // accumulators is the caller's `Store` (gemm.cu: bias and activation;
 // linear_gn_chain.cu: the GroupNorm chains).
@@ -42,10 +43,10 @@ constexpr int kHgAccs = 64;                          // accumulators per consume
 // 128-byte swizzle pattern repeats every 1024 bytes), the store's staging
 // area of kStagingBytes (a multiple of 1024), and the stages' mbarriers.
 template <int kStages, int kStagingBytes>
-struct HalfGemmShared {
-  static constexpr int kBarrierBytes = 2 * kStages * 8 + 16;  // full, empty, and the two turns
-  static constexpr int kBytes = 1024 + kStages * kHgStageBytes + kStagingBytes + kBarrierBytes;  // 1024: alignment slack
-};
+__host__ __device__ constexpr int half_gemm_shared_bytes() {
+  // 1024: alignment slack; the barriers: full and empty per stage, 2 turns.
+  return 1024 + kStages * kHgStageBytes + kStagingBytes + 2 * kStages * 8 + 16;
+}
 
 // A consumer thread: its warpgroup (wg: 0, 1) and where its accumulators
 // lie in its tile: rows 64h + row, 64h + row + 8 (row = 16 * warp + g),
@@ -62,18 +63,6 @@ struct HalfGemmLane {
   // The warpgroup's first thread (its bulk copies, its barrier's leader).
   __device__ __forceinline__ bool leader() const { return (threadIdx.x & 127) == 0; }
 };
-
-// Output tile `tile` of a tiles_m x tiles_n grid in grouped order: 8 tile-rows
-// at a time, column by column, so that the tiles in flight together share
-// their A and B tiles in L2.
-__device__ __forceinline__ void grouped_tile_of(i64 tile, i64 tiles_m, i64 tiles_n, i64& tm, i64& tn) {
-  constexpr i64 kGroup = 8;
-  const i64 in_group = kGroup * tiles_n;
-  const i64 first_m = (tile / in_group) * kGroup;
-  const i64 group_rows = min(tiles_m - first_m, kGroup);
-  tm = first_m + (tile % in_group) % group_rows;
-  tn = (tile % in_group) / group_rows;
-}
 
 // The TMA store of a consumer warpgroup's 128 x 128 tile of 16-bit C: the
 // warpgroup writes its values, rounded and packed in pairs, into its staging
@@ -92,10 +81,13 @@ struct TmaTileWriter {
     if (me.leader()) bulk_wait_read();
     named_barrier(1 + me.wg, 128);
   }
+  // Shared address of 16-byte chunk k (columns 8k .. 8k + 7) of tile row r.
+  __device__ __forceinline__ static unsigned chunk_addr(unsigned staging, int r, int k) {
+    return staging + (k >> 3) * (kHgBM * 128) + r * 128 + (((k & 7) ^ (r & 7)) << 4);
+  }
   // The packed pair at tile row r, columns 8i + 2t, +1.
   __device__ __forceinline__ static void put(unsigned staging, int r, int i, int t, unsigned word) {
-    const unsigned at = staging + (i >> 3) * (kHgBM * 128) + r * 128 + (((i & 7) ^ (r & 7)) << 4) + 4 * t;
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(word) : "memory");
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(chunk_addr(staging, r, i) + 4 * t), "r"(word) : "memory");
   }
   __device__ __forceinline__ static void end(const TensorMap& map, const HalfGemmLane& me, unsigned staging,
                                              i64 m0, i64 n0) {
@@ -187,6 +179,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Tenso
                                                      Store& store) {
   // 1024-byte aligned stages, the staging area, then the barriers: full[s] at
   // + 8s, empty[s] at + 8 (kStages + s), turn[w] at + 8 (2 kStages + w).
+  static_assert(half_gemm_shared_bytes<kStages, kStagingBytes>() <= 232448, "fits the opt-in shared memory");
   const unsigned base = (shared_addr(smem_raw) + 1023u) & ~1023u;
   const unsigned staging = base + kStages * kHgStageBytes;
   const unsigned bars = staging + kStagingBytes;
@@ -210,7 +203,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Tenso
     }
     mbar_init(turn(0), 4);  // one arrive per warp of the other consumer warpgroup
     mbar_init(turn(1), 4);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
 

@@ -1,7 +1,6 @@
-// Shared machinery of the "gemm_tf32" kernel family (gemm_tf32.cu: the
-// plain products with bias / ReLU epilogues; linear_gn_chain.cu: the GroupNorm
-// epilogue): float32 GEMM on TF32 tensor cores, C = A * B, with the
-// "3xTF32" split for float32-class accuracy.
+// Shared machinery of the "gemm_tf32" kernel family (gemm_tf32.cu: the plain
+// products with bias / ReLU epilogues): float32 GEMM on TF32 tensor cores,
+// C = A * B, with the "3xTF32" split for float32-class accuracy.
 //
 // Each float32 operand x is split on the fly into big = tf32(x) and
 // small = tf32(x - big) (x - big is exact in float32), and a*b is computed as
@@ -177,18 +176,13 @@ struct OperandTile {
   }
 };
 
-// Grid: one block per BM x BN tile of C, 1-D, grouped by 8 tile-rows so that
-// blocks running together share A and B tiles in L2.  Returns the tile's
-// first row and column.
+// Grid: one block per BM x BN tile of C, 1-D, in grouped order
+// (grouped_tile_of).  Returns the block's tile's first row and column.
 __device__ __forceinline__ void grouped_tile(i64 M, i64 N, int BM, int BN, i64& m0, i64& n0) {
-  constexpr i64 kGroup = 8;
-  const i64 tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  const i64 pid = blockIdx.x;
-  const i64 in_group = kGroup * tiles_n;
-  const i64 first_m = (pid / in_group) * kGroup;
-  const i64 group_rows = min(tiles_m - first_m, kGroup);
-  m0 = (first_m + (pid % in_group) % group_rows) * BM;
-  n0 = ((pid % in_group) / group_rows) * BN;
+  i64 tm, tn;
+  grouped_tile_of(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, tm, tn);
+  m0 = tm * BM;
+  n0 = tn * BN;
 }
 
 // ===========================================================================
@@ -339,7 +333,7 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
       mbar_init(full(s), 128);   // the producer's threads, after converting
       mbar_init(empty(s), 256);  // the consumers' threads, after their last read
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
 
@@ -382,7 +376,7 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
         }
       }
       // The planes are read by the tensor cores (async proxy) next.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      fence_proxy_async();
     };
     if constexpr (kBPlanes) {
       static_assert(kStages >= 3, "the copies run kStages - 2 tiles ahead");
@@ -409,7 +403,7 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
         if (it >= kAhead) {
           cp_async_wait<kAhead>();  // this thread's copies of tile it - kAhead
           // The planes are read by the tensor cores (async proxy) next.
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          fence_proxy_async();
           mbar_arrive(full((it - kAhead) % kStages));
         }
       }

@@ -81,7 +81,8 @@ __device__ __forceinline__ float group_rstd(float var_plus_eps, bool like_eager)
 
 // A group's rstd from its summed squared deviations, then its mean and
 // rstd rounded as eager rounds them where the chain rounds like eager
-// (round_stats; see gn_chain_forward).  Shared by both forward kernels.
+// (round_stats; see gn_chain_forward).  Shared by every forward kernel that
+// normalises: both here and linear_gn_chain_wgmma.
 template <typename T, typename Chain>
 __device__ __forceinline__ void finish_statistics(float sq_sum, float inv_cpg, float feps,
                                                   bool round_stats, float& mean, float& rstd) {
@@ -350,7 +351,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(const T* __
 // channels, kVecs of them per (row, group), and the per-channel vectors come
 // in with the same wide loads (LaneVectors).  With 2- or 4-byte accesses per
 // value the load/store units, not the memory, set the pace.  Preconditions
-// (gn_epilogue.vector_shape): channels per group a multiple of kE and at most
+// (ops/gn_chain.py, vector_shape): channels per group a multiple of kE and at most
 // 32 * kVecs * kE; z, dy and every vector 16-byte aligned (out and dz are
 // new allocations).  Sums
 // run in another order than the scalar kernels', so the two agree to

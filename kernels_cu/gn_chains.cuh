@@ -12,8 +12,9 @@
 namespace cf {
 
 // The per-column vectors a chain may read; null where the model has none.
-// Chains read them through the accessors (column c), which both this type
-// (global memory) and LaneVectors (a lane's columns, in registers) provide;
+// Chains read them through the accessors (column c), which this type (global
+// memory), LaneVectors (a lane's columns, in registers) and TileVectors
+// (linear_gn_chain.cu: a tile's columns, in shared memory) provide;
 // value_type is the dtype the eager-rounding chains round to; kFast selects
 // the fast activations (cf_common.cuh).
 template <typename T, bool kFastMath = false>

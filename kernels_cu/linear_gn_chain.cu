@@ -72,6 +72,9 @@ struct TileVectors {
 template <typename T, typename TO, typename Chain, int kCpg>
 struct GroupNormTileStore {
   static_assert(kCpg >= 8 && kCpg <= kHgBN && (kCpg & (kCpg - 1)) == 0, "a group inside a tile");
+  // Eager rounding (which may round the statistics, depending on the torch
+  // version) takes the two-launch route (ops.linear_gn_chain).
+  static_assert(!Chain::kRoundsLikeEager, "the chains that round like eager are not instantiated here");
   static constexpr bool kFast = fast_math<T, Chain>();
   static constexpr int kChunks = kCpg / 8;      // 16-byte chunks (8 values) per group
   static constexpr int kGroups = kHgBN / kCpg;  // groups per tile row
@@ -85,13 +88,6 @@ struct GroupNormTileStore {
   const TO* vectors[kGnVectors - 1];  // extra_bias, gn_weight, gn_bias, mul_weight (null: absent)
   i64 M, N, groups;
   float feps;
-  bool round_stats;
-
-  // Shared address of chunk k (columns 8k .. 8k + 7) of tile row r in the
-  // staging area (TmaTileWriter's layout).
-  __device__ __forceinline__ static unsigned chunk_addr(unsigned staging, int r, int k) {
-    return staging + (k >> 3) * (kHgBM * 128) + r * 128 + (((k & 7) ^ (r & 7)) << 4);
-  }
 
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
@@ -126,16 +122,11 @@ struct GroupNormTileStore {
           TmaTileWriter::put(staging, 64 * hm + me.row + 8 * h, i, me.t,
                              pack2<T>(__fadd_rn(acc[hm][4 * i + 2 * h], b0), __fadd_rn(acc[hm][4 * i + 2 * h + 1], b1)));
     }
-    fence_proxy_async();
-    named_barrier(1 + me.wg, 128);
     if (save) {  // z leaves as it is; y may overwrite it once the copy has read it
-      if (me.leader()) {
-#pragma unroll
-        for (int box = 0; box < kHgBN / 64; ++box)
-          tma_store_2d(map_z, staging + box * (kHgBM * 128), static_cast<int>(n0) + 64 * box, static_cast<int>(m0));
-        bulk_commit();
-        bulk_wait_read();
-      }
+      TmaTileWriter::end(map_z, me, staging, m0, n0);
+      TmaTileWriter::begin(me);
+    } else {
+      fence_proxy_async();
       named_barrier(1 + me.wg, 128);
     }
     // Row lt of the tile, group by group.
@@ -150,7 +141,7 @@ struct GroupNormTileStore {
         unsigned w[4];
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                     : "r"(chunk_addr(staging, lt, q * kChunks + k)));
+                     : "r"(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k)));
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           T z;
@@ -168,7 +159,7 @@ struct GroupNormTileStore {
         sq += d * d;
       }
       float rstd;
-      finish_statistics<T, Chain>(sq, inv_cpg, feps, round_stats, mean, rstd);
+      finish_statistics<T, Chain>(sq, inv_cpg, feps, false, mean, rstd);
       const i64 g = n0 / kCpg + q;
       if (save && row < M && g < groups) {
         mean_out[row * groups + g] = mean;
@@ -183,7 +174,8 @@ struct GroupNormTileStore {
             const int c = q * kCpg + 8 * k + e;
             yv[e] = Chain::post((v[8 * k + e] - mean) * rstd * p.gamma(c) + p.beta(c), p, c);
           }
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk_addr(staging, lt, q * kChunks + k)),
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                       ::"r"(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k)),
                        "r"(pack2<TO>(yv[0], yv[1])), "r"(pack2<TO>(yv[2], yv[3])), "r"(pack2<TO>(yv[4], yv[5])),
                        "r"(pack2<TO>(yv[6], yv[7]))
                        : "memory");
@@ -215,7 +207,7 @@ struct GroupNormTileStore {
         float mean, rstd;
         asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
                      : "=r"(w[0]), "=r"(w[1])
-                     : "r"(chunk_addr(staging, r, lane >> 1) + 8u * (lane & 1)));
+                     : "r"(TmaTileWriter::chunk_addr(staging, r, lane >> 1) + 8u * (lane & 1)));
         asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
                      : "=f"(mean), "=f"(rstd)
                      : "r"(stats + 8u * (r * kGroups + q)));
@@ -238,18 +230,16 @@ struct GroupNormTileStore {
 };
 
 // Grid: at most one block per SM (persistent), kHgThreads threads,
-// HalfGemmShared<kGnHalfStages, kGnStagingBytes>::kBytes of dynamic shared
-// memory (ops.linear_gn_chain.HALF_SHARED_BYTES).
-constexpr int kGnHalfStages = 4;
-template <typename T, typename TO, typename Chain, int kCpg>
+// half_gemm_shared_bytes<kStages, kGnStagingBytes>() of dynamic shared memory
+// (ops.gemm._half_shared_bytes).
+template <typename T, typename TO, typename Chain, int kCpg, int kStages>
 __global__ void __launch_bounds__(kHgThreads, 1)
 linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
                       const __grid_constant__ TensorMap map_y, const __grid_constant__ TensorMap map_z,
                       TO* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
                       const T* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
                       const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
-                      const TO* __restrict__ mul_weight, i64 M, i64 N, i64 K, i64 groups, double eps,
-                      i64 round_statistics) {
+                      const TO* __restrict__ mul_weight, i64 M, i64 N, i64 K, i64 groups, double eps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char gemm_shared[];
   GroupNormTileStore<T, TO, Chain, kCpg> store{map_y,
@@ -263,10 +253,9 @@ linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_cons
                                                M,
                                                N,
                                                groups,
-                                               static_cast<float>(eps),
-                                               Chain::kRoundsLikeEager && round_statistics != 0};
-  half_gemm_persistent<T, kGnHalfStages, kGnStagingBytes>(reinterpret_cast<char*>(gemm_shared), map_x, map_w, M,
-                                                          N, K, store);
+                                               static_cast<float>(eps)};
+  half_gemm_persistent<T, kStages, kGnStagingBytes>(reinterpret_cast<char*>(gemm_shared), map_x, map_w, M, N, K,
+                                                    store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

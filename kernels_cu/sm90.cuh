@@ -1,9 +1,10 @@
 // PTX wrappers for the GEMM kernels' asynchronous machinery: shared-memory
 // addresses, mbarriers, the bulk tensor copy engine (TMA) and the warpgroup
-// MMA (wgmma) fences.  Written out in PTX because NVRTC builds these
-// sources without any toolkit header.  Everything but shared_addr and
-// TensorMap needs sm_90a; the kernels that use it are compiled for every
-// architecture (the compile check covers them) and trap without it.
+// MMA (wgmma) fences, and the GEMMs' tile order.  Written out in PTX because
+// NVRTC builds these sources without any toolkit header.  Everything but
+// shared_addr, grouped_tile_of and TensorMap needs sm_90a; the kernels that
+// use it are compiled for every architecture (the compile check covers them)
+// and trap without it.
 #pragma once
 #include "cf_common.cuh"
 
@@ -14,6 +15,19 @@ __device__ __forceinline__ unsigned shared_addr(const void* p) {
   unsigned r;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
   return r;
+}
+
+// Output tile `tile` of a tiles_m x tiles_n grid of a GEMM's C in grouped
+// order: 8 tile-rows at a time, column by column, so that the tiles in flight
+// together share their A and B tiles in L2.  (Both GEMM families order their
+// tiles so: gemm_tf32.cuh one tile per block, gemm.cuh persistent blocks.)
+__device__ __forceinline__ void grouped_tile_of(i64 tile, i64 tiles_m, i64 tiles_n, i64& tm, i64& tn) {
+  constexpr i64 kGroup = 8;
+  const i64 in_group = kGroup * tiles_n;
+  const i64 first_m = (tile / in_group) * kGroup;
+  const i64 group_rows = min(tiles_m - first_m, kGroup);
+  tm = first_m + (tile % in_group) % group_rows;
+  tn = (tile % in_group) / group_rows;
 }
 
 // A TMA descriptor (CUDA's CUtensorMap: 128 opaque bytes, 64-byte aligned),
@@ -43,6 +57,10 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 // mbarriers (one phase per use of a stage).
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the mbarriers' initialisation visible to the async proxy (TMA, wgmma).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cupy_fused import ops, reference
-from cupy_fused.testing import build_pair, compare, rel_error, worse_than_eager
+from cupy_fused.testing import build_pair, compare, non_finite_masks, rel_error, worse_than_eager
 
 pytestmark = pytest.mark.gpu
 AMP = [torch.bfloat16, torch.float16]
@@ -92,18 +92,6 @@ def test_grad_scaler_skips_an_overflowing_step_as_the_reference(problem, device)
         assert got[0] == got[1] == (skipped, scale * (0.5 if skipped else 1.0)), got
 
 
-def _non_finite_masks(model, x, g, amp):
-    x = x.detach().clone().requires_grad_(True)
-    for p in model.parameters():
-        p.grad = None
-    with _autocast(amp) if amp else torch.autocast("cuda", enabled=False):
-        y = model(x)
-    y.backward(g.to(y.dtype))
-    tensors = {"out": y.detach(), "x.grad": x.grad}
-    tensors.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
-    return {n: (t.isnan(), t.isposinf(), t.isneginf()) for n, t in tensors.items()}
-
-
 MODES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
          "amp-bf16": (torch.float32, torch.bfloat16)}
 
@@ -128,8 +116,8 @@ def test_non_finite_input_lands_where_the_references_does(problem, mode, value, 
     x.view(-1)[x.numel() // 3] = value
     with torch.no_grad(), (_autocast(amp) if amp else torch.autocast("cuda", enabled=False)):
         g = torch.randn(ref(x).shape, generator=gen).to(device)
-    want = _non_finite_masks(ref, x, g, amp)
-    got = _non_finite_masks(ours, x, g, amp)
+    want = non_finite_masks(ref, x, g, amp)
+    got = non_finite_masks(ours, x, g, amp)
     for name, masks in want.items():
         for kind, a, b in zip(("nan", "+inf", "-inf"), masks, got[name]):
             assert torch.equal(a, b), (name, kind, a.sum().item(), b.sum().item())
@@ -145,7 +133,7 @@ def test_ieee_precision_keeps_infinities(problem, value, device):
     x = torch.rand(shape, device=device)
     x.view(-1)[x.numel() // 3] = value
     g = torch.randn(ref(x).shape, device=device)
-    want, got = _non_finite_masks(ref, x, g, None), _non_finite_masks(ours, x, g, None)
+    want, got = non_finite_masks(ref, x, g, None), non_finite_masks(ours, x, g, None)
     for name, masks in want.items():
         assert all(torch.equal(a, b) for a, b in zip(masks, got[name])), name
 

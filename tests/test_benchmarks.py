@@ -260,7 +260,8 @@ def test_scripts_start_from_anywhere_and_show_their_help(tmp_path):
     PYTHONPATH as scripts/gpu_check.sh sets it: each finds the harness by its
     own path.  (In parallel: each subprocess spends a second importing torch.)"""
     scripts = ["benchmarks/run.py", "benchmarks/kernels.py", "benchmarks/gemm.py",
-               "benchmarks/host_overhead.py", "scripts/tune_gn.py", "scripts/tune_gemm.py"]
+               "benchmarks/host_overhead.py", "benchmarks/publish.py", "benchmarks/scaling.py",
+               "benchmarks/cold_start.py", "scripts/tune_gn.py", "scripts/tune_gemm.py"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = {script: subprocess.Popen([sys.executable, str(REPO / script), "--help"],
                                       cwd=tmp_path, env=env, stdout=subprocess.PIPE,

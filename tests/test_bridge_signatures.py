@@ -11,6 +11,7 @@ from cupy_fused import _bridge, _runtime
 class _FakeKernel:
     def __init__(self, name):
         self.name, self.ptr, self.params, self.shared_limit = name, 0, None, 48 * 1024
+        self.wide_params = False
 
 
 def _all_instantiations():
@@ -63,7 +64,6 @@ def test_layout_follows_the_declaration():
 def test_arguments_that_do_not_fit_are_refused_before_launch(monkeypatch, args, message):
     launched = []
     monkeypatch.setattr(_bridge, "_launch_kernel", lambda *a: launched.append(a))
-    monkeypatch.setattr(_bridge, "require_cupy", lambda: None)
     monkeypatch.setattr(_bridge, "_ParamBuffer", lambda: type(
         "B", (), {"data": bytearray(4096), "params_ptr": 0})())
     monkeypatch.setattr(_bridge._local, "buffer", _bridge._ParamBuffer(), raising=False)

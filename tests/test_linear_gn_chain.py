@@ -86,13 +86,6 @@ def test_16bit_models_record_one_op_where_one_launch_pays(monkeypatch, past_devi
     assert seen == [(96, 64)]  # eager rounding: the two-launch route
 
 
-@pytest.fixture
-def past_device_check(monkeypatch):
-    from cupy_fused import _validation
-
-    monkeypatch.setattr(_validation, "DEVICE_TYPES", ("cuda", "cpu"))
-
-
 def test_validation(past_device_check):
     x, w, v = torch.rand(4, 8), torch.rand(16, 8), torch.rand(16)
     with pytest.raises(ValueError, match="chain must be one of"):
@@ -220,9 +213,10 @@ def test_one_launch_kernel_against_float64(chain, shape, dtype, device):
     worse than eager's in the same dtype; z, mean and 1/std as the backward
     needs them; the same y without saving; the same bits twice."""
     m, k, n, groups = shape
-    x, w, *vecs = [t.to(dtype) for t in _operands(m, k, n, device, m + k + n + groups)]
-    if not LG._half_engine_supports(x, w, groups):
+    if not G.has_wgmma(device.index):
         pytest.skip("the one-launch kernel needs the Hopper GEMM engine (compute capability 9.0)")
+    x, w, *vecs = [t.to(dtype) for t in _operands(m, k, n, device, m + k + n + groups)]
+    assert LG._half_engine_supports(x, w, groups)  # every shape here is one it takes
     eps = 1e-5
     z64 = F.linear(x.double(), w.double(), vecs[0].double())
     truth = chain_on_z(z64, chain, groups, *[t.double() for t in vecs[1:]], eps)
@@ -261,14 +255,14 @@ def one_launch_everywhere(monkeypatch):
     """The rule says yes at every size (the test shapes are small), and the
     kernel's launches are counted, by chain."""
     launches = []
-    launch = LG._launch_fused_half
+    launch = LG._run_one_launch
 
     def counted(*args, **kwargs):
         launches.append(args[7])  # the chain
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(LG, "fusion_pays", lambda *shape: True)
-    monkeypatch.setattr(LG, "_launch_fused_half", counted)
+    monkeypatch.setattr(LG, "_run_one_launch", counted)
     return launches
 
 
@@ -282,6 +276,33 @@ MODEL_CASES = [
 # (model dtype, autocast dtype or None)
 MODES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None),
          "amp-bf16": (torch.float32, torch.bfloat16), "amp-fp16": (torch.float32, torch.float16)}
+CHAIN_OF = {37: "swish_bias_gn", 88: "gn_swish_mul_swish", 94: "bias_hardtanh_mish_gn"}
+
+
+def _expect_one_launch(problem, args, amp, monkeypatch):
+    """Whether the model's forward must take one launch (its group size is
+    one the kernel takes: fewer with a float32 output, under autocast); if
+    so, both two-launch forwards (the gn_chain op's, and the one inside the
+    one-launch op) are made to fail."""
+    groups = args[3] if problem == 94 else args[2]
+    sizes = LG.HALF_FLOAT_OUT_GROUP_SIZES if amp else LG.HALF_GROUP_SIZES
+    if args[1] // groups not in sizes:
+        return False
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("the two-launch path ran")
+
+    # The gn_chain op holds its own reference to its forward.
+    monkeypatch.setattr(GN._GN_CHAIN, "forward", not_called)
+    monkeypatch.setattr(LG, "_gn_chain_forward", not_called)
+    return True
+
+
+def _check_launches(launches, problem, one_launch):
+    if one_launch:
+        assert launches and set(launches) == {CHAIN_OF[problem]}
+    else:
+        assert launches == []
 
 
 @gpu
@@ -290,21 +311,13 @@ MODES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None),
 def test_models_take_one_launch_and_match_the_reference(problem, args, shape, mode, device,
                                                         monkeypatch, one_launch_everywhere):
     """Where the rule says so, the 16-bit models' forward, and the float32
-    models' under autocast, is the one-launch kernel (the gn_chain forward
-    is never called), and their output (in the reference's dtype) and every
-    gradient are no worse than eager's against float64."""
+    models' under autocast, is the one-launch kernel (no two-launch forward
+    runs), and their output (in the reference's dtype) and every gradient
+    are no worse than eager's against float64."""
     if not G.has_wgmma(device.index):
         pytest.skip("the one-launch kernel needs the Hopper GEMM engine (compute capability 9.0)")
     dtype, amp = MODES[mode]
-    groups = args[3] if problem == 94 else args[2]
-    one_launch = args[1] // groups in (LG.HALF_FLOAT_OUT_GROUP_SIZES if amp else LG.HALF_GROUP_SIZES)
-
-    def not_called(*args, **kwargs):
-        raise AssertionError("the two-launch path ran")
-
-    if one_launch:  # (else: a group size the float32-output kernel does not take)
-        # The gn_chain op holds its own reference to its forward.
-        monkeypatch.setattr(GN._GN_CHAIN, "forward", not_called)
+    one_launch = _expect_one_launch(problem, args, amp, monkeypatch)
     # Through a GroupNorm with unit weights as the last op (37, 94), the
     # input's gradient of y.sum() is zero: its relative error would compare
     # rounding noise with rounding noise.
@@ -313,9 +326,7 @@ def test_models_take_one_launch_and_match_the_reference(problem, args, shape, mo
                          autocast=amp)
         bad = worse_than_eager(errors, amp or dtype)
         assert not bad, {name: errors[name] for name in bad}
-    assert set(one_launch_everywhere) == ({{37: "swish_bias_gn", 88: "gn_swish_mul_swish",
-                                            94: "bias_hardtanh_mish_gn"}[problem]}
-                                          if one_launch else set())
+    _check_launches(one_launch_everywhere, problem, one_launch)
 
 
 @gpu
@@ -323,12 +334,12 @@ def test_models_take_one_launch_and_match_the_reference(problem, args, shape, mo
 @pytest.mark.parametrize("mode", ["bf16", "amp-bf16"])
 @pytest.mark.parametrize("problem,args,shape", MODEL_CASES)
 def test_one_launch_non_finite_input_lands_where_the_references_does(
-        problem, args, shape, mode, value, device, one_launch_everywhere):
+        problem, args, shape, mode, value, device, monkeypatch, one_launch_everywhere):
     """One non-finite input element through the one-launch route: the NaN /
     +inf / -inf masks of the output and of every gradient equal eager's."""
     if not G.has_wgmma(device.index):
         pytest.skip("the one-launch kernel needs the Hopper GEMM engine (compute capability 9.0)")
-    from cupy_fused.testing import build_pair
+    from cupy_fused.testing import build_pair, non_finite_masks
 
     dtype, amp = MODES[mode]
     ref, ours = build_pair(problem, args, device, dtype)
@@ -337,20 +348,12 @@ def test_one_launch_non_finite_input_lands_where_the_references_does(
     x.view(-1)[x.numel() // 3] = value
     g = torch.randn(shape[0], args[1], generator=gen).to(device=device, dtype=torch.float32 if amp
                                                          else dtype)
-    masks = []
-    for model in (ref, ours):
-        xx = x.clone().requires_grad_(True)
-        with torch.autocast("cuda", dtype=amp or torch.float16, enabled=amp is not None):
-            y = model(xx)
-        y.backward(g)
-        tensors = {"out": y.detach(), "x.grad": xx.grad}
-        tensors.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
-        masks.append({n: (t.isnan(), t.isposinf(), t.isneginf()) for n, t in tensors.items()})
-    groups = args[3] if problem == 94 else args[2]
-    if args[1] // groups in (LG.HALF_FLOAT_OUT_GROUP_SIZES if amp else LG.HALF_GROUP_SIZES):
-        assert one_launch_everywhere
-    for name, want in masks[0].items():
-        for kind, a, b in zip(("nan", "+inf", "-inf"), want, masks[1][name]):
+    want = non_finite_masks(ref, x, g, amp)
+    one_launch = _expect_one_launch(problem, args, amp, monkeypatch)
+    got = non_finite_masks(ours, x, g, amp)
+    _check_launches(one_launch_everywhere, problem, one_launch)
+    for name, masks in want.items():
+        for kind, a, b in zip(("nan", "+inf", "-inf"), masks, got[name]):
             assert torch.equal(a, b), (name, kind, a.sum().item(), b.sum().item())
 
 

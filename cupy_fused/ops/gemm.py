@@ -328,11 +328,18 @@ HALF_STAGES = 4
 _HALF_TYPES = {torch.float16: "cf::half", torch.bfloat16: "cf::bfloat16"}
 
 
-def _half_shared_bytes(tma_store: bool) -> int:
-    """HalfGemmShared<stages, staging>::kBytes (kernels_cu/gemm.cuh)."""
-    stages = HALF_STAGES
-    return (1024 + stages * (HALF_TILE[0] + HALF_TILE[1]) * HALF_BOX_K * 2
-            + (2 * HALF_TILE[0] * HALF_TILE[1] * 2 if tma_store else 0) + 2 * stages * 8 + 16)
+# A 16-bit tile of C per consumer warpgroup: the TMA store's staging area
+# (kHgStagingBytes in kernels_cu/gemm.cuh).
+HALF_STAGING_BYTES = 2 * HALF_TILE[0] * HALF_TILE[1] * 2
+
+
+def _half_shared_bytes(staging_bytes: int) -> int:
+    """Dynamic shared memory of a kernel on the engine with HALF_STAGES
+    stages and ``staging_bytes`` of store staging: half_gemm_shared_bytes<stages,
+    staging>() (kernels_cu/gemm.cuh; 1024 bytes of alignment slack,
+    the stages, the staging, the stages' and the turns' mbarriers)."""
+    return (1024 + HALF_STAGES * (HALF_TILE[0] + HALF_TILE[1]) * HALF_BOX_K * 2
+            + staging_bytes + 2 * HALF_STAGES * 8 + 16)
 
 
 # Keyed by (dtype, C stored through TMA).
@@ -439,7 +446,7 @@ def _half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     _bridge.launch(HALF_KERNELS.get((x.dtype, tma), dev), (min(tiles, sm_count(dev)), 1, 1),
                    HALF_THREADS, (map_a, _tensor_map(weight, HALF_TILE[1]), map_c, out.data_ptr(),
                                   _ptr_or_null(bias), activation, m, n, k, n), dev,
-                   shared_mem=_half_shared_bytes(tma))
+                   shared_mem=_half_shared_bytes(HALF_STAGING_BYTES if tma else 0))
     return out
 
 

@@ -67,16 +67,16 @@ HALF_GROUP_SIZES = (8, 16, 32, 64, 128)
 # With a float32 y (autocast), each thread keeps its row's statistics of the
 # tile in 4 KiB: at most 4 groups per 128 columns.
 HALF_FLOAT_OUT_GROUP_SIZES = (32, 64, 128)
-# HalfGemmShared<kGnHalfStages, kGnStagingBytes>::kBytes: alignment slack, 4
-# stages of 32 KiB, per consumer warpgroup a tile of staging (32 KiB) and its
-# vector cache and statistics (8 KiB), the barriers.
-HALF_SHARED_BYTES = 1024 + 4 * 32768 + 2 * (32768 + 8192) + 2 * 4 * 8 + 16
+# The kernel's shared memory: the engine's, with a staging area of a 16-bit
+# tile per consumer warpgroup plus its vector cache and statistics
+# (kGnStagingBytes: 2 x 8 KiB beside the tiles).
+HALF_SHARED_BYTES = gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * 8192)
 
 # Keyed by (dtype, float32 output and vectors (autocast), chain, channels per group).
 HALF_KERNELS = _runtime.KernelFamily("linear_gn_chain.cu", {
     (dtype, float_out, chain, cpg): (
         f"cf::linear_gn_chain_wgmma<{name}, {'float' if float_out else name}, "
-        f"{CHAINS[chain].type()}, {cpg}>")
+        f"{CHAINS[chain].type()}, {cpg}, {gemm.HALF_STAGES}>")
     for dtype, name in gemm._HALF_TYPES.items() for float_out in (False, True) for chain in CHAINS
     for cpg in (HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES)
 })
@@ -100,15 +100,30 @@ def fusion_pays(m: int, n: int, k: int, sms: int) -> bool:
     return k <= HALF_FUSE_MAX_K and tiles >= HALF_FUSE_MIN_TILES_PER_SM * sms
 
 
+def _group_size_fits(n: int, num_groups: int, float_out: bool) -> bool:
+    """Whether groups of n / num_groups channels are one of
+    :data:`HALF_GROUP_SIZES` (:data:`HALF_FLOAT_OUT_GROUP_SIZES` with a
+    float32 output)."""
+    sizes = HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES
+    return n % num_groups == 0 and n // num_groups in sizes
+
+
+def _shape_fuses(x: torch.Tensor, weight: torch.Tensor, num_groups: int, float_out: bool) -> bool:
+    """The rule on shapes alone: :func:`_group_size_fits` and
+    :func:`fusion_pays` (what :func:`_half_engine_fuses` adds is the device
+    and the operands' dtypes and alignment)."""
+    n = weight.shape[0]
+    return (_group_size_fits(n, num_groups, float_out)
+            and fusion_pays(x.shape[0], n, x.shape[1], gemm.sm_count(x.device.index)))
+
+
 def _half_engine_supports(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
                           float_out: bool = False) -> bool:
     """Whether the 16-bit one-launch kernel can run this forward: where
-    :func:`.gemm._uses_half_engine` accepts the product and the groups hold
-    one of :data:`HALF_GROUP_SIZES` channels (:data:`HALF_FLOAT_OUT_GROUP_SIZES`
-    with a float32 output)."""
-    n = weight.shape[0]
-    sizes = HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES
-    return n % num_groups == 0 and n // num_groups in sizes and gemm._uses_half_engine(x, weight)
+    :func:`.gemm._uses_half_engine` accepts the product and
+    :func:`_group_size_fits`."""
+    return (_group_size_fits(weight.shape[0], num_groups, float_out)
+            and gemm._uses_half_engine(x, weight))
 
 
 def _half_engine_fuses(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
@@ -118,8 +133,7 @@ def _half_engine_fuses(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
     :func:`_half_engine_supports` and :func:`fusion_pays`.  Elsewhere the
     op's forward is the named fallback route: cuBLAS (the linear bias in
     its epilogue), then the ``gn_chain`` kernel."""
-    return (fusion_pays(x.shape[0], weight.shape[0], x.shape[1], gemm.sm_count(x.device.index))
-            and _half_engine_supports(x, weight, num_groups, float_out))
+    return _shape_fuses(x, weight, num_groups, float_out) and gemm._uses_half_engine(x, weight)
 
 
 def _launch_fused_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
@@ -136,13 +150,21 @@ def _launch_fused_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional
     lin_bias in x's dtype; the other vectors and y in x's dtype, or float32
     with ``float_out`` (autocast).  ``y``: the output to write (e.g.
     NaN-poisoned), else a new one."""
+    if not _half_engine_supports(x, weight, num_groups, float_out):
+        sizes = HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES
+        raise ValueError("the 16-bit one-launch GEMM + GroupNorm needs a compute capability 9.0 "
+                         "GPU, x and weight rows the copy engine can read and "
+                         f"{sizes} channels per group")
+    return _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                           num_groups, eps, save, y, float_out)
+
+
+def _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
+                    num_groups, eps, save, y, float_out):
+    """:func:`_launch_fused_half` on operands already checked."""
     m, k = x.shape
     n = weight.shape[0]
     dev = x.device.index
-    if not _half_engine_supports(x, weight, num_groups, float_out):
-        raise ValueError("the 16-bit one-launch GEMM + GroupNorm needs a compute capability 9.0 "
-                         "GPU, x and weight rows the copy engine can read and "
-                         f"{HALF_GROUP_SIZES} channels per group")
     if y is None:
         y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype, device=x.device)
     z = torch.empty((m, n) if save else (0,), dtype=x.dtype, device=x.device)
@@ -159,7 +181,7 @@ def _launch_fused_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional
                        map_y, gemm._tensor_map(z, gemm.HALF_TILE[0]) if save else map_y,
                        y.data_ptr(), mean, rstd, _ptr_or_null(lin_bias),
                        _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
-                       _ptr_or_null(mul_weight), m, n, k, num_groups, eps, 0), dev,
+                       _ptr_or_null(mul_weight), m, n, k, num_groups, eps), dev,
                    shared_mem=HALF_SHARED_BYTES)
     return y, z, stats
 
@@ -175,8 +197,8 @@ def _forward_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torc
     the same (y, z, stats) either way.  Arguments as for
     :func:`_launch_fused_half`."""
     if _half_engine_fuses(x, weight, num_groups, float_out):
-        return _launch_fused_half(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
-                                  chain, num_groups, eps, save, float_out=float_out)
+        return _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
+                               chain, num_groups, eps, save, None, float_out)
     z = torch.addmm(lin_bias, x, weight.t()) if lin_bias is not None else torch.mm(x, weight.t())
     y, stats = _gn_chain_forward(z, None, extra_bias, gn_weight, gn_bias, mul_weight, chain,
                                  num_groups, eps, save, True, float_out=float_out)
@@ -277,10 +299,7 @@ def _takes_one_launch(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
     run time if its operands turn out unaligned."""
     if x.dtype == compute and not is_compiling():
         return _half_engine_fuses(x, weight, num_groups, float_out)
-    n = weight.shape[0]
-    sizes = HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES
-    return (n // num_groups in sizes
-            and fusion_pays(x.shape[0], n, x.shape[1], gemm.sm_count(x.device.index)))
+    return _shape_fuses(x, weight, num_groups, float_out)
 
 
 def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],
