@@ -41,18 +41,6 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15u) == 0;
 }
 
-// Value k of N values of T packed in 32-bit words.
-template <typename T>
-__device__ __forceinline__ float unpack(const unsigned* w, int k) {
-  if constexpr (sizeof(T) == 4) {
-    return __uint_as_float(w[k]);
-  } else {
-    T v;
-    v.bits = static_cast<unsigned short>(w[k / 2] >> (16 * (k % 2)));
-    return to_float(v);
-  }
-}
-
 // Words (32-bit) in N values of T.
 template <typename T, int N>
 constexpr int kWordsOf = N * static_cast<int>(sizeof(T)) / 4;
@@ -65,7 +53,7 @@ __device__ __forceinline__ unsigned raw_bits(bfloat16 x) { return x.bits; }
 // memory.  With `vec` (p 16-byte aligned) and all N wanted: one 16-byte load
 // per 16 bytes.  Otherwise one load per value, of the first n only (the rest
 // read as 0): a misaligned base, or the tensor's last, partial vector.  The
-// values stay packed until used (unpack): a 16-bit vector in flight then
+// values stay packed until used (packed_value): a 16-bit vector in flight then
 // takes 4 registers, not 8.
 template <typename T, int N>
 __device__ __forceinline__ void load_raw(const T* p, bool vec, int n,
@@ -96,7 +84,7 @@ __device__ __forceinline__ void load_values(const T* p, bool vec, int n, float (
   unsigned w[kWordsOf<T, N>];
   load_raw<T, N>(p, vec, n, w);
 #pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = unpack<T>(w, k);
+  for (int k = 0; k < N; ++k) out[k] = packed_value<T>(w, k);
 }
 
 // Stores the first n of N values at p, as load_values reads them.
@@ -227,7 +215,7 @@ bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out, unsigned* __res
         brelu::channel_biases<TO, Chain, kV>(b1, b2, layout, e[u], channels, inner, index32, b, c);
 #pragma unroll
         for (int k = 0; k < kV; ++k) {
-          const float v = brelu::unpack<T>(x[u], k) + b[k];
+          const float v = packed_value<T>(x[u], k) + b[k];
           const bool positive = !(v <= 0.0f);
           float r = positive ? v : 0.0f;  // NaN stays NaN, as in torch.relu
           if (Chain::kHasSecondBias) r += c[k];
@@ -315,7 +303,7 @@ bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
           float gv[kV], d[kV];
 #pragma unroll
           for (int k = 0; k < kV; ++k) {
-            gv[k] = dy_dense ? brelu::unpack<TO>(g[u], k) : g_all;
+            gv[k] = dy_dense ? packed_value<TO>(g[u], k) : g_all;
             d[k] = (bits[u] >> k) & 1u ? gv[k] : 0.0f;
           }
           brelu::store_values<T, kV>(dz + row * channels + c0, vec, nc, d);
@@ -410,7 +398,7 @@ bias_relu_backward_slabs(const TO* __restrict__ dy, i64 dy_dense,
         float gv[kV], d[kV];
 #pragma unroll
         for (int k = 0; k < kV; ++k) {
-          gv[k] = dy_dense ? brelu::unpack<TO>(g[u], k) : g_all;
+          gv[k] = dy_dense ? packed_value<TO>(g[u], k) : g_all;
           d[k] = (bits[u] >> k) & 1u ? gv[k] : 0.0f;
         }
         brelu::store_values<T, kV>(dz + first + jj * kV, vec, kV, d);

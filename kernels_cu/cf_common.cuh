@@ -55,31 +55,50 @@ template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float f) {
 // allows: a 2- or 4-byte access per value leaves the load/store units, not
 // the memory, setting the pace.  `p` must be aligned to N * sizeof(T) bytes
 // (at most 16), and N * sizeof(T) must be 8, 16 or 32.
+//
+// Value k of values of T packed in 32-bit words as they lie in memory.
+template <typename T>
+__device__ __forceinline__ float packed_value(const unsigned* w, int k) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w[k]);
+  } else {
+    T v;
+    v.bits = static_cast<unsigned short>(w[k / 2] >> (16 * (k % 2)));
+    return to_float(v);
+  }
+}
+
+// N values of T held as the raw 32-bit words of one wide load, converted to
+// float on use: a row of loads kept in flight costs half the registers for
+// a 16-bit T.
 template <typename T, int N>
-__device__ __forceinline__ void load_vec(const T* p, float (&out)[N]) {
-  constexpr int kWords = N * static_cast<int>(sizeof(T)) / 4;
+struct Packed {
+  static constexpr int kWords = N * static_cast<int>(sizeof(T)) / 4;
   static_assert(kWords == 2 || kWords % 4 == 0, "8, 16 or 32 bytes");
   unsigned w[kWords];
-  if constexpr (kWords == 2) {
-    const uint2 r = *reinterpret_cast<const uint2*>(p);
-    w[0] = r.x; w[1] = r.y;
-  } else {
-#pragma unroll
-    for (int c = 0; c < kWords / 4; ++c) {
-      const uint4 r = reinterpret_cast<const uint4*>(p)[c];
-      w[4 * c] = r.x; w[4 * c + 1] = r.y; w[4 * c + 2] = r.z; w[4 * c + 3] = r.w;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    if constexpr (sizeof(T) == 4) {
-      out[k] = __uint_as_float(w[k]);
+  __device__ __forceinline__ void load(const T* p) {
+    if constexpr (kWords == 2) {
+      const uint2 r = *reinterpret_cast<const uint2*>(p);
+      w[0] = r.x; w[1] = r.y;
     } else {
-      T v;
-      v.bits = static_cast<unsigned short>(w[k / 2] >> (16 * (k % 2)));
-      out[k] = to_float(v);
+#pragma unroll
+      for (int c = 0; c < kWords / 4; ++c) {
+        const uint4 r = reinterpret_cast<const uint4*>(p)[c];
+        w[4 * c] = r.x; w[4 * c + 1] = r.y; w[4 * c + 2] = r.z; w[4 * c + 3] = r.w;
+      }
     }
   }
+  __device__ __forceinline__ void unpack(float (&out)[N]) const {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = packed_value<T>(w, k);
+  }
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[N]) {
+  Packed<T, N> v;
+  v.load(p);
+  v.unpack(out);
 }
 
 // As load_vec; a null `p` (an absent per-channel vector) gives `fallback`.

@@ -346,114 +346,128 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(const T* __
 
 
 // ---- Vectorised kernels ----
-// The same computation with every access kE values wide (load_vec /
-// store_vec: 8 to 32 bytes): a lane owns whole vectors of kE consecutive
-// channels, kVecs of them per (row, group), and the per-channel vectors come
-// in with the same wide loads (LaneVectors).  With 2- or 4-byte accesses per
-// value the load/store units, not the memory, set the pace.  Preconditions
-// (ops/gn_chain.py, vector_shape): channels per group a multiple of kE and at most
-// 32 * kVecs * kE; z, dy and every vector 16-byte aligned (out and dz are
-// new allocations).  Sums
-// run in another order than the scalar kernels', so the two agree to
-// rounding; each is bitwise reproducible.
+// The same computation with every access 16 bytes wide (kE values of z), in
+// a layout where lanes own fixed columns and warps walk rows:
+//
+//   * a lane owns one vector of kE consecutive channels; a team of `team`
+//     lanes (a power of two <= 32) owns a group, so a warp spans 32 / team
+//     groups, and blockIdx.x picks which (a "slice");
+//   * the kWarps warps of a block walk the rows of the block's chunk
+//     (blockIdx.y), warp w taking rows row0 + w, row0 + w + kWarps, ...,
+//     with the next rows' loads in flight while a row is computed;
+//   * each lane loads its columns' per-channel vectors once (LaneVectors).
+//
+// Preconditions (ops/gn_chain.py, vector_shape): channels per group a
+// multiple of kE and at most 32 * kE; z, dy and every vector 16-byte
+// aligned (out and dz are new allocations).  Sums run in another order than
+// the scalar kernels', so the two agree to rounding; each is bitwise
+// reproducible.
 
-template <typename T, typename Chain, int kE, int kVecs, typename TO, int kMinBlocks>
-__global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward_vec(
+constexpr int kWarps = 8;  // warps per block (blocks of 256 threads)
+
+// Where a lane of the vectorised kernels sits.
+struct VecLane {
+  int g;          // its group (>= groups: a lane past the last group)
+  int team_lane;  // its place in the group's team
+  int col;        // its first channel
+  bool active;    // it owns channels (every lane still joins the team sums)
+  bool leader;    // the first lane of a real group
+};
+
+template <int kE>
+__device__ __forceinline__ VecLane vec_lane(int cpg, i64 groups, int t) {
+  const int lane = threadIdx.x & 31;
+  VecLane l;
+  l.g = blockIdx.x * (32 / t) + lane / t;
+  l.team_lane = lane & (t - 1);
+  const bool real = l.g < groups;
+  l.active = real && l.team_lane < cpg / kE;
+  l.leader = real && l.team_lane == 0;
+  l.col = (real ? l.g * cpg : 0) + l.team_lane * kE;
+  return l;
+}
+
+// The rows [row0, row1) of this block's chunk.
+__device__ __forceinline__ void chunk_rows(i64 rows, i64 rows_per_chunk, i64& row0, i64& row1) {
+  row0 = static_cast<i64>(blockIdx.y) * rows_per_chunk;
+  row1 = min(rows, row0 + rows_per_chunk);
+}
+
+// Forward: grid = (slices, chunks).
+template <typename T, typename Chain, int kE, typename TO, int kMinBlocks>
+__global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
     const T* __restrict__ z, TO* __restrict__ out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, const TO* __restrict__ lin_bias,
     const TO* __restrict__ extra_bias, const TO* __restrict__ gn_weight,
     const TO* __restrict__ gn_bias, const TO* __restrict__ mul_weight, i64 rows, i64 channels,
-    i64 groups, i64 team, double eps, i64 round_statistics) {
+    i64 groups, i64 team, double eps, i64 round_statistics, i64 rows_per_chunk) {
   constexpr bool kFast = fast_math<T, Chain>();
   const ColumnVectors<TO, kFast> p =
       column_vectors<TO, kFast>(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
   const bool round_stats = Chain::kRoundsLikeEager && round_statistics != 0;
   const int cpg = static_cast<int>(channels / groups);
-  const int nvec = cpg / kE;
-  const int team_lane = threadIdx.x & (t - 1);
-  const i64 teams_per_block = blockDim.x / t;
-  const i64 pairs = rows * groups;
+  const VecLane l = vec_lane<kE>(cpg, groups, t);
   const float inv_cpg = 1.0f / static_cast<float>(cpg);
   const float feps = static_cast<float>(eps);
-  for (i64 base = blockIdx.x * teams_per_block; base < pairs; base += gridDim.x * teams_per_block) {
-    const i64 pair = base + threadIdx.x / t;
-    const bool valid = pair < pairs;
-    i64 row = 0;
-    int g = 0;
-    if (valid) split_pair(pair, pairs, groups, row, g);
-    const i64 first = row * channels + static_cast<i64>(g) * cpg;
-    const int col0 = g * cpg;
-    float v[kVecs][kE];
-    // Every load of the pair first, then the arithmetic: kVecs wide loads
-    // of z in flight per lane.
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int vi = team_lane + j * t;
-      if (valid && vi < nvec) {
-        load_vec<T, kE>(z + first + vi * kE, v[j]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kE; ++k) v[j][k] = 0.0f;
-      }
-    }
+  i64 row0, row1;
+  chunk_rows(rows, rows_per_chunk, row0, row1);
+  LaneVectors<TO, kE, kFast> lv;
+  if (l.active) lv.load(p, l.col);
+
+  auto load_row = [&](Packed<T, kE>& b, i64 r) {
+    if (l.active && r < row1) b.load(z + r * channels + l.col);
+  };
+  auto do_row = [&](Packed<T, kE>& b, i64 r) {
+    float v[kE];
+    b.unpack(v);
+    load_row(b, r + 2 * kWarps);
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int vi = team_lane + j * t;
-      if (valid && vi < nvec) {
-        LaneVectors<TO, kE, kFast> lv;
-        lv.load(p, col0 + vi * kE);
-#pragma unroll
-        for (int k = 0; k < kE; ++k) {
-          v[j][k] = Chain::pre(v[j][k], lv, k);
-          sum += v[j][k];
-        }
-      }
+    for (int k = 0; k < kE; ++k) {
+      v[k] = l.active ? Chain::pre(v[k], lv, k) : 0.0f;
+      sum += v[k];
     }
     float mean = team_sum(sum, t) * inv_cpg;
     float sq = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      if (valid && team_lane + j * t < nvec) {
-#pragma unroll
-        for (int k = 0; k < kE; ++k) {
-          const float d = v[j][k] - mean;
-          sq += d * d;
-        }
-      }
+    for (int k = 0; k < kE; ++k) {
+      const float d = v[k] - mean;
+      if (l.active) sq += d * d;
     }
     float rstd;
     finish_statistics<T, Chain>(team_sum(sq, t), inv_cpg, feps, round_stats, mean, rstd);
+    if (l.active) {
+      float o[kE];
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int vi = team_lane + j * t;
-      if (valid && vi < nvec) {
-        LaneVectors<TO, kE, kFast> lv;
-        lv.load(p, col0 + vi * kE);
-        float o[kE];
-#pragma unroll
-        for (int k = 0; k < kE; ++k)
-          o[k] = Chain::post((v[j][k] - mean) * rstd * lv.gamma(k) + lv.beta(k), lv, k);
-        store_vec<TO, kE>(out + first + vi * kE, o);
-      }
+      for (int k = 0; k < kE; ++k)
+        o[k] = Chain::post((v[k] - mean) * rstd * lv.gamma(k) + lv.beta(k), lv, k);
+      store_vec<TO, kE>(out + r * channels + l.col, o);
     }
-    if (valid && team_lane == 0 && mean_out) {
-      mean_out[pair] = mean;
-      rstd_out[pair] = rstd;
+    if (l.leader && mean_out) {
+      mean_out[r * groups + l.g] = mean;
+      rstd_out[r * groups + l.g] = rstd;
     }
+  };
+  // Two rows of loads in flight per lane; warp-uniform trip counts (the
+  // team sums need every lane of the warp).
+  Packed<T, kE> even, odd;
+  const i64 first = row0 + threadIdx.x / 32;
+  load_row(even, first);
+  load_row(odd, first + kWarps);
+  for (i64 r = first; r < row1; r += 2 * kWarps) {
+    do_row(even, r);
+    if (r + kWarps < row1) do_row(odd, r + kWarps);
   }
 }
 
-// Backward: grid = (ceil(groups / teams_per_block), chunks), as
-// gn_chain_backward's; a lane owns one vector of kE channels of its team's
-// group for every row of its chunk, so its per-channel vectors are loaded
-// once.  Column sums: plain
-// float over the chunk's rows (ops/gn_chain.py bounds them), double across
-// chunks.
+// Backward: grid = (slices, chunks).  Writes dz and, per chunk, the column
+// sums partial[chunk][slot][channels] (double) that reduce_column_partials
+// folds in order.  A lane sums its columns over its rows in float
+// (ops/gn_chain.py bounds the rows per warp); the block's warps are then
+// combined in double, in warp order, through shared memory.
 template <typename T, typename Chain, int kE, typename TO, int kMinBlocks>
-__global__ void __launch_bounds__(256, kMinBlocks)
-gn_chain_backward_vec(
+__global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec(
     const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
     const float* __restrict__ mean, const float* __restrict__ rstd,
     const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
@@ -466,19 +480,14 @@ gn_chain_backward_vec(
       column_vectors<TO, kFast>(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
   const int t = static_cast<int>(team);
   const int cpg = static_cast<int>(channels / groups);
-  const int nvec = cpg / kE;
-  const int team_lane = threadIdx.x & (t - 1);
-  const int teams_per_block = blockDim.x / t;
-  const int g = blockIdx.x * teams_per_block + threadIdx.x / t;
-  const bool active = g < groups && team_lane < nvec;  // every lane still joins the team sums
-  const int col = (g < groups ? g * cpg : 0) + team_lane * kE;  // this lane's first channel
-  const i64 row0 = blockIdx.y * rows_per_chunk;
-  const i64 row1 = min(rows, row0 + rows_per_chunk);
+  const VecLane l = vec_lane<kE>(cpg, groups, t);
+  const bool real = l.g < groups;
   const float inv_cpg = 1.0f / static_cast<float>(cpg);
-  double* part = partial + blockIdx.y * S * channels;
+  i64 row0, row1;
+  chunk_rows(rows, rows_per_chunk, row0, row1);
 
   LaneVectors<TO, kE, kFast> lv;
-  if (active) lv.load(p, col);
+  if (l.active) lv.load(p, l.col);
   float acc[S][kE];
 #pragma unroll
   for (int s = 0; s < S; ++s)
@@ -486,36 +495,41 @@ gn_chain_backward_vec(
     for (int k = 0; k < kE; ++k) acc[s][k] = 0.0f;
 
   const float dy_one = dy_dense ? 0.0f : to_float(dy[0]);
-  // Two rows of loads in flight per lane: each row's z, dy and statistics
-  // are loaded two rows ahead, into one of two buffers.  (One row ahead
-  // leaves the lane waiting on memory latency every row.)
   struct Row {
-    float z[kE], dy[kE], mu, rs;
+    Packed<T, kE> z;
+    Packed<TO, kE> dy;
+    float mu, rs;
   };
   auto load_row = [&](Row& b, i64 r) {
-    if (active && r < row1) {
-      load_vec<T, kE>(z + r * channels + col, b.z);
-      if (dy_dense) load_vec<TO, kE>(dy + r * channels + col, b.dy);
-      b.mu = mean[r * groups + g];
-      b.rs = rstd[r * groups + g];
+    if (r < row1) {
+      if (l.active) {
+        b.z.load(z + r * channels + l.col);
+        if (dy_dense) b.dy.load(dy + r * channels + l.col);
+      }
+      if (real) {
+        b.mu = mean[r * groups + l.g];
+        b.rs = rstd[r * groups + l.g];
+      }
     }
   };
   auto do_row = [&](Row& b, i64 r) {
     float zs[kE], dys[kE];
+    b.z.unpack(zs);
+    if (dy_dense) {
+      b.dy.unpack(dys);
+    } else {
 #pragma unroll
-    for (int k = 0; k < kE; ++k) {
-      zs[k] = b.z[k];
-      dys[k] = dy_dense ? b.dy[k] : dy_one;
+      for (int k = 0; k < kE; ++k) dys[k] = dy_one;
     }
-    const float mu = active ? b.mu : 0.0f;
-    const float rs = active ? b.rs : 0.0f;
-    load_row(b, r + 2);
+    const float mu = real ? b.mu : 0.0f;
+    const float rs = real ? b.rs : 0.0f;
+    load_row(b, r + 2 * kWarps);
     float xh[kE], dxh[kE], dyh[kE], mg[kE], pg[kE];
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
     for (int k = 0; k < kE; ++k) {
       xh[k] = dxh[k] = dyh[k] = mg[k] = pg[k] = 0.0f;
-      if (active) {
+      if (l.active) {
         const float v = Chain::pre_with_grad(zs[k], lv, k, pg[k]);
         dxh[k] = element_backward_from_pre<Chain>(v, dys[k], mu, rs, k, lv, xh[k], dyh[k], mg[k]);
         s1 += dxh[k];
@@ -524,7 +538,7 @@ gn_chain_backward_vec(
     }
     s1 = team_sum(s1, t) * inv_cpg;
     s2 = team_sum(s2, t) * inv_cpg;
-    if (active) {
+    if (l.active) {
       float d[kE];
 #pragma unroll
       for (int k = 0; k < kE; ++k) {
@@ -535,22 +549,39 @@ gn_chain_backward_vec(
 #pragma unroll
         for (int s = 0; s < S; ++s) acc[s][k] += vals[s];
       }
-      store_vec<T, kE>(dz_out + r * channels + col, d);
+      store_vec<T, kE>(dz_out + r * channels + l.col, d);
     }
   };
   Row even, odd;
-  load_row(even, row0);
-  load_row(odd, row0 + 1);
-  // Block-uniform trip count (the team sums need every lane).
-  for (i64 r = row0; r < row1; r += 2) {
+  const int warp = threadIdx.x / 32;
+  const i64 first = row0 + warp;
+  load_row(even, first);
+  load_row(odd, first + kWarps);
+  for (i64 r = first; r < row1; r += 2 * kWarps) {
     do_row(even, r);
-    if (r + 1 < row1) do_row(odd, r + 1);
+    if (r + kWarps < row1) do_row(odd, r + kWarps);
   }
-  if (active) {
+
+  // The warps' sums of each column, added in warp order.
+  __shared__ float sums[kWarps][32 * kE];
+  const int lane = threadIdx.x & 31;
+  double* part = partial + static_cast<i64>(blockIdx.y) * S * channels;
 #pragma unroll
-    for (int s = 0; s < S; ++s)
+  for (int s = 0; s < S; ++s) {
+    if (s) __syncthreads();  // the previous slot's reads are done
 #pragma unroll
-      for (int k = 0; k < kE; ++k) part[s * channels + col + k] = acc[s][k];
+    for (int k = 0; k < kE; ++k) sums[warp][lane * kE + k] = acc[s][k];
+    __syncthreads();
+    for (int e = threadIdx.x; e < 32 * kE; e += 32 * kWarps) {
+      double total = 0.0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += sums[w][e];
+      const int owner = e / kE;  // the lane whose column this is
+      const int g = blockIdx.x * (32 / t) + owner / t;
+      const int team_lane = owner & (t - 1);
+      if (g < groups && team_lane < cpg / kE)
+        part[s * channels + g * cpg + team_lane * kE + (e - owner * kE)] = total;
+    }
   }
 }
 

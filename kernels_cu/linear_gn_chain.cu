@@ -144,9 +144,7 @@ struct GroupNormTileStore {
                      : "r"(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k)));
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          T z;
-          z.bits = static_cast<unsigned short>(w[e / 2] >> (16 * (e % 2)));
-          v[8 * k + e] = Chain::pre(to_float(z), p, q * kCpg + 8 * k + e);
+          v[8 * k + e] = Chain::pre(packed_value<T>(w, e), p, q * kCpg + 8 * k + e);
         }
       }
       float sum = 0.0f;
@@ -214,9 +212,7 @@ struct GroupNormTileStore {
         float yv[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          T z;
-          z.bits = static_cast<unsigned short>(w[e / 2] >> (16 * (e % 2)));
-          const float vv = Chain::pre(to_float(z), p, c0 + e);
+          const float vv = Chain::pre(packed_value<T>(w, e), p, c0 + e);
           yv[e] = Chain::post((vv - mean) * rstd * gamma[e] + beta[e], p, c0 + e);
         }
         if (m0 + r < M && col < N)

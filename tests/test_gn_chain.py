@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cupy_fused import ops
+from cupy_fused.ops import _common
 from cupy_fused.testing import rel_error
 
 # The module (``cupy_fused.ops.gn_chain`` as an attribute is the op itself).
@@ -19,21 +20,40 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def test_vector_shape_rules():
-    # Problem 37's groups (64 channels): half 8 vectors of 8, float 16 of 4,
-    # two per lane in the forward; one vector of 4 per lane in the backward.
-    assert G.vector_shape(torch.bfloat16, 64, False) == (4, 2)
-    assert G.vector_shape(torch.float32, 64, False) == (8, 2)
-    assert G.vector_shape(torch.bfloat16, 64, True) == (16, 4)
+    # (team, values per lane): a lane owns 16 bytes of z.  Problem 37's
+    # groups (64 channels): half 8 vectors of 8, float 16 of 4.
+    assert G.vector_shape(torch.bfloat16, 64, False) == (8, 8)
+    assert G.vector_shape(torch.float32, 64, False) == (16, 4)
+    assert G.vector_shape(torch.bfloat16, 64, True) == (8, 8)
     # 88 / 94 (32 channels).
-    assert G.vector_shape(torch.float16, 32, False) == (4, 1)
-    assert G.vector_shape(torch.float16, 8, False) == (1, 1)
+    assert G.vector_shape(torch.float16, 32, False) == (4, 8)
+    assert G.vector_shape(torch.float16, 8, False) == (1, 8)
     assert G.vector_shape(torch.float32, 32, True) == (8, 4)
-    # Widths that are no multiple of the vector, or wider than a team holds.
+    # Widths that are no multiple of the vector, or wider than a warp holds.
     assert G.vector_shape(torch.bfloat16, 10, False) is None
     assert G.vector_shape(torch.float32, 6, True) is None
-    assert G.vector_shape(torch.bfloat16, 600, False) is None  # 75 vectors
-    assert G.vector_shape(torch.float32, 256, True) is None    # 64 vectors
-    assert G.vector_shape(torch.float32, 12, False) == (4, 1)  # 3 vectors: a team of 4
+    assert G.vector_shape(torch.bfloat16, 264, False) is None  # 33 vectors
+    assert G.vector_shape(torch.float32, 132, True) is None    # 33 vectors
+    assert G.vector_shape(torch.bfloat16, 256, True) == (32, 8)
+    assert G.vector_shape(torch.float32, 12, False) == (4, 4)  # 3 vectors: a team of 4
+    # 8-byte backward accesses (a LaunchShapes choice): twice the vectors.
+    with G.launch_shapes(G.LaunchShapes(backward_vec_bytes=8)):
+        assert G.vector_shape(torch.bfloat16, 64, True) == (16, 4)
+
+
+def test_vector_grid_covers_every_row_in_one_wave(monkeypatch):
+    """Chunks of rows fill one wave of the kernel's blocks per SM, every
+    chunk non-empty, at least one row per warp."""
+    monkeypatch.setitem(_common._sm_counts, 99, 132)
+    assert G.vector_grid(32768, 64, 8, 2, 99) == (16, 16, 2048)   # 37 in half
+    assert G.vector_grid(1024, 256, 4, 3, 99) == (32, 12, 86)     # 88 / 94 in half
+    assert G.vector_grid(5, 4, 1, 2, 99) == (1, 1, 5)             # fewer rows than warps
+    assert G.vector_grid(1, 10**6, 32, 2, 99) == (10**6, 1, 1)    # more slices than a wave
+    for rows in (1, 7, 8, 9, 1000, 4097, 10**6):
+        for groups in (1, 3, 64, 5000):
+            slices, chunks, per = G.vector_grid(rows, groups, 4, 2, 99)
+            assert slices * 8 >= groups and chunks <= 65535
+            assert (chunks - 1) * per < rows <= chunks * per
 
 
 def _reference(chain, groups, z, lin_bias, v, gw, gb):
@@ -71,7 +91,10 @@ def _run(fn, tensors, g, amp, offset=0):
 # (rows, channels, groups, z offset in elements): the offset makes z a view
 # that does not start on 16 bytes, which takes the scalar kernels.
 SHAPES = [(37, 256, 4, 0), (5, 96, 3, 0), (1, 64, 2, 0), (33, 128, 16, 0), (9, 256, 4, 1),
-          (7, 60, 6, 0), (3, 1200, 2, 0), (300, 64, 1, 0)]
+          (7, 60, 6, 0), (3, 1200, 2, 0), (300, 64, 1, 0),
+          # Several slices and row chunks of the vectorised kernels, a last
+          # chunk shorter than the others, a team of one or two lanes.
+          (1031, 384, 6, 0), (2500, 40, 5, 0)]
 
 
 @pytest.mark.gpu

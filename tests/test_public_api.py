@@ -31,7 +31,7 @@ PURE = {
     "_common": {"sm_count", "cdiv", "elementwise_grid", "row_chunks"},
     "gemm": {"Tile", "splits_b", "has_tf32_tensor_cores", "has_wgmma", "available_tiles",
              "choose_tile", "uses_sgemm", "uses_cublas", "route"},
-    "gn_chain": {"Chain", "vector_shape", "team_shape", "forward_team_shape",
+    "gn_chain": {"Chain", "vector_shape", "vector_grid", "team_shape", "forward_team_shape",
                  "clear_launch_plans", "LaunchShapes", "launch_shapes"},
     "linear": set(),
     "linear_gn_chain": {"fusion_pays"},

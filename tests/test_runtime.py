@@ -443,7 +443,7 @@ def test_launch_shapes_are_data_in_the_kernel_names():
         ("forward", torch.float32, "swish_bias_gn", 4)] == fwd
     assert gn_chain_module.team_shape(64) == (16, 4)
     half = gn_chain_module._family(torch.bfloat16, False, False, True).expressions
-    assert half[("backward_vec", torch.bfloat16, "swish_bias_gn", 4)].endswith(
+    assert half[("backward_vec", torch.bfloat16, "swish_bias_gn", 8)].endswith(
         f", {shipped.backward_vec_min_blocks_half}>")
     with pytest.raises(TypeError, match="LaunchShapes"):
         with gn_chain_module.launch_shapes({"forward_min_blocks": 6}):

@@ -26,7 +26,7 @@ from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
-                      _ptr_or_null, _reduce_partials, row_chunks)
+                      _ptr_or_null, _reduce_partials, row_chunks, sm_count)
 
 
 @dataclass(frozen=True)
@@ -99,32 +99,35 @@ class LaunchShapes:
     Attributes:
         forward_min_blocks: the scalar forward.
         backward_min_blocks: the scalar backward.
-        forward_vec_min_blocks: the vectorised forward, which holds up to 2 x
-            8 values and their columns' vectors per lane (64 registers; 32
-            would spill).
+        forward_vec_min_blocks_half: the vectorised forward on a float16 /
+            bfloat16 z, which holds two rows of loads and its columns'
+            vectors per lane.
+        forward_vec_min_blocks_float: the same on a float32 z.
         backward_vec_min_blocks_half: the vectorised backward on a float16 /
             bfloat16 z (two rows of loads, a vector's column sums and its
-            columns' vectors per lane: faster with a few spilled registers
-            at 3 blocks).
-        backward_vec_min_blocks_float: the same on a float32 z (no spills
-            at 2).
+            columns' vectors per lane: at 3 blocks per SM it spills).
+        backward_vec_min_blocks_float: the same on a float32 z.
+        backward_vec_bytes: the vectorised backward's accesses of z, 8 or
+            16 bytes (its values per lane, and so its registers).
         team: a fixed (team lanes, values per lane) for the scalar kernels
             instead of :func:`team_shape` / :func:`forward_team_shape`'s
             rule (tuning only), or None.
     """
     forward_min_blocks: int = 8
     backward_min_blocks: int = 4
-    forward_vec_min_blocks: int = 4
-    backward_vec_min_blocks_half: int = 3
+    forward_vec_min_blocks_half: int = 3
+    forward_vec_min_blocks_float: int = 4
+    backward_vec_min_blocks_half: int = 2
     backward_vec_min_blocks_float: int = 2
+    backward_vec_bytes: int = 16
     team: Optional[Tuple[int, int]] = None
 
     def min_blocks(self, kernel: str, dtype: torch.dtype) -> int:
         """kMinBlocks of ``kernel`` ("forward", "backward", "forward_vec" or
         "backward_vec") on a z of ``dtype``."""
-        if kernel == "backward_vec":
-            return (self.backward_vec_min_blocks_half if dtype in HALF_DTYPES
-                    else self.backward_vec_min_blocks_float)
+        if kernel.endswith("_vec"):
+            return getattr(self, f"{kernel}_min_blocks_"
+                           f"{'half' if dtype in HALF_DTYPES else 'float'}")
         return getattr(self, f"{kernel}_min_blocks")
 
 
@@ -139,20 +142,16 @@ def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int, eager_rounding
 
 
 # The vectorised kernels (``gn_chain_forward_vec`` / ``gn_chain_backward_vec``
-# in gn_chain.cuh): every access 8 to 32 bytes wide, where the shape and
-# alignment allow (:func:`vector_shape`); the scalar kernels take the rest.
-# Forward keyed by ("forward_vec", dtype, chain, vectors per lane), backward
-# by ("backward_vec", dtype, chain, values per vector).
-VECS_PER_LANE = (1, 2)
-
-# Values per vector in the backward: 4 (8 bytes of a half z), which holds
-# its per-value state and per-column sums in registers.
-BACKWARD_VEC_VALUES = {torch.float32: 4, torch.float16: 4, torch.bfloat16: 4}
+# in gn_chain.cuh): lanes own a vector of channels (16 bytes of z; the
+# backward's LaunchShapes.backward_vec_bytes), warps walk rows; where the
+# shape and alignment allow (:func:`vector_shape`).  The scalar kernels take
+# the rest.  Keyed by (kernel, dtype, chain, values per vector).
 
 
-def _vec_values(dtype: torch.dtype) -> int:
-    """Values per vector: 16 bytes of z."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+def _vec_values(dtype: torch.dtype, backward: bool, shapes: LaunchShapes) -> int:
+    """Values per vector of the vectorised kernels on a z of ``dtype``."""
+    size = shapes.backward_vec_bytes if backward else 16
+    return size // dtype.itemsize
 
 
 def _vec_exprs(dtypes, out_dtype: Optional[torch.dtype], shapes: LaunchShapes) -> Dict[tuple, str]:
@@ -160,16 +159,11 @@ def _vec_exprs(dtypes, out_dtype: Optional[torch.dtype], shapes: LaunchShapes) -
     for d in dtypes:
         out = cxx_type(out_dtype or d)
         for c in CHAINS:
-            kind = CHAINS[c].type(False)
-            e = _vec_values(d)
-            for n in VECS_PER_LANE:
-                exprs[("forward_vec", d, c, n)] = (
-                    f"cf::gn_chain_forward_vec<{cxx_type(d)}, {kind}, {e}, {n}, {out}, "
-                    f"{shapes.min_blocks('forward_vec', d)}>")
-            v = BACKWARD_VEC_VALUES[d]
-            exprs[("backward_vec", d, c, v)] = (
-                f"cf::gn_chain_backward_vec<{cxx_type(d)}, {kind}, {v}, {out}, "
-                f"{shapes.min_blocks('backward_vec', d)}>")
+            for kernel in ("forward_vec", "backward_vec"):
+                e = _vec_values(d, kernel == "backward_vec", shapes)
+                exprs[(kernel, d, c, e)] = (
+                    f"cf::gn_chain_{kernel}<{cxx_type(d)}, {CHAINS[c].type(False)}, {e}, {out}, "
+                    f"{shapes.min_blocks(kernel, d)}>")
     return exprs
 
 
@@ -236,11 +230,14 @@ def launch_shapes(shapes: LaunchShapes) -> Iterator[LaunchShapes]:
         clear_launch_plans()
 
 
-# The vectorised backward sums each column in float over its chunk's rows:
-# at most this many, so that the sum stays well inside float's accuracy
-# (the chunks are then summed in double).
-VEC_MAX_ROWS_PER_CHUNK = 256
-VEC_MIN_ROWS_PER_CHUNK = 32
+# Warps of a block of the vectorised kernels (kWarps in gn_chain.cuh): they
+# walk the rows of the block's chunk.
+ROW_WARPS = BLOCK // 32
+
+# The vectorised backward sums each column in float over a warp's rows: at
+# most this many, so that the sum stays well inside float's accuracy (the
+# warps, then the chunks, are summed in double).
+VEC_MAX_ROWS_PER_WARP = 256
 
 
 def _next_pow2(n: int) -> int:
@@ -249,25 +246,26 @@ def _next_pow2(n: int) -> int:
 
 def vector_shape(dtype: torch.dtype, channels_per_group: int,
                  backward: bool) -> Optional[Tuple[int, int]]:
-    """(team lanes, vectors per lane (forward) or values per vector
-    (backward)) of the vectorised kernels for this group width, or None
-    where they do not apply: the width not a multiple of the vector, or
-    wider than a team holds (the forward's lanes take up to 2 vectors each,
-    the backward's one)."""
-    values = BACKWARD_VEC_VALUES[dtype] if backward else _vec_values(dtype)
-    if channels_per_group % values:
+    """(team lanes, values per vector) of the vectorised kernels for this
+    group width, or None where they do not apply: the width not a multiple
+    of the vector, or wider than a warp holds (a lane owns one vector)."""
+    values = _vec_values(dtype, backward, _shapes[0])
+    if channels_per_group % values or channels_per_group // values > 32:
         return None
-    vectors = channels_per_group // values
-    if backward:
-        return (_next_pow2(vectors), values) if vectors <= 32 else None
-    # Two vectors per lane once there are more than 4: two loads in flight
-    # per lane and half the shuffle steps per group (for 4 or fewer, teams
-    # of 4 lanes with one vector each are the faster shape: the loads of
-    # more lanes are in flight at once).
-    per_lane = 1 if vectors <= 4 else 2
-    if vectors > 32 * per_lane:
-        return None
-    return _next_pow2(-(-vectors // per_lane)), per_lane
+    return _next_pow2(channels_per_group // values), values
+
+
+def vector_grid(rows: int, num_groups: int, team: int, min_blocks: int,
+                device_index: int) -> Tuple[int, int, int]:
+    """Grid of a vectorised kernel: (slices: blockIdx.x over groups, 32 /
+    team per block; chunks: blockIdx.y over rows; rows per chunk).  The
+    chunks make one wave of ``min_blocks`` blocks per SM (the kernel's
+    kMinBlocks), with every warp at least one row; every chunk is non-empty."""
+    slices = cdiv(num_groups, 32 // team)
+    target = sm_count(device_index) * min_blocks
+    chunks = max(1, min(cdiv(rows, ROW_WARPS), target // slices, 65535))
+    per = cdiv(rows, chunks)
+    return slices, cdiv(rows, per), per
 
 
 def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
@@ -362,18 +360,21 @@ def _plan_vector_shape(key: tuple, backward: bool) -> Optional[Tuple[int, int]]:
 
 
 def _forward_plan(key: tuple) -> tuple:
-    """(kernel, grid, team, eager-rounding family) of a forward launch."""
+    """(kernel, grid, team, eager-rounding family, trailing arguments) of a
+    forward launch."""
     rows, channels, num_groups, dtype, chain, eager_rounding, float_out, _, dev = key
     shape = _plan_vector_shape(key, False)
     if shape is not None:
-        team, per_lane = shape
-        fn = _family(dtype, False, float_out, True).get(("forward_vec", dtype, chain, per_lane),
+        team, values = shape
+        fn = _family(dtype, False, float_out, True).get(("forward_vec", dtype, chain, values),
                                                         dev)
-    else:
-        team, vals = forward_team_shape(channels // num_groups)
-        fn = _family(dtype, eager_rounding, float_out).get(("forward", dtype, chain, vals), dev)
-    return _keep(_forward_plans, key, (fn, elementwise_grid(rows * num_groups * team, dev), team,
-                                       _rounds(dtype, eager_rounding, float_out)))
+        slices, chunks, per = vector_grid(rows, num_groups, team,
+                                          _shapes[0].min_blocks("forward_vec", dtype), dev)
+        return _keep(_forward_plans, key, (fn, (slices, chunks, 1), team, False, (per,)))
+    team, vals = forward_team_shape(channels // num_groups)
+    fn = _family(dtype, eager_rounding, float_out).get(("forward", dtype, chain, vals), dev)
+    return _keep(_forward_plans, key, (fn, (elementwise_grid(rows * num_groups * team, dev), 1, 1),
+                                       team, _rounds(dtype, eager_rounding, float_out), ()))
 
 
 def _backward_plan(key: tuple) -> tuple:
@@ -382,22 +383,16 @@ def _backward_plan(key: tuple) -> tuple:
     shape = _plan_vector_shape(key, True)
     if shape is not None:
         team, values = shape
-        grid_x = cdiv(num_groups, BLOCK // team)
-        chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
-        if rows_per_chunk < VEC_MIN_ROWS_PER_CHUNK < rows:
-            # Few rows (88's and 94's 1024): chunks of a handful of rows make
-            # the float64 partial sums (chunks x slots x channels) outweigh
-            # the activation itself.
-            rows_per_chunk = VEC_MIN_ROWS_PER_CHUNK
-            chunks = cdiv(rows, rows_per_chunk)
-        if rows_per_chunk > VEC_MAX_ROWS_PER_CHUNK:
-            chunks = min(65535, cdiv(rows, VEC_MAX_ROWS_PER_CHUNK))
-            rows_per_chunk = cdiv(rows, chunks)
-            chunks = cdiv(rows, rows_per_chunk)
-        if rows_per_chunk <= VEC_MAX_ROWS_PER_CHUNK:
+        grid_x, chunks, per = vector_grid(rows, num_groups, team,
+                                          _shapes[0].min_blocks("backward_vec", dtype), dev)
+        if per > ROW_WARPS * VEC_MAX_ROWS_PER_WARP:  # more rows than float sums take
+            chunks = cdiv(rows, ROW_WARPS * VEC_MAX_ROWS_PER_WARP)
+            per = cdiv(rows, chunks)
+            chunks = cdiv(rows, per)
+        if chunks <= 65535:
             fn = _family(dtype, False, float_out, True).get(
                 ("backward_vec", dtype, chain, values), dev)
-            return _keep(_backward_plans, key, (fn, grid_x, chunks, rows_per_chunk, team))
+            return _keep(_backward_plans, key, (fn, grid_x, chunks, per, team))
     team, vals = team_shape(channels // num_groups)
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
@@ -432,17 +427,17 @@ def _launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
         dev = z.device.index
         key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out,
                _aligned(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
-        fn, grid, team, rounds = _forward_plans.get(key) or _forward_plan(key)
+        fn, grid, team, rounds, tail = _forward_plans.get(key) or _forward_plan(key)
         round_statistics = 0
         if rounds:
             eps = _rounded_eps(eps, z.dtype)
             round_statistics = int(EAGER_GN_ROUNDS_STATISTICS)
         mean, rstd = _stats_pointers(stats) if save_stats else (0, 0)
-        _bridge.launch(fn, (grid, 1, 1), BLOCK, (
+        _bridge.launch(fn, grid, BLOCK, (
             z.data_ptr(), out.data_ptr(), mean, rstd, 0 if bias_in_z else _ptr_or_null(lin_bias),
             _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
-            _ptr_or_null(mul_weight), rows, channels, num_groups, team, eps, round_statistics),
-            dev)
+            _ptr_or_null(mul_weight), rows, channels, num_groups, team, eps, round_statistics,
+            *tail), dev)
     return out, stats
 
 
