@@ -142,31 +142,17 @@ __device__ __forceinline__ float load_or(const T* p, i64 i, float fallback) {
   return p ? to_float(p[i]) : fallback;
 }
 
-// ---- activations and their derivatives (float, IEEE libm, no fast-math) ----
-// The activations use __fmul_rn so that a caller's add is never contracted
-// into them: the same input gives the same bits wherever they are inlined.
+// ---- activations and their derivatives ----
+// kFast = false: float, IEEE libm, no fast-math.  kFast (the vectorised
+// GroupNorm kernels on a float16 / bfloat16 z): one hardware exp2 and an
+// approximate divide instead of IEEE libm.  Their few units of float32
+// rounding sit far below the input's own (2^-8 or 2^-11), and a
+// half-precision z leaves these kernels bound by instruction issue, not
+// memory, with libm's expf, log1pf and tanhf.  The activations use
+// __fmul_rn so that a caller's add is never contracted into them: the same
+// input gives the same bits wherever they are inlined.
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-__device__ __forceinline__ float swishf(float x) { return __fmul_rn(x, sigmoidf(x)); }
-// d/dx x*s(x) = s + x*s*(1-s)
-__device__ __forceinline__ float swish_grad(float x) {
-  const float s = sigmoidf(x);
-  return s + x * s * (1.0f - s);
-}
-// mish(x) = x * tanh(softplus(x)), softplus(x) = log1p(exp(x)) as in PyTorch.
-__device__ __forceinline__ float mishf(float x) { return __fmul_rn(x, tanhf(log1pf(expf(x)))); }
-// d/dx mish = tanh(sp) + x * (1 - tanh(sp)^2) * sigmoid(x)
-__device__ __forceinline__ float mish_grad(float x) {
-  const float t = tanhf(log1pf(expf(x)));
-  return t + x * (1.0f - t * t) * sigmoidf(x);
-}
 
-// ---- the same activations, selectable fast ----
-// kFast (the vectorised GroupNorm kernels on a float16 / bfloat16 z): one
-// hardware exp2 and an approximate divide instead of IEEE libm.  Their few
-// units of float32 rounding sit far below the input's own (2^-8 or 2^-11),
-// and a half-precision z leaves these kernels bound by instruction issue,
-// not memory, with libm's expf, log1pf and tanhf.  kFast = false is exactly
-// the functions above.
 template <bool kFast>
 __device__ __forceinline__ float sigmoid_of(float x) {
   if constexpr (kFast) return __fdividef(1.0f, 1.0f + __expf(-x));

@@ -135,9 +135,6 @@ template <typename T> struct WgmmaType;
 template <> struct WgmmaType<half> { static constexpr bool kBf16 = false; };
 template <> struct WgmmaType<bfloat16> { static constexpr bool kBf16 = true; };
 
-#define CF_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
-                 "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define CF_D32(i) CF_D8(i), CF_D8(i + 8), CF_D8(i + 16), CF_D8(i + 24)
 #define CF_WGMMA_M64N128K16(TYPE)                                                                      \
   asm volatile(                                                                                        \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                    \
@@ -160,8 +157,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
   }
 }
 #undef CF_WGMMA_M64N128K16
-#undef CF_D32
-#undef CF_D8
 
 // The engine, run by all kHgThreads threads of a block: every tile of C this
 // block owns, each handed to store(acc, lane, m0, n0, staging) by every

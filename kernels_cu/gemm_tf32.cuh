@@ -254,8 +254,6 @@ __device__ __forceinline__ unsigned long long plane_desc(unsigned addr) {
   return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) | (static_cast<unsigned long long>(128 >> 4) << 16) |
          (static_cast<unsigned long long>(256 >> 4) << 32);
 }
-#define CF_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
-                 "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 // d (+)= a * B, a: this warp's 16 x 8 TF32 fragment, B: 8 x 128 from shared
 // memory.  kAccumulate = false ignores d's old value (scale-d = 0).
 template <bool kAccumulate>
@@ -268,10 +266,9 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : CF_D8(0), CF_D8(8), CF_D8(16), CF_D8(24), CF_D8(32), CF_D8(40), CF_D8(48), CF_D8(56)
+      : CF_D32(0), CF_D32(32)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(kAccumulate ? 1 : 0));
 }
-#undef CF_D8
 
 #endif
 

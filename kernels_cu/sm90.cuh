@@ -8,6 +8,12 @@
 #pragma once
 #include "cf_common.cuh"
 
+// Operand lists of wgmma's float32 accumulators d[i .. i + 7] / d[i .. i + 31]
+// (read and written), for the inline PTX of both GEMM families.
+#define CF_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+                 "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CF_D32(i) CF_D8(i), CF_D8(i + 8), CF_D8(i + 16), CF_D8(i + 24)
+
 namespace cf {
 
 // The 32-bit shared-window address of a shared-memory pointer.
