@@ -53,9 +53,10 @@ template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float f) {
 // ---- vector access: N consecutive values in one to two wide transactions ----
 // The memory-bound kernels move 16 bytes per load or store where the layout
 // allows: a 2- or 4-byte access per value leaves the load/store units, not
-// the memory, setting the pace.  `p` must be aligned to N * sizeof(T) bytes
-// (at most 16), and N * sizeof(T) must be 8, 16 or 32.
-//
+// the memory, setting the pace.  In Packed::load, load_vec and store_vec,
+// `p` must be aligned to N * sizeof(T) bytes (at most 16), and
+// N * sizeof(T) must be 8, 16 or 32.
+
 // Value k of values of T packed in 32-bit words as they lie in memory.
 template <typename T>
 __device__ __forceinline__ float packed_value(const unsigned* w, int k) {

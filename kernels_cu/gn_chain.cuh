@@ -363,7 +363,9 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(const T* __
 // the scalar kernels', so the two agree to rounding; each is bitwise
 // reproducible.
 
-constexpr int kWarps = 8;  // warps per block (blocks of 256 threads)
+// Warps per block: the launch's blocks are 32 * kWarps threads
+// (ROW_WARPS in ops/gn_chain.py, which a CPU test ties to this value).
+constexpr int kWarps = 8;
 
 // Where a lane of the vectorised kernels sits.
 struct VecLane {

@@ -41,6 +41,18 @@ def test_vector_shape_rules():
         assert G.vector_shape(torch.bfloat16, 64, True) == (16, 4)
 
 
+def test_vector_kernels_warps_match_their_launch():
+    """The vectorised kernels stride rows by their compile-time warp count:
+    the launches' blocks must hold exactly that many warps."""
+    import re
+
+    from cupy_fused import _runtime
+
+    source = (_runtime.kernel_dir() / "gn_chain.cuh").read_text()
+    assert int(re.search(r"constexpr int kWarps = (\d+);", source).group(1)) == G.ROW_WARPS
+    assert _common.BLOCK == 32 * G.ROW_WARPS
+
+
 def test_vector_grid_covers_every_row_in_one_wave(monkeypatch):
     """Chunks of rows fill one wave of the kernel's blocks per SM, every
     chunk non-empty, at least one row per warp."""

@@ -105,7 +105,8 @@ class LaunchShapes:
         forward_vec_min_blocks_float: the same on a float32 z.
         backward_vec_min_blocks_half: the vectorised backward on a float16 /
             bfloat16 z (two rows of loads, a vector's column sums and its
-            columns' vectors per lane: at 3 blocks per SM it spills).
+            columns' vectors per lane: a few spilled registers at 2 blocks
+            per SM, many at 3, which measured far slower).
         backward_vec_min_blocks_float: the same on a float32 z.
         backward_vec_bytes: the vectorised backward's accesses of z, 8 or
             16 bytes (its values per lane, and so its registers).
@@ -230,9 +231,11 @@ def launch_shapes(shapes: LaunchShapes) -> Iterator[LaunchShapes]:
         clear_launch_plans()
 
 
-# Warps of a block of the vectorised kernels (kWarps in gn_chain.cuh): they
-# walk the rows of the block's chunk.
-ROW_WARPS = BLOCK // 32
+# Warps of a block of the vectorised kernels (kWarps in gn_chain.cuh, which
+# strides the rows by it: their launches' BLOCK threads must be exactly these
+# warps; a CPU test ties the three together).  They walk the rows of the
+# block's chunk.
+ROW_WARPS = 8
 
 # The vectorised backward sums each column in float over a warp's rows: at
 # most this many, so that the sum stays well inside float's accuracy (the
@@ -258,9 +261,10 @@ def vector_shape(dtype: torch.dtype, channels_per_group: int,
 def vector_grid(rows: int, num_groups: int, team: int, min_blocks: int,
                 device_index: int) -> Tuple[int, int, int]:
     """Grid of a vectorised kernel: (slices: blockIdx.x over groups, 32 /
-    team per block; chunks: blockIdx.y over rows; rows per chunk).  The
-    chunks make one wave of ``min_blocks`` blocks per SM (the kernel's
-    kMinBlocks), with every warp at least one row; every chunk is non-empty."""
+    team per block; chunks: blockIdx.y over rows; rows per chunk), for
+    ``rows`` > 0.  The chunks make one wave of ``min_blocks`` blocks per SM
+    (the kernel's kMinBlocks), and no more chunks than there are rows per
+    block's warps; every chunk is non-empty."""
     slices = cdiv(num_groups, 32 // team)
     target = sm_count(device_index) * min_blocks
     chunks = max(1, min(cdiv(rows, ROW_WARPS), target // slices, 65535))
