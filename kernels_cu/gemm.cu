@@ -92,13 +92,13 @@ gemm_wgmma(const __grid_constant__ TensorMap map_a, const __grid_constant__ Tens
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char gemm_shared[];
   const LinearEpilogue<T> epilogue{bias, act, N};
+  const DenseLoader loader{map_a, map_b, M, N, K};
   if constexpr (kTmaStore) {
     TmaStore<T, LinearEpilogue<T>> store{map_c, epilogue};
-    half_gemm_persistent<T, kStages, kHgStagingBytes>(reinterpret_cast<char*>(gemm_shared), map_a, map_b, M,
-                                                      N, K, store);
+    half_gemm_persistent<T, kStages, kHgStagingBytes>(reinterpret_cast<char*>(gemm_shared), loader, store);
   } else {
     DirectStore<T, LinearEpilogue<T>> store{c, epilogue, M, N, ldc};
-    half_gemm_persistent<T, kStages, 0>(reinterpret_cast<char*>(gemm_shared), map_a, map_b, M, N, K, store);
+    half_gemm_persistent<T, kStages, 0>(reinterpret_cast<char*>(gemm_shared), loader, store);
   }
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used

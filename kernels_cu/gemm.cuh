@@ -2,9 +2,11 @@
 // accumulation): C = A B^T with A [M, K] and B [N, K], both K-major (the
 // forward product of a linear layer, x W^T), any M, N and K, with row
 // strides of a multiple of 16 bytes (ops.gemm._tma_compatible).  The
-// main loop is shared by every kernel on it; what is done with the
-// accumulators is the caller's `Store` (gemm.cu: bias and activation;
-// linear_gn_chain.cu: the GroupNorm chains).
+// main loop is shared by every kernel on it.  Where the operands' tiles
+// come from is the caller's `Loader` (DenseLoader: two matrices through 2D
+// tensor maps; a convolution's loader gathers A's tiles from its input
+// instead); what is done with the accumulators is the caller's `Store`
+// (gemm.cu: bias and activation; linear_gn_chain.cu: the GroupNorm chains).
 //
 // Persistent and warp-specialised: one block of three warpgroups per SM
 // walks the output tiles (128 x 128) in a fixed grouped order, blockIdx.x,
@@ -108,6 +110,32 @@ struct TmaTileWriter {
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The operands' tiles, as the engine's producer asks for them: C's tiles
+// form a tiles_m() x tiles_n() grid, each the sum of ktiles() products of a
+// 128 x 64 tile of A and one of B (K-major, 128-byte swizzled, zeros past
+// the edges), which load() has the copy engine write to shared memory,
+// completing `bar`'s transaction count by kHgStageBytes.
+//
+// DenseLoader: A [M, K] and B [N, K] through tensor maps with boxes of
+// 128 x 64 elements, 128-byte swizzle (ops.gemm._tensor_map).
+struct DenseLoader {
+  const TensorMap& map_a;
+  const TensorMap& map_b;
+  i64 M, N, K;
+  __device__ __forceinline__ i64 tiles_m() const { return (M + kHgBM - 1) / kHgBM; }
+  __device__ __forceinline__ i64 tiles_n() const { return (N + kHgBN - 1) / kHgBN; }
+  __device__ __forceinline__ int ktiles() const { return static_cast<int>((K + kHgBK - 1) / kHgBK); }
+  __device__ __forceinline__ void prefetch() const {
+    tma_prefetch_descriptor(map_a);
+    tma_prefetch_descriptor(map_b);
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, i64 tm, i64 tn,
+                                       int kt) const {
+    tma_load_2d(tile_a, map_a, kt * kHgBK, static_cast<int>(tm * kHgBM), bar);
+    tma_load_2d(tile_b, map_b, kt * kHgBK, static_cast<int>(tn * kHgBN), bar);
+  }
+};
+
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte
 // swizzle layout that TMA writes: rows of 128 bytes, 8-row (1024-byte) core
 // groups (stride-byte offset 1024; the leading-byte offset is unused there).
@@ -166,11 +194,9 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
 // After its last tile every consumer thread calls store.finish(lane).  The
 // store runs inside the consumer branch: code after a join of the producer's
 // and the consumers' paths would be held to the producer's register budget.
-// map_a / map_b: A [M, K] and B [N, K] with boxes of 128 x 64 elements,
-// 128-byte swizzle (ops.gemm._tensor_map).
-template <typename T, int kStages, int kStagingBytes, typename Store>
-__device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const TensorMap& map_a,
-                                                     const TensorMap& map_b, i64 M, i64 N, i64 K,
+// `loader` (DenseLoader above) supplies the operands' tiles.
+template <typename T, int kStages, int kStagingBytes, typename Loader, typename Store>
+__device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loader& loader,
                                                      Store& store) {
   // 1024-byte aligned stages, the staging area, then the barriers: full[s] at
   // + 8s, empty[s] at + 8 (kStages + s), turn[w] at + 8 (2 kStages + w).
@@ -185,13 +211,12 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Tenso
   auto turn = [&](int w) { return bars + 8u * (2 * kStages + w); };
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  const i64 tiles_m = (M + kHgBM - 1) / kHgBM, tiles_n = (N + kHgBN - 1) / kHgBN;
+  const i64 tiles_m = loader.tiles_m(), tiles_n = loader.tiles_n();
   const i64 tiles = tiles_m * tiles_n;
-  const int ktiles = static_cast<int>((K + kHgBK - 1) / kHgBK);
+  const int ktiles = loader.ktiles();
 
   if (tid == 0) {
-    tma_prefetch_descriptor(map_a);
-    tma_prefetch_descriptor(map_b);
+    loader.prefetch();
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), 1);   // the producer's arrive; the copies complete the phase
       mbar_init(empty(s), 4);  // one arrive per warp of the consuming warpgroup
@@ -219,14 +244,12 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Tenso
     for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       i64 tm, tn;
       grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
-      const int m0 = static_cast<int>(tm * kHgBM), n0 = static_cast<int>(tn * kHgBN);
       for (int kt = 0; kt < ktiles; ++kt, ++it) {
         const int s = it % kStages;
         // The stage's previous use (it - kStages) must have been released.
         if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
         mbar_arrive_expect_tx(full(s), kHgStageBytes);
-        tma_load_2d(tile_a(s), map_a, kt * kHgBK, m0, full(s));
-        tma_load_2d(tile_b(s), map_b, kt * kHgBK, n0, full(s));
+        loader.load(tile_a(s), tile_b(s), full(s), tm, tn, kt);
       }
     }
     return;

@@ -250,8 +250,8 @@ linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_cons
                                                N,
                                                groups,
                                                static_cast<float>(eps)};
-  half_gemm_persistent<T, kStages, kGnStagingBytes>(reinterpret_cast<char*>(gemm_shared), map_x, map_w, M, N, K,
-                                                    store);
+  const DenseLoader loader{map_x, map_w, M, N, K};
+  half_gemm_persistent<T, kStages, kGnStagingBytes>(reinterpret_cast<char*>(gemm_shared), loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
