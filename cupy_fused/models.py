@@ -111,6 +111,9 @@ class ConvReluBiasAdd(nn.Module):
         conv = _plain(self.conv, nn.Conv2d, self, "conv")
         weight = conv.weight
         _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)")
+        if (conv.stride == (1, 1) and conv.padding == (0, 0) and conv.dilation == (1, 1)
+                and conv.groups == 1 and conv.bias is not None and conv.padding_mode == "zeros"):
+            return ops.conv_bias_relu(x, weight, conv.bias, self.bias)
         z = F.conv2d(x, weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
         # Under autocast z is in the autocast dtype and the biases float32:
         # bias_relu promotes, as the reference's add does.

@@ -98,6 +98,15 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, 
       "l"(reinterpret_cast<unsigned long long>(&map)), "r"(inner), "r"(outer), "r"(bar)
       : "memory");
 }
+// The same for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap& map, int c0, int c1, int c2,
+                                            int c3, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
 // The box of a 2-D tensor at (inner, outer) from shared memory at `src`, as
 // one bulk asynchronous group of this thread; elements outside the tensor
 // are not written.

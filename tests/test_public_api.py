@@ -23,6 +23,7 @@ VALIDATED = {
     "linear": {"linear"},
     "linear_gn_chain": {"linear_gn_chain"},
     "bias_relu": {"bias_relu"},
+    "conv_bias_relu": {"conv_bias_relu"},
     "scale_add": {"scale_add"},
 }
 
@@ -36,6 +37,7 @@ PURE = {
     "linear": set(),
     "linear_gn_chain": {"fusion_pays"},
     "bias_relu": {"forward_grid", "rows_launch"},
+    "conv_bias_relu": {"route"},
     "scale_add": set(),
 }
 

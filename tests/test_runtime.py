@@ -34,7 +34,7 @@ def test_every_kernel_file_has_declared_instantiations():
     table = _runtime.declared()
     files = _runtime.source_files()
     assert set(files) == {"scale_add.cu", "bias_relu.cu", "column_reduce.cu", "gn_chain.cu",
-                          "gemm.cu", "gemm_tf32.cu", "linear_gn_chain.cu"}
+                          "gemm.cu", "gemm_tf32.cu", "linear_gn_chain.cu", "conv_bias_relu.cu"}
     for name in files:
         assert table.get(name), f"{name} has no declared instantiation"
 

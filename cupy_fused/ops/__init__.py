@@ -2,6 +2,7 @@
 or on CuPy arrays (returns CuPy arrays, zero-copy).  Importing this package
 declares each op's kernel instantiations; it compiles nothing."""
 from .bias_relu import bias_relu
+from .conv_bias_relu import conv_bias_relu
 from ..settings import PRECISIONS, get_fp32_matmul_precision, set_fp32_matmul_precision
 from .gn_chain import (
     CHAINS,
@@ -19,6 +20,7 @@ __all__ = [
     "PRECISIONS",
     "bias_hardtanh_mish_group_norm",
     "bias_relu",
+    "conv_bias_relu",
     "get_fp32_matmul_precision",
     "gn_chain",
     "group_norm_swish_multiply_swish",

@@ -368,20 +368,26 @@ def _encode_tiled():
 
 
 @functools.lru_cache(maxsize=256)
-def _encode_tensor_map(ptr: int, rows: int, cols: int, row_stride: int, dtype: torch.dtype,
-                box_rows: int) -> bytes:
+def _encode_tensor_map(ptr: int, dims: Tuple[int, ...], strides: Tuple[int, ...],
+                       dtype: torch.dtype, box: Tuple[int, ...]) -> bytes:
+    """A 128-byte TMA descriptor of the float16 / bfloat16 tensor at ``ptr``:
+    ``dims`` innermost first (unit stride), ``strides`` of the outer dims in
+    elements, boxes of ``box`` elements (innermost first; 64 innermost:
+    128-byte swizzle rows); loads read zeros outside the tensor, stores skip
+    it."""
     # The descriptor depends only on these values, so equal arguments give an
     # equal, valid descriptor whatever tensor they came from.
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    rank = len(dims)
     storage = ctypes.create_string_buffer(128 + 64)  # CUtensorMap is 64-byte aligned
     at = -ctypes.addressof(storage) % 64
     status = _encode_tiled()(
-        ctypes.addressof(storage) + at, _TMA_DTYPE[dtype], 2, ptr, (u64 * 2)(cols, rows),
-        (u64 * 1)(row_stride * 2), (u32 * 2)(HALF_BOX_K, box_rows), (u32 * 2)(1, 1), 0,
-        _TMA_SWIZZLE_128B, _TMA_L2_256B, 0)
+        ctypes.addressof(storage) + at, _TMA_DTYPE[dtype], rank, ptr, (u64 * rank)(*dims),
+        (u64 * (rank - 1))(*(2 * st for st in strides)), (u32 * rank)(*box),
+        (u32 * rank)(*([1] * rank)), 0, _TMA_SWIZZLE_128B, _TMA_L2_256B, 0)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a "
-                           f"[{rows}, {cols}] {dtype} tensor (row stride {row_stride})")
+                           f"{dtype} tensor of dims {dims} (innermost first), strides {strides}")
     return ctypes.string_at(ctypes.addressof(storage) + at, 128)
 
 
@@ -391,7 +397,8 @@ def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
     stride: boxes of ``box_rows`` x 64 elements, 128-byte swizzle; loads
     read zeros outside the tensor, stores skip it.  ``t`` must satisfy
     :func:`_tma_compatible`."""
-    return _encode_tensor_map(t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), t.dtype, box_rows)
+    return _encode_tensor_map(t.data_ptr(), (t.shape[1], t.shape[0]), (t.stride(0),), t.dtype,
+                              (HALF_BOX_K, box_rows))
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:

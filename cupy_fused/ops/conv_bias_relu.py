@@ -1,0 +1,156 @@
+"""``conv_bias_relu``: ``relu(conv2d(x, weight) + conv_bias) + bias``, problem
+1's forward (stride 1, no padding, dilation 1, one group).
+
+Route, decided once per call (:func:`route`):
+
+* ``"engine"``: one launch, an implicit GEMM on the Hopper engine
+  (``kernels_cu/conv_bias_relu.cu``): the input's tiles gathered by the copy
+  engine from a channels-last copy of x (a transposing kernel of its own), the biases and ReLU applied to the
+  float32 accumulators, y written once in NCHW.  float16 / bfloat16 on a
+  compute capability 9.0 GPU, an NCHW x with a multiple of 8 input
+  channels, every tensor of x's dtype, and no gradient to record.
+* ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
+  then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
+  layout, autocast's promotions.  Training steps take it: the engine's
+  forward keeps nothing for a backward yet.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import _bridge, _runtime
+from .._amp import HALF_DTYPES, autocast_dtype
+from .._autograd import is_compiling, needs_grad
+from .._validation import check_like, check_tensor, check_vector, cxx_type
+from . import gemm
+from ._common import BLOCK, _ptr_or_null, cdiv, sm_count
+from .bias_relu import bias_relu
+
+# The store's staging: a channel-major tile per consumer warpgroup, rows of
+# 128 + 8 values (kConvStagingBytes in conv_bias_relu.cu).
+STAGING_BYTES = 2 * gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2
+
+# Keyed by (kernel, dtype): "conv" (the convolution and its chain), "to_nhwc"
+# (an NCHW input's channels-last copy, which the convolution reads).
+KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
+    **{("conv", d): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}>"
+       for d in HALF_DTYPES},
+    **{("to_nhwc", d): f"cf::nchw_to_nhwc<{cxx_type(d)}>" for d in HALF_DTYPES}})
+
+ROUTES = ("engine", "cudnn")
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+          bias: Optional[torch.Tensor]) -> str:
+    """Which route a call with these (validated) arguments takes:
+    ``"engine"`` or ``"cudnn"`` (see the module's docstring).
+
+    Args:
+        x: [N, C_in, H, W]; weight: [C_out, C_in, KH, KW]; conv_bias,
+            bias: C_out values each (bias may be None).
+
+    Returns:
+        A name in :data:`ROUTES`.
+    """
+    if (x.dtype in HALF_DTYPES and weight.dtype == x.dtype and conv_bias.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and x.is_contiguous()
+            and x.shape[1] % 8 == 0 and x.numel() > 0 and weight.shape[0] > 0
+            and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 64) < 2**31  # the copy's grid
+            and autocast_dtype() is None and not needs_grad(x, weight, conv_bias, bias)
+            and not is_compiling() and gemm.has_wgmma(x.device.index)):
+        return "engine"
+    return "cudnn"
+
+
+def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [C_out, C_in, KH, KW] as the GEMM's B [C_out, KH * KW *
+    Cpad]: k in (kh, kw, c) order, c padded with zeros to Cpad, a multiple
+    of 64 (one k-tile per (kh, kw) and 64 channels)."""
+    cout, cin, kh, kw = weight.shape
+    cpad = cdiv(cin, gemm.HALF_BOX_K) * gemm.HALF_BOX_K
+    packed = weight.permute(0, 2, 3, 1)
+    packed = F.pad(packed, (0, cpad - cin)) if cpad != cin else packed.contiguous()
+    return packed.reshape(cout, kh * kw * cpad)
+
+
+def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                   bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The engine route on arguments :func:`route` sends there.  ``out``:
+    the NCHW result to write (e.g. NaN-poisoned), else a new one."""
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    oh, ow = h - kh + 1, w - kw + 1
+    if out is None:
+        out = torch.empty((n, cout, oh, ow), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    dev = x.device.index
+    xc = torch.empty((n, h, w, cin), dtype=x.dtype, device=x.device)  # the channels k-major
+    _bridge.launch(KERNELS.get(("to_nhwc", x.dtype), dev), (n * h * cdiv(w, 64), cdiv(cin, 64), 1),
+                   BLOCK, (x.data_ptr(), xc.data_ptr(), cin, h, w), dev)
+    packed = _packed_weight(weight)
+    c_blocks = packed.shape[1] // (kh * kw * gemm.HALF_BOX_K)
+    map_x = gemm._encode_tensor_map(xc.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin),
+                                    x.dtype, (gemm.HALF_BOX_K, gemm.HALF_TILE[0], 1, 1))
+    tiles = n * oh * cdiv(ow, gemm.HALF_TILE[0]) * cdiv(cout, gemm.HALF_TILE[1])
+    _bridge.launch(KERNELS.get(("conv", x.dtype), dev), (min(tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
+                   (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), out.data_ptr(),
+                    conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw, c_blocks,
+                    kh * kw * c_blocks), dev, shared_mem=gemm._half_shared_bytes(STAGING_BYTES))
+    # xc and packed go back to the allocator here: it hands their memory to
+    # later work of this stream only, which runs after the launch.
+    return out
+
+
+def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``relu(conv2d(x, weight) + conv_bias) + bias``, convolution with
+    stride 1, no padding, dilation 1 and one group (``nn.Conv2d``'s
+    defaults).
+
+    Args:
+        x: [N, C_in, H, W], float32, float16 or bfloat16, on a CUDA device
+            (NCHW or channels-last).
+        weight: [C_out, C_in, KH, KW] with KH <= H and KW <= W, on x's
+            device.
+        conv_bias: the convolution's bias, C_out values.
+        bias: the bias added after the ReLU, C_out values (e.g. shape
+            (C_out, 1, 1)), or None.
+
+    Returns:
+        [N, C_out, H - KH + 1, W - KW + 1] in x's memory format, in the dtype
+        torch's type promotion gives (as :func:`.bias_relu.bias_relu`);
+        differentiable in every tensor (through the ``"cudnn"`` route,
+        :func:`route`).
+
+    Raises:
+        TypeError, ValueError: an argument of another type, dtype, device or
+            shape, before anything runs.
+    """
+    check_tensor("x", x, ndim=(4,))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 4:
+        raise TypeError(f"weight must be a 4-D torch.Tensor [C_out, C_in, KH, KW], got "
+                        f"{type(weight).__name__ if not isinstance(weight, torch.Tensor) else tuple(weight.shape)}")
+    check_like("weight", weight, x, "x", dtype=weight.dtype if autocast_dtype() else None)
+    cout, cin, kh, kw = weight.shape
+    if cin != x.shape[1]:
+        raise ValueError(f"weight must have x's {x.shape[1]} input channels in dim 1, got "
+                         f"shape {tuple(weight.shape)}")
+    if not (1 <= kh <= x.shape[2] and 1 <= kw <= x.shape[3]):
+        raise ValueError(f"the kernel ({kh} x {kw}) must fit x's {x.shape[2]} x {x.shape[3]} "
+                         f"image")
+    if not isinstance(conv_bias, torch.Tensor):
+        raise TypeError(f"conv_bias must be a torch.Tensor, got {type(conv_bias).__name__}")
+    if conv_bias.numel() != cout or (bias is not None and (
+            not isinstance(bias, torch.Tensor) or bias.numel() != cout)):
+        raise ValueError(f"conv_bias and bias must have C_out = {cout} values, got "
+                         f"{tuple(conv_bias.shape)} and "
+                         f"{None if bias is None else tuple(getattr(bias, 'shape', ()))}")
+    if route(x, weight, conv_bias, bias) == "engine":
+        conv_bias = check_vector("conv_bias", conv_bias, cout, x, "x", optional=False)
+        bias = check_vector("bias", bias, cout, x, "x")
+        return _launch_engine(x, weight, conv_bias, bias)
+    return bias_relu(F.conv2d(x, weight), conv_bias, bias)

@@ -1,0 +1,158 @@
+"""conv_bias_relu: relu(conv2d(x, W) + conv_bias) + bias.  CPU tier: bad
+arguments refused before any launch.  GPU tier: the engine route (one
+implicit-GEMM launch on Hopper) and the cudnn route against a float64 run of
+the reference, output poisoned with NaN first; NaN / inf placement; two runs
+bitwise equal; the route each call takes."""
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cupy_fused import ops
+from cupy_fused.ops import gemm
+from cupy_fused.testing import rel_error
+
+CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")  # the module, not the op
+
+
+def _reference(x, w, cb, b):
+    y = F.relu(F.conv2d(x, w) + cb.reshape(-1, 1, 1))
+    return y if b is None else y + b.reshape(-1, 1, 1)
+
+
+def test_bad_arguments_are_refused(past_device_check):
+    x = torch.rand(2, 8, 6, 6)
+    w = torch.rand(4, 8, 3, 3)
+    cb, b = torch.rand(4), torch.rand(4, 1, 1)
+    with pytest.raises(TypeError, match=r"weight must be a 4-D torch.Tensor"):
+        ops.conv_bias_relu(x, torch.rand(4, 8), cb, b)
+    with pytest.raises(ValueError, match=r"weight must have x's 8 input channels"):
+        ops.conv_bias_relu(x, torch.rand(4, 5, 3, 3), cb, b)
+    with pytest.raises(ValueError, match=r"the kernel \(7 x 3\) must fit"):
+        ops.conv_bias_relu(x, torch.rand(4, 8, 7, 3), cb, b)
+    with pytest.raises(TypeError, match=r"weight must have the dtype of x"):
+        ops.conv_bias_relu(x, w.half(), cb, b)
+    with pytest.raises(ValueError, match=r"conv_bias and bias must have C_out = 4 values"):
+        ops.conv_bias_relu(x, w, torch.rand(5), b)
+    with pytest.raises(TypeError, match=r"conv_bias must be a torch.Tensor"):
+        ops.conv_bias_relu(x, w, None, b)
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor"):
+        ops.conv_bias_relu([1.0], w, cb, b)
+
+
+def _engine_device(device):
+    if not gemm.has_wgmma(device.index):
+        pytest.skip("the engine route needs a compute capability 9.0 GPU")
+
+
+# (N, C_in, H, W, C_out, KH, KW): kernel sizes 1 to 7, C_out not a multiple
+# of 8 and above one 128-channel tile, C_in not a multiple of 64, H != W,
+# an output one pixel wide or tall, output rows wider than one 128-column
+# tile, batch 1.
+ENGINE_SHAPES = [
+    (2, 64, 20, 18, 128, 3, 3),
+    (1, 8, 9, 7, 5, 1, 1),
+    (3, 16, 11, 13, 33, 2, 2),
+    (2, 72, 12, 10, 3, 5, 5),
+    (1, 24, 7, 9, 200, 7, 7),
+    (2, 8, 5, 140, 16, 5, 3),
+    (1, 64, 3, 300, 40, 3, 3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_engine_against_float64(shape, dtype, device):
+    _engine_device(device)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    cb = torch.randn(cout, generator=gen).to(device, dtype)
+    b = torch.randn(cout, 1, 1, generator=gen).to(device, dtype)
+    with torch.no_grad():
+        assert CB.route(x, wt, cb, b) == "engine"
+        truth = _reference(x.double(), wt.double(), cb.double(), b.double())
+        eager = _reference(x, wt, cb, b)
+        out = torch.full(truth.shape, float("nan"), dtype=dtype, device=device)
+        ours = CB._launch_engine(x, wt, cb, b.reshape(-1), out=out)
+        assert ours is out and ours.is_contiguous()
+        assert not ours.isnan().any()
+        err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
+        assert err <= 1.5 * eager_err + torch.finfo(dtype).eps, (err, eager_err)
+        again = ops.conv_bias_relu(x, wt, cb, b)
+        assert torch.equal(again, ours)  # the public entry, bitwise the same
+
+
+@pytest.mark.gpu
+def test_engine_is_bitwise_reproducible_and_keeps_nan_and_inf(device):
+    _engine_device(device)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, 10, 136, generator=gen).to(device, torch.bfloat16)
+    wt = (torch.randn(96, 64, 3, 3, generator=gen) / 24).to(device, torch.bfloat16)
+    cb = torch.randn(96, generator=gen).to(device, torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(device, torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ops.conv_bias_relu(x, wt, cb, b), ops.conv_bias_relu(x, wt, cb, b))
+        x[0, 3, 4, 50] = float("nan")
+        x[1, 7, 2, 9] = float("inf")
+        ref = _reference(x.float(), wt.float(), cb.float(), b.float())
+        ours = ops.conv_bias_relu(x, wt, cb, b).float()
+        assert torch.equal(ours.isnan(), ref.isnan())
+        assert torch.equal(ours.isposinf(), ref.isposinf())
+        assert torch.equal(ours.isneginf(), ref.isneginf())
+
+
+@pytest.mark.gpu
+def test_routes(device):
+    """The engine takes 16-bit NCHW inputs with no gradient to record;
+    every other call takes cuDNN, with gradients, autocast and layouts as
+    the reference."""
+    x = torch.randn(2, 16, 9, 9, device=device)
+    wt = torch.randn(8, 16, 3, 3, device=device) / 12
+    cb, b = torch.randn(8, device=device), torch.randn(8, 1, 1, device=device)
+    hopper = gemm.has_wgmma(device.index)
+    half = [t.bfloat16() for t in (x, wt, cb, b)]
+    assert CB.route(*half) == ("engine" if hopper else "cudnn")
+    assert CB.route(x, wt, cb, b) == "cudnn"  # float32
+    assert CB.route(half[0].contiguous(memory_format=torch.channels_last), *half[1:]) == "cudnn"
+    five = (half[0][:, :5].contiguous(), half[1][:, :5].contiguous())
+    assert CB.route(*five, *half[2:]) == "cudnn"  # 5 input channels: no tensor map
+    leaves = [t.detach().requires_grad_(True) for t in half]
+    assert CB.route(*leaves) == "cudnn"
+    # The cudnn route's gradients, against the reference's.
+    y = ops.conv_bias_relu(*leaves)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in half]
+    _reference(*ref_leaves).backward(g.double())
+    for ours, ref in zip(leaves, ref_leaves):
+        assert rel_error(ours.grad, ref.grad) < 0.05
+    # Channels-last in, channels-last out, as the reference.
+    cl = ops.conv_bias_relu(half[0].contiguous(memory_format=torch.channels_last), *half[1:])
+    assert cl.is_contiguous(memory_format=torch.channels_last)
+    # Under autocast: float32 parameters, the reference's float32 result.
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert CB.route(x, wt, cb, b) == "cudnn"
+        assert ops.conv_bias_relu(x, wt, cb, b).dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_model_takes_the_engine_in_inference(device):
+    """Problem 1's module in bfloat16 under no_grad: the engine route, within
+    the reference's error; with grad on, the cudnn route."""
+    from cupy_fused import models
+
+    _engine_device(device)
+    torch.manual_seed(0)
+    ours = models.ConvReluBiasAdd(64, 128, 3, (128, 1, 1)).to(device, torch.bfloat16)
+    x = torch.randn(2, 64, 20, 20, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        conv = ours.conv
+        assert CB.route(x, conv.weight, conv.bias, ours.bias) == "engine"
+        y = ours(x)
+        want = _reference(x.double(), conv.weight.double(), conv.bias.double(), ours.bias.double())
+        eager = _reference(x, conv.weight, conv.bias, ours.bias)
+        assert rel_error(y, want) <= 1.5 * rel_error(eager, want) + torch.finfo(torch.bfloat16).eps
