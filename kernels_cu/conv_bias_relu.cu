@@ -25,6 +25,10 @@ struct ConvLoader {
   const TensorMap& map_w;  // B [Cout, KH * KW * Cpad]: boxes of 64 x 128
   i64 n_images, out_rows, col_tiles, cout;
   int kw_size, c_blocks, k_tiles;
+  // The current tile (begin_tile) and the next k-tile's tap and channel
+  // block, stepped by each load (the k-tiles come in order): no division
+  // per copy on the producer's one thread.
+  int n = 0, oh = 0, ow0 = 0, n0 = 0, kh = 0, kw = 0, cb = 0;
   __device__ __forceinline__ i64 tiles_m() const { return n_images * out_rows * col_tiles; }
   __device__ __forceinline__ i64 tiles_n() const { return (cout + kHgBN - 1) / kHgBN; }
   __device__ __forceinline__ int ktiles() const { return k_tiles; }
@@ -32,15 +36,26 @@ struct ConvLoader {
     tma_prefetch_descriptor(map_x);
     tma_prefetch_descriptor(map_w);
   }
-  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, i64 tm, i64 tn,
-                                       int kt) const {
-    const i64 row = tm / col_tiles;  // n * out_rows + oh
-    const int ow0 = static_cast<int>(tm - row * col_tiles) * kHgBM;
-    const int n = static_cast<int>(row / out_rows), oh = static_cast<int>(row % out_rows);
-    const int khw = kt / c_blocks, cb = kt - khw * c_blocks;
-    const int kh = khw / kw_size, kw = khw - kh * kw_size;
+  // 32-bit divisions: ops/conv_bias_relu.py keeps the tile count below 2^31.
+  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
+    const unsigned t = static_cast<unsigned>(tm), ct = static_cast<unsigned>(col_tiles);
+    const unsigned row = t / ct, rows = static_cast<unsigned>(out_rows);  // row: n * out_rows + oh
+    ow0 = static_cast<int>(t - row * ct) * kHgBM;
+    n = static_cast<int>(row / rows);
+    oh = static_cast<int>(row - static_cast<unsigned>(n) * rows);
+    n0 = static_cast<int>(tn * kHgBN);
+    kh = kw = cb = 0;
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
     tma_load_4d(tile_a, map_x, cb * kHgBK, ow0 + kw, oh + kh, n, bar);
-    tma_load_2d(tile_b, map_w, kt * kHgBK, static_cast<int>(tn * kHgBN), bar);
+    tma_load_2d(tile_b, map_w, kt * kHgBK, n0, bar);
+    if (++cb == c_blocks) {
+      cb = 0;
+      if (++kw == kw_size) {
+        kw = 0;
+        ++kh;
+      }
+    }
   }
 };
 

@@ -113,8 +113,11 @@ struct TmaTileWriter {
 // The operands' tiles, as the engine's producer asks for them: C's tiles
 // form a tiles_m() x tiles_n() grid, each the sum of ktiles() products of a
 // 128 x 64 tile of A and one of B (K-major, 128-byte swizzled, zeros past
-// the edges), which load() has the copy engine write to shared memory,
-// completing `bar`'s transaction count by kHgStageBytes.
+// the edges).  The producer (one thread, on its own copy of the loader)
+// calls begin_tile() for each output tile, then load() for its k-tiles in
+// order, which has the copy engine write them to shared memory, completing
+// `bar`'s transaction count by kHgStageBytes.  The producer's issue rate
+// can set a short product's pace: per-tile work belongs in begin_tile().
 //
 // DenseLoader: A [M, K] and B [N, K] through tensor maps with boxes of
 // 128 x 64 elements, 128-byte swizzle (ops.gemm._tensor_map).
@@ -122,6 +125,7 @@ struct DenseLoader {
   const TensorMap& map_a;
   const TensorMap& map_b;
   i64 M, N, K;
+  int m0 = 0, n0 = 0;  // the current output tile's first row and column
   __device__ __forceinline__ i64 tiles_m() const { return (M + kHgBM - 1) / kHgBM; }
   __device__ __forceinline__ i64 tiles_n() const { return (N + kHgBN - 1) / kHgBN; }
   __device__ __forceinline__ int ktiles() const { return static_cast<int>((K + kHgBK - 1) / kHgBK); }
@@ -129,10 +133,13 @@ struct DenseLoader {
     tma_prefetch_descriptor(map_a);
     tma_prefetch_descriptor(map_b);
   }
-  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, i64 tm, i64 tn,
-                                       int kt) const {
-    tma_load_2d(tile_a, map_a, kt * kHgBK, static_cast<int>(tm * kHgBM), bar);
-    tma_load_2d(tile_b, map_b, kt * kHgBK, static_cast<int>(tn * kHgBN), bar);
+  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
+    m0 = static_cast<int>(tm * kHgBM);
+    n0 = static_cast<int>(tn * kHgBN);
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
+    tma_load_2d(tile_a, map_a, kt * kHgBK, m0, bar);
+    tma_load_2d(tile_b, map_b, kt * kHgBK, n0, bar);
   }
 };
 
@@ -240,16 +247,18 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     // ---------------- producer ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (tid != 0) return;
+    Loader producer = loader;
     int it = 0;
     for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       i64 tm, tn;
       grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
+      producer.begin_tile(tm, tn);
       for (int kt = 0; kt < ktiles; ++kt, ++it) {
         const int s = it % kStages;
         // The stage's previous use (it - kStages) must have been released.
         if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
         mbar_arrive_expect_tx(full(s), kHgStageBytes);
-        loader.load(tile_a(s), tile_b(s), full(s), tm, tn, kt);
+        producer.load(tile_a(s), tile_b(s), full(s), kt);
       }
     }
     return;

@@ -128,8 +128,11 @@ def test_routes(device):
     y.backward(g)
     ref_leaves = [t.detach().double().requires_grad_(True) for t in half]
     _reference(*ref_leaves).backward(g.double())
-    for ours, ref in zip(leaves, ref_leaves):
-        assert rel_error(ours.grad, ref.grad) < 0.05
+    eager_leaves = [t.detach().requires_grad_(True) for t in half]
+    _reference(*eager_leaves).backward(g)
+    for ours, ref, eager in zip(leaves, ref_leaves, eager_leaves):
+        assert (rel_error(ours.grad, ref.grad)
+                <= 1.5 * rel_error(eager.grad, ref.grad) + torch.finfo(torch.bfloat16).eps)
     # Channels-last in, channels-last out, as the reference.
     cl = ops.conv_bias_relu(half[0].contiguous(memory_format=torch.channels_last), *half[1:])
     assert cl.is_contiguous(memory_format=torch.channels_last)

@@ -59,6 +59,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
             and (bias is None or bias.dtype == x.dtype) and x.is_contiguous()
             and x.shape[1] % 8 == 0 and x.numel() > 0 and weight.shape[0] > 0
             and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 64) < 2**31  # the copy's grid
+            # (and the convolution's output tiles, n * oh * cdiv(ow, 128), fewer)
             and autocast_dtype() is None and not needs_grad(x, weight, conv_bias, bias)
             and not is_compiling() and gemm.has_wgmma(x.device.index)):
         return "engine"
