@@ -75,8 +75,8 @@ constexpr int kConvStagingBytes = 2 * kHgBN * kConvStageRow * 2;  // both consum
 template <typename T>
 struct NchwStore {
   T* y;
-  const T* conv_bias;  // Cout values, or null
-  const T* bias;       // Cout values
+  const T* conv_bias;  // Cout values
+  const T* bias;       // Cout values, or null (none)
   i64 cout, out_rows, out_cols, col_tiles;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
@@ -88,8 +88,8 @@ struct NchwStore {
       for (int e = 0; e < 2; ++e) {
         const int co = 8 * i + 2 * me.t + e;
         const i64 c = n0 + co;
-        const float cb = (conv_bias && c < cout) ? to_float(conv_bias[c]) : 0.0f;
-        const float b = c < cout ? to_float(bias[c]) : 0.0f;
+        const float cb = c < cout ? to_float(conv_bias[c]) : 0.0f;
+        const float b = (bias && c < cout) ? to_float(bias[c]) : 0.0f;
 #pragma unroll
         for (int hm = 0; hm < 2; ++hm)
 #pragma unroll

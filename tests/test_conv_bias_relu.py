@@ -37,6 +37,8 @@ def test_bad_arguments_are_refused(past_device_check):
         ops.conv_bias_relu(x, w, torch.rand(5), b)
     with pytest.raises(TypeError, match=r"conv_bias must be a torch.Tensor"):
         ops.conv_bias_relu(x, w, None, b)
+    with pytest.raises(TypeError, match=r"bias must be a torch.Tensor or None, got float"):
+        ops.conv_bias_relu(x, w, cb, 1.0)
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor"):
         ops.conv_bias_relu([1.0], w, cb, b)
 
@@ -58,6 +60,9 @@ ENGINE_SHAPES = [
     (1, 24, 7, 9, 200, 7, 7),
     (2, 8, 5, 140, 16, 5, 3),
     (1, 64, 3, 300, 40, 3, 3),
+    # More output tiles than SMs: each block walks several, both consumer
+    # warpgroups store, the loader starts tile after tile.
+    (8, 64, 34, 34, 200, 3, 3),
 ]
 
 
@@ -84,6 +89,26 @@ def test_engine_against_float64(shape, dtype, device):
         assert err <= 1.5 * eager_err + torch.finfo(dtype).eps, (err, eager_err)
         again = ops.conv_bias_relu(x, wt, cb, b)
         assert torch.equal(again, ours)  # the public entry, bitwise the same
+
+
+@pytest.mark.gpu
+def test_engine_without_bias_and_with_an_odd_weight_view(device):
+    """bias=None (nothing added after the ReLU), and a weight whose packed
+    form is a view of it starting off the 16-byte grid (a 1 x 1 kernel over
+    64 channels): both on the engine, both as the reference."""
+    _engine_device(device)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 64, 9, 9, generator=gen).to(device, torch.bfloat16)
+    buf = torch.randn(1 + 128 * 64, generator=gen).to(device, torch.bfloat16) / 8
+    w = buf[1:].view(128, 64, 1, 1)
+    assert w.data_ptr() % 16 != 0
+    cb = torch.randn(128, generator=gen).to(device, torch.bfloat16)
+    with torch.no_grad():
+        assert CB.route(x, w, cb, None) == "engine"
+        ours = ops.conv_bias_relu(x, w, cb)
+        truth = _reference(x.double(), w.double(), cb.double(), None)
+        eager = _reference(x, w, cb, None)
+        assert rel_error(ours, truth) <= 1.5 * rel_error(eager, truth) + torch.finfo(torch.bfloat16).eps
 
 
 @pytest.mark.gpu

@@ -60,6 +60,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
             and x.shape[1] % 8 == 0 and x.numel() > 0 and weight.shape[0] > 0
             and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 64) < 2**31  # the copy's grid
             # (and the convolution's output tiles, n * oh * cdiv(ow, 128), fewer)
+            and cdiv(x.shape[1], 64) <= 65535  # the copy's grid, y
+            and weight.shape[2] * weight.shape[3] * cdiv(x.shape[1], 64) * 64 < 2**31  # K
             and autocast_dtype() is None and not needs_grad(x, weight, conv_bias, bias)
             and not is_compiling() and gemm.has_wgmma(x.device.index)):
         return "engine"
@@ -74,6 +76,8 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
     cpad = cdiv(cin, gemm.HALF_BOX_K) * gemm.HALF_BOX_K
     packed = weight.permute(0, 2, 3, 1)
     packed = F.pad(packed, (0, cpad - cin)) if cpad != cin else packed.contiguous()
+    if packed.data_ptr() % 16:  # a channels-last weight viewed at an odd offset: TMA needs 16
+        packed = packed.clone()
     return packed.reshape(cout, kh * kw * cpad)
 
 
@@ -86,6 +90,9 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     oh, ow = h - kh + 1, w - kw + 1
     if out is None:
         out = torch.empty((n, cout, oh, ow), dtype=x.dtype, device=x.device)
+    elif out.shape != (n, cout, oh, ow) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous NCHW [{n}, {cout}, {oh}, {ow}] tensor of "
+                         f"x's dtype")
     if out.numel() == 0:
         return out
     dev = x.device.index
@@ -145,11 +152,12 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                          f"image")
     if not isinstance(conv_bias, torch.Tensor):
         raise TypeError(f"conv_bias must be a torch.Tensor, got {type(conv_bias).__name__}")
-    if conv_bias.numel() != cout or (bias is not None and (
-            not isinstance(bias, torch.Tensor) or bias.numel() != cout)):
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if conv_bias.numel() != cout or (bias is not None and bias.numel() != cout):
         raise ValueError(f"conv_bias and bias must have C_out = {cout} values, got "
                          f"{tuple(conv_bias.shape)} and "
-                         f"{None if bias is None else tuple(getattr(bias, 'shape', ()))}")
+                         f"{None if bias is None else tuple(bias.shape)}")
     if route(x, weight, conv_bias, bias) == "engine":
         conv_bias = check_vector("conv_bias", conv_bias, cout, x, "x", optional=False)
         bias = check_vector("bias", bias, cout, x, "x")
