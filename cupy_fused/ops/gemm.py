@@ -49,7 +49,9 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _bridge, _runtime
+from .._amp import HALF_DTYPES
 from .._autograd import FusedOp
+from .._validation import cxx_type
 from ..settings import get_gemm_wgmma
 from ._common import BLOCK, cdiv, elementwise_grid, _ptr_or_null, sm_count
 
@@ -325,7 +327,6 @@ HALF_THREADS = 384
 # Pipeline stages (32 KiB each) beside the TMA store's staging (a tile per
 # consumer warpgroup, 64 KiB): 5 measured no faster (docs/gemm.md).
 HALF_STAGES = 4
-_HALF_TYPES = {torch.float16: "cf::half", torch.bfloat16: "cf::bfloat16"}
 
 
 # A 16-bit tile of C per consumer warpgroup: the TMA store's staging area
@@ -344,8 +345,8 @@ def _half_shared_bytes(staging_bytes: int) -> int:
 
 # Keyed by (dtype, C stored through TMA).
 HALF_KERNELS = _runtime.KernelFamily("gemm.cu", {
-    (dtype, tma): f"cf::gemm_wgmma<{name}, {HALF_STAGES}, {_cxx_bool(tma)}>"
-    for dtype, name in _HALF_TYPES.items() for tma in (True, False)
+    (dtype, tma): f"cf::gemm_wgmma<{cxx_type(dtype)}, {HALF_STAGES}, {_cxx_bool(tma)}>"
+    for dtype in HALF_DTYPES for tma in (True, False)
 })
 
 # CUtensorMapDataType of each dtype; the driver's enums for no interleave,
@@ -415,7 +416,7 @@ def _uses_half_engine(x: torch.Tensor, weight: torch.Tensor) -> bool:
     on), x and W of one 16-bit dtype that :func:`_tma_compatible` accepts,
     and a non-empty product.  Elsewhere the product stays on cuBLAS (the
     named fallback)."""
-    return (x.dtype in _TMA_DTYPE and weight.dtype == x.dtype and has_wgmma(x.device.index)
+    return (x.dtype in HALF_DTYPES and weight.dtype == x.dtype and has_wgmma(x.device.index)
             and x.shape[0] > 0 and weight.shape[0] > 0 and x.shape[1] > 0
             and _tma_compatible(x) and _tma_compatible(weight))
 

@@ -48,9 +48,9 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _bridge, _runtime
-from .._amp import autocast_dtype, cast
+from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
-from .._validation import check_eps, check_groups, check_like, check_tensor
+from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import resolve_precision
 from . import gemm
 from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null
@@ -75,9 +75,10 @@ HALF_SHARED_BYTES = gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * 8192)
 # Keyed by (dtype, float32 output and vectors (autocast), chain, channels per group).
 HALF_KERNELS = _runtime.KernelFamily("linear_gn_chain.cu", {
     (dtype, float_out, chain, cpg): (
-        f"cf::linear_gn_chain_wgmma<{name}, {'float' if float_out else name}, "
-        f"{CHAINS[chain].type()}, {cpg}, {gemm.HALF_STAGES}>")
-    for dtype, name in gemm._HALF_TYPES.items() for float_out in (False, True) for chain in CHAINS
+        f"cf::linear_gn_chain_wgmma<{cxx_type(dtype)}, "
+        f"{cxx_type(torch.float32 if float_out else dtype)}, {CHAINS[chain].type()}, {cpg}, "
+        f"{gemm.HALF_STAGES}>")
+    for dtype in HALF_DTYPES for float_out in (False, True) for chain in CHAINS
     for cpg in (HALF_FLOAT_OUT_GROUP_SIZES if float_out else HALF_GROUP_SIZES)
 })
 
