@@ -2,7 +2,7 @@
 deterministic column reduction and the CuPy-array entry point."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -54,11 +54,19 @@ def elementwise_grid(n: int, device_index: int) -> int:
     return blocks if 0 < blocks < full else (full if blocks else 1)
 
 
-def row_chunks(rows: int, blocks_per_chunk: int, device_index: int) -> Tuple[int, int]:
-    """Splits ``rows`` into chunks for a (blocks_per_chunk x chunks) grid.
-    Returns (chunks, rows_per_chunk); every chunk is non-empty."""
-    target = max(1, sm_count(device_index) * BLOCKS_PER_SM // max(1, blocks_per_chunk))
-    chunks = max(1, min(rows, target, 65535))
+def row_chunks(rows: int, blocks_per_chunk: int, device_index: int,
+               blocks_per_sm: int = BLOCKS_PER_SM, min_rows: int = 1,
+               max_rows: Optional[int] = None) -> Tuple[int, int]:
+    """Splits ``rows`` (> 0) into chunks for a (blocks_per_chunk x chunks)
+    grid: enough chunks for ``blocks_per_sm`` blocks per SM, at most 65535
+    and no more than leave ``min_rows`` rows to a chunk; then, with
+    ``max_rows``, at least enough that no chunk has more (which may pass
+    65535: the caller checks).  Returns (chunks, rows_per_chunk); every
+    chunk is non-empty."""
+    target = max(1, sm_count(device_index) * blocks_per_sm // max(1, blocks_per_chunk))
+    chunks = max(1, min(cdiv(rows, min_rows), target, 65535))
+    if max_rows is not None:
+        chunks = max(chunks, cdiv(rows, max_rows))
     rows_per_chunk = cdiv(rows, chunks)
     return cdiv(rows, rows_per_chunk), rows_per_chunk
 

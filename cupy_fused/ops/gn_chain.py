@@ -26,7 +26,7 @@ from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
-                      _ptr_or_null, _reduce_partials, row_chunks, sm_count)
+                      _ptr_or_null, _reduce_partials, row_chunks)
 
 
 @dataclass(frozen=True)
@@ -258,18 +258,15 @@ def vector_shape(dtype: torch.dtype, channels_per_group: int,
     return _next_pow2(channels_per_group // values), values
 
 
-def vector_grid(rows: int, num_groups: int, team: int, min_blocks: int,
-                device_index: int) -> Tuple[int, int, int]:
+def vector_grid(rows: int, num_groups: int, team: int, min_blocks: int, device_index: int,
+                max_rows: Optional[int] = None) -> Tuple[int, int, int]:
     """Grid of a vectorised kernel: (slices: blockIdx.x over groups, 32 /
     team per block; chunks: blockIdx.y over rows; rows per chunk), for
     ``rows`` > 0.  The chunks make one wave of ``min_blocks`` blocks per SM
     (the kernel's kMinBlocks), and no more chunks than there are rows per
-    block's warps; every chunk is non-empty."""
+    block's warps (``row_chunks``; ``max_rows``: as there)."""
     slices = cdiv(num_groups, 32 // team)
-    target = sm_count(device_index) * min_blocks
-    chunks = max(1, min(cdiv(rows, ROW_WARPS), target // slices, 65535))
-    per = cdiv(rows, chunks)
-    return slices, cdiv(rows, per), per
+    return (slices, *row_chunks(rows, slices, device_index, min_blocks, ROW_WARPS, max_rows))
 
 
 def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
@@ -388,11 +385,8 @@ def _backward_plan(key: tuple) -> tuple:
     if shape is not None:
         team, values = shape
         grid_x, chunks, per = vector_grid(rows, num_groups, team,
-                                          _shapes[0].min_blocks("backward_vec", dtype), dev)
-        if per > ROW_WARPS * VEC_MAX_ROWS_PER_WARP:  # more rows than float sums take
-            chunks = cdiv(rows, ROW_WARPS * VEC_MAX_ROWS_PER_WARP)
-            per = cdiv(rows, chunks)
-            chunks = cdiv(rows, per)
+                                          _shapes[0].min_blocks("backward_vec", dtype), dev,
+                                          max_rows=ROW_WARPS * VEC_MAX_ROWS_PER_WARP)
         if chunks <= 65535:
             fn = _family(dtype, False, float_out, True).get(
                 ("backward_vec", dtype, chain, values), dev)
