@@ -32,6 +32,7 @@ from .bias_relu import bias_relu
 # The store's staging: a channel-major tile per consumer warpgroup, rows of
 # 128 + 8 values (kConvStagingBytes in conv_bias_relu.cu).
 STAGING_BYTES = 2 * gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2
+SHARED_BYTES = gemm._half_shared_bytes(STAGING_BYTES)
 
 # Keyed by (kernel, dtype): "conv" (the convolution and its chain), "to_nhwc"
 # (an NCHW input's channels-last copy, which the convolution reads).
@@ -76,15 +77,16 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
     cpad = cdiv(cin, gemm.HALF_BOX_K) * gemm.HALF_BOX_K
     packed = weight.permute(0, 2, 3, 1)
     packed = F.pad(packed, (0, cpad - cin)) if cpad != cin else packed.contiguous()
-    if packed.data_ptr() % 16:  # a channels-last weight viewed at an odd offset: TMA needs 16
-        packed = packed.clone()
-    return packed.reshape(cout, kh * kw * cpad)
+    packed = packed.reshape(cout, kh * kw * cpad)
+    # A channels-last weight viewed at an odd offset is that view itself.
+    return packed if gemm._tma_compatible(packed) else packed.clone()
 
 
 def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                    bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The engine route on arguments :func:`route` sends there.  ``out``:
-    the NCHW result to write (e.g. NaN-poisoned), else a new one."""
+    """The engine route on arguments :func:`route` sends there (a non-empty
+    result).  ``out``: the NCHW result to write (e.g. NaN-poisoned), else a
+    new one."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = h - kh + 1, w - kw + 1
@@ -93,8 +95,6 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     elif out.shape != (n, cout, oh, ow) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous NCHW [{n}, {cout}, {oh}, {ow}] tensor of "
                          f"x's dtype")
-    if out.numel() == 0:
-        return out
     dev = x.device.index
     xc = torch.empty((n, h, w, cin), dtype=x.dtype, device=x.device)  # the channels k-major
     _bridge.launch(KERNELS.get(("to_nhwc", x.dtype), dev), (n * h * cdiv(w, 64), cdiv(cin, 64), 1),
@@ -107,7 +107,7 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     _bridge.launch(KERNELS.get(("conv", x.dtype), dev), (min(tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
                    (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), out.data_ptr(),
                     conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw, c_blocks,
-                    kh * kw * c_blocks), dev, shared_mem=gemm._half_shared_bytes(STAGING_BYTES))
+                    kh * kw * c_blocks), dev, shared_mem=SHARED_BYTES)
     # xc and packed go back to the allocator here: it hands their memory to
     # later work of this stream only, which runs after the launch.
     return out
