@@ -9,7 +9,10 @@ optimizer step (the same on every GPU count).  Implementations: ``eager``
 (the PyTorch reference), ``compile`` (``torch.compile`` of the DDP-wrapped
 reference, so that its graph is split at the gradient buckets), ``ours``
 (``cupy_fused.models.MODELS``).  Every GPU count, the one-GPU baseline
-included, runs under DDP over NCCL.
+included, runs under DDP over NCCL.  The one-GPU baseline runs on every
+GPU at once, as independent processes, and takes the slowest GPU's time:
+then it shares the host and the machine's power as the larger runs do, and
+one GPU's clock is not mistaken for the cost of communication.
 
 Reported per problem, dtype and implementation: the median step time over
 CUDA-event-timed steps (the slowest rank's median), the efficiency
@@ -18,7 +21,18 @@ the parameters' gradients) with the traffic per GPU of a ring all-reduce
 over 8 GPUs, ``2 (n - 1) / n`` of it, for an estimate of larger or
 multi-host runs at a link's bandwidth.
 
-Run: ``python benchmarks/scaling.py [--gpus N] [--out scaling.json]``.
+The run also times an NCCL all-reduce of a 256 MiB buffer on every GPU
+count above one and reports its bus bandwidth (a ring's bytes per GPU over
+the time).  With it, each row gets an estimate on paper for 8 GPUs of one
+host (the same bus bandwidth) and for 2 hosts of 8 GPUs whose all-reduce is
+bounded by a 50 GB/s network link per GPU (an assumed 400 Gb/s NIC each):
+the step time of the largest measured count plus the all-reduce time the
+larger ring adds, as if none of it hid behind the backward (a lower bound
+on the efficiency).
+
+Run: ``python benchmarks/scaling.py [--gpus N] [--out scaling.json]``;
+``--publish`` also writes ``results/scaling.json`` and the scaling section
+of docs/performance.md.
 """
 from __future__ import annotations
 
@@ -42,11 +56,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cupy_fused import reference  # noqa: E402
 from harness import (DTYPES, autocast_dtype, dtype_label, l2_bytes, model_dtype,  # noqa: E402
-                     rotation_count, time_ms)
+                     host_and_gpu_ms, rotation_count, time_ms)
 
 IMPLS = ("eager", "compile", "ours")
 DEFAULT_DTYPES = ("fp32", "amp-bf16")
 ESTIMATE_GPUS = 8
+# The paper estimate across hosts: 2 hosts of ESTIMATE_GPUS, one network
+# link of this many GB/s per GPU (400 Gb/s), which bounds the ring.
+ESTIMATE_HOSTS = 2
+NETWORK_GBPS = 50.0
+ALLREDUCE_BYTES = 256 << 20
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="small shapes (cupy_fused.reference.SMALL_PROBLEMS), few steps")
     parser.add_argument("--out", default=None, metavar="JSON", help="write the results here")
+    parser.add_argument("--publish", action="store_true",
+                        help="write results/scaling.json and the scaling section of "
+                             "docs/performance.md")
     return parser.parse_args(argv)
 
 
@@ -101,7 +124,9 @@ def ring_bytes_per_gpu(nbytes: int, n: int) -> int:
 # --- one process of one GPU count ----------------------------------------
 
 def _bench_case(problem, dtype, impl, args, rank, device):
-    """(median ms, min ms, parameter bytes) of this rank's DDP step."""
+    """(median ms, min ms, host ms, GPU ms, parameter bytes) of this rank's
+    DDP step (host: its issue time; GPU: its time queued behind a sleep, as
+    in run.py)."""
     from cupy_fused.testing import build_pair
 
     shapes = reference.SMALL_PROBLEMS if args["quick"] else reference.PROBLEMS
@@ -137,59 +162,130 @@ def _bench_case(problem, dtype, impl, args, rank, device):
     # Every rank makes the same number of calls (each one all-reduces).
     dist.barrier()
     median, low = time_ms(step, args["iters"], args["warmup"])
-    del model, base, xs, g
-    torch.cuda.empty_cache()
-    return median, low, param_bytes
+    host, gpu = host_and_gpu_ms(step)
+    return median, low, host, gpu, param_bytes
 
 
-def _worker(rank, world, args, out_path):
+def _allreduce(world, device):
+    """The bus bandwidth of an NCCL all-reduce of ALLREDUCE_BYTES on this
+    GPU count: ``dict(gpus, bytes, median_ms, busbw_gbps)``."""
+    buf = torch.ones(ALLREDUCE_BYTES // 4, device=device)
+    median, _ = time_ms(lambda: dist.all_reduce(buf), 20, 5)
+    times = torch.tensor([median], device=device, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    median = times.item()
+    return dict(gpus=world, bytes=ALLREDUCE_BYTES, median_ms=median,
+                busbw_gbps=ring_bytes_per_gpu(ALLREDUCE_BYTES, world) / median / 1e6)
+
+
+def _worker(rank, world, args, out_dir):
+    """Process ``rank`` of a DDP group of ``world`` on GPU ``rank``; with
+    ``world`` 1 and ``args["replicas"]``, one of several independent
+    one-GPU groups running at once, one per GPU."""
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default for fp32 matmuls
-    dist.init_process_group("nccl", init_method=f"file://{args['store']}", rank=rank,
-                            world_size=world, device_id=device,
+    solo = world == 1
+    dist.init_process_group("nccl", init_method=f"file://{args['store']}.{rank if solo else 0}",
+                            rank=0 if solo else rank, world_size=world, device_id=device,
                             timeout=datetime.timedelta(minutes=10))
+    speaker = rank == 0
     try:
+        link = _allreduce(world, device) if world > 1 else None
+        if link is not None and speaker:
+            print(f"{world} GPUs all-reduce {link['bytes'] >> 20} MiB: {link['median_ms']:.3f} ms, "
+                  f"bus bandwidth {link['busbw_gbps']:.0f} GB/s", flush=True)
         rows = []
         for dtype in args["dtypes"]:
             for problem in args["problems"]:
                 for impl in args["impls"]:
-                    median, low, nbytes = _bench_case(problem, dtype, impl, args, rank, device)
+                    *measured, nbytes = _bench_case(problem, dtype, impl, args, rank, device)
+                    torch.cuda.empty_cache()  # the case's models and inputs are gone
                     # The step of the slowest rank sets the pace of them all.
-                    times = torch.tensor([median, low], device=device, dtype=torch.float64)
+                    times = torch.tensor(measured, device=device, dtype=torch.float64)
+                    gpu = times[3:].clone()
                     dist.all_reduce(times, op=dist.ReduceOp.MAX)
+                    # The GPU time behind a sleep: the rank whose sleep ends
+                    # first waits in the first all-reduce for the other, so
+                    # the one that never waits (the least) is the step's own.
+                    dist.all_reduce(gpu, op=dist.ReduceOp.MIN)
+                    median, low, host = times[:3].tolist()
+                    gpu = gpu.item()
                     if impl == "compile":
                         torch._dynamo.reset()
                     rows.append(dict(problem=problem, dtype=dtype_label(dtype), impl=impl,
-                                     gpus=world, median_ms=times[0].item(),
-                                     min_ms=times[1].item(), param_bytes=nbytes))
-                    if rank == 0:
-                        print(f"{world} GPU(s) {problem:>3} {dtype:<9}{impl:<8}"
-                              f"{rows[-1]['median_ms']:9.3f} ms", flush=True)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(rows, f)
+                                     gpus=world, median_ms=median, min_ms=low, host_ms=host,
+                                     gpu_ms=gpu, param_bytes=nbytes))
+                    if speaker:
+                        print(f"{world} GPU(s) {problem:>3} {dtype:<9}{impl:<8}{median:9.3f} ms "
+                              f"(host {host:.3f}, GPU {gpu:.3f})" + (" GPU 0" if solo else ""),
+                              flush=True)
+        if solo or speaker:
+            with open(os.path.join(out_dir, f"rows.{rank}.json"), "w") as f:
+                json.dump(dict(rows=rows, allreduce=link), f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run_world(world: int, args: argparse.Namespace) -> list:
-    """The rows of one GPU count, from ``world`` spawned processes."""
+def merge_replicas(parts: list) -> list:
+    """The rows of independent one-GPU runs on several GPUs as one row per
+    case: the slowest GPU's median and min (as the slowest rank of a DDP
+    group sets its pace), with every GPU's median in ``per_gpu_ms``."""
+    out = []
+    for rows in zip(*parts):
+        row = dict(rows[0], **{key: max(r[key] for r in rows)
+                               for key in ("median_ms", "min_ms", "host_ms", "gpu_ms")})
+        row["per_gpu_ms"] = [r["median_ms"] for r in rows]
+        out.append(row)
+    return out
+
+
+def run_world(world: int, args: argparse.Namespace, gpus: int) -> dict:
+    """``dict(rows, allreduce)`` of one GPU count (``allreduce`` is None for
+    one GPU), from ``world`` spawned processes.  The one-GPU baseline runs
+    on each of ``gpus`` GPUs at once, independently, so that it shares the
+    host and the machine's power as the ``gpus``-GPU run does."""
+    procs = gpus if world == 1 else world
     with tempfile.TemporaryDirectory() as tmp:
         spec = dict(vars(args), store=os.path.join(tmp, "store"))
-        out_path = os.path.join(tmp, "rows.json")
-        mp.start_processes(_worker, args=(world, spec, out_path), nprocs=world,
-                           start_method="spawn")
-        with open(out_path) as f:
-            return json.load(f)
+        mp.start_processes(_worker, args=(world, spec, tmp), nprocs=procs, start_method="spawn")
+        if world > 1:
+            with open(os.path.join(tmp, "rows.0.json")) as f:
+                return json.load(f)
+        parts = []
+        for rank in range(procs):
+            with open(os.path.join(tmp, f"rows.{rank}.json")) as f:
+                parts.append(json.load(f)["rows"])
+        return dict(rows=merge_replicas(parts), allreduce=None)
 
 
 # --- results -------------------------------------------------------------
 
-def summarize(rows: list) -> list:
+def allreduce_ms(nbytes: int, gpus: int, busbw_gbps: float) -> float:
+    """Milliseconds of a ring all-reduce of ``nbytes`` over ``gpus`` GPUs at
+    a bus bandwidth of ``busbw_gbps`` GB/s."""
+    return ring_bytes_per_gpu(nbytes, gpus) / busbw_gbps / 1e6
+
+
+def paper_efficiency(one_ms: float, n_ms: float, n: int, nbytes: int, busbw_gbps: float,
+                     gpus: int, link_gbps: float = None) -> float:
+    """Estimated weak-scaling efficiency on ``gpus`` GPUs from a measured
+    step on ``n``: the step grows by the all-reduce time the larger ring
+    adds (at ``link_gbps`` where a slower link bounds it, else at the
+    measured ``busbw_gbps``), none of it hidden behind the backward."""
+    extra = (allreduce_ms(nbytes, gpus, link_gbps or busbw_gbps)
+             - allreduce_ms(nbytes, n, busbw_gbps))
+    return one_ms / (n_ms + max(0.0, extra))
+
+
+def summarize(rows: list, allreduce=None) -> list:
     """Per problem, dtype and implementation: the largest GPU count's step
-    time against one GPU's (``efficiency``), with the all-reduce volume."""
+    time against one GPU's (``efficiency``), with the all-reduce volume;
+    given the measured all-reduces (``allreduce``: the ``_allreduce``
+    dicts), also the paper estimates ``efficiency_at_8`` (one host) and
+    ``efficiency_2_hosts`` (ESTIMATE_HOSTS hosts over NETWORK_GBPS links)."""
+    links = {a["gpus"]: a for a in allreduce or () if a}
     groups = {}
     for r in rows:
         groups.setdefault((r["problem"], r["dtype"], r["impl"]), {})[r["gpus"]] = r
@@ -198,12 +294,25 @@ def summarize(rows: list) -> list:
         n = max(by_n)
         one = by_n.get(1)
         eff = (one["median_ms"] / by_n[n]["median_ms"]
-               if one is not None and by_n[n]["median_ms"] > 0 else None)
+               if one is not None and n > 1 and by_n[n]["median_ms"] > 0 else None)
         nbytes = by_n[n]["param_bytes"]
-        out.append(dict(problem=problem, dtype=dtype, impl=impl, gpus=n, efficiency=eff,
-                        allreduce_bytes=nbytes,
-                        ring_bytes_per_gpu_at_8=ring_bytes_per_gpu(nbytes, ESTIMATE_GPUS)))
+        row = dict(problem=problem, dtype=dtype, impl=impl, gpus=n, efficiency=eff,
+                   allreduce_bytes=nbytes,
+                   ring_bytes_per_gpu_at_8=ring_bytes_per_gpu(nbytes, ESTIMATE_GPUS))
+        if eff is not None and n in links:
+            bw = links[n]["busbw_gbps"]
+            row["allreduce_ms"] = allreduce_ms(nbytes, n, bw)
+            row["efficiency_at_8"] = paper_efficiency(one["median_ms"], by_n[n]["median_ms"], n,
+                                                      nbytes, bw, ESTIMATE_GPUS)
+            row["efficiency_2_hosts"] = paper_efficiency(
+                one["median_ms"], by_n[n]["median_ms"], n, nbytes, bw,
+                ESTIMATE_GPUS * ESTIMATE_HOSTS, NETWORK_GBPS)
+        out.append(row)
     return out
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" + ("s" if n > 1 else "")
 
 
 def table(rows: list) -> str:
@@ -212,7 +321,7 @@ def table(rows: list) -> str:
     sizes = sorted({r["gpus"] for r in rows})
     ms = {(r["problem"], r["dtype"], r["impl"], r["gpus"]): r["median_ms"] for r in rows}
     head = f"{'problem':<8}{'dtype':<10}{'impl':<9}"
-    head += "".join(f"{f'{n} GPU' + ('s' if n > 1 else '') + ' ms':>12}" for n in sizes)
+    head += "".join(f"{_gpus(n) + ' ms':>12}" for n in sizes)
     head += f"{'efficiency':>12}{'all-reduce MB':>15}{'ring MB/GPU @8':>16}"
     lines = [head]
     for s in summarize(rows):
@@ -226,6 +335,89 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def markdown(result: dict) -> str:
+    """The scaling section of docs/performance.md from a results dict
+    (``meta``, ``rows``, ``allreduce``): per dtype, a table of step times
+    per GPU count, the efficiency, ours against eager and torch.compile at
+    each count, the all-reduce volume and time, and the paper estimates."""
+    meta, rows = result["meta"], result["rows"]
+    links = [a for a in result.get("allreduce") or () if a]
+    sizes = sorted({r["gpus"] for r in rows})
+    n = sizes[-1]
+    ms = {(r["problem"], r["dtype"], r["impl"], r["gpus"]): r["median_ms"] for r in rows}
+    summary = {(s["problem"], s["dtype"], s["impl"]): s for s in summarize(rows, links)}
+    host_gpu = {(r["problem"], r["dtype"], r["impl"]):
+                f"{r['host_ms']:.2f} / {r['gpu_ms']:.2f}" + (" (host-bound)"
+                                                              if r["host_ms"] > r["gpu_ms"] else "")
+                for r in rows if r["gpus"] == n and "host_ms" in r}
+    out = [f"## Scaling over GPUs ({meta['device']} x{meta['gpus']}, {meta['date']})", "",
+           f"`python benchmarks/scaling.py {' '.join(meta['argv'])}` (torch {meta['torch']}, "
+           f"CUDA {meta['cuda']}, NCCL {meta['nccl']}): weak scaling of the DDP training step, "
+           "each GPU with the benchmark batch, median of "
+           f"{meta['iters']} steps after {meta['warmup']}, the slowest rank's (1 GPU: the "
+           f"slowest of {meta['gpus']} independent one-GPU runs at once).  Efficiency is "
+           f"the 1-GPU step time over the {_gpus(n)} one.  \"vs eager\" / \"vs compile\" is "
+           "their step time over ours at the same count.  Host / GPU: the host's issue time "
+           "and the GPU's time per step (as in run.py); a row whose host time is the longer "
+           "is host-bound."]
+    for a in links:
+        out.append(f"An NCCL all-reduce of {a['bytes'] >> 20} MiB on {_gpus(a['gpus'])}: "
+                   f"{a['median_ms']:.3f} ms, bus bandwidth {a['busbw_gbps']:.0f} GB/s.")
+    out += ["", f"Paper estimates: \"{ESTIMATE_GPUS} GPUs\" adds the time a ring over "
+            f"{ESTIMATE_GPUS} GPUs at the measured bus bandwidth takes beyond the measured "
+            f"{n}-GPU all-reduce; \"{ESTIMATE_HOSTS}x{ESTIMATE_GPUS}\" a ring over "
+            f"{ESTIMATE_HOSTS * ESTIMATE_GPUS} GPUs of {ESTIMATE_HOSTS} hosts bounded by a "
+            f"{NETWORK_GBPS:.0f} GB/s network link per GPU (assumed, not measured).  Both count "
+            "that time as exposed, none of it hidden behind the backward, so they are lower "
+            "bounds on the efficiency."]
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        out += ["", f"### {dtype}", ""]
+        head = ["problem", "impl"] + [f"{_gpus(k)} ms" for k in sizes]
+        head += [f"host / GPU ms, {_gpus(n)}", "efficiency"]
+        counts = " → ".join(str(k) for k in sizes)
+        head += [f"vs eager ({counts} GPUs)", f"vs compile ({counts} GPUs)"]
+        head += ["gradients MB", f"all-reduce ms, {_gpus(n)}",
+                 f"est. efficiency, {ESTIMATE_GPUS} GPUs",
+                 f"est. efficiency, {ESTIMATE_HOSTS}x{ESTIMATE_GPUS}"]
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for problem in sorted({r["problem"] for r in rows if r["dtype"] == dtype}):
+            for impl in IMPLS:
+                s = summary.get((problem, dtype, impl))
+                if s is None:
+                    continue
+
+                def cell(value, fmt):
+                    return "-" if value is None else format(value, fmt)
+
+                def ratio(base, k):
+                    a, b = ms.get((problem, dtype, base, k)), ms.get((problem, dtype, impl, k))
+                    return "-" if a is None or b is None else f"{a / b:.2f}x"
+
+                cells = [str(problem), impl]
+                cells += [cell(ms.get((problem, dtype, impl, k)), ".3f") for k in sizes]
+                cells.append(host_gpu.get((problem, dtype, impl), "-"))
+                cells.append(cell(s["efficiency"], ".2f"))
+                cells += [" → ".join(ratio(base, k) for k in sizes) for base in ("eager", "compile")]
+                cells += [f"{s['allreduce_bytes'] / 1e6:.1f}", cell(s.get("allreduce_ms"), ".3f"),
+                          cell(s.get("efficiency_at_8"), ".2f"),
+                          cell(s.get("efficiency_2_hosts"), ".2f")]
+                out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def publish(result: dict, root: str = REPO) -> None:
+    """Writes ``result`` to ``<root>/results/scaling.json`` and its
+    :func:`markdown` between the ``scaling`` markers of
+    ``<root>/docs/performance.md``."""
+    from publish import _write, replace_between
+
+    doc = os.path.join(root, "docs", "performance.md")
+    with open(doc) as f:
+        text = replace_between(f.read(), "scaling", lambda _old: markdown(result))
+    _write(os.path.join(root, "results", "scaling.json"), json.dumps(result, indent=1) + "\n")
+    _write(doc, text)
+
+
 def main(argv=None):
     args = parse_args(argv)
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -234,18 +426,26 @@ def main(argv=None):
         raise SystemExit("scaling.py: torch.distributed with NCCL is not available")
     if args.quick:
         args.iters, args.warmup = min(args.iters, 10), min(args.warmup, 3)
-    rows = []
+    meta = dict(device=torch.cuda.get_device_name(0), gpus=n, torch=torch.__version__,
+                cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                date=str(datetime.date.today()), argv=sys.argv[1:] if argv is None else argv,
+                iters=args.iters, warmup=args.warmup, quick=args.quick)
+    result = dict(meta=meta, rows=[], allreduce=[])
     for world in world_sizes(n):
-        rows += run_world(world, args)
-    print(table(rows))
+        part = run_world(world, args, n)
+        result["rows"] += part["rows"]
+        result["allreduce"].append(part["allreduce"])
+        result["summary"] = summarize(result["rows"], result["allreduce"])
+        if args.out:  # after every GPU count, so that a later failure keeps the earlier ones
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    print(table(result["rows"]))
+    print(markdown(result))
     if args.out:
-        meta = dict(device=torch.cuda.get_device_name(0), gpus=n, torch=torch.__version__,
-                    cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
-                    date=str(datetime.date.today()), argv=sys.argv[1:] if argv is None else argv,
-                    iters=args.iters, warmup=args.warmup, quick=args.quick)
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, summary=summarize(rows)), f, indent=1)
         print(f"wrote {args.out}")
+    if args.publish:
+        publish(result)
+        print("wrote results/scaling.json and the scaling section of docs/performance.md")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ in a child fails the test with the child's traceback.
 import datetime
 import gc
 import importlib.util
-import os
+import json
 import time
 from pathlib import Path
 
@@ -361,3 +361,95 @@ def test_scaling_table_efficiency_and_all_reduce_volume():
     # A missing measurement (a failed world size) shows as "-".
     partial = scaling.table(rows[:3])
     assert any("ours" in line and " - " in line for line in partial.splitlines())
+
+
+def _scaling_result(scaling):
+    rows = [dict(problem=76, dtype="float32", impl=impl, gpus=n, median_ms=ms, min_ms=ms,
+                 host_ms=1.0 if impl == "eager" else 6.0, gpu_ms=ms,
+                 param_bytes=4 * (8192 * 8192 + 8192))
+            for impl, times in (("eager", {1: 10.0, 2: 12.5}), ("compile", {1: 8.0, 2: 9.0}),
+                                ("ours", {1: 5.0, 2: 5.0}))
+            for n, ms in times.items()]
+    link = dict(gpus=2, bytes=256 << 20, median_ms=1.0,
+                busbw_gbps=scaling.ring_bytes_per_gpu(256 << 20, 2) / 1e6)  # 1 ms
+    meta = dict(device="GPU", gpus=2, torch="t", cuda="c", nccl="n", date="2026-01-01",
+                argv=["--publish"], iters=30, warmup=5, quick=False)
+    return dict(meta=meta, rows=rows, allreduce=[None, link])
+
+
+def test_scaling_paper_estimates():
+    scaling = _scaling()
+    result = _scaling_result(scaling)
+    ours = [s for s in scaling.summarize(result["rows"], result["allreduce"])
+            if s["impl"] == "ours"][0]
+    nbytes = 4 * (8192 * 8192 + 8192)
+    bw = result["allreduce"][1]["busbw_gbps"]
+    # All-reduce at 2 GPUs: nbytes over the ring's bus bandwidth.
+    assert ours["allreduce_ms"] == pytest.approx(nbytes / bw / 1e6)
+    # 8 GPUs: the ring sends 1.75x the bytes of 2 GPUs'; the extra 0.75 of
+    # the 2-GPU all-reduce time lands on the step.
+    assert ours["efficiency_at_8"] == pytest.approx(5.0 / (5.0 + 0.75 * ours["allreduce_ms"]))
+    extra = 2 * 15 / 16 * nbytes / scaling.NETWORK_GBPS / 1e6 - ours["allreduce_ms"]
+    assert ours["efficiency_2_hosts"] == pytest.approx(5.0 / (5.0 + extra))
+    # A step that gets faster on more GPUs is not credited with a negative cost.
+    assert scaling.paper_efficiency(1.0, 1.0, 4, 1000, 1e3, 2) == 1.0
+
+
+def test_scaling_publishes_its_section(tmp_path):
+    scaling = _scaling()
+    result = _scaling_result(scaling)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "results").mkdir()
+    doc = tmp_path / "docs" / "performance.md"
+    doc.write_text("before\n<!-- scaling:start (x) -->\nold\n<!-- scaling:end -->\nafter\n")
+    scaling.publish(result, root=str(tmp_path))
+    text = doc.read_text()
+    assert text.startswith("before\n<!-- scaling:start (x) -->\n## Scaling over GPUs (GPU x2")
+    assert "old" not in text and text.endswith("<!-- scaling:end -->\nafter\n")
+    assert ("| 76 | ours | 5.000 | 5.000 | 6.00 / 5.00 (host-bound) | 1.00 | 2.00x → 2.50x | "
+            "1.60x → 1.80x | 268.5 |") in text
+    assert "| 76 | eager | 10.000 | 12.500 | 1.00 / 12.50 | 0.80 |" in text
+    assert json.loads((tmp_path / "results" / "scaling.json").read_text())["rows"] == result["rows"]
+    # A missing count shows as "-".
+    partial = dict(result, rows=result["rows"][:5])
+    assert ("| 76 | ours | 5.000 | - | - | - | 2.00x → - | 1.60x → - |"
+            in scaling.markdown(partial))
+
+
+def test_scaling_baseline_takes_the_slowest_gpu():
+    scaling = _scaling()
+    row = dict(problem=76, dtype="float32", impl="ours", gpus=1, param_bytes=8)
+    parts = [[dict(row, median_ms=3.0, min_ms=2.9, host_ms=1.0, gpu_ms=2.5)],
+             [dict(row, median_ms=3.2, min_ms=2.8, host_ms=0.9, gpu_ms=2.6)]]
+    merged = scaling.merge_replicas(parts)
+    assert merged == [dict(row, median_ms=3.2, min_ms=2.9, host_ms=1.0, gpu_ms=2.6,
+                           per_gpu_ms=[3.0, 3.2])]
+
+
+def _readme_ddp_example() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Multi-GPU", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_ddp_example_is_found():
+    code = _readme_ddp_example()
+    assert "DistributedDataParallel" in code and "backward()" in code
+    compile(code, "README.md", "exec")
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_readme_ddp_example_runs_under_torchrun(tmp_path):
+    """The README's multi-GPU example, as written, under ``torchrun
+    --nproc-per-node 2``."""
+    import subprocess
+    import sys
+
+    _needs_gpus(2, "nccl")
+    script = tmp_path / "train.py"
+    script.write_text(_readme_ddp_example() + "\ndist.destroy_process_group()\n")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script)],
+                         capture_output=True, text=True, timeout=SPAWN_DEADLINE_S)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
