@@ -389,6 +389,65 @@ __device__ __forceinline__ VecLane vec_lane(int cpg, i64 groups, int t) {
   return l;
 }
 
+// The backward's column vectors where float32 vectors meet a 16-bit z (the
+// amp kernels): held in registers (LaneVectors), with the lane's column sums
+// and two rows of loads, they push the kernel past its 128 registers at 2
+// blocks per SM, and it spills.  So they sit in shared memory instead, one
+// copy per block (every warp of a block covers the same columns), laid out
+// [vector][k][lane] so that a warp's reads hit 32 banks, and are read at
+// each use through a volatile pointer, which keeps the compiler from
+// hoisting them back into registers.
+template <typename T, int N, bool kFastMath>
+struct SharedLaneVectors {
+  using value_type = T;
+  static constexpr bool kFast = kFastMath;
+  const volatile float* base;  // this lane's first value
+  __device__ __forceinline__ float at(int v, int k) const { return base[(v * N + k) * 32]; }
+  __device__ __forceinline__ float lin(int k) const { return at(0, k); }
+  __device__ __forceinline__ float extra(int k) const { return at(1, k); }
+  __device__ __forceinline__ float gamma(int k) const { return at(2, k); }
+  __device__ __forceinline__ float beta(int k) const { return at(3, k); }
+  __device__ __forceinline__ float mul(int k) const { return at(4, k); }
+};
+
+// The backward's vectors: registers, or (kShared) shared memory `smem` of
+// kSlots floats, filled by the first warp (a barrier follows).
+template <bool kShared, typename TO, int kE, bool kFast>
+struct BackwardVectors {
+  static constexpr int kSlots = 1;
+  using type = LaneVectors<TO, kE, kFast>;
+  static __device__ __forceinline__ type make(const ColumnVectors<TO, kFast>& p,
+                                              const VecLane& l, float*) {
+    type lv;
+    if (l.active) lv.load(p, l.col);
+    return lv;
+  }
+};
+
+template <typename TO, int kE, bool kFast>
+struct BackwardVectors<true, TO, kE, kFast> {
+  static constexpr int kSlots = 5 * kE * 32;
+  using type = SharedLaneVectors<TO, kE, kFast>;
+  static __device__ __forceinline__ type make(const ColumnVectors<TO, kFast>& p,
+                                              const VecLane& l, float* smem) {
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) {
+      LaneVectors<TO, kE, kFast> v = {};
+      if (l.active) v.load(p, l.col);
+#pragma unroll
+      for (int k = 0; k < kE; ++k) {
+        smem[(0 * kE + k) * 32 + lane] = v.lin_[k];
+        smem[(1 * kE + k) * 32 + lane] = v.extra_[k];
+        smem[(2 * kE + k) * 32 + lane] = v.gamma_[k];
+        smem[(3 * kE + k) * 32 + lane] = v.beta_[k];
+        smem[(4 * kE + k) * 32 + lane] = v.mul_[k];
+      }
+    }
+    __syncthreads();
+    return type{smem + lane};
+  }
+};
+
 // The rows [row0, row1) of this block's chunk.
 __device__ __forceinline__ void chunk_rows(i64 rows, i64 rows_per_chunk, i64& row0, i64& row1) {
   row0 = static_cast<i64>(blockIdx.y) * rows_per_chunk;
@@ -488,8 +547,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
   i64 row0, row1;
   chunk_rows(rows, rows_per_chunk, row0, row1);
 
-  LaneVectors<TO, kE, kFast> lv;
-  if (l.active) lv.load(p, l.col);
+  using Vectors = BackwardVectors<sizeof(TO) == 4 && sizeof(T) == 2, TO, kE, kFast>;
+  __shared__ float vector_smem[Vectors::kSlots];
+  const typename Vectors::type lv = Vectors::make(p, l, vector_smem);
   float acc[S][kE];
 #pragma unroll
   for (int s = 0; s < S; ++s)
