@@ -27,8 +27,10 @@ the time).  With it, each row gets an estimate on paper for 8 GPUs of one
 host (the same bus bandwidth) and for 2 hosts of 8 GPUs whose all-reduce is
 bounded by a 50 GB/s network link per GPU (an assumed 400 Gb/s NIC each):
 the step time of the largest measured count plus the all-reduce time the
-larger ring adds, as if none of it hid behind the backward (a lower bound
-on the efficiency).
+larger ring adds, as if none of it hid behind the backward.  A rough
+estimate: it counts bandwidth alone (not the latency of a longer ring, nor
+the host load of more processes), at the bus bandwidth measured on fewer
+GPUs.
 
 Run: ``python benchmarks/scaling.py [--gpus N] [--out scaling.json]``;
 ``--publish`` also writes ``results/scaling.json`` and the scaling section
@@ -123,10 +125,11 @@ def ring_bytes_per_gpu(nbytes: int, n: int) -> int:
 
 # --- one process of one GPU count ----------------------------------------
 
-def _bench_case(problem, dtype, impl, args, rank, device):
+def _bench_case(problem, dtype, impl, args, rank, device, replicas=None):
     """(median ms, min ms, host ms, GPU ms, parameter bytes) of this rank's
     DDP step (host: its issue time; GPU: its time queued behind a sleep, as
-    in run.py)."""
+    in run.py).  ``replicas``: the barrier of the one-GPU runs that go on
+    at once (:func:`replica_barrier`), or None."""
     from cupy_fused.testing import build_pair
 
     shapes = reference.SMALL_PROBLEMS if args["quick"] else reference.PROBLEMS
@@ -160,8 +163,16 @@ def _bench_case(problem, dtype, impl, args, rank, device):
         out.backward(g)  # outside autocast, as training code runs it
 
     # Every rank makes the same number of calls (each one all-reduces).
+    # The warm-up (where torch.compile compiles) comes before the barriers,
+    # so that no process times its steps while another one compiles beside
+    # it on the host.
+    for _ in range(args["warmup"]):
+        step()
+    torch.cuda.synchronize()
     dist.barrier()
-    median, low = time_ms(step, args["iters"], args["warmup"])
+    if replicas is not None:
+        replicas.wait()
+    median, low = time_ms(step, args["iters"], 1)
     host, gpu = host_and_gpu_ms(step)
     return median, low, host, gpu, param_bytes
 
@@ -178,10 +189,10 @@ def _allreduce(world, device):
                 busbw_gbps=ring_bytes_per_gpu(ALLREDUCE_BYTES, world) / median / 1e6)
 
 
-def _worker(rank, world, args, out_dir):
+def _worker(rank, world, args, out_dir, replicas=None):
     """Process ``rank`` of a DDP group of ``world`` on GPU ``rank``; with
-    ``world`` 1 and ``args["replicas"]``, one of several independent
-    one-GPU groups running at once, one per GPU."""
+    ``world`` 1, one of several independent one-GPU groups running at once,
+    one per GPU, kept in step case by case by ``replicas``."""
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default for fp32 matmuls
@@ -199,7 +210,8 @@ def _worker(rank, world, args, out_dir):
         for dtype in args["dtypes"]:
             for problem in args["problems"]:
                 for impl in args["impls"]:
-                    *measured, nbytes = _bench_case(problem, dtype, impl, args, rank, device)
+                    *measured, nbytes = _bench_case(problem, dtype, impl, args, rank, device,
+                                                    replicas)
                     torch.cuda.empty_cache()  # the case's models and inputs are gone
                     # The step of the slowest rank sets the pace of them all.
                     times = torch.tensor(measured, device=device, dtype=torch.float64)
@@ -241,15 +253,25 @@ def merge_replicas(parts: list) -> list:
     return out
 
 
+def replica_barrier(procs: int):
+    """A barrier for ``procs`` spawned processes: the one-GPU runs are
+    process groups of one, which ``dist.barrier`` cannot keep in step.  Its
+    timeout (as the process groups' own) ends a wait on a process that
+    died."""
+    return mp.get_context("spawn").Barrier(procs, timeout=600)
+
+
 def run_world(world: int, args: argparse.Namespace, gpus: int) -> dict:
     """``dict(rows, allreduce)`` of one GPU count (``allreduce`` is None for
     one GPU), from ``world`` spawned processes.  The one-GPU baseline runs
     on each of ``gpus`` GPUs at once, independently, so that it shares the
     host and the machine's power as the ``gpus``-GPU run does."""
     procs = gpus if world == 1 else world
+    replicas = replica_barrier(procs) if world == 1 else None
     with tempfile.TemporaryDirectory() as tmp:
         spec = dict(vars(args), store=os.path.join(tmp, "store"))
-        mp.start_processes(_worker, args=(world, spec, tmp), nprocs=procs, start_method="spawn")
+        mp.start_processes(_worker, args=(world, spec, tmp, replicas), nprocs=procs,
+                           start_method="spawn")
         if world > 1:
             with open(os.path.join(tmp, "rows.0.json")) as f:
                 return json.load(f)
@@ -368,8 +390,9 @@ def markdown(result: dict) -> str:
             f"{n}-GPU all-reduce; \"{ESTIMATE_HOSTS}x{ESTIMATE_GPUS}\" a ring over "
             f"{ESTIMATE_HOSTS * ESTIMATE_GPUS} GPUs of {ESTIMATE_HOSTS} hosts bounded by a "
             f"{NETWORK_GBPS:.0f} GB/s network link per GPU (assumed, not measured).  Both count "
-            "that time as exposed, none of it hidden behind the backward, so they are lower "
-            "bounds on the efficiency."]
+            "that time as exposed, none of it hidden behind the backward, and bandwidth "
+            "alone (not a longer ring's latency, nor the host load of more processes): "
+            "rough estimates."]
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         out += ["", f"### {dtype}", ""]
         head = ["problem", "impl"] + [f"{_gpus(k)} ms" for k in sizes]

@@ -186,7 +186,8 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, 
 
 // Per-element part of the backward shared by both paths below: recomputes
 // x^ and y^ from z and the saved statistics, returns dy^ * gn_weight (= dx^).
-// P, C: ColumnVectors and a column, or LaneVectors and a lane's column index.
+// P, C: ColumnVectors and a column, or LaneVectors / SharedLaneVectors and a
+// lane's column index.
 // From Pre's value v (the vectorised backward computes it with its derivative).
 template <typename Chain, typename P, typename C>
 __device__ __forceinline__ float element_backward_from_pre(float v, float dy, float mean, float rstd,

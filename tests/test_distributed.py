@@ -24,6 +24,7 @@ import datetime
 import gc
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 
@@ -426,6 +427,20 @@ def test_scaling_baseline_takes_the_slowest_gpu():
                            per_gpu_ms=[3.0, 3.2])]
 
 
+def _meet(rank, barrier, out_dir):
+    barrier.wait()
+    (Path(out_dir) / f"met.{rank}").write_text("")
+
+
+def test_scaling_replica_barrier_reaches_spawned_processes(tmp_path):
+    """The one-GPU replicas' barrier passes to processes started as
+    run_world starts them, and releases them together."""
+    scaling = _scaling()
+    mp.start_processes(_meet, args=(scaling.replica_barrier(2), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["met.0", "met.1"]
+
+
 def _readme_ddp_example() -> str:
     text = (REPO / "README.md").read_text()
     section = text.split("## Multi-GPU", 1)[1]
@@ -449,7 +464,9 @@ def test_readme_ddp_example_runs_under_torchrun(tmp_path):
     _needs_gpus(2, "nccl")
     script = tmp_path / "train.py"
     script.write_text(_readme_ddp_example() + "\ndist.destroy_process_group()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))  # this tree's cupy_fused
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", str(script)],
-                         capture_output=True, text=True, timeout=SPAWN_DEADLINE_S)
+                         capture_output=True, text=True, timeout=SPAWN_DEADLINE_S, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
