@@ -194,6 +194,13 @@ __device__ __forceinline__ float hardtanhf(float x) {
 // and passes it elsewhere, at a NaN too.
 __device__ __forceinline__ float hardtanh_grad(float x) { return (x <= -1.0f || x >= 1.0f) ? 0.0f : 1.0f; }
 
+// The 32-bit shared-window address of a shared-memory pointer.
+__device__ __forceinline__ unsigned shared_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
 // ---- reductions ----
 // Compensated (Neumaier) summation in float: the parameter gradients are sums
 // over every row of the batch, and a plain running float sum of 10^4..10^5

@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, 
 
 // Per-element part of the backward shared by both paths below: recomputes
 // x^ and y^ from z and the saved statistics, returns dy^ * gn_weight (= dx^).
-// P, C: ColumnVectors and a column, or LaneVectors / SharedLaneVectors and a
+// P, C: ColumnVectors and a column, or LaneVectors / SharedVectors and a
 // lane's column index.
 // From Pre's value v (the vectorised backward computes it with its derivative).
 template <typename Chain, typename P, typename C>
@@ -393,26 +393,11 @@ __device__ __forceinline__ VecLane vec_lane(int cpg, i64 groups, int t) {
 // The backward's column vectors where float32 vectors meet a 16-bit z (the
 // amp kernels): held in registers (LaneVectors), with the lane's column sums
 // and two rows of loads, they push the kernel past its 128 registers at 2
-// blocks per SM, and it spills.  So they sit in shared memory instead, one
-// copy per block (every warp of a block covers the same columns), laid out
-// [vector][k][lane] so that a warp's reads hit 32 banks, and are read at
-// each use through a volatile pointer, which keeps the compiler from
-// hoisting them back into registers.
-template <typename T, int N, bool kFastMath>
-struct SharedLaneVectors {
-  using value_type = T;
-  static constexpr bool kFast = kFastMath;
-  const volatile float* base;  // this lane's first value
-  __device__ __forceinline__ float at(int v, int k) const { return base[(v * N + k) * 32]; }
-  __device__ __forceinline__ float lin(int k) const { return at(0, k); }
-  __device__ __forceinline__ float extra(int k) const { return at(1, k); }
-  __device__ __forceinline__ float gamma(int k) const { return at(2, k); }
-  __device__ __forceinline__ float beta(int k) const { return at(3, k); }
-  __device__ __forceinline__ float mul(int k) const { return at(4, k); }
-};
-
-// The backward's vectors: registers, or (kShared) shared memory `smem` of
-// kSlots floats, filled by the first warp (a barrier follows).
+// blocks per SM, and it spills.  So they sit in shared memory instead
+// (SharedVectors), one copy per block (every warp of a block covers the same
+// columns), laid out [vector][k][lane] so that a warp's reads hit 32 banks.
+// BackwardVectors: registers, or (kShared) shared memory `smem` of kSlots
+// floats, filled by the first warp (a barrier follows).
 template <bool kShared, typename TO, int kE, bool kFast>
 struct BackwardVectors {
   static constexpr int kSlots = 1;
@@ -428,7 +413,7 @@ struct BackwardVectors {
 template <typename TO, int kE, bool kFast>
 struct BackwardVectors<true, TO, kE, kFast> {
   static constexpr int kSlots = 5 * kE * 32;
-  using type = SharedLaneVectors<TO, kE, kFast>;
+  using type = SharedVectors<TO, kFast, kE * 32, 32>;
   static __device__ __forceinline__ type make(const ColumnVectors<TO, kFast>& p,
                                               const VecLane& l, float* smem) {
     const int lane = threadIdx.x & 31;
@@ -445,7 +430,7 @@ struct BackwardVectors<true, TO, kE, kFast> {
       }
     }
     __syncthreads();
-    return type{smem + lane};
+    return type{shared_addr(smem + lane)};
   }
 };
 

@@ -13,8 +13,8 @@ namespace cf {
 
 // The per-column vectors a chain may read; null where the model has none.
 // Chains read them through the accessors (column c), which this type (global
-// memory), LaneVectors (a lane's columns, in registers) and TileVectors
-// (linear_gn_chain.cu: a tile's columns, in shared memory) provide;
+// memory), LaneVectors (a lane's columns, in registers) and SharedVectors
+// (a tile's or a lane's columns, in shared memory) provide;
 // value_type is the dtype the eager-rounding chains round to; kFast selects
 // the fast activations (cf_common.cuh).
 template <typename T, bool kFastMath = false>
@@ -55,6 +55,31 @@ struct LaneVectors {
   __device__ __forceinline__ float gamma(int k) const { return gamma_[k]; }
   __device__ __forceinline__ float beta(int k) const { return beta_[k]; }
   __device__ __forceinline__ float mul(int k) const { return mul_[k]; }
+};
+
+// The vectors as floats in shared memory: value i of vector v (lin, extra,
+// gamma, beta, mul) at shared address base + 4 * (v * kVectorStride + i *
+// kStride).  Each use loads it again (asm volatile), so the compiler cannot
+// hoist the values into registers: kernels keep them here because registers
+// would not hold them.  kLinInZ: the linear bias is already in z (the
+// one-launch GEMM's store): lin() is 0, and bias() reads the bias itself.
+template <typename T, bool kFastMath, int kVectorStride, int kStride, bool kLinInZ = false>
+struct SharedVectors {
+  using value_type = T;
+  static constexpr bool kFast = kFastMath;
+  unsigned base;  // shared-window address (shared_addr)
+  __device__ __forceinline__ float at(int v, int i) const {
+    float r;
+    asm volatile("ld.shared.f32 %0, [%1];\n"
+                 : "=f"(r) : "r"(base + 4u * (v * kVectorStride + i * kStride)));
+    return r;
+  }
+  __device__ __forceinline__ float lin(int i) const { return kLinInZ ? 0.0f : at(0, i); }
+  __device__ __forceinline__ float bias(int i) const { return at(0, i); }
+  __device__ __forceinline__ float extra(int i) const { return at(1, i); }
+  __device__ __forceinline__ float gamma(int i) const { return at(2, i); }
+  __device__ __forceinline__ float beta(int i) const { return at(3, i); }
+  __device__ __forceinline__ float mul(int i) const { return at(4, i); }
 };
 
 // Backward slots: per-column sums the backward emits, one parameter gradient

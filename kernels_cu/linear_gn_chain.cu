@@ -49,25 +49,10 @@ constexpr int kGnStatsOffset = 4096;
 constexpr int kGnStagingBytes = kHgStagingBytes + 2 * kGnVectorBytes;  // per block
 static_assert(kGnVectors * kHgBN * 4 <= kGnStatsOffset && kGnVectorBytes % 1024 == 0, "cache fits, alignment kept");
 
-// A warpgroup's cached columns of the chain's vectors (tile-local column c),
-// with the accessors the chains call.  The linear bias is in z: lin() is 0.
+// A warpgroup's cached columns of the chain's vectors (tile-local column c,
+// [vector][128] floats).  The linear bias is in z: lin() is 0.
 template <typename TO, bool kFastMath>
-struct TileVectors {
-  using value_type = TO;
-  static constexpr bool kFast = kFastMath;
-  unsigned base;  // shared address: [vector][128] floats
-  __device__ __forceinline__ float at(int v, int c) const {
-    float r;
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(r) : "r"(base + 4u * (v * kHgBN + c)));
-    return r;
-  }
-  __device__ __forceinline__ float lin(int) const { return 0.0f; }
-  __device__ __forceinline__ float bias(int c) const { return at(0, c); }  // the linear bias itself
-  __device__ __forceinline__ float extra(int c) const { return at(1, c); }
-  __device__ __forceinline__ float gamma(int c) const { return at(2, c); }
-  __device__ __forceinline__ float beta(int c) const { return at(3, c); }
-  __device__ __forceinline__ float mul(int c) const { return at(4, c); }
-};
+using TileVectors = SharedVectors<TO, kFastMath, kHgBN, 1, true>;
 
 template <typename T, typename TO, typename Chain, int kCpg>
 struct GroupNormTileStore {

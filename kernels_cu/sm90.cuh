@@ -16,13 +16,6 @@
 
 namespace cf {
 
-// The 32-bit shared-window address of a shared-memory pointer.
-__device__ __forceinline__ unsigned shared_addr(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
 // Output tile `tile` of a tiles_m x tiles_n grid of a GEMM's C in grouped
 // order: 8 tile-rows at a time, column by column, so that the tiles in flight
 // together share their A and B tiles in L2.  (Both GEMM families order their
