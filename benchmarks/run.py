@@ -157,7 +157,7 @@ def ceiling(problem: int, dtype: str, peaks: dict) -> float:
     return peaks["tf32_tflops"] / (1 if problem == 1 else 3)
 
 
-def forward_errors(problem, args, shape, dtype: str, device="cuda") -> dict:
+def forward_errors(problem, args, shape, dtype: str, device="cuda", channels_last=False) -> dict:
     """Max relative error of the forward output vs float64, ours and eager.
 
     Args:
@@ -166,6 +166,7 @@ def forward_errors(problem, args, shape, dtype: str, device="cuda") -> dict:
         dtype: a ``--dtypes`` choice; in the autocast modes the float32
             models run under autocast against the same float64 reference.
         device: where to run.
+        channels_last: a 4-D input in channels-last memory format.
 
     Returns:
         ``{"ours": error, "eager": error}``; an implementation whose forward
@@ -174,7 +175,7 @@ def forward_errors(problem, args, shape, dtype: str, device="cuda") -> dict:
     import copy
 
     ref, ours = build_pair(problem, args, device, model_dtype(dtype))
-    x = torch.rand(shape, device=device, dtype=model_dtype(dtype))
+    x = _input(shape, dtype, device, channels_last)
     errs = {}
     with torch.no_grad():
         truth = copy.deepcopy(ref).double()(x.double())
@@ -290,9 +291,16 @@ def _step(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs: b
     return step, reset
 
 
+def _input(shape, dtype: str, device, channels_last: bool) -> torch.Tensor:
+    """A random model input; a 4-D one in channels-last memory format if
+    ``channels_last``."""
+    x = torch.rand(shape, device=device, dtype=model_dtype(dtype))
+    return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+
+
 def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress, batch=None,
                   errors=True, peak=None, min_ms=0.0, host_steps=10, host_rounds=3,
-                  device="cuda"):
+                  device="cuda", channels_last=False):
     """Times the implementations ``impls`` of ``problem`` in one dtype.
 
     Args:
@@ -310,6 +318,8 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
         host_steps, host_rounds: of ``harness.host_and_gpu_ms`` (0 steps: skip).
         device: where to run (the timing needs CUDA; tests pass "cpu" with
             fake CUDA timers).
+        channels_last: a 4-D input (problem 1) in channels-last memory
+            format; its rows' dtype label then ends in " channels-last".
 
     Returns:
         One row (a dict) per mode and implementation; an implementation
@@ -319,10 +329,13 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
     if batch is not None:
         shape = (batch,) + tuple(shape[1:])
     label, amp = dtype_label(dtype), autocast_dtype(dtype)
+    channels_last = channels_last and len(shape) == 4
+    if channels_last:
+        label += " channels-last"
     flops = model_flops(problem, args, shape)
-    errs = forward_errors(problem, args, shape, dtype, device) if errors else {}
+    errs = forward_errors(problem, args, shape, dtype, device, channels_last) if errors else {}
     ref, ours = build_pair(problem, args, device, model_dtype(dtype))
-    x = torch.rand(shape, device=device, dtype=model_dtype(dtype))
+    x = _input(shape, dtype, device, channels_last)
     copies = rotation_count(x.numel() * x.element_size(), l2_bytes())
     inputs = [x] + [torch.rand_like(x) for _ in range(copies - 1)]
     train_inputs = [t.clone().requires_grad_(True) for t in inputs]
@@ -402,6 +415,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["forward", "train"], choices=["forward", "train"])
     parser.add_argument("--impls", nargs="+", default=None, choices=list(IMPLS + EXTRA_IMPLS),
                         help="default: %s (--full: all of them)" % " ".join(IMPLS + ("gemm",)))
+    parser.add_argument("--channels-last", action="store_true",
+                        help="4-D inputs (problem 1) in channels-last memory format; their rows' "
+                             "dtype reads e.g. 'bfloat16 channels-last'")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--min-ms", type=float, default=150.0,
@@ -540,7 +556,8 @@ def main(argv=None):
             rows += bench_problem(problem, dtype, args.modes, impls, iters, args.warmup,
                                   shapes, progress, batch=batch, errors=batch is None, peak=peak,
                                   min_ms=0.0 if args.quick else args.min_ms,
-                                  host_steps=args.host_steps, host_rounds=args.host_rounds)
+                                  host_steps=args.host_steps, host_rounds=args.host_rounds,
+                                  channels_last=args.channels_last)
             _write_json(stem + ".json", dict(meta=meta, rows=rows))  # after every job
             if args.time_limit is not None and time.monotonic() - start > 60 * args.time_limit:
                 break  # (each invocation completes one job at least)

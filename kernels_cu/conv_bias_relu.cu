@@ -2,8 +2,9 @@
 // 1's forward, y = relu(conv2d(x, W) + conv_bias) + bias (stride 1, no
 // padding, dilation 1, one group), in float16 / bfloat16 as one implicit GEMM
 // on the Hopper engine (gemm.cuh): the convolution's operand tiles come from
-// ConvLoader, and the chain is applied to the float32 accumulators in the
-// store (NchwStore), which writes y once.
+// ConvLoader (from x channels-last: as given, or a copy of an NCHW x), and
+// the chain is applied to the float32 accumulators in the store (NchwStore,
+// NhwcStore: y in x's layout), which writes y once.
 //
 // The product: C [M, Cout] = A [M, K] B^T.  A row m of A is an output pixel
 // (n, oh, ow), its column k = (kh, kw, c) the input value x[n, c, oh + kh,
@@ -19,7 +20,9 @@ namespace cf {
 // row (n, oh), so that its A tile for k-tile (kh, kw, c-block cb) is one box
 // of the channels-last input, x[n, oh + kh, ow0 + kw .. + 127, 64 cb .. + 63]:
 // a single copy, with zeros past the input's width and channels (rows past
-// the output's width compute values the store drops).
+// the output's width compute values the store drops).  (An NCHW input
+// cannot be read so: a box's first element must lie on the 16-byte grid,
+// and the taps kw shift it along W one element at a time.)
 struct ConvLoader {
   const TensorMap& map_x;  // x [N, H, W, C] channels-last: dims (C, W, H, N), boxes 64 x 128 x 1 x 1
   const TensorMap& map_w;  // B [Cout, KH * KW * Cpad]: boxes of 64 x 128
@@ -59,48 +62,108 @@ struct ConvLoader {
   }
 };
 
+// relu that keeps a NaN, as torch's does (fmaxf would drop it).
+__device__ __forceinline__ float relu_keep_nan(float v) {
+  float r;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(v));
+  return r;
+}
+
+// The chain's two biases for a tile's 128 channels, float32 in shared memory
+// (kConvBiasBytes per consumer warpgroup): pair p holds {conv_bias[c],
+// conv_bias[c + 1], bias[c], bias[c + 1]} for c = n0 + 2p, zeros past Cout.
+// Refilled only when the warpgroup's tile column n0 changes (once in a
+// kernel where Cout <= 128).
+constexpr int kConvBiasBytes = kHgBN / 2 * 16;
+template <typename T>
+struct ConvBiases {
+  const T* conv_bias;  // Cout values
+  const T* bias;       // Cout values, or null (none)
+  i64 cout;
+  i64 held = -1;  // the n0 the table holds
+  // By all 128 threads of the warpgroup, after a barrier that ends the
+  // previous tile's reads of the table.
+  __device__ __forceinline__ void refill(unsigned table, i64 n0, const HalfGemmLane& me) {
+    if (n0 == held) return;
+    held = n0;
+    const int p = threadIdx.x & 127;
+    if (p < kHgBN / 2) {
+      const i64 c = n0 + 2 * p;
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        v[e] = c + e < cout ? to_float(conv_bias[c + e]) : 0.0f;
+        v[2 + e] = (bias && c + e < cout) ? to_float(bias[c + e]) : 0.0f;
+      }
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(table + 16 * p), "f"(v[0]), "f"(v[1]),
+                   "f"(v[2]), "f"(v[3])
+                   : "memory");
+    }
+    named_barrier(1 + me.wg, 128);
+  }
+  // The entry of the thread's pair of channels 8i + 2t, +1 of the tile.
+  __device__ __forceinline__ static float4 pair(unsigned table, int i, int t) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(table + 16 * (4 * i + t))
+                 : "memory");
+    return v;
+  }
+  // relu(lo + conv_bias) + bias and the same for hi, rounded once and packed.
+  template <typename U>
+  __device__ __forceinline__ static unsigned chain(float lo, float hi, const float4& p) {
+    return pack2<U>(relu_keep_nan(lo + p.x) + p.z, relu_keep_nan(hi + p.y) + p.w);
+  }
+};
+
 // Staging of a consumer warpgroup's tile, channel-major: [128 channels][128
-// columns] of T, rows padded by 8 values, so that the transposed writes of a
-// warp fall in distinct banks (lanes with columns 2 apart are 544 bytes, 8
-// banks, apart) and each row is read back in 128 contiguous bytes per warp.
-constexpr int kConvStageRow = kHgBM + 8;
-constexpr int kConvStagingBytes = 2 * kHgBN * kConvStageRow * 2;  // both consumer warpgroups
+// columns] of T, each row led by 8 values of padding (rows of 272 bytes: the
+// 8 rows that one stmatrix phase writes fall in distinct banks, rows stay
+// 16-byte aligned, and the store's reads a few columns before or past a row
+// stay in padding), then its bias table.
+constexpr int kConvStageLead = 8;
+constexpr int kConvStageRow = kConvStageLead + kHgBM;
+constexpr int kConvTileBytes = kHgBN * kConvStageRow * 2;
+constexpr int kConvNchwStagingBytes = 2 * (kConvTileBytes + kConvBiasBytes);  // both consumer warpgroups
 
 // y [N, Cout, OH, OW] (NCHW, as the reference returns for an NCHW input):
 // relu(acc + conv_bias) + bias, rounded once to T.  The warpgroup writes its
-// tile transposed into its staging area, then each warp writes whole rows of
-// y (one channel, 128 columns of one output row) with coalesced stores: a
-// row of y starts at any even element (pairs of values per lane), or at any
-// element for an odd OW (one value per store).
+// tile transposed into its staging area (stmatrix.trans: 16 instructions a
+// thread), then each warp writes whole rows of y (one channel, the tile's
+// columns of one output row), a lane 8 bytes of the row's 8-byte grid (a
+// row of y starts at any element, as OW is any size).  A lane's two 32-bit
+// reads of the staging row, in the order its half-warp alternates, fall in
+// distinct banks.  Rows that start at an odd element are read value by
+// value, and the grid's partial chunks at a row's ends written so.
 template <typename T>
 struct NchwStore {
   T* y;
-  const T* conv_bias;  // Cout values
-  const T* bias;       // Cout values, or null (none)
+  ConvBiases<T> biases;
   i64 cout, out_rows, out_cols, col_tiles;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
-                                             i64 n0, unsigned staging) const {
-    // The previous tile's rows have been read by every warp of the warpgroup.
+                                             i64 n0, unsigned staging) {
+    const unsigned table = staging + kConvTileBytes;
+    // The previous tile's staging rows and biases have been read by every
+    // warp of the warpgroup.
     named_barrier(1 + me.wg, 128);
+    biases.refill(table, n0, me);
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    // stmatrix: lane 8 j + r gives row r of matrix j, which is channel
+    // 8 (i + j / 2) + r at columns 64 hm + 16 warp + 8 (j % 2) ...
+    const unsigned lane_row = staging + 2 * ((8 * (lane >> 4) + (lane & 7)) * kConvStageRow + kConvStageLead +
+                                             16 * warp + 8 * ((lane >> 3) & 1));
 #pragma unroll
-    for (int i = 0; i < kHgAccs / 4; ++i) {
+    for (int i = 0; i < kHgAccs / 4; i += 2) {
+      const float4 p0 = ConvBiases<T>::pair(table, i, me.t), p1 = ConvBiases<T>::pair(table, i + 1, me.t);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int co = 8 * i + 2 * me.t + e;
-        const i64 c = n0 + co;
-        const float cb = c < cout ? to_float(conv_bias[c]) : 0.0f;
-        const float b = (bias && c < cout) ? to_float(bias[c]) : 0.0f;
-#pragma unroll
-        for (int hm = 0; hm < 2; ++hm)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float v = acc[hm][4 * i + 2 * h + e] + cb;
-            v = (v <= 0.0f ? 0.0f : v) + b;  // relu keeps a NaN
-            const int col = 64 * hm + me.row + 8 * h;
-            asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(staging + 2 * (co * kConvStageRow + col)),
-                         "h"(from_float<T>(v).bits)
-                         : "memory");
-          }
+      for (int hm = 0; hm < 2; ++hm) {
+        const float* a = acc[hm];
+        stmatrix_x4_trans(lane_row + 2 * (8 * i * kConvStageRow + 64 * hm),
+                          ConvBiases<T>::template chain<T>(a[4 * i], a[4 * i + 1], p0),
+                          ConvBiases<T>::template chain<T>(a[4 * i + 2], a[4 * i + 3], p0),
+                          ConvBiases<T>::template chain<T>(a[4 * i + 4], a[4 * i + 5], p1),
+                          ConvBiases<T>::template chain<T>(a[4 * i + 6], a[4 * i + 7], p1));
       }
     }
     named_barrier(1 + me.wg, 128);
@@ -108,31 +171,111 @@ struct NchwStore {
     const i64 row = tm / col_tiles;  // n * out_rows + oh
     const i64 ow0 = (tm - row * col_tiles) * kHgBM;
     const i64 n = row / out_rows, oh = row - n * out_rows;
-    const int warp = (static_cast<int>(threadIdx.x) >> 5) & 3, lane = threadIdx.x & 31;
-    for (int co = warp; co < kHgBN; co += 4) {
-      const i64 c = n0 + co;
-      if (c >= cout) break;
-      T* const dst = y + ((n * cout + c) * out_rows + oh) * out_cols + ow0;
-      const i64 cols = min(static_cast<i64>(kHgBM), out_cols - ow0);
-      const bool pairs = (reinterpret_cast<unsigned long long>(dst) & 3) == 0;
+    const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - ow0));
+    const int rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
+    const i64 plane = out_rows * out_cols;
+    T* dst = y + ((n * cout + n0 + warp) * out_rows + oh) * out_cols + ow0;
+    // Warp w writes rows w, w + 4, ..., four at a time: the reads of four
+    // rows, then their writes, so that the reads' latencies overlap.
+    for (int co0 = warp; co0 < rows; co0 += 16) {
+      unsigned w0[4], w1[4];
+      int c0[4];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int col = 64 * half + 2 * lane;
-        unsigned word;
-        asm volatile("ld.shared.b32 %0, [%1];\n"
-                     : "=r"(word)
-                     : "r"(staging + 2 * (co * kConvStageRow + col))
-                     : "memory");
-        if (pairs && col + 1 < cols) {
-          *reinterpret_cast<unsigned*>(dst + col) = word;
-        } else {
-          if (col < cols) dst[col].bits = static_cast<unsigned short>(word);
-          if (col + 1 < cols) dst[col + 1].bits = static_cast<unsigned short>(word >> 16);
+      for (int j = 0; j < 4; ++j) {
+        const int s = row_shift(dst + 4 * j * plane);
+        c0[j] = 4 * lane - s;
+        read4(staging, co0 + 4 * j, c0[j], s, lane, w0[j], w1[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (co0 + 4 * j < rows && c0[j] < cols) write4(dst + 4 * j * plane, c0[j], cols, w0[j], w1[j]);
+      dst += 16 * plane;
+    }
+    // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i
+    // writes that of the warp's row w + 4i.
+    if (cols > kHgBM - 3) {
+      const int co = warp + 4 * lane;
+      if (co < rows) {
+        T* const row_dst = y + ((n * cout + n0 + co) * out_rows + oh) * out_cols + ow0;
+        const int s = row_shift(row_dst), c = kHgBM - s;
+        if (c < cols) {
+          unsigned a, b;
+          read4(staging, co, c, s, lane, a, b);
+          write4(row_dst, c, cols, a, b);
         }
       }
     }
   }
+  // Where a row of y starts in its 8-byte chunk, in values (0 .. 3).
+  __device__ __forceinline__ static int row_shift(const T* row) {
+    return static_cast<int>((reinterpret_cast<unsigned long long>(row) >> 1) & 3);
+  }
+  // The four values of staging row co at columns c .. c + 3 (c even where s
+  // is, which makes them two aligned words), packed in pairs; columns below
+  // 0 or past the tile are padding, read and dropped.  A lane's two 32-bit
+  // reads go in the order its half-warp alternates.
+  __device__ __forceinline__ static void read4(unsigned staging, int co, int c, int s, int lane, unsigned& w0,
+                                               unsigned& w1) {
+    const unsigned at = staging + 2 * (co * kConvStageRow + kConvStageLead + c);
+    if ((s & 1) == 0) {
+      const int first = (lane >> 4) & 1;
+      unsigned a, b;
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a) : "r"(at + 4 * first) : "memory");
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(b) : "r"(at + 4 * (1 - first)) : "memory");
+      w0 = first ? b : a;
+      w1 = first ? a : b;
+    } else {
+      unsigned short v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v[e]) : "r"(at + 2 * e) : "memory");
+      w0 = v[0] | (static_cast<unsigned>(v[1]) << 16);
+      w1 = v[2] | (static_cast<unsigned>(v[3]) << 16);
+    }
+  }
+  // Writes those values to row[c .. c + 3]: one 8-byte store for a whole
+  // chunk inside the row's columns 0 .. cols - 1, else the values inside.
+  __device__ __forceinline__ static void write4(T* row, int c, int cols, unsigned w0, unsigned w1) {
+    if (c >= 0 && c + 4 <= cols) {
+      *reinterpret_cast<uint2*>(row + c) = make_uint2(w0, w1);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (c + e >= 0 && c + e < cols) row[c + e].bits = static_cast<unsigned short>((e < 2 ? w0 : w1) >> (16 * (e & 1)));
+    }
+  }
   __device__ __forceinline__ void finish(const HalfGemmLane&) const {}
+};
+
+// y [N, OH, OW, Cout] (channels-last, as the reference returns for a
+// channels-last input), through the copy engine: the tile is rows ow0 ..
+// ow0 + 127 of the (n, oh) plane of y viewed as [N * OH, OW, Cout], clipped
+// at OW and Cout (TmaTileWriter).
+constexpr int kConvNhwcStagingBytes = kHgStagingBytes + 2 * kConvBiasBytes;
+template <typename T>
+struct NhwcStore {
+  const TensorMap& map_y;  // dims (Cout, OW, N * OH), boxes 64 x 128 x 1, 128-byte swizzle
+  ConvBiases<T> biases;
+  i64 col_tiles;
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned staging) {
+    const unsigned table = staging + kHgStagingBytes / 2;
+    TmaTileWriter::begin(me);
+    biases.refill(table, n0, me);
+#pragma unroll
+    for (int i = 0; i < kHgAccs / 4; ++i) {
+      const float4 p = ConvBiases<T>::pair(table, i, me.t);
+#pragma unroll
+      for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          TmaTileWriter::put(staging, 64 * hm + me.row + 8 * h, i, me.t,
+                             ConvBiases<T>::template chain<T>(acc[hm][4 * i + 2 * h], acc[hm][4 * i + 2 * h + 1], p));
+    }
+    const i64 tm = m0 / kHgBM;
+    const i64 row = tm / col_tiles;  // n * out_rows + oh
+    TmaTileWriter::end(map_y, me, staging, (tm - row * col_tiles) * kHgBM, n0, static_cast<int>(row));
+  }
+  __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
 #endif
 
@@ -163,25 +306,34 @@ __global__ void __launch_bounds__(256) nchw_to_nhwc(const T* __restrict__ x, T* 
   }
 }
 
-// y = relu(conv2d(x, W) + conv_bias) + bias.  map_x: x channels-last [N, H,
-// W, C] as dims (C, W, H, N), boxes 64 x 128 x 1 x 1, 128-byte swizzle;
-// map_w: the weight as B [Cout, KH * KW * Cpad] (ops/conv_bias_relu.py),
-// boxes 64 x 128.  y: NCHW [N, Cout, OH, OW].  Grid: at most one block per SM
+// y = relu(conv2d(x, W) + conv_bias) + bias: the implicit GEMM on the
+// engine, from x channels-last [N, H, W, C] (C a multiple of 8: the caller's
+// channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y NCHW
+// (NchwStore), or channels-last through map_y (kNhwcOut: NhwcStore, Cout a
+// multiple of 8).  map_x: dims (C, W, H, N), boxes 64 x 128 x 1 x 1, 128-byte
+// swizzle; map_w: the weight as B [Cout, KH * KW * Cpad]
+// (ops/conv_bias_relu.py), boxes 64 x 128.  Grid: at most one block per SM
 // (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
-// kConvStagingBytes>() of dynamic shared memory.
-template <typename T, int kStages>
+// kConvNhwcStagingBytes or kConvNchwStagingBytes>() of dynamic shared memory.
+template <typename T, int kStages, bool kNhwcOut>
 __global__ void __launch_bounds__(kHgThreads, 1)
 conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
-                     T* __restrict__ y, const T* __restrict__ conv_bias, const T* __restrict__ bias,
-                     i64 n_images, i64 cout, i64 out_rows, i64 out_cols, i64 kw_size, i64 c_blocks,
-                     i64 k_tiles) {
+                     const __grid_constant__ TensorMap map_y, T* __restrict__ y,
+                     const T* __restrict__ conv_bias, const T* __restrict__ bias, i64 n_images, i64 cout,
+                     i64 out_rows, i64 out_cols, i64 kw_size, i64 c_blocks, i64 k_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char conv_shared[];
   const i64 col_tiles = (out_cols + kHgBM - 1) / kHgBM;
   const ConvLoader loader{map_x, map_w, n_images, out_rows, col_tiles, cout, static_cast<int>(kw_size),
                           static_cast<int>(c_blocks), static_cast<int>(k_tiles)};
-  NchwStore<T> store{y, conv_bias, bias, cout, out_rows, out_cols, col_tiles};
-  half_gemm_persistent<T, kStages, kConvStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
+  const ConvBiases<T> biases{conv_bias, bias, cout};
+  if constexpr (kNhwcOut) {
+    NhwcStore<T> store{map_y, biases, col_tiles};
+    half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
+  } else {
+    NchwStore<T> store{y, biases, cout, out_rows, out_cols, col_tiles};
+    half_gemm_persistent<T, kStages, kConvNchwStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
+  }
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

@@ -91,14 +91,24 @@ struct TmaTileWriter {
   __device__ __forceinline__ static void put(unsigned staging, int r, int i, int t, unsigned word) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(chunk_addr(staging, r, i) + 4 * t), "r"(word) : "memory");
   }
+  // Hands the tile to the copy engine: the boxes at (n0 + 64 box, m0) of a
+  // 2-D C, or, with outer >= 0, of plane `outer` of a 3-D C (its rows those
+  // of one plane, the boxes 64 x 128 x 1).
   __device__ __forceinline__ static void end(const TensorMap& map, const HalfGemmLane& me, unsigned staging,
-                                             i64 m0, i64 n0) {
+                                             i64 m0, i64 n0, int outer = -1) {
     fence_proxy_async();
     named_barrier(1 + me.wg, 128);
     if (me.leader()) {
 #pragma unroll
-      for (int box = 0; box < kHgBN / 64; ++box)
-        tma_store_2d(map, staging + box * (kHgBM * 128), static_cast<int>(n0) + 64 * box, static_cast<int>(m0));
+      for (int box = 0; box < kHgBN / 64; ++box) {
+        const unsigned src = staging + box * (kHgBM * 128);
+        const int col = static_cast<int>(n0) + 64 * box, row = static_cast<int>(m0);
+        if (outer < 0) {
+          tma_store_2d(map, src, col, row);
+        } else {
+          tma_store_3d(map, src, col, row, outer);
+        }
+      }
       bulk_commit();
     }
   }

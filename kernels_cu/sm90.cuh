@@ -109,6 +109,13 @@ __device__ __forceinline__ void tma_store_2d(const TensorMap& map, unsigned src,
                "r"(inner), "r"(outer), "r"(src)
                : "memory");
 }
+// The same for a 3-D tensor, at (c0, c1, c2), innermost first.
+__device__ __forceinline__ void tma_store_3d(const TensorMap& map, unsigned src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(&map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(src)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk groups have finished reading shared memory.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
@@ -120,6 +127,16 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // Barrier `id` (1..15; 0 is __syncthreads) over `count` threads.
 __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// Four 8 x 8 matrices of 16-bit values, held as mma accumulator fragments
+// (lane l: row l / 4, the pair of columns 2 (l % 4), +1, packed in r_j for
+// matrix j), stored transposed: row r of matrix j (its column r) goes to the
+// 16 bytes at the address lane 8 j + r gives.
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, unsigned r0, unsigned r1, unsigned r2,
+                                                  unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 __device__ __forceinline__ void tma_prefetch_descriptor(const TensorMap& map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");

@@ -143,6 +143,28 @@ if G.has_wgmma(0):
                 print("linear_gn_chain float32 out", chain, dtype, (m, k, n, groups),
                       "OK" if ok else "ERROR", flush=True)
                 failed += [] if ok else [f"linear_gn_chain float32 out {chain} {dtype} {(m, k, n)}"]
+    # Problem 1's implicit-GEMM convolution (conv_bias_relu), inference: an
+    # NCHW input (its channels-last copy, then y NCHW through the staging
+    # rows) and a channels-last one (y through the copy engine); ragged
+    # widths, output channels past one tile, odd output widths.
+    CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+    for dtype in (d for d in dtypes if d != torch.float32):
+        for n, cin, h, w, cout, kh, kw in ((2, 64, 9, 10, 40, 3, 3), (1, 8, 5, 140, 136, 5, 3),
+                                           (3, 16, 11, 13, 24, 2, 2)):
+            x = torch.randn(n, cin, h, w, device="cuda", dtype=dtype)
+            wt = torch.randn(cout, cin, kh, kw, device="cuda", dtype=dtype) / (cin * kh * kw) ** 0.5
+            cb, b = (torch.randn(cout, device="cuda", dtype=dtype) for _ in range(2))
+            want = (torch.relu(torch.nn.functional.conv2d(x.float(), wt.float(), cb.float()))
+                    + b.float().view(-1, 1, 1))
+            for fmt in (torch.contiguous_format, torch.channels_last):
+                xf = x.contiguous(memory_format=fmt)
+                out = torch.full(want.shape, float("nan"), device="cuda", dtype=dtype)
+                with torch.no_grad():
+                    y = CB._launch_engine(xf, wt, cb, b, out=out.contiguous(memory_format=fmt))
+                ok = torch.allclose(y.float(), want, atol=5e-2, rtol=5e-2)
+                print("conv_bias_relu", dtype, fmt, (n, cin, h, w, cout, kh, kw), "OK" if ok else "ERROR",
+                      flush=True)
+                failed += [] if ok else [f"conv_bias_relu {dtype} {fmt} {(n, cin, h, w, cout)}"]
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.

@@ -459,6 +459,35 @@ def test_bench_problem_on_cpu_in_an_autocast_mode(monkeypatch):
     assert "| 94 | amp-bf16 | train | 1.000 |" in table and "Failed (no times):" in table
 
 
+def test_bench_problem_channels_last_input(monkeypatch):
+    """--channels-last: problem 1's input (4-D) goes in channels-last, and
+    its rows' dtype label says so; a 2-D input is left as it is."""
+    monkeypatch.setattr(bench_run, "l2_bytes", lambda: 50 * MiB)
+    seen = []
+
+    def fake_interleaved(fns, iters, warmup, min_ms=0.0):
+        for fn in fns.values():
+            fn()
+        return {name: (1.0, 0.9) for name in fns}
+
+    real_step = bench_run._step
+
+    def spy_step(model, mode, inputs, *a, **kw):
+        seen.append(inputs[0].is_contiguous(memory_format=torch.channels_last) and inputs[0].dim() == 4)
+        return real_step(model, mode, inputs, *a, **kw)
+
+    monkeypatch.setattr(bench_run, "time_interleaved", fake_interleaved)
+    monkeypatch.setattr(bench_run, "_step", spy_step)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+    for problem, want in ((1, "float32 channels-last"), (76, "float32")):
+        seen.clear()
+        rows = bench_run.bench_problem(problem, "fp32", ["forward"], ["eager"], 3, 1,
+                                       bench_run.reference.SMALL_PROBLEMS, lambda *a: None,
+                                       errors=False, host_steps=0, device="cpu", channels_last=True)
+        assert [r["dtype"] for r in rows] == [want] and rows[0]["median_ms"] == 1.0
+        assert seen == [problem == 1]
+
+
 def _row(dtype, mode, impl, ms, host=None, gpu=None, **extra):
     return dict(problem=76, dtype=dtype, mode=mode, impl=impl, batch=1024, sweep=False,
                 median_ms=ms, min_ms=ms, host_ms=host, gpu_ms=gpu,

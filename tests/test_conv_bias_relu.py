@@ -66,29 +66,49 @@ ENGINE_SHAPES = [
 ]
 
 
+# x as the engine takes it: NCHW, NCHW starting off the 16-byte grid (a view
+# at an odd element), channels-last.
+INPUTS = ("nchw", "nchw_off_grid", "channels_last")
+
+
+def _engine_input(n, cin, h, w, kind, gen, device, dtype):
+    """A random x [n, cin, h, w] of ``kind`` (one of INPUTS)."""
+    if kind == "nchw_off_grid":
+        buf = torch.randn(1 + n * cin * h * w, generator=gen).to(device, dtype)
+        return buf[1:].view(n, cin, h, w)
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
+    return x.contiguous(memory_format=torch.channels_last) if kind == "channels_last" else x
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", INPUTS)
 @pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_engine_against_float64(shape, dtype, device):
+def test_engine_against_float64(shape, kind, dtype, device):
     _engine_device(device)
     n, cin, h, w, cout, kh, kw = shape
+    layout = CB.CHANNELS_LAST if kind == "channels_last" else CB.NCHW
+    if layout == CB.CHANNELS_LAST:
+        cout = -(-cout // 8) * 8  # y through the copy engine
     gen = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
+    x = _engine_input(n, cin, h, w, kind, gen, device, dtype)
     wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
     cb = torch.randn(cout, generator=gen).to(device, dtype)
     b = torch.randn(cout, 1, 1, generator=gen).to(device, dtype)
     with torch.no_grad():
-        assert CB.route(x, wt, cb, b) == "engine"
+        assert CB.route(x, wt, cb, b) == "engine" and CB.engine_layout(x, wt) == layout
         truth = _reference(x.double(), wt.double(), cb.double(), b.double())
         eager = _reference(x, wt, cb, b)
-        out = torch.full(truth.shape, float("nan"), dtype=dtype, device=device)
+        fmt = torch.channels_last if layout == CB.CHANNELS_LAST else torch.contiguous_format
+        out = torch.full(truth.shape, float("nan"), dtype=dtype, device=device).contiguous(memory_format=fmt)
         ours = CB._launch_engine(x, wt, cb, b.reshape(-1), out=out)
-        assert ours is out and ours.is_contiguous()
+        assert ours is out and ours.is_contiguous(memory_format=fmt)
         assert not ours.isnan().any()
         err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
         assert err <= 1.5 * eager_err + torch.finfo(dtype).eps, (err, eager_err)
         again = ops.conv_bias_relu(x, wt, cb, b)
         assert torch.equal(again, ours)  # the public entry, bitwise the same
+        assert again.is_contiguous(memory_format=fmt)  # the reference's layout
 
 
 @pytest.mark.gpu
@@ -112,14 +132,17 @@ def test_engine_without_bias_and_with_an_odd_weight_view(device):
 
 
 @pytest.mark.gpu
-def test_engine_is_bitwise_reproducible_and_keeps_nan_and_inf(device):
+@pytest.mark.parametrize("kind", INPUTS)
+def test_engine_is_bitwise_reproducible_and_keeps_nan_and_inf(kind, device):
     _engine_device(device)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 64, 10, 136, generator=gen).to(device, torch.bfloat16)
+    x = _engine_input(2, 64, 10, 136, kind, gen, device, torch.bfloat16)
+    layout = CB.CHANNELS_LAST if kind == "channels_last" else CB.NCHW
     wt = (torch.randn(96, 64, 3, 3, generator=gen) / 24).to(device, torch.bfloat16)
     cb = torch.randn(96, generator=gen).to(device, torch.bfloat16)
     b = torch.randn(96, generator=gen).to(device, torch.bfloat16)
     with torch.no_grad():
+        assert CB.engine_layout(x, wt) == layout
         assert torch.equal(ops.conv_bias_relu(x, wt, cb, b), ops.conv_bias_relu(x, wt, cb, b))
         x[0, 3, 4, 50] = float("nan")
         x[1, 7, 2, 9] = float("inf")
@@ -132,9 +155,9 @@ def test_engine_is_bitwise_reproducible_and_keeps_nan_and_inf(device):
 
 @pytest.mark.gpu
 def test_routes(device):
-    """The engine takes 16-bit NCHW inputs with no gradient to record;
-    every other call takes cuDNN, with gradients, autocast and layouts as
-    the reference."""
+    """The engine takes 16-bit inputs with no gradient to record, NCHW or
+    channels-last; every other call takes cuDNN, with gradients, autocast
+    and layouts as the reference."""
     x = torch.randn(2, 16, 9, 9, device=device)
     wt = torch.randn(8, 16, 3, 3, device=device) / 12
     cb, b = torch.randn(8, device=device), torch.randn(8, 1, 1, device=device)
@@ -142,9 +165,13 @@ def test_routes(device):
     half = [t.bfloat16() for t in (x, wt, cb, b)]
     assert CB.route(*half) == ("engine" if hopper else "cudnn")
     assert CB.route(x, wt, cb, b) == "cudnn"  # float32
-    assert CB.route(half[0].contiguous(memory_format=torch.channels_last), *half[1:]) == "cudnn"
+    cl_half = half[0].contiguous(memory_format=torch.channels_last)
+    assert CB.route(cl_half, *half[1:]) == ("engine" if hopper else "cudnn")
+    assert CB.engine_layout(cl_half, half[1]) == CB.CHANNELS_LAST
+    assert CB.engine_layout(half[0], half[1]) == CB.NCHW
     five = (half[0][:, :5].contiguous(), half[1][:, :5].contiguous())
     assert CB.route(*five, *half[2:]) == "cudnn"  # 5 input channels: no tensor map
+    assert CB.route(cl_half, half[1][:5], half[2][:5], half[3][:5]) == "cudnn"  # channels-last, C_out = 5
     leaves = [t.detach().requires_grad_(True) for t in half]
     assert CB.route(*leaves) == "cudnn"
     # The cudnn route's gradients, against the reference's.
@@ -158,9 +185,10 @@ def test_routes(device):
     for ours, ref, eager in zip(leaves, ref_leaves, eager_leaves):
         assert (rel_error(ours.grad, ref.grad)
                 <= 1.5 * rel_error(eager.grad, ref.grad) + torch.finfo(torch.bfloat16).eps)
-    # Channels-last in, channels-last out, as the reference.
-    cl = ops.conv_bias_relu(half[0].contiguous(memory_format=torch.channels_last), *half[1:])
-    assert cl.is_contiguous(memory_format=torch.channels_last)
+    # Channels-last in, channels-last out, as the reference (cuDNN's route too).
+    cl_leaf = cl_half.detach().requires_grad_(True)
+    cl = ops.conv_bias_relu(cl_leaf, *half[1:])
+    assert CB.route(cl_leaf, *half[1:]) == "cudnn" and cl.is_contiguous(memory_format=torch.channels_last)
     # Under autocast: float32 parameters, the reference's float32 result.
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert CB.route(x, wt, cb, b) == "cudnn"

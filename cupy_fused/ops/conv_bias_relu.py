@@ -3,12 +3,13 @@
 
 Route, decided once per call (:func:`route`):
 
-* ``"engine"``: one launch, an implicit GEMM on the Hopper engine
+* ``"engine"``: an implicit GEMM on the Hopper engine
   (``kernels_cu/conv_bias_relu.cu``): the input's tiles gathered by the copy
-  engine from a channels-last copy of x (a transposing kernel of its own), the biases and ReLU applied to the
-  float32 accumulators, y written once in NCHW.  float16 / bfloat16 on a
-  compute capability 9.0 GPU, an NCHW x with a multiple of 8 input
-  channels, every tensor of x's dtype, and no gradient to record.
+  engine from x channels-last (an NCHW x is first copied so, by a
+  transposing kernel of its own), the biases and ReLU applied to the float32
+  accumulators, y written once in x's memory format.  float16 / bfloat16 on
+  a compute capability 9.0 GPU, every tensor of x's dtype, no gradient to
+  record, and x in one of the layouts of :func:`engine_layout`.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
   layout, autocast's promotions.  Training steps take it: the engine's
@@ -29,19 +30,50 @@ from . import gemm
 from ._common import BLOCK, _ptr_or_null, cdiv, sm_count
 from .bias_relu import bias_relu
 
-# The store's staging: a channel-major tile per consumer warpgroup, rows of
-# 128 + 8 values (kConvStagingBytes in conv_bias_relu.cu).
-STAGING_BYTES = 2 * gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2
-SHARED_BYTES = gemm._half_shared_bytes(STAGING_BYTES)
+# The engine's layouts: x NCHW, copied to channels-last first, y NCHW; x and
+# y channels-last (kNhwcOut in conv_bias_relu.cu).
+NCHW, CHANNELS_LAST = "nchw", "channels_last"
 
-# Keyed by (kernel, dtype): "conv" (the convolution and its chain), "to_nhwc"
-# (an NCHW input's channels-last copy, which the convolution reads).
+# The bias table of each consumer warpgroup (kConvBiasBytes): 64 channel
+# pairs of 4 float32.
+_BIAS_BYTES = gemm.HALF_TILE[1] // 2 * 16
+# The stores' staging per consumer warpgroup: NCHW rows, a channel-major tile
+# of 128 + 8 values a row (kConvNchwStagingBytes); channels-last, the TMA
+# store's tile (kConvNhwcStagingBytes).
+SHARED_BYTES = {
+    NCHW: gemm._half_shared_bytes(2 * (gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2 + _BIAS_BYTES)),
+    CHANNELS_LAST: gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * _BIAS_BYTES),
+}
+
+# Keyed by (kernel, dtype[, layout]): "conv" (the convolution and its chain),
+# "to_nhwc" (an NCHW input's channels-last copy).
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
-    **{("conv", d): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}>"
-       for d in HALF_DTYPES},
+    **{("conv", d, layout): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
+                            f"{'true' if layout == CHANNELS_LAST else 'false'}>"
+       for d in HALF_DTYPES for layout in (NCHW, CHANNELS_LAST)},
     **{("to_nhwc", d): f"cf::nchw_to_nhwc<{cxx_type(d)}>" for d in HALF_DTYPES}})
 
 ROUTES = ("engine", "cudnn")
+
+
+def engine_layout(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
+    """How the engine reads a 16-bit ``x`` [N, C_in, H, W] and writes y, or
+    None where it cannot (then the ``"cudnn"`` route): :data:`NCHW` for a
+    contiguous x with C_in a multiple of 8 (the copy's channels-last rows,
+    a multiple of 16 bytes for the copy engine); :data:`CHANNELS_LAST` for a
+    channels-last x with C_in and C_out multiples of 8 and a 16-byte
+    aligned start."""
+    n, cin, h, w = x.shape
+    if cin % 8:
+        return None
+    if x.is_contiguous():
+        if n * h * cdiv(w, 64) < 2**31 and cdiv(cin, 64) <= 65535:  # the copy's grid
+            return NCHW
+        return None
+    if (x.is_contiguous(memory_format=torch.channels_last) and weight.shape[0] % 8 == 0
+            and x.data_ptr() % 16 == 0):
+        return CHANNELS_LAST
+    return None
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
@@ -57,14 +89,14 @@ def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
         A name in :data:`ROUTES`.
     """
     if (x.dtype in HALF_DTYPES and weight.dtype == x.dtype and conv_bias.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and x.is_contiguous()
-            and x.shape[1] % 8 == 0 and x.numel() > 0 and weight.shape[0] > 0
-            and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 64) < 2**31  # the copy's grid
-            # (and the convolution's output tiles, n * oh * cdiv(ow, 128), fewer)
-            and cdiv(x.shape[1], 64) <= 65535  # the copy's grid, y
+            and (bias is None or bias.dtype == x.dtype)
+            and x.numel() > 0 and weight.shape[0] > 0
+            # the output tiles, n * oh * cdiv(ow, 128) (fewer than x's rows)
+            and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 128) < 2**31
             and weight.shape[2] * weight.shape[3] * cdiv(x.shape[1], 64) * 64 < 2**31  # K
             and autocast_dtype() is None and not needs_grad(x, weight, conv_bias, bias)
-            and not is_compiling() and gemm.has_wgmma(x.device.index)):
+            and not is_compiling() and gemm.has_wgmma(x.device.index)
+            and engine_layout(x, weight) is not None):
         return "engine"
     return "cudnn"
 
@@ -85,29 +117,41 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
 def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                    bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The engine route on arguments :func:`route` sends there (a non-empty
-    result).  ``out``: the NCHW result to write (e.g. NaN-poisoned), else a
-    new one."""
+    result).  ``out``: the result to write (e.g. NaN-poisoned), in x's
+    memory format, else a new one."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = h - kh + 1, w - kw + 1
+    layout = engine_layout(x, weight)
+    fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
     if out is None:
-        out = torch.empty((n, cout, oh, ow), dtype=x.dtype, device=x.device)
-    elif out.shape != (n, cout, oh, ow) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous NCHW [{n}, {cout}, {oh}, {ow}] tensor of "
-                         f"x's dtype")
+        out = torch.empty((n, cout, oh, ow), dtype=x.dtype, device=x.device, memory_format=fmt)
+    elif (out.shape != (n, cout, oh, ow) or out.dtype != x.dtype
+          or not out.is_contiguous(memory_format=fmt)):
+        raise ValueError(f"out must be a [{n}, {cout}, {oh}, {ow}] tensor of x's dtype, "
+                         f"contiguous in x's memory format")
     dev = x.device.index
-    xc = torch.empty((n, h, w, cin), dtype=x.dtype, device=x.device)  # the channels k-major
-    _bridge.launch(KERNELS.get(("to_nhwc", x.dtype), dev), (n * h * cdiv(w, 64), cdiv(cin, 64), 1),
-                   BLOCK, (x.data_ptr(), xc.data_ptr(), cin, h, w), dev)
-    packed = _packed_weight(weight)
-    c_blocks = packed.shape[1] // (kh * kw * gemm.HALF_BOX_K)
+    box_k, box_m = gemm.HALF_BOX_K, gemm.HALF_TILE[0]
+    xc = x
+    if layout == NCHW:  # the channels-last copy
+        xc = torch.empty((n, h, w, cin), dtype=x.dtype, device=x.device)
+        _bridge.launch(KERNELS.get(("to_nhwc", x.dtype), dev), (n * h * cdiv(w, 64), cdiv(cin, 64), 1),
+                       BLOCK, (x.data_ptr(), xc.data_ptr(), cin, h, w), dev)
+    # x channels-last, dims (C, W, H, N): boxes of 64 channels x 128 columns.
     map_x = gemm._encode_tensor_map(xc.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin),
-                                    x.dtype, (gemm.HALF_BOX_K, gemm.HALF_TILE[0], 1, 1))
-    tiles = n * oh * cdiv(ow, gemm.HALF_TILE[0]) * cdiv(cout, gemm.HALF_TILE[1])
-    _bridge.launch(KERNELS.get(("conv", x.dtype), dev), (min(tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
-                   (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), out.data_ptr(),
+                                    x.dtype, (box_k, box_m, 1, 1))
+    # y channels-last as [N * OH, OW, C_out]: boxes of 64 channels x 128 columns.
+    map_y = (gemm._encode_tensor_map(out.data_ptr(), (cout, ow, n * oh), (cout, ow * cout), x.dtype,
+                                     (box_k, box_m, 1))
+             if layout == CHANNELS_LAST else map_x)  # (unused by the NCHW stores)
+    packed = _packed_weight(weight)
+    c_blocks = packed.shape[1] // (kh * kw * box_k)
+    tiles = n * oh * cdiv(ow, box_m) * cdiv(cout, gemm.HALF_TILE[1])
+    _bridge.launch(KERNELS.get(("conv", x.dtype, layout), dev), (min(tiles, sm_count(dev)), 1, 1),
+                   gemm.HALF_THREADS,
+                   (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), map_y, out.data_ptr(),
                     conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw, c_blocks,
-                    kh * kw * c_blocks), dev, shared_mem=SHARED_BYTES)
+                    kh * kw * c_blocks), dev, shared_mem=SHARED_BYTES[layout])
     # xc and packed go back to the allocator here: it hands their memory to
     # later work of this stream only, which runs after the launch.
     return out
