@@ -15,8 +15,11 @@ the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process defau
   (problem 37's shape; see that op).  The
   backward is one fused kernel (the chain rule, the GroupNorm backward and
   every vector's gradient as column sums), then the two GEMMs.
-* Problem 1: the convolution stays in cuDNN (``F.conv2d`` without bias);
-  relu + both biases are one fused kernel.
+* Problem 1: ``ops.conv_bias_relu``.  In float16 / bfloat16 (and under
+  autocast) on Hopper with no gradient to record, one implicit-GEMM
+  convolution with relu and both biases in its store; elsewhere cuDNN's
+  convolution (``F.conv2d`` without bias), then relu + both biases as one
+  fused kernel.
 
 The GroupNorm models (37, 88, 94) take a second one, ``eager_rounding``
 (default False): in float16 / bfloat16, round the op chain's intermediates

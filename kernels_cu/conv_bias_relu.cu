@@ -110,10 +110,21 @@ struct ConvBiases {
                  : "memory");
     return v;
   }
-  // relu(lo + conv_bias) + bias and the same for hi, rounded once and packed.
-  template <typename U>
+  // relu(lo + conv_bias) + bias and the same for hi, rounded once and packed
+  // (without the bias: the store adds it later).
+  template <typename U, bool kBias = true>
   __device__ __forceinline__ static unsigned chain(float lo, float hi, const float4& p) {
-    return pack2<U>(relu_keep_nan(lo + p.x) + p.z, relu_keep_nan(hi + p.y) + p.w);
+    if constexpr (kBias) {
+      return pack2<U>(relu_keep_nan(lo + p.x) + p.z, relu_keep_nan(hi + p.y) + p.w);
+    } else {
+      return pack2<U>(relu_keep_nan(lo + p.x), relu_keep_nan(hi + p.y));
+    }
+  }
+  // The bias of channel n0 + co of the tile.
+  __device__ __forceinline__ static float bias_of(unsigned table, int co) {
+    float b;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(b) : "r"(table + 16 * (co >> 1) + 8 + 4 * (co & 1)) : "memory");
+    return b;
   }
 };
 
@@ -127,19 +138,23 @@ constexpr int kConvStageRow = kConvStageLead + kHgBM;
 constexpr int kConvTileBytes = kHgBN * kConvStageRow * 2;
 constexpr int kConvNchwStagingBytes = 2 * (kConvTileBytes + kConvBiasBytes);  // both consumer warpgroups
 
-// y [N, Cout, OH, OW] (NCHW, as the reference returns for an NCHW input):
-// relu(acc + conv_bias) + bias, rounded once to T.  The warpgroup writes its
+// y [N, Cout, OH, OW] (NCHW, as the reference returns for an NCHW input) of
+// Out: relu(acc + conv_bias) + bias rounded once to T (Out = T), or, as
+// autocast computes it (Out = float), relu(acc + conv_bias) rounded to T,
+// then + bias in float32.  The warpgroup writes its
 // tile transposed into its staging area (stmatrix.trans: 16 instructions a
 // thread), then each warp writes whole rows of y (one channel, the tile's
 // columns of one output row), a lane 8 bytes of the row's 8-byte grid (a
-// row of y starts at any element, as OW is any size).  A lane's two 32-bit
+// row of y starts at any element, as OW is any size; 16 bytes for float32
+// y).  A lane's two 32-bit
 // reads of the staging row, in the order its half-warp alternates, fall in
 // distinct banks.  Rows that start at an odd element are read value by
 // value, and the grid's partial chunks at a row's ends written so.
-template <typename T>
+template <typename T, typename Out>
 struct NchwStore {
-  T* y;
-  ConvBiases<T> biases;
+  static constexpr bool kBiasLater = sizeof(Out) == 4;  // float32 y: the bias added at the store
+  Out* y;
+  ConvBiases<Out> biases;
   i64 cout, out_rows, out_cols, col_tiles;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) {
@@ -151,19 +166,20 @@ struct NchwStore {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     // stmatrix: lane 8 j + r gives row r of matrix j, which is channel
     // 8 (i + j / 2) + r at columns 64 hm + 16 warp + 8 (j % 2) ...
+    constexpr bool kBiasNow = !kBiasLater;
     const unsigned lane_row = staging + 2 * ((8 * (lane >> 4) + (lane & 7)) * kConvStageRow + kConvStageLead +
                                              16 * warp + 8 * ((lane >> 3) & 1));
 #pragma unroll
     for (int i = 0; i < kHgAccs / 4; i += 2) {
-      const float4 p0 = ConvBiases<T>::pair(table, i, me.t), p1 = ConvBiases<T>::pair(table, i + 1, me.t);
+      const float4 p0 = ConvBiases<Out>::pair(table, i, me.t), p1 = ConvBiases<Out>::pair(table, i + 1, me.t);
 #pragma unroll
       for (int hm = 0; hm < 2; ++hm) {
         const float* a = acc[hm];
         stmatrix_x4_trans(lane_row + 2 * (8 * i * kConvStageRow + 64 * hm),
-                          ConvBiases<T>::template chain<T>(a[4 * i], a[4 * i + 1], p0),
-                          ConvBiases<T>::template chain<T>(a[4 * i + 2], a[4 * i + 3], p0),
-                          ConvBiases<T>::template chain<T>(a[4 * i + 4], a[4 * i + 5], p1),
-                          ConvBiases<T>::template chain<T>(a[4 * i + 6], a[4 * i + 7], p1));
+                          ConvBiases<Out>::template chain<T, kBiasNow>(a[4 * i], a[4 * i + 1], p0),
+                          ConvBiases<Out>::template chain<T, kBiasNow>(a[4 * i + 2], a[4 * i + 3], p0),
+                          ConvBiases<Out>::template chain<T, kBiasNow>(a[4 * i + 4], a[4 * i + 5], p1),
+                          ConvBiases<Out>::template chain<T, kBiasNow>(a[4 * i + 6], a[4 * i + 7], p1));
       }
     }
     named_barrier(1 + me.wg, 128);
@@ -174,7 +190,7 @@ struct NchwStore {
     const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - ow0));
     const int rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
     const i64 plane = out_rows * out_cols;
-    T* dst = y + ((n * cout + n0 + warp) * out_rows + oh) * out_cols + ow0;
+    Out* dst = y + ((n * cout + n0 + warp) * out_rows + oh) * out_cols + ow0;
     // Warp w writes rows w, w + 4, ..., four at a time: the reads of four
     // rows, then their writes, so that the reads' latencies overlap.
     for (int co0 = warp; co0 < rows; co0 += 16) {
@@ -188,7 +204,8 @@ struct NchwStore {
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        if (co0 + 4 * j < rows && c0[j] < cols) write4(dst + 4 * j * plane, c0[j], cols, w0[j], w1[j]);
+        if (co0 + 4 * j < rows && c0[j] < cols)
+          write4(dst + 4 * j * plane, c0[j], cols, w0[j], w1[j], kBiasLater ? ConvBiases<Out>::bias_of(table, co0 + 4 * j) : 0.0f);
       dst += 16 * plane;
     }
     // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i
@@ -196,19 +213,20 @@ struct NchwStore {
     if (cols > kHgBM - 3) {
       const int co = warp + 4 * lane;
       if (co < rows) {
-        T* const row_dst = y + ((n * cout + n0 + co) * out_rows + oh) * out_cols + ow0;
+        Out* const row_dst = y + ((n * cout + n0 + co) * out_rows + oh) * out_cols + ow0;
         const int s = row_shift(row_dst), c = kHgBM - s;
         if (c < cols) {
           unsigned a, b;
           read4(staging, co, c, s, lane, a, b);
-          write4(row_dst, c, cols, a, b);
+          write4(row_dst, c, cols, a, b, kBiasLater ? ConvBiases<Out>::bias_of(table, co) : 0.0f);
         }
       }
     }
   }
-  // Where a row of y starts in its 8-byte chunk, in values (0 .. 3).
-  __device__ __forceinline__ static int row_shift(const T* row) {
-    return static_cast<int>((reinterpret_cast<unsigned long long>(row) >> 1) & 3);
+  // Where a row of y starts in its chunk of 4 values (8 or 16 bytes), in
+  // values (0 .. 3).
+  __device__ __forceinline__ static int row_shift(const Out* row) {
+    return static_cast<int>((reinterpret_cast<unsigned long long>(row) / sizeof(Out)) & 3);
   }
   // The four values of staging row co at columns c .. c + 3 (c even where s
   // is, which makes them two aligned words), packed in pairs; columns below
@@ -232,10 +250,27 @@ struct NchwStore {
       w1 = v[2] | (static_cast<unsigned>(v[3]) << 16);
     }
   }
-  // Writes those values to row[c .. c + 3]: one 8-byte store for a whole
-  // chunk inside the row's columns 0 .. cols - 1, else the values inside.
-  __device__ __forceinline__ static void write4(T* row, int c, int cols, unsigned w0, unsigned w1) {
-    if (c >= 0 && c + 4 <= cols) {
+  // Writes those values (plus b, for float32 y) to row[c .. c + 3]: one
+  // 8- or 16-byte store for a whole chunk inside the row's columns 0 ..
+  // cols - 1, else the values inside.
+  __device__ __forceinline__ static void write4(Out* row, int c, int cols, unsigned w0, unsigned w1, float b) {
+    const bool whole = c >= 0 && c + 4 <= cols;
+    if constexpr (kBiasLater) {
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        T h;
+        h.bits = static_cast<unsigned short>((e < 2 ? w0 : w1) >> (16 * (e & 1)));
+        v[e] = to_float(h) + b;
+      }
+      if (whole) {
+        *reinterpret_cast<float4*>(row + c) = make_float4(v[0], v[1], v[2], v[3]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (c + e >= 0 && c + e < cols) row[c + e] = v[e];
+      }
+    } else if (whole) {
       *reinterpret_cast<uint2*>(row + c) = make_uint2(w0, w1);
     } else {
 #pragma unroll
@@ -279,13 +314,18 @@ struct NhwcStore {
 };
 #endif
 
-// x [N, C, H, W] (NCHW) -> xc [N, H, W, C] (channels-last), the layout the
-// convolution's loader reads: tiles of 64 channels x 64 columns of one image
-// row through shared memory, so that both the reads (along W) and the
-// writes (along C) are whole 64-byte runs of a warp.  blockIdx.x: (image
+// A value of x as the bits of T: as it is for x of T, rounded from float32
+// (autocast's cast).
+template <typename T> __device__ __forceinline__ unsigned short bits_of(T v) { return v.bits; }
+template <typename T> __device__ __forceinline__ unsigned short bits_of(float v) { return from_float<T>(v).bits; }
+
+// x [N, C, H, W] (NCHW) of Tin -> xc [N, H, W, C] (channels-last) of T, the
+// layout the convolution's loader reads: tiles of 64 channels x 64 columns
+// of one image row through shared memory, so that both the reads (along W)
+// and the writes (along C) are whole runs of a warp.  blockIdx.x: (image
 // row n * H + h) * column tiles + column tile; blockIdx.y: channel tile.
-template <typename T>
-__global__ void __launch_bounds__(256) nchw_to_nhwc(const T* __restrict__ x, T* __restrict__ xc, i64 C,
+template <typename Tin, typename T>
+__global__ void __launch_bounds__(256) nchw_to_nhwc(const Tin* __restrict__ x, T* __restrict__ xc, i64 C,
                                                     i64 H, i64 W) {
   __shared__ unsigned short tile[64][65];  // +1: the transposed reads hit distinct banks
   const i64 col_tiles = (W + 63) / 64;
@@ -296,7 +336,7 @@ __global__ void __launch_bounds__(256) nchw_to_nhwc(const T* __restrict__ x, T* 
 #pragma unroll 4
   for (int ci = ty; ci < 64; ci += 4) {
     const i64 c = c0 + ci, w = w0 + tx;
-    if (c < C && w < W) tile[ci][tx] = x[((n * C + c) * H + h) * W + w].bits;
+    if (c < C && w < W) tile[ci][tx] = bits_of<T>(x[((n * C + c) * H + h) * W + w]);
   }
   __syncthreads();
 #pragma unroll 4
@@ -307,31 +347,33 @@ __global__ void __launch_bounds__(256) nchw_to_nhwc(const T* __restrict__ x, T* 
 }
 
 // y = relu(conv2d(x, W) + conv_bias) + bias: the implicit GEMM on the
-// engine, from x channels-last [N, H, W, C] (C a multiple of 8: the caller's
-// channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y NCHW
-// (NchwStore), or channels-last through map_y (kNhwcOut: NhwcStore, Cout a
-// multiple of 8).  map_x: dims (C, W, H, N), boxes 64 x 128 x 1 x 1, 128-byte
-// swizzle; map_w: the weight as B [Cout, KH * KW * Cpad]
+// engine, from x channels-last [N, H, W, C] of T (C a multiple of 8: the
+// caller's channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y
+// NCHW (NchwStore: y and the biases of Out, T or float32 as under
+// autocast), or channels-last through map_y (kNhwcOut: NhwcStore, Out = T,
+// Cout a multiple of 8).  map_x: dims (C, W, H, N), boxes 64 x 128 x 1 x 1,
+// 128-byte swizzle; map_w: the weight as B [Cout, KH * KW * Cpad] of T
 // (ops/conv_bias_relu.py), boxes 64 x 128.  Grid: at most one block per SM
 // (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
 // kConvNhwcStagingBytes or kConvNchwStagingBytes>() of dynamic shared memory.
-template <typename T, int kStages, bool kNhwcOut>
+template <typename T, int kStages, bool kNhwcOut, typename Out>
 __global__ void __launch_bounds__(kHgThreads, 1)
 conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
-                     const __grid_constant__ TensorMap map_y, T* __restrict__ y,
-                     const T* __restrict__ conv_bias, const T* __restrict__ bias, i64 n_images, i64 cout,
+                     const __grid_constant__ TensorMap map_y, Out* __restrict__ y,
+                     const Out* __restrict__ conv_bias, const Out* __restrict__ bias, i64 n_images, i64 cout,
                      i64 out_rows, i64 out_cols, i64 kw_size, i64 c_blocks, i64 k_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char conv_shared[];
   const i64 col_tiles = (out_cols + kHgBM - 1) / kHgBM;
   const ConvLoader loader{map_x, map_w, n_images, out_rows, col_tiles, cout, static_cast<int>(kw_size),
                           static_cast<int>(c_blocks), static_cast<int>(k_tiles)};
-  const ConvBiases<T> biases{conv_bias, bias, cout};
+  const ConvBiases<Out> biases{conv_bias, bias, cout};
   if constexpr (kNhwcOut) {
+    static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype");
     NhwcStore<T> store{map_y, biases, col_tiles};
     half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else {
-    NchwStore<T> store{y, biases, cout, out_rows, out_cols, col_tiles};
+    NchwStore<T, Out> store{y, biases, cout, out_rows, out_cols, col_tiles};
     half_gemm_persistent<T, kStages, kConvNchwStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   }
 #else

@@ -165,6 +165,14 @@ if G.has_wgmma(0):
                 print("conv_bias_relu", dtype, fmt, (n, cin, h, w, cout, kh, kw), "OK" if ok else "ERROR",
                       flush=True)
                 failed += [] if ok else [f"conv_bias_relu {dtype} {fmt} {(n, cin, h, w, cout)}"]
+            # Under autocast: float32 x and parameters, float32 y.
+            with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+                y = CB._launch_engine(x.float(), wt.float(), cb.float(), b.float(),
+                                      out=torch.full(want.shape, float("nan"), device="cuda"))
+            ok = torch.allclose(y, want, atol=5e-2, rtol=5e-2)
+            print("conv_bias_relu autocast", dtype, (n, cin, h, w, cout, kh, kw), "OK" if ok else "ERROR",
+                  flush=True)
+            failed += [] if ok else [f"conv_bias_relu autocast {dtype} {(n, cin, h, w, cout)}"]
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.

@@ -112,6 +112,38 @@ def test_engine_against_float64(shape, kind, dtype, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("x_dtype", ["float32", "amp"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("shape", ENGINE_SHAPES[:3] + ENGINE_SHAPES[-1:],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_engine_under_autocast(shape, with_bias, x_dtype, amp, device):
+    """A float32 model under torch.autocast, NCHW x (float32, or already in
+    the autocast dtype): the engine computes the product in the autocast
+    dtype, returns the reference's dtype (float32: the biases are float32)
+    into a NaN-poisoned output, within 1.5x eager's error under autocast
+    against float64."""
+    _engine_device(device)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, torch.float32 if x_dtype == "float32" else amp)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device)
+    cb = torch.randn(cout, generator=gen).to(device)
+    b = torch.randn(cout, 1, 1, generator=gen).to(device) if with_bias else None
+    truth = _reference(x.double(), wt.double(), cb.double(), None if b is None else b.double())
+    with torch.no_grad(), torch.autocast("cuda", dtype=amp):
+        assert CB.route(x, wt, cb, b) == "engine"
+        eager = _reference(x, wt, cb, b)
+        out = torch.full(truth.shape, float("nan"), dtype=eager.dtype, device=device)
+        ours = CB._launch_engine(x, wt, cb, None if b is None else b.reshape(-1), out=out)
+        again = ops.conv_bias_relu(x, wt, cb, b)
+    assert ours is out and ours.dtype == eager.dtype == torch.float32
+    assert not ours.isnan().any() and torch.equal(again, ours)
+    err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
+    assert err <= 1.5 * eager_err + torch.finfo(amp).eps, (err, eager_err)
+
+
+@pytest.mark.gpu
 def test_engine_without_bias_and_with_an_odd_weight_view(device):
     """bias=None (nothing added after the ReLU), and a weight whose packed
     form is a view of it starting off the 16-byte grid (a 1 x 1 kernel over
@@ -189,10 +221,16 @@ def test_routes(device):
     cl_leaf = cl_half.detach().requires_grad_(True)
     cl = ops.conv_bias_relu(cl_leaf, *half[1:])
     assert CB.route(cl_leaf, *half[1:]) == "cudnn" and cl.is_contiguous(memory_format=torch.channels_last)
-    # Under autocast: float32 parameters, the reference's float32 result.
+    # Under autocast: float32 parameters, the reference's float32 result, on
+    # the engine for an NCHW x without a gradient to record.
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert CB.route(x, wt, cb, b) == "cudnn"
+        assert CB.route(x, wt, cb, b) == ("engine" if hopper else "cudnn")
+        assert CB.engine_dtypes(x, wt, cb, b) == (torch.bfloat16, torch.float32)
+        assert CB.engine_dtypes(x, wt, *half[2:]) == (torch.bfloat16, torch.bfloat16)
+        assert CB.route(cl_half.float(), wt, cb, b) == "cudnn"  # channels-last: not under autocast
+        assert CB.route(x.double(), wt, cb, b) == "cudnn"
         assert ops.conv_bias_relu(x, wt, cb, b).dtype == torch.float32
+    assert CB.engine_dtypes(x, wt, cb, b) is None  # float32 outside autocast
 
 
 @pytest.mark.gpu

@@ -37,7 +37,7 @@ PURE = {
     "linear": set(),
     "linear_gn_chain": {"fusion_pays"},
     "bias_relu": {"forward_grid", "rows_launch"},
-    "conv_bias_relu": {"route", "engine_layout"},
+    "conv_bias_relu": {"route", "engine_layout", "engine_dtypes"},
     "scale_add": set(),
 }
 

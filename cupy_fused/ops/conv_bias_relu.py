@@ -7,9 +7,11 @@ Route, decided once per call (:func:`route`):
   (``kernels_cu/conv_bias_relu.cu``): the input's tiles gathered by the copy
   engine from x channels-last (an NCHW x is first copied so, by a
   transposing kernel of its own), the biases and ReLU applied to the float32
-  accumulators, y written once in x's memory format.  float16 / bfloat16 on
-  a compute capability 9.0 GPU, every tensor of x's dtype, no gradient to
-  record, and x in one of the layouts of :func:`engine_layout`.
+  accumulators, y written once in x's memory format.  On a compute
+  capability 9.0 GPU with no gradient to record, x in one of the layouts
+  of :func:`engine_layout`, and the dtypes of :func:`engine_dtypes`: every
+  tensor float16 or every tensor bfloat16, or under ``torch.autocast`` an
+  NCHW x (the product then in the autocast dtype, as the reference's).
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
   layout, autocast's promotions.  Training steps take it: the engine's
@@ -17,7 +19,7 @@ Route, decided once per call (:func:`route`):
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +47,16 @@ SHARED_BYTES = {
     CHANNELS_LAST: gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * _BIAS_BYTES),
 }
 
-# Keyed by (kernel, dtype[, layout]): "conv" (the convolution and its chain),
-# "to_nhwc" (an NCHW input's channels-last copy).
+# Keyed by ("conv", product dtype, layout, y's dtype): the convolution and
+# its chain (y float32 only from an NCHW x, under autocast); ("to_nhwc", x's
+# dtype, product dtype): an NCHW input's channels-last copy.
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
-    **{("conv", d, layout): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
-                            f"{'true' if layout == CHANNELS_LAST else 'false'}>"
-       for d in HALF_DTYPES for layout in (NCHW, CHANNELS_LAST)},
-    **{("to_nhwc", d): f"cf::nchw_to_nhwc<{cxx_type(d)}>" for d in HALF_DTYPES}})
+    **{("conv", d, layout, out): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
+                                 f"{'true' if layout == CHANNELS_LAST else 'false'}, {cxx_type(out)}>"
+       for d in HALF_DTYPES
+       for layout, out in ((NCHW, d), (CHANNELS_LAST, d), (NCHW, torch.float32))},
+    **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
+       for d in HALF_DTYPES for src in (d, torch.float32)}})
 
 ROUTES = ("engine", "cudnn")
 
@@ -76,6 +81,29 @@ def engine_layout(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     return None
 
 
+def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> Optional[Tuple[torch.dtype, torch.dtype]]:
+    """The engine's (product dtype, y's dtype) for these arguments, or None
+    where their dtypes keep it off: outside autocast every tensor float16,
+    or every tensor bfloat16 (both x's dtype); under ``torch.autocast`` to
+    d, an NCHW x, and every tensor float32 or d: the product in d, and y in
+    d, or in float32 where a bias is float32 (torch's promotion, as
+    :func:`.bias_relu.bias_relu`; the chain is then computed as autocast
+    does it: ``relu(conv + conv_bias)`` rounded to d, then + bias in
+    float32)."""
+    vectors = (conv_bias.dtype,) if bias is None else (conv_bias.dtype, bias.dtype)
+    amp = autocast_dtype()
+    if amp is None:
+        if x.dtype in HALF_DTYPES and weight.dtype == x.dtype and all(v == x.dtype for v in vectors):
+            return x.dtype, x.dtype
+        return None
+    allowed = (torch.float32, amp)
+    if (amp in HALF_DTYPES and x.is_contiguous() and x.dtype in allowed and weight.dtype in allowed
+            and all(v in allowed for v in vectors)):
+        return amp, (torch.float32 if torch.float32 in vectors else amp)
+    return None
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
           bias: Optional[torch.Tensor]) -> str:
     """Which route a call with these (validated) arguments takes:
@@ -88,23 +116,23 @@ def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     Returns:
         A name in :data:`ROUTES`.
     """
-    if (x.dtype in HALF_DTYPES and weight.dtype == x.dtype and conv_bias.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype)
-            and x.numel() > 0 and weight.shape[0] > 0
+    if (x.numel() > 0 and weight.shape[0] > 0
             # the output tiles, n * oh * cdiv(ow, 128) (fewer than x's rows)
             and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 128) < 2**31
             and weight.shape[2] * weight.shape[3] * cdiv(x.shape[1], 64) * 64 < 2**31  # K
-            and autocast_dtype() is None and not needs_grad(x, weight, conv_bias, bias)
+            and not needs_grad(x, weight, conv_bias, bias)
             and not is_compiling() and gemm.has_wgmma(x.device.index)
-            and engine_layout(x, weight) is not None):
+            and engine_layout(x, weight) is not None
+            and engine_dtypes(x, weight, conv_bias, bias) is not None):
         return "engine"
     return "cudnn"
 
 
-def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
+def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight [C_out, C_in, KH, KW] as the GEMM's B [C_out, KH * KW *
-    Cpad]: k in (kh, kw, c) order, c padded with zeros to Cpad, a multiple
-    of 64 (one k-tile per (kh, kw) and 64 channels)."""
+    Cpad] of ``dtype``: k in (kh, kw, c) order, c padded with zeros to Cpad,
+    a multiple of 64 (one k-tile per (kh, kw) and 64 channels)."""
+    weight = weight.to(dtype)
     cout, cin, kh, kw = weight.shape
     cpad = cdiv(cin, gemm.HALF_BOX_K) * gemm.HALF_BOX_K
     packed = weight.permute(0, 2, 3, 1)
@@ -123,37 +151,41 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     cout, _, kh, kw = weight.shape
     oh, ow = h - kh + 1, w - kw + 1
     layout = engine_layout(x, weight)
+    dtype, out_dtype = engine_dtypes(x, weight, conv_bias, bias)
     fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
     if out is None:
-        out = torch.empty((n, cout, oh, ow), dtype=x.dtype, device=x.device, memory_format=fmt)
-    elif (out.shape != (n, cout, oh, ow) or out.dtype != x.dtype
+        out = torch.empty((n, cout, oh, ow), dtype=out_dtype, device=x.device, memory_format=fmt)
+    elif (out.shape != (n, cout, oh, ow) or out.dtype != out_dtype
           or not out.is_contiguous(memory_format=fmt)):
-        raise ValueError(f"out must be a [{n}, {cout}, {oh}, {ow}] tensor of x's dtype, "
+        raise ValueError(f"out must be a [{n}, {cout}, {oh}, {ow}] tensor of {out_dtype}, "
                          f"contiguous in x's memory format")
+    conv_bias = conv_bias.to(out_dtype)
+    bias = None if bias is None else bias.to(out_dtype)
     dev = x.device.index
     box_k, box_m = gemm.HALF_BOX_K, gemm.HALF_TILE[0]
     xc = x
-    if layout == NCHW:  # the channels-last copy
-        xc = torch.empty((n, h, w, cin), dtype=x.dtype, device=x.device)
-        _bridge.launch(KERNELS.get(("to_nhwc", x.dtype), dev), (n * h * cdiv(w, 64), cdiv(cin, 64), 1),
+    if layout == NCHW:  # the channels-last copy, in the product's dtype
+        xc = torch.empty((n, h, w, cin), dtype=dtype, device=x.device)
+        _bridge.launch(KERNELS.get(("to_nhwc", x.dtype, dtype), dev), (n * h * cdiv(w, 64), cdiv(cin, 64), 1),
                        BLOCK, (x.data_ptr(), xc.data_ptr(), cin, h, w), dev)
     # x channels-last, dims (C, W, H, N): boxes of 64 channels x 128 columns.
     map_x = gemm._encode_tensor_map(xc.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin),
-                                    x.dtype, (box_k, box_m, 1, 1))
+                                    dtype, (box_k, box_m, 1, 1))
     # y channels-last as [N * OH, OW, C_out]: boxes of 64 channels x 128 columns.
-    map_y = (gemm._encode_tensor_map(out.data_ptr(), (cout, ow, n * oh), (cout, ow * cout), x.dtype,
+    map_y = (gemm._encode_tensor_map(out.data_ptr(), (cout, ow, n * oh), (cout, ow * cout), dtype,
                                      (box_k, box_m, 1))
              if layout == CHANNELS_LAST else map_x)  # (unused by the NCHW stores)
-    packed = _packed_weight(weight)
+    packed = _packed_weight(weight, dtype)
     c_blocks = packed.shape[1] // (kh * kw * box_k)
     tiles = n * oh * cdiv(ow, box_m) * cdiv(cout, gemm.HALF_TILE[1])
-    _bridge.launch(KERNELS.get(("conv", x.dtype, layout), dev), (min(tiles, sm_count(dev)), 1, 1),
+    _bridge.launch(KERNELS.get(("conv", dtype, layout, out_dtype), dev), (min(tiles, sm_count(dev)), 1, 1),
                    gemm.HALF_THREADS,
                    (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), map_y, out.data_ptr(),
                     conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw, c_blocks,
                     kh * kw * c_blocks), dev, shared_mem=SHARED_BYTES[layout])
-    # xc and packed go back to the allocator here: it hands their memory to
-    # later work of this stream only, which runs after the launch.
+    # xc, packed and cast biases go back to the allocator here: it hands
+    # their memory to later work of this stream only, which runs after the
+    # launch.
     return out
 
 
@@ -202,8 +234,9 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         raise ValueError(f"conv_bias and bias must have C_out = {cout} values, got "
                          f"{tuple(conv_bias.shape)} and "
                          f"{None if bias is None else tuple(bias.shape)}")
-    if route(x, weight, conv_bias, bias) == "engine":
-        conv_bias = check_vector("conv_bias", conv_bias, cout, x, "x", optional=False)
-        bias = check_vector("bias", bias, cout, x, "x")
+    if route(x, weight, conv_bias, bias) == "engine":  # (dtypes checked by engine_dtypes)
+        conv_bias = check_vector("conv_bias", conv_bias, cout, x, "x", optional=False,
+                                 dtype=conv_bias.dtype)
+        bias = check_vector("bias", bias, cout, x, "x", dtype=None if bias is None else bias.dtype)
         return _launch_engine(x, weight, conv_bias, bias)
     return bias_relu(F.conv2d(x, weight), conv_bias, bias)
