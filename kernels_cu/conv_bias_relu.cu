@@ -132,7 +132,8 @@ struct ConvBiases {
 // columns] of T, each row led by 8 values of padding (rows of 272 bytes: the
 // 8 rows that one stmatrix phase writes fall in distinct banks, rows stay
 // 16-byte aligned, and the store's reads a few columns before or past a row
-// stay in padding), then its bias table.
+// stay in shared memory: the next row's padding, or the bias table after the
+// last row), then its bias table.
 constexpr int kConvStageLead = 8;
 constexpr int kConvStageRow = kConvStageLead + kHgBM;
 constexpr int kConvTileBytes = kHgBN * kConvStageRow * 2;
@@ -230,7 +231,8 @@ struct NchwStore {
   }
   // The four values of staging row co at columns c .. c + 3 (c even where s
   // is, which makes them two aligned words), packed in pairs; columns below
-  // 0 or past the tile are padding, read and dropped.  A lane's two 32-bit
+  // 0 or past the tile are read (padding, or the bias table after the last
+  // row) and dropped.  A lane's two 32-bit
   // reads go in the order its half-warp alternates.
   __device__ __forceinline__ static void read4(unsigned staging, int co, int c, int s, int lane, unsigned& w0,
                                                unsigned& w1) {

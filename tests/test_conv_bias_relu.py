@@ -1,8 +1,9 @@
 """conv_bias_relu: relu(conv2d(x, W) + conv_bias) + bias.  CPU tier: bad
-arguments refused before any launch.  GPU tier: the engine route (one
-implicit-GEMM launch on Hopper) and the cudnn route against a float64 run of
-the reference, output poisoned with NaN first; NaN / inf placement; two runs
-bitwise equal; the route each call takes."""
+arguments refused before any launch.  GPU tier: the engine route (an
+implicit-GEMM convolution on Hopper, after a channels-last copy of an NCHW
+x) and the cudnn route against a float64 run of the reference, output
+poisoned with NaN first; NaN / inf placement; two runs bitwise equal; the
+route each call takes."""
 import importlib
 
 import pytest
@@ -144,6 +145,37 @@ def test_engine_under_autocast(shape, with_bias, x_dtype, amp, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["bf16", "amp_bf16"])
+@pytest.mark.parametrize("ow", [130, 3])
+def test_engine_nchw_rows_at_every_alignment(ow, amp, device):
+    """The NCHW store into y placed 0 to 3 values off the 8- / 16-byte grid
+    (16-bit y, and float32 y under autocast), rows wider than one 128-column
+    tile and rows of 3 values: every value of y written and right, nothing
+    around y touched."""
+    _engine_device(device)
+    n, cin, h, cout = 2, 8, 4, 9
+    gen = torch.Generator().manual_seed(ow)
+    model_dtype = torch.float32 if amp else torch.bfloat16
+    x = torch.randn(n, cin, h, ow + 2, generator=gen).to(device, model_dtype)
+    wt = (torch.randn(cout, cin, 3, 3, generator=gen) / 8).to(device, model_dtype)
+    cb, b = (torch.randn(cout, generator=gen).to(device, model_dtype) for _ in range(2))
+    truth = _reference(x.double(), wt.double(), cb.double(), b.double())
+    numel = truth.numel()
+    for offset in range(4):
+        guard = torch.full((numel + 8,), 7.0, device=device, dtype=torch.float32 if amp else torch.bfloat16)
+        out = guard[offset:offset + numel].view(truth.shape)
+        out.fill_(float("nan"))
+        with torch.no_grad(), torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            assert CB.route(x, wt, cb, b) == "engine"
+            eager = _reference(x, wt, cb, b)
+            CB._launch_engine(x, wt, cb, b, out=out)
+        assert not out.isnan().any()
+        assert (guard[:offset] == 7).all() and (guard[offset + numel:] == 7).all()
+        err, eager_err = rel_error(out, truth), rel_error(eager, truth)
+        assert err <= 1.5 * eager_err + torch.finfo(torch.bfloat16).eps, (offset, err, eager_err)
+
+
+@pytest.mark.gpu
 def test_engine_without_bias_and_with_an_odd_weight_view(device):
     """bias=None (nothing added after the ReLU), and a weight whose packed
     form is a view of it starting off the 16-byte grid (a 1 x 1 kernel over
@@ -187,9 +219,9 @@ def test_engine_is_bitwise_reproducible_and_keeps_nan_and_inf(kind, device):
 
 @pytest.mark.gpu
 def test_routes(device):
-    """The engine takes 16-bit inputs with no gradient to record, NCHW or
-    channels-last; every other call takes cuDNN, with gradients, autocast
-    and layouts as the reference."""
+    """The engine takes inputs with no gradient to record: 16-bit NCHW or
+    channels-last, or NCHW under autocast; every other call takes cuDNN,
+    with gradients, autocast and layouts as the reference."""
     x = torch.randn(2, 16, 9, 9, device=device)
     wt = torch.randn(8, 16, 3, 3, device=device) / 12
     cb, b = torch.randn(8, device=device), torch.randn(8, 1, 1, device=device)
@@ -204,6 +236,10 @@ def test_routes(device):
     five = (half[0][:, :5].contiguous(), half[1][:, :5].contiguous())
     assert CB.route(*five, *half[2:]) == "cudnn"  # 5 input channels: no tensor map
     assert CB.route(cl_half, half[1][:5], half[2][:5], half[3][:5]) == "cudnn"  # channels-last, C_out = 5
+    off_grid = torch.empty(cl_half.numel() + 1, device=device, dtype=torch.bfloat16)[1:]
+    off_grid = off_grid.as_strided(cl_half.shape, cl_half.stride())
+    assert off_grid.is_contiguous(memory_format=torch.channels_last)
+    assert CB.route(off_grid, *half[1:]) == "cudnn"  # channels-last off the 16-byte grid
     leaves = [t.detach().requires_grad_(True) for t in half]
     assert CB.route(*leaves) == "cudnn"
     # The cudnn route's gradients, against the reference's.
@@ -229,6 +265,12 @@ def test_routes(device):
         assert CB.engine_dtypes(x, wt, *half[2:]) == (torch.bfloat16, torch.bfloat16)
         assert CB.route(cl_half.float(), wt, cb, b) == "cudnn"  # channels-last: not under autocast
         assert CB.route(x.double(), wt, cb, b) == "cudnn"
+        assert CB.engine_dtypes(x, wt, half[2], b) == (torch.bfloat16, torch.float32)
+        assert CB.engine_dtypes(x, half[1], *half[2:]) == (torch.bfloat16, torch.bfloat16)
+        with torch.no_grad():  # float32 x cast in its copy, 16-bit parameters and y
+            y16, ref16 = ops.conv_bias_relu(x, *half[1:]), _reference(x, *half[1:])
+        assert y16.dtype == ref16.dtype == torch.bfloat16
+        assert torch.allclose(y16.float(), ref16.float(), atol=3e-2, rtol=3e-2)
         assert ops.conv_bias_relu(x, wt, cb, b).dtype == torch.float32
     assert CB.engine_dtypes(x, wt, cb, b) is None  # float32 outside autocast
 

@@ -62,7 +62,7 @@ ROUTES = ("engine", "cudnn")
 
 
 def engine_layout(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
-    """How the engine reads a 16-bit ``x`` [N, C_in, H, W] and writes y, or
+    """How the engine reads ``x`` [N, C_in, H, W] and writes y, or
     None where it cannot (then the ``"cudnn"`` route): :data:`NCHW` for a
     contiguous x with C_in a multiple of 8 (the copy's channels-last rows,
     a multiple of 16 bytes for the copy engine); :data:`CHANNELS_LAST` for a
@@ -88,9 +88,10 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
     or every tensor bfloat16 (both x's dtype); under ``torch.autocast`` to
     d, an NCHW x, and every tensor float32 or d: the product in d, and y in
     d, or in float32 where a bias is float32 (torch's promotion, as
-    :func:`.bias_relu.bias_relu`; the chain is then computed as autocast
-    does it: ``relu(conv + conv_bias)`` rounded to d, then + bias in
-    float32)."""
+    :func:`.bias_relu.bias_relu`; the chain is then computed as
+    ``nn.Conv2d`` with its bias computes it under autocast:
+    ``relu(conv + conv_bias)`` rounded to d, then + bias in float32.  The
+    ``"cudnn"`` route rounds the convolution before adding conv_bias)."""
     vectors = (conv_bias.dtype,) if bias is None else (conv_bias.dtype, bias.dtype)
     amp = autocast_dtype()
     if amp is None:
@@ -117,8 +118,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
         A name in :data:`ROUTES`.
     """
     if (x.numel() > 0 and weight.shape[0] > 0
-            # the output tiles, n * oh * cdiv(ow, 128) (fewer than x's rows)
-            and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 128) < 2**31
+            # the output tiles, n * oh * cdiv(ow, 128) (fewer than x's rows),
+            # and the copy engine's 32-bit coordinates
+            and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 128) < 2**31 and max(x.shape) < 2**31
             and weight.shape[2] * weight.shape[3] * cdiv(x.shape[1], 64) * 64 < 2**31  # K
             and not needs_grad(x, weight, conv_bias, bias)
             and not is_compiling() and gemm.has_wgmma(x.device.index)
@@ -155,10 +157,12 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
     if out is None:
         out = torch.empty((n, cout, oh, ow), dtype=out_dtype, device=x.device, memory_format=fmt)
-    elif (out.shape != (n, cout, oh, ow) or out.dtype != out_dtype
-          or not out.is_contiguous(memory_format=fmt)):
-        raise ValueError(f"out must be a [{n}, {cout}, {oh}, {ow}] tensor of {out_dtype}, "
-                         f"contiguous in x's memory format")
+    elif (out.shape != (n, cout, oh, ow) or out.dtype != out_dtype or out.device != x.device
+          or not out.is_contiguous(memory_format=fmt)
+          or (layout == CHANNELS_LAST and out.data_ptr() % 16)):
+        raise ValueError(f"out must be a [{n}, {cout}, {oh}, {ow}] tensor of {out_dtype} on x's "
+                         f"device, contiguous in x's memory format (16-byte aligned if "
+                         f"channels-last)")
     conv_bias = conv_bias.to(out_dtype)
     bias = None if bias is None else bias.to(out_dtype)
     dev = x.device.index
