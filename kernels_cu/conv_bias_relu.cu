@@ -195,18 +195,18 @@ struct NchwStore {
     // Warp w writes rows w, w + 4, ..., four at a time: the reads of four
     // rows, then their writes, so that the reads' latencies overlap.
     for (int co0 = warp; co0 < rows; co0 += 16) {
-      unsigned w0[4], w1[4];
+      unsigned w[4][2];
       int c0[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int s = row_shift(dst + 4 * j * plane);
         c0[j] = 4 * lane - s;
-        read4(staging, co0 + 4 * j, c0[j], s, lane, w0[j], w1[j]);
+        read4(staging, co0 + 4 * j, c0[j], s, lane, w[j]);
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         if (co0 + 4 * j < rows && c0[j] < cols)
-          write4(dst + 4 * j * plane, c0[j], cols, w0[j], w1[j], kBiasLater ? ConvBiases<Out>::bias_of(table, co0 + 4 * j) : 0.0f);
+          write4(dst + 4 * j * plane, c0[j], cols, w[j], kBiasLater ? ConvBiases<Out>::bias_of(table, co0 + 4 * j) : 0.0f);
       dst += 16 * plane;
     }
     // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i
@@ -217,9 +217,9 @@ struct NchwStore {
         Out* const row_dst = y + ((n * cout + n0 + co) * out_rows + oh) * out_cols + ow0;
         const int s = row_shift(row_dst), c = kHgBM - s;
         if (c < cols) {
-          unsigned a, b;
-          read4(staging, co, c, s, lane, a, b);
-          write4(row_dst, c, cols, a, b, kBiasLater ? ConvBiases<Out>::bias_of(table, co) : 0.0f);
+          unsigned w[2];
+          read4(staging, co, c, s, lane, w);
+          write4(row_dst, c, cols, w, kBiasLater ? ConvBiases<Out>::bias_of(table, co) : 0.0f);
         }
       }
     }
@@ -230,41 +230,37 @@ struct NchwStore {
     return static_cast<int>((reinterpret_cast<unsigned long long>(row) / sizeof(Out)) & 3);
   }
   // The four values of staging row co at columns c .. c + 3 (c even where s
-  // is, which makes them two aligned words), packed in pairs; columns below
-  // 0 or past the tile are read (padding, or the bias table after the last
-  // row) and dropped.  A lane's two 32-bit
-  // reads go in the order its half-warp alternates.
-  __device__ __forceinline__ static void read4(unsigned staging, int co, int c, int s, int lane, unsigned& w0,
-                                               unsigned& w1) {
+  // is, which makes them two aligned words), packed in pairs as they lie in
+  // memory; columns below 0 or past the tile are read (padding, or the bias
+  // table after the last row) and dropped.  A lane's two 32-bit reads go in
+  // the order its half-warp alternates.
+  __device__ __forceinline__ static void read4(unsigned staging, int co, int c, int s, int lane,
+                                               unsigned (&w)[2]) {
     const unsigned at = staging + 2 * (co * kConvStageRow + kConvStageLead + c);
     if ((s & 1) == 0) {
       const int first = (lane >> 4) & 1;
       unsigned a, b;
       asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a) : "r"(at + 4 * first) : "memory");
       asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(b) : "r"(at + 4 * (1 - first)) : "memory");
-      w0 = first ? b : a;
-      w1 = first ? a : b;
+      w[0] = first ? b : a;
+      w[1] = first ? a : b;
     } else {
       unsigned short v[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v[e]) : "r"(at + 2 * e) : "memory");
-      w0 = v[0] | (static_cast<unsigned>(v[1]) << 16);
-      w1 = v[2] | (static_cast<unsigned>(v[3]) << 16);
+      w[0] = v[0] | (static_cast<unsigned>(v[1]) << 16);
+      w[1] = v[2] | (static_cast<unsigned>(v[3]) << 16);
     }
   }
   // Writes those values (plus b, for float32 y) to row[c .. c + 3]: one
   // 8- or 16-byte store for a whole chunk inside the row's columns 0 ..
   // cols - 1, else the values inside.
-  __device__ __forceinline__ static void write4(Out* row, int c, int cols, unsigned w0, unsigned w1, float b) {
+  __device__ __forceinline__ static void write4(Out* row, int c, int cols, const unsigned (&w)[2], float b) {
     const bool whole = c >= 0 && c + 4 <= cols;
     if constexpr (kBiasLater) {
       float v[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        T h;
-        h.bits = static_cast<unsigned short>((e < 2 ? w0 : w1) >> (16 * (e & 1)));
-        v[e] = to_float(h) + b;
-      }
+      for (int e = 0; e < 4; ++e) v[e] = packed_value<T>(w, e) + b;
       if (whole) {
         *reinterpret_cast<float4*>(row + c) = make_float4(v[0], v[1], v[2], v[3]);
       } else {
@@ -273,11 +269,11 @@ struct NchwStore {
           if (c + e >= 0 && c + e < cols) row[c + e] = v[e];
       }
     } else if (whole) {
-      *reinterpret_cast<uint2*>(row + c) = make_uint2(w0, w1);
+      *reinterpret_cast<uint2*>(row + c) = make_uint2(w[0], w[1]);
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (c + e >= 0 && c + e < cols) row[c + e].bits = static_cast<unsigned short>((e < 2 ? w0 : w1) >> (16 * (e & 1)));
+        if (c + e >= 0 && c + e < cols) row[c + e].bits = static_cast<unsigned short>(w[e / 2] >> (16 * (e % 2)));
     }
   }
   __device__ __forceinline__ void finish(const HalfGemmLane&) const {}
