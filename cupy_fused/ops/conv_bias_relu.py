@@ -117,17 +117,29 @@ def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     Returns:
         A name in :data:`ROUTES`.
     """
+    return "engine" if _engine_plan(x, weight, conv_bias, bias) else "cudnn"
+
+
+# An engine call's (layout, product dtype, y's dtype).
+_Plan = Tuple[str, torch.dtype, torch.dtype]
+
+
+def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> Optional[_Plan]:
+    """How the engine runs a call (:func:`engine_layout`,
+    :func:`engine_dtypes`), or None where the call takes the ``"cudnn"``
+    route: the one decision behind :func:`route` and the launch."""
     if (x.numel() > 0 and weight.shape[0] > 0
             # the output tiles, n * oh * cdiv(ow, 128) (fewer than x's rows),
             # and the copy engine's 32-bit coordinates
             and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 128) < 2**31 and max(x.shape) < 2**31
             and weight.shape[2] * weight.shape[3] * cdiv(x.shape[1], 64) * 64 < 2**31  # K
             and not needs_grad(x, weight, conv_bias, bias)
-            and not is_compiling() and gemm.has_wgmma(x.device.index)
-            and engine_layout(x, weight) is not None
-            and engine_dtypes(x, weight, conv_bias, bias) is not None):
-        return "engine"
-    return "cudnn"
+            and not is_compiling() and gemm.has_wgmma(x.device.index)):
+        layout, dtypes = engine_layout(x, weight), engine_dtypes(x, weight, conv_bias, bias)
+        if layout is not None and dtypes is not None:
+            return (layout, *dtypes)
+    return None
 
 
 def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -145,15 +157,16 @@ def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
-                   bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None,
+                   plan: Optional[_Plan] = None) -> torch.Tensor:
     """The engine route on arguments :func:`route` sends there (a non-empty
     result).  ``out``: the result to write (e.g. NaN-poisoned), in x's
-    memory format, else a new one."""
+    memory format, else a new one; ``plan``: the call's
+    :func:`_engine_plan`, if the caller has it."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = h - kh + 1, w - kw + 1
-    layout = engine_layout(x, weight)
-    dtype, out_dtype = engine_dtypes(x, weight, conv_bias, bias)
+    layout, dtype, out_dtype = plan or _engine_plan(x, weight, conv_bias, bias)
     fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
     if out is None:
         out = torch.empty((n, cout, oh, ow), dtype=out_dtype, device=x.device, memory_format=fmt)
@@ -238,9 +251,10 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         raise ValueError(f"conv_bias and bias must have C_out = {cout} values, got "
                          f"{tuple(conv_bias.shape)} and "
                          f"{None if bias is None else tuple(bias.shape)}")
-    if route(x, weight, conv_bias, bias) == "engine":  # (dtypes checked by engine_dtypes)
+    plan = _engine_plan(x, weight, conv_bias, bias)
+    if plan:  # the "engine" route (its dtypes checked by engine_dtypes)
         conv_bias = check_vector("conv_bias", conv_bias, cout, x, "x", optional=False,
                                  dtype=conv_bias.dtype)
         bias = check_vector("bias", bias, cout, x, "x", dtype=None if bias is None else bias.dtype)
-        return _launch_engine(x, weight, conv_bias, bias)
+        return _launch_engine(x, weight, conv_bias, bias, plan=plan)
     return bias_relu(F.conv2d(x, weight), conv_bias, bias)
