@@ -184,8 +184,10 @@ class FusedOp:
 
     Args:
         name: op name (``cupy_fused::<name>``).
-        forward: ``forward(*inputs) -> tuple[Tensor, ...]``, fully type-annotated
-            (the custom-op schema is inferred from the annotations).
+        forward: ``forward(*inputs) -> tuple[Tensor, ...]`` (or ``-> Tensor``
+            for one output: torch.compile specialises the sizes of a
+            one-tensor tuple), fully type-annotated (the custom-op schema is
+            inferred from the annotations).
         forward_fake: same signature, returns empty tensors of the right
             shapes/dtypes (for tracing).
         setup_context: ``setup_context(ctx, inputs, output)`` saves what the

@@ -292,3 +292,42 @@ def test_model_takes_the_engine_in_inference(device):
         want = _reference(x.double(), conv.weight.double(), conv.bias.double(), ours.bias.double())
         eager = _reference(x, conv.weight, conv.bias, ours.bias)
         assert rel_error(y, want) <= 1.5 * rel_error(eager, want) + torch.finfo(torch.bfloat16).eps
+
+
+def _training_step(x, wt, cb, b, g):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+    y = ops.conv_bias_relu(*leaves)
+    y.backward(g)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "amp_bf16", "channels_last"])
+def test_training_step_is_bitwise_reproducible(mode, device):
+    """The "cudnn" route's training step with torch.backends.cudnn.benchmark
+    on and deterministic off: output and every gradient bitwise equal over
+    repeated steps, and the flags left as they were.  (At this float32 shape
+    the algorithm cuDNN's benchmark picks for conv2d's weight gradient sums
+    in a varying order.)"""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if mode in ("bfloat16", "channels_last") else torch.float32
+    x = torch.randn(16, 32, 16, 16, generator=gen).to(device, dtype)
+    if mode == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    wt = (torch.randn(32, 32, 3, 3, generator=gen) / 17).to(device, dtype)
+    cb, b = (torch.randn(32, generator=gen).to(device, dtype) for _ in range(2))
+    b = b.reshape(32, 1, 1)
+    g = torch.randn(16, 32, 14, 14, generator=gen).to(device, torch.float32 if mode == "amp_bf16" else dtype)
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp_bf16"):
+            assert CB.route(x.requires_grad_(True), wt, cb, b) == "cudnn"
+            first = _training_step(x, wt, cb, b, g)
+            for _ in range(5):
+                for a, again in zip(first, _training_step(x, wt, cb, b, g)):
+                    assert torch.equal(a, again)
+        assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+    assert first[0].dtype == (torch.float32 if mode == "amp_bf16" else dtype)

@@ -46,7 +46,16 @@ def _id(case):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_matches_reference(case, dtype, device):
     problem, args, shape = case
-    errors = compare(problem, args, shape, dtype, device, seed=hash(case) % 1000)
+    # Problem 1's convolution backward runs cuDNN's deterministic algorithms
+    # (bitwise reproducible steps); in float32 with TF32 allowed those are
+    # TF32 at some shapes where eager's default pick, nondeterministic, is
+    # not.  Its error is measured against eager under the same restriction.
+    deterministic = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = problem == 1
+    try:
+        errors = compare(problem, args, shape, dtype, device, seed=hash(case) % 1000)
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
     bad = worse_than_eager(errors, dtype)
     assert not bad, {n: errors[n] for n in bad}
 
@@ -129,16 +138,11 @@ def _train_step(model, x, dy):
 @pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
 def test_bitwise_reproducible(problem, device):
     _, args, shape = reference.PROBLEMS[problem] if problem != 1 else reference.SMALL_PROBLEMS[1]
-    if problem == 1:
-        torch.backends.cudnn.deterministic = True
-    try:
-        _, ours = build_pair(problem, args, device, torch.float32)
-        x = torch.rand(shape, device=device)
-        dy = torch.randn_like(ours(x))
-        first = _train_step(ours, x, dy)
-        second = _train_step(ours, x, dy)
-    finally:
-        torch.backends.cudnn.deterministic = False
+    _, ours = build_pair(problem, args, device, torch.float32)
+    x = torch.rand(shape, device=device)
+    dy = torch.randn_like(ours(x))
+    first = _train_step(ours, x, dy)
+    second = _train_step(ours, x, dy)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 

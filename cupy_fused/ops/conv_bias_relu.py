@@ -15,18 +15,24 @@ Route, decided once per call (:func:`route`):
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
   layout, autocast's promotions.  Training steps take it: the engine's
-  forward keeps nothing for a backward yet.
+  forward keeps nothing for a backward yet.  Its convolution is one autograd
+  node of its own whose backward runs cuDNN's deterministic algorithms
+  whatever ``torch.backends.cudnn.deterministic`` says, so that a training
+  step is bitwise reproducible (with ``torch.backends.cudnn.benchmark`` on,
+  the fastest weight-gradient algorithm at some shapes sums in a varying
+  order).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .. import _bridge, _runtime
-from .._amp import HALF_DTYPES, autocast_dtype
-from .._autograd import is_compiling, needs_grad
+from .._amp import HALF_DTYPES, autocast_dtype, cast
+from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import BLOCK, _ptr_or_null, cdiv, sm_count
@@ -206,6 +212,88 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     return out
 
 
+# ---------------------------------------------------------------- the "cudnn" route
+
+@contextlib.contextmanager
+def _deterministic_cudnn():
+    """cuDNN restricted to its deterministic algorithms (in benchmark mode
+    too: torch's algorithm search then skips the others).  A process-wide
+    flag, restored on the way out."""
+    before = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic = before
+
+
+def _conv_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
+    # cuDNN's choice for conv2d's output: channels-last when x or the weight
+    # is (strictly) channels-last.
+    if any(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+           for t in (x, weight)):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+# One tensor, not a tuple of one: torch.compile specialises the sizes of a
+# custom op's one-tensor tuple, so each batch size would compile again.
+def _cudnn_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # cuDNN's forward algorithms are deterministic.  The format is cuDNN's
+    # already (.contiguous a no-op), stated so that the fake's holds.
+    return F.conv2d(x, weight).contiguous(memory_format=_conv_format(x, weight))
+
+
+def _cudnn_forward_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    n, _, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    return torch.empty((n, cout, h - kh + 1, w - kw + 1), dtype=x.dtype, device=x.device,
+                       memory_format=_conv_format(x, weight))
+
+
+def _strided_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    # A gradient in its tensor's layout, as the fake below states it (cuDNN
+    # gives that already, but for a weight and x of different layouts).
+    return grad if grad.stride() == t.stride() else torch.empty_like(t).copy_(grad)
+
+
+def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
+                    want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    with _deterministic_cudnn():
+        dx, dw, _ = torch.ops.aten.convolution_backward(
+            dz, x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+            [want_x, want_weight, False])
+    return (_strided_like(dx, x) if want_x else x.new_empty((0,)),
+            _strided_like(dw, weight) if want_weight else weight.new_empty((0,)))
+
+
+def _cudnn_backward_fake(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
+                         want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x) if want_x else x.new_empty((0,)),
+            torch.empty_like(weight) if want_weight else weight.new_empty((0,)))
+
+
+def _cudnn_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _cudnn_backward_formula(ctx, grads, run_backward):
+    x, weight = ctx.saved_tensors
+    want = ctx.needs_input_grad
+    dx, dw = run_backward(grads[0], x, weight, want[0], want[1])
+    return dx if want[0] else None, dw if want[1] else None
+
+
+# The "cudnn" route's convolution: torch's conv2d forward, and a backward
+# whose algorithms are cuDNN's deterministic ones.  A custom op under
+# torch.compile, so that the flag is set where the backward runs, not where
+# it is traced.  (The flag is process-wide: a convolution that another
+# thread launches during this backward also runs deterministically.)
+_CUDNN_CONV = FusedOp("conv_bias_relu_cudnn_conv", _cudnn_forward, _cudnn_forward_fake,
+                      _cudnn_setup_context, _cudnn_backward_formula, _cudnn_backward,
+                      _cudnn_backward_fake)
+
+
 def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``relu(conv2d(x, weight) + conv_bias) + bias``, convolution with
@@ -257,4 +345,7 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                                  dtype=conv_bias.dtype)
         bias = check_vector("bias", bias, cout, x, "x", dtype=None if bias is None else bias.dtype)
         return _launch_engine(x, weight, conv_bias, bias, plan=plan)
-    return bias_relu(F.conv2d(x, weight), conv_bias, bias)
+    amp = autocast_dtype()
+    if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
+        x, weight = cast(x, amp), cast(weight, amp)
+    return bias_relu(_CUDNN_CONV.run(needs_grad(x, weight), x, weight), conv_bias, bias)
