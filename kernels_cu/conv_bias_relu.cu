@@ -312,36 +312,70 @@ struct NhwcStore {
 };
 #endif
 
-// A value of x as the bits of T: as it is for x of T, rounded from float32
-// (autocast's cast).
-template <typename T> __device__ __forceinline__ unsigned short bits_of(T v) { return v.bits; }
-template <typename T> __device__ __forceinline__ unsigned short bits_of(float v) { return from_float<T>(v).bits; }
+// The transposes' shared tile holds a 16-bit T as its bits, float32 as it
+// is.  A value of Tin enters as T (rounded from float32 for a 16-bit T:
+// autocast's cast) and leaves as T.
+template <typename T> struct TileWord { using type = unsigned short; };
+template <> struct TileWord<float> { using type = float; };
+template <typename T, typename Tin>
+__device__ __forceinline__ typename TileWord<T>::type tile_word(Tin v) {
+  if constexpr (sizeof(Tin) == sizeof(T)) return v.bits;
+  else return from_float<T>(v).bits;
+}
+template <> __device__ __forceinline__ float tile_word<float, float>(float v) { return v; }
+template <typename T> __device__ __forceinline__ T from_tile_word(typename TileWord<T>::type w) {
+  T t;
+  t.bits = w;
+  return t;
+}
+template <> __device__ __forceinline__ float from_tile_word<float>(float w) { return w; }
 
-// x [N, C, H, W] (NCHW) of Tin -> xc [N, H, W, C] (channels-last) of T, the
-// layout the convolution's loader reads: tiles of 64 channels x 64 columns
-// of one image row through shared memory, so that both the reads (along W)
-// and the writes (along C) are whole runs of a warp.  blockIdx.x: (image
-// row n * H + h) * column tiles + column tile; blockIdx.y: channel tile.
-template <typename Tin, typename T>
-__global__ void __launch_bounds__(256) nchw_to_nhwc(const Tin* __restrict__ x, T* __restrict__ xc, i64 C,
-                                                    i64 H, i64 W) {
-  __shared__ unsigned short tile[64][65];  // +1: the transposed reads hit distinct banks
+// One 64-channel x 64-column tile of image row (n, h) copied between NCHW
+// [N, C, H, W] and channels-last [N, H, W, C] (kToNhwc: that way) through
+// shared memory, so that both the reads and the writes are whole runs of a
+// warp along the contiguous dim of their tensor.  blockIdx.x: (image row
+// n * H + h) * column tiles + column tile; blockIdx.y: channel tile.
+template <bool kToNhwc, typename Tin, typename T>
+__device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* __restrict__ dst, i64 C, i64 H,
+                                               i64 W) {
+  __shared__ typename TileWord<T>::type tile[64][65];  // +1: the transposed accesses hit distinct banks
   const i64 col_tiles = (W + 63) / 64;
   const i64 nh = blockIdx.x / col_tiles;  // n * H + h
   const i64 w0 = (blockIdx.x - nh * col_tiles) * 64, c0 = static_cast<i64>(blockIdx.y) * 64;
   const i64 n = nh / H, h = nh - n * H;
   const int tx = threadIdx.x & 63, ty = threadIdx.x >> 6;
 #pragma unroll 4
-  for (int ci = ty; ci < 64; ci += 4) {
-    const i64 c = c0 + ci, w = w0 + tx;
-    if (c < C && w < W) tile[ci][tx] = bits_of<T>(x[((n * C + c) * H + h) * W + w]);
+  for (int i = ty; i < 64; i += 4) {
+    const int ci = kToNhwc ? i : tx, wi = kToNhwc ? tx : i;
+    const i64 c = c0 + ci, w = w0 + wi;
+    if (c < C && w < W)
+      tile[ci][wi] = tile_word<T>(src[kToNhwc ? ((n * C + c) * H + h) * W + w : (nh * W + w) * C + c]);
   }
   __syncthreads();
 #pragma unroll 4
-  for (int wi = ty; wi < 64; wi += 4) {
-    const i64 w = w0 + wi, c = c0 + tx;
-    if (c < C && w < W) xc[(nh * W + w) * C + c].bits = tile[tx][wi];
+  for (int i = ty; i < 64; i += 4) {
+    const int ci = kToNhwc ? tx : i, wi = kToNhwc ? i : tx;
+    const i64 c = c0 + ci, w = w0 + wi;
+    if (c < C && w < W)
+      dst[kToNhwc ? (nh * W + w) * C + c : ((n * C + c) * H + h) * W + w] = from_tile_word<T>(tile[ci][wi]);
   }
+}
+
+// x [N, C, H, W] (NCHW) of Tin -> xc [N, H, W, C] (channels-last) of T: the
+// layout the convolution's loader reads, and cuDNN's native one for the
+// training route's backward (dz and x).  Grid as transpose_tile's.
+template <typename Tin, typename T>
+__global__ void __launch_bounds__(256) nchw_to_nhwc(const Tin* __restrict__ x, T* __restrict__ xc, i64 C,
+                                                    i64 H, i64 W) {
+  transpose_tile<true>(x, xc, C, H, W);
+}
+
+// xc [N, H, W, C] (channels-last) of T -> x [N, C, H, W] (NCHW): the
+// training route's input gradient back in the input's layout.
+template <typename T>
+__global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T* __restrict__ x, i64 C, i64 H,
+                                                    i64 W) {
+  transpose_tile<false>(xc, x, C, H, W);
 }
 
 // y = relu(conv2d(x, W) + conv_bias) + bias: the implicit GEMM on the

@@ -331,3 +331,65 @@ def test_training_step_is_bitwise_reproducible(mode, device):
     finally:
         torch.backends.cudnn.benchmark = benchmark
     assert first[0].dtype == (torch.float32 if mode == "amp_bf16" else dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 33, 9, 130), (3, 70, 4, 64), (2, 8, 1, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_transposing_copies_are_exact(shape, dtype, device):
+    """NCHW -> channels-last -> NCHW copies (odd channel counts and widths,
+    several 64 x 64 tiles each way, a 1 x 1 image): torch's own copies,
+    bitwise."""
+    x = torch.randn(shape, device=device).to(dtype)
+    cl = CB._transposed(x)
+    assert cl.is_contiguous(memory_format=torch.channels_last) and cl.dtype == dtype
+    assert torch.equal(cl, x) and cl.data_ptr() != x.data_ptr()
+    back = CB._transposed(cl) if not cl.is_contiguous() else cl.contiguous()
+    assert back.is_contiguous() and torch.equal(back, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "float16", "amp_bf16"])
+@pytest.mark.parametrize("shape", [(2, 8, 9, 70, 16, 3, 3), (1, 40, 12, 10, 72, 5, 2),
+                                   (2, 72, 6, 131, 8, 1, 3)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_channels_last_backward(shape, mode, device, monkeypatch):
+    """The training route's backward of an NCHW input on a compute
+    capability 9.0 GPU (here at small sizes too): dz and x copied
+    channels-last, cuDNN's channels-last backward, the input gradient copied
+    back to NCHW.  Every gradient within 1.5x the error against float64 of
+    eager on a channels-last x (cuDNN's same layout, its algorithms held to
+    the deterministic ones, as ours: in float32 with TF32 allowed, a TF32
+    input gradient at these sizes where NCHW's is not), in NCHW as the
+    reference's."""
+    _engine_device(device)
+    monkeypatch.setattr(CB, "CL_BACKWARD_MIN_ELEMENTS", 0)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    dtype = torch.float32 if mode in ("float32", "amp_bf16") else getattr(torch, mode)
+    amp = mode == "amp_bf16"
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
+    b = b.reshape(cout, 1, 1)
+    g = torch.randn(n, cout, h - kh + 1, w - kw + 1, generator=gen).to(device, dtype)
+    dz = g.to(torch.bfloat16 if amp else dtype)
+    assert CB._channels_last_backward(dz, x.to(dz.dtype))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        assert CB.route(*leaves) == "cudnn"
+        y = ops.conv_bias_relu(*leaves)
+    y.backward(g)
+    assert leaves[0].grad.is_contiguous()
+    ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
+    _reference(*ref).backward(g.double())
+    eager = [t.detach().clone().requires_grad_(True)
+             for t in (x.contiguous(memory_format=torch.channels_last), wt, cb, b)]
+    with CB._deterministic_cudnn(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        _reference(*eager).backward(g.contiguous(memory_format=torch.channels_last))
+    eps = torch.finfo(torch.bfloat16 if amp else dtype).eps
+    for name, ours, want, theirs in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager):
+        err, eager_err = rel_error(ours.grad, want.grad), rel_error(theirs.grad, want.grad)
+        assert ours.grad.dtype == theirs.grad.dtype
+        assert err <= 1.5 * eager_err + eps, (name, err, eager_err)

@@ -20,7 +20,9 @@ Route, decided once per call (:func:`route`):
   whatever ``torch.backends.cudnn.deterministic`` says, so that a training
   step is bitwise reproducible (with ``torch.backends.cudnn.benchmark`` on,
   the fastest weight-gradient algorithm at some shapes sums in a varying
-  order).
+  order).  On Hopper, a large NCHW backward runs channels-last
+  (:func:`_channels_last_backward`): cuDNN's native layout there, reached
+  through our transposing copies.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
-from .._validation import check_like, check_tensor, check_vector, cxx_type
+from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import BLOCK, _ptr_or_null, cdiv, sm_count
 from .bias_relu import bias_relu
@@ -55,14 +57,18 @@ SHARED_BYTES = {
 
 # Keyed by ("conv", product dtype, layout, y's dtype): the convolution and
 # its chain (y float32 only from an NCHW x, under autocast); ("to_nhwc", x's
-# dtype, product dtype): an NCHW input's channels-last copy.
+# dtype, copy's dtype): an NCHW tensor's channels-last copy (the engine's x;
+# the training route's dz and x, float32 too); ("to_nchw", dtype): a
+# channels-last tensor's NCHW copy (the training route's input gradient).
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("conv", d, layout, out): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
                                  f"{'true' if layout == CHANNELS_LAST else 'false'}, {cxx_type(out)}>"
        for d in HALF_DTYPES
        for layout, out in ((NCHW, d), (CHANNELS_LAST, d), (NCHW, torch.float32))},
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
-       for d in HALF_DTYPES for src in (d, torch.float32)}})
+       for d, src in [(d, s) for d in HALF_DTYPES for s in (d, torch.float32)]
+       + [(torch.float32, torch.float32)]},
+    **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES}})
 
 ROUTES = ("engine", "cudnn")
 
@@ -78,9 +84,7 @@ def engine_layout(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     if cin % 8:
         return None
     if x.is_contiguous():
-        if n * h * cdiv(w, 64) < 2**31 and cdiv(cin, 64) <= 65535:  # the copy's grid
-            return NCHW
-        return None
+        return NCHW if _transposes(x) else None
     if (x.is_contiguous(memory_format=torch.channels_last) and weight.shape[0] % 8 == 0
             and x.data_ptr() % 16 == 0):
         return CHANNELS_LAST
@@ -148,6 +152,31 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     return None
 
 
+def _transposes(t: torch.Tensor) -> bool:
+    """Whether the transposing copies take the 4-D tensor ``t`` (their
+    grid's limits)."""
+    n, c, h, w = t.shape
+    return n * h * cdiv(w, 64) < 2**31 and cdiv(c, 64) <= 65535
+
+
+def _transposed(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A copy of ``t`` [N, C, H, W] in the other memory format: channels-last
+    (in ``dtype``, default t's) from a contiguous t, contiguous from a
+    channels-last one (t's dtype).  :func:`_transposes` t."""
+    n, c, h, w = t.shape
+    dev = t.device.index
+    if t.is_contiguous():
+        out = torch.empty((n, h, w, c), dtype=dtype or t.dtype, device=t.device).permute(0, 3, 1, 2)
+        fn = KERNELS.get(("to_nhwc", t.dtype, out.dtype), dev)
+    else:
+        out = torch.empty((n, c, h, w), dtype=t.dtype, device=t.device)
+        fn = KERNELS.get(("to_nchw", t.dtype), dev)
+    if t.numel():
+        _bridge.launch(fn, (n * h * cdiv(w, 64), cdiv(c, 64), 1), BLOCK,
+                       (t.data_ptr(), out.data_ptr(), c, h, w), dev)
+    return out
+
+
 def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight [C_out, C_in, KH, KW] as the GEMM's B [C_out, KH * KW *
     Cpad] of ``dtype``: k in (kh, kw, c) order, c padded with zeros to Cpad,
@@ -186,11 +215,8 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     bias = None if bias is None else bias.to(out_dtype)
     dev = x.device.index
     box_k, box_m = gemm.HALF_BOX_K, gemm.HALF_TILE[0]
-    xc = x
-    if layout == NCHW:  # the channels-last copy, in the product's dtype
-        xc = torch.empty((n, h, w, cin), dtype=dtype, device=x.device)
-        _bridge.launch(KERNELS.get(("to_nhwc", x.dtype, dtype), dev), (n * h * cdiv(w, 64), cdiv(cin, 64), 1),
-                       BLOCK, (x.data_ptr(), xc.data_ptr(), cin, h, w), dev)
+    # An NCHW x: its channels-last copy, in the product's dtype.
+    xc = _transposed(x, dtype) if layout == NCHW else x
     # x channels-last, dims (C, W, H, N): boxes of 64 channels x 128 columns.
     map_x = gemm._encode_tensor_map(xc.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin),
                                     dtype, (box_k, box_m, 1, 1))
@@ -257,12 +283,44 @@ def _strided_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return grad if grad.stride() == t.stride() else torch.empty_like(t).copy_(grad)
 
 
+# The channels-last backward's smallest dz, in elements: on the H100 it
+# took 0.77-0.92x the time of cuDNN's NCHW backward from 2^25 values of dz
+# up, about 0.92x at 2^24, and more below 2^23 (the copies' cost is not
+# repaid).
+CL_BACKWARD_MIN_ELEMENTS = 2**24
+
+
+def _channels_last_backward(dz: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the backward of an NCHW convolution runs channels-last: on a
+    compute capability 9.0 GPU, in float16 / bfloat16, or float32 with
+    ``torch.backends.cudnn.allow_tf32``, with C_in and C_out multiples of 8
+    and at least :data:`CL_BACKWARD_MIN_ELEMENTS` values of dz.  cuDNN's
+    NCHW backward works channels-last inside, at about twice the time of its
+    channels-last one at such sizes; our transposing copies of dz and x, and
+    of dx back, cost less than the difference."""
+    return (dz.numel() >= CL_BACKWARD_MIN_ELEMENTS and x.shape[1] % 8 == 0 and dz.shape[1] % 8 == 0
+            and x.is_contiguous() and dz.is_contiguous()
+            and (x.dtype != torch.float32 or torch.backends.cudnn.allow_tf32)
+            and _transposes(x) and _transposes(dz) and gemm.has_wgmma(x.device.index))
+
+
 def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
                     want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    with _deterministic_cudnn():
-        dx, dw, _ = torch.ops.aten.convolution_backward(
-            dz, x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
-            [want_x, want_weight, False])
+    mask = [want_x, want_weight, False]
+    if _channels_last_backward(dz, x):
+        dz_cl = _transposed(dz)
+        # (dx needs x's shape and layout only.)
+        x_cl = _transposed(x) if want_weight else torch.empty_like(x, memory_format=torch.channels_last)
+        with _deterministic_cudnn():
+            dx, dw, _ = torch.ops.aten.convolution_backward(
+                dz_cl, x_cl, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, mask)
+        del dz_cl, x_cl
+        if want_x and dx.is_contiguous(memory_format=torch.channels_last) and not dx.is_contiguous():
+            dx = _transposed(dx)
+    else:
+        with _deterministic_cudnn():
+            dx, dw, _ = torch.ops.aten.convolution_backward(
+                dz, x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, mask)
     return (_strided_like(dx, x) if want_x else x.new_empty((0,)),
             _strided_like(dw, weight) if want_weight else weight.new_empty((0,)))
 
