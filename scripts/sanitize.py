@@ -173,6 +173,22 @@ if G.has_wgmma(0):
             print("conv_bias_relu autocast", dtype, (n, cin, h, w, cout, kh, kw), "OK" if ok else "ERROR",
                   flush=True)
             failed += [] if ok else [f"conv_bias_relu autocast {dtype} {(n, cin, h, w, cout)}"]
+            # The training route's channels-last backward (its size threshold
+            # lifted): the transposing copies both ways around cuDNN.
+            CB.CL_BACKWARD_MIN_ELEMENTS, keep = 0, CB.CL_BACKWARD_MIN_ELEMENTS
+            try:
+                leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+                ops.conv_bias_relu(*leaves).backward(want.to(dtype))
+                ref = [t.detach().float().requires_grad_(True) for t in (x, wt, cb, b)]
+                (torch.relu(torch.nn.functional.conv2d(ref[0], ref[1], ref[2]))
+                 + ref[3].view(-1, 1, 1)).backward(want)
+            finally:
+                CB.CL_BACKWARD_MIN_ELEMENTS = keep
+            ok = all(torch.allclose(o.grad.float(), r.grad, atol=5e-2 * r.grad.abs().max().item(), rtol=5e-2)
+                     for o, r in zip(leaves, ref))
+            print("conv_bias_relu channels-last backward", dtype, (n, cin, h, w, cout, kh, kw),
+                  "OK" if ok else "ERROR", flush=True)
+            failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {(n, cin, h, w, cout)}"]
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.
