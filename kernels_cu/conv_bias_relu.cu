@@ -317,9 +317,12 @@ struct NhwcStore {
 // autocast's cast) and leaves as T.
 template <typename T> struct TileWord { using type = unsigned short; };
 template <> struct TileWord<float> { using type = float; };
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
 template <typename T, typename Tin>
 __device__ __forceinline__ typename TileWord<T>::type tile_word(Tin v) {
-  if constexpr (sizeof(Tin) == sizeof(T)) return v.bits;
+  static_assert(SameType<Tin, T>::value || SameType<Tin, float>::value, "a copy keeps the dtype or rounds float32");
+  if constexpr (SameType<Tin, T>::value) return v.bits;
   else return from_float<T>(v).bits;
 }
 template <> __device__ __forceinline__ float tile_word<float, float>(float v) { return v; }
@@ -338,7 +341,9 @@ template <> __device__ __forceinline__ float from_tile_word<float>(float w) { re
 template <bool kToNhwc, typename Tin, typename T>
 __device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* __restrict__ dst, i64 C, i64 H,
                                                i64 W) {
-  __shared__ typename TileWord<T>::type tile[64][65];  // +1: the transposed accesses hit distinct banks
+  // +1: the transposed accesses of 4-byte words hit distinct banks (of
+  // 16-bit ones, two lanes to a bank).
+  __shared__ typename TileWord<T>::type tile[64][65];
   const i64 col_tiles = (W + 63) / 64;
   const i64 nh = blockIdx.x / col_tiles;  // n * H + h
   const i64 w0 = (blockIdx.x - nh * col_tiles) * 64, c0 = static_cast<i64>(blockIdx.y) * 64;

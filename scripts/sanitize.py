@@ -5,11 +5,12 @@ dtypes (in float16 / bfloat16 also the eager-rounding GroupNorm kernels and
 the five models under autocast):
 the workload scripts/gpu_check.sh runs under compute-sanitizer (memcheck,
 racecheck)."""
+import importlib
 import sys
 
 import torch
 
-from cupy_fused import reference
+from cupy_fused import ops, reference
 from cupy_fused.ops import gemm as G
 from cupy_fused.testing import compare, worse_than_eager
 
@@ -66,8 +67,6 @@ for dtype in (d for d in dtypes if d != torch.float32):
     # the same dtype (KernelBench's 1e-2 check).
     import torch.nn.functional as F
 
-    from cupy_fused import ops
-
     gen = torch.Generator(device="cuda").manual_seed(1)
     for rows, channels, groups in ((5, 600, 1), (3, 40, 40), (7, 96, 6)):
         z = (torch.randn(rows, channels, device="cuda", generator=gen) + 1).to(dtype)
@@ -99,8 +98,6 @@ if G.has_wgmma(0):
     # one-launch GEMM + GroupNorm chains (every chain, groups of 8 to 128
     # channels, ragged rows and columns, saving the backward's tensors or
     # not), into NaN-poisoned outputs, against cuBLAS and the two-launch route.
-    import importlib
-
     from cupy_fused.ops.gn_chain import CHAINS, _launch_forward
 
     LG = importlib.import_module("cupy_fused.ops.linear_gn_chain")
@@ -173,22 +170,37 @@ if G.has_wgmma(0):
             print("conv_bias_relu autocast", dtype, (n, cin, h, w, cout, kh, kw), "OK" if ok else "ERROR",
                   flush=True)
             failed += [] if ok else [f"conv_bias_relu autocast {dtype} {(n, cin, h, w, cout)}"]
-            # The training route's channels-last backward (its size threshold
-            # lifted): the transposing copies both ways around cuDNN, against
-            # the same step through cuDNN's NCHW backward.
-            grads = []
-            for lift in (True, False):
-                CB.CL_BACKWARD_MIN_ELEMENTS, keep = (0 if lift else 2**62), CB.CL_BACKWARD_MIN_ELEMENTS
-                try:
-                    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
-                    ops.conv_bias_relu(*leaves).backward(want.to(dtype))
-                finally:
-                    CB.CL_BACKWARD_MIN_ELEMENTS = keep
-                grads.append([t.grad.float() for t in leaves])
-            ok = all((a - r).abs().max() <= 1e-2 * r.abs().max() for a, r in zip(*grads))
-            print("conv_bias_relu channels-last backward", dtype, (n, cin, h, w, cout, kh, kw),
-                  "OK" if ok else "ERROR", flush=True)
-            failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {(n, cin, h, w, cout)}"]
+# The conv training route's channels-last backward (its size threshold
+# lifted; float32 with TF32 allowed too): the transposing copies both ways
+# around cuDNN (three of them a step), against the same step through cuDNN's
+# NCHW backward.
+CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+copies = []
+transposed = CB._transposed
+CB._transposed = lambda *a, **k: copies.append(1) or transposed(*a, **k)
+for dtype in dtypes:
+    for n, cin, h, w, cout, kh, kw in ((2, 64, 9, 10, 40, 3, 3), (1, 8, 5, 140, 136, 5, 3),
+                                       (3, 16, 11, 14, 24, 2, 2)):
+        x = torch.randn(n, cin, h, w, device="cuda", dtype=dtype)
+        wt = torch.randn(cout, cin, kh, kw, device="cuda", dtype=dtype) / (cin * kh * kw) ** 0.5
+        cb, b = (torch.randn(cout, device="cuda", dtype=dtype) for _ in range(2))
+        g = torch.randn(n, cout, h - kh + 1, w - kw + 1, device="cuda", dtype=dtype)
+        grads, took = [], True
+        for lift in (True, False):
+            copies.clear()
+            CB.CL_BACKWARD_MIN_ELEMENTS, keep = (0 if lift else 2**62), CB.CL_BACKWARD_MIN_ELEMENTS
+            try:
+                leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+                ops.conv_bias_relu(*leaves).backward(g)
+            finally:
+                CB.CL_BACKWARD_MIN_ELEMENTS = keep
+            grads.append([t.grad.float() for t in leaves])
+            took &= len(copies) == (3 if lift else 0)
+        ok = took and all((a - r).abs().max() <= 1e-2 * r.abs().max() for a, r in zip(*grads))
+        print("conv_bias_relu channels-last backward", dtype, (n, cin, h, w, cout, kh, kw),
+              "OK" if ok else "ERROR", flush=True)
+        failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {(n, cin, h, w, cout)}"]
+CB._transposed = transposed
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.

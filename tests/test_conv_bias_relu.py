@@ -44,6 +44,63 @@ def test_bad_arguments_are_refused(past_device_check):
         ops.conv_bias_relu([1.0], w, cb, b)
 
 
+def test_deterministic_flag_is_restored_after_errors_and_overlaps():
+    """The training route's cuDNN flag: set inside, restored on the way out
+    of the outermost entry, also through an exception and across threads."""
+    import threading
+
+    before = torch.backends.cudnn.deterministic
+    try:
+        for start in (False, True):
+            torch.backends.cudnn.deterministic = start
+            with pytest.raises(ZeroDivisionError):
+                with CB._deterministic_cudnn():
+                    assert torch.backends.cudnn.deterministic
+                    1 / 0
+            assert torch.backends.cudnn.deterministic is start
+            inner, outer = threading.Event(), threading.Event()
+
+            def other():
+                with CB._deterministic_cudnn():
+                    inner.set()
+                    outer.wait(5)
+
+            with CB._deterministic_cudnn():
+                t = threading.Thread(target=other)
+                t.start()
+                assert inner.wait(5)
+            assert torch.backends.cudnn.deterministic  # the thread's entry still open
+            outer.set()
+            t.join(5)
+            assert torch.backends.cudnn.deterministic is start
+    finally:
+        torch.backends.cudnn.deterministic = before
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "opcheck") or CB._CUDNN_CONV.op is None,
+                    reason="needs torch.library.opcheck and custom ops (torch >= 2.4)")
+@pytest.mark.parametrize("layout", ["nchw", "x_channels_last", "w_channels_last", "one_by_one"])
+def test_cudnn_conv_custom_ops_match_their_fakes(layout):
+    """torch.library.opcheck on the training route's convolution and its
+    backward (CPU tensors: the same Python): schema, fake shapes and
+    strides (channels-last outputs and gradients included), autograd
+    registration, dynamic shapes."""
+    gen = torch.Generator().manual_seed(4)
+    kh = 1 if layout == "one_by_one" else 3
+    x = torch.randn(2, 8, 7, 9, generator=gen)
+    w = torch.randn(4, 8, kh, kh, generator=gen)
+    if layout == "x_channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    if layout == "w_channels_last":
+        w = w.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    torch.library.opcheck(CB._CUDNN_CONV.op, (x, w))
+    dz = torch.randn(2, 4, 8 - kh, 10 - kh, generator=gen)
+    for want in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(CB._CUDNN_CONV.backward_op, (dz, x.detach(), w.detach(), *want))
+
+
 def _engine_device(device):
     if not gemm.has_wgmma(device.index):
         pytest.skip("the engine route needs a compute capability 9.0 GPU")
@@ -318,8 +375,8 @@ def test_training_step_is_bitwise_reproducible(mode, device):
     cb, b = (torch.randn(32, generator=gen).to(device, dtype) for _ in range(2))
     b = b.reshape(32, 1, 1)
     g = torch.randn(16, 32, 14, 14, generator=gen).to(device, torch.float32 if mode == "amp_bf16" else dtype)
-    benchmark = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
+    flags = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = True, False
     try:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp_bf16"):
             assert CB.route(x.requires_grad_(True), wt, cb, b) == "cudnn"
@@ -329,7 +386,7 @@ def test_training_step_is_bitwise_reproducible(mode, device):
                     assert torch.equal(a, again)
         assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
     finally:
-        torch.backends.cudnn.benchmark = benchmark
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = flags
     assert first[0].dtype == (torch.float32 if mode == "amp_bf16" else dtype)
 
 
@@ -365,6 +422,9 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     reference's."""
     _engine_device(device)
     monkeypatch.setattr(CB, "CL_BACKWARD_MIN_ELEMENTS", 0)
+    copies = []
+    transposed = CB._transposed
+    monkeypatch.setattr(CB, "_transposed", lambda *a, **k: copies.append(a[0].shape) or transposed(*a, **k))
     n, cin, h, w, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape))
     dtype = torch.float32 if mode in ("float32", "amp_bf16") else getattr(torch, mode)
@@ -381,6 +441,7 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
         assert CB.route(*leaves) == "cudnn"
         y = ops.conv_bias_relu(*leaves)
     y.backward(g)
+    assert len(copies) == 3  # dz and x channels-last, dx back
     assert leaves[0].grad.is_contiguous()
     ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
     _reference(*ref).backward(g.double())

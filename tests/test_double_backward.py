@@ -64,11 +64,8 @@ def test_gradient_penalty_is_refused(problem, dtype, device):
     # With a constant incoming gradient the second-order terms come from the
     # weights our backward reads: a penalty differentiated with respect to
     # the parameters only reaches the refusal too (not "not used in the
-    # graph", nor None with allow_unused).  Not problem 1: its only op of ours
-    # is bias + ReLU, whose gradient is then a constant (ReLU's second
-    # derivative is zero), and the conv's own backward differentiates.
-    if problem == 1:
-        return
+    # graph", nor None with allow_unused).  (Problem 1: the convolution's
+    # backward, an op of ours too.)
     model.zero_grad(set_to_none=True)
     y = model(x)
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)

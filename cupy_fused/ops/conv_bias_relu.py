@@ -27,6 +27,7 @@ Route, decided once per call (:func:`route`):
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -240,17 +241,33 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
 
 # ---------------------------------------------------------------- the "cudnn" route
 
+# _deterministic_cudnn's entries now open, and the flag's value before the
+# first: autograd runs the backwards of different devices in threads of
+# their own, which may overlap.
+_DETERMINISTIC_LOCK = threading.Lock()
+_deterministic_depth = 0
+_flag_before = False
+
+
 @contextlib.contextmanager
 def _deterministic_cudnn():
     """cuDNN restricted to its deterministic algorithms (in benchmark mode
     too: torch's algorithm search then skips the others).  A process-wide
-    flag, restored on the way out."""
-    before = torch.backends.cudnn.deterministic
-    torch.backends.cudnn.deterministic = True
+    flag: set on the first entry of overlapping ones (other threads'), and
+    given back its value on the last exit."""
+    global _deterministic_depth, _flag_before
+    with _DETERMINISTIC_LOCK:
+        if _deterministic_depth == 0:
+            _flag_before = torch.backends.cudnn.deterministic
+            torch.backends.cudnn.deterministic = True
+        _deterministic_depth += 1
     try:
         yield
     finally:
-        torch.backends.cudnn.deterministic = before
+        with _DETERMINISTIC_LOCK:
+            _deterministic_depth -= 1
+            if _deterministic_depth == 0:
+                torch.backends.cudnn.deterministic = _flag_before
 
 
 def _conv_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
@@ -265,9 +282,11 @@ def _conv_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
 # One tensor, not a tuple of one: torch.compile specialises the sizes of a
 # custom op's one-tensor tuple, so each batch size would compile again.
 def _cudnn_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # cuDNN's forward algorithms are deterministic.  The format is cuDNN's
-    # already (.contiguous a no-op), stated so that the fake's holds.
-    return F.conv2d(x, weight).contiguous(memory_format=_conv_format(x, weight))
+    # The format is cuDNN's already (.contiguous a no-op but for an x that
+    # is not dense), stated so that the fake's holds.
+    with _deterministic_cudnn():
+        z = F.conv2d(x, weight)
+    return z.contiguous(memory_format=_conv_format(x, weight))
 
 
 def _cudnn_forward_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -278,15 +297,18 @@ def _cudnn_forward_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _strided_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    # A gradient in its tensor's layout, as the fake below states it (cuDNN
-    # gives that already, but for a weight and x of different layouts).
+    # A gradient in its tensor's layout, as the fake below states it.  cuDNN
+    # gives that already where x and the weight share a layout; not the
+    # channels-last backward's weight gradient for an NCHW weight (a copy of
+    # that small tensor).
     return grad if grad.stride() == t.stride() else torch.empty_like(t).copy_(grad)
 
 
-# The channels-last backward's smallest dz, in elements: on the H100 it
-# took 0.77-0.92x the time of cuDNN's NCHW backward from 2^25 values of dz
-# up, about 0.92x at 2^24, and more below 2^23 (the copies' cost is not
-# repaid).
+# The channels-last backward's smallest dz, in elements.  On the H100 (C_in
+# 64 to 256, C_out 128 or 256, 3 x 3 kernels) it took 0.77-0.92x the time
+# of cuDNN's NCHW backward from 30 M values of dz up, 0.91-0.93x at 16 M,
+# and 1.05-1.61x at 7-8 M (the copies' cost not repaid); with 3 input
+# channels (not a multiple of 8) it lost at 190 M too.
 CL_BACKWARD_MIN_ELEMENTS = 2**24
 
 
@@ -299,9 +321,10 @@ def _channels_last_backward(dz: torch.Tensor, x: torch.Tensor) -> bool:
     channels-last one at such sizes; our transposing copies of dz and x, and
     of dx back, cost less than the difference."""
     return (dz.numel() >= CL_BACKWARD_MIN_ELEMENTS and x.shape[1] % 8 == 0 and dz.shape[1] % 8 == 0
-            and x.is_contiguous() and dz.is_contiguous()
+            and x.is_cuda and x.is_contiguous() and dz.is_contiguous()
             and (x.dtype != torch.float32 or torch.backends.cudnn.allow_tf32)
-            and _transposes(x) and _transposes(dz) and gemm.has_wgmma(x.device.index))
+            and _transposes(x) and _transposes(dz)
+            and _runtime.device_capability(x.device.index) == (9, 0))
 
 
 def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
