@@ -270,11 +270,15 @@ def _deterministic_cudnn():
                 torch.backends.cudnn.deterministic = _flag_before
 
 
+def _strictly_channels_last(t: torch.Tensor) -> bool:
+    # Channels-last and not also contiguous (as a 1 x 1 image is both).
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
 def _conv_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
     # cuDNN's choice for conv2d's output: channels-last when x or the weight
     # is (strictly) channels-last.
-    if any(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-           for t in (x, weight)):
+    if _strictly_channels_last(x) or _strictly_channels_last(weight):
         return torch.channels_last
     return torch.contiguous_format
 
@@ -329,21 +333,19 @@ def _channels_last_backward(dz: torch.Tensor, x: torch.Tensor) -> bool:
 
 def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
                     want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    mask = [want_x, want_weight, False]
-    if _channels_last_backward(dz, x):
-        dz_cl = _transposed(dz)
+    channels_last = _channels_last_backward(dz, x)
+    dz_in, x_in = dz, x
+    if channels_last:
+        dz_in = _transposed(dz)
         # (dx needs x's shape and layout only.)
-        x_cl = _transposed(x) if want_weight else torch.empty_like(x, memory_format=torch.channels_last)
-        with _deterministic_cudnn():
-            dx, dw, _ = torch.ops.aten.convolution_backward(
-                dz_cl, x_cl, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, mask)
-        del dz_cl, x_cl
-        if want_x and dx.is_contiguous(memory_format=torch.channels_last) and not dx.is_contiguous():
-            dx = _transposed(dx)
-    else:
-        with _deterministic_cudnn():
-            dx, dw, _ = torch.ops.aten.convolution_backward(
-                dz, x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, mask)
+        x_in = _transposed(x) if want_weight else torch.empty_like(x, memory_format=torch.channels_last)
+    with _deterministic_cudnn():
+        dx, dw, _ = torch.ops.aten.convolution_backward(
+            dz_in, x_in, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+            [want_x, want_weight, False])
+    del dz_in, x_in
+    if channels_last and want_x and _strictly_channels_last(dx):
+        dx = _transposed(dx)
     return (_strided_like(dx, x) if want_x else x.new_empty((0,)),
             _strided_like(dw, weight) if want_weight else weight.new_empty((0,)))
 
