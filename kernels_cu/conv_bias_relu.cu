@@ -62,6 +62,16 @@ struct ConvLoader {
   }
 };
 
+// The stores' tile at GEMM row m0: its output row n * OH + oh (returned)
+// and first output column ow0 (ConvLoader::begin_tile decodes the same in
+// 32-bit arithmetic, on the producer's one thread).
+__device__ __forceinline__ i64 conv_tile_row(i64 m0, i64 col_tiles, i64& ow0) {
+  const i64 tm = m0 / kHgBM;
+  const i64 row = tm / col_tiles;
+  ow0 = (tm - row * col_tiles) * kHgBM;
+  return row;
+}
+
 // relu that keeps a NaN, as torch's does (fmaxf would drop it).
 __device__ __forceinline__ float relu_keep_nan(float v) {
   float r;
@@ -184,9 +194,8 @@ struct NchwStore {
       }
     }
     named_barrier(1 + me.wg, 128);
-    const i64 tm = m0 / kHgBM;
-    const i64 row = tm / col_tiles;  // n * out_rows + oh
-    const i64 ow0 = (tm - row * col_tiles) * kHgBM;
+    i64 ow0;
+    const i64 row = conv_tile_row(m0, col_tiles, ow0);
     const i64 n = row / out_rows, oh = row - n * out_rows;
     const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - ow0));
     const int rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
@@ -304,9 +313,9 @@ struct NhwcStore {
           TmaTileWriter::put(staging, 64 * hm + me.row + 8 * h, i, me.t,
                              ConvBiases<T>::template chain<T>(acc[hm][4 * i + 2 * h], acc[hm][4 * i + 2 * h + 1], p));
     }
-    const i64 tm = m0 / kHgBM;
-    const i64 row = tm / col_tiles;  // n * out_rows + oh
-    TmaTileWriter::end(map_y, me, staging, (tm - row * col_tiles) * kHgBM, n0, static_cast<int>(row));
+    i64 ow0;
+    const i64 row = conv_tile_row(m0, col_tiles, ow0);
+    TmaTileWriter::end(map_y, me, staging, ow0, n0, static_cast<int>(row));
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
