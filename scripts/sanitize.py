@@ -14,6 +14,21 @@ from cupy_fused import ops, reference
 from cupy_fused.ops import gemm as G
 from cupy_fused.testing import compare, worse_than_eager
 
+CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+# Problem 1's convolution (n, C_in, H, W, C_out, KH, KW): ragged widths,
+# output channels past one tile, an odd output width.
+CONV_SHAPES = ((2, 64, 9, 10, 40, 3, 3), (1, 8, 5, 140, 136, 5, 3), (3, 16, 11, 14, 24, 2, 2))
+
+
+def conv_inputs(shape, dtype):
+    """x, weight, conv bias and bias of a CONV_SHAPES entry, random, on the GPU."""
+    n, cin, h, w, cout, kh, kw = shape
+    x = torch.randn(n, cin, h, w, device="cuda", dtype=dtype)
+    wt = torch.randn(cout, cin, kh, kw, device="cuda", dtype=dtype) / (cin * kh * kw) ** 0.5
+    cb, b = (torch.randn(cout, device="cuda", dtype=dtype) for _ in range(2))
+    return x, wt, cb, b
+
+
 NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 dtypes = [NAMES[a] for a in sys.argv[1:]] or list(NAMES.values())
 failed = []
@@ -142,15 +157,10 @@ if G.has_wgmma(0):
                 failed += [] if ok else [f"linear_gn_chain float32 out {chain} {dtype} {(m, k, n)}"]
     # Problem 1's implicit-GEMM convolution (conv_bias_relu), inference: an
     # NCHW input (its channels-last copy, then y NCHW through the staging
-    # rows) and a channels-last one (y through the copy engine); ragged
-    # widths, output channels past one tile, an odd output width.
-    CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+    # rows) and a channels-last one (y through the copy engine).
     for dtype in (d for d in dtypes if d != torch.float32):
-        for n, cin, h, w, cout, kh, kw in ((2, 64, 9, 10, 40, 3, 3), (1, 8, 5, 140, 136, 5, 3),
-                                           (3, 16, 11, 14, 24, 2, 2)):
-            x = torch.randn(n, cin, h, w, device="cuda", dtype=dtype)
-            wt = torch.randn(cout, cin, kh, kw, device="cuda", dtype=dtype) / (cin * kh * kw) ** 0.5
-            cb, b = (torch.randn(cout, device="cuda", dtype=dtype) for _ in range(2))
+        for shape in CONV_SHAPES:
+            x, wt, cb, b = conv_inputs(shape, dtype)
             want = (torch.relu(torch.nn.functional.conv2d(x.float(), wt.float(), cb.float()))
                     + b.float().view(-1, 1, 1))
             for fmt in (torch.contiguous_format, torch.channels_last):
@@ -159,31 +169,26 @@ if G.has_wgmma(0):
                 with torch.no_grad():
                     y = CB._launch_engine(xf, wt, cb, b, out=out.contiguous(memory_format=fmt))
                 ok = torch.allclose(y.float(), want, atol=5e-2, rtol=5e-2)
-                print("conv_bias_relu", dtype, fmt, (n, cin, h, w, cout, kh, kw), "OK" if ok else "ERROR",
-                      flush=True)
-                failed += [] if ok else [f"conv_bias_relu {dtype} {fmt} {(n, cin, h, w, cout)}"]
+                print("conv_bias_relu", dtype, fmt, shape, "OK" if ok else "ERROR", flush=True)
+                failed += [] if ok else [f"conv_bias_relu {dtype} {fmt} {shape}"]
             # Under autocast: float32 x and parameters, float32 y.
             with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
                 y = CB._launch_engine(x.float(), wt.float(), cb.float(), b.float(),
                                       out=torch.full(want.shape, float("nan"), device="cuda"))
             ok = torch.allclose(y, want, atol=5e-2, rtol=5e-2)
-            print("conv_bias_relu autocast", dtype, (n, cin, h, w, cout, kh, kw), "OK" if ok else "ERROR",
-                  flush=True)
-            failed += [] if ok else [f"conv_bias_relu autocast {dtype} {(n, cin, h, w, cout)}"]
+            print("conv_bias_relu autocast", dtype, shape, "OK" if ok else "ERROR", flush=True)
+            failed += [] if ok else [f"conv_bias_relu autocast {dtype} {shape}"]
 # The conv training route's channels-last backward (its size threshold
 # lifted; float32 with TF32 allowed too): the transposing copies both ways
 # around cuDNN (three of them a step), against the same step through cuDNN's
 # NCHW backward.
-CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
 copies = []
 transposed = CB._transposed
 CB._transposed = lambda *a, **k: copies.append(1) or transposed(*a, **k)
 for dtype in dtypes:
-    for n, cin, h, w, cout, kh, kw in ((2, 64, 9, 10, 40, 3, 3), (1, 8, 5, 140, 136, 5, 3),
-                                       (3, 16, 11, 14, 24, 2, 2)):
-        x = torch.randn(n, cin, h, w, device="cuda", dtype=dtype)
-        wt = torch.randn(cout, cin, kh, kw, device="cuda", dtype=dtype) / (cin * kh * kw) ** 0.5
-        cb, b = (torch.randn(cout, device="cuda", dtype=dtype) for _ in range(2))
+    for shape in CONV_SHAPES:
+        x, wt, cb, b = conv_inputs(shape, dtype)
+        n, _, h, w, cout, kh, kw = shape
         g = torch.randn(n, cout, h - kh + 1, w - kw + 1, device="cuda", dtype=dtype)
         grads, took = [], True
         for lift in (True, False):
@@ -197,9 +202,8 @@ for dtype in dtypes:
             grads.append([t.grad.float() for t in leaves])
             took &= len(copies) == (3 if lift else 0)
         ok = took and all((a - r).abs().max() <= 1e-2 * r.abs().max() for a, r in zip(*grads))
-        print("conv_bias_relu channels-last backward", dtype, (n, cin, h, w, cout, kh, kw),
-              "OK" if ok else "ERROR", flush=True)
-        failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {(n, cin, h, w, cout)}"]
+        print("conv_bias_relu channels-last backward", dtype, shape, "OK" if ok else "ERROR", flush=True)
+        failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {shape}"]
 CB._transposed = transposed
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
