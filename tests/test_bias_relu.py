@@ -287,3 +287,47 @@ def test_repeated_runs_are_bitwise_equal(offset, device):
             runs.append([out, *torch.autograd.grad(out, [z, b1, b2], dy)])
         for a, b in zip(*runs):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("second", [False, True], ids=["one-bias", "two-biases"])
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 70, 9, 15), (3, 64, 8, 8), (2, 130, 1, 67)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("grad_mode", ["dense", "sum"])
+@pytest.mark.parametrize("chunks", ["grid", "one_chunk"])
+def test_backward_to_channels_last(shape, pair, second, grad_mode, chunks, device, monkeypatch):
+    """An NCHW z whose gradient is asked channels-last (the convolution's
+    channels-last backward): dz the same values as the NCHW backward's,
+    bitwise, laid out channels-last; the biases' gradients within one
+    rounding of their float64 sums; a second run bitwise the same; the
+    custom op's fake strides those of the real dz.  Channel and position counts off the 64 x 64
+    tiles, one image, one row, a broadcast upstream gradient; the grid as
+    launched, and one block per channel tile taking every tile in turn."""
+    if chunks == "one_chunk":
+        monkeypatch.setattr(BR, "_TO_NHWC_BLOCKS_PER_SM", 0)
+    z, b1, b2 = _inputs(shape, False, *pair, second, device)
+    dy = (torch.randn(shape, device=device, dtype=pair[1]) if grad_mode == "dense"
+          else torch.ones((), device=device, dtype=pair[1]).expand(shape))
+    runs = []
+    for dz_channels_last in (False, True, True):
+        out = BR._bias_relu(z, b1, b2, dz_channels_last)
+        runs.append(torch.autograd.grad(out, [z, b1] + ([b2] if second else []), dy))
+    plain, cl, again = runs
+    assert plain[0].is_contiguous() and cl[0].is_contiguous(memory_format=torch.channels_last)
+    assert not cl[0].is_contiguous() or shape[2] * shape[3] == 1
+    assert torch.equal(cl[0], plain[0])
+    for a, b in zip(cl, again):
+        assert torch.equal(a, b)
+    # The biases' gradients: each within one rounding of its float64 sum
+    # (of dy where z + bias > 0: the mask's sign, unchanged by rounding).
+    passes = z.detach().double() + _per_channel(b1.detach().double(), z) > 0
+    d64 = torch.where(passes, dy.double(), 0.0)
+    want = [d64.sum((0, 2, 3))] + ([dy.double().sum((0, 2, 3))] if second else [])
+    spread = torch.finfo(torch.float32).eps ** 2 * dy.double().abs().sum((0, 2, 3))
+    for a, w in zip(cl[1:], want):
+        assert ((a.double() - w).abs() <= torch.finfo(a.dtype).eps * w.abs() + spread).all()
+    # The custom op's fake against the real backward (dz's strides included).
+    mask = BR._forward(z.detach(), b1.detach(), None if b2 is None else b2.detach(), True, True)[1]
+    torch.library.opcheck(BR._BIAS_RELU.backward_op,
+                          (dy.contiguous(), mask, list(shape), False, second, pair[0], True))

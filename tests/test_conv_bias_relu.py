@@ -407,19 +407,22 @@ def test_transposing_copies_are_exact(shape, dtype, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["float32", "bfloat16", "float16", "amp_bf16"])
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "float16", "amp_bf16",
+                                  "bfloat16_weight_channels_last"])
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 16, 3, 3), (1, 40, 12, 10, 72, 5, 2),
                                    (2, 72, 6, 131, 8, 1, 3)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_channels_last_backward(shape, mode, device, monkeypatch):
     """The training route's backward of an NCHW input on a compute
-    capability 9.0 GPU (here at small sizes too): dz and x copied
-    channels-last, cuDNN's channels-last backward, the input gradient copied
-    back to NCHW.  Every gradient within 1.5x the error against float64 of
+    capability 9.0 GPU (here at small sizes too): dz written channels-last
+    by bias_relu's backward, x copied so, cuDNN's channels-last backward,
+    the input gradient copied back to NCHW.  Every gradient within 1.5x the
+    error against float64 of
     eager on a channels-last x (cuDNN's same layout, its algorithms held to
     the deterministic ones, as ours: in float32 with TF32 allowed, a TF32
     input gradient at these sizes where NCHW's is not), in NCHW as the
-    reference's."""
+    reference's.  A channels-last weight makes z, and so dz, channels-last
+    already."""
     _engine_device(device)
     monkeypatch.setattr(CB, "CL_BACKWARD_MIN_ELEMENTS", 0)
     copies = []
@@ -427,10 +430,12 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     monkeypatch.setattr(CB, "_transposed", lambda *a, **k: copies.append(a[0].shape) or transposed(*a, **k))
     n, cin, h, w, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape))
-    dtype = torch.float32 if mode in ("float32", "amp_bf16") else getattr(torch, mode)
+    dtype = torch.float32 if mode in ("float32", "amp_bf16") else getattr(torch, mode.split("_")[0])
     amp = mode == "amp_bf16"
     x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
     wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    if mode.endswith("weight_channels_last"):
+        wt = wt.contiguous(memory_format=torch.channels_last)
     cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
     b = b.reshape(cout, 1, 1)
     g = torch.randn(n, cout, h - kh + 1, w - kw + 1, generator=gen).to(device, dtype)
@@ -441,7 +446,7 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
         assert CB.route(*leaves) == "cudnn"
         y = ops.conv_bias_relu(*leaves)
     y.backward(g)
-    assert len(copies) == 3  # dz and x channels-last, dx back
+    assert len(copies) == 2  # x channels-last, dx back (dz comes channels-last from bias_relu)
     assert leaves[0].grad.is_contiguous()
     ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
     _reference(*ref).backward(g.double())

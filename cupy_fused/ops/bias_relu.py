@@ -42,7 +42,8 @@ DTYPE_PAIRS = tuple((d, d) for d in FLOAT_DTYPES) + tuple((d, torch.float32) for
 # Keyed by (kernel, z's dtype, output dtype, second bias present).
 KERNELS = _runtime.KernelFamily("bias_relu.cu", {
     (k, d, o, b): _expr(k, d, o, b)
-    for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs")
+    for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs",
+              "bias_relu_backward_to_nhwc")
     for d, o in DTYPE_PAIRS for b in (False, True)
 })
 
@@ -102,7 +103,8 @@ def _is_channels_last(z: torch.Tensor) -> bool:
 
 
 def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
-             save_mask: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+             save_mask: bool, dz_channels_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    # dz_channels_last: the backward's dz layout (_setup_context), unused here.
     out = torch.empty_like(z, dtype=bias.dtype)  # keeps z's memory format
     total = z.numel()
     words = cdiv(total, 32)
@@ -118,7 +120,7 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
 
 
 def _forward_fake(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
-                  save_mask: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                  save_mask: bool, dz_channels_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     words = cdiv(z.numel(), 32) if save_mask else 0
     return torch.empty_like(z, dtype=bias.dtype), z.new_empty((words,), dtype=torch.int32)
 
@@ -129,14 +131,22 @@ def _empty_like_layout(sizes: List[int], channels_last: bool, dtype: torch.dtype
     return torch.empty(sizes, dtype=dtype, device=like.device, memory_format=fmt)
 
 
+# Blocks per SM of bias_relu_backward_to_nhwc's grid (kToNhwcBlocksPerSm
+# in bias_relu.cu, which caps the kernel's registers for them).
+_TO_NHWC_BLOCKS_PER_SM = 3
+
+
 def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
-              second_bias: bool, z_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+              second_bias: bool, z_dtype: torch.dtype,
+              dz_channels_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz in ``z_dtype``, per-channel sums [slots, C] in dout's
-    dtype: the gradient of bias, then of bias2 when there is one).  The
-    formula takes the rows: outputs of a custom op must not alias each
-    other."""
+    dtype: the gradient of bias, then of bias2 when there is one).  dz is
+    in z's layout (``channels_last``), or channels-last for an NCHW z with
+    ``dz_channels_last``.  The formula takes the rows: outputs of a custom
+    op must not alias each other."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    dz = _empty_like_layout(sizes, channels_last, z_dtype, dout)
+    transpose = dz_channels_last and not channels_last
+    dz = _empty_like_layout(sizes, channels_last or transpose, z_dtype, dout)
     channels = sizes[1]
     slots = 2 if second_bias else 1
     dev = dout.device.index
@@ -145,38 +155,48 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
     total = dz.numel()
     if total == 0:
         sums = torch.zeros((slots, channels), dtype=dout.dtype, device=dout.device)
-    elif inner == 1:
-        rows = total // channels
-        cols, grid_x, chunks, rows_per_chunk = rows_launch(
-            rows, channels, VECTOR[z_dtype], sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
-        partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
-        fn = KERNELS.get(("bias_relu_backward_rows", z_dtype, dout.dtype, second_bias), dev)
-        _bridge.launch(fn, (grid_x, chunks, 1), BLOCK, (
-            dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), rows,
-            channels, rows_per_chunk, cols), dev)
-        sums = _reduce_partials(partial, dout.dtype)
     else:
-        batch = total // (channels * inner)
-        partial = torch.empty((batch, slots, channels), dtype=torch.float64, device=dout.device)
-        fn = KERNELS.get(("bias_relu_backward_slabs", z_dtype, dout.dtype, second_bias), dev)
-        _bridge.launch(fn, (batch * channels, 1, 1), BLOCK, (
-            dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), channels,
-            inner), dev)
+        # Every backward sums into partial[chunk][slot][C] (double), reduced
+        # in a fixed order by _reduce_partials.
+        if transpose:
+            kernel = "bias_relu_backward_to_nhwc"
+            tiles = sizes[0] * cdiv(inner, 64)
+            c_tiles = cdiv(channels, 64)
+            chunks = max(1, min(tiles, sm_count(dev) * _TO_NHWC_BLOCKS_PER_SM // c_tiles, 65535))
+            per_chunk = cdiv(tiles, chunks)
+            chunks = cdiv(tiles, per_chunk)
+            grid, extra = (c_tiles, chunks, 1), (channels, inner, tiles, per_chunk)
+        elif inner == 1:
+            kernel = "bias_relu_backward_rows"
+            rows = total // channels
+            cols, grid_x, chunks, rows_per_chunk = rows_launch(
+                rows, channels, VECTOR[z_dtype], sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
+            grid, extra = (grid_x, chunks, 1), (rows, channels, rows_per_chunk, cols)
+        else:
+            kernel = "bias_relu_backward_slabs"
+            chunks = total // (channels * inner)  # one per image
+            grid, extra = (chunks * channels, 1, 1), (channels, inner)
+        partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
+        fn = KERNELS.get((kernel, z_dtype, dout.dtype, second_bias), dev)
+        _bridge.launch(fn, grid, BLOCK, (dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(),
+                                         partial.data_ptr(), *extra), dev)
         sums = _reduce_partials(partial, dout.dtype)
     return dz, sums
 
 
 def _backward_fake(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
-                   second_bias: bool, z_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    dz = _empty_like_layout(sizes, channels_last, z_dtype, dout)
+                   second_bias: bool, z_dtype: torch.dtype,
+                   dz_channels_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    dz = _empty_like_layout(sizes, channels_last or dz_channels_last, z_dtype, dout)
     return dz, dout.new_empty((2 if second_bias else 1, sizes[1]))
 
 
 def _setup_context(ctx, inputs, output):
-    z, _, bias2, _ = inputs
+    z, _, bias2, _, dz_channels_last = inputs
     ctx.save_for_backward(output[1])
     ctx.sizes = list(z.shape)
     ctx.channels_last = _is_channels_last(z)
+    ctx.dz_channels_last = dz_channels_last and z.dim() == 4 and not ctx.channels_last
     ctx.second_bias = bias2 is not None
     ctx.z_dtype = z.dtype
 
@@ -184,11 +204,11 @@ def _setup_context(ctx, inputs, output):
 def _backward_formula(ctx, grads, run_backward):
     (mask,) = ctx.saved_tensors
     dz, sums = run_backward(grads[0], mask, ctx.sizes, ctx.channels_last, ctx.second_bias,
-                            ctx.z_dtype)
+                            ctx.z_dtype, ctx.dz_channels_last)
     if ctx.second_bias:
         dbias, dbias2 = sums.unbind(0)  # rows of one tensor, no copy
-        return dz, dbias, dbias2, None
-    return dz, sums[0], None, None
+        return dz, dbias, dbias2, None, None
+    return dz, sums[0], None, None, None
 
 
 _BIAS_RELU = FusedOp("bias_relu", _forward, _forward_fake, _setup_context, _backward_formula,
@@ -213,6 +233,14 @@ def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor]
     """
     if not isinstance(z, torch.Tensor):
         return call_with_cupy_arrays(bias_relu, "z", z, bias, bias2)
+    return _bias_relu(z, bias, bias2, False)
+
+
+def _bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
+               dz_channels_last: bool) -> torch.Tensor:
+    """:func:`bias_relu` on a tensor z; with ``dz_channels_last``, the
+    gradient it hands z is channels-last for an NCHW z (the convolution's
+    channels-last backward reads it so: conv_bias_relu.py)."""
     check_tensor("z", z, ndim=(2, 4))
     channels = z.shape[1]
     out_dtype = z.dtype
@@ -229,5 +257,5 @@ def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor]
     z = dense_layout(z)
     grad = needs_grad(z, bias, bias2)
     if grad or is_compiling():
-        return _BIAS_RELU.run(grad, z, bias, bias2, grad)[0]
-    return _forward(z, bias, bias2, False)[0]  # nothing to record: straight to the launch
+        return _BIAS_RELU.run(grad, z, bias, bias2, grad, dz_channels_last)[0]
+    return _forward(z, bias, bias2, False, False)[0]  # nothing to record: straight to the launch

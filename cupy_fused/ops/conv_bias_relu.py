@@ -39,7 +39,7 @@ from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import BLOCK, _ptr_or_null, cdiv, sm_count
-from .bias_relu import bias_relu
+from .bias_relu import _bias_relu
 
 # The engine's layouts: x NCHW, copied to channels-last first, y NCHW; x and
 # y channels-last (kNhwcOut in conv_bias_relu.cu).
@@ -320,12 +320,15 @@ def _channels_last_backward(dz: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether the backward of an NCHW convolution runs channels-last: on a
     compute capability 9.0 GPU, in float16 / bfloat16, or float32 with
     ``torch.backends.cudnn.allow_tf32``, with C_in and C_out multiples of 8
-    and at least :data:`CL_BACKWARD_MIN_ELEMENTS` values of dz.  cuDNN's
+    and at least :data:`CL_BACKWARD_MIN_ELEMENTS` values of dz (NCHW, or
+    channels-last already: :func:`conv_bias_relu` asks bias_relu's backward
+    for it so, with this test on the convolution's output).  cuDNN's
     NCHW backward works channels-last inside, at about twice the time of its
     channels-last one at such sizes; our transposing copies of dz and x, and
     of dx back, cost less than the difference."""
     return (dz.numel() >= CL_BACKWARD_MIN_ELEMENTS and x.shape[1] % 8 == 0 and dz.shape[1] % 8 == 0
-            and x.is_cuda and x.is_contiguous() and dz.is_contiguous()
+            and x.is_cuda and x.is_contiguous()
+            and (dz.is_contiguous() or dz.is_contiguous(memory_format=torch.channels_last))
             and (x.dtype != torch.float32 or torch.backends.cudnn.allow_tf32)
             and _transposes(x) and _transposes(dz)
             and _runtime.device_capability(x.device.index) == (9, 0))
@@ -336,7 +339,9 @@ def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, wan
     channels_last = _channels_last_backward(dz, x)
     dz_in, x_in = dz, x
     if channels_last:
-        dz_in = _transposed(dz)
+        # (dz comes channels-last from bias_relu's backward, see
+        # conv_bias_relu(), unless something between them changed it.)
+        dz_in = _transposed(dz) if dz.is_contiguous() else dz
         # (dx needs x's shape and layout only.)
         x_in = _transposed(x) if want_weight else torch.empty_like(x, memory_format=torch.channels_last)
     with _deterministic_cudnn():
@@ -431,4 +436,11 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     amp = autocast_dtype()
     if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
         x, weight = cast(x, amp), cast(weight, amp)
-    return bias_relu(_CUDNN_CONV.run(needs_grad(x, weight), x, weight), conv_bias, bias)
+    grad = needs_grad(x, weight)
+    z = _CUDNN_CONV.run(grad, x, weight)
+    # dz straight to channels-last where the convolution's backward runs so
+    # (z has dz's shape, dtype and layout).  Decided here, at the forward:
+    # should the backward then take cuDNN's NCHW route after all (a flag
+    # changed in between), that route reads the channels-last dz as it is.
+    return _bias_relu(z, conv_bias, bias,
+                      grad and z.is_contiguous() and _channels_last_backward(z, x))
