@@ -458,7 +458,8 @@ bias_relu_backward_to_nhwc(const TO* __restrict__ dy, i64 dy_dense, const unsign
   const i64 c0 = static_cast<i64>(blockIdx.x) * 64;
   // This thread loads channels c0 + ty + 4k, k < load_rows, and writes
   // channel c0 + tx.
-  const int load_rows = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(kRows), (channels - c0 - ty + 3) / 4)));
+  const int load_rows =
+      static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(kRows), (channels - c0 - ty + 3) / 4)));
   const bool writes = c0 + tx < channels;
   const i64 p_tiles = (positions + 63) / 64;
   const i64 row_step = 4 * positions, out_step = 4 * channels;
