@@ -28,7 +28,7 @@ from .._amp import HALF_DTYPES, cast, promoted
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, _ptr_or_null,
-                      _reduce_partials, sm_count)
+                      _reduce_partials, row_chunks, sm_count)
 
 def _expr(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype, second_bias: bool) -> str:
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
@@ -162,9 +162,7 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
             kernel = "bias_relu_backward_to_nhwc"
             tiles = sizes[0] * cdiv(inner, 64)
             c_tiles = cdiv(channels, 64)
-            chunks = max(1, min(tiles, sm_count(dev) * _TO_NHWC_BLOCKS_PER_SM // c_tiles, 65535))
-            per_chunk = cdiv(tiles, chunks)
-            chunks = cdiv(tiles, per_chunk)
+            chunks, per_chunk = row_chunks(tiles, c_tiles, dev, _TO_NHWC_BLOCKS_PER_SM)
             grid, extra = (c_tiles, chunks, 1), (channels, inner, tiles, per_chunk)
         elif inner == 1:
             kernel = "bias_relu_backward_rows"

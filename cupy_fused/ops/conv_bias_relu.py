@@ -67,8 +67,7 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
        for d in HALF_DTYPES
        for layout, out in ((NCHW, d), (CHANNELS_LAST, d), (NCHW, torch.float32))},
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
-       for d, src in [(d, s) for d in HALF_DTYPES for s in (d, torch.float32)]
-       + [(torch.float32, torch.float32)]},
+       for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
     **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES}})
 
 ROUTES = ("engine", "cudnn")
