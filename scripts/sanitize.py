@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from cupy_fused import ops, reference
+from cupy_fused import _runtime, ops, reference
 from cupy_fused.ops import gemm as G
 from cupy_fused.testing import compare, worse_than_eager
 
@@ -179,35 +179,40 @@ if G.has_wgmma(0):
             print("conv_bias_relu autocast", dtype, shape, "OK" if ok else "ERROR", flush=True)
             failed += [] if ok else [f"conv_bias_relu autocast {dtype} {shape}"]
 # The conv training route's channels-last backward (its size threshold
-# lifted; float32 with TF32 allowed too): the transposing copies both ways
-# around cuDNN (two of them a step: dz comes channels-last from bias_relu's
-# backward), against the same step through cuDNN's
-# NCHW backward.
-BR = importlib.import_module("cupy_fused.ops.bias_relu")
-BR._TO_NHWC_BLOCKS_PER_SM = 0  # one block per channel tile, looping over every tile
-copies = []
-transposed = CB._transposed
-CB._transposed = lambda *a, **k: copies.append(1) or transposed(*a, **k)
-for dtype in dtypes:
-    for shape in CONV_SHAPES:
-        x, wt, cb, b = conv_inputs(shape, dtype)
-        n, _, h, w, cout, kh, kw = shape
-        g = torch.randn(n, cout, h - kh + 1, w - kw + 1, device="cuda", dtype=dtype)
-        grads, took = [], True
-        for lift in (True, False):
-            copies.clear()
-            CB.CL_BACKWARD_MIN_ELEMENTS, keep = (0 if lift else 2**62), CB.CL_BACKWARD_MIN_ELEMENTS
-            try:
-                leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
-                ops.conv_bias_relu(*leaves).backward(g)
-            finally:
-                CB.CL_BACKWARD_MIN_ELEMENTS = keep
-            grads.append([t.grad.float() for t in leaves])
-            took &= len(copies) == (2 if lift else 0)
-        ok = took and all((a - r).abs().max() <= 1e-2 * r.abs().max() for a, r in zip(*grads))
-        print("conv_bias_relu channels-last backward", dtype, shape, "OK" if ok else "ERROR", flush=True)
-        failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {shape}"]
-CB._transposed = transposed
+# lifted; float32 with TF32 allowed too), taken on a compute capability 9.0
+# GPU only: the transposing copies both ways around cuDNN (two of them a
+# step: dz comes channels-last from bias_relu's backward), against the
+# same step through cuDNN's NCHW backward.
+if _runtime.device_capability(0) == (9, 0):
+    BR = importlib.import_module("cupy_fused.ops.bias_relu")
+    copies = []
+    transposed, blocks_per_sm = CB._transposed, BR._TO_NHWC_BLOCKS_PER_SM
+    CB._transposed = lambda *a, **k: copies.append(1) or transposed(*a, **k)
+    BR._TO_NHWC_BLOCKS_PER_SM = 0  # one block per channel tile, looping over every tile
+    try:
+        for dtype in dtypes:
+            for shape in CONV_SHAPES:
+                x, wt, cb, b = conv_inputs(shape, dtype)
+                n, _, h, w, cout, kh, kw = shape
+                g = torch.randn(n, cout, h - kh + 1, w - kw + 1, device="cuda", dtype=dtype)
+                grads, took = [], True
+                for lift in (True, False):
+                    copies.clear()
+                    keep = CB.CL_BACKWARD_MIN_ELEMENTS
+                    CB.CL_BACKWARD_MIN_ELEMENTS = 0 if lift else 2**62
+                    try:
+                        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+                        ops.conv_bias_relu(*leaves).backward(g)
+                    finally:
+                        CB.CL_BACKWARD_MIN_ELEMENTS = keep
+                    grads.append([t.grad.float() for t in leaves])
+                    took &= len(copies) == (2 if lift else 0)
+                ok = took and all((a - r).abs().max() <= 1e-2 * r.abs().max() for a, r in zip(*grads))
+                print("conv_bias_relu channels-last backward", dtype, shape, "OK" if ok else "ERROR",
+                      flush=True)
+                failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {shape}"]
+    finally:
+        CB._transposed, BR._TO_NHWC_BLOCKS_PER_SM = transposed, blocks_per_sm
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.
