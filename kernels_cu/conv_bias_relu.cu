@@ -321,26 +321,16 @@ struct NhwcStore {
 };
 #endif
 
-// The transposes' shared tile holds a 16-bit T as its bits, float32 as it
-// is.  A value of Tin enters as T (rounded from float32 for a 16-bit T:
-// autocast's cast) and leaves as T.
-template <typename T> struct TileWord { using type = unsigned short; };
-template <> struct TileWord<float> { using type = float; };
-template <typename A, typename B> struct SameType { static constexpr bool value = false; };
-template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+// A value of Tin as the transposes' T: itself, or rounded from float32 for
+// a 16-bit T (autocast's cast).
 template <typename T, typename Tin>
-__device__ __forceinline__ typename TileWord<T>::type tile_word(Tin v) {
-  static_assert(SameType<Tin, T>::value || SameType<Tin, float>::value, "a copy keeps the dtype or rounds float32");
-  if constexpr (SameType<Tin, T>::value) return v.bits;
-  else return from_float<T>(v).bits;
+__device__ __forceinline__ T tile_value(Tin v) {
+  if constexpr (sizeof(Tin) == sizeof(T)) {
+    return v;  // (a copy keeps the dtype: Tin is T)
+  } else {
+    return from_float<T>(v);
+  }
 }
-template <> __device__ __forceinline__ float tile_word<float, float>(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_tile_word(typename TileWord<T>::type w) {
-  T t;
-  t.bits = w;
-  return t;
-}
-template <> __device__ __forceinline__ float from_tile_word<float>(float w) { return w; }
 
 // One 64-channel x 64-column tile of image row (n, h) copied between NCHW
 // [N, C, H, W] and channels-last [N, H, W, C] (kToNhwc: that way) through
@@ -352,7 +342,7 @@ __device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* _
                                                i64 W) {
   // +1: the transposed accesses of 4-byte words hit distinct banks (of
   // 16-bit ones, two lanes to a bank).
-  __shared__ typename TileWord<T>::type tile[64][65];
+  __shared__ T tile[64][65];
   const i64 col_tiles = (W + 63) / 64;
   const i64 nh = blockIdx.x / col_tiles;  // n * H + h
   const i64 w0 = (blockIdx.x - nh * col_tiles) * 64, c0 = static_cast<i64>(blockIdx.y) * 64;
@@ -363,7 +353,7 @@ __device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* _
     const int ci = kToNhwc ? i : tx, wi = kToNhwc ? tx : i;
     const i64 c = c0 + ci, w = w0 + wi;
     if (c < C && w < W)
-      tile[ci][wi] = tile_word<T>(src[kToNhwc ? ((n * C + c) * H + h) * W + w : (nh * W + w) * C + c]);
+      tile[ci][wi] = tile_value<T>(src[kToNhwc ? ((n * C + c) * H + h) * W + w : (nh * W + w) * C + c]);
   }
   __syncthreads();
 #pragma unroll 4
@@ -371,7 +361,7 @@ __device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* _
     const int ci = kToNhwc ? tx : i, wi = kToNhwc ? i : tx;
     const i64 c = c0 + ci, w = w0 + wi;
     if (c < C && w < W)
-      dst[kToNhwc ? (nh * W + w) * C + c : ((n * C + c) * H + h) * W + w] = from_tile_word<T>(tile[ci][wi]);
+      dst[kToNhwc ? (nh * W + w) * C + c : ((n * C + c) * H + h) * W + w] = tile[ci][wi];
   }
 }
 
