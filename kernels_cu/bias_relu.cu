@@ -423,7 +423,7 @@ bias_relu_backward_slabs(const TO* __restrict__ dy, i64 dy_dense,
 }
 
 // Blocks per SM bias_relu_backward_to_nhwc is built for (registers capped
-// to fit them; the next tile's loads take 32 of a thread's): ops/
+// to fit them; the next tile's loads take up to 32 of a thread's): ops/
 // bias_relu.py sizes its grid from it.
 constexpr int kToNhwcBlocksPerSm = 3;
 
@@ -433,71 +433,93 @@ constexpr int kToNhwcBlocksPerSm = 3;
 // x 64 positions p = h * W + w of one image, so that the reads (along p)
 // and the writes (along C) are whole runs of a warp.  blockIdx.x: channel
 // tile; blockIdx.y: chunk, which takes the tiles (n, p tile) numbered
-// tiles_per_chunk * chunk onwards.  The loads of a block's next tile are
-// issued into registers before it writes the current one, so that each SM
-// keeps enough bytes in flight.  Its speed is bound by the instructions it
-// issues per element, so addresses advance by pointer steps and the
-// per-channel sums add in double: more accurate than compensated float
-// sums, at a third of their instructions.  A thread's write phase holds
-// one channel, whose sums it keeps over its positions; the block's four row
-// groups then combine in a fixed order into partial[chunk][slot][C], as the
-// other backwards.
-template <typename T, typename Chain, typename TO = T>
+// tiles_per_chunk * chunk onwards.
+//
+// A thread moves kVec (1 or 2) consecutive values per access: kVec
+// positions of a channel when it loads dy, kVec channels of a position when
+// it stores dz.  kVec = 2 (H * W and C even, dy and dz aligned to two
+// values; the caller checks) halves the loads and stores, and with them
+// the instructions per element, which set this kernel's pace: the loads of
+// a block's next tile are issued into registers before it writes the
+// current one, addresses advance by pointer steps, and the per-channel sums
+// add in double (more accurate than compensated float sums, at a third of
+// their instructions).  A thread's write phase holds its channels, whose
+// sums it keeps over its positions; the block's row groups then combine in
+// a fixed order into partial[chunk][slot][C], as the other backwards.
+template <typename T, typename Chain, typename TO = T, int kVec = 1>
 __global__ void __launch_bounds__(256, kToNhwcBlocksPerSm)
 bias_relu_backward_to_nhwc(const TO* __restrict__ dy, i64 dy_dense, const unsigned* __restrict__ mask,
                            T* __restrict__ dz, double* __restrict__ partial, i64 channels, i64 positions,
                            i64 tiles, i64 tiles_per_chunk) {
+  static_assert(kVec == 1 || kVec == 2, "one or two values per access");
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
-  constexpr int kRows = 16;  // tile rows (channels) a thread loads: 64 over 4 row groups
+  constexpr int kLanes = 64 / kVec;      // threads along a tile row
+  constexpr int kGroups = 256 / kLanes;  // row groups: 4 or 8
+  constexpr int kRows = 64 / kGroups;    // rows a thread loads, and writes
+  // dy's raw words per access (a lone 16-bit value in the low half of one).
+  constexpr int kRawWords = kVec * static_cast<int>(sizeof(TO)) > 4 ? 2 : 1;
   // dz, and dy where bias2's sum needs it, as [channel][position]; +1: the
-  // transposed reads hit distinct banks.
+  // transposed reads hit distinct banks (two lanes to a bank for kVec 2).
   __shared__ float d_tile[64][65];
   __shared__ float g_tile[Chain::kHasSecondBias ? 64 : 1][65];
-  __shared__ double scratch[kSlots][4][64];
-  const int tx = threadIdx.x & 63, ty = threadIdx.x >> 6;
+  __shared__ double scratch[kSlots][kGroups][64];
+  const int tx = threadIdx.x % kLanes, ty = threadIdx.x / kLanes;
   const i64 c0 = static_cast<i64>(blockIdx.x) * 64;
-  // This thread loads channels c0 + ty + 4k, k < load_rows, and writes
-  // channel c0 + tx.
-  const int load_rows =
-      static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(kRows), (channels - c0 - ty + 3) / 4)));
-  const bool writes = c0 + tx < channels;
+  // This thread loads channels c0 + ty + kGroups * k, k < load_rows, at
+  // positions kVec * tx + j, and writes channels c0 + kVec * tx + j.
+  const int load_rows = static_cast<int>(
+      max(static_cast<i64>(0), min(static_cast<i64>(kRows), (channels - c0 - ty + kGroups - 1) / kGroups)));
+  const bool writes = c0 + kVec * tx < channels;  // (C is even for kVec 2)
   const i64 p_tiles = (positions + 63) / 64;
-  const i64 row_step = 4 * positions, out_step = 4 * channels;
+  const i64 row_step = kGroups * positions, out_step = kGroups * channels;
   const float g_all = dy_dense ? 0.0f : to_float(dy[0]);
   const i64 t0 = static_cast<i64>(blockIdx.y) * tiles_per_chunk;
   const i64 t1 = min(tiles, t0 + tiles_per_chunk);
-  // One tile's loads, raw: dy, and the mask word of each element.  Entries
-  // out of range stay unset; nothing reads them.
-  TO g_raw[kRows];
+  // One tile's loads, raw: dy, and the mask word of each access (kVec
+  // elements from an even one share a word).  Entries out of range stay
+  // unset; nothing reads them.
+  unsigned g_raw[kRows][kRawWords];
   unsigned m_raw[kRows];
   const auto load = [&](i64 t) {
-    const i64 n = t / p_tiles, p = (t - n * p_tiles) * 64 + tx;
+    const i64 n = t / p_tiles, p = (t - n * p_tiles) * 64 + kVec * tx;
     if (p >= positions) return;
     i64 e = (n * channels + c0 + ty) * positions + p;
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
       if (k < load_rows) {
         m_raw[k] = mask[e >> 5];
-        if (dy_dense) g_raw[k] = dy[e];
+        if (dy_dense) {
+          if constexpr (kVec == 1) {
+            g_raw[k][0] = brelu::raw_bits(dy[e]);
+          } else {
+            Packed<TO, kVec> v;
+            v.load(dy + e);
+#pragma unroll
+            for (int w = 0; w < kRawWords; ++w) g_raw[k][w] = v.w[w];
+          }
+        }
       }
       e += row_step;
     }
   };
-  double sum_dz = 0.0, sum_dy = 0.0;
+  double sum_dz[kVec] = {}, sum_dy[kVec] = {};
   if (t0 < t1) load(t0);
   for (i64 t = t0; t < t1; ++t) {
     const i64 n = t / p_tiles, p0 = (t - n * p_tiles) * 64;
     __syncthreads();  // the previous tile's reads of the staging are done
-    if (p0 + tx < positions) {
+    if (p0 + kVec * tx < positions) {
       // The bit of element e in its mask word: e's low five bits.
-      const unsigned e_low = static_cast<unsigned>((n * channels + c0 + ty) * positions + p0 + tx);
+      const unsigned e_low = static_cast<unsigned>((n * channels + c0 + ty) * positions + p0 + kVec * tx);
 #pragma unroll
       for (int k = 0; k < kRows; ++k) {
         if (k < load_rows) {
-          const float g = dy_dense ? to_float(g_raw[k]) : g_all;
           const unsigned bit = (e_low + static_cast<unsigned>(k * row_step)) & 31u;
-          d_tile[ty + 4 * k][tx] = (m_raw[k] >> bit) & 1u ? g : 0.0f;
-          if constexpr (Chain::kHasSecondBias) g_tile[ty + 4 * k][tx] = g;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            const float g = dy_dense ? packed_value<TO>(g_raw[k], j) : g_all;
+            d_tile[ty + kGroups * k][kVec * tx + j] = (m_raw[k] >> (bit + j)) & 1u ? g : 0.0f;
+            if constexpr (Chain::kHasSecondBias) g_tile[ty + kGroups * k][kVec * tx + j] = g;
+          }
         }
       }
     }
@@ -505,24 +527,38 @@ bias_relu_backward_to_nhwc(const TO* __restrict__ dy, i64 dy_dense, const unsign
     if (t + 1 < t1) load(t + 1);  // in flight while this tile is written
     if (writes) {
       const int valid = static_cast<int>(min(static_cast<i64>(64), positions - p0));
-      T* out = dz + (n * positions + p0 + ty) * channels + c0 + tx;
+      T* out = dz + (n * positions + p0 + ty) * channels + c0 + kVec * tx;
 #pragma unroll 4
-      for (int i = ty; i < valid; i += 4) {
-        const float d = d_tile[tx][i];
-        *out = from_float<T>(d);
+      for (int i = ty; i < valid; i += kGroups) {
+        float d[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          d[j] = d_tile[kVec * tx + j][i];
+          sum_dz[j] += static_cast<double>(d[j]);
+          if constexpr (Chain::kHasSecondBias) sum_dy[j] += static_cast<double>(g_tile[kVec * tx + j][i]);
+        }
+        if constexpr (kVec == 1) {
+          *out = from_float<T>(d[0]);
+        } else {
+          store_vec<T, kVec>(out, d);
+        }
         out += out_step;
-        sum_dz += static_cast<double>(d);
-        if constexpr (Chain::kHasSecondBias) sum_dy += static_cast<double>(g_tile[tx][i]);
       }
     }
   }
-  // The four row groups' sums of each channel, added in order.
-  scratch[0][ty][tx] = sum_dz;
-  if constexpr (Chain::kHasSecondBias) scratch[kSlots - 1][ty][tx] = sum_dy;
+  // The row groups' sums of each channel, added in order.
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    scratch[0][ty][kVec * tx + j] = sum_dz[j];
+    if constexpr (Chain::kHasSecondBias) scratch[kSlots - 1][ty][kVec * tx + j] = sum_dy[j];
+  }
   __syncthreads();
-  if (ty < kSlots && c0 + tx < channels) {
-    const double v = ((scratch[ty][0][tx] + scratch[ty][1][tx]) + scratch[ty][2][tx]) + scratch[ty][3][tx];
-    partial[(static_cast<i64>(blockIdx.y) * kSlots + ty) * channels + c0 + tx] = v;
+  const int slot = threadIdx.x / 64, ch = threadIdx.x % 64;
+  if (slot < kSlots && c0 + ch < channels) {
+    double v = scratch[slot][0][ch];
+#pragma unroll
+    for (int g = 1; g < kGroups; ++g) v += scratch[slot][g][ch];
+    partial[(static_cast<i64>(blockIdx.y) * kSlots + slot) * channels + c0 + ch] = v;
   }
 }
 

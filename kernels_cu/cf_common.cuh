@@ -55,7 +55,7 @@ template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float f) {
 // allows: a 2- or 4-byte access per value leaves the load/store units, not
 // the memory, setting the pace.  In Packed::load, load_vec and store_vec,
 // `p` must be aligned to N * sizeof(T) bytes (at most 16), and
-// N * sizeof(T) must be 8, 16 or 32.
+// N * sizeof(T) must be 4, 8, 16 or 32.
 
 // Value k of values of T packed in 32-bit words as they lie in memory.
 template <typename T>
@@ -75,10 +75,12 @@ __device__ __forceinline__ float packed_value(const unsigned* w, int k) {
 template <typename T, int N>
 struct Packed {
   static constexpr int kWords = N * static_cast<int>(sizeof(T)) / 4;
-  static_assert(kWords == 2 || kWords % 4 == 0, "8, 16 or 32 bytes");
+  static_assert(kWords == 1 || kWords == 2 || kWords % 4 == 0, "4, 8, 16 or 32 bytes");
   unsigned w[kWords];
   __device__ __forceinline__ void load(const T* p) {
-    if constexpr (kWords == 2) {
+    if constexpr (kWords == 1) {
+      w[0] = *reinterpret_cast<const unsigned*>(p);
+    } else if constexpr (kWords == 2) {
       const uint2 r = *reinterpret_cast<const uint2*>(p);
       w[0] = r.x; w[1] = r.y;
     } else {
@@ -116,7 +118,7 @@ __device__ __forceinline__ void load_vec_or(const T* p, float (&out)[N], float f
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* p, const float (&in)[N]) {
   constexpr int kWords = N * static_cast<int>(sizeof(T)) / 4;
-  static_assert(kWords == 2 || kWords % 4 == 0, "8, 16 or 32 bytes");
+  static_assert(kWords == 1 || kWords == 2 || kWords % 4 == 0, "4, 8, 16 or 32 bytes");
   unsigned w[kWords];
 #pragma unroll
   for (int k = 0; k < N; ++k) {
@@ -127,7 +129,9 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[N]) {
       w[k / 2] = k % 2 ? (w[k / 2] | (bits << 16)) : bits;
     }
   }
-  if constexpr (kWords == 2) {
+  if constexpr (kWords == 1) {
+    *reinterpret_cast<unsigned*>(p) = w[0];
+  } else if constexpr (kWords == 2) {
     *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
   } else {
 #pragma unroll

@@ -292,28 +292,40 @@ def test_repeated_runs_are_bitwise_equal(offset, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("second", [False, True], ids=["one-bias", "two-biases"])
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
-@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 70, 9, 15), (3, 64, 8, 8), (2, 130, 1, 67)],
+@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 70, 9, 15), (3, 64, 8, 8), (2, 130, 1, 67),
+                                   (2, 70, 6, 9), (1, 66, 2, 33)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("grad_mode", ["dense", "sum"])
+@pytest.mark.parametrize("grad_mode", ["dense", "sum", "dense_misaligned"])
 @pytest.mark.parametrize("chunks", ["grid", "one_chunk"])
 def test_backward_to_channels_last(shape, pair, second, grad_mode, chunks, device, monkeypatch):
     """An NCHW z whose gradient is asked channels-last (the convolution's
     channels-last backward): dz the same values as the NCHW backward's,
     bitwise, laid out channels-last; the biases' gradients within one
     rounding of their float64 sums; a second run bitwise the same; the
-    custom op's fake strides those of the real dz.  Channel and position counts off the 64 x 64
-    tiles, one image, one row, a broadcast upstream gradient; the grid as
-    launched, and one block per channel tile taking every tile in turn."""
+    custom op's fake strides those of the real dz.  Channel and position
+    counts off the 64 x 64 tiles, one image, one row, a broadcast upstream
+    gradient; the grid as launched, and one block per channel tile taking
+    every tile in turn.  Two values per access where H * W and C are even
+    and dy starts on a pair (not for a dy one element into its storage)."""
     if chunks == "one_chunk":
         monkeypatch.setattr(BR, "_TO_NHWC_BLOCKS_PER_SM", 0)
+    launched = []
+    get = BR.KERNELS.get
+    monkeypatch.setattr(BR.KERNELS, "get", lambda key, dev: launched.append(key[0]) or get(key, dev))
     z, b1, b2 = _inputs(shape, False, *pair, second, device)
-    dy = (torch.randn(shape, device=device, dtype=pair[1]) if grad_mode == "dense"
-          else torch.ones((), device=device, dtype=pair[1]).expand(shape))
+    if grad_mode == "sum":
+        dy = torch.ones((), device=device, dtype=pair[1]).expand(shape)
+    else:
+        offset = 1 if grad_mode == "dense_misaligned" else 0
+        dy = torch.randn(math.prod(shape) + offset, device=device, dtype=pair[1])[offset:].view(shape)
     runs = []
     for dz_channels_last in (False, True, True):
         out = BR._bias_relu(z, b1, b2, dz_channels_last)
         runs.append(torch.autograd.grad(out, [z, b1] + ([b2] if second else []), dy))
     plain, cl, again = runs
+    pairs = shape[1] % 2 == 0 and shape[2] * shape[3] % 2 == 0 and grad_mode != "dense_misaligned"
+    to_nhwc = [k for k in launched if k.startswith("bias_relu_backward_to_nhwc")]
+    assert to_nhwc == ["bias_relu_backward_to_nhwc" + ("_x2" if pairs else "")] * 2
     assert plain[0].is_contiguous() and cl[0].is_contiguous(memory_format=torch.channels_last)
     assert not cl[0].is_contiguous() or shape[2] * shape[3] == 1
     assert torch.equal(cl[0], plain[0])

@@ -30,10 +30,16 @@ from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, de
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, _ptr_or_null,
                       _reduce_partials, row_chunks, sm_count)
 
+# Kernel names of the keys below that are another kernel's instantiation:
+# bias_relu_backward_to_nhwc moving two values per access (kVec = 2).
+_VARIANTS = {"bias_relu_backward_to_nhwc_x2": ("bias_relu_backward_to_nhwc", 2)}
+
+
 def _expr(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype, second_bias: bool) -> str:
+    kernel, vec = _VARIANTS.get(kernel, (kernel, 1))
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
-    out = "" if out_dtype == dtype else f", {cxx_type(out_dtype)}"
-    return f"cf::{kernel}<{cxx_type(dtype)}, {chain}{out}>"
+    out = "" if out_dtype == dtype and vec == 1 else f", {cxx_type(out_dtype)}"
+    return f"cf::{kernel}<{cxx_type(dtype)}, {chain}{out}{'' if vec == 1 else f', {vec}'}>"
 
 
 # (z's dtype, the output's): one dtype, or a half z with float32 biases.
@@ -43,7 +49,7 @@ DTYPE_PAIRS = tuple((d, d) for d in FLOAT_DTYPES) + tuple((d, torch.float32) for
 KERNELS = _runtime.KernelFamily("bias_relu.cu", {
     (k, d, o, b): _expr(k, d, o, b)
     for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs",
-              "bias_relu_backward_to_nhwc")
+              "bias_relu_backward_to_nhwc", "bias_relu_backward_to_nhwc_x2")
     for d, o in DTYPE_PAIRS for b in (False, True)
 })
 
@@ -159,7 +165,12 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         # Every backward sums into partial[chunk][slot][C] (double), reduced
         # in a fixed order by _reduce_partials.
         if transpose:
-            kernel = "bias_relu_backward_to_nhwc"
+            # Two values per access where every pair is aligned: an even
+            # H * W (dy's rows) and C (dz's), and both bases on a pair.
+            pairs = (inner % 2 == 0 and channels % 2 == 0
+                     and dz.data_ptr() % (2 * dz.element_size()) == 0
+                     and (not dense or dy.data_ptr() % (2 * dy.element_size()) == 0))
+            kernel = "bias_relu_backward_to_nhwc_x2" if pairs else "bias_relu_backward_to_nhwc"
             tiles = sizes[0] * cdiv(inner, 64)
             c_tiles = cdiv(channels, 64)
             chunks, per_chunk = row_chunks(tiles, c_tiles, dev, _TO_NHWC_BLOCKS_PER_SM)
