@@ -74,9 +74,12 @@ __device__ __forceinline__ float round_statistic(float v) {
 }
 
 // The GroupNorm's rstd: eager's formula (rsqrtf) where the chain rounds like
-// eager, so that its rounding to T agrees with eager's as often as it can.
-__device__ __forceinline__ float group_rstd(float var_plus_eps, bool like_eager) {
-  return like_eager ? rsqrtf(var_plus_eps) : 1.0f / sqrtf(var_plus_eps);
+// eager, so that its rounding to T agrees with eager's as often as it can,
+// and where the activations run fast (a float16 / bfloat16 z: rsqrtf's
+// two units of float32 error sit far below the input's own, and it saves
+// the IEEE square root and divide on every row); 1 / sqrtf otherwise.
+__device__ __forceinline__ float group_rstd(float var_plus_eps, bool rsqrt) {
+  return rsqrt ? rsqrtf(var_plus_eps) : 1.0f / sqrtf(var_plus_eps);
 }
 
 // A group's rstd from its summed squared deviations, then its mean and
@@ -86,7 +89,7 @@ __device__ __forceinline__ float group_rstd(float var_plus_eps, bool like_eager)
 template <typename T, typename Chain>
 __device__ __forceinline__ void finish_statistics(float sq_sum, float inv_cpg, float feps,
                                                   bool round_stats, float& mean, float& rstd) {
-  rstd = group_rstd(sq_sum * inv_cpg + feps, round_stats);
+  rstd = group_rstd(sq_sum * inv_cpg + feps, round_stats || fast_math<T, Chain>());
   if (round_stats) {
     mean = round_statistic<T, Chain::kGroupNormIsLast>(mean);
     rstd = round_statistic<T, Chain::kGroupNormIsLast>(rstd);
@@ -390,10 +393,10 @@ __device__ __forceinline__ VecLane vec_lane(int cpg, i64 groups, int t) {
   return l;
 }
 
-// The backward's column vectors where float32 vectors meet a 16-bit z (the
-// amp kernels): held in registers (LaneVectors), with the lane's column sums
-// and two rows of loads, they push the kernel past its 128 registers at 2
-// blocks per SM, and it spills.  So they sit in shared memory instead
+// The backward's column vectors on a 16-bit z (16-byte accesses, eight
+// values per lane): held in registers (LaneVectors), with the lane's column
+// sums and two rows of loads, they push the kernel past its 128 registers
+// at 2 blocks per SM, and it spills.  So they sit in shared memory instead
 // (SharedVectors), one copy per block (every warp of a block covers the same
 // columns), laid out [vector][k][lane] so that a warp's reads hit 32 banks.
 // BackwardVectors: registers, or (kShared) shared memory `smem` of kSlots
@@ -404,7 +407,7 @@ struct BackwardVectors {
   using type = LaneVectors<TO, kE, kFast>;
   static __device__ __forceinline__ type make(const ColumnVectors<TO, kFast>& p,
                                               const VecLane& l, float*) {
-    type lv;
+    type lv = {};
     if (l.active) lv.load(p, l.col);
     return lv;
   }
@@ -459,7 +462,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
   const float feps = static_cast<float>(eps);
   i64 row0, row1;
   chunk_rows(rows, rows_per_chunk, row0, row1);
-  LaneVectors<TO, kE, kFast> lv;
+  LaneVectors<TO, kE, kFast> lv = {};
   if (l.active) lv.load(p, l.col);
 
   auto load_row = [&](Packed<T, kE>& b, i64 r) {
@@ -470,9 +473,12 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
     b.unpack(v);
     load_row(b, r + 2 * kWarps);
     float sum = 0.0f;
+    // Every lane computes Pre (an idle lane on zeros) and selects: a branch
+    // per value would cost more than the arithmetic.
 #pragma unroll
     for (int k = 0; k < kE; ++k) {
-      v[k] = l.active ? Chain::pre(v[k], lv, k) : 0.0f;
+      const float pre = Chain::pre(v[k], lv, k);
+      v[k] = l.active ? pre : 0.0f;
       sum += v[k];
     }
     float mean = team_sum(sum, t) * inv_cpg;
@@ -498,7 +504,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
   };
   // Two rows of loads in flight per lane; warp-uniform trip counts (the
   // team sums need every lane of the warp).
-  Packed<T, kE> even, odd;
+  Packed<T, kE> even = {}, odd = {};
   const i64 first = row0 + threadIdx.x / 32;
   load_row(even, first);
   load_row(odd, first + kWarps);
@@ -533,7 +539,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
   i64 row0, row1;
   chunk_rows(rows, rows_per_chunk, row0, row1);
 
-  using Vectors = BackwardVectors<sizeof(TO) == 4 && sizeof(T) == 2, TO, kE, kFast>;
+  using Vectors = BackwardVectors<sizeof(T) == 2, TO, kE, kFast>;
   __shared__ float vector_smem[Vectors::kSlots];
   const typename Vectors::type lv = Vectors::make(p, l, vector_smem);
   float acc[S][kE];
@@ -574,15 +580,17 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     load_row(b, r + 2 * kWarps);
     float xh[kE], dxh[kE], dyh[kE], mg[kE], pg[kE];
     float s1 = 0.0f, s2 = 0.0f;
+    // Every lane computes (an idle lane on zeros) and an idle lane's terms
+    // are zeroed: a branch per value would cost more than the arithmetic.
 #pragma unroll
     for (int k = 0; k < kE; ++k) {
-      xh[k] = dxh[k] = dyh[k] = mg[k] = pg[k] = 0.0f;
-      if (l.active) {
-        const float v = Chain::pre_with_grad(zs[k], lv, k, pg[k]);
-        dxh[k] = element_backward_from_pre<Chain>(v, dys[k], mu, rs, k, lv, xh[k], dyh[k], mg[k]);
-        s1 += dxh[k];
-        s2 += dxh[k] * xh[k];
-      }
+      xh[k] = dyh[k] = mg[k] = pg[k] = 0.0f;
+      const float v = Chain::pre_with_grad(zs[k], lv, k, pg[k]);
+      const float d = element_backward_from_pre<Chain>(v, dys[k], mu, rs, k, lv, xh[k], dyh[k], mg[k]);
+      dxh[k] = l.active ? d : 0.0f;
+      xh[k] = l.active ? xh[k] : 0.0f;
+      s1 += dxh[k];
+      s2 += dxh[k] * xh[k];
     }
     s1 = team_sum(s1, t) * inv_cpg;
     s2 = team_sum(s2, t) * inv_cpg;
@@ -600,7 +608,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
       store_vec<T, kE>(dz_out + r * channels + l.col, d);
     }
   };
-  Row even, odd;
+  Row even = {}, odd = {};
   const int warp = threadIdx.x / 32;
   const i64 first = row0 + warp;
   load_row(even, first);

@@ -104,11 +104,9 @@ class LaunchShapes:
             vectors per lane.
         forward_vec_min_blocks_float: the same on a float32 z.
         backward_vec_min_blocks_half: the vectorised backward on a float16 /
-            bfloat16 z (two rows of loads, a vector's column sums and its
-            columns' vectors per lane: a few spilled registers at 2 blocks
-            per SM, many at 3, which measured far slower; with float32
-            vectors, as under autocast, the vectors sit in shared memory,
-            and nothing spills at 2).
+            bfloat16 z (two rows of loads and a vector's column sums per
+            lane, its columns' vectors in shared memory: nothing spills at
+            2 blocks per SM; at 3 it spilled, and measured far slower).
         backward_vec_min_blocks_float: the same on a float32 z.
         backward_vec_bytes: the vectorised backward's accesses of z, 8 or
             16 bytes (its values per lane, and so its registers).
