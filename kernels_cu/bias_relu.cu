@@ -238,7 +238,7 @@ bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out, unsigned* __res
 
 // Blocks per SM the rows kernel is built for (its registers are capped so
 // that they fit: 64 a thread for float, 80 for the 16-bit types, whose 8
-// channels' sums take 32); relu_epilogue.py (ROWS_BLOCKS_PER_SM) sizes its
+// channels' sums take 32); ops/bias_relu.py (ROWS_BLOCKS_PER_SM) sizes its
 // grid from the same numbers.
 template <typename T>
 constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : 3;
