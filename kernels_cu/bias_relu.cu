@@ -444,8 +444,10 @@ constexpr int kToNhwcBlocksPerSm = 3;
 // current one, addresses advance by pointer steps, and the per-channel sums
 // add in double (more accurate than compensated float sums, at a third of
 // their instructions).  A thread's write phase holds its channels, whose
-// sums it keeps over its positions; the block's row groups then combine in
-// a fixed order into partial[chunk][slot][C], as the other backwards.
+// sums it keeps over its positions; the block's row groups (4 for kVec 1,
+// 8 for kVec 2) then combine in a fixed order into partial[chunk][slot][C],
+// as the other backwards.  So the biases' gradients may differ in their
+// last bits between the two variants; each is bitwise reproducible.
 template <typename T, typename Chain, typename TO = T, int kVec = 1>
 __global__ void __launch_bounds__(256, kToNhwcBlocksPerSm)
 bias_relu_backward_to_nhwc(const TO* __restrict__ dy, i64 dy_dense, const unsigned* __restrict__ mask,
@@ -459,7 +461,8 @@ bias_relu_backward_to_nhwc(const TO* __restrict__ dy, i64 dy_dense, const unsign
   // dy's raw words per access (a lone 16-bit value in the low half of one).
   constexpr int kRawWords = kVec * static_cast<int>(sizeof(TO)) > 4 ? 2 : 1;
   // dz, and dy where bias2's sum needs it, as [channel][position]; +1: the
-  // transposed reads hit distinct banks (two lanes to a bank for kVec 2).
+  // transposed accesses hit distinct banks (two lanes to a bank, both ways,
+  // for kVec 2).
   __shared__ float d_tile[64][65];
   __shared__ float g_tile[Chain::kHasSecondBias ? 64 : 1][65];
   __shared__ double scratch[kSlots][kGroups][64];

@@ -189,9 +189,10 @@ __device__ __forceinline__ float swish_and_grad(float x, float& grad) {
 }
 // mish(x) and its derivative sharing one tanh(softplus(x)).  Fast:
 // tanh(log1p(e)) = n / (n + 2) with n = e (e + 2), e = exp(x), one exp for
-// both (above x = 15 both tanh and sigmoid are 1 in float).  The exp's
-// argument is clamped there, so that n stays finite and both branches are
-// computed and selected, not jumped over.
+// both.  Above x = 15 tanh is 1 in float, so the sigmoid's term of the
+// derivative is multiplied by 1 - t^2 = 0 and both are taken as 1.  The
+// exp's argument is clamped there, so that n stays finite and both branches
+// are computed and selected, not jumped over.
 template <bool kFast>
 __device__ __forceinline__ float mish_and_grad(float x, float& grad) {
   if constexpr (kFast) {

@@ -393,10 +393,11 @@ __device__ __forceinline__ VecLane vec_lane(int cpg, i64 groups, int t) {
   return l;
 }
 
-// The backward's column vectors on a 16-bit z (16-byte accesses, eight
-// values per lane): held in registers (LaneVectors), with the lane's column
-// sums and two rows of loads, they push the kernel past its 128 registers
-// at 2 blocks per SM, and it spills.  So they sit in shared memory instead
+// The backward's column vectors on a 16-bit z: held in registers
+// (LaneVectors), with the lane's column sums and two rows of loads, they
+// push the kernel past its 128 registers at 2 blocks per SM with 16-byte
+// accesses (eight values per lane), and it spills.  So they sit in shared
+// memory instead
 // (SharedVectors), one copy per block (every warp of a block covers the same
 // columns), laid out [vector][k][lane] so that a warp's reads hit 32 banks.
 // BackwardVectors: registers, or (kShared) shared memory `smem` of kSlots
