@@ -216,11 +216,10 @@ bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out, unsigned* __res
 #pragma unroll
         for (int k = 0; k < kV; ++k) {
           const float v = packed_value<T>(x[u], k) + b[k];
-          const bool positive = !(v <= 0.0f);
-          float r = positive ? v : 0.0f;  // NaN stays NaN, as in torch.relu
+          float r = relu_keep_nan(v);
           if (Chain::kHasSecondBias) r += c[k];
           y[k] = r;
-          bits |= (positive && k < n[u] ? 1u : 0u) << k;
+          bits |= (!(v <= 0.0f) && k < n[u] ? 1u : 0u) << k;  // NaN: set
         }
         brelu::store_values<TO, kV>(out + e[u], vec, n[u], y);
       }

@@ -209,6 +209,9 @@ __device__ __forceinline__ float mish_and_grad(float x, float& grad) {
     return __fmul_rn(x, t);
   }
 }
+// relu that keeps a NaN, as torch.relu does (fmaxf would return the 0).
+// ptxas makes one max.NaN of it.
+__device__ __forceinline__ float relu_keep_nan(float v) { return v <= 0.0f ? 0.0f : v; }
 // fminf/fmaxf return the other operand for a NaN: NaN must come through, as
 // in torch.nn.functional.hardtanh.
 __device__ __forceinline__ float hardtanhf(float x) {

@@ -72,13 +72,6 @@ __device__ __forceinline__ i64 conv_tile_row(i64 m0, i64 col_tiles, i64& ow0) {
   return row;
 }
 
-// relu that keeps a NaN, as torch's does (fmaxf would drop it).
-__device__ __forceinline__ float relu_keep_nan(float v) {
-  float r;
-  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(v));
-  return r;
-}
-
 // The chain's two biases for a tile's 128 channels, float32 in shared memory
 // (kConvBiasBytes per consumer warpgroup): pair p holds {conv_bias[c],
 // conv_bias[c + 1], bias[c], bias[c + 1]} for c = n0 + 2p, zeros past Cout.

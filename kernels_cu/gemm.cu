@@ -7,15 +7,14 @@
 namespace cf {
 
 // C = act(A B^T + bias), rounded once to T.  bias: N values of T, or null;
-// act: 0 = identity, 1 = relu (v <= 0 ? 0 : v, which keeps a NaN, as torch's
-// relu does).
+// act: 0 = identity, 1 = relu (relu_keep_nan).
 template <typename T>
 struct LinearEpilogue {
   const T* bias;
   i64 act, N;
   __device__ __forceinline__ float operator()(float v, i64 col) const {
     if (bias && col < N) v += to_float(bias[col]);
-    return act == 1 && v <= 0.0f ? 0.0f : v;
+    return act == 1 ? relu_keep_nan(v) : v;
   }
 };
 

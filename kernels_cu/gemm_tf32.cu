@@ -20,7 +20,7 @@ struct LinearEpilogue {
   __device__ __forceinline__ LinearEpilogue(const float* vec, i64 option) : bias(vec), act(option) {}
   __device__ __forceinline__ float operator()(float acc, i64 n) const {
     float v = bias ? acc + bias[n] : acc;
-    return act == 1 && v <= 0.0f ? 0.0f : v;  // not fmaxf, which turns NaN into 0
+    return act == 1 ? relu_keep_nan(v) : v;
   }
 };
 
