@@ -1,12 +1,15 @@
-"""How the benchmarks measure: the dtype choices they share, CUDA-event
-timing (in turns, or queued behind a sleep kernel), host issue time, the
-L2-rotation rule, peak memory, the GPU's state, and the progress display of
-a long run.  Used by ``benchmarks/run.py``, ``kernels.py``, ``gemm.py``,
+"""How the benchmarks measure: the dtype choices they share, the training
+step (its fixed output gradient, the step as timed), CUDA-event timing (in
+turns, or queued behind a sleep kernel), host issue time, the L2-rotation
+rule, peak memory, the GPU's state, and the progress display of a long run.
+Used by ``benchmarks/run.py``, ``scaling.py``, ``kernels.py``, ``gemm.py``,
 ``host_overhead.py`` and the tuners in ``scripts/``; the library itself
 needs none of it.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import statistics
 import subprocess
@@ -81,6 +84,87 @@ def model_dtype(dtype: str) -> torch.dtype:
 def autocast_dtype(dtype: str) -> Optional[torch.dtype]:
     """The autocast dtype of a ``--dtypes`` choice, None outside autocast."""
     return DTYPES[dtype].autocast
+
+
+# --- the training step ---------------------------------------------------
+
+def autocast_context(amp, device_type: str = "cuda"):
+    """The context of one forward: autocast to ``amp``, or none."""
+    return torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
+
+
+def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
+               device_type: str = "cuda") -> torch.Tensor:
+    """The training step's output gradient ``g``: standard normal values of
+    the output's shape, drawn in float32 from ``seed`` (the same values for
+    every implementation of a problem), in the output's dtype.
+
+    Args:
+        model: the implementation (its uncompiled module: one no-grad
+            forward learns the output's shape and dtype).
+        x: an input.
+        amp: the autocast dtype of the forward, or None.
+        seed: seed of the values.
+        device_type: the device type of ``torch.autocast``.
+
+    Returns:
+        g, on x's device.
+    """
+    with torch.no_grad(), autocast_context(amp, device_type):
+        y = model(x)
+    gen = torch.Generator(device=y.device).manual_seed(seed)
+    g = torch.randn(y.shape, generator=gen, device=y.device, dtype=torch.float32)
+    return g.to(y.dtype)
+
+
+def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs: bool = False,
+          device_type: str = "cuda"):
+    """(step, reset) of one timed iteration: a forward under ``no_grad``, or
+    forward and ``y.backward(grad)`` after dropping earlier gradients.
+
+    Args:
+        model: the implementation.
+        mode: "forward" or "train".
+        inputs, train_inputs: the inputs to rotate over (the latter require
+            grad).
+        grad: the output gradient of a training step (:func:`fixed_grad`).
+        amp: autocast dtype of the forward, or None.
+        graphs: the model is compiled with mode="reduce-overhead": each
+            step starts a new CUDA-graph generation
+            (``torch.compiler.cudagraph_mark_step_begin``), since the
+            previous step's outputs are no longer used.
+        device_type: the device type of ``torch.autocast``.
+
+    Returns:
+        (step, reset), functions of no arguments.
+    """
+    rotation = itertools.cycle(inputs if mode == "forward" else train_inputs)
+    begin = torch.compiler.cudagraph_mark_step_begin if graphs else None
+
+    def reset():
+        for p in model.parameters() if hasattr(model, "parameters") else []:
+            p.grad = None
+        for t in train_inputs:
+            t.grad = None
+
+    if mode == "forward":
+        def step():
+            if begin is not None:
+                begin()
+            with torch.no_grad(), autocast_context(amp, device_type):
+                model(next(rotation))
+    else:
+        if grad is None:
+            raise ValueError("a training step needs its output gradient (fixed_grad)")
+
+        def step():
+            reset()
+            if begin is not None:
+                begin()
+            with autocast_context(amp, device_type):
+                y = model(next(rotation))
+            y.backward(grad)  # outside autocast, as training code runs it
+    return step, reset
 
 
 # --- CUDA-event timing ---------------------------------------------------

@@ -71,9 +71,7 @@ and bound by the host's issue time) from 0.62 to 0.74 ms for eager and to
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import itertools
 import json
 import os
 import sys
@@ -91,9 +89,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import publish  # noqa: E402
 from cupy_fused import reference  # noqa: E402
 from cupy_fused.testing import build_pair  # noqa: E402
-from harness import (DTYPES, Progress, autocast_dtype, dtype_label, gpu_state,  # noqa: E402
-                     host_and_gpu_ms, l2_bytes, model_dtype, peak_extra_gib, rotation_count,
-                     say, time_interleaved, time_ms)
+from harness import (DTYPES, Progress, autocast_context, autocast_dtype, dtype_label,  # noqa: E402
+                     fixed_grad, gpu_state, host_and_gpu_ms, l2_bytes, model_dtype,
+                     peak_extra_gib, rotation_count, say, step_fns, time_interleaved, time_ms)
 from publish import markdown  # noqa: E402 -- the table beside the JSON
 
 ALL_DTYPES = tuple(DTYPES)
@@ -108,11 +106,6 @@ COMPILED = ("compile", "ours+compile", "ours+graphs")
 # Batch sizes of the size sweep (1: a point dominated by per-call host cost).
 SWEEP_GEMM = (1, 64, 256, 1024, 4096, 16384, 32768)
 SWEEP_CONV = (1, 8, 32, 64, 128)
-
-
-def _autocast(amp, device_type: str = "cuda"):
-    """The context of one forward: autocast to ``amp``, or none."""
-    return torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
 
 
 def model_flops(problem: int, args: tuple, shape: tuple) -> float:
@@ -182,7 +175,7 @@ def forward_errors(problem, args, shape, dtype: str, device="cuda", channels_las
         scale = truth.abs().max().item()
         for name, m in (("ours", ours), ("eager", ref)):
             try:
-                with _autocast(autocast_dtype(dtype), x.device.type):
+                with autocast_context(autocast_dtype(dtype), x.device.type):
                     y = m(x)
             except Exception as exc:  # noqa: BLE001 -- reported, the timing decides
                 say(f"  {problem} {dtype} {name}: forward failed: {exc!r}")
@@ -215,80 +208,6 @@ def _gemm_only(model):
         return ops.linear(x, weight)
 
     return gemm
-
-
-def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
-               device_type: str = "cuda") -> torch.Tensor:
-    """The training step's output gradient ``g``: standard normal values of
-    the output's shape, drawn in float32 from ``seed`` (the same values for
-    every implementation of a problem), in the output's dtype.
-
-    Args:
-        model: the implementation (its uncompiled module: one no-grad
-            forward learns the output's shape and dtype).
-        x: an input.
-        amp: the autocast dtype of the forward, or None.
-        seed: seed of the values.
-        device_type: the device type of ``torch.autocast``.
-
-    Returns:
-        g, on x's device.
-    """
-    with torch.no_grad(), _autocast(amp, device_type):
-        y = model(x)
-    gen = torch.Generator(device=y.device).manual_seed(seed)
-    g = torch.randn(y.shape, generator=gen, device=y.device, dtype=torch.float32)
-    return g.to(y.dtype)
-
-
-def _step(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs: bool = False,
-          device_type: str = "cuda"):
-    """(step, reset) of one timed iteration: a forward under ``no_grad``, or
-    forward and ``y.backward(grad)`` after dropping earlier gradients.
-
-    Args:
-        model: the implementation.
-        mode: "forward" or "train".
-        inputs, train_inputs: the inputs to rotate over (the latter require
-            grad).
-        grad: the output gradient of a training step (:func:`fixed_grad`).
-        amp: autocast dtype of the forward, or None.
-        graphs: the model is compiled with mode="reduce-overhead": each
-            step starts a new CUDA-graph generation
-            (``torch.compiler.cudagraph_mark_step_begin``), since the
-            previous step's outputs are no longer used.
-        device_type: the device type of ``torch.autocast``.
-
-    Returns:
-        (step, reset), functions of no arguments.
-    """
-    rotation = itertools.cycle(inputs if mode == "forward" else train_inputs)
-    begin = torch.compiler.cudagraph_mark_step_begin if graphs else None
-
-    def reset():
-        for p in model.parameters() if hasattr(model, "parameters") else []:
-            p.grad = None
-        for t in train_inputs:
-            t.grad = None
-
-    if mode == "forward":
-        def step():
-            if begin is not None:
-                begin()
-            with torch.no_grad(), _autocast(amp, device_type):
-                model(next(rotation))
-    else:
-        if grad is None:
-            raise ValueError("a training step needs its output gradient (fixed_grad)")
-
-        def step():
-            reset()
-            if begin is not None:
-                begin()
-            with _autocast(amp, device_type):
-                y = model(next(rotation))
-            y.backward(grad)  # outside autocast, as training code runs it
-    return step, reset
 
 
 def _input(shape, dtype: str, device, channels_last: bool) -> torch.Tensor:
@@ -365,7 +284,7 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
                 if mode == "train":
                     probe = fixed_grad(bases[impl], x, amp, device_type=x.device.type)
                     g = grads.setdefault(probe.dtype, probe)
-                step, reset = _step(model, mode, inputs, train_inputs, g, amp,
+                step, reset = step_fns(model, mode, inputs, train_inputs, g, amp,
                                     graphs=impl == "ours+graphs", device_type=x.device.type)
                 step()  # the first call compiles, and fails here if it fails
             except Exception as exc:  # noqa: BLE001 -- one implementation, not the run

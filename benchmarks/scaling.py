@@ -57,8 +57,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cupy_fused import reference  # noqa: E402
-from harness import (DTYPES, autocast_dtype, dtype_label, l2_bytes, model_dtype,  # noqa: E402
-                     host_and_gpu_ms, rotation_count, time_ms)
+from harness import (DTYPES, autocast_dtype, dtype_label, fixed_grad, host_and_gpu_ms,  # noqa: E402
+                     l2_bytes, model_dtype, rotation_count, step_fns, time_ms)
 
 IMPLS = ("eager", "compile", "ours")
 DEFAULT_DTYPES = ("fp32", "amp-bf16")
@@ -147,20 +147,8 @@ def _bench_case(problem, dtype, impl, args, rank, device, replicas=None):
     x0 = torch.rand(shape, generator=gen, device=device, dtype=model_dtype(dtype))
     count = rotation_count(x0.numel() * x0.element_size(), l2_bytes())
     xs = [x0] + [torch.rand_like(x0) for _ in range(count - 1)]
-    with torch.no_grad(), torch.autocast("cuda", dtype=amp, enabled=amp is not None):
-        y = base(x0)
-    g = torch.randn(y.shape, generator=gen, device=device, dtype=torch.float32).to(y.dtype)
-    del y
-    state = {"i": 0}
-
-    def step():
-        for p in base.parameters():
-            p.grad = None
-        x = xs[state["i"] % len(xs)]
-        state["i"] += 1
-        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
-            out = model(x)
-        out.backward(g)  # outside autocast, as training code runs it
+    g = fixed_grad(base, x0, amp, seed=rank)
+    step, _ = step_fns(model, "train", xs, xs, g, amp)
 
     # Every rank makes the same number of calls (each one all-reduces).
     # The warm-up (where torch.compile compiles) comes before the barriers,

@@ -343,12 +343,12 @@ def test_training_step_backpropagates_one_fixed_random_gradient(amp):
     model = _Recorder()
     inputs = [torch.rand(3, 8), torch.rand(3, 8)]
     train_inputs = [t.clone().requires_grad_(True) for t in inputs]
-    g = bench_run.fixed_grad(model, inputs[0], amp, device_type="cpu")
+    g = bench_harness.fixed_grad(model, inputs[0], amp, device_type="cpu")
     assert g.shape == (3, 4) and g.dtype == (amp or torch.float32)
-    assert torch.equal(g, bench_run.fixed_grad(model, inputs[1], amp, device_type="cpu"))
+    assert torch.equal(g, bench_harness.fixed_grad(model, inputs[1], amp, device_type="cpu"))
     assert g.float().std() > 0.5  # random, not ones
     model.forwards.clear()
-    step, reset = bench_run._step(model, "train", inputs, train_inputs, g, amp, device_type="cpu")
+    step, reset = bench_harness.step_fns(model, "train", inputs, train_inputs, g, amp, device_type="cpu")
     for _ in range(3):
         step()
     assert model.forwards == [amp is not None] * 3
@@ -360,14 +360,14 @@ def test_training_step_backpropagates_one_fixed_random_gradient(amp):
     reset()
     assert model.linear.weight.grad is None and all(t.grad is None for t in train_inputs)
     with pytest.raises(ValueError):
-        bench_run._step(model, "train", inputs, train_inputs, None, amp, device_type="cpu")
+        bench_harness.step_fns(model, "train", inputs, train_inputs, None, amp, device_type="cpu")
 
 
 def test_forward_step_runs_under_no_grad_and_autocast():
     model = _Recorder()
     inputs = [torch.rand(3, 8)]
-    step, _ = bench_run._step(model, "forward", inputs, inputs, amp=torch.bfloat16,
-                              device_type="cpu")
+    step, _ = bench_harness.step_fns(model, "forward", inputs, inputs, amp=torch.bfloat16,
+                                     device_type="cpu")
     step()
     assert model.forwards == [True] and model.backwards == []
 
@@ -378,14 +378,14 @@ def test_cuda_graph_steps_begin_a_new_generation_each(monkeypatch):
     model = _Recorder()
     inputs = [torch.rand(3, 8)]
     train_inputs = [inputs[0].clone().requires_grad_(True)]
-    g = bench_run.fixed_grad(model, inputs[0], device_type="cpu")
+    g = bench_harness.fixed_grad(model, inputs[0], device_type="cpu")
     for mode in ("forward", "train"):
-        step, _ = bench_run._step(model, mode, inputs, train_inputs, g, graphs=True,
-                                  device_type="cpu")
+        step, _ = bench_harness.step_fns(model, mode, inputs, train_inputs, g, graphs=True,
+                                         device_type="cpu")
         step()
         step()
     assert len(marks) == 4
-    step, _ = bench_run._step(model, "train", inputs, train_inputs, g, device_type="cpu")
+    step, _ = bench_harness.step_fns(model, "train", inputs, train_inputs, g, device_type="cpu")
     step()
     assert len(marks) == 4  # not without graphs
 
@@ -470,14 +470,14 @@ def test_bench_problem_channels_last_input(monkeypatch):
             fn()
         return {name: (1.0, 0.9) for name in fns}
 
-    real_step = bench_run._step
+    real_step = bench_run.step_fns
 
     def spy_step(model, mode, inputs, *a, **kw):
         seen.append(inputs[0].is_contiguous(memory_format=torch.channels_last) and inputs[0].dim() == 4)
         return real_step(model, mode, inputs, *a, **kw)
 
     monkeypatch.setattr(bench_run, "time_interleaved", fake_interleaved)
-    monkeypatch.setattr(bench_run, "_step", spy_step)
+    monkeypatch.setattr(bench_run, "step_fns", spy_step)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
     for problem, want in ((1, "float32 channels-last"), (76, "float32")):
         seen.clear()
