@@ -118,15 +118,16 @@ def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
 
 
 def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs: bool = False,
-          device_type: str = "cuda"):
+             device_type: str = "cuda"):
     """(step, reset) of one timed iteration: a forward under ``no_grad``, or
     forward and ``y.backward(grad)`` after dropping earlier gradients.
 
     Args:
         model: the implementation.
         mode: "forward" or "train".
-        inputs, train_inputs: the inputs to rotate over (the latter require
-            grad).
+        inputs, train_inputs: the inputs to rotate over, of a forward and
+            of a training step (those require grad where the step is to
+            compute the input's gradient too).
         grad: the output gradient of a training step (:func:`fixed_grad`).
         amp: autocast dtype of the forward, or None.
         graphs: the model is compiled with mode="reduce-overhead": each
