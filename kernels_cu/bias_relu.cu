@@ -344,7 +344,9 @@ bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
 }
 
 // Backward, channel-major layout (inner > 1, e.g. NCHW): block per (n, ch)
-// slab of `inner` contiguous elements; partial[n][slot][C].  The slab's
+// slab of `inner` contiguous elements, slab0 + blockIdx.x (a grid holds
+// fewer than 2^31 blocks: ops/bias_relu.py launches more grids beyond);
+// partial[n][slot][C].  The slab's
 // vectors start at its first element index that is a multiple of kV (a slab
 // starts at slab * inner, which need not be one): the elements before it
 // (head) and after its last whole vector (tail), fewer than kV each, go one
@@ -357,11 +359,11 @@ template <typename T, typename Chain, typename TO = T>
 __global__ void __launch_bounds__(256, 4)
 bias_relu_backward_slabs(const TO* __restrict__ dy, i64 dy_dense,
                          const unsigned* __restrict__ mask, T* __restrict__ dz,
-                         double* __restrict__ partial, i64 channels, i64 inner) {
+                         double* __restrict__ partial, i64 channels, i64 inner, i64 slab0) {
   constexpr int kV = 16 / static_cast<int>(sizeof(T));
   constexpr int kU = 64 / (kV * static_cast<int>(sizeof(TO)));  // 64 bytes of dy in flight
   __shared__ double scratch[32];
-  const i64 slab = blockIdx.x;  // n * C + ch
+  const i64 slab = slab0 + blockIdx.x;  // n * C + ch
   const i64 n = slab / channels, ch = slab % channels;
   const i64 base = slab * inner, end = base + inner;
   const i64 first = min(end, (base + kV - 1) / kV * kV);

@@ -27,6 +27,18 @@ def _pair_id(pair):
 
 # ---------------------------------------------------------------- CPU tier
 
+def test_slab_grids_cover_every_slab_once_in_grids_a_launch_takes():
+    """The NCHW backward's block per (image, channel) slab: N * C may pass
+    a grid's 2^31 - 1 blocks (an image of two values, 2^31 channel rows)."""
+    assert BR.slab_grids(1) == [(0, 1)]
+    assert BR.slab_grids(2**31 - 1) == [(0, 2**31 - 1)]
+    assert BR.slab_grids(2**31) == [(0, 2**31 - 1), (2**31 - 1, 1)]
+    for slabs, most in ((10, 3), (9, 3), (1, 3), (7, 7)):
+        grids = BR.slab_grids(slabs, most)
+        assert all(0 < count <= most for _, count in grids)
+        assert [s for first, count in grids for s in range(first, first + count)] == list(range(slabs))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_forward_grid_covers_the_tensor_once(dtype):
     """Two 16-byte vectors per thread: the grid covers every element, and one
@@ -242,12 +254,15 @@ def test_non_finite_values_and_the_sum_backward(case, pair, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
 def test_grids_smaller_than_the_work(pair, device, monkeypatch):
-    """One forward block (its grid-stride loop takes every tile) and one
-    resident block for the rows backward (one chunk of every row)."""
-    launch = BR.rows_launch
+    """One forward block (its grid-stride loop takes every tile), one
+    resident block for the rows backward (one chunk of every row), and the
+    NCHW backward's slabs in grids of two (each after the first starting
+    at its slab offset)."""
+    launch, grids = BR.rows_launch, BR.slab_grids
     monkeypatch.setattr(BR, "forward_grid", lambda total, dtype: 1)
     monkeypatch.setattr(BR, "rows_launch",
                         lambda rows, channels, vector, resident: launch(rows, channels, vector, 1))
+    monkeypatch.setattr(BR, "slab_grids", lambda slabs: grids(slabs, 2))
     for shape, cl in [((300, 77), False), ((64, 256), False), ((2, 3, 33, 35), False),
                       ((3, 16, 9, 7), True)]:
         _check(*_inputs(shape, cl, *pair, True, device, nonfinite=True))

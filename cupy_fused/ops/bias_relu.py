@@ -137,6 +137,12 @@ def _empty_like_layout(sizes: List[int], channels_last: bool, dtype: torch.dtype
     return torch.empty(sizes, dtype=dtype, device=like.device, memory_format=fmt)
 
 
+def slab_grids(slabs: int, most: int = _MAX_GRID) -> List[Tuple[int, int]]:
+    """(first slab, slabs) of each grid of bias_relu_backward_slabs: one
+    grid unless there are more slabs than a grid's x dimension holds."""
+    return [(first, min(most, slabs - first)) for first in range(0, slabs, most)]
+
+
 # Blocks per SM of bias_relu_backward_to_nhwc's grid (kToNhwcBlocksPerSm
 # in bias_relu.cu, which caps the kernel's registers for them).
 _TO_NHWC_BLOCKS_PER_SM = 3
@@ -184,11 +190,15 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         else:
             kernel = "bias_relu_backward_slabs"
             chunks = total // (channels * inner)  # one per image
-            grid, extra = (chunks * channels, 1, 1), (channels, inner)
+            grid, extra = None, (channels, inner)
         partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
         fn = KERNELS.get((kernel, z_dtype, dout.dtype, second_bias), dev)
-        _bridge.launch(fn, grid, BLOCK, (dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(),
-                                         partial.data_ptr(), *extra), dev)
+        args = (dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), *extra)
+        if grid is not None:
+            _bridge.launch(fn, grid, BLOCK, args, dev)
+        else:  # a block per (image, channel) slab, in grids of fewer than 2^31
+            for first, count in slab_grids(chunks * channels):
+                _bridge.launch(fn, (count, 1, 1), BLOCK, args + (first,), dev)
         sums = _reduce_partials(partial, dout.dtype)
     return dz, sums
 
