@@ -29,6 +29,16 @@ one unit in the last place (what a comparison against half-precision eager
 with a tight tolerance, as KernelBench's, needs); by default the chain runs
 in float32 and rounds once, closer to the exact result.
 
+The bias and multiplier parameters (``bias_shape``,
+``multiply_weight_shape``) may have any shape that the reference broadcasts
+against its output one value per channel: the reference's own (C,) or
+(C, 1, 1), a leading 1, or a single value.  Other shapes broadcast along
+another dim there (a (C,) bias of problem 1 along the image's width): the
+forward refuses them with a ValueError.  A submodule may have other options
+than the reference's (a convolution's padding or stride, its bias or
+problem 76's GEMM bias dropped or added): the forward computes what the
+reference computes with them, on the fused route where it covers them.
+
 Under ``torch.autocast("cuda", dtype=d)`` each module computes what its
 reference computes there: the GEMM or convolution in d (inputs and weights
 cast to d; float32 gradients reach float32 parameters), the GroupNorm chains
@@ -40,13 +50,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import ops
 from ._amp import autocast_dtype
 from ._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from .ops.linear import _linear_prechecked
-from .settings import check_precision
+from .settings import check_flag, check_precision
 
 
 def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -> torch.Tensor:
@@ -88,6 +97,28 @@ def _plain(sub: nn.Module, cls: type, owner: nn.Module, name: str) -> nn.Module:
         "module as a whole), or use the reference module (cupy_fused.reference).")
 
 
+def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str) -> torch.Tensor:
+    """``param`` (the parameter named ``what``, e.g. ``bias``) as the
+    ``channels`` values the fused kernels take, where the reference's
+    broadcast of it against its output (``out_ndim`` dims, channels in dim
+    1) adds or multiplies one value per channel: a shape such as (C,) for a
+    [M, C] output or (C, 1, 1) for [N, C, H, W], or one value for every
+    channel.  Any other shape broadcasts along another dim (a (C,) bias of
+    problem 1 along the image's width) and is refused."""
+    shape = tuple(param.shape)
+    if len(shape) == out_ndim - 1 and shape[0] == channels and all(s == 1 for s in shape[1:]):
+        return param  # the reference's own shapes: (C,) and (C, 1, 1)
+    padded = (1,) * (out_ndim - len(shape)) + shape
+    if (len(shape) <= out_ndim and padded[1] in (1, channels)
+            and all(s == 1 for i, s in enumerate(padded) if i != 1)):
+        return param.reshape(1).expand(channels) if padded[1] != channels else param.reshape(channels)
+    dims = "[N, C, H, W]" if out_ndim == 4 else "[M, C]"
+    raise ValueError(
+        f"{what} has shape {shape}, which the reference broadcasts against its {dims} output "
+        f"other than per channel; the fused module takes one value per channel (C = "
+        f"{channels}): shape {(channels,) + (1,) * (out_ndim - 2)} or a single value")
+
+
 def _gemm_precision(precision):
     """The ``precision`` ctor argument: None (process default, read at each
     call) or one of ``ops.PRECISIONS``."""
@@ -102,8 +133,17 @@ def _fields(**values) -> str:
 
 
 class ConvReluBiasAdd(nn.Module):
-    """Problem 1: ``relu(conv(x)) + bias``.  x: [N, C_in, H, W] → [N, C_out,
-    H-k+1, W-k+1], in x's memory format (NCHW or channels-last)."""
+    """Problem 1: ``relu(conv(x)) + bias`` (the reference's
+    ``Conv2dReLUBiasAdd``).
+
+    Args:
+        in_channels, out_channels, kernel_size: ``nn.Conv2d``'s.
+        bias_shape: shape of ``bias``, e.g. (out_channels, 1, 1).
+
+    Forward: x [N, C_in, H, W] (NCHW or channels-last) → [N, C_out,
+    H - k + 1, W - k + 1], in x's memory format and dtype (float32 under
+    autocast, as the reference's).
+    """
 
     def __init__(self, in_channels, out_channels, kernel_size, bias_shape):
         super().__init__()
@@ -114,13 +154,17 @@ class ConvReluBiasAdd(nn.Module):
         conv = _plain(self.conv, nn.Conv2d, self, "conv")
         weight = conv.weight
         _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)")
+        bias = _per_channel(self.bias, weight.shape[0], 4, "bias")
         if (conv.stride == (1, 1) and conv.padding == (0, 0) and conv.dilation == (1, 1)
-                and conv.groups == 1 and conv.bias is not None and conv.padding_mode == "zeros"):
-            return ops.conv_bias_relu(x, weight, conv.bias, self.bias)
-        z = F.conv2d(x, weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+                and conv.groups == 1 and conv.bias is not None):  # (no padding: its mode is moot)
+            return ops.conv_bias_relu(x, weight, conv.bias, bias)
+        # Another convolution (stride, padding and its mode, ...: Conv2d's
+        # own forward without its bias), then relu(z + conv bias) + bias.
+        z = conv._conv_forward(x, weight, None)
         # Under autocast z is in the autocast dtype and the biases float32:
         # bias_relu promotes, as the reference's add does.
-        return ops.bias_relu(z, conv.bias, self.bias)
+        conv_bias = conv.bias if conv.bias is not None else weight.new_zeros(weight.shape[0])
+        return ops.bias_relu(z, conv_bias, bias)
 
     def extra_repr(self) -> str:
         conv = self.conv
@@ -131,13 +175,25 @@ class ConvReluBiasAdd(nn.Module):
 
 
 class MatmulSwishSumGroupNorm(nn.Module):
-    """Problem 37: ``group_norm(swish(matmul(x)) + bias)``.  x: [M, in] → [M, out]."""
+    """Problem 37: ``group_norm(swish(matmul(x)) + bias)``.
+
+    Args:
+        in_features, out_features: the linear layer's sizes.
+        num_groups: the GroupNorm's groups; divides out_features.
+        bias_shape: shape of ``bias``, e.g. (out_features,).
+        precision: the float32 GEMM's (see the module docstring).
+        eager_rounding: round as eager PyTorch does in half precision (see
+            the module docstring).
+
+    Forward: x [M, in_features] → [M, out_features], in x's dtype (float32
+    under autocast).
+    """
 
     def __init__(self, in_features, out_features, num_groups, bias_shape, *, precision=None,
                  eager_rounding=False):
         super().__init__()
         self.precision = _gemm_precision(precision)
-        self.eager_rounding = bool(eager_rounding)
+        self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.matmul = nn.Linear(in_features, out_features)
         self.bias = nn.Parameter(torch.randn(bias_shape))
         self.group_norm = nn.GroupNorm(num_groups, out_features)
@@ -149,7 +205,8 @@ class MatmulSwishSumGroupNorm(nn.Module):
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
         return ops.linear_gn_chain(x, weight, linear.bias,
-                                   "swish_bias_gn", gn.num_groups, extra_bias=self.bias,
+                                   "swish_bias_gn", gn.num_groups,
+                                   extra_bias=_per_channel(self.bias, weight.shape[0], 2, "bias"),
                                    gn_weight=gn.weight, gn_bias=gn.bias,
                                    eps=gn.eps, precision=self.precision,
                                    eager_rounding=self.eager_rounding)
@@ -163,7 +220,17 @@ class MatmulSwishSumGroupNorm(nn.Module):
 
 
 class GemmAddRelu(nn.Module):
-    """Problem 76: ``relu(gemm(x) + bias)``.  x: [M, in] → [M, out]."""
+    """Problem 76: ``relu(gemm(x) + bias)`` (the reference's ``GemmAddReLU``).
+
+    Args:
+        in_features, out_features: the linear layer's sizes (no bias of
+            its own).
+        bias_shape: shape of ``bias``, e.g. (out_features,).
+        precision: the float32 GEMM's (see the module docstring).
+
+    Forward: x [M, in_features] → [M, out_features], in x's dtype (float32
+    under autocast).
+    """
 
     def __init__(self, in_features, out_features, bias_shape, *, precision=None):
         super().__init__()
@@ -172,8 +239,12 @@ class GemmAddRelu(nn.Module):
         self.bias = nn.Parameter(torch.randn(bias_shape))
 
     def forward(self, x):
-        weight = _plain(self.gemm, nn.Linear, self, "gemm").weight
+        linear = _plain(self.gemm, nn.Linear, self, "gemm")
+        weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
+        bias = _per_channel(self.bias, weight.shape[0], 2, "bias")
+        if linear.bias is not None:  # a gemm given a bias: relu(x W^T + gemm.bias + bias)
+            bias = linear.bias + bias
         # ops.linear's internal entry point: x and the weight are checked
         # above, and ops.linear would check them again on every call (see
         # _linear_prechecked).
@@ -182,9 +253,8 @@ class GemmAddRelu(nn.Module):
             # the weight's own dtypes by the backward's products), then bias
             # + ReLU in float32 (the reference's add with the float32 bias
             # promotes).
-            return ops.bias_relu(_linear_prechecked(x, weight, None, None, self.precision),
-                                 self.bias)
-        bias = check_vector("bias", self.bias, weight.shape[0], x, "x", optional=False)
+            return ops.bias_relu(_linear_prechecked(x, weight, None, None, self.precision), bias)
+        bias = check_vector("bias", bias, weight.shape[0], x, "x", optional=False)
         return _linear_prechecked(x, weight, bias, "relu", self.precision)
 
     def extra_repr(self) -> str:
@@ -195,13 +265,24 @@ class GemmAddRelu(nn.Module):
 
 class GemmGroupNormSwishMultiplySwish(nn.Module):
     """Problem 88: ``g = group_norm(gemm(x)); m = swish(g) * multiply_weight;
-    swish(m)``.  x: [M, in] → [M, out]."""
+    swish(m)``.
+
+    Args:
+        in_features, out_features: the linear layer's sizes.
+        num_groups: the GroupNorm's groups; divides out_features.
+        multiply_weight_shape: shape of ``multiply_weight``, e.g.
+            (out_features,).
+        precision, eager_rounding: as for :class:`MatmulSwishSumGroupNorm`.
+
+    Forward: x [M, in_features] → [M, out_features], in x's dtype (float32
+    under autocast).
+    """
 
     def __init__(self, in_features, out_features, num_groups, multiply_weight_shape, *,
                  precision=None, eager_rounding=False):
         super().__init__()
         self.precision = _gemm_precision(precision)
-        self.eager_rounding = bool(eager_rounding)
+        self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.gemm = nn.Linear(in_features, out_features)
         self.group_norm = nn.GroupNorm(num_groups, out_features)
         self.multiply_weight = nn.Parameter(torch.randn(multiply_weight_shape))
@@ -214,7 +295,9 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
         return ops.linear_gn_chain(x, weight, linear.bias,
                                    "gn_swish_mul_swish", gn.num_groups,
                                    gn_weight=gn.weight, gn_bias=gn.bias,
-                                   mul_weight=self.multiply_weight, eps=gn.eps,
+                                   mul_weight=_per_channel(self.multiply_weight, weight.shape[0], 2,
+                                                           "multiply_weight"),
+                                   eps=gn.eps,
                                    precision=self.precision, eager_rounding=self.eager_rounding)
 
     def extra_repr(self) -> str:
@@ -226,13 +309,23 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
 
 
 class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
-    """Problem 94: ``groupnorm(mish(hardtanh(gemm(x) + bias)))``.  x: [M, in] → [M, out]."""
+    """Problem 94: ``groupnorm(mish(hardtanh(gemm(x) + bias)))``.
+
+    Args:
+        in_features, out_features: the linear layer's sizes.
+        bias_shape: shape of ``bias``, e.g. (out_features,).
+        num_groups: the GroupNorm's groups; divides out_features.
+        precision, eager_rounding: as for :class:`MatmulSwishSumGroupNorm`.
+
+    Forward: x [M, in_features] → [M, out_features], in x's dtype (float32
+    under autocast).
+    """
 
     def __init__(self, in_features, out_features, bias_shape, num_groups, *, precision=None,
                  eager_rounding=False):
         super().__init__()
         self.precision = _gemm_precision(precision)
-        self.eager_rounding = bool(eager_rounding)
+        self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.gemm = nn.Linear(in_features, out_features)
         self.bias = nn.Parameter(torch.randn(bias_shape))
         self.hardtanh = nn.Hardtanh()
@@ -251,7 +344,8 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
         _check_input(x, weight, 2, weight.shape[1], "features")
         return ops.linear_gn_chain(x, weight, linear.bias,
                                    "bias_hardtanh_mish_gn", gn.num_groups,
-                                   extra_bias=self.bias, gn_weight=gn.weight,
+                                   extra_bias=_per_channel(self.bias, weight.shape[0], 2, "bias"),
+                                   gn_weight=gn.weight,
                                    gn_bias=gn.bias, eps=gn.eps, precision=self.precision,
                                    eager_rounding=self.eager_rounding)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -94,7 +94,8 @@ def non_finite_masks(model, x: torch.Tensor, g: torch.Tensor,
 def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dtype, device,
             seed: int = 0, grad_mode: str = "random",
             layout: str = "contiguous",
-            autocast: Optional[torch.dtype] = None) -> Dict[str, Tuple[float, float]]:
+            autocast: Optional[torch.dtype] = None,
+            mutate: Optional[Callable[[torch.nn.Module], None]] = None) -> Dict[str, Tuple[float, float]]:
     """Runs ours, eager (both in ``dtype``) and the float64 reference on one
     fresh random input.  Returns ``{tensor name: (our error, eager error)}``
     for the output and the gradient of the input and of every parameter.
@@ -104,8 +105,13 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
     autocast: run both forwards under ``torch.autocast("cuda", dtype=...)``
     (the backward outside it, as in training); raises when our output or a
     gradient has another dtype than eager's.
+    mutate: called on the reference and on ours after they are built (a
+    change of a submodule, say), so as to leave the two alike.
     """
     ref, ours = build_pair(problem, ctor_args, device, dtype, seed)
+    if mutate is not None:
+        mutate(ref)
+        mutate(ours)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     x = torch.rand(input_shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
     if layout == "channels_last":

@@ -34,6 +34,14 @@ CASES = [(p, a, s) for p, (_, a, s) in reference.SMALL_PROBLEMS.items()] + [
     (1, (3, 7, 5, (7, 1, 1)), (1, 3, 17, 23)),
     (1, (4, 5, (3, 2), (5, 1, 1)), (3, 4, 9, 31)),
     (1, (2, 3, 1, (3, 1, 1)), (2, 2, 1, 1)),
+    # Parameter shapes the reference broadcasts per channel other than its
+    # own: one value for every channel, or a leading 1.
+    (76, (33, 77, (1,)), (5, 33)),
+    (37, (24, 48, 3, (1, 48)), (3, 24)),
+    (88, (16, 64, 4, (1,)), (9, 16)),
+    (94, (16, 96, (1,), 2), (3, 16)),
+    (1, (3, 7, 5, (1, 1, 1)), (1, 3, 17, 23)),
+    (1, (3, 7, 3, (1, 7, 1, 1)), (2, 3, 9, 8)),
 ]
 
 
@@ -56,6 +64,49 @@ def test_matches_reference(case, dtype, device):
         errors = compare(problem, args, shape, dtype, device, seed=hash(case) % 1000)
     finally:
         torch.backends.cudnn.deterministic = deterministic
+    bad = worse_than_eager(errors, dtype)
+    assert not bad, {n: errors[n] for n in bad}
+
+
+def _gemm_with_bias(model):
+    gemm = model.gemm
+    gen = torch.Generator().manual_seed(5)
+    gemm.bias = torch.nn.Parameter(
+        (torch.rand(gemm.out_features, generator=gen) - 0.5).to(gemm.weight))
+
+
+def _conv_padded(mode):
+    def mutate(model):
+        old = model.conv
+        new = torch.nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, padding=1,
+                              padding_mode=mode).to(old.weight)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.bias.copy_(old.bias)
+        model.conv = new
+    return mutate
+
+
+def _conv_without_bias(model):
+    model.conv.bias = None
+
+
+# A submodule of the reference's class with other options than the
+# reference's own: the fused forward must compute what the reference does.
+VARIANTS = {
+    "gemm-with-bias": (76, _gemm_with_bias),
+    "conv-reflect-padding": (1, _conv_padded("reflect")),
+    "conv-zero-padding": (1, _conv_padded("zeros")),
+    "conv-without-bias": (1, _conv_without_bias),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_submodule_options_match_reference(variant, dtype, device):
+    problem, mutate = VARIANTS[variant]
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    errors = compare(problem, args, shape, dtype, device, seed=7, mutate=mutate)
     bad = worse_than_eager(errors, dtype)
     assert not bad, {n: errors[n] for n in bad}
 

@@ -130,3 +130,23 @@ def test_gemm_add_relu_is_ops_linear(dtype, past_device_check):
     assert torch.equal(y, y_ref) and type(y.grad_fn) is type(y_ref.grad_fn)
     for ours, theirs in zip((leaves[0], model.gemm.weight, model.bias), ref):
         assert torch.equal(ours.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("problem, args, shape", [
+    (1, (3, 6, 3, (6,)), (2, 3, 8, 8)),        # (C,): the reference adds it along the width
+    (1, (3, 6, 3, (1, 1, 6, 1)), (2, 3, 8, 8)),  # along the height
+    (1, (3, 6, 3, (1, 1, 1, 1, 1)), (2, 3, 8, 8)),  # a 5-D output in the reference
+    (76, (8, 16, (16, 1)), (16, 8)),           # along the batch
+    (37, (8, 16, 4, (2, 8)), (4, 8)),
+    (88, (8, 16, 4, (16, 1)), (16, 8)),
+    (94, (8, 16, (16, 16), 4), (16, 8)),
+])
+def test_parameters_broadcast_other_than_per_channel_are_refused(problem, args, shape,
+                                                                past_device_check):
+    """The reference broadcasts these against its output along another dim
+    than the channels; the fused kernels take one value per channel, so the
+    module refuses them, before anything runs, rather than compute another
+    function."""
+    model = models.MODELS[problem](*args)
+    with pytest.raises(ValueError, match="other than per channel"):
+        model(torch.rand(shape))
