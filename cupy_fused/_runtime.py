@@ -558,7 +558,15 @@ def _selection(families, dtypes) -> List[_Job]:
                                  + ", ".join(sorted(table)))
     keep: Callable[[str, str], bool] = lambda source, expr: True
     if dtypes is not None:
-        wanted = set(dtypes)
+        import torch
+
+        from ._validation import FLOAT_DTYPES
+
+        dtypes = [dtypes] if isinstance(dtypes, torch.dtype) else dtypes
+        wanted = set(dtypes) if isinstance(dtypes, (list, tuple, set, frozenset)) else None
+        if not wanted or not wanted <= set(FLOAT_DTYPES):
+            raise ValueError("dtypes must be torch.float32, torch.float16 or torch.bfloat16, or a "
+                             f"list of them, got {dtypes!r}")
         keys: Dict[_Job, list] = {}
         for fam in _families:
             for key, expr in fam.expressions.items():
@@ -595,9 +603,9 @@ def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
             memory and later processes in CuPy's disk cache.  Or an
             architecture name (``"sm_90a"``): NVRTC alone, no GPU needed;
             this checks that they compile and caches nothing.
-        dtypes: torch dtypes: only instantiations whose family key names one
-            of them, or names no dtype (the float32 GEMMs' keys do not);
-            None for all.
+        dtypes: a torch dtype (float32, float16, bfloat16) or a list of
+            them: only instantiations whose family key names one of them, or
+            names no dtype (the float32 GEMMs' keys do not); None for all.
         progress: show progress on stderr (a tqdm bar if tqdm is installed,
             else one line per instantiation).
         workers: compiles in flight at once; None for
@@ -607,8 +615,14 @@ def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
         ``{(source, name expression): seconds}`` for each instantiation
         covered (near 0 for one already compiled in this process).  Raises
         :class:`CompileError` listing every failure, once all have run;
-        :class:`NvrtcNotFoundError` when NVRTC is missing.
+        :class:`NvrtcNotFoundError` when NVRTC is missing; ValueError for
+        a device or dtypes of another kind, before anything compiles.
     """
+    if not (device is None or isinstance(device, str)
+            or (isinstance(device, int) and not isinstance(device, bool) and device >= 0)
+            or getattr(device, "type", None) == "cuda"):
+        raise ValueError(f"device must be a CUDA device (an index >= 0 or a torch.device of type "
+                         f"'cuda'), an architecture name such as 'sm_90a', or None; got {device!r}")
     jobs = _selection(families, dtypes)
     if isinstance(device, str):
         arch = device
@@ -617,7 +631,7 @@ def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
         def build(source: str, expr: str):
             return _nvrtc_compile(source, (expr,), arch)
     else:
-        if getattr(device, "type", None) == "cuda":  # a torch.device
+        if not isinstance(device, int) and device is not None:  # a torch.device
             device = device.index
         if device is None:
             cupy = require_cupy()

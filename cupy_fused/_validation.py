@@ -8,6 +8,7 @@ is kept as is), never rejected.  The copy is the only extra cost.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -97,8 +98,10 @@ MAX_CHANNELS = 2**30
 # be SymInt / SymFloat: the checks accept them and compare only (dynamo
 # cannot trace math.isfinite on a SymFloat: "torch.* op returned
 # non-Tensor").  Python ints and floats get the same checks and errors.
-_INT_TYPES = (int, torch.SymInt)
-_REAL_TYPES = (int, float, torch.SymInt, torch.SymFloat)
+# NumPy's scalars (np.int64, np.float32) count as ints and floats, as torch's
+# modules take them; bool does not.
+_INT_TYPES = (numbers.Integral, torch.SymInt)
+_REAL_TYPES = (numbers.Real, torch.SymInt, torch.SymFloat)
 _INF = math.inf
 
 
@@ -113,7 +116,7 @@ def check_groups(num_groups, channels: int) -> int:
         raise ValueError(
             f"num_groups ({num_groups}) must divide the number of channels ({channels})"
         )
-    return num_groups
+    return num_groups if isinstance(num_groups, (int, torch.SymInt)) else int(num_groups)
 
 
 def _as_float(value):

@@ -4,8 +4,8 @@
   ``"ieee"`` (see :mod:`cupy_fused.ops.gemm`); per call, ops and modules
   also take ``precision=``.  :func:`fp32_matmul_precision`,
   :func:`get_fp32_matmul_precision`, :func:`set_fp32_matmul_precision`.
-* the Hopper ``wgmma`` GEMM kernel on compute capability 9.0: on by
-  default.  :func:`gemm_wgmma`, :func:`get_gemm_wgmma`,
+* the Hopper ``wgmma`` kernels on compute capability 9.0 (the float32 GEMM
+  and the 16-bit engine): on by default.  :func:`gemm_wgmma`, :func:`get_gemm_wgmma`,
   :func:`set_gemm_wgmma`.
 
 Each has a getter, a setter and a context manager that sets it for the
@@ -20,7 +20,7 @@ when the block raises (the context managers also work as decorators)::
 Environment variables, read once when this module is imported (the setters
 override them afterwards):
 
-* ``CUPY_FUSED_GEMM_WGMMA=0``: the ``wgmma`` kernel off (any other value:
+* ``CUPY_FUSED_GEMM_WGMMA=0``: the ``wgmma`` kernels off (any other value:
   on).
 
 Read by the kernel runtime (``cupy_fused/_runtime.py``) when it compiles,
@@ -74,10 +74,18 @@ def _setting(name: str, value: object) -> Iterator[None]:
 
 # ---------------------------------------------------------------- float32 GEMM precision
 
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a bool; raises TypeError naming ``name``
+    otherwise (``bool("False")`` would be True)."""
+    if value is True or value is False:
+        return value
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def check_precision(precision: object) -> str:
     """``precision`` if it is one of :data:`PRECISIONS`; raises ValueError
     otherwise."""
-    if precision not in PRECISIONS:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, "
                          f"got {precision!r}")
     return precision
@@ -133,20 +141,40 @@ def resolve_precision(precision: Optional[str]) -> str:
 # ---------------------------------------------------------------- GEMM kernel switches
 
 def set_gemm_wgmma(enabled: bool) -> None:
-    """Switches the Hopper ``wgmma`` GEMM kernel on or off, process-wide
-    (off: compute capability 9.0 runs the ``mma.sync`` kernels as 8.x does,
-    e.g. to compare the two).  Default: on, unless
-    ``CUPY_FUSED_GEMM_WGMMA=0``."""
-    _values["gemm_wgmma"] = bool(enabled)
+    """Switches the Hopper ``wgmma`` kernels on or off, process-wide: the
+    float32 GEMM's and the 16-bit engine's (its one-launch GroupNorm forward
+    and problem 1's convolution).  Off, compute capability 9.0 runs what 8.x
+    runs (the ``mma.sync`` float32 GEMM, cuBLAS, cuDNN), e.g. to compare the
+    two.  Default: on, unless ``CUPY_FUSED_GEMM_WGMMA=0``.
+
+    Args:
+        enabled: True or False.
+
+    Raises:
+        TypeError: any other value (the setting is then unchanged).
+    """
+    _values["gemm_wgmma"] = check_flag("enabled", enabled)
 
 
 def get_gemm_wgmma() -> bool:
-    """Whether the ``wgmma`` GEMM kernel may run (where the device has it:
-    :func:`cupy_fused.ops.gemm.has_wgmma`)."""
+    """Whether the ``wgmma`` kernels may run (where the device has them:
+    :func:`cupy_fused.ops.gemm.has_wgmma`).
+
+    Returns:
+        The process-wide switch of :func:`set_gemm_wgmma`.
+    """
     return _values["gemm_wgmma"]
 
 
 def gemm_wgmma(enabled: bool):
     """Context manager: :func:`set_gemm_wgmma` for the ``with`` block, the
-    previous value again on exit (also after an exception)."""
-    return _setting("gemm_wgmma", bool(enabled))
+    previous value again on exit (also after an exception).
+
+    Args:
+        enabled: as for :func:`set_gemm_wgmma`; checked before anything
+            changes.
+
+    Returns:
+        The context manager (also usable as a function decorator).
+    """
+    return _setting("gemm_wgmma", check_flag("enabled", enabled))

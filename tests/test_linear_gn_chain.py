@@ -102,8 +102,16 @@ def test_validation(past_device_check):
         ops.linear_gn_chain(x, w, v, "swish_bias_gn", 4, eps=float("nan"))
     with pytest.raises(ValueError, match=r"gn_weight must hold one value per channel \(16"):
         ops.linear_gn_chain(x, w, v, "swish_bias_gn", 4, gn_weight=torch.rand(8))
-    with pytest.raises(TypeError, match="multiply_weight is required"):
+    with pytest.raises(TypeError, match="mul_weight is required"):
         ops.linear_gn_chain(x, w, v, "gn_swish_mul_swish", 4)
+    # A vector the chain has no place for is refused, not ignored.
+    with pytest.raises(ValueError, match="extra_bias must be None for chain 'gn_swish_mul_swish'"):
+        ops.linear_gn_chain(x, w, v, "gn_swish_mul_swish", 4, mul_weight=v, extra_bias=v)
+    for chain in ("swish_bias_gn", "bias_hardtanh_mish_gn"):
+        with pytest.raises(ValueError, match=f"mul_weight must be None for chain '{chain}'"):
+            ops.linear_gn_chain(x, w, v, chain, 4, extra_bias=v, mul_weight=v)
+        with pytest.raises(ValueError, match="mul_weight must be None"):
+            ops.gn_chain(torch.rand(4, 16), chain, 4, mul_weight=v)
     with pytest.raises(ValueError, match="precision must be one of"):
         ops.linear_gn_chain(x, w, v, "swish_bias_gn", 4, precision="fp32")
 

@@ -322,6 +322,15 @@ def test_precompile_selection():
         _runtime._selection(["nope.cu"], None)
     with pytest.raises(ValueError, match="not an architecture name"):
         cupy_fused.precompile("scale_add.cu", device="hopper", progress=False)
+    # One dtype alone is a list of one; anything else is refused, not read as
+    # "nothing to compile".
+    assert _runtime._selection("scale_add.cu", torch.float16) == [("scale_add.cu", "cf::scale_add<cf::half>")]
+    for dtypes in ([torch.float64], ["float16"], [], "float16"):
+        with pytest.raises(ValueError, match="dtypes must be torch.float32, torch.float16 or"):
+            cupy_fused.precompile("scale_add.cu", device="sm_80", dtypes=dtypes, progress=False)
+    for device in (1.5, -1, True, torch.device("cpu")):
+        with pytest.raises(ValueError, match="device must be a CUDA device"):
+            cupy_fused.precompile("scale_add.cu", device=device, progress=False)
 
 
 def test_check_architectures_follow_what_nvrtc_supports(monkeypatch):

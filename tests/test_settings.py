@@ -85,6 +85,36 @@ def test_switches_set_get_and_restore(manager, get, set_):
     assert get() is before
 
 
+@pytest.mark.parametrize("manager, get, set_", SWITCHES, ids=lambda f: f.__name__)
+def test_switches_take_only_a_bool(manager, get, set_):
+    """bool("0") and bool("off") are True: a string is refused, not read."""
+    before = get()
+    for value in ("0", "off", 0, None):
+        with pytest.raises(TypeError, match=r"enabled must be True or False, got"):
+            set_(value)
+        with pytest.raises(TypeError, match=r"enabled must be True or False"):
+            manager(value)
+    assert get() is before
+
+
+def test_precision_and_flags_take_only_their_types(past_device_check):
+    import numpy as np
+
+    with pytest.raises(ValueError, match="precision must be one of"):
+        cupy_fused.set_fp32_matmul_precision(np.array(["ieee"]))
+    assert cupy_fused.get_fp32_matmul_precision() == "3xtf32"
+    with pytest.raises(TypeError, match="eager_rounding must be True or False, got 'False'"):
+        cupy_fused.MatmulSwishSumGroupNorm(8, 16, 4, (16,), eager_rounding="False")
+    z = torch.rand(4, 16)
+    with pytest.raises(TypeError, match="eager_rounding must be True or False, got 1"):
+        ops.gn_chain(z, "swish_bias_gn", 4, eager_rounding=1)
+    with pytest.raises(TypeError, match="linear_bias_in_z must be True or False"):
+        ops.gn_chain(z, "swish_bias_gn", 4, linear_bias_in_z="yes")
+    with pytest.raises(TypeError, match="eager_rounding must be True or False"):
+        ops.linear_gn_chain(torch.rand(4, 8), torch.rand(16, 8), None, "swish_bias_gn", 4,
+                            eager_rounding="False")
+
+
 def _run_python(code: str, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **env}, cwd=str(Path(__file__).resolve().parent))

@@ -93,6 +93,26 @@ def test_eps_must_be_finite_and_positive(eps, exc):
         check_eps(eps)
 
 
+def test_numpy_scalars_count_as_ints_and_floats():
+    """As torch's modules take them (nn.GroupNorm(np.int64(8), ...)); bools,
+    NumPy's included, do not."""
+    import numpy as np
+
+    from cupy_fused._validation import check_eps, check_finite_scalar, check_groups
+
+    groups = check_groups(np.int64(4), 16)
+    assert groups == 4 and type(groups) is int
+    assert check_eps(np.float32(1e-5)) == pytest.approx(1e-5) and type(check_eps(np.float32(1e-5))) is float
+    assert check_finite_scalar("alpha", np.float64(2.0)) == 2.0
+    for bad in (True, np.bool_(True)):
+        with pytest.raises(TypeError, match="num_groups must be an int"):
+            check_groups(bad, 16)
+        with pytest.raises(TypeError, match="eps must be a float"):
+            check_eps(bad)
+    with pytest.raises(TypeError, match="num_groups must be an int"):
+        check_groups(np.float32(4.0), 16)
+
+
 def test_non_finite_alpha_is_rejected():
     from cupy_fused._validation import check_finite_scalar
 

@@ -25,6 +25,7 @@ from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
+from ..settings import check_flag
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
                       _ptr_or_null, _reduce_partials, row_chunks)
 
@@ -539,19 +540,27 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
     """The per-channel vectors of ``chain``, validated against ``like``:
     (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), each flat and
     contiguous or None (mul_weight is required by the chains that use it).
-    ``autocast``: cast to float32 (autograd ops) and checked as float32, the
-    dtype autocast runs the GroupNorm in."""
+    A vector the chain has no place for (extra_bias in 88's, mul_weight in
+    37's and 94's) is refused: it would be ignored.  ``autocast``: cast to
+    float32 (autograd ops) and checked as float32, the dtype autocast runs
+    the GroupNorm in."""
+    spec = CHAINS[chain]
+    for name, value, slot in (("extra_bias", extra_bias, spec.extra_bias),
+                              ("mul_weight", mul_weight, spec.mul_weight)):
+        if slot is None and value is not None:
+            raise ValueError(f"{name} must be None for chain {chain!r}, which has no such "
+                             f"vector (it would be ignored)")
     dtype = None
     if autocast:
         dtype = torch.float32
         lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
             cast(v, dtype) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
-    return (check_vector("linear_bias", lin_bias, channels, like, like_name, dtype=dtype),
-            check_vector("bias", extra_bias, channels, like, like_name, dtype=dtype),
+    return (check_vector("lin_bias", lin_bias, channels, like, like_name, dtype=dtype),
+            check_vector("extra_bias", extra_bias, channels, like, like_name, dtype=dtype),
             check_vector("gn_weight", gn_weight, channels, like, like_name, dtype=dtype),
             check_vector("gn_bias", gn_bias, channels, like, like_name, dtype=dtype),
-            check_vector("multiply_weight", mul_weight, channels, like, like_name,
-                         optional=CHAINS[chain].mul_weight is None, dtype=dtype))
+            check_vector("mul_weight", mul_weight, channels, like, like_name,
+                         optional=spec.mul_weight is None, dtype=dtype))
 
 
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
@@ -617,7 +626,8 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp)
     return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
-                         mul_weight, eps, bool(linear_bias_in_z), bool(eager_rounding),
+                         mul_weight, eps, check_flag("linear_bias_in_z", linear_bias_in_z),
+                         check_flag("eager_rounding", eager_rounding),
                          amp and z.dtype != torch.float32)
 
 
@@ -644,7 +654,7 @@ def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: 
     Args:
         z: [M, C], float32, float16 or bfloat16 on a CUDA device.
         linear_bias: (C,) or None.
-        bias: (C,), added after the swish.
+        bias: (C,), added after the swish, or None.
         gn_weight, gn_bias: GroupNorm's affine vectors, (C,) each, or None.
         num_groups, eps, linear_bias_in_z, eager_rounding: as for
             :func:`gn_chain`.
@@ -691,7 +701,7 @@ def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_
     Args:
         z: [M, C], float32, float16 or bfloat16 on a CUDA device.
         linear_bias: (C,) or None.
-        bias: (C,), added with the linear bias.
+        bias: (C,), added with the linear bias, or None.
         gn_weight, gn_bias: GroupNorm's affine vectors, (C,) each, or None.
         num_groups, eps, linear_bias_in_z, eager_rounding: as for
             :func:`gn_chain`.

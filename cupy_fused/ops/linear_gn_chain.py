@@ -51,7 +51,7 @@ from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
-from ..settings import resolve_precision
+from ..settings import check_flag, resolve_precision
 from . import gemm
 from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null
 from .gn_chain import (CHAINS, _launch_backward as _gn_chain_backward,
@@ -363,6 +363,7 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
                          f"{tuple(x.shape)}")
     num_groups = check_groups(num_groups, n)
     eps = check_eps(eps)
+    eager_rounding = check_flag("eager_rounding", eager_rounding)
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None)
     precision = resolve_precision(precision)
@@ -386,7 +387,7 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
         # float32 produces the linear bias's gradient.
         z = _run_autocast_linear(x, weight, lin_bias, amp, bias_grad=False)
         return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
-                             mul_weight, eps, True, bool(eager_rounding), True)
+                             mul_weight, eps, True, eager_rounding, True)
     # Where the GEMM runs, decided once and handed to _run_linear.
     passes = gemm.route(x.dtype, precision, x.device.index)
     cublas = passes == gemm.CUBLAS
@@ -411,4 +412,4 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     else:  # the chain adds it (see the module docstring)
         z = _run_linear(x, weight, None, 0, passes)
     return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
-                         mul_weight, eps, cublas, bool(eager_rounding), amp is not None)
+                         mul_weight, eps, cublas, eager_rounding, amp is not None)
