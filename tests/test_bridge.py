@@ -97,6 +97,16 @@ def test_cupy_arrays_in_cupy_arrays_out(device):
     with cupy.cuda.Stream(non_blocking=True):
         r2 = ops.group_norm_swish_multiply_swish(z, None, None, None, bias, 4)
         assert isinstance(r2, cupy.ndarray) and r2.shape == z.shape
+    x = cupy.random.rand(2, 3, 6, 5, dtype=cupy.float32)
+    w = cupy.random.randn(4, 3, 3, 2, dtype=cupy.float32)
+    cb, b = cupy.random.randn(4, dtype=cupy.float32), cupy.random.randn(4, 1, 1, dtype=cupy.float32)
+    r3 = ops.conv_bias_relu(x, w, cb, b)
+    assert isinstance(r3, cupy.ndarray) and r3.shape == (2, 4, 4, 4)
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        ref = torch.relu(torch.nn.functional.conv2d(torch.as_tensor(x), torch.as_tensor(w))
+                         + torch.as_tensor(cb).reshape(-1, 1, 1)) + torch.as_tensor(b)
+        r3 = ops.conv_bias_relu(x, w, cb, b)
+    cupy.testing.assert_allclose(r3, cupy.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 def _clean_env():

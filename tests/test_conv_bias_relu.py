@@ -26,8 +26,10 @@ def test_bad_arguments_are_refused(past_device_check):
     x = torch.rand(2, 8, 6, 6)
     w = torch.rand(4, 8, 3, 3)
     cb, b = torch.rand(4), torch.rand(4, 1, 1)
-    with pytest.raises(TypeError, match=r"weight must be a 4-D torch.Tensor"):
+    with pytest.raises(ValueError, match=r"weight must be 4-D \[C_out, C_in, KH, KW\], got shape \(4, 8\)"):
         ops.conv_bias_relu(x, torch.rand(4, 8), cb, b)
+    with pytest.raises(TypeError, match=r"weight must be a torch.Tensor \[C_out, C_in, KH, KW\], got list"):
+        ops.conv_bias_relu(x, [1.0], cb, b)
     with pytest.raises(ValueError, match=r"weight must have x's 8 input channels"):
         ops.conv_bias_relu(x, torch.rand(4, 5, 3, 3), cb, b)
     with pytest.raises(ValueError, match=r"the kernel \(7 x 3\) must fit"):
@@ -42,6 +44,16 @@ def test_bad_arguments_are_refused(past_device_check):
         ops.conv_bias_relu(x, w, cb, 1.0)
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor"):
         ops.conv_bias_relu([1.0], w, cb, b)
+    # The vectors are checked before the convolution runs, on either route,
+    # under their own names.
+    with pytest.raises(TypeError, match=r"conv_bias must have dtype float32, float16 or bfloat16"):
+        ops.conv_bias_relu(x, w, torch.arange(4), b)
+    with pytest.raises(TypeError, match=r"bias must have dtype float32, float16 or bfloat16"):
+        ops.conv_bias_relu(x, w, cb, b.double())
+    with pytest.raises(ValueError, match=r"conv_bias must hold one value per channel \(4 values"):
+        ops.conv_bias_relu(x, w, torch.rand(2, 2), b)
+    with pytest.raises(ValueError, match=r"bias must be on a CUDA device, got device meta"):
+        ops.conv_bias_relu(x, w, cb, torch.rand(4, device="meta"))
 
 
 def test_deterministic_flag_is_restored_after_errors_and_overlaps():

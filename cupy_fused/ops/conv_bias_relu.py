@@ -38,7 +38,7 @@ from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
-from ._common import BLOCK, _ptr_or_null, cdiv, sm_count
+from ._common import BLOCK, _ptr_or_null, call_with_cupy_arrays, cdiv, sm_count
 from .bias_relu import _bias_relu
 
 # The engine's layouts: x NCHW, copied to channels-last first, y NCHW; x and
@@ -389,7 +389,8 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
 
     Args:
         x: [N, C_in, H, W], float32, float16 or bfloat16, on a CUDA device
-            (NCHW or channels-last).
+            (NCHW or channels-last), or a CuPy array, with CuPy arrays for
+            the other tensors: the result is then one too.
         weight: [C_out, C_in, KH, KW] with KH <= H and KW <= W, on x's
             device.
         conv_bias: the convolution's bias, C_out values.
@@ -406,10 +407,14 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         TypeError, ValueError: an argument of another type, dtype, device or
             shape, before anything runs.
     """
+    if not isinstance(x, torch.Tensor):
+        return call_with_cupy_arrays(conv_bias_relu, "x", x, weight, conv_bias, bias)
     check_tensor("x", x, ndim=(4,))
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 4:
-        raise TypeError(f"weight must be a 4-D torch.Tensor [C_out, C_in, KH, KW], got "
-                        f"{type(weight).__name__ if not isinstance(weight, torch.Tensor) else tuple(weight.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor [C_out, C_in, KH, KW], got "
+                        f"{type(weight).__name__}")
+    if weight.dim() != 4:
+        raise ValueError(f"weight must be 4-D [C_out, C_in, KH, KW], got shape {tuple(weight.shape)}")
     check_like("weight", weight, x, "x", dtype=weight.dtype if autocast_dtype() else None)
     cout, cin, kh, kw = weight.shape
     if cin != x.shape[1]:
@@ -426,11 +431,15 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         raise ValueError(f"conv_bias and bias must have C_out = {cout} values, got "
                          f"{tuple(conv_bias.shape)} and "
                          f"{None if bias is None else tuple(bias.shape)}")
+    # Float vectors on x's device, one value per channel, on either route
+    # (their dtypes may differ from x's: torch's promotion, or the engine's
+    # rules in engine_dtypes); flat from here on.
+    conv_bias = check_vector("conv_bias", check_tensor("conv_bias", conv_bias), cout, x, "x",
+                             optional=False, dtype=conv_bias.dtype)
+    if bias is not None:
+        bias = check_vector("bias", check_tensor("bias", bias), cout, x, "x", dtype=bias.dtype)
     plan = _engine_plan(x, weight, conv_bias, bias)
     if plan:  # the "engine" route (its dtypes checked by engine_dtypes)
-        conv_bias = check_vector("conv_bias", conv_bias, cout, x, "x", optional=False,
-                                 dtype=conv_bias.dtype)
-        bias = check_vector("bias", bias, cout, x, "x", dtype=None if bias is None else bias.dtype)
         return _launch_engine(x, weight, conv_bias, bias, plan=plan)
     amp = autocast_dtype()
     if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
