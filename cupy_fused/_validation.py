@@ -121,7 +121,14 @@ def check_groups(num_groups, channels: int) -> int:
 
 def _as_float(value):
     # float() of a SymFloat would specialise it (a guard on its exact value).
-    return value if isinstance(value, torch.SymFloat) else float(value)
+    # An int past float's range (10**400) is an infinity here, which the
+    # callers refuse as such, rather than an OverflowError.
+    if isinstance(value, torch.SymFloat):
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        return _INF if value > 0 else -_INF
 
 
 def check_eps(eps) -> float:

@@ -113,6 +113,19 @@ def test_numpy_scalars_count_as_ints_and_floats():
         check_groups(np.float32(4.0), 16)
 
 
+def test_unhashable_or_huge_arguments_get_the_usual_errors(past_device_check):
+    from cupy_fused._validation import check_eps, check_finite_scalar
+
+    with pytest.raises(ValueError, match="activation must be None or 'relu', got \\['relu'\\]"):
+        ops.linear(torch.rand(4, 8), torch.rand(16, 8), activation=["relu"])
+    with pytest.raises(ValueError, match="chain must be one of"):
+        ops.gn_chain(torch.rand(4, C), ["swish_bias_gn"], 4)
+    with pytest.raises(ValueError, match="alpha must be finite, got inf"):
+        check_finite_scalar("alpha", 10**400)
+    with pytest.raises(ValueError, match="eps must be finite and positive, got inf"):
+        check_eps(10**400)
+
+
 def test_non_finite_alpha_is_rejected():
     from cupy_fused._validation import check_finite_scalar
 

@@ -530,7 +530,7 @@ _GN_CHAIN = FusedOp("gn_chain", _launch_forward, _forward_fake, _setup_context, 
 
 
 def check_chain(chain) -> None:
-    if chain not in CHAINS:
+    if not isinstance(chain, str) or chain not in CHAINS:
         raise ValueError(f"chain must be one of {sorted(CHAINS)}, got {chain!r}")
 
 

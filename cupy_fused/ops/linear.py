@@ -36,6 +36,14 @@ from .gemm import _LINEAR, CUBLAS, _backward_fake, route
 ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 
 
+def _activation_code(activation) -> int:
+    """The kernels' code of ``activation`` (:data:`ACTIVATIONS`); ValueError
+    for anything else (an unhashable value too)."""
+    if (activation is None or isinstance(activation, str)) and activation in ACTIVATIONS:
+        return ACTIVATIONS[activation]
+    raise ValueError(f"activation must be None or 'relu', got {activation!r}")
+
+
 # ---------------------------------------------------------------- cuBLAS bias + ReLU
 
 def _cublas_relu_forward(x: torch.Tensor, weight: torch.Tensor,
@@ -336,12 +344,11 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
             bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else amp))
     else:
         bias = check_vector("bias", bias, n, x, "x")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or 'relu', got {activation!r}")
+    act = _activation_code(activation)
     precision = resolve_precision(precision)
     # (2-D x: no reshape, a view is one more autograd node per call)
     x2 = x if x.dim() == 2 else x.reshape(x.shape[:-1].numel(), k)  # (not -1: k may be 0)
-    y = _linear_2d(x2, weight, bias, ACTIVATIONS[activation], precision, amp)
+    y = _linear_2d(x2, weight, bias, act, precision, amp)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
@@ -367,9 +374,7 @@ def _linear_prechecked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     Returns:
         [M, N], as :func:`linear` returns it.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or 'relu', got {activation!r}")
-    return _linear_2d(x, weight, bias, ACTIVATIONS[activation], resolve_precision(precision),
+    return _linear_2d(x, weight, bias, _activation_code(activation), resolve_precision(precision),
                       autocast_dtype())
 
 
