@@ -86,6 +86,21 @@ def test_16bit_models_record_one_op_where_one_launch_pays(monkeypatch, past_devi
     assert seen == [(96, 64)]  # eager rounding: the two-launch route
 
 
+def test_the_one_launch_entry_checks_a_given_y(past_device_check):
+    """The internal entry tests and sanitizer runs hand a NaN-poisoned y to:
+    a y of another shape, dtype or layout, or off the 16-byte grid, is
+    refused before the launch."""
+    x, w = torch.rand(8, 16, dtype=torch.bfloat16), torch.rand(32, 16, dtype=torch.bfloat16)
+    for y, float_out in ((torch.empty(8, 31, dtype=torch.bfloat16), False),
+                         (torch.empty(8, 32), False),
+                         (torch.empty(8, 32, dtype=torch.bfloat16), True),
+                         (torch.empty(32, 8).t(), True),
+                         (torch.empty(8 * 32 + 1)[1:].view(8, 32), True)):
+        with pytest.raises(ValueError, match=r"y must be a contiguous, 16-byte aligned \[8, 32\]"):
+            LG._run_one_launch(x, w, None, None, None, None, None, "swish_bias_gn", 4, 1e-5, False,
+                               y, float_out)
+
+
 def test_validation(past_device_check):
     x, w, v = torch.rand(4, 8), torch.rand(16, 8), torch.rand(16)
     with pytest.raises(ValueError, match="chain must be one of"):

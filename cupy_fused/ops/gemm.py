@@ -271,7 +271,11 @@ def _gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, ti
                          "(aligned pointers, contiguous extents that are multiples of 4)")
     if _inner_size(a, layout) == 0:
         raise ValueError("_gemm_on_tile needs a non-empty sum (K >= 1)")
-    out = torch.empty((m, n), dtype=torch.float32, device=a.device) if out is None else out
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    elif (out.shape != (m, n) or out.dtype != torch.float32 or out.device != a.device
+          or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [{m}, {n}] float32 tensor on a's device")
     _launch_gemm(KERNELS.get((tile, passes, layout, True), a.device.index), TILES[tile], layout,
                  a, b, out, passes=passes)
     return out

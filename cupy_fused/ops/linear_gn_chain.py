@@ -166,8 +166,14 @@ def _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_wei
     m, k = x.shape
     n = weight.shape[0]
     dev = x.device.index
+    y_dtype = torch.float32 if float_out else x.dtype
     if y is None:
-        y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype, device=x.device)
+        y = torch.empty((m, n), dtype=y_dtype, device=x.device)
+    elif (y.shape != (m, n) or y.dtype != y_dtype or y.device != x.device or not y.is_contiguous()
+          or y.data_ptr() % 16):
+        # (float32 rows are stored 16 bytes at a time; 16-bit ones by the copy engine)
+        raise ValueError(f"y must be a contiguous, 16-byte aligned [{m}, {n}] tensor of {y_dtype} "
+                         f"on x's device")
     z = torch.empty((m, n) if save else (0,), dtype=x.dtype, device=x.device)
     stats = torch.empty((2, m, num_groups) if save else (0,), dtype=torch.float32,
                         device=x.device)
