@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import numbers
 import os
 import re
 import sys
@@ -619,7 +620,7 @@ def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
         a device or dtypes of another kind, before anything compiles.
     """
     if not (device is None or isinstance(device, str)
-            or (isinstance(device, int) and not isinstance(device, bool) and device >= 0)
+            or (isinstance(device, numbers.Integral) and not isinstance(device, bool) and device >= 0)
             or getattr(device, "type", None) == "cuda"):
         raise ValueError(f"device must be a CUDA device (an index >= 0 or a torch.device of type "
                          f"'cuda'), an architecture name such as 'sm_90a', or None; got {device!r}")
@@ -631,7 +632,7 @@ def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
         def build(source: str, expr: str):
             return _nvrtc_compile(source, (expr,), arch)
     else:
-        if not isinstance(device, int) and device is not None:  # a torch.device
+        if not isinstance(device, numbers.Integral) and device is not None:  # a torch.device
             device = device.index
         if device is None:
             cupy = require_cupy()

@@ -106,8 +106,11 @@ _INF = math.inf
 
 
 def check_groups(num_groups, channels: int) -> int:
-    if isinstance(num_groups, bool) or not isinstance(num_groups, _INT_TYPES):
-        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    if type(num_groups) is not int:  # (the common case first: this runs on every call)
+        if isinstance(num_groups, bool) or not isinstance(num_groups, _INT_TYPES):
+            raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+        if not isinstance(num_groups, torch.SymInt):
+            num_groups = int(num_groups)  # a NumPy integer
     if num_groups <= 0:
         raise ValueError(f"num_groups must be positive, got {num_groups}")
     if channels >= MAX_CHANNELS:
@@ -116,7 +119,7 @@ def check_groups(num_groups, channels: int) -> int:
         raise ValueError(
             f"num_groups ({num_groups}) must divide the number of channels ({channels})"
         )
-    return num_groups if isinstance(num_groups, (int, torch.SymInt)) else int(num_groups)
+    return num_groups
 
 
 def _as_float(value):
@@ -132,9 +135,10 @@ def _as_float(value):
 
 
 def check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, _REAL_TYPES):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    eps = _as_float(eps)
+    if type(eps) is not float:  # (the common case first: this runs on every call)
+        if isinstance(eps, bool) or not isinstance(eps, _REAL_TYPES):
+            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        eps = _as_float(eps)
     if not 0.0 < eps < _INF:  # False for NaN too
         raise ValueError(f"eps must be finite and positive, got {eps}")
     return eps

@@ -105,9 +105,11 @@ def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str) -
     [M, C] output or (C, 1, 1) for [N, C, H, W], or one value for every
     channel.  Any other shape broadcasts along another dim (a (C,) bias of
     problem 1 along the image's width) and is refused."""
+    # The reference's own shapes, (C,) and (C, 1, 1), cheaply: this runs on
+    # every forward.
+    if param.dim() == out_ndim - 1 and param.shape[0] == channels and param.numel() == channels:
+        return param
     shape = tuple(param.shape)
-    if len(shape) == out_ndim - 1 and shape[0] == channels and all(s == 1 for s in shape[1:]):
-        return param  # the reference's own shapes: (C,) and (C, 1, 1)
     padded = (1,) * (out_ndim - len(shape)) + shape
     if (len(shape) <= out_ndim and padded[1] in (1, channels)
             and all(s == 1 for i, s in enumerate(padded) if i != 1)):

@@ -102,7 +102,7 @@ def test_cupy_arrays_in_cupy_arrays_out(device):
     cb, b = cupy.random.randn(4, dtype=cupy.float32), cupy.random.randn(4, 1, 1, dtype=cupy.float32)
     r3 = ops.conv_bias_relu(x, w, cb, b)
     assert isinstance(r3, cupy.ndarray) and r3.shape == (2, 4, 4, 4)
-    with torch.backends.cudnn.flags(allow_tf32=False):
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # (flags() defaults to off)
         ref = torch.relu(torch.nn.functional.conv2d(torch.as_tensor(x), torch.as_tensor(w))
                          + torch.as_tensor(cb).reshape(-1, 1, 1)) + torch.as_tensor(b)
         r3 = ops.conv_bias_relu(x, w, cb, b)

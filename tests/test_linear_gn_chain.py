@@ -127,6 +127,14 @@ def test_validation(past_device_check):
             ops.linear_gn_chain(x, w, v, chain, 4, extra_bias=v, mul_weight=v)
         with pytest.raises(ValueError, match="mul_weight must be None"):
             ops.gn_chain(torch.rand(4, 16), chain, 4, mul_weight=v)
+    # The per-problem forms' errors name their own arguments.
+    z = torch.rand(4, 16)
+    with pytest.raises(ValueError, match=r"^bias must hold one value per channel"):
+        ops.swish_bias_group_norm(z, None, torch.rand(8), None, None, 4)
+    with pytest.raises(ValueError, match=r"^linear_bias must hold one value per channel"):
+        ops.bias_hardtanh_mish_group_norm(z, torch.rand(8), v, None, None, 4)
+    with pytest.raises(TypeError, match=r"^multiply_weight is required"):
+        ops.group_norm_swish_multiply_swish(z, None, None, None, None, 4)
     with pytest.raises(ValueError, match="precision must be one of"):
         ops.linear_gn_chain(x, w, v, "swish_bias_gn", 4, precision="fp32")
 

@@ -47,7 +47,10 @@ CASES = [(p, a, s) for p, (_, a, s) in reference.SMALL_PROBLEMS.items()] + [
 
 def _id(case):
     p, a, s = case
-    return f"p{p}-{'x'.join(map(str, s))}-{'-'.join(str(v) for v in a if not isinstance(v, tuple))}"
+    bias = [v for v in a if isinstance(v, tuple)][-1]  # (a kernel size may come before it)
+    own = bias[0] > 1 and all(d == 1 for d in bias[1:])  # the reference's own (C,) or (C, 1, 1)
+    tail = "" if own else "-b" + "x".join(map(str, bias))
+    return f"p{p}-{'x'.join(map(str, s))}-{'-'.join(str(v) for v in a if not isinstance(v, tuple))}{tail}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

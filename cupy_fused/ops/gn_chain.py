@@ -534,19 +534,24 @@ def check_chain(chain) -> None:
         raise ValueError(f"chain must be one of {sorted(CHAINS)}, got {chain!r}")
 
 
+# The vectors' argument names in gn_chain and linear_gn_chain.
+VECTOR_NAMES = ("lin_bias", "extra_bias", "gn_weight", "gn_bias", "mul_weight")
+
+
 def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name: str, lin_bias,
                         extra_bias, gn_weight, gn_bias, mul_weight,
-                        autocast: bool = False) -> tuple:
+                        autocast: bool = False, names: Tuple[str, ...] = VECTOR_NAMES) -> tuple:
     """The per-channel vectors of ``chain``, validated against ``like``:
     (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), each flat and
     contiguous or None (mul_weight is required by the chains that use it).
     A vector the chain has no place for (extra_bias in 88's, mul_weight in
     37's and 94's) is refused: it would be ignored.  ``autocast``: cast to
     float32 (autograd ops) and checked as float32, the dtype autocast runs
-    the GroupNorm in."""
+    the GroupNorm in.  ``names``: the vectors' argument names in the
+    caller's signature, for the errors."""
     spec = CHAINS[chain]
-    for name, value, slot in (("extra_bias", extra_bias, spec.extra_bias),
-                              ("mul_weight", mul_weight, spec.mul_weight)):
+    for name, value, slot in ((names[1], extra_bias, spec.extra_bias),
+                              (names[4], mul_weight, spec.mul_weight)):
         if slot is None and value is not None:
             raise ValueError(f"{name} must be None for chain {chain!r}, which has no such "
                              f"vector (it would be ignored)")
@@ -555,11 +560,11 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
         dtype = torch.float32
         lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
             cast(v, dtype) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
-    return (check_vector("lin_bias", lin_bias, channels, like, like_name, dtype=dtype),
-            check_vector("extra_bias", extra_bias, channels, like, like_name, dtype=dtype),
-            check_vector("gn_weight", gn_weight, channels, like, like_name, dtype=dtype),
-            check_vector("gn_bias", gn_bias, channels, like, like_name, dtype=dtype),
-            check_vector("mul_weight", mul_weight, channels, like, like_name,
+    return (check_vector(names[0], lin_bias, channels, like, like_name, dtype=dtype),
+            check_vector(names[1], extra_bias, channels, like, like_name, dtype=dtype),
+            check_vector(names[2], gn_weight, channels, like, like_name, dtype=dtype),
+            check_vector(names[3], gn_bias, channels, like, like_name, dtype=dtype),
+            check_vector(names[4], mul_weight, channels, like, like_name,
                          optional=spec.mul_weight is None, dtype=dtype))
 
 
@@ -612,11 +617,18 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
             shape, an unknown chain, groups that do not divide C, before
             anything runs.
     """
+    return _gn_chain_entry(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
+                           eps, linear_bias_in_z, eager_rounding, VECTOR_NAMES)
+
+
+def _gn_chain_entry(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, eps,
+                    linear_bias_in_z, eager_rounding, names: Tuple[str, ...]) -> torch.Tensor:
+    """:func:`gn_chain`, and the per-problem forms below, whose arguments
+    have other names (``names``, as in :func:`check_chain_vectors`)."""
     if not isinstance(z, torch.Tensor):
         return call_with_cupy_arrays(
-            gn_chain, "z", z, chain, num_groups, lin_bias=lin_bias, extra_bias=extra_bias,
-            gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight, eps=eps,
-            linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
+            _gn_chain_entry, "z", z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
+            mul_weight, eps, linear_bias_in_z, eager_rounding, names)
     check_chain(chain)
     check_tensor("z", z, ndim=(2,))
     channels = z.shape[1]
@@ -624,7 +636,7 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
     eps = check_eps(eps)
     amp = autocast_dtype() is not None
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
-        chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp)
+        chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp, names)
     return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
                          mul_weight, eps, check_flag("linear_bias_in_z", linear_bias_in_z),
                          check_flag("eager_rounding", eager_rounding),
@@ -642,6 +654,10 @@ def _run_gn_chain(z: torch.Tensor, chain: str, num_groups: int, lin_bias, extra_
     grad = needs_grad(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     return _GN_CHAIN.run(grad, z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
                          num_groups, eps, grad, linear_bias_in_z, eager_rounding, float_out)[0]
+
+
+# The vectors' argument names in the per-problem forms.
+_WRAPPER_NAMES = ("linear_bias", "bias", "gn_weight", "gn_bias", "multiply_weight")
 
 
 def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
@@ -662,9 +678,8 @@ def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: 
     Returns:
         [M, C] in z's dtype (float32 under autocast).
     """
-    return gn_chain(z, "swish_bias_gn", num_groups, lin_bias=linear_bias, extra_bias=bias,
-                    gn_weight=gn_weight, gn_bias=gn_bias, eps=eps,
-                    linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
+    return _gn_chain_entry(z, "swish_bias_gn", num_groups, linear_bias, bias, gn_weight, gn_bias, None,
+                           eps, linear_bias_in_z, eager_rounding, _WRAPPER_NAMES)
 
 
 def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply_weight,
@@ -685,9 +700,8 @@ def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply
     Returns:
         [M, C] in z's dtype (float32 under autocast).
     """
-    return gn_chain(z, "gn_swish_mul_swish", num_groups, lin_bias=linear_bias,
-                    gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=multiply_weight, eps=eps,
-                    linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
+    return _gn_chain_entry(z, "gn_swish_mul_swish", num_groups, linear_bias, None, gn_weight, gn_bias,
+                           multiply_weight, eps, linear_bias_in_z, eager_rounding, _WRAPPER_NAMES)
 
 
 def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: int,
@@ -709,6 +723,5 @@ def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_
     Returns:
         [M, C] in z's dtype (float32 under autocast).
     """
-    return gn_chain(z, "bias_hardtanh_mish_gn", num_groups, lin_bias=linear_bias,
-                    extra_bias=bias, gn_weight=gn_weight, gn_bias=gn_bias, eps=eps,
-                    linear_bias_in_z=linear_bias_in_z, eager_rounding=eager_rounding)
+    return _gn_chain_entry(z, "bias_hardtanh_mish_gn", num_groups, linear_bias, bias, gn_weight,
+                           gn_bias, None, eps, linear_bias_in_z, eager_rounding, _WRAPPER_NAMES)
