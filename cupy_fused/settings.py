@@ -5,8 +5,8 @@
   also take ``precision=``.  :func:`fp32_matmul_precision`,
   :func:`get_fp32_matmul_precision`, :func:`set_fp32_matmul_precision`.
 * the Hopper ``wgmma`` kernels on compute capability 9.0 (the float32 GEMM
-  and the 16-bit engine): on by default.  :func:`gemm_wgmma`, :func:`get_gemm_wgmma`,
-  :func:`set_gemm_wgmma`.
+  and the 16-bit engine): on by default.  :func:`gemm_wgmma`,
+  :func:`get_gemm_wgmma`, :func:`set_gemm_wgmma`.
 
 Each has a getter, a setter and a context manager that sets it for the
 duration of a ``with`` block and restores the previous value on exit, also
@@ -72,8 +72,6 @@ def _setting(name: str, value: object) -> Iterator[None]:
         _values[name] = previous
 
 
-# ---------------------------------------------------------------- float32 GEMM precision
-
 def check_flag(name: str, value: object) -> bool:
     """``value`` if it is a bool; raises TypeError naming ``name``
     otherwise (``bool("False")`` would be True)."""
@@ -81,6 +79,8 @@ def check_flag(name: str, value: object) -> bool:
         return value
     raise TypeError(f"{name} must be True or False, got {value!r}")
 
+
+# ---------------------------------------------------------------- float32 GEMM precision
 
 def check_precision(precision: object) -> str:
     """``precision`` if it is one of :data:`PRECISIONS`; raises ValueError
