@@ -585,7 +585,6 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     // are zeroed: a branch per value would cost more than the arithmetic.
 #pragma unroll
     for (int k = 0; k < kE; ++k) {
-      xh[k] = dyh[k] = mg[k] = pg[k] = 0.0f;
       const float v = Chain::pre_with_grad(zs[k], lv, k, pg[k]);
       const float d = element_backward_from_pre<Chain>(v, dys[k], mu, rs, k, lv, xh[k], dyh[k], mg[k]);
       dxh[k] = l.active ? d : 0.0f;
