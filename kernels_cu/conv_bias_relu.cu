@@ -145,7 +145,13 @@ constexpr int kConvNchwStagingBytes = 2 * (kConvTileBytes + kConvBiasBytes);  //
 // y [N, Cout, OH, OW] (NCHW, as the reference returns for an NCHW input) of
 // Out: relu(acc + conv_bias) + bias rounded once to T (Out = T), or, as
 // autocast computes it (Out = float), relu(acc + conv_bias) rounded to T,
-// then + bias in float32.  The warpgroup writes its
+// then + bias in float32.  With kMask (training), also relu's mask for the
+// backward (bias_relu's: bit i of word i / 32 for y's element i in memory
+// order, set where relu's input is > 0 or NaN), and y = relu(acc +
+// conv_bias) rounded to T, then + bias, rounded again (as eager's
+// convolution rounds its output before relu and the bias add): the staged
+// value's bits then give the mask bit exactly (a nonzero magnitude).  The
+// warpgroup writes its
 // tile transposed into its staging area (stmatrix.trans: 16 instructions a
 // thread), then each warp writes whole rows of y (one channel, the tile's
 // columns of one output row), a lane 8 bytes of the row's 8-byte grid (a
@@ -154,10 +160,16 @@ constexpr int kConvNchwStagingBytes = 2 * (kConvTileBytes + kConvBiasBytes);  //
 // reads of the staging row, in the order its half-warp alternates, fall in
 // distinct banks.  Rows that start at an odd element are read value by
 // value, and the grid's partial chunks at a row's ends written so.
-template <typename T, typename Out>
+template <typename T, typename Out, bool kMask = false>
 struct NchwStore {
-  static constexpr bool kBiasLater = sizeof(Out) == 4;  // float32 y: the bias added at the store
+  // float32 y, or the mask: relu(acc + conv_bias) staged, the bias added at the store
+  static constexpr bool kBiasLater = sizeof(Out) == 4 || kMask;
   Out* y;
+  // kMask: cdiv(y's elements, 32) words, zeroed by the caller (the words a
+  // row shares with its neighbours are OR-ed in; an integer OR, so the
+  // result does not depend on the order).  y's first element lies on a
+  // 4-element grid (a fresh allocation).
+  unsigned* mask;
   ConvBiases<Out> biases;
   i64 cout, out_rows, out_cols, col_tiles;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
@@ -209,6 +221,12 @@ struct NchwStore {
       for (int j = 0; j < 4; ++j)
         if (co0 + 4 * j < rows && c0[j] < cols)
           write4(dst + 4 * j * plane, c0[j], cols, w[j], kBiasLater ? ConvBiases<Out>::bias_of(table, co0 + 4 * j) : 0.0f);
+      if constexpr (kMask) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (co0 + 4 * j < rows)  // (the whole warp: the mask's shuffles)
+            mask_row(dst + 4 * j * plane - y, c0[j], cols, w[j], lane);
+      }
       dst += 16 * plane;
     }
     // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i
@@ -222,8 +240,55 @@ struct NchwStore {
           unsigned w[2];
           read4(staging, co, c, s, lane, w);
           write4(row_dst, c, cols, w, kBiasLater ? ConvBiases<Out>::bias_of(table, co) : 0.0f);
+          if constexpr (kMask) {  // never a whole word: OR-ed in
+            const i64 f = (row_dst - y) + c;
+            const unsigned bits = nibble(w, c, cols) << (f & 31);
+            if (bits) atomicOr(mask + (f >> 5), bits);
+          }
         }
       }
+    }
+  }
+  // The mask bits of a lane's four staged values at columns c .. c + 3 of
+  // its row (bit e for column c + e), of the columns 0 .. cols - 1 only:
+  // set where the value (relu's output, rounded) has a nonzero magnitude,
+  // which is where relu's input was > 0 or NaN.
+  __device__ __forceinline__ static unsigned nibble(const unsigned (&w)[2], int c, int cols) {
+    unsigned bits = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool set = ((w[e >> 1] >> (16 * (e & 1))) & 0x7fffu) != 0;
+      bits |= (set && c + e >= 0 && c + e < cols ? 1u : 0u) << e;
+    }
+    return bits;
+  }
+  // The mask words of one row of y (flat index `base` of its column 0),
+  // its columns c0 = 4 lane - s .. + 3 from each lane (s = base % 4: each
+  // lane's four elements lie in one word).  Lanes whose elements share a
+  // word (at most 8 in a row) OR their bits together; the first of them
+  // writes the word: a plain store where the word lies inside the columns
+  // this warp covers (no other writer touches it), an OR elsewhere.
+  // Called by all 32 lanes.
+  __device__ __forceinline__ void mask_row(i64 base, int c0, int cols, const unsigned (&w)[2], int lane) const {
+    const int s = static_cast<int>(base & 3);
+    const i64 first = base - s;  // lane 0's first element
+    const int q = static_cast<int>(first & 31);
+    const int word = (q + 4 * lane) >> 5;  // the lane's word, counted from first's
+    unsigned v = nibble(w, c0, cols) << ((q + 4 * lane) & 31);
+#pragma unroll
+    for (int d = 1; d < 8; d *= 2) {
+      const unsigned other = __shfl_down_sync(0xffffffffu, v, d);
+      if (lane + d < 32 && ((q + 4 * (lane + d)) >> 5) == word) v |= other;
+    }
+    if (lane > 0 && ((q + 4 * (lane - 1)) >> 5) == word) return;  // not the word's first lane
+    unsigned* const at = mask + ((first >> 5) + word);
+    // The word's elements, as offsets from first: [32 word - q, + 32); this
+    // warp's columns 0 .. min(cols, kHgBM - s) - 1 are offsets s ...
+    const int lo = 32 * word - q;
+    if (lo >= s && lo + 32 <= min(cols + s, kHgBM)) {
+      *at = v;
+    } else if (v) {
+      atomicOr(at, v);
     }
   }
   // Where a row of y starts in its chunk of 4 values (8 or 16 bytes), in
@@ -263,12 +328,20 @@ struct NchwStore {
       float v[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) v[e] = packed_value<T>(w, e) + b;
-      if (whole) {
-        *reinterpret_cast<float4*>(row + c) = make_float4(v[0], v[1], v[2], v[3]);
+      if constexpr (sizeof(Out) == 4) {
+        if (whole) {
+          *reinterpret_cast<float4*>(row + c) = make_float4(v[0], v[1], v[2], v[3]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (c + e >= 0 && c + e < cols) row[c + e] = v[e];
+        }
+      } else if (whole) {  // a 16-bit y (kMask): rounded again after the bias
+        *reinterpret_cast<uint2*>(row + c) = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (c + e >= 0 && c + e < cols) row[c + e] = v[e];
+          if (c + e >= 0 && c + e < cols) row[c + e] = from_float<T>(v[e]);
       }
     } else if (whole) {
       *reinterpret_cast<uint2*>(row + c) = make_uint2(w[0], w[1]);
@@ -380,15 +453,16 @@ __global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T*
 // caller's channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y
 // NCHW (NchwStore: y and the biases of Out, T or float32 as under
 // autocast), or channels-last through map_y (kNhwcOut: NhwcStore, Out = T,
-// Cout a multiple of 8).  map_x: dims (C, W, H, N), boxes 64 x 128 x 1 x 1,
+// Cout a multiple of 8).  kMask (NCHW y only): also relu's mask into
+// `mask` (NchwStore), for a training step's backward; null otherwise.  map_x: dims (C, W, H, N), boxes 64 x 128 x 1 x 1,
 // 128-byte swizzle; map_w: the weight as B [Cout, KH * KW * Cpad] of T
 // (ops/conv_bias_relu.py), boxes 64 x 128.  Grid: at most one block per SM
 // (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
 // kConvNhwcStagingBytes or kConvNchwStagingBytes>() of dynamic shared memory.
-template <typename T, int kStages, bool kNhwcOut, typename Out>
+template <typename T, int kStages, bool kNhwcOut, typename Out, bool kMask>
 __global__ void __launch_bounds__(kHgThreads, 1)
 conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
-                     const __grid_constant__ TensorMap map_y, Out* __restrict__ y,
+                     const __grid_constant__ TensorMap map_y, Out* __restrict__ y, unsigned* __restrict__ mask,
                      const Out* __restrict__ conv_bias, const Out* __restrict__ bias, i64 n_images, i64 cout,
                      i64 out_rows, i64 out_cols, i64 kw_size, i64 c_blocks, i64 k_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -399,10 +473,11 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
   const ConvBiases<Out> biases{conv_bias, bias, cout};
   if constexpr (kNhwcOut) {
     static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype");
+    static_assert(!kMask, "the mask is written by the NCHW store");
     NhwcStore<T> store{map_y, biases, col_tiles};
     half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else {
-    NchwStore<T, Out> store{y, biases, cout, out_rows, out_cols, col_tiles};
+    NchwStore<T, Out, kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
     half_gemm_persistent<T, kStages, kConvNchwStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   }
 #else

@@ -213,6 +213,36 @@ if _runtime.device_capability(0) == (9, 0):
                 failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {shape}"]
     finally:
         CB._transposed, BR._TO_NHWC_BLOCKS_PER_SM = transposed, blocks_per_sm
+    # The engine's training forward (its size threshold lifted): y and relu's
+    # mask from the store, then the channels-last backward on x's copy,
+    # against the same step on the cudnn route.
+    for dtype in (d for d in dtypes if d != torch.float32):
+        for shape in CONV_SHAPES:
+            x, wt, cb, b = conv_inputs(shape, dtype)
+            n, _, h, w, cout, kh, kw = shape
+            if cout % 8:
+                continue  # the cudnn route's (the channels-last backward needs C_out % 8 == 0)
+            g = torch.randn(n, cout, h - kh + 1, w - kw + 1, device="cuda", dtype=dtype)
+            steps = []
+            for threshold in (0, 2**62):
+                keep = CB.ENGINE_TRAINING_MIN_ELEMENTS
+                CB.ENGINE_TRAINING_MIN_ELEMENTS = threshold
+                try:
+                    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+                    route = CB.route(*leaves)
+                    y = ops.conv_bias_relu(*leaves)
+                    y.backward(g)
+                finally:
+                    CB.ENGINE_TRAINING_MIN_ELEMENTS = keep
+                steps.append((route, [y.float()] + [t.grad.float() for t in leaves]))
+            (r0, ours), (r1, theirs) = steps
+            # (In norm: relu's mask may differ where its input rounds to 0
+            # one way and not the other.)
+            ok = (r0, r1) == ("engine", "cudnn") and all(
+                torch.linalg.vector_norm(a - r) <= 2e-2 * torch.linalg.vector_norm(r)
+                for a, r in zip(ours, theirs))
+            print("conv_bias_relu engine training", dtype, shape, "OK" if ok else "ERROR", flush=True)
+            failed += [] if ok else [f"conv_bias_relu engine training {dtype} {shape}"]
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.

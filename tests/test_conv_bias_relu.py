@@ -56,6 +56,29 @@ def test_bad_arguments_are_refused(past_device_check):
         ops.conv_bias_relu(x, w, cb, torch.rand(4, device="meta"))
 
 
+def test_training_calls_take_the_engine_only_where_its_backward_applies(past_device_check,
+                                                                         monkeypatch):
+    """With a gradient to record, the engine route takes an NCHW x in
+    16-bit (or under autocast) with C_out a multiple of 8 and at least
+    ENGINE_TRAINING_MIN_ELEMENTS output values; channels-last, float32 and
+    smaller calls take cuDNN."""
+    monkeypatch.setattr(gemm, "has_wgmma", lambda device: True)
+    x = torch.rand(2, 8, 6, 7, dtype=torch.bfloat16)
+    w = torch.rand(16, 8, 3, 3, dtype=torch.bfloat16)
+    cb, b = torch.rand(16, dtype=torch.bfloat16), torch.rand(16, 1, 1, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_(True)
+    assert CB.route(x, w, cb, b) == "engine"  # nothing to record: any size
+    assert CB.route(xg, w, cb, b) == "cudnn"  # 2 * 16 * 4 * 5 values, below the threshold
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 2 * 16 * 4 * 5)
+    assert CB.route(xg, w, cb, b) == "engine"
+    assert CB.route(x, w.clone().requires_grad_(True), cb, b) == "engine"
+    assert CB.route(xg, w[:12], cb[:12], b[:12]) == "cudnn"  # C_out 12
+    assert CB.route(xg.contiguous(memory_format=torch.channels_last), w, cb, b) == "cudnn"
+    assert CB.route(xg.float(), w.float(), cb.float(), b.float()) == "cudnn"
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 2 * 16 * 4 * 5 + 1)
+    assert CB.route(xg, w, cb, b) == "cudnn"
+
+
 def test_deterministic_flag_is_restored_after_errors_and_overlaps():
     """The training route's cuDNN flag: set inside, restored on the way out
     of the outermost entry, also through an exception and across threads."""
@@ -471,3 +494,89 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
         err, eager_err = rel_error(ours.grad, want.grad), rel_error(theirs.grad, want.grad)
         assert ours.grad.dtype == theirs.grad.dtype
         assert err <= 1.5 * eager_err + eps, (name, err, eager_err)
+
+
+# (N, C_in, H, W, C_out, KH, KW) of the engine's training forward: output
+# rows at every start in their 4-value chunk and mask word (OW odd, OW of
+# 125 to 129 and past one 128-column tile), C_out over one 128-channel tile.
+TRAINING_SHAPES = [(2, 8, 9, 70, 16, 3, 3), (1, 16, 5, 127, 8, 1, 3), (2, 8, 4, 131, 136, 2, 3),
+                   (1, 64, 6, 130, 24, 3, 3), (3, 8, 3, 5, 8, 1, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "amp_bf16", "amp_fp16"])
+@pytest.mark.parametrize("shape", TRAINING_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_engine_training_forward(shape, mode, device, monkeypatch):
+    """A training step on the engine (here at small sizes too): y and relu's
+    mask from its store, bias_relu's backward writing dz channels-last,
+    cuDNN's channels-last backward on the forward's copy of x.  Output and
+    every gradient within 1.5x eager's error against float64, in the
+    reference's dtypes and layouts; two steps bitwise equal."""
+    _engine_device(device)
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    amp = {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(mode)
+    dtype = torch.float32 if amp else getattr(torch, mode)
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
+    b = b.reshape(cout, 1, 1)
+    g = torch.randn(n, cout, h - kh + 1, w - kw + 1, generator=gen).to(device, dtype)
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            assert CB.route(*leaves) == "engine"
+            y = ops.conv_bias_relu(*leaves)
+        y.backward(g)
+        return y, leaves
+
+    y, leaves = step()
+    again, leaves2 = step()
+    assert torch.equal(y, again) and all(torch.equal(a.grad, c.grad) for a, c in zip(leaves, leaves2))
+    ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
+    want = _reference(*ref)
+    want.backward(g.double())
+    eager = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+    with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        ey = F.relu(F.conv2d(eager[0], eager[1], eager[2])) + eager[3]
+    ey.backward(g)
+    assert y.dtype == ey.dtype and y.is_contiguous()
+    eps = torch.finfo(amp or dtype).eps
+    assert rel_error(y, want) <= 1.5 * rel_error(ey, want) + eps
+    for name, ours, r, theirs in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager):
+        assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == theirs.grad.stride()
+        err, eager_err = rel_error(ours.grad, r.grad), rel_error(theirs.grad, r.grad)
+        assert err <= 1.5 * eager_err + eps, (name, err, eager_err)
+
+
+@pytest.mark.gpu
+def test_engine_training_mask_keeps_nan_and_inf(device, monkeypatch):
+    """relu's mask from the store: a NaN or an infinity in x reaches y, and
+    the gradients of x and of the biases, where the reference's do
+    (bias_relu's mask passes the gradient at a NaN, as torch's relu backward
+    does).  (The weight's gradient sums x's infinities times zeros of dz:
+    where its NaN lands depends on cuDNN's algorithm.)"""
+    _engine_device(device)
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 8, 6, 133, generator=gen)
+    x[0, 3, 2, 7], x[1, 0, 4, 130], x[1, 5, 0, 0] = float("nan"), float("inf"), -float("inf")
+    wt = torch.randn(16, 8, 3, 3, generator=gen) / 8
+    cb, b = torch.randn(16, generator=gen), torch.randn(16, 1, 1, generator=gen)
+    g = torch.randn(2, 16, 4, 131, generator=gen)
+    args = [t.to(device, torch.bfloat16) for t in (x, wt, cb, b)]
+    leaves = [t.clone().requires_grad_(True) for t in args]
+    assert CB.route(*leaves) == "engine"
+    y = ops.conv_bias_relu(*leaves)
+    y.backward(g.to(device, torch.bfloat16))
+    ref = [t.clone().requires_grad_(True) for t in args]
+    ry = F.relu(F.conv2d(ref[0], ref[1], ref[2])) + ref[3]
+    ry.backward(g.to(device, torch.bfloat16))
+    pairs = [(y, ry)] + [(leaves[i].grad, ref[i].grad) for i in (0, 2, 3)]
+    assert y.isnan().any() and y.isposinf().any()
+    for ours, theirs in pairs:
+        assert torch.equal(ours.isnan(), theirs.isnan())
+        assert torch.equal(ours.isposinf(), theirs.isposinf())
+        assert torch.equal(ours.isneginf(), theirs.isneginf())

@@ -12,10 +12,18 @@ Route, decided once per call (:func:`route`):
   of :func:`engine_layout`, and the dtypes of :func:`engine_dtypes`: every
   tensor float16 or every tensor bfloat16, or under ``torch.autocast`` an
   NCHW x (the product then in the autocast dtype, as the reference's).
+  With a gradient to record (an NCHW x of at least
+  :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values, C_out a multiple of
+  8), the same forward also writes relu's mask and keeps x's channels-last
+  copy; the backward is :func:`.bias_relu.bias_relu`'s (dz written
+  channels-last) and cuDNN's deterministic channels-last convolution
+  backward on that copy, as the ``"cudnn"`` route's backward runs on
+  Hopper (:func:`_channels_last_backward`), the input gradient copied back
+  to NCHW.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
-  layout, autocast's promotions.  Training steps take it: the engine's
-  forward keeps nothing for a backward yet.  Its convolution is one autograd
+  layout, autocast's promotions.  Smaller training steps, float32 ones and
+  channels-last ones take it.  Its convolution is one autograd
   node of its own whose backward runs cuDNN's deterministic algorithms
   whatever ``torch.backends.cudnn.deterministic`` says, so that a training
   step is bitwise reproducible (with ``torch.backends.cudnn.benchmark`` on,
@@ -27,6 +35,7 @@ Route, decided once per call (:func:`route`):
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Optional, Tuple
 
@@ -39,7 +48,7 @@ from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import BLOCK, _ptr_or_null, call_with_cupy_arrays, cdiv, sm_count
-from .bias_relu import _bias_relu
+from .bias_relu import _backward as _bias_relu_backward, _bias_relu
 
 # The engine's layouts: x NCHW, copied to channels-last first, y NCHW; x and
 # y channels-last (kNhwcOut in conv_bias_relu.cu).
@@ -56,16 +65,19 @@ SHARED_BYTES = {
     CHANNELS_LAST: gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * _BIAS_BYTES),
 }
 
-# Keyed by ("conv", product dtype, layout, y's dtype): the convolution and
-# its chain (y float32 only from an NCHW x, under autocast); ("to_nhwc", x's
+# Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
+# and its chain (y float32 only from an NCHW x, under autocast; the mask of
+# relu for a training step's backward only with an NCHW y); ("to_nhwc", x's
 # dtype, copy's dtype): an NCHW tensor's channels-last copy (the engine's x;
 # the training route's dz and x, float32 too); ("to_nchw", dtype): a
 # channels-last tensor's NCHW copy (the training route's input gradient).
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
-    **{("conv", d, layout, out): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
-                                 f"{'true' if layout == CHANNELS_LAST else 'false'}, {cxx_type(out)}>"
+    **{("conv", d, layout, out, mask): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
+                                       f"{'true' if layout == CHANNELS_LAST else 'false'}, {cxx_type(out)}, "
+                                       f"{'true' if mask else 'false'}>"
        for d in HALF_DTYPES
-       for layout, out in ((NCHW, d), (CHANNELS_LAST, d), (NCHW, torch.float32))},
+       for layout, out, mask in ((NCHW, d, False), (CHANNELS_LAST, d, False), (NCHW, torch.float32, False),
+                                 (NCHW, d, True), (NCHW, torch.float32, True))},
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
        for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
     **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES}})
@@ -130,8 +142,14 @@ def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     return "engine" if _engine_plan(x, weight, conv_bias, bias) else "cudnn"
 
 
-# An engine call's (layout, product dtype, y's dtype).
-_Plan = Tuple[str, torch.dtype, torch.dtype]
+# An engine call's (layout, product dtype, y's dtype, training: with the
+# mask and x's copy kept for a backward).
+_Plan = Tuple[str, torch.dtype, torch.dtype, bool]
+
+# The engine's training forward takes calls of this many output values and
+# more: the size from which the channels-last backward it leads to was
+# measured to pay (CL_BACKWARD_MIN_ELEMENTS, below).
+ENGINE_TRAINING_MIN_ELEMENTS = 2**24
 
 
 def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
@@ -144,18 +162,37 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
             # and the copy engine's 32-bit coordinates
             and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 128) < 2**31 and max(x.shape) < 2**31
             and weight.shape[2] * weight.shape[3] * cdiv(x.shape[1], 64) * 64 < 2**31  # K
-            and not needs_grad(x, weight, conv_bias, bias)
             and not is_compiling() and gemm.has_wgmma(x.device.index)):
+        training = needs_grad(x, weight, conv_bias, bias)
+        if training and not _trains_on_engine(x, weight):
+            return None
         layout, dtypes = engine_layout(x, weight), engine_dtypes(x, weight, conv_bias, bias)
-        if layout is not None and dtypes is not None:
-            return (layout, *dtypes)
+        if layout is not None and dtypes is not None and (layout == NCHW or not training):
+            return (layout, *dtypes, training)
     return None
+
+
+def _trains_on_engine(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a call with a gradient to record may take the engine's
+    training forward (its layout and dtypes checked by the caller): an NCHW
+    x, at least :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values, C_out a
+    multiple of 8 and y within the transposing copies' grid (the backward's
+    channels-last dz and cuDNN's channels-last backward)."""
+    n, _, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    dz_shape = (n, cout, h - kh + 1, w - kw + 1)
+    return (x.is_contiguous() and cout % 8 == 0 and math.prod(dz_shape) >= ENGINE_TRAINING_MIN_ELEMENTS
+            and _transposes_shape(dz_shape))
 
 
 def _transposes(t: torch.Tensor) -> bool:
     """Whether the transposing copies take the 4-D tensor ``t`` (their
     grid's limits)."""
-    n, c, h, w = t.shape
+    return _transposes_shape(t.shape)
+
+
+def _transposes_shape(shape) -> bool:
+    n, c, h, w = shape
     return n * h * cdiv(w, 64) < 2**31 and cdiv(c, 64) <= 65535
 
 
@@ -193,15 +230,19 @@ def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                    bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None,
-                   plan: Optional[_Plan] = None) -> torch.Tensor:
+                   plan: Optional[_Plan] = None, mask: Optional[torch.Tensor] = None,
+                   xc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The engine route on arguments :func:`route` sends there (a non-empty
     result).  ``out``: the result to write (e.g. NaN-poisoned), in x's
     memory format, else a new one; ``plan``: the call's
-    :func:`_engine_plan`, if the caller has it."""
+    :func:`_engine_plan`, if the caller has it; ``mask`` (an NCHW x only):
+    zeroed words, one bit per value of y, that the store fills with relu's
+    mask; ``xc``: x's channels-last copy in the product's dtype, if the
+    caller has made it."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = h - kh + 1, w - kw + 1
-    layout, dtype, out_dtype = plan or _engine_plan(x, weight, conv_bias, bias)
+    layout, dtype, out_dtype, _ = plan or _engine_plan(x, weight, conv_bias, bias)
     fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
     if out is None:
         out = torch.empty((n, cout, oh, ow), dtype=out_dtype, device=x.device, memory_format=fmt)
@@ -216,7 +257,8 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     dev = x.device.index
     box_k, box_m = gemm.HALF_BOX_K, gemm.HALF_TILE[0]
     # An NCHW x: its channels-last copy, in the product's dtype.
-    xc = _transposed(x, dtype) if layout == NCHW else x
+    if xc is None:
+        xc = _transposed(x, dtype) if layout == NCHW else x
     # x channels-last, dims (C, W, H, N): boxes of 64 channels x 128 columns.
     map_x = gemm._encode_tensor_map(xc.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin),
                                     dtype, (box_k, box_m, 1, 1))
@@ -227,15 +269,93 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     packed = _packed_weight(weight, dtype)
     c_blocks = packed.shape[1] // (kh * kw * box_k)
     tiles = n * oh * cdiv(ow, box_m) * cdiv(cout, gemm.HALF_TILE[1])
-    _bridge.launch(KERNELS.get(("conv", dtype, layout, out_dtype), dev), (min(tiles, sm_count(dev)), 1, 1),
-                   gemm.HALF_THREADS,
+    _bridge.launch(KERNELS.get(("conv", dtype, layout, out_dtype, mask is not None), dev),
+                   (min(tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
                    (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), map_y, out.data_ptr(),
-                    conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw, c_blocks,
-                    kh * kw * c_blocks), dev, shared_mem=SHARED_BYTES[layout])
+                    _ptr_or_null(mask), conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw,
+                    c_blocks, kh * kw * c_blocks), dev, shared_mem=SHARED_BYTES[layout])
     # xc, packed and cast biases go back to the allocator here: it hands
     # their memory to later work of this stream only, which runs after the
     # launch.
     return out
+
+
+# ---------------------------------------------------------------- the engine's training forward
+
+def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                   bias: Optional[torch.Tensor], dtype: torch.dtype,
+                   out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (y, relu's mask, x's channels-last copy in the product's dtype)
+    n, _, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    numel = n * cout * (h - kh + 1) * (w - kw + 1)
+    # (a fresh y: its first element on the 4-element grid the mask needs)
+    mask = torch.zeros((cdiv(numel, 32),), dtype=torch.int32, device=x.device)
+    xc = _transposed(x, dtype)
+    y = _launch_engine(x, weight, conv_bias, bias, plan=(NCHW, dtype, out_dtype, True), mask=mask,
+                       xc=xc)
+    return y, mask, xc
+
+
+def _train_forward_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                        bias: Optional[torch.Tensor], dtype: torch.dtype,
+                        out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    shape = (n, cout, h - kh + 1, w - kw + 1)
+    return (torch.empty(shape, dtype=out_dtype, device=x.device),
+            torch.empty((cdiv(math.prod(shape), 32),), dtype=torch.int32, device=x.device),
+            torch.empty((n, h, w, cin), dtype=dtype, device=x.device).permute(0, 3, 1, 2))
+
+
+def _train_setup_context(ctx, inputs, output):
+    x, weight, conv_bias, bias, _, _ = inputs
+    _, mask, xc = output
+    ctx.save_for_backward(xc, weight, mask)
+    ctx.dtypes = (x.dtype, conv_bias.dtype, None if bias is None else bias.dtype)
+
+
+def _train_backward_formula(ctx, grads, run_backward):
+    xc, weight, mask = ctx.saved_tensors
+    x_dtype, cb_dtype, b_dtype = ctx.dtypes
+    want = ctx.needs_input_grad
+    dx, dw, sums = run_backward(grads[0], xc, weight, mask, b_dtype is not None, x_dtype, want[0],
+                                want[1])
+    dcb = sums[0].to(cb_dtype) if want[2] else None
+    db = sums[1].to(b_dtype) if b_dtype is not None and want[3] else None
+    return (dx if want[0] else None, dw if want[1] else None, dcb, db, None, None)
+
+
+def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
+                    second_bias: bool, x_dtype: torch.dtype, want_x: bool,
+                    want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # dz (channels-last, the product's dtype) and the biases' sums from
+    # bias_relu's backward, then cuDNN's channels-last backward on x's copy.
+    dz, sums = _bias_relu_backward(dy, mask, list(dy.shape), False, second_bias, xc.dtype, True)
+    dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x, want_weight)
+    del dz
+    if want_x:
+        dx = _transposed(dx) if _strictly_channels_last(dx) else dx.contiguous()
+        dx = dx.to(x_dtype)
+    return (dx if want_x else xc.new_empty((0,)),
+            _strided_like(dw.to(weight.dtype), weight) if want_weight else weight.new_empty((0,)),
+            sums)
+
+
+def _train_backward_fake(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
+                         second_bias: bool, x_dtype: torch.dtype, want_x: bool,
+                         want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, cin, h, w = xc.shape
+    return (torch.empty((n, cin, h, w), dtype=x_dtype, device=xc.device) if want_x else xc.new_empty((0,)),
+            torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
+            dy.new_empty((2 if second_bias else 1, dy.shape[1])))
+
+
+# The engine's forward of a training step: y, and relu's mask and x's
+# channels-last copy kept for the backward (outputs that carry no gradient).
+_ENGINE_TRAIN = FusedOp("conv_bias_relu_engine_train", _train_forward, _train_forward_fake,
+                        _train_setup_context, _train_backward_formula, _train_backward,
+                        _train_backward_fake, nondifferentiable=(1, 2))
 
 
 # ---------------------------------------------------------------- the "cudnn" route
@@ -333,6 +453,16 @@ def _channels_last_backward(dz: torch.Tensor, x: torch.Tensor) -> bool:
             and _runtime.device_capability(x.device.index) == (9, 0))
 
 
+def _conv_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
+                   want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of the convolution (stride 1, no padding) by cuDNN's
+    deterministic algorithms, in the layout cuDNN picks for dz and x."""
+    with _deterministic_cudnn():
+        dx, dw, _ = torch.ops.aten.convolution_backward(
+            dz, x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [want_x, want_weight, False])
+    return dx, dw
+
+
 def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
                     want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     channels_last = _channels_last_backward(dz, x)
@@ -343,10 +473,7 @@ def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, wan
         dz_in = _transposed(dz) if dz.is_contiguous() else dz
         # (dx needs x's shape and layout only.)
         x_in = _transposed(x) if want_weight else torch.empty_like(x, memory_format=torch.channels_last)
-    with _deterministic_cudnn():
-        dx, dw, _ = torch.ops.aten.convolution_backward(
-            dz_in, x_in, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
-            [want_x, want_weight, False])
+    dx, dw = _conv_backward(dz_in, x_in, weight, want_x, want_weight)
     del dz_in, x_in
     if channels_last and want_x and _strictly_channels_last(dx):
         dx = _transposed(dx)
@@ -440,6 +567,8 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         bias = check_vector("bias", check_tensor("bias", bias), cout, x, "x", dtype=bias.dtype)
     plan = _engine_plan(x, weight, conv_bias, bias)
     if plan:  # the "engine" route (its dtypes checked by engine_dtypes)
+        if plan[3]:  # with a gradient to record
+            return _ENGINE_TRAIN.run(True, x, weight, conv_bias, bias, plan[1], plan[2])[0]
         return _launch_engine(x, weight, conv_bias, bias, plan=plan)
     amp = autocast_dtype()
     if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
