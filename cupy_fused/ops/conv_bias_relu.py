@@ -332,7 +332,9 @@ def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, ma
     # dz (channels-last, the product's dtype) and the biases' sums from
     # bias_relu's backward, then cuDNN's channels-last backward on x's copy.
     dz, sums = _bias_relu_backward(dy, mask, list(dy.shape), False, second_bias, xc.dtype, True)
-    dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x, want_weight)
+    dx = dw = None
+    if want_x or want_weight:
+        dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x, want_weight)
     del dz
     if want_x:
         dx = _transposed(dx) if _strictly_channels_last(dx) else dx.contiguous()
