@@ -357,31 +357,69 @@ struct NchwStore {
 // y [N, OH, OW, Cout] (channels-last, as the reference returns for a
 // channels-last input), through the copy engine: the tile is rows ow0 ..
 // ow0 + 127 of the (n, oh) plane of y viewed as [N * OH, OW, Cout], clipped
-// at OW and Cout (TmaTileWriter).
+// at OW and Cout (TmaTileWriter).  With kMask (training; Cout a multiple
+// of 32), also relu's mask in y's memory order (bias_relu's format: bit i
+// of word i / 32), from registers: a tile row's 128 channels are 4 whole
+// words, which no other tile shares, each gathered over the lane quad that
+// holds the row and stored by one of its lanes.  The bit: relu's output
+// rounded to T has a nonzero magnitude (relu's input > 0 or NaN, as eager's
+// rounded convolution output decides it).
 constexpr int kConvNhwcStagingBytes = kHgStagingBytes + 2 * kConvBiasBytes;
-template <typename T>
+template <typename T, bool kMask = false>
 struct NhwcStore {
   const TensorMap& map_y;  // dims (Cout, OW, N * OH), boxes 64 x 128 x 1, 128-byte swizzle
   ConvBiases<T> biases;
   i64 col_tiles;
+  unsigned* mask;  // kMask: Cout * OW * OH * N / 32 words
+  i64 out_cols, cout;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) {
     const unsigned table = staging + kHgStagingBytes / 2;
     TmaTileWriter::begin(me);
     biases.refill(table, n0, me);
+    i64 ow0;
+    const i64 row = conv_tile_row(m0, col_tiles, ow0);
+    // kMask: the bits of the current word (channels 32 (i / 4) ..) of the
+    // thread's 4 rows 64 hm + me.row + 8 h, at k = 2 hm + h.
+    unsigned bits[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int i = 0; i < kHgAccs / 4; ++i) {
       const float4 p = ConvBiases<T>::pair(table, i, me.t);
 #pragma unroll
       for (int hm = 0; hm < 2; ++hm)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h) {
+          const float lo = acc[hm][4 * i + 2 * h], hi = acc[hm][4 * i + 2 * h + 1];
           TmaTileWriter::put(staging, 64 * hm + me.row + 8 * h, i, me.t,
-                             ConvBiases<T>::template chain<T>(acc[hm][4 * i + 2 * h], acc[hm][4 * i + 2 * h + 1], p));
+                             ConvBiases<T>::template chain<T>(lo, hi, p));
+          if constexpr (kMask) {
+            const unsigned r = ConvBiases<T>::template chain<T, false>(lo, hi, p);  // relu, rounded
+            const unsigned two = ((r & 0x7fffu) != 0 ? 1u : 0u) | ((r & 0x7fff0000u) != 0 ? 2u : 0u);
+            bits[2 * hm + h] |= two << (8 * (i & 3) + 2 * me.t);  // columns 8 i + 2 t, +1
+          }
+        }
+      if constexpr (kMask) {
+        if ((i & 3) == 3) store_mask_words(bits, i >> 2, me, row, ow0, n0);
+      }
     }
-    i64 ow0;
-    const i64 row = conv_tile_row(m0, col_tiles, ow0);
     TmaTileWriter::end(map_y, me, staging, ow0, n0, static_cast<int>(row));
+  }
+  // Word w of the 4 rows' masks: OR-ed over the lane quad, lane t stores
+  // row k = t's (if that pixel and those channels exist), then cleared.
+  __device__ __forceinline__ void store_mask_words(unsigned (&bits)[4], int w, const HalfGemmLane& me, i64 row,
+                                                   i64 ow0, i64 n0) const {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      bits[k] |= __shfl_xor_sync(0xffffffffu, bits[k], 1);
+      bits[k] |= __shfl_xor_sync(0xffffffffu, bits[k], 2);
+    }
+    const int t = me.t;
+    const unsigned word = t == 0 ? bits[0] : t == 1 ? bits[1] : t == 2 ? bits[2] : bits[3];
+    const i64 ow = ow0 + 64 * (t >> 1) + me.row + 8 * (t & 1);  // row k = t: hm = t / 2, h = t % 2
+    const i64 c = n0 + 32 * w;
+    if (ow < out_cols && c < cout) mask[((row * out_cols + ow) * cout + c) >> 5] = word;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) bits[k] = 0u;
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
@@ -453,8 +491,9 @@ __global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T*
 // caller's channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y
 // NCHW (NchwStore: y and the biases of Out, T or float32 as under
 // autocast), or channels-last through map_y (kNhwcOut: NhwcStore, Out = T,
-// Cout a multiple of 8).  kMask (NCHW y only): also relu's mask into
-// `mask` (NchwStore), for a training step's backward; null otherwise.  map_x: dims (C, W, H, N), boxes 64 x 128 x 1 x 1,
+// Cout a multiple of 8).  kMask: also relu's mask into `mask` (NchwStore,
+// NhwcStore with Cout a multiple of 32), for a training step's backward;
+// null otherwise.  map_x: dims (C, W, H, N), boxes 64 x 128 x 1 x 1,
 // 128-byte swizzle; map_w: the weight as B [Cout, KH * KW * Cpad] of T
 // (ops/conv_bias_relu.py), boxes 64 x 128.  Grid: at most one block per SM
 // (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
@@ -473,8 +512,7 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
   const ConvBiases<Out> biases{conv_bias, bias, cout};
   if constexpr (kNhwcOut) {
     static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype");
-    static_assert(!kMask, "the mask is written by the NCHW store");
-    NhwcStore<T> store{map_y, biases, col_tiles};
+    NhwcStore<T, kMask> store{map_y, biases, col_tiles, mask, out_cols, cout};
     half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else {
     NchwStore<T, Out, kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};

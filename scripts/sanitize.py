@@ -216,9 +216,12 @@ if _runtime.device_capability(0) == (9, 0):
     # The engine's training forward (its size threshold lifted): y and relu's
     # mask from the store, then the channels-last backward on x's copy,
     # against the same step on the cudnn route.
+    # (The last shape from a channels-last x: C_out a multiple of 32.)
     for dtype in (d for d in dtypes if d != torch.float32):
-        for shape in CONV_SHAPES:
+        for shape, fmt in ([(shape, torch.contiguous_format) for shape in CONV_SHAPES]
+                           + [((2, 8, 9, 70, 32, 3, 3), torch.channels_last)]):
             x, wt, cb, b = conv_inputs(shape, dtype)
+            x = x.contiguous(memory_format=fmt)
             n, _, h, w, cout, kh, kw = shape
             if cout % 8:
                 continue  # the cudnn route's (the channels-last backward needs C_out % 8 == 0)
@@ -241,8 +244,8 @@ if _runtime.device_capability(0) == (9, 0):
             ok = (r0, r1) == ("engine", "cudnn") and all(
                 torch.linalg.vector_norm(a - r) <= 2e-2 * torch.linalg.vector_norm(r)
                 for a, r in zip(ours, theirs))
-            print("conv_bias_relu engine training", dtype, shape, "OK" if ok else "ERROR", flush=True)
-            failed += [] if ok else [f"conv_bias_relu engine training {dtype} {shape}"]
+            print("conv_bias_relu engine training", dtype, fmt, shape, "OK" if ok else "ERROR", flush=True)
+            failed += [] if ok else [f"conv_bias_relu engine training {dtype} {fmt} {shape}"]
 for amp in (d for d in dtypes if d != torch.float32):
     # Autocast: the mixed-dtype kernels (gn_chain's float32 output, bias_relu's half z
     # with float32 biases) through the five models, float32 model and input.

@@ -58,10 +58,10 @@ def test_bad_arguments_are_refused(past_device_check):
 
 def test_training_calls_take_the_engine_only_where_its_backward_applies(past_device_check,
                                                                          monkeypatch):
-    """With a gradient to record, the engine route takes an NCHW x in
-    16-bit (or under autocast) with C_out a multiple of 8 and at least
-    ENGINE_TRAINING_MIN_ELEMENTS output values; channels-last, float32 and
-    smaller calls take cuDNN."""
+    """With a gradient to record, the engine route takes calls of at least
+    ENGINE_TRAINING_MIN_ELEMENTS output values: an NCHW x in 16-bit (or
+    under autocast) with C_out a multiple of 8, a channels-last one with
+    C_out a multiple of 32; float32 and smaller calls take cuDNN."""
     monkeypatch.setattr(gemm, "has_wgmma", lambda device: True)
     x = torch.rand(2, 8, 6, 7, dtype=torch.bfloat16)
     w = torch.rand(16, 8, 3, 3, dtype=torch.bfloat16)
@@ -73,7 +73,11 @@ def test_training_calls_take_the_engine_only_where_its_backward_applies(past_dev
     assert CB.route(xg, w, cb, b) == "engine"
     assert CB.route(x, w.clone().requires_grad_(True), cb, b) == "engine"
     assert CB.route(xg, w[:12], cb[:12], b[:12]) == "cudnn"  # C_out 12
-    assert CB.route(xg.contiguous(memory_format=torch.channels_last), w, cb, b) == "cudnn"
+    cl = xg.contiguous(memory_format=torch.channels_last)
+    assert CB.route(cl, w, cb, b) == "cudnn"  # C_out 16: a row's mask bits not whole words
+    w32 = torch.rand(32, 8, 3, 3, dtype=torch.bfloat16)
+    cb32, b32 = torch.rand(32, dtype=torch.bfloat16), torch.rand(32, dtype=torch.bfloat16)
+    assert CB.route(cl, w32, cb32, b32) == "engine"
     assert CB.route(xg.float(), w.float(), cb.float(), b.float()) == "cudnn"
     monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 2 * 16 * 4 * 5 + 1)
     assert CB.route(xg, w, cb, b) == "cudnn"
@@ -580,3 +584,50 @@ def test_engine_training_mask_keeps_nan_and_inf(device, monkeypatch):
         assert torch.equal(ours.isnan(), theirs.isnan())
         assert torch.equal(ours.isposinf(), theirs.isposinf())
         assert torch.equal(ours.isneginf(), theirs.isneginf())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
+                                   (2, 8, 4, 257, 160, 2, 3)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_engine_training_forward_channels_last(shape, dtype, device, monkeypatch):
+    """The same step from a channels-last x: the mask written from the
+    store's registers (whole words per output pixel), bias_relu's
+    channels-last backward and cuDNN's on x itself; gradients in x's and
+    the weight's layouts, within 1.5x eager's error; two steps bitwise
+    equal."""
+    _engine_device(device)
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(
+        memory_format=torch.channels_last)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
+    b = b.reshape(cout, 1, 1)
+    g = torch.randn(n, cout, h - kh + 1, w - kw + 1, generator=gen).to(device, dtype)
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        assert CB.route(*leaves) == "engine"
+        y = ops.conv_bias_relu(*leaves)
+        y.backward(g)
+        return y, leaves
+
+    y, leaves = step()
+    again, leaves2 = step()
+    assert torch.equal(y, again) and all(torch.equal(a.grad, c.grad) for a, c in zip(leaves, leaves2))
+    ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
+    want = _reference(*ref)
+    want.backward(g.double())
+    eager = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+    ey = F.relu(F.conv2d(eager[0], eager[1], eager[2])) + eager[3]
+    ey.backward(g)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    eps = torch.finfo(dtype).eps
+    assert rel_error(y, want) <= 1.5 * rel_error(ey, want) + eps
+    assert leaves[0].grad.is_contiguous(memory_format=torch.channels_last)
+    for name, ours, r, theirs in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager):
+        err, eager_err = rel_error(ours.grad, r.grad), rel_error(theirs.grad, r.grad)
+        assert err <= 1.5 * eager_err + eps, (name, err, eager_err)

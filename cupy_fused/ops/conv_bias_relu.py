@@ -12,18 +12,17 @@ Route, decided once per call (:func:`route`):
   of :func:`engine_layout`, and the dtypes of :func:`engine_dtypes`: every
   tensor float16 or every tensor bfloat16, or under ``torch.autocast`` an
   NCHW x (the product then in the autocast dtype, as the reference's).
-  With a gradient to record (an NCHW x of at least
-  :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values, C_out a multiple of
-  8), the same forward also writes relu's mask and keeps x's channels-last
-  copy; the backward is :func:`.bias_relu.bias_relu`'s (dz written
-  channels-last) and cuDNN's deterministic channels-last convolution
-  backward on that copy, as the ``"cudnn"`` route's backward runs on
-  Hopper (:func:`_channels_last_backward`), the input gradient copied back
-  to NCHW.
+  With a gradient to record (at least :data:`ENGINE_TRAINING_MIN_ELEMENTS`
+  output values; :func:`_trains_on_engine`), the same forward also writes
+  relu's mask, and keeps an NCHW x's channels-last copy; the backward is
+  :func:`.bias_relu.bias_relu`'s (dz written channels-last) and cuDNN's
+  deterministic channels-last convolution backward on x channels-last (as
+  the ``"cudnn"`` route's backward runs on Hopper:
+  :func:`_channels_last_backward`), the input gradient in x's layout.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
-  layout, autocast's promotions.  Smaller training steps, float32 ones and
-  channels-last ones take it.  Its convolution is one autograd
+  layout, autocast's promotions.  Smaller and float32 training steps take
+  it.  Its convolution is one autograd
   node of its own whose backward runs cuDNN's deterministic algorithms
   whatever ``torch.backends.cudnn.deterministic`` says, so that a training
   step is bitwise reproducible (with ``torch.backends.cudnn.benchmark`` on,
@@ -66,8 +65,8 @@ SHARED_BYTES = {
 }
 
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
-# and its chain (y float32 only from an NCHW x, under autocast; the mask of
-# relu for a training step's backward only with an NCHW y); ("to_nhwc", x's
+# and its chain (y float32 only from an NCHW x, under autocast; with the
+# mask of relu for a training step's backward); ("to_nhwc", x's
 # dtype, copy's dtype): an NCHW tensor's channels-last copy (the engine's x;
 # the training route's dz and x, float32 too); ("to_nchw", dtype): a
 # channels-last tensor's NCHW copy (the training route's input gradient).
@@ -77,7 +76,7 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
                                        f"{'true' if mask else 'false'}>"
        for d in HALF_DTYPES
        for layout, out, mask in ((NCHW, d, False), (CHANNELS_LAST, d, False), (NCHW, torch.float32, False),
-                                 (NCHW, d, True), (NCHW, torch.float32, True))},
+                                 (NCHW, d, True), (CHANNELS_LAST, d, True), (NCHW, torch.float32, True))},
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
        for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
     **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES}})
@@ -167,22 +166,27 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
         if training and not _trains_on_engine(x, weight):
             return None
         layout, dtypes = engine_layout(x, weight), engine_dtypes(x, weight, conv_bias, bias)
-        if layout is not None and dtypes is not None and (layout == NCHW or not training):
+        if layout is not None and dtypes is not None:
             return (layout, *dtypes, training)
     return None
 
 
 def _trains_on_engine(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a call with a gradient to record may take the engine's
-    training forward (its layout and dtypes checked by the caller): an NCHW
-    x, at least :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values, C_out a
-    multiple of 8 and y within the transposing copies' grid (the backward's
-    channels-last dz and cuDNN's channels-last backward)."""
+    training forward (its layout and dtypes checked by the caller): at least
+    :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values, and an NCHW x with
+    C_out a multiple of 8 and y within the transposing copies' grid (the
+    backward's channels-last dz and cuDNN's channels-last backward), or a
+    channels-last x with C_out a multiple of 32 (a tile row's mask bits are
+    whole words)."""
     n, _, h, w = x.shape
     cout, _, kh, kw = weight.shape
     dz_shape = (n, cout, h - kh + 1, w - kw + 1)
-    return (x.is_contiguous() and cout % 8 == 0 and math.prod(dz_shape) >= ENGINE_TRAINING_MIN_ELEMENTS
-            and _transposes_shape(dz_shape))
+    if math.prod(dz_shape) < ENGINE_TRAINING_MIN_ELEMENTS:
+        return False
+    if x.is_contiguous():
+        return cout % 8 == 0 and _transposes_shape(dz_shape)
+    return cout % 32 == 0
 
 
 def _transposes(t: torch.Tensor) -> bool:
@@ -285,15 +289,21 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
 def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                    bias: Optional[torch.Tensor], dtype: torch.dtype,
                    out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (y, relu's mask, x's channels-last copy in the product's dtype)
+    # (y, relu's mask, x's channels-last copy in the product's dtype: an
+    # NCHW x's; empty for a channels-last x, which the backward reads itself)
     n, _, h, w = x.shape
     cout, _, kh, kw = weight.shape
     numel = n * cout * (h - kh + 1) * (w - kw + 1)
-    # (a fresh y: its first element on the 4-element grid the mask needs)
+    # (a fresh y: its first element on the 4-element grid the NCHW mask needs)
     mask = torch.zeros((cdiv(numel, 32),), dtype=torch.int32, device=x.device)
-    xc = _transposed(x, dtype)
-    y = _launch_engine(x, weight, conv_bias, bias, plan=(NCHW, dtype, out_dtype, True), mask=mask,
-                       xc=xc)
+    if x.is_contiguous():
+        xc = _transposed(x, dtype)
+        y = _launch_engine(x, weight, conv_bias, bias, plan=(NCHW, dtype, out_dtype, True),
+                           mask=mask, xc=xc)
+    else:
+        xc = x.new_empty((0,), dtype=dtype)
+        y = _launch_engine(x, weight, conv_bias, bias, plan=(CHANNELS_LAST, dtype, out_dtype, True),
+                           mask=mask)
     return y, mask, xc
 
 
@@ -303,16 +313,21 @@ def _train_forward_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     shape = (n, cout, h - kh + 1, w - kw + 1)
-    return (torch.empty(shape, dtype=out_dtype, device=x.device),
-            torch.empty((cdiv(math.prod(shape), 32),), dtype=torch.int32, device=x.device),
-            torch.empty((n, h, w, cin), dtype=dtype, device=x.device).permute(0, 3, 1, 2))
+    mask = torch.empty((cdiv(math.prod(shape), 32),), dtype=torch.int32, device=x.device)
+    if x.is_contiguous():
+        return (torch.empty(shape, dtype=out_dtype, device=x.device), mask,
+                torch.empty((n, h, w, cin), dtype=dtype, device=x.device).permute(0, 3, 1, 2))
+    return (torch.empty(shape, dtype=out_dtype, device=x.device, memory_format=torch.channels_last),
+            mask, x.new_empty((0,), dtype=dtype))
 
 
 def _train_setup_context(ctx, inputs, output):
     x, weight, conv_bias, bias, _, _ = inputs
     _, mask, xc = output
-    ctx.save_for_backward(xc, weight, mask)
+    # x channels-last in the product's dtype: its copy, or x itself
+    ctx.save_for_backward(xc if xc.numel() else x, weight, mask)
     ctx.dtypes = (x.dtype, conv_bias.dtype, None if bias is None else bias.dtype)
+    ctx.nchw = x.is_contiguous()  # y's layout, and so the mask's order
 
 
 def _train_backward_formula(ctx, grads, run_backward):
@@ -320,24 +335,29 @@ def _train_backward_formula(ctx, grads, run_backward):
     x_dtype, cb_dtype, b_dtype = ctx.dtypes
     want = ctx.needs_input_grad
     dx, dw, sums = run_backward(grads[0], xc, weight, mask, b_dtype is not None, x_dtype, want[0],
-                                want[1])
+                                want[1], ctx.nchw)
     dcb = sums[0].to(cb_dtype) if want[2] else None
     db = sums[1].to(b_dtype) if b_dtype is not None and want[3] else None
     return (dx if want[0] else None, dw if want[1] else None, dcb, db, None, None)
 
 
 def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
-                    second_bias: bool, x_dtype: torch.dtype, want_x: bool,
-                    want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
+                    nchw: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dz (channels-last, the product's dtype) and the biases' sums from
-    # bias_relu's backward, then cuDNN's channels-last backward on x's copy.
-    dz, sums = _bias_relu_backward(dy, mask, list(dy.shape), False, second_bias, xc.dtype, True)
+    # bias_relu's backward (the mask in y's memory order: NCHW for an NCHW
+    # x, channels-last for a channels-last one), then cuDNN's channels-last
+    # backward on xc (x channels-last: an NCHW x's copy, or x itself).
+    dz, sums = _bias_relu_backward(dy, mask, list(dy.shape), not nchw, second_bias, xc.dtype, nchw)
     dx = dw = None
     if want_x or want_weight:
         dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x, want_weight)
     del dz
-    if want_x:
-        dx = _transposed(dx) if _strictly_channels_last(dx) else dx.contiguous()
+    if want_x:  # in x's layout
+        if nchw:
+            dx = _transposed(dx) if _strictly_channels_last(dx) else dx.contiguous()
+        else:
+            dx = dx.contiguous(memory_format=torch.channels_last)
         dx = dx.to(x_dtype)
     return (dx if want_x else xc.new_empty((0,)),
             _strided_like(dw.to(weight.dtype), weight) if want_weight else weight.new_empty((0,)),
@@ -345,10 +365,12 @@ def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, ma
 
 
 def _train_backward_fake(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
-                         second_bias: bool, x_dtype: torch.dtype, want_x: bool,
-                         want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
+                         nchw: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, cin, h, w = xc.shape
-    return (torch.empty((n, cin, h, w), dtype=x_dtype, device=xc.device) if want_x else xc.new_empty((0,)),
+    fmt = torch.contiguous_format if nchw else torch.channels_last
+    return (torch.empty((n, cin, h, w), dtype=x_dtype, device=xc.device, memory_format=fmt)
+            if want_x else xc.new_empty((0,)),
             torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
             dy.new_empty((2 if second_bias else 1, dy.shape[1])))
 
