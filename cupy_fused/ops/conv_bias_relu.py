@@ -239,10 +239,11 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     """The engine route on arguments :func:`route` sends there (a non-empty
     result).  ``out``: the result to write (e.g. NaN-poisoned), in x's
     memory format, else a new one; ``plan``: the call's
-    :func:`_engine_plan`, if the caller has it; ``mask`` (an NCHW x only):
-    zeroed words, one bit per value of y, that the store fills with relu's
-    mask; ``xc``: x's channels-last copy in the product's dtype, if the
-    caller has made it."""
+    :func:`_engine_plan`, if the caller has it; ``mask``: zeroed words,
+    one bit per value of y in its memory order, that the store fills with
+    relu's mask (a channels-last y: C_out a multiple of 32); ``xc``: an
+    NCHW x's channels-last copy in the product's dtype, if the caller has
+    made it."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = h - kh + 1, w - kw + 1
