@@ -97,7 +97,9 @@ def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
                device_type: str = "cuda") -> torch.Tensor:
     """The training step's output gradient ``g``: standard normal values of
     the output's shape, drawn in float32 from ``seed`` (the same values for
-    every implementation of a problem), in the output's dtype.
+    every implementation of a problem), in the output's dtype and memory
+    format (a channels-last y's gradient channels-last, as the next layer
+    of a channels-last network hands it back).
 
     Args:
         model: the implementation (its uncompiled module: one no-grad
@@ -114,7 +116,7 @@ def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
         y = model(x)
     gen = torch.Generator(device=y.device).manual_seed(seed)
     g = torch.randn(y.shape, generator=gen, device=y.device, dtype=torch.float32)
-    return g.to(y.dtype)
+    return torch.empty_like(y).copy_(g)  # (empty_like keeps y's dense layout)
 
 
 def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs: bool = False,

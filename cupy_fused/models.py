@@ -245,12 +245,19 @@ class GemmAddRelu(nn.Module):
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
         bias = _per_channel(self.bias, weight.shape[0], 2, "bias")
-        if linear.bias is not None:  # a gemm given a bias: relu(x W^T + gemm.bias + bias)
-            bias = linear.bias + bias
+        amp = autocast_dtype()
         # ops.linear's internal entry point: x and the weight are checked
         # above, and ops.linear would check them again on every call (see
         # _linear_prechecked).
-        if autocast_dtype() is not None:
+        if linear.bias is not None:
+            # A gemm given a bias: the reference's two adds, as it rounds
+            # them (the GEMM's bias in its product, then bias + ReLU).  The
+            # two biases summed into one vector first would be rounded to
+            # x's dtype and move ReLU's mask where the sum is near 0.
+            gemm_bias = linear.bias if amp is not None else check_vector(
+                "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False)
+            return ops.bias_relu(_linear_prechecked(x, weight, gemm_bias, None, self.precision), bias)
+        if amp is not None:
             # The GEMM in the autocast dtype (gradients written in x's and
             # the weight's own dtypes by the backward's products), then bias
             # + ReLU in float32 (the reference's add with the float32 bias

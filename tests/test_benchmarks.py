@@ -363,6 +363,18 @@ def test_training_step_backpropagates_one_fixed_random_gradient(amp):
         bench_harness.step_fns(model, "train", inputs, train_inputs, None, amp, device_type="cpu")
 
 
+def test_fixed_gradient_takes_the_outputs_memory_format():
+    """A channels-last y gets a channels-last g with the values an NCHW one
+    would hold (the same step for every layout but the layout)."""
+    conv = torch.nn.Conv2d(3, 5, 3)
+    x = torch.rand(2, 3, 9, 7)
+    g = bench_harness.fixed_grad(conv, x, device_type="cpu")
+    g_cl = bench_harness.fixed_grad(conv, x.contiguous(memory_format=torch.channels_last),
+                                    device_type="cpu")
+    assert g.is_contiguous() and not g_cl.is_contiguous()
+    assert g_cl.is_contiguous(memory_format=torch.channels_last) and torch.equal(g, g_cl)
+
+
 def test_forward_step_runs_under_no_grad_and_autocast():
     model = _Recorder()
     inputs = [torch.rand(3, 8)]
