@@ -68,10 +68,14 @@ def check_like(name: str, value, like: torch.Tensor, like_name: str,
 
 def check_vector(name: str, value, length: int, like: torch.Tensor, like_name: str,
                  optional: bool = True,
-                 dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+                 dtype: Optional[torch.dtype] = None,
+                 one: bool = False) -> Optional[torch.Tensor]:
     """A per-channel vector of ``length`` elements (any shape with that many
     elements, e.g. ``(C,)`` or ``(C, 1, 1)``) with ``like``'s dtype (or
-    ``dtype``) and device; returned flat and contiguous."""
+    ``dtype``) and device; returned flat and contiguous.  ``one``: a single
+    value for every channel is taken too, returned as shape (1,) (the op
+    spreads it over the channels, and its gradient is the whole sum,
+    rounded once: see :func:`.ops._common._spread`)."""
     if value is None:
         if optional:
             return None
@@ -79,10 +83,13 @@ def check_vector(name: str, value, length: int, like: torch.Tensor, like_name: s
     check_like(name, value, like, like_name, dtype)
     if value.dim() == 1 and value.shape[0] == length:  # the common case, cheaply
         return value if value.is_contiguous() else value.contiguous()
+    if one and value.numel() == 1:
+        return value.reshape(1)
     if value.numel() != length or sum(1 for s in value.shape if s != 1) > 1:
+        also = " or one value for every channel" if one else ""
         raise ValueError(
             f"{name} must hold one value per channel ({length} values, shape ({length},) or "
-            f"({length}, 1, 1)), got shape {tuple(value.shape)}"
+            f"({length}, 1, 1)){also}, got shape {tuple(value.shape)}"
         )
     return value.reshape(length).contiguous()
 

@@ -98,12 +98,13 @@ def _plain(sub: nn.Module, cls: type, owner: nn.Module, name: str) -> nn.Module:
 
 
 def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str) -> torch.Tensor:
-    """``param`` (the parameter named ``what``, e.g. ``bias``) as the
-    ``channels`` values the fused kernels take, where the reference's
-    broadcast of it against its output (``out_ndim`` dims, channels in dim
-    1) adds or multiplies one value per channel: a shape such as (C,) for a
-    [M, C] output or (C, 1, 1) for [N, C, H, W], or one value for every
-    channel.  Any other shape broadcasts along another dim (a (C,) bias of
+    """``param`` (the parameter named ``what``, e.g. ``bias``) as the ops
+    take it, where the reference's broadcast of it against its output
+    (``out_ndim`` dims, channels in dim 1) adds or multiplies one value per
+    channel: a shape such as (C,) for a [M, C] output or (C, 1, 1) for [N,
+    C, H, W], as C values; one value for every channel, as shape (1,) (the
+    op spreads it, and gives it the whole sum of its gradients, rounded
+    once).  Any other shape broadcasts along another dim (a (C,) bias of
     problem 1 along the image's width) and is refused."""
     # The reference's own shapes, (C,) and (C, 1, 1), cheaply: this runs on
     # every forward.
@@ -113,7 +114,7 @@ def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str) -
     padded = (1,) * (out_ndim - len(shape)) + shape
     if (len(shape) <= out_ndim and padded[1] in (1, channels)
             and all(s == 1 for i, s in enumerate(padded) if i != 1)):
-        return param.reshape(1).expand(channels) if padded[1] != channels else param.reshape(channels)
+        return param.reshape(1) if padded[1] != channels else param.reshape(channels)
     dims = "[N, C, H, W]" if out_ndim == 4 else "[M, C]"
     raise ValueError(
         f"{what} has shape {shape}, which the reference broadcasts against its {dims} output "
@@ -249,20 +250,19 @@ class GemmAddRelu(nn.Module):
         # ops.linear's internal entry point: x and the weight are checked
         # above, and ops.linear would check them again on every call (see
         # _linear_prechecked).
-        if linear.bias is not None:
-            # A gemm given a bias: the reference's two adds, as it rounds
-            # them (the GEMM's bias in its product, then bias + ReLU).  The
-            # two biases summed into one vector first would be rounded to
-            # x's dtype and move ReLU's mask where the sum is near 0.
-            gemm_bias = linear.bias if amp is not None else check_vector(
+        if amp is not None or linear.bias is not None or bias.shape[0] != weight.shape[0]:
+            # The GEMM, then bias + ReLU in one pass (ops.bias_relu): under
+            # autocast, the GEMM in the autocast dtype (gradients written in
+            # x's and the weight's own dtypes by the backward's products)
+            # and the add in float32 (the reference's add with the float32
+            # bias promotes); a gemm given a bias, the reference's two adds
+            # as it rounds them (the two biases summed into one vector
+            # first would be rounded to x's dtype and move ReLU's mask where
+            # the sum is near 0); a one-value bias, whose gradient
+            # bias_relu sums whole.
+            gemm_bias = linear.bias if linear.bias is None or amp is not None else check_vector(
                 "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False)
             return ops.bias_relu(_linear_prechecked(x, weight, gemm_bias, None, self.precision), bias)
-        if amp is not None:
-            # The GEMM in the autocast dtype (gradients written in x's and
-            # the weight's own dtypes by the backward's products), then bias
-            # + ReLU in float32 (the reference's add with the float32 bias
-            # promotes).
-            return ops.bias_relu(_linear_prechecked(x, weight, None, None, self.precision), bias)
         bias = check_vector("bias", bias, weight.shape[0], x, "x", optional=False)
         return _linear_prechecked(x, weight, bias, "relu", self.precision)
 

@@ -216,6 +216,36 @@ def _check(z, b1, b2, *, grad_mode="dense", dy_offset=0, seed=1):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+@pytest.mark.parametrize("case", [((33, 128), False), ((3, 5, 9, 31), False), ((2, 16, 5, 7), True)],
+                         ids=_shape_id)
+def test_one_value_biases(case, pair, device):
+    """Biases of one value for every channel: the output bitwise that of
+    the values spread over the channels, and each gradient the whole sum
+    (from the float64 partials, rounded once) within the bound _check puts
+    on a channel's sum."""
+    shape, cl = case
+    z, b1, b2 = _inputs(shape, cl, *pair, True, device, seed=sum(shape))
+    b1, b2 = (b[:1].detach().clone().requires_grad_(True) for b in (b1, b2))
+    out = ops.bias_relu(z, b1, b2)
+    spread = ops.bias_relu(z.detach(), *(b.detach().expand(shape[1]).contiguous() for b in (b1, b2)))
+    assert torch.equal(out, spread)
+    gen = torch.Generator().manual_seed(3)
+    dy = torch.randn(shape, generator=gen).to(device, out.dtype).contiguous(memory_format=(
+        torch.channels_last if cl else torch.contiguous_format))
+    grads = torch.autograd.grad(out, (z, b1, b2), dy)
+    leaves = [t.detach().double().requires_grad_(True) for t in (z, b1, b2)]
+    ref = torch.relu(leaves[0] + leaves[1]) + leaves[2]
+    want = torch.autograd.grad(ref, leaves, dy.double())
+    torch.testing.assert_close(grads[0], want[0].to(z.dtype), rtol=0, atol=0)
+    terms = dy.double().abs()
+    eps = torch.finfo(out.dtype).eps
+    for got, w, scale in zip(grads[1:], want[1:], (terms[want[0] != 0].sum(), terms.sum())):
+        assert got.shape == (1,) and got.dtype == out.dtype
+        assert (got.double() - w).abs() <= eps * w.abs() + 1e-6 * scale, (got, w)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("second", [False, True], ids=["one-bias", "two-biases"])
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
 @pytest.mark.parametrize("case", SHAPES, ids=_shape_id)

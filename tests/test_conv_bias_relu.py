@@ -36,7 +36,7 @@ def test_bad_arguments_are_refused(past_device_check):
         ops.conv_bias_relu(x, torch.rand(4, 8, 7, 3), cb, b)
     with pytest.raises(TypeError, match=r"weight must have the dtype of x"):
         ops.conv_bias_relu(x, w.half(), cb, b)
-    with pytest.raises(ValueError, match=r"conv_bias and bias must have C_out = 4 values"):
+    with pytest.raises(ValueError, match=r"conv_bias must have C_out = 4 values and bias C_out"):
         ops.conv_bias_relu(x, w, torch.rand(5), b)
     with pytest.raises(TypeError, match=r"conv_bias must be a torch.Tensor"):
         ops.conv_bias_relu(x, w, None, b)
@@ -560,6 +560,36 @@ def test_engine_training_forward(shape, mode, device, monkeypatch):
         assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == theirs.grad.stride()
         err, eager_err = rel_error(ours.grad, r.grad), rel_error(theirs.grad, r.grad)
         assert err <= 1.5 * eager_err + eps, (name, err, eager_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
+    """A bias of one value for every channel on the engine's training
+    route: y bitwise that of the value spread over the channels, and its
+    gradient the whole sum of the spread one's gradient (whose channels
+    are each rounded once, as the whole sum is)."""
+    _engine_device(device)
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    gen = torch.Generator().manual_seed(4)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(2, 8, 9, 70, generator=gen).to(device, torch.bfloat16).contiguous(memory_format=fmt)
+    wt = (torch.randn(32, 8, 3, 3, generator=gen) / 72 ** 0.5).to(device, torch.bfloat16)
+    cb = torch.randn(32, generator=gen).to(device, torch.bfloat16)
+    one = torch.randn(1, generator=gen).to(device, torch.bfloat16)
+    g = torch.randn(2, 32, 7, 68, generator=gen).to(device, torch.bfloat16).contiguous(memory_format=fmt)
+    results = []
+    for b in (one, one.expand(32).contiguous()):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        assert CB.route(*leaves) == "engine"
+        y = ops.conv_bias_relu(*leaves)
+        y.backward(g)
+        results.append((y, leaves[3].grad))
+    (y1, g1), (yc, gc) = results
+    assert torch.equal(y1, yc) and g1.shape == (1,)
+    whole = gc.double().sum()
+    bound = torch.finfo(torch.bfloat16).eps * (whole.abs() + gc.double().abs().sum())
+    assert (g1.double() - whole).abs() <= bound
 
 
 @pytest.mark.gpu

@@ -136,6 +136,45 @@ def test_against_float64(chain, shape, mode, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "amp-bf16"])
+@pytest.mark.parametrize("chain", sorted(ops.CHAINS))
+def test_one_value_vector(chain, mode, device):
+    """The chain's second vector (extra_bias or mul_weight) as one value for
+    every channel: the output bitwise that of the value spread over the
+    channels, and its gradient the whole sum, rounded once: within 1.5x
+    eager's error against float64, as every other tensor.  (A one-value
+    extra_bias added right before the GroupNorm, in 37's chain, shifts
+    every group alike, which the normalisation removes: its exact gradient
+    is 0, ours and eager's are rounding noise, and ours is bounded so.)"""
+    rows, channels, groups = 9, 64, 4
+    amp = {"amp-bf16": torch.bfloat16}.get(mode)
+    dtype = amp or dict(fp32=torch.float32, fp16=torch.float16, bf16=torch.bfloat16)[mode]
+    vec_dtype = torch.float32 if amp else dtype
+    gen = torch.Generator().manual_seed(11)
+    z = (torch.randn(rows, channels, generator=gen) * 2).to(device=device, dtype=dtype)
+    lin, gw, gb = (torch.randn(channels, generator=gen).to(device, vec_dtype) for _ in range(3))
+    v = torch.randn(1, generator=gen).to(device, vec_dtype)
+    g = torch.randn(rows, channels, generator=gen).to(device)
+    tensors = [z, lin, v, gw, gb]
+    truth = _run(lambda *t: _reference(chain, groups, *t), [t.double() for t in tensors], g.double(),
+                 None)
+    eager = _run(lambda *t: _reference(chain, groups, *t), tensors, g, amp)
+    ours = _run(lambda *t: _ours(chain, groups, *t), tensors, g, amp)
+    spread = _run(lambda *t: _ours(chain, groups, *t),
+                  [z, lin, v.expand(channels).contiguous(), gw, gb], g, amp)
+    assert torch.equal(ours[0], spread[0]) and ours[3].shape == (1,)
+    ulp = torch.finfo(dtype).eps
+    names = ["out", "z", "lin_bias", "v", "gn_weight", "gn_bias"]
+    if chain == "swish_bias_gn":  # the shift GroupNorm removes (above)
+        assert ours[3].abs().item() <= 32 * ulp * truth[1].abs().sum().item()
+        names[3] = None
+    for name, a, b, t in zip(names, ours, eager, truth):
+        if name is not None:
+            assert rel_error(a, t) <= 1.5 * rel_error(b, t) + ulp, (name, rel_error(a, t),
+                                                                   rel_error(b, t))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_vector_and_scalar_kernels_agree(dtype, device):
     """The same values through the vectorised kernels (aligned z) and the

@@ -45,9 +45,6 @@ CASES = [(p, a, s) for p, (_, a, s) in reference.SMALL_PROBLEMS.items()] + [
 ]
 
 
-SINGLE_VALUE_88 = (88, (16, 64, 4, (1,)), (9, 16))
-
-
 def _id(case):
     p, a, s = case
     bias = [v for v in a if isinstance(v, tuple)][-1]  # (a kernel size may come before it)
@@ -58,13 +55,8 @@ def _id(case):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_matches_reference(case, dtype, device, request):
+def test_matches_reference(case, dtype, device):
     problem, args, shape = case
-    if case == SINGLE_VALUE_88 and dtype != torch.bfloat16:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "a single-value multiply_weight's gradient: the sum of its per-channel "
-            "gradients, each rounded to the parameter's dtype; eager rounds the whole "
-            "sum once (here 6.5x / 9x eager's error against float64 in float32 / float16)")))
     # Problem 1's convolution backward runs cuDNN's deterministic algorithms
     # (bitwise reproducible steps); in float32 with TF32 allowed those are
     # TF32 at some shapes where eager's default pick, nondeterministic, is

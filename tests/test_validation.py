@@ -1,5 +1,6 @@
 """Bad input raises a clear Python error naming the argument, before any
 launch (CPU tier: validation runs before anything touches the GPU)."""
+import importlib
 import math
 
 import pytest
@@ -202,6 +203,31 @@ def test_vector_length_and_dtype_are_checked(past_device_check):
     assert check_vector("bias", torch.rand(C, 1, 1), C, z, "z").shape == (C,)
     with pytest.raises(TypeError, match="multiply_weight is required"):
         check_vector("multiply_weight", None, C, z, "z", optional=False)
+    # one value for every channel: only where the op takes it (one=True)
+    with pytest.raises(ValueError, match=r"bias must hold one value per channel \(16 values, shape"):
+        check_vector("bias", torch.rand(1), C, z, "z")
+    assert check_vector("bias", torch.rand(1, 1, 1), C, z, "z", one=True).shape == (1,)
+    with pytest.raises(ValueError, match="or one value for every channel, got shape"):
+        check_vector("bias", torch.rand(2), C, z, "z", one=True)
+
+
+def test_one_value_vectors_where_the_ops_take_them(past_device_check):
+    """The chain's vectors but the linear bias, bias_relu's biases and
+    conv_bias_relu's second bias may be one value for every channel (their
+    gradient the whole sum); the linear bias (a GEMM epilogue's) and the
+    convolution's own bias may not."""
+    GN = importlib.import_module("cupy_fused.ops.gn_chain")
+    z = torch.rand(4, C)
+    one = torch.rand(1)
+    vectors = GN.check_chain_vectors("gn_swish_mul_swish", C, z, "z", None, None, one, one, one)
+    assert [None if v is None else tuple(v.shape) for v in vectors] == [None, None, (1,), (1,), (1,)]
+    with pytest.raises(ValueError, match="lin_bias must hold one value per channel"):
+        GN.check_chain_vectors("swish_bias_gn", C, z, "z", one, one, None, None, None)
+    x = torch.rand(2, 3, 6, 6)
+    with pytest.raises(ValueError, match="conv_bias must have C_out = 4 values"):
+        ops.conv_bias_relu(x, torch.rand(4, 3, 3, 3), one, torch.rand(4))
+    with pytest.raises(ValueError, match="bias C_out values or one, got"):
+        ops.conv_bias_relu(x, torch.rand(4, 3, 3, 3), torch.rand(4), torch.rand(2))
 
 
 def test_gn_model_rejects_groups_at_construction():

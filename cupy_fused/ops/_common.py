@@ -35,6 +35,29 @@ def _ptr_or_null(t) -> int:
     return t.data_ptr() if t is not None else 0
 
 
+def _spread(v: Optional[torch.Tensor], channels: int) -> Optional[torch.Tensor]:
+    """A checked per-channel vector as the kernels read it: C values.  A
+    vector of one value for every channel (``check_vector(..., one=True)``)
+    is spread over the C channels here, inside the op, so that autograd
+    never sums C gradients rounded one by one: the op's backward gives such
+    a vector the whole sum, rounded once (:func:`_whole_sums`)."""
+    if v is None or v.shape[0] == channels:
+        return v
+    return v.expand(channels).contiguous()
+
+
+def _whole_sums(sums: torch.Tensor, partial: torch.Tensor, rows) -> torch.Tensor:
+    """``sums`` (the per-channel sums of :func:`_reduce_partials`) with, in
+    each of ``rows`` (pairs of a row of sums and the slot of ``partial`` it
+    reduces), column 0 replaced by the whole slot's sum, from the float64
+    partials, rounded once: the gradient of a one-value vector
+    (:func:`_spread`), read as ``sums[row, :1]``.  Fixed order, as
+    :func:`_reduce_partials`."""
+    for row, slot in rows:
+        sums[row, :1] = partial[:, slot, :].sum().to(sums.dtype)
+    return sums
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -28,7 +28,7 @@ from .._amp import HALF_DTYPES, cast, promoted
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, _ptr_or_null,
-                      _reduce_partials, row_chunks, sm_count)
+                      _reduce_partials, _spread, _whole_sums, row_chunks, sm_count)
 
 # Kernel names of the keys below that are another kernel's instantiation:
 # bias_relu_backward_to_nhwc moving two values per access (kVec = 2).
@@ -117,6 +117,7 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
     mask = torch.empty((words if save_mask else 0,), dtype=torch.int32, device=z.device)
     if total:
         dev = z.device.index
+        bias, bias2 = _spread(bias, z.shape[1]), _spread(bias2, z.shape[1])
         inner = _inner(list(z.shape), _is_channels_last(z))
         fn = KERNELS.get(("bias_relu_forward", z.dtype, bias.dtype, bias2 is not None), dev)
         _bridge.launch(fn, (forward_grid(total, z.dtype), 1, 1), BLOCK, (
@@ -150,12 +151,14 @@ _TO_NHWC_BLOCKS_PER_SM = 3
 
 def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
               second_bias: bool, z_dtype: torch.dtype,
-              dz_channels_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+              dz_channels_last: bool, whole: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz in ``z_dtype``, per-channel sums [slots, C] in dout's
     dtype: the gradient of bias, then of bias2 when there is one).  dz is
     in z's layout (``channels_last``), or channels-last for an NCHW z with
-    ``dz_channels_last``.  The formula takes the rows: outputs of a custom
-    op must not alias each other."""
+    ``dz_channels_last``.  ``whole``: bit 0 / 1 set where bias / bias2 is
+    one value for every channel, whose row then holds the whole sum in
+    column 0 (``_common._whole_sums``).  The formula takes the rows:
+    outputs of a custom op must not alias each other."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     transpose = dz_channels_last and not channels_last
     dz = _empty_like_layout(sizes, channels_last or transpose, z_dtype, dout)
@@ -200,19 +203,24 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
             for first, count in slab_grids(chunks * channels):
                 _bridge.launch(fn, (count, 1, 1), BLOCK, args + (first,), dev)
         sums = _reduce_partials(partial, dout.dtype)
+        if whole:
+            sums = _whole_sums(sums, partial, [(s, s) for s in range(slots) if whole >> s & 1])
     return dz, sums
 
 
 def _backward_fake(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
                    second_bias: bool, z_dtype: torch.dtype,
-                   dz_channels_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                   dz_channels_last: bool, whole: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     dz = _empty_like_layout(sizes, channels_last or dz_channels_last, z_dtype, dout)
     return dz, dout.new_empty((2 if second_bias else 1, sizes[1]))
 
 
 def _setup_context(ctx, inputs, output):
-    z, _, bias2, _, dz_channels_last = inputs
+    z, bias, bias2, _, dz_channels_last = inputs
     ctx.save_for_backward(output[1])
+    # (bit 0 / 1: bias / bias2 is one value for every channel)
+    ctx.whole = ((bias.shape[0] != z.shape[1])
+                 | (bias2 is not None and bias2.shape[0] != z.shape[1]) << 1)
     ctx.sizes = list(z.shape)
     ctx.channels_last = _is_channels_last(z)
     ctx.dz_channels_last = dz_channels_last and z.dim() == 4 and not ctx.channels_last
@@ -223,11 +231,13 @@ def _setup_context(ctx, inputs, output):
 def _backward_formula(ctx, grads, run_backward):
     (mask,) = ctx.saved_tensors
     dz, sums = run_backward(grads[0], mask, ctx.sizes, ctx.channels_last, ctx.second_bias,
-                            ctx.z_dtype, ctx.dz_channels_last)
+                            ctx.z_dtype, ctx.dz_channels_last, ctx.whole)
+    rows = sums.unbind(0)  # rows of one tensor, no copy
+    if ctx.whole:  # a one-value bias's gradient: the whole sum, in column 0
+        rows = tuple(r[:1] if ctx.whole >> s & 1 else r for s, r in enumerate(rows))
     if ctx.second_bias:
-        dbias, dbias2 = sums.unbind(0)  # rows of one tensor, no copy
-        return dz, dbias, dbias2, None, None
-    return dz, sums[0], None, None, None
+        return dz, rows[0], rows[1], None, None
+    return dz, rows[0], None, None, None
 
 
 _BIAS_RELU = FusedOp("bias_relu", _forward, _forward_fake, _setup_context, _backward_formula,
@@ -241,8 +251,9 @@ def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor]
         z: [M, C] (GEMM output) or [N, C, H, W] (conv output, NCHW or
             channels-last; the result keeps z's layout).  float32, float16
             or bfloat16; a CUDA tensor or a CuPy array.
-        bias, bias2: C values each (shape (C,) or (C, 1, 1)), float dtypes,
-            on z's device.
+        bias, bias2: C values each (shape (C,) or (C, 1, 1)), or one value
+            for every channel (its gradient then the sum over the
+            channels, rounded once); float dtypes, on z's device.
 
     Returns:
         z's shape and layout, in the dtype torch's type promotion gives
@@ -271,8 +282,9 @@ def _bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor
         raise TypeError(f"bias and bias2 must be float32, float16 or bfloat16, got "
                         f"{bias.dtype} and {None if bias2 is None else bias2.dtype}")
     bias = check_vector("bias", cast(bias, out_dtype), channels, z, "z", optional=False,
-                        dtype=out_dtype)
-    bias2 = check_vector("bias2", cast(bias2, out_dtype), channels, z, "z", dtype=out_dtype)
+                        dtype=out_dtype, one=True)
+    bias2 = check_vector("bias2", cast(bias2, out_dtype), channels, z, "z", dtype=out_dtype,
+                         one=True)
     z = dense_layout(z)
     grad = needs_grad(z, bias, bias2)
     if grad or is_compiling():

@@ -46,7 +46,7 @@ from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
-from ._common import BLOCK, _ptr_or_null, call_with_cupy_arrays, cdiv, sm_count
+from ._common import BLOCK, _ptr_or_null, _spread, call_with_cupy_arrays, cdiv, sm_count
 from .bias_relu import _backward as _bias_relu_backward, _bias_relu
 
 # The engine's layouts: x NCHW, copied to channels-last first, y NCHW; x and
@@ -248,6 +248,7 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     cout, _, kh, kw = weight.shape
     oh, ow = h - kh + 1, w - kw + 1
     layout, dtype, out_dtype, _ = plan or _engine_plan(x, weight, conv_bias, bias)
+    bias = _spread(bias, cout)
     fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
     if out is None:
         out = torch.empty((n, cout, oh, ow), dtype=out_dtype, device=x.device, memory_format=fmt)
@@ -329,6 +330,8 @@ def _train_setup_context(ctx, inputs, output):
     ctx.save_for_backward(xc if xc.numel() else x, weight, mask)
     ctx.dtypes = (x.dtype, conv_bias.dtype, None if bias is None else bias.dtype)
     ctx.nchw = x.is_contiguous()  # y's layout, and so the mask's order
+    # bias one value for every channel: its gradient the whole sum (bias_relu's whole bit 1)
+    ctx.whole = 2 if bias is not None and bias.shape[0] != weight.shape[0] else 0
 
 
 def _train_backward_formula(ctx, grads, run_backward):
@@ -336,20 +339,23 @@ def _train_backward_formula(ctx, grads, run_backward):
     x_dtype, cb_dtype, b_dtype = ctx.dtypes
     want = ctx.needs_input_grad
     dx, dw, sums = run_backward(grads[0], xc, weight, mask, b_dtype is not None, x_dtype, want[0],
-                                want[1], ctx.nchw)
+                                want[1], ctx.nchw, ctx.whole)
     dcb = sums[0].to(cb_dtype) if want[2] else None
-    db = sums[1].to(b_dtype) if b_dtype is not None and want[3] else None
+    db = None
+    if b_dtype is not None and want[3]:
+        db = (sums[1, :1] if ctx.whole else sums[1]).to(b_dtype)
     return (dx if want[0] else None, dw if want[1] else None, dcb, db, None, None)
 
 
 def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
                     second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
-                    nchw: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    nchw: bool, whole: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dz (channels-last, the product's dtype) and the biases' sums from
     # bias_relu's backward (the mask in y's memory order: NCHW for an NCHW
     # x, channels-last for a channels-last one), then cuDNN's channels-last
     # backward on xc (x channels-last: an NCHW x's copy, or x itself).
-    dz, sums = _bias_relu_backward(dy, mask, list(dy.shape), not nchw, second_bias, xc.dtype, nchw)
+    dz, sums = _bias_relu_backward(dy, mask, list(dy.shape), not nchw, second_bias, xc.dtype, nchw,
+                                   whole)
     dx = dw = None
     if want_x or want_weight:
         dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x, want_weight)
@@ -367,7 +373,7 @@ def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, ma
 
 def _train_backward_fake(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
                          second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
-                         nchw: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         nchw: bool, whole: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, cin, h, w = xc.shape
     fmt = torch.contiguous_format if nchw else torch.channels_last
     return (torch.empty((n, cin, h, w), dtype=x_dtype, device=xc.device, memory_format=fmt)
@@ -547,7 +553,8 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
             device.
         conv_bias: the convolution's bias, C_out values.
         bias: the bias added after the ReLU, C_out values (e.g. shape
-            (C_out, 1, 1)), or None.
+            (C_out, 1, 1)), or one value for every channel (its gradient
+            then the sum over the channels, rounded once), or None.
 
     Returns:
         [N, C_out, H - KH + 1, W - KW + 1] in x's memory format, in the dtype
@@ -579,9 +586,9 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         raise TypeError(f"conv_bias must be a torch.Tensor, got {type(conv_bias).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if conv_bias.numel() != cout or (bias is not None and bias.numel() != cout):
-        raise ValueError(f"conv_bias and bias must have C_out = {cout} values, got "
-                         f"{tuple(conv_bias.shape)} and "
+    if conv_bias.numel() != cout or (bias is not None and bias.numel() not in (cout, 1)):
+        raise ValueError(f"conv_bias must have C_out = {cout} values and bias C_out values or "
+                         f"one, got {tuple(conv_bias.shape)} and "
                          f"{None if bias is None else tuple(bias.shape)}")
     # Float vectors on x's device, one value per channel, on either route
     # (their dtypes may differ from x's: torch's promotion, or the engine's
@@ -589,7 +596,8 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     conv_bias = check_vector("conv_bias", check_tensor("conv_bias", conv_bias), cout, x, "x",
                              optional=False, dtype=conv_bias.dtype)
     if bias is not None:
-        bias = check_vector("bias", check_tensor("bias", bias), cout, x, "x", dtype=bias.dtype)
+        bias = check_vector("bias", check_tensor("bias", bias), cout, x, "x", dtype=bias.dtype,
+                            one=True)
     plan = _engine_plan(x, weight, conv_bias, bias)
     if plan:  # the "engine" route (its dtypes checked by engine_dtypes)
         if plan[3]:  # with a gradient to record

@@ -27,7 +27,7 @@ from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
 from ..settings import check_flag
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
-                      _ptr_or_null, _reduce_partials, row_chunks)
+                      _ptr_or_null, _reduce_partials, _spread, _whole_sums, row_chunks)
 
 
 @dataclass(frozen=True)
@@ -423,6 +423,8 @@ def _launch_forward(z: torch.Tensor, lin_bias: Optional[torch.Tensor],
     stats = torch.empty((2, rows, num_groups) if save_stats else (0,), dtype=torch.float32,
                         device=z.device)
     if rows and channels:
+        lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
+            _spread(v, channels) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
         dev = z.device.index
         key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out,
                _aligned(z, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
@@ -466,6 +468,11 @@ def _launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
     dz = torch.empty_like(z)
     if rows == 0 or channels == 0:
         return dz, torch.zeros((spec.grad_rows, channels), dtype=dout.dtype, device=z.device)
+    vectors = (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+    # (rows of the sums whose vector is one value for every channel)
+    whole = [row for v, row in zip(vectors, _GRAD_ROW_OF[chain])
+             if v is not None and row is not None and v.shape[0] != channels]
+    lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (_spread(v, channels) for v in vectors)
     dev = z.device.index
     float_out = dout.dtype != z.dtype
     dy, dense = _broadcast_or_dense(dout)
@@ -480,7 +487,10 @@ def _launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
         _ptr_or_null(extra_bias), _ptr_or_null(gn_weight), _ptr_or_null(gn_bias),
         _ptr_or_null(mul_weight), dz.data_ptr(), partial.data_ptr(), rows, channels, num_groups,
         team, rows_per_chunk), dev)
-    return dz, _reduce_partials(partial, dout.dtype, spec.shares_bias_slot)
+    sums = _reduce_partials(partial, dout.dtype, spec.shares_bias_slot)
+    if whole:  # (a row past the slots repeats slot 0: see Chain.grad_rows)
+        sums = _whole_sums(sums, partial, [(row, row if row < spec.slots else 0) for row in whole])
+    return dz, sums
 
 
 def _backward_fake(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
@@ -509,11 +519,18 @@ def _parameter_grads(chain: str, sums: torch.Tensor, lin_bias, extra_bias, gn_we
     row per parameter), None for an absent vector."""
     sum_rows = sums.unbind(0)  # one call for every row
     lin, extra, weight, bias, mul = _GRAD_ROW_OF[chain]
-    return (None if lin_bias is None else sum_rows[lin],
-            None if extra_bias is None or extra is None else sum_rows[extra],
-            None if gn_weight is None else sum_rows[weight],
-            None if gn_bias is None else sum_rows[bias],
-            None if mul_weight is None or mul is None else sum_rows[mul])
+    grads = (None if lin_bias is None else sum_rows[lin],
+             None if extra_bias is None or extra is None else sum_rows[extra],
+             None if gn_weight is None else sum_rows[weight],
+             None if gn_bias is None else sum_rows[bias],
+             None if mul_weight is None or mul is None else sum_rows[mul])
+    channels = sums.shape[1]
+    if any(v is not None and v.shape[0] != channels
+           for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)):
+        # a one-value vector's gradient: the whole sum, in column 0 (_whole_sums)
+        grads = tuple(g if v is None or v.shape[0] == channels else g[:1]
+                      for g, v in zip(grads, (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)))
+    return grads
 
 
 def _backward_formula(ctx, grads, run_backward):
@@ -560,21 +577,26 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
         dtype = torch.float32
         lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
             cast(v, dtype) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
+    # (Each vector but the linear bias, which a GEMM's epilogue may add, may
+    # be one value for every channel: see check_vector.)
     return (check_vector(names[0], lin_bias, channels, like, like_name, dtype=dtype),
-            check_vector(names[1], extra_bias, channels, like, like_name, dtype=dtype),
-            check_vector(names[2], gn_weight, channels, like, like_name, dtype=dtype),
-            check_vector(names[3], gn_bias, channels, like, like_name, dtype=dtype),
+            check_vector(names[1], extra_bias, channels, like, like_name, dtype=dtype, one=True),
+            check_vector(names[2], gn_weight, channels, like, like_name, dtype=dtype, one=True),
+            check_vector(names[3], gn_bias, channels, like, like_name, dtype=dtype, one=True),
             check_vector(names[4], mul_weight, channels, like, like_name,
-                         optional=spec.mul_weight is None, dtype=dtype))
+                         optional=spec.mul_weight is None, dtype=dtype, one=True))
 
 
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
              gn_weight=None, gn_bias=None, mul_weight=None, eps: float = 1e-5,
              linear_bias_in_z: bool = False, eager_rounding: bool = False) -> torch.Tensor:
     """The GroupNorm op chain ``chain`` on z (a linear layer's output),
-    forward in one kernel, differentiable in z and every vector.  The vectors (lin_bias, extra_bias, gn_weight, gn_bias,
-    mul_weight) have C values each, shape (C,), z's dtype and device; None
-    is absent (GroupNorm weight 1, bias 0).
+    forward in one kernel, differentiable in z and every vector.  The
+    vectors (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight) have C
+    values each, shape (C,), z's dtype and device; None is absent
+    (GroupNorm weight 1, bias 0).  All but lin_bias may also be one value
+    for every channel (e.g. shape (1,)): its gradient is then the sum over
+    the channels, rounded once.
 
     Args:
         z: [M, C], float32, float16 or bfloat16 on a CUDA device (or a CuPy

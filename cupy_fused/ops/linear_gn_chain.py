@@ -53,7 +53,7 @@ from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import check_flag, resolve_precision
 from . import gemm
-from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null
+from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null, _spread
 from .gn_chain import (CHAINS, _launch_backward as _gn_chain_backward,
                        _launch_forward as _gn_chain_forward, _parameter_grads,
                        _run_gn_chain, _stats_pointers, check_chain, check_chain_vectors)
@@ -166,6 +166,8 @@ def _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_wei
     m, k = x.shape
     n = weight.shape[0]
     dev = x.device.index
+    lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
+        _spread(v, n) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
     y_dtype = torch.float32 if float_out else x.dtype
     if y is None:
         y = torch.empty((m, n), dtype=y_dtype, device=x.device)
