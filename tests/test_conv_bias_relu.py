@@ -507,22 +507,16 @@ TRAINING_SHAPES = [(2, 8, 9, 70, 16, 3, 3), (1, 16, 5, 127, 8, 1, 3), (2, 8, 4, 
                    (1, 64, 6, 130, 24, 3, 3), (3, 8, 3, 5, 8, 1, 1)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bfloat16", "float16", "amp_bf16", "amp_fp16"])
-@pytest.mark.parametrize("shape", TRAINING_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_engine_training_forward(shape, mode, device, monkeypatch):
-    """A training step on the engine (here at small sizes too): y and relu's
-    mask from its store, bias_relu's backward writing dz channels-last,
-    cuDNN's channels-last backward on the forward's copy of x.  Output and
-    every gradient within 1.5x eager's error against float64, in the
-    reference's dtypes and layouts; two steps bitwise equal."""
-    _engine_device(device)
-    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+def _engine_training_step_against_float64(shape, dtype, amp, memory_format, device):
+    """Two training steps on the engine (its size threshold lifted by the
+    caller) from random inputs of ``shape`` (n, C_in, H, W, C_out, KH, KW)
+    in ``dtype``, x in ``memory_format``, the forward under autocast to
+    ``amp`` (or None): the steps bitwise equal, the output and every
+    gradient within 1.5x eager's error against float64.  Returns (y, our
+    leaves, eager's y, eager's leaves)."""
     n, cin, h, w, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape))
-    amp = {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(mode)
-    dtype = torch.float32 if amp else getattr(torch, mode)
-    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(memory_format=memory_format)
     wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
     cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
     b = b.reshape(cout, 1, 1)
@@ -553,13 +547,31 @@ def test_engine_training_forward(shape, mode, device, monkeypatch):
     with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
         ey = F.relu(F.conv2d(eager[0], eager[1], eager[2])) + eager[3]
     ey.backward(g)
-    assert y.dtype == ey.dtype and y.is_contiguous()
     eps = torch.finfo(amp or dtype).eps
     assert rel_error(y, want) <= 1.5 * rel_error(ey, want) + eps
     for name, ours, r, theirs in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager):
-        assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == theirs.grad.stride()
         err, eager_err = rel_error(ours.grad, r.grad), rel_error(theirs.grad, r.grad)
         assert err <= 1.5 * eager_err + eps, (name, err, eager_err)
+    return y, leaves, ey, eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "amp_bf16", "amp_fp16"])
+@pytest.mark.parametrize("shape", TRAINING_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_engine_training_forward(shape, mode, device, monkeypatch):
+    """A training step on the engine (here at small sizes too): y and relu's
+    mask from its store, bias_relu's backward writing dz channels-last,
+    cuDNN's channels-last backward on the forward's copy of x.  Output and
+    every gradient within 1.5x eager's error against float64, in the
+    reference's dtypes and layouts; two steps bitwise equal."""
+    _engine_device(device)
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    amp = {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(mode)
+    y, leaves, ey, eager = _engine_training_step_against_float64(
+        shape, torch.float32 if amp else getattr(torch, mode), amp, torch.contiguous_format, device)
+    assert y.dtype == ey.dtype and y.is_contiguous()
+    for ours, theirs in zip(leaves, eager):
+        assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == theirs.grad.stride()
 
 
 @pytest.mark.gpu
@@ -636,35 +648,7 @@ def test_engine_training_forward_channels_last(shape, dtype, device, monkeypatch
     equal."""
     _engine_device(device)
     monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
-    n, cin, h, w, cout, kh, kw = shape
-    gen = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(
-        memory_format=torch.channels_last)
-    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
-    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
-    b = b.reshape(cout, 1, 1)
-    g = torch.randn(n, cout, h - kh + 1, w - kw + 1, generator=gen).to(device, dtype)
-
-    def step():
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
-        assert CB.route(*leaves) == "engine"
-        y = ops.conv_bias_relu(*leaves)
-        y.backward(g)
-        return y, leaves
-
-    y, leaves = step()
-    again, leaves2 = step()
-    assert torch.equal(y, again) and all(torch.equal(a.grad, c.grad) for a, c in zip(leaves, leaves2))
-    ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
-    want = _reference(*ref)
-    want.backward(g.double())
-    eager = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
-    ey = F.relu(F.conv2d(eager[0], eager[1], eager[2])) + eager[3]
-    ey.backward(g)
+    y, leaves, _, _ = _engine_training_step_against_float64(shape, dtype, None, torch.channels_last,
+                                                            device)
     assert y.is_contiguous(memory_format=torch.channels_last)
-    eps = torch.finfo(dtype).eps
-    assert rel_error(y, want) <= 1.5 * rel_error(ey, want) + eps
     assert leaves[0].grad.is_contiguous(memory_format=torch.channels_last)
-    for name, ours, r, theirs in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager):
-        err, eager_err = rel_error(ours.grad, r.grad), rel_error(theirs.grad, r.grad)
-        assert err <= 1.5 * eager_err + eps, (name, err, eager_err)
