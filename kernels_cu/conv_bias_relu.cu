@@ -142,6 +142,14 @@ constexpr int kConvStageRow = kConvStageLead + kHgBM;
 constexpr int kConvTileBytes = kHgBN * kConvStageRow * 2;
 constexpr int kConvNchwStagingBytes = 2 * (kConvTileBytes + kConvBiasBytes);  // both consumer warpgroups
 
+// Relu's mask bits of two 16-bit values of relu's output, rounded, packed
+// in a word (bit 0: the low half, bit 1: the high half): set where the
+// value has a nonzero magnitude, which is where relu's input was > 0 or
+// NaN.  Both stores' masks take their bits so.
+__device__ __forceinline__ unsigned nonzero_halves(unsigned pair) {
+  return ((pair & 0x7fffu) != 0 ? 1u : 0u) | ((pair & 0x7fff0000u) != 0 ? 2u : 0u);
+}
+
 // y [N, Cout, OH, OW] (NCHW, as the reference returns for an NCHW input) of
 // Out: relu(acc + conv_bias) + bias rounded once to T (Out = T), or, as
 // autocast computes it (Out = float), relu(acc + conv_bias) rounded to T,
@@ -250,16 +258,13 @@ struct NchwStore {
     }
   }
   // The mask bits of a lane's four staged values at columns c .. c + 3 of
-  // its row (bit e for column c + e), of the columns 0 .. cols - 1 only:
-  // set where the value (relu's output, rounded) has a nonzero magnitude,
-  // which is where relu's input was > 0 or NaN.
+  // its row (bit e for column c + e; nonzero_halves), of the columns
+  // 0 .. cols - 1 only.
   __device__ __forceinline__ static unsigned nibble(const unsigned (&w)[2], int c, int cols) {
+    const unsigned set = nonzero_halves(w[0]) | nonzero_halves(w[1]) << 2;
     unsigned bits = 0;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool set = ((w[e >> 1] >> (16 * (e & 1))) & 0x7fffu) != 0;
-      bits |= (set && c + e >= 0 && c + e < cols ? 1u : 0u) << e;
-    }
+    for (int e = 0; e < 4; ++e) bits |= ((set >> e & 1u) != 0 && c + e >= 0 && c + e < cols ? 1u : 0u) << e;
     return bits;
   }
   // The mask words of one row of y (flat index `base` of its column 0),
@@ -394,8 +399,7 @@ struct NhwcStore {
                              ConvBiases<T>::template chain<T>(lo, hi, p));
           if constexpr (kMask) {
             const unsigned r = ConvBiases<T>::template chain<T, false>(lo, hi, p);  // relu, rounded
-            const unsigned two = ((r & 0x7fffu) != 0 ? 1u : 0u) | ((r & 0x7fff0000u) != 0 ? 2u : 0u);
-            bits[2 * hm + h] |= two << (8 * (i & 3) + 2 * me.t);  // columns 8 i + 2 t, +1
+            bits[2 * hm + h] |= nonzero_halves(r) << (8 * (i & 3) + 2 * me.t);  // columns 8 i + 2 t, +1
           }
         }
       if constexpr (kMask) {
