@@ -1,16 +1,28 @@
 """Bandwidth of our memory-bound kernels alone, at the benchmark shapes:
 ``ops.bias_relu`` (problems 76 and 1) and ``ops.gn_chain`` (the chains of
-37, 88 and 94), forward and backward, against the copy ceiling measured in
-the same run.
+37, 88 and 94), forward and backward, against copies timed in the same
+run.
 
     python benchmarks/kernels.py                          # every kernel, dtype, direction
     python benchmarks/kernels.py --kernels gn --dtypes bf16 amp-bf16 --quick
     python benchmarks/kernels.py --json k.json --md k.md
 
-Copy ceiling: the median time of ``dst.copy_(src)`` on 1 GiB of float32,
-as (bytes read + bytes written) / time.  Each kernel's rate is the minimum
-traffic it must move (:func:`moved_bytes`) over its median time; a row
-below 80% of the ceiling is flagged.
+Each kernel's rate is the minimum traffic it must move
+(:func:`moved_bytes`) over its median time, set against two copies, each
+as (bytes read + bytes written) / median time of ``dst.copy_(src)`` on
+float32:
+
+* the copy ceiling: 1 GiB copied, once per run;
+* a copy of the same bytes: read + write as many bytes as the kernel moves
+  (:func:`same_size_copy_gbps`), timed as the kernel is timed (same calls,
+  sources rotated by the same rule), once per size in a run.
+
+Two yardsticks, because at the sizes of problems 76, 88 and 94 a copy's
+own rate depends on its size: each call pays a fixed cost (launch, ramp-up
+to full bandwidth, drain) that a larger copy spreads over more bytes.  The
+1 GiB copy says how far a kernel is from the memory's rate; the same-size
+copy how far it is from what one call of its size can reach.  A row below
+80% of the same-size copy is flagged.
 
 Directions: ``forward`` is the op with grad off (nothing saved for the
 backward).  ``backward`` is ``torch.autograd.grad(y, [z, *vectors], g,
@@ -28,7 +40,7 @@ Times: CUDA events around each call, median over ``--iters`` calls after
 time the GPU's work, not the host's issue of it (``harness.time_queued``).
 Where a kernel's input is smaller than the L2 cache, calls rotate over
 copies of it (together at least twice the L2), so that no call finds its
-input in L2 from the one before.
+input in L2 from the one before; the same-size copy rotates its sources so.
 """
 from __future__ import annotations
 
@@ -49,8 +61,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import DTYPES, l2_bytes, rotation_count, time_queued  # noqa: E402
 
-# Rows below this fraction of the copy ceiling are flagged.
+# Rows below this fraction of a copy of the same bytes are flagged.
 LOW_FRACTION = 0.8
+
+# The same-size copy's source sizes: a multiple of this many bytes.
+COPY_GRAIN = 16
 
 
 class Case(NamedTuple):
@@ -160,6 +175,76 @@ def copy_ceiling_gbps(iters: int, warmup: int) -> float:
     return gbps
 
 
+def copy_read_bytes(moved: int) -> int:
+    """Bytes the same-size copy reads (and writes) for a kernel that moves
+    ``moved`` bytes: half of them, rounded to the nearest multiple of
+    :data:`COPY_GRAIN` (halves up), at least one grain.  Its read + write
+    traffic then differs from ``moved`` by less than one grain.
+
+    Args:
+        moved: the kernel's traffic in bytes (:func:`moved_bytes`).
+
+    Returns:
+        Bytes of the copy's float32 source.
+    """
+    return max(COPY_GRAIN, (moved + COPY_GRAIN) // (2 * COPY_GRAIN) * COPY_GRAIN)
+
+
+def is_low(row: dict) -> bool:
+    """Whether a row is below :data:`LOW_FRACTION` of the copy of its bytes.
+
+    Args:
+        row: a timed row of :func:`bench_case` (``same_size_fraction``).
+
+    Returns:
+        True to flag it.
+    """
+    return row["same_size_fraction"] < LOW_FRACTION
+
+
+# (source bytes, iters, warmup, l2, device) -> (median ms, GB/s): rows of one
+# size share one copy's timing within a run.
+_same_size_copies: dict = {}
+
+
+def same_size_copy_gbps(moved: int, iters: int, warmup: int, l2: int,
+                        device: str = "cuda") -> Tuple[float, float]:
+    """Median time and rate of a copy that moves as many bytes as a kernel,
+    timed as :func:`bench_case` times the kernel.
+
+    ``dst.copy_(src)`` of float32 buffers of :func:`copy_read_bytes`
+    bytes, ``harness.time_queued`` with the same ``iters`` and ``warmup``.
+    Where the source is smaller than the L2 cache, calls rotate over
+    ``harness.rotation_count(source bytes, l2)`` sources (the kernels' rule
+    on their inputs), so that none is in L2 from the call before; they
+    write one destination, as each kernel call writes the output block the
+    caching allocator hands back from the call before.  The result is kept
+    per size: a later call for the same bytes returns it untimed.
+
+    Args:
+        moved: the kernel's traffic in bytes (:func:`moved_bytes`).
+        iters, warmup: of ``harness.time_queued``.
+        l2: the L2 cache's bytes.
+        device: where the buffers live.
+
+    Returns:
+        (median ms, GB/s as (bytes read + bytes written) / median time).
+    """
+    read = copy_read_bytes(moved)
+    key = (read, iters, warmup, l2, device)
+    if key not in _same_size_copies:
+        numel = read // 4
+        srcs = [torch.empty(numel, device=device, dtype=torch.float32)
+                for _ in range(rotation_count(read, l2))]
+        dst = torch.empty(numel, device=device, dtype=torch.float32)
+        rotation = itertools.cycle(srcs)
+        med, _ = time_queued(lambda: dst.copy_(next(rotation)), iters, warmup)
+        _same_size_copies[key] = (med, 2 * read / med / 1e6)
+        del srcs, dst, rotation  # (the cycle holds the sources too)
+        torch.cuda.empty_cache()
+    return _same_size_copies[key]
+
+
 def _forward_fn(case: Case, z: torch.Tensor, vectors: dict, copies: int, randn):
     """The op with grad off, rotating over ``copies`` inputs (z and new
     ones from ``randn``)."""
@@ -203,12 +288,16 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
             dtype (float32 parameters under autocast).
         directions: "forward" and/or "backward".
         iters, warmup: of ``harness.time_queued``.
-        ceiling: the copy ceiling in GB/s.
+        ceiling: the copy ceiling (1 GiB) in GB/s.
 
     Returns:
-        One row (a dict) per direction; a dtype the op refuses (TypeError)
-        or a call that fails gets rows with ``status`` "unsupported" /
-        "error" and the message, and no times.
+        One row (a dict) per direction: the kernel's times and rate, its
+        fraction of the ceiling (``ceiling_fraction``), the same-size
+        copy's time and rate (``copy_same_ms``, ``copy_same_gbps``,
+        :func:`same_size_copy_gbps`), the kernel's fraction of that
+        (``same_size_fraction``) and ``low`` (:func:`is_low`).  A dtype
+        the op refuses (TypeError) or a call that fails gets rows with
+        ``status`` "unsupported" / "error" and the message, and no times.
     """
     z_dtype, v_dtype = DTYPES[dtype].compute, DTYPES[dtype].model
     numel = math.prod(case.shape)
@@ -242,14 +331,17 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
         try:
             make = _forward_fn if direction == "forward" else _backward_fn
             med, best = time_queued(make(case, z, vectors, copies, randn), iters, warmup)
+            copy_ms, copy_gbps = same_size_copy_gbps(moved, iters, warmup, l2)
         except Exception as exc:  # noqa: BLE001
             print(f"  {name} {dtype} {direction}: failed: {exc!r}", flush=True)
             rows.append(dict(base, direction=direction, status="error", message=repr(exc)))
             continue
         gbps = moved / med / 1e6
-        rows.append(dict(base, direction=direction, status="ok", median_ms=med, min_ms=best,
-                         bytes=moved, gbps=gbps, ceiling_fraction=gbps / ceiling,
-                         low=gbps / ceiling < LOW_FRACTION, input_copies=copies))
+        row = dict(base, direction=direction, status="ok", median_ms=med, min_ms=best,
+                   bytes=moved, gbps=gbps, ceiling_fraction=gbps / ceiling,
+                   copy_same_ms=copy_ms, copy_same_gbps=copy_gbps,
+                   same_size_fraction=gbps / copy_gbps, input_copies=copies)
+        rows.append(dict(row, low=is_low(row)))
     del z, vectors
     torch.cuda.empty_cache()
     return rows
@@ -260,10 +352,13 @@ def _flag(row: dict) -> str:
 
 
 def text_table(rows, name: str) -> str:
-    """The rows of one kernel as a plain-text table."""
+    """The rows of one kernel as a plain-text table: "% 1GiB" is of the
+    copy ceiling, "copy ms" the same-size copy's time and "% same" of its
+    rate (which the flag is against)."""
     lines = [f"{name}  ({rows[0]['op']}{', ' + rows[0]['chain'] if rows[0]['chain'] else ''}, "
              f"problem {rows[0]['problem']})",
-             f"  {'shape':<22}{'dtype':<10}{'direction':<10}{'ms':>9}{'GB/s':>9}{'% copy':>8}"]
+             f"  {'shape':<22}{'dtype':<10}{'direction':<10}{'ms':>9}{'GB/s':>9}{'% 1GiB':>8}"
+             f"{'copy ms':>9}{'% same':>8}"]
     for r in rows:
         shape = "x".join(str(s) for s in r["shape"])
         if r["status"] != "ok":
@@ -271,12 +366,14 @@ def text_table(rows, name: str) -> str:
                          f"{r['status']}: {r['message']}")
             continue
         lines.append(f"  {shape:<22}{r['dtype']:<10}{r['direction']:<10}{r['median_ms']:9.3f}"
-                     f"{r['gbps']:9.0f}{100 * r['ceiling_fraction']:7.0f}%  {_flag(r)}")
+                     f"{r['gbps']:9.0f}{100 * r['ceiling_fraction']:7.0f}%"
+                     f"{r['copy_same_ms']:9.3f}{100 * r['same_size_fraction']:7.0f}%  {_flag(r)}")
     return "\n".join(lines)
 
 
 def markdown(rows, meta: dict) -> str:
-    """The Markdown page: the copy ceiling, then one table per kernel.
+    """The Markdown page: the copy ceiling and what the columns are set
+    against, then one table per kernel.
 
     Args:
         rows: rows of :func:`bench_case`.
@@ -286,24 +383,29 @@ def markdown(rows, meta: dict) -> str:
         The Markdown text.
     """
     out = [f"Copy ceiling ({meta.get('device', '?')}): {meta['copy_gbps']:.0f} GB/s "
-           f"(read + write, 1 GiB float32 copy, median).", ""]
+           f"(read + write, 1 GiB float32 copy, median).  \"% of same-size copy\": of a "
+           f"float32 copy that moves the row's bytes, timed as the kernel is (its time in "
+           f"\"copy of same bytes ms\"); rows below {100 * LOW_FRACTION:.0f}% of it are "
+           f"flagged.", ""]
     for name in dict.fromkeys(r["kernel"] for r in rows):
         mine = [r for r in rows if r["kernel"] == name]
         first = mine[0]
         what = first["op"] + (f" `{first['chain']}`" if first["chain"] else "")
         out += [f"### {name}: {what}, problem {first['problem']}", "",
                 "| shape | dtype (z / vectors / y) | direction | ms | MB moved | GB/s | "
-                "% of copy | |", "|---|---|---|---|---|---|---|---|"]
+                "% of 1 GiB copy | copy of same bytes ms | % of same-size copy | |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             shape = " x ".join(str(s) for s in r["shape"])
             dts = f"{r['dtype']} ({r['z_dtype']} / {r['vector_dtype']} / {r.get('y_dtype', '-')})"
             if r["status"] != "ok":
-                out.append(f"| {shape} | {dts} | {r['direction']} | - | - | - | - | "
+                out.append(f"| {shape} | {dts} | {r['direction']} | - | - | - | - | - | - | "
                            f"{r['status']}: {r['message']} |")
                 continue
             out.append(f"| {shape} | {dts} | {r['direction']} | {r['median_ms']:.3f} | "
                        f"{r['bytes'] / 1e6:.0f} | {r['gbps']:.0f} | "
-                       f"{100 * r['ceiling_fraction']:.0f}% | {_flag(r)} |")
+                       f"{100 * r['ceiling_fraction']:.0f}% | {r['copy_same_ms']:.3f} | "
+                       f"{100 * r['same_size_fraction']:.0f}% | {_flag(r)} |")
         out.append("")
     return "\n".join(out)
 
@@ -355,7 +457,7 @@ def main(argv=None):
                 cuda=torch.version.cuda, date=str(datetime.date.today()),
                 argv=sys.argv[1:] if argv is None else list(argv), iters=args.iters,
                 warmup=args.warmup, l2_bytes=l2_bytes(), copy_gbps=ceiling)
-    print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
+    print(f"copy ceiling (1 GiB): {ceiling:.0f} GB/s", flush=True)
     rows = []
     for name, case in cases.items():
         mine = []

@@ -767,21 +767,96 @@ def test_kernel_timing_queues_the_calls_behind_a_sleep(monkeypatch):
     assert slept == [pytest.approx(1.5 * 0.08 * 50 + 1.0)]
 
 
-def test_kernel_tables_show_unsupported_and_low_rows():
+def test_kernel_tables_show_both_yardsticks_and_unsupported_and_low_rows():
     base = dict(kernel="gn_swish_mul_swish_88", op="gn_chain", problem=88,
                 chain="gn_swish_mul_swish", shape=[1024, 8192])
-    rows = [dict(base, dtype="bf16", z_dtype="bfloat16", vector_dtype="bfloat16",
-                 y_dtype="bfloat16", direction="forward", status="ok", median_ms=0.02,
-                 bytes=N76 * 4, gbps=1677.7, ceiling_fraction=0.56, low=True),
+    ok = dict(base, status="ok", bytes=N76 * 4, min_ms=0.02)
+    rows = [dict(ok, dtype="bf16", z_dtype="bfloat16", vector_dtype="bfloat16",
+                 y_dtype="bfloat16", direction="forward", median_ms=0.02, gbps=1677.7, ceiling_fraction=0.56,
+                 copy_same_ms=0.016, copy_same_gbps=2097.2, same_size_fraction=0.8, low=False),
+            dict(ok, dtype="fp16", z_dtype="float16", vector_dtype="float16",
+                 y_dtype="float16", direction="backward", median_ms=0.033, gbps=1525.2, ceiling_fraction=0.51,
+                 copy_same_ms=0.019, copy_same_gbps=2649.0, same_size_fraction=0.576, low=True),
             dict(base, dtype="amp-bf16", z_dtype="bfloat16", vector_dtype="float32",
                  direction="backward", status="unsupported", message="z and vectors differ")]
     md = bench_kernels.markdown(rows, dict(device="GPU", copy_gbps=3000.0))
     assert "3000 GB/s" in md and "### gn_swish_mul_swish_88" in md
+    assert "below 80% of it are flagged" in md.splitlines()[0]
+    header = ("| shape | dtype (z / vectors / y) | direction | ms | MB moved | GB/s | "
+              "% of 1 GiB copy | copy of same bytes ms | % of same-size copy | |")
+    assert header in md
     assert "| 1024 x 8192 | bf16 (bfloat16 / bfloat16 / bfloat16) | forward | 0.020 | 34 | " \
-           "1678 | 56% | below 80% |" in md
-    assert "unsupported: z and vectors differ" in md
-    text = bench_kernels.text_table(rows, "gn_swish_mul_swish_88")
-    assert "below 80%" in text and "unsupported" in text
+           "1678 | 56% | 0.016 | 80% |  |" in md
+    assert "| 1024 x 8192 | fp16 (float16 / float16 / float16) | backward | 0.033 | 34 | " \
+           "1525 | 51% | 0.019 | 58% | below 80% |" in md
+    assert "| amp-bf16 (bfloat16 / float32 / -) | backward | - | - | - | - | - | - | " \
+           "unsupported: z and vectors differ |" in md
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert {line.count("|") for line in table} == {header.count("|")}  # one width
+    text = bench_kernels.text_table(rows, "gn_swish_mul_swish_88").splitlines()
+    assert "% 1GiB" in text[1] and "% same" in text[1]
+    assert text[2].split()[-3:] == ["56%", "0.016", "80%"]
+    assert text[3].split()[-5:] == ["51%", "0.019", "58%", "below", "80%"]
+    assert "unsupported" in text[4]
+
+
+def test_kernel_rows_are_flagged_against_the_copy_of_their_bytes():
+    """The flag reads the same-size fraction, not the 1 GiB one."""
+    assert bench_kernels.is_low(dict(ceiling_fraction=0.9, same_size_fraction=0.79))
+    assert not bench_kernels.is_low(dict(ceiling_fraction=0.6, same_size_fraction=0.8))
+    assert not bench_kernels.is_low(dict(ceiling_fraction=0.7, same_size_fraction=0.95))
+
+
+def test_same_size_copy_reads_half_the_bytes_on_a_16_byte_grid():
+    read = bench_kernels.copy_read_bytes
+    assert read(N76 * 4) == N76 * 2  # problem 88's 16-bit forward
+    assert read(N76 // 8 + N76 * 4) == (N76 // 8 + N76 * 4) // 2  # 76's backward, with its mask
+    assert read(1000) == 496 and read(1008) == 512  # nearest multiple; a half rounds up
+    assert read(0) == read(1) == 16  # at least one grain
+    for moved in range(1, 4000, 7):
+        assert read(moved) % 16 == 0 and read(moved) % 4 == 0
+        assert moved <= 16 or abs(2 * read(moved) - moved) <= 16
+
+
+def test_same_size_copy_rotates_its_sources_and_is_timed_once_per_size(monkeypatch):
+    """On the CPU, time_queued faked: float32 sources of the rule's size,
+    rotated as the kernels' inputs are, one destination, the rate from the
+    copy's own bytes, and one timing per size and settings."""
+    monkeypatch.setattr(bench_kernels, "_same_size_copies", {})
+    timings, copies = [], []
+
+    def fake_time_queued(fn, iters, warmup):
+        timings.append((iters, warmup))
+        for _ in range(warmup + iters):
+            fn()
+        return 0.02, 0.01
+
+    real_copy = torch.Tensor.copy_
+
+    def copy_(dst, src, *args, **kw):
+        copies.append((dst.data_ptr(), src.data_ptr(), src.numel(), src.dtype, dst.dtype))
+        return real_copy(dst, src, *args, **kw)
+
+    monkeypatch.setattr(bench_kernels, "time_queued", fake_time_queued)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    l2 = MiB
+    ms, gbps = bench_kernels.same_size_copy_gbps(MiB, 6, 2, l2, device="cpu")
+    assert (ms, gbps) == (0.02, pytest.approx(MiB / 0.02 / 1e6))
+    assert timings == [(6, 2)] and len(copies) == 8
+    assert {c[2:] for c in copies} == {(MiB // 8, torch.float32, torch.float32)}
+    assert len({c[0] for c in copies}) == 1  # one destination
+    sources = [c[1] for c in copies]
+    assert len(set(sources)) == bench_kernels.rotation_count(MiB // 2, l2) == 4
+    assert sources[:4] == sources[4:]  # in turns
+    # the same size (after rounding) again: no new timing
+    assert bench_kernels.same_size_copy_gbps(MiB + 1, 6, 2, l2, device="cpu") == (ms, gbps)
+    assert timings == [(6, 2)]
+    # larger than the L2: one source; other settings time again
+    copies.clear()
+    bench_kernels.same_size_copy_gbps(4 * MiB, 6, 2, l2, device="cpu")
+    assert len({c[1] for c in copies}) == 1 and copies[0][2] == MiB // 2
+    bench_kernels.same_size_copy_gbps(MiB, 3, 1, l2, device="cpu")
+    assert timings == [(6, 2), (6, 2), (3, 1)]
 
 
 def test_kernel_backward_reruns_only_the_recorded_graphs_in_turns(monkeypatch):
