@@ -156,6 +156,16 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
 
   // Epilogue: thread owns rows m, m+1 of each fragment and columns
   // 16p + 4t .. +3 of each fragment pair p.
+  if constexpr (kPasses == 3) {  // an infinite operand's NaN sums (gemm_tf32.cuh)
+    // sum[i][j][e]: row 16i + 2g + e / 2, column 16 (j / 2) + 4t + j % 2 + 2 (e % 2) of the warp tile
+    auto elem = [&](int x) -> float& { return sum[x / (4 * NI)][(x / 4) % NI][x % 4]; };
+    auto where = [=](int x, i64& m, i64& n) {
+      const int i = x / (4 * NI), j = (x / 4) % NI, e = x % 4;
+      m = m0 + wm + 16 * i + 2 * g + e / 2;
+      n = n0 + wn + 16 * (j / 2) + 4 * t + j % 2 + 2 * (e % 2);
+    };
+    redo_nan_outputs<kAKMajor, kBKMajor, false, MI * NI * 4>(elem, where, a, b, M, N, K, lda, ldb);
+  }
   const Epilogue epilogue(epilogue_vector, epilogue_option);
   const bool vec_store = kVec && (ldc % 4 == 0) && ((reinterpret_cast<unsigned long long>(c) & 15) == 0);
 #pragma unroll
@@ -197,7 +207,16 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
   extern __shared__ __align__(128) float4 wgmma_shared[];
   i64 m0, n0;
   grouped_tile(M, N, kWgBM, kWgBN, m0, n0);
-  auto store = [&](const float (&sum)[64], const ConsumerLane& me) {
+  auto store = [&](float (&sum)[64], const ConsumerLane& me) {
+    if constexpr (kPasses == 3) {  // an infinite operand's NaN sums (gemm_tf32.cuh)
+      // sum[4i + 2h + e]: row me.row + h, column 8i + 2t + e of the tile
+      auto elem = [&](int x) -> float& { return sum[x]; };
+      auto where = [m0, n0, row = me.row, t = me.t](int x, i64& m, i64& n) {
+        m = m0 + row + (x >> 1 & 1);
+        n = n0 + 8 * (x >> 2) + 2 * t + (x & 1);
+      };
+      redo_nan_outputs<kAKMajor, kBKMajor, kBPlanes, 64>(elem, where, a, b, M, N, K, lda, ldb);
+    }
     const Epilogue epilogue(epilogue_vector, epilogue_option);
     const bool vec_store = (ldc % 2 == 0) && ((reinterpret_cast<unsigned long long>(c) & 7) == 0);
 #pragma unroll

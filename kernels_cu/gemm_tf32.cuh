@@ -247,6 +247,100 @@ __device__ __forceinline__ int plane_float_offset(int n, int st, int h) {
   return st * (kPlaneStepBytes / 4) + (n >> 3) * 64 + (n & 7) * 4 + 32 * h;
 }
 
+// ---- non-finite outputs ----
+// The split differs from a float32 product in what it makes of an infinite
+// operand: the correction products pair its infinite big part with the
+// other operand's small part, which is 0 for an operand exact in TF32
+// (inf * 0 = NaN) and may have the sign opposite to its big part
+// (inf - inf = NaN).  So where SGEMM's output is +-inf, 3xTF32's is that or
+// NaN; elsewhere their NaN and infinities agree.  The stores therefore redo
+// every output whose sum is NaN as a plain float32 dot product of row m of
+// A and column n of B (warp_float32_dot), which is NaN or +-inf where
+// SGEMM's is.  A tile without a NaN sum pays one comparison per sum and a
+// warp vote (redo_nan_outputs).
+
+// The float32 dot product of row m of A and column n of B, by all 32 lanes
+// of a warp (the same m and n), returned to every lane: lane l sums k = l,
+// l + 32, ... into 4 partial sums (loads in flight), combined in a fixed
+// order, so the result is the same on every run.  Stops with NaN at the
+// first NaN partial sum (NaN is final).  kBPlanes: b is B's planes image
+// (plane_float_offset), read as big + small (an infinite value's small
+// part is zero), in 128-column tiles of k_tiles 32-deep k-tiles.  Out of
+// line: it runs only for NaN sums, and its registers stay out of the
+// kernels'.
+template <bool kAKMajor, bool kBKMajor, bool kBPlanes>
+__device__ __noinline__ float warp_float32_dot(const float* __restrict__ a, const float* __restrict__ b, i64 K,
+                                               i64 lda, i64 ldb, i64 m, i64 n) {
+  constexpr int kTileFloats = 2 * kPlaneBytes / 4;  // big and small planes of a k-tile
+  const int lane = threadIdx.x & 31;
+  const float* const b_tiles = b + (n / kWgBN) * ((K + kGemmBK - 1) / kGemmBK) * kTileFloats;
+  auto b_at = [&](i64 k) {
+    if constexpr (kBPlanes) {
+      const float* const p = b_tiles + (k / kGemmBK) * kTileFloats +
+                             plane_float_offset(static_cast<int>(n % kWgBN), static_cast<int>(k % kGemmBK) >> 3,
+                                                static_cast<int>(k & 1)) +
+                             (static_cast<int>(k & 7) >> 1);
+      return p[0] + p[kPlaneBytes / 4];
+    } else {
+      return kBKMajor ? b[n * ldb + k] : b[k * ldb + n];
+    }
+  };
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (i64 k0 = 0; k0 < K; k0 += 128) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const i64 k = k0 + 32 * u + lane;
+      if (k < K) s[u] = fmaf(kAKMajor ? a[m * lda + k] : a[k * lda + m], b_at(k), s[u]);
+    }
+    if (__any_sync(0xffffffffu, s[0] != s[0] || s[1] != s[1] || s[2] != s[2] || s[3] != s[3]))
+      return __int_as_float(0x7fffffff);
+  }
+  float t = (s[0] + s[1]) + (s[2] + s[3]);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) t += __shfl_xor_sync(0xffffffffu, t, d);  // a + b == b + a: every lane agrees
+  return t;
+}
+
+// Redoes the NaN sums among a warp's v[kCount] (see above); called by all 32
+// lanes.  where(j, m, n) gives v[j]'s place in C; places outside M x N are
+// left alone.
+template <bool kAKMajor, bool kBKMajor, bool kBPlanes, int kCount, typename Where>
+__device__ __noinline__ void redo_nan_sums(float* v, Where where, const float* a, const float* b, i64 M, i64 N,
+                                           i64 K, i64 lda, i64 ldb) {
+  const int lane = threadIdx.x & 31;
+  for (int j = 0; j < kCount; ++j) {
+    i64 m, n;
+    where(j, m, n);
+    unsigned todo = __ballot_sync(0xffffffffu, v[j] != v[j] && m < M && n < N);
+    while (todo) {  // the same on every lane
+      const int src = __ffs(todo) - 1;
+      todo &= todo - 1;
+      const float d = warp_float32_dot<kAKMajor, kBKMajor, kBPlanes>(
+          a, b, K, lda, ldb, __shfl_sync(0xffffffffu, m, src), __shfl_sync(0xffffffffu, n, src));
+      if (lane == src) v[j] = d;
+    }
+  }
+}
+
+// The stores' check: elem(j) is this lane's j-th sum (j < kCount).  A warp
+// without a NaN sum pays kCount comparisons and a vote; the rest runs out of
+// line on a copy of the sums, so that the kernel's own registers and code
+// stay as they are.
+template <bool kAKMajor, bool kBKMajor, bool kBPlanes, int kCount, typename Elem, typename Where>
+__device__ __forceinline__ void redo_nan_outputs(const Elem& elem, const Where& where, const float* a,
+                                                 const float* b, i64 M, i64 N, i64 K, i64 lda, i64 ldb) {
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < kCount; ++j) any |= elem(j) != elem(j);
+  if (!__any_sync(0xffffffffu, any)) return;
+  float v[kCount];
+#pragma unroll
+  for (int j = 0; j < kCount; ++j) v[j] = elem(j);
+  redo_nan_sums<kAKMajor, kBKMajor, kBPlanes, kCount>(v, where, a, b, M, N, K, lda, ldb);
+#pragma unroll
+  for (int j = 0; j < kCount; ++j) elem(j) = v[j];
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Shared-memory matrix descriptor, no swizzle: start address, LBO, SBO (each
 // in 16-byte units).

@@ -278,14 +278,57 @@ def test_zero_inner_dimension_gives_bias(device):
         assert torch.equal(G._gemm(a, b, layout, 1), torch.zeros(2048, 2048, device=device)), layout
 
 
+def _physical(layout, a_log, b_log):
+    """The operands of ``layout`` whose product is ``a_log`` [M, K] times
+    ``b_log`` [K, N] (see :data:`cupy_fused.ops.gemm.LAYOUTS`)."""
+    a = a_log if G.LAYOUTS[layout][0] else a_log.t()
+    b = b_log.t() if G.LAYOUTS[layout][1] else b_log
+    return a.contiguous(), b.contiguous()
+
+
 @gpu
-def test_non_finite_inputs_stay_non_finite(device):
-    x, w = torch.rand(4, 64, device=device), torch.rand(8, 64, device=device)
-    x[1, 3], x[2, 5] = float("inf"), float("nan")
-    y = ops.linear(x, w)
-    assert not torch.isfinite(y[1]).any() and torch.isnan(y[2]).all()
-    torch.testing.assert_close(y[[0, 3]], x[[0, 3]] @ w.t(), rtol=1e-5, atol=1e-5)
-    assert torch.isinf(ops.linear(x, w, precision="ieee")[1]).all()
+@pytest.mark.parametrize("passes", [3, 1])
+@pytest.mark.parametrize("layout", list(G.LAYOUTS))
+@pytest.mark.parametrize("route", list(G.TILES) + ["word_loads"])
+def test_non_finite_operands_land_where_sgemm_puts_them(route, layout, passes, device):
+    """NaN, +inf and -inf in both operands: the product's NaN / +inf / -inf
+    masks equal float64's (SGEMM's) on every kernel, layout and pass count.
+    Half of each operand's values are exact in TF32, so 3xTF32's correction
+    products meet an infinite big part with a zero small part (inf * 0), and
+    the rest with small parts of either sign; finite outputs stay as
+    accurate as without the non-finite values."""
+    if route != "word_loads" and route not in G.available_tiles(device.index):
+        pytest.skip(f"{route} does not run on this device")
+    m, k, n = (200, 72, 264) if route != "word_loads" else (201, 71, 263)  # rows not 16-byte aligned
+    gen = torch.Generator(device="cpu").manual_seed(7)
+
+    def values(*shape):  # half exact in TF32 (quarters), half not
+        v = torch.rand(*shape, generator=gen) * 2 - 1
+        return torch.where(torch.rand(*shape, generator=gen) < 0.5, torch.round(v * 4) / 4 + 0.25, v)
+
+    a_log, b_log = values(m, k), values(k, n)
+    inf, nan = float("inf"), float("nan")
+    a_log[1, 3], a_log[2, 5], a_log[3, 7] = inf, nan, -inf
+    a_log[4, 2], a_log[4, 9] = inf, -inf        # a NaN row (inf - inf)
+    a_log[6, 70] = nan                          # NaN at the end of a row
+    b_log[9, 4], b_log[11, 6], b_log[0, 100] = inf, -inf, nan
+    b_log[:, 8] = 0.0                           # a zero column meets row 1's inf: NaN
+    a, b = _physical(layout, a_log.to(device), b_log.to(device))
+    want = a_log.double() @ b_log.double()
+    if route == "word_loads":
+        assert not G._rows_aligned(a, a.shape[1])
+        got = G._gemm(a, b, layout, passes)
+    else:
+        got = _run_tile(route, a, b, layout, passes)
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(got).cpu(), test(want)), test.__name__
+    assert int(torch.isinf(want).sum()) > 500 and int(torch.isnan(want).sum()) > 500  # the test bites
+    finite = torch.isfinite(want)
+    a_fin, b_fin = torch.nan_to_num(a_log, 0, 0, 0), torch.nan_to_num(b_log, 0, 0, 0)
+    a_fin, b_fin = _physical(layout, a_fin.to(device), b_fin.to(device))
+    clean = G._gemm(a_fin, b_fin, layout, passes) if route == "word_loads" else \
+        _run_tile(route, a_fin, b_fin, layout, passes)
+    torch.testing.assert_close(got.cpu()[finite], clean.cpu()[finite], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- 16-bit engine (Hopper)

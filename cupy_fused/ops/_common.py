@@ -2,7 +2,7 @@
 deterministic column reduction and the CuPy-array entry point."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,6 +56,29 @@ def _whole_sums(sums: torch.Tensor, partial: torch.Tensor, rows) -> torch.Tensor
     for row, slot in rows:
         sums[row, :1] = partial[:, slot, :].sum().to(sums.dtype)
     return sums
+
+
+def _one_value_rows(vectors: Sequence[Optional[torch.Tensor]], rows_of: Sequence[Optional[int]],
+                    channels: int) -> List[int]:
+    """The rows of an op's parameter-gradient sums whose vector (``vectors[i]``
+    has its gradient in row ``rows_of[i]``, None for none) is one value for
+    every channel: the rows to give :func:`_whole_sums`."""
+    return [row for v, row in zip(vectors, rows_of)
+            if v is not None and row is not None and v.shape[0] != channels]
+
+
+def _vector_grads(sums: torch.Tensor, lengths: Sequence[Optional[int]],
+                  rows_of: Sequence[Optional[int]]) -> Tuple[Optional[torch.Tensor], ...]:
+    """The gradients of an op's per-channel vectors from its backward's
+    ``sums`` [rows, C]: for a vector of ``lengths[i]`` values (None: absent)
+    whose gradient is row ``rows_of[i]`` (None: none), that row, or for a
+    one-value vector its column 0 (the whole sum, :func:`_whole_sums`).
+    The rows are views of ``sums``, taken in one call."""
+    sum_rows = sums.unbind(0)
+    channels = sums.shape[1]
+    return tuple(None if n is None or row is None else
+                 sum_rows[row][:1] if n != channels else sum_rows[row]
+                 for n, row in zip(lengths, rows_of))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,7 +28,8 @@ from .._amp import HALF_DTYPES, cast, promoted
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, _ptr_or_null,
-                      _reduce_partials, _spread, _whole_sums, row_chunks, sm_count)
+                      _one_value_rows, _reduce_partials, _spread, _vector_grads, _whole_sums, row_chunks,
+                      sm_count)
 
 # Kernel names of the keys below that are another kernel's instantiation:
 # bias_relu_backward_to_nhwc moving two values per access (kVec = 2).
@@ -151,14 +152,15 @@ _TO_NHWC_BLOCKS_PER_SM = 3
 
 def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
               second_bias: bool, z_dtype: torch.dtype,
-              dz_channels_last: bool, whole: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+              dz_channels_last: bool,
+              whole: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz in ``z_dtype``, per-channel sums [slots, C] in dout's
     dtype: the gradient of bias, then of bias2 when there is one).  dz is
     in z's layout (``channels_last``), or channels-last for an NCHW z with
-    ``dz_channels_last``.  ``whole``: bit 0 / 1 set where bias / bias2 is
-    one value for every channel, whose row then holds the whole sum in
-    column 0 (``_common._whole_sums``).  The formula takes the rows:
-    outputs of a custom op must not alias each other."""
+    ``dz_channels_last``.  ``whole``: the rows (0: bias, 1: bias2) whose
+    vector is one value for every channel, which then hold the whole sum in
+    column 0 (``_common._whole_sums``); None: none.  The formula takes the
+    rows: outputs of a custom op must not alias each other."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     transpose = dz_channels_last and not channels_last
     dz = _empty_like_layout(sizes, channels_last or transpose, z_dtype, dout)
@@ -204,23 +206,27 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
                 _bridge.launch(fn, (count, 1, 1), BLOCK, args + (first,), dev)
         sums = _reduce_partials(partial, dout.dtype)
         if whole:
-            sums = _whole_sums(sums, partial, [(s, s) for s in range(slots) if whole >> s & 1])
+            sums = _whole_sums(sums, partial, [(s, s) for s in whole])
     return dz, sums
 
 
 def _backward_fake(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
                    second_bias: bool, z_dtype: torch.dtype,
-                   dz_channels_last: bool, whole: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                   dz_channels_last: bool,
+                   whole: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     dz = _empty_like_layout(sizes, channels_last or dz_channels_last, z_dtype, dout)
     return dz, dout.new_empty((2 if second_bias else 1, sizes[1]))
+
+
+# The backward's rows of sums: bias's gradient, then bias2's.
+_GRAD_ROWS = (0, 1)
 
 
 def _setup_context(ctx, inputs, output):
     z, bias, bias2, _, dz_channels_last = inputs
     ctx.save_for_backward(output[1])
-    # (bit 0 / 1: bias / bias2 is one value for every channel)
-    ctx.whole = ((bias.shape[0] != z.shape[1])
-                 | (bias2 is not None and bias2.shape[0] != z.shape[1]) << 1)
+    ctx.lengths = (bias.shape[0], None if bias2 is None else bias2.shape[0])
+    ctx.whole = _one_value_rows((bias, bias2), _GRAD_ROWS, z.shape[1])
     ctx.sizes = list(z.shape)
     ctx.channels_last = _is_channels_last(z)
     ctx.dz_channels_last = dz_channels_last and z.dim() == 4 and not ctx.channels_last
@@ -232,12 +238,7 @@ def _backward_formula(ctx, grads, run_backward):
     (mask,) = ctx.saved_tensors
     dz, sums = run_backward(grads[0], mask, ctx.sizes, ctx.channels_last, ctx.second_bias,
                             ctx.z_dtype, ctx.dz_channels_last, ctx.whole)
-    rows = sums.unbind(0)  # rows of one tensor, no copy
-    if ctx.whole:  # a one-value bias's gradient: the whole sum, in column 0
-        rows = tuple(r[:1] if ctx.whole >> s & 1 else r for s, r in enumerate(rows))
-    if ctx.second_bias:
-        return dz, rows[0], rows[1], None, None
-    return dz, rows[0], None, None, None
+    return (dz,) + _vector_grads(sums, ctx.lengths, _GRAD_ROWS) + (None, None)
 
 
 _BIAS_RELU = FusedOp("bias_relu", _forward, _forward_fake, _setup_context, _backward_formula,

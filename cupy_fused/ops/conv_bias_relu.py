@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,8 @@ from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
-from ._common import BLOCK, _ptr_or_null, _spread, call_with_cupy_arrays, cdiv, sm_count
+from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
+                      cdiv, sm_count)
 from .bias_relu import _backward as _bias_relu_backward, _bias_relu
 
 # The engine's layouts: x NCHW, copied to channels-last first, y NCHW; x and
@@ -330,8 +331,9 @@ def _train_setup_context(ctx, inputs, output):
     ctx.save_for_backward(xc if xc.numel() else x, weight, mask)
     ctx.dtypes = (x.dtype, conv_bias.dtype, None if bias is None else bias.dtype)
     ctx.nchw = x.is_contiguous()  # y's layout, and so the mask's order
-    # bias one value for every channel: its gradient the whole sum (bias_relu's whole bit 1)
-    ctx.whole = 2 if bias is not None and bias.shape[0] != weight.shape[0] else 0
+    # (bias_relu's rows of sums: conv_bias's gradient, then bias's)
+    ctx.lengths = (conv_bias.shape[0], None if bias is None else bias.shape[0])
+    ctx.whole = _one_value_rows((conv_bias, bias), (0, 1), weight.shape[0])
 
 
 def _train_backward_formula(ctx, grads, run_backward):
@@ -340,16 +342,15 @@ def _train_backward_formula(ctx, grads, run_backward):
     want = ctx.needs_input_grad
     dx, dw, sums = run_backward(grads[0], xc, weight, mask, b_dtype is not None, x_dtype, want[0],
                                 want[1], ctx.nchw, ctx.whole)
-    dcb = sums[0].to(cb_dtype) if want[2] else None
-    db = None
-    if b_dtype is not None and want[3]:
-        db = (sums[1, :1] if ctx.whole else sums[1]).to(b_dtype)
+    dcb, db = _vector_grads(sums, ctx.lengths, (0, 1))
+    dcb = dcb.to(cb_dtype) if want[2] else None
+    db = db.to(b_dtype) if db is not None and want[3] else None
     return (dx if want[0] else None, dw if want[1] else None, dcb, db, None, None)
 
 
 def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
                     second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
-                    nchw: bool, whole: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    nchw: bool, whole: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dz (channels-last, the product's dtype) and the biases' sums from
     # bias_relu's backward (the mask in y's memory order: NCHW for an NCHW
     # x, channels-last for a channels-last one), then cuDNN's channels-last
@@ -373,7 +374,7 @@ def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, ma
 
 def _train_backward_fake(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
                          second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
-                         nchw: bool, whole: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         nchw: bool, whole: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, cin, h, w = xc.shape
     fmt = torch.contiguous_format if nchw else torch.channels_last
     return (torch.empty((n, cin, h, w), dtype=x_dtype, device=xc.device, memory_format=fmt)

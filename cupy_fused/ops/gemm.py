@@ -34,9 +34,10 @@ there every float32 product runs on cuBLAS SGEMM, whatever the precision
 the GPU run on the ``wgmma`` kernel (:func:`has_wgmma`); those with many rows
 of C split B into its TF32 planes once beforehand (:func:`splits_b`).
 
-Non-finite inputs: with ``"3xtf32"`` an infinite operand gives NaN where
-SGEMM gives ±inf (the correction products compute inf * 0); NaN stays NaN.
-Use ``"ieee"`` where infinities must survive the product.
+Non-finite inputs: NaN and ±inf land where SGEMM puts them under every
+precision.  (With ``"3xtf32"`` the kernels redo a NaN sum, which an
+infinite operand's correction products can give where SGEMM gives ±inf, as
+a plain float32 dot product: docs/gemm.md.)
 """
 from __future__ import annotations
 

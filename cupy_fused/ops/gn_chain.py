@@ -27,7 +27,8 @@ from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
 from ..settings import check_flag
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
-                      _ptr_or_null, _reduce_partials, _spread, _whole_sums, row_chunks)
+                      _one_value_rows, _ptr_or_null, _reduce_partials, _spread, _vector_grads,
+                      _whole_sums, row_chunks)
 
 
 @dataclass(frozen=True)
@@ -469,9 +470,7 @@ def _launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
     if rows == 0 or channels == 0:
         return dz, torch.zeros((spec.grad_rows, channels), dtype=dout.dtype, device=z.device)
     vectors = (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
-    # (rows of the sums whose vector is one value for every channel)
-    whole = [row for v, row in zip(vectors, _GRAD_ROW_OF[chain])
-             if v is not None and row is not None and v.shape[0] != channels]
+    whole = _one_value_rows(vectors, _GRAD_ROW_OF[chain], channels)
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (_spread(v, channels) for v in vectors)
     dev = z.device.index
     float_out = dout.dtype != z.dtype
@@ -516,21 +515,11 @@ def _parameter_grads(chain: str, sums: torch.Tensor, lin_bias, extra_bias, gn_we
                      mul_weight) -> tuple:
     """The gradients of (lin_bias, extra_bias, gn_weight, gn_bias,
     mul_weight): rows of the backward's ``sums`` [Chain.grad_rows, C] (one
-    row per parameter), None for an absent vector."""
-    sum_rows = sums.unbind(0)  # one call for every row
-    lin, extra, weight, bias, mul = _GRAD_ROW_OF[chain]
-    grads = (None if lin_bias is None else sum_rows[lin],
-             None if extra_bias is None or extra is None else sum_rows[extra],
-             None if gn_weight is None else sum_rows[weight],
-             None if gn_bias is None else sum_rows[bias],
-             None if mul_weight is None or mul is None else sum_rows[mul])
-    channels = sums.shape[1]
-    if any(v is not None and v.shape[0] != channels
-           for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)):
-        # a one-value vector's gradient: the whole sum, in column 0 (_whole_sums)
-        grads = tuple(g if v is None or v.shape[0] == channels else g[:1]
-                      for g, v in zip(grads, (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)))
-    return grads
+    row per parameter, :func:`_common._vector_grads`), None for an absent
+    vector."""
+    lengths = tuple(None if v is None else v.shape[0]
+                    for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
+    return _vector_grads(sums, lengths, _GRAD_ROW_OF[chain])
 
 
 def _backward_formula(ctx, grads, run_backward):
@@ -539,7 +528,7 @@ def _backward_formula(ctx, grads, run_backward):
                             mul_weight, ctx.chain, ctx.num_groups, ctx.bias_in_z,
                             ctx.eager_rounding)
     return (dz,) + _parameter_grads(ctx.chain, sums, lin_bias, extra_bias, gn_weight, gn_bias,
-                                    mul_weight) + (None, None, None, None, None, None, None)
+                                    mul_weight) + (None,) * 7
 
 
 _GN_CHAIN = FusedOp("gn_chain", _launch_forward, _forward_fake, _setup_context, _backward_formula,
