@@ -41,6 +41,27 @@ def test_vector_shape_rules():
         assert G.vector_shape(torch.bfloat16, 64, True) == (16, 4)
 
 
+def test_one_value_vectors_get_the_whole_sum_row_by_row():
+    """The rule every backward shares (ops/_common.py): a vector of one value
+    for every channel takes column 0 of its row of sums (the whole sum,
+    _whole_sums), a per-channel vector its whole row, an absent one None;
+    both sides pick the same rows."""
+    channels = 6
+    sums = torch.arange(5.0 * channels).view(5, channels)
+    rows_of = G._GRAD_ROW_OF["gn_swish_mul_swish"]  # (lin, extra, weight, bias, mul): (0, None, 1, 2, 3)
+    full, one = torch.ones(channels), torch.ones(1)
+    vectors = (full, None, one, full, one)
+    assert _common._one_value_rows(vectors, rows_of, channels) == [1, 3]
+    grads = G._parameter_grads("gn_swish_mul_swish", sums, *vectors)
+    assert [None if g is None else g.tolist() for g in grads] == [
+        sums[0].tolist(), None, [sums[1, 0].item()], sums[2].tolist(), [sums[3, 0].item()]]
+    storage = sums.untyped_storage().data_ptr()
+    assert all(g is None or g.untyped_storage().data_ptr() == storage for g in grads)  # views, no copies
+    # One channel: a one-value vector is a per-channel one.
+    assert _common._one_value_rows((torch.ones(1),), (0,), 1) == []
+    assert _common._vector_grads(sums[:, :1], (1,), (0,))[0].tolist() == [0.0]
+
+
 def test_vector_kernels_warps_match_their_launch():
     """The vectorised kernels stride rows by their compile-time warp count:
     the launches' blocks must hold exactly that many warps."""
