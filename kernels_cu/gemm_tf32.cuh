@@ -253,11 +253,13 @@ __device__ __forceinline__ int plane_float_offset(int n, int st, int h) {
 // other operand's small part, which is 0 for an operand exact in TF32
 // (inf * 0 = NaN) and may have the sign opposite to its big part
 // (inf - inf = NaN).  So where SGEMM's output is +-inf, 3xTF32's is that or
-// NaN; elsewhere their NaN and infinities agree.  The stores therefore redo
-// every output whose sum is NaN as a plain float32 dot product of row m of
-// A and column n of B (warp_float32_dot), which is NaN or +-inf where
-// SGEMM's is.  A tile without a NaN sum pays one comparison per sum and a
-// warp vote (redo_nan_outputs).
+// NaN; elsewhere their NaN and infinities agree (for operands short of
+// FLT_MAX by more than TF32's rounding, past which to_tf32 itself
+// overflows).  The stores therefore redo every output whose sum is NaN as a
+// plain float32 dot product of row m of A and column n of B
+// (warp_float32_dot), which is NaN or +-inf where SGEMM's is.  A tile
+// without a NaN sum pays one comparison per sum and a warp vote
+// (redo_nan_outputs).
 
 // The float32 dot product of row m of A and column n of B, by all 32 lanes
 // of a warp (the same m and n), returned to every lane: lane l sums k = l,
@@ -265,7 +267,8 @@ __device__ __forceinline__ int plane_float_offset(int n, int st, int h) {
 // order, so the result is the same on every run.  Stops with NaN at the
 // first NaN partial sum (NaN is final).  kBPlanes: b is B's planes image
 // (plane_float_offset), read as big + small (an infinite value's small
-// part is zero), in 128-column tiles of k_tiles 32-deep k-tiles.  Out of
+// part is zero; a finite one whose big part rounded up to inf reads as NaN:
+// docs/gemm.md), in 128-column tiles of k_tiles 32-deep k-tiles.  Out of
 // line: it runs only for NaN sums, and its registers stay out of the
 // kernels'.
 template <bool kAKMajor, bool kBKMajor, bool kBPlanes>

@@ -37,7 +37,8 @@ of C split B into its TF32 planes once beforehand (:func:`splits_b`).
 Non-finite inputs: NaN and ±inf land where SGEMM puts them under every
 precision.  (With ``"3xtf32"`` the kernels redo a NaN sum, which an
 infinite operand's correction products can give where SGEMM gives ±inf, as
-a plain float32 dot product: docs/gemm.md.)
+a plain float32 dot product.  Operands within TF32 rounding of FLT_MAX are
+the exception: docs/gemm.md.)
 """
 from __future__ import annotations
 
