@@ -313,21 +313,21 @@ def test_non_finite_operands_land_where_sgemm_puts_them(route, layout, passes, d
     a_log[6, 70] = nan                          # NaN at the end of a row
     b_log[9, 4], b_log[11, 6], b_log[0, 100] = inf, -inf, nan
     b_log[:, 8] = 0.0                           # a zero column meets row 1's inf: NaN
-    a, b = _physical(layout, a_log.to(device), b_log.to(device))
+
+    def product(a_log, b_log):  # on the route under test
+        a, b = _physical(layout, a_log.to(device), b_log.to(device))
+        if route == "word_loads":
+            assert not G._rows_aligned(a, a.shape[1])
+            return G._gemm(a, b, layout, passes)
+        return _run_tile(route, a, b, layout, passes)
+
+    got = product(a_log, b_log)
     want = a_log.double() @ b_log.double()
-    if route == "word_loads":
-        assert not G._rows_aligned(a, a.shape[1])
-        got = G._gemm(a, b, layout, passes)
-    else:
-        got = _run_tile(route, a, b, layout, passes)
     for test in (torch.isnan, torch.isposinf, torch.isneginf):
         assert torch.equal(test(got).cpu(), test(want)), test.__name__
     assert int(torch.isinf(want).sum()) > 500 and int(torch.isnan(want).sum()) > 500  # the test bites
     finite = torch.isfinite(want)
-    a_fin, b_fin = torch.nan_to_num(a_log, 0, 0, 0), torch.nan_to_num(b_log, 0, 0, 0)
-    a_fin, b_fin = _physical(layout, a_fin.to(device), b_fin.to(device))
-    clean = G._gemm(a_fin, b_fin, layout, passes) if route == "word_loads" else \
-        _run_tile(route, a_fin, b_fin, layout, passes)
+    clean = product(torch.nan_to_num(a_log, 0, 0, 0), torch.nan_to_num(b_log, 0, 0, 0))
     torch.testing.assert_close(got.cpu()[finite], clean.cpu()[finite], rtol=0, atol=0)
 
 
