@@ -164,7 +164,7 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
       m = m0 + wm + 16 * i + 2 * g + e / 2;
       n = n0 + wn + 16 * (j / 2) + 4 * t + j % 2 + 2 * (e % 2);
     };
-    redo_nan_outputs<kAKMajor, kBKMajor, false, MI * NI * 4>(elem, where, a, b, M, N, K, lda, ldb);
+    redo_nan_outputs<kAKMajor, kBKMajor, MI * NI * 4>(elem, where, a, b, M, N, K, lda, ldb);
   }
   const Epilogue epilogue(epilogue_vector, epilogue_option);
   const bool vec_store = kVec && (ldc % 4 == 0) && ((reinterpret_cast<unsigned long long>(c) & 15) == 0);
@@ -197,12 +197,14 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
 }
 
 // C = epilogue(A B): the products of linear() (bias, ReLU) on Hopper.
-// kBPlanes: b is B's planes image (gemm_tf32_split_b), ldb unused.
+// kBPlanes: b is B's planes image (gemm_tf32_split_b), which the main loop
+// reads; b_raw is B itself (layout kBKMajor, row stride ldb), which only
+// the redo of NaN sums reads (the same as b without kBPlanes).
 template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue, bool kBPlanes>
 __global__ void __launch_bounds__(kWgThreads, 1)
 gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
                 const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K,
-                i64 lda, i64 ldb, i64 ldc) {
+                i64 lda, i64 ldb, i64 ldc, const float* __restrict__ b_raw) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) float4 wgmma_shared[];
   i64 m0, n0;
@@ -215,7 +217,7 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
         m = m0 + row + (x >> 1 & 1);
         n = n0 + 8 * (x >> 2) + 2 * t + (x & 1);
       };
-      redo_nan_outputs<kAKMajor, kBKMajor, kBPlanes, 64>(elem, where, a, b, M, N, K, lda, ldb);
+      redo_nan_outputs<kAKMajor, kBKMajor, 64>(elem, where, a, b_raw, M, N, K, lda, ldb);
     }
     const Epilogue epilogue(epilogue_vector, epilogue_option);
     const bool vec_store = (ldc % 2 == 0) && ((reinterpret_cast<unsigned long long>(c) & 7) == 0);

@@ -255,7 +255,8 @@ __device__ __forceinline__ int plane_float_offset(int n, int st, int h) {
 // (inf - inf = NaN).  So where SGEMM's output is +-inf, 3xTF32's is that or
 // NaN; elsewhere their NaN and infinities agree (for operands short of
 // FLT_MAX by more than TF32's rounding, past which to_tf32 itself
-// overflows).  The stores therefore redo every output whose sum is NaN as a
+// overflows and the sum is NaN too).  The stores therefore redo every
+// output whose sum is NaN, from the raw operands, as a
 // plain float32 dot product of row m of A and column n of B
 // (warp_float32_dot), which is NaN or +-inf where SGEMM's is.  A tile
 // without a NaN sum pays one comparison per sum and a warp vote
@@ -265,35 +266,20 @@ __device__ __forceinline__ int plane_float_offset(int n, int st, int h) {
 // of a warp (the same m and n), returned to every lane: lane l sums k = l,
 // l + 32, ... into 4 partial sums (loads in flight), combined in a fixed
 // order, so the result is the same on every run.  Stops with NaN at the
-// first NaN partial sum (NaN is final).  kBPlanes: b is B's planes image
-// (plane_float_offset), read as big + small (an infinite value's small
-// part is zero; a finite one whose big part rounded up to inf reads as NaN:
-// docs/gemm.md), in 128-column tiles of k_tiles 32-deep k-tiles.  Out of
-// line: it runs only for NaN sums, and its registers stay out of the
-// kernels'.
-template <bool kAKMajor, bool kBKMajor, bool kBPlanes>
+// first NaN partial sum (NaN is final).  Reads the raw operands (for the
+// split-B kernel, B itself beside its planes image).  Out of line: it runs
+// only for NaN sums, and its registers stay out of the kernels'.
+template <bool kAKMajor, bool kBKMajor>
 __device__ __noinline__ float warp_float32_dot(const float* __restrict__ a, const float* __restrict__ b, i64 K,
                                                i64 lda, i64 ldb, i64 m, i64 n) {
-  constexpr int kTileFloats = 2 * kPlaneBytes / 4;  // big and small planes of a k-tile
   const int lane = threadIdx.x & 31;
-  const float* const b_tiles = b + (n / kWgBN) * ((K + kGemmBK - 1) / kGemmBK) * kTileFloats;
-  auto b_at = [&](i64 k) {
-    if constexpr (kBPlanes) {
-      const float* const p = b_tiles + (k / kGemmBK) * kTileFloats +
-                             plane_float_offset(static_cast<int>(n % kWgBN), static_cast<int>(k % kGemmBK) >> 3,
-                                                static_cast<int>(k & 1)) +
-                             (static_cast<int>(k & 7) >> 1);
-      return p[0] + p[kPlaneBytes / 4];
-    } else {
-      return kBKMajor ? b[n * ldb + k] : b[k * ldb + n];
-    }
-  };
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (i64 k0 = 0; k0 < K; k0 += 128) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const i64 k = k0 + 32 * u + lane;
-      if (k < K) s[u] = fmaf(kAKMajor ? a[m * lda + k] : a[k * lda + m], b_at(k), s[u]);
+      if (k < K)
+        s[u] = fmaf(kAKMajor ? a[m * lda + k] : a[k * lda + m], kBKMajor ? b[n * ldb + k] : b[k * ldb + n], s[u]);
     }
     if (__any_sync(0xffffffffu, s[0] != s[0] || s[1] != s[1] || s[2] != s[2] || s[3] != s[3]))
       return __int_as_float(0x7fffffff);
@@ -307,7 +293,7 @@ __device__ __noinline__ float warp_float32_dot(const float* __restrict__ a, cons
 // Redoes the NaN sums among a warp's v[kCount] (see above); called by all 32
 // lanes.  where(j, m, n) gives v[j]'s place in C; places outside M x N are
 // left alone.
-template <bool kAKMajor, bool kBKMajor, bool kBPlanes, int kCount, typename Where>
+template <bool kAKMajor, bool kBKMajor, int kCount, typename Where>
 __device__ __noinline__ void redo_nan_sums(float* v, Where where, const float* a, const float* b, i64 M, i64 N,
                                            i64 K, i64 lda, i64 ldb) {
   const int lane = threadIdx.x & 31;
@@ -318,7 +304,7 @@ __device__ __noinline__ void redo_nan_sums(float* v, Where where, const float* a
     while (todo) {  // the same on every lane
       const int src = __ffs(todo) - 1;
       todo &= todo - 1;
-      const float d = warp_float32_dot<kAKMajor, kBKMajor, kBPlanes>(
+      const float d = warp_float32_dot<kAKMajor, kBKMajor>(
           a, b, K, lda, ldb, __shfl_sync(0xffffffffu, m, src), __shfl_sync(0xffffffffu, n, src));
       if (lane == src) v[j] = d;
     }
@@ -329,7 +315,7 @@ __device__ __noinline__ void redo_nan_sums(float* v, Where where, const float* a
 // without a NaN sum pays kCount comparisons and a vote; the rest runs out of
 // line on a copy of the sums, so that the kernel's own registers and code
 // stay as they are.
-template <bool kAKMajor, bool kBKMajor, bool kBPlanes, int kCount, typename Elem, typename Where>
+template <bool kAKMajor, bool kBKMajor, int kCount, typename Elem, typename Where>
 __device__ __forceinline__ void redo_nan_outputs(const Elem& elem, const Where& where, const float* a,
                                                  const float* b, i64 M, i64 N, i64 K, i64 lda, i64 ldb) {
   bool any = false;
@@ -339,7 +325,7 @@ __device__ __forceinline__ void redo_nan_outputs(const Elem& elem, const Where& 
   float v[kCount];
 #pragma unroll
   for (int j = 0; j < kCount; ++j) v[j] = elem(j);
-  redo_nan_sums<kAKMajor, kBKMajor, kBPlanes, kCount>(v, where, a, b, M, N, K, lda, ldb);
+  redo_nan_sums<kAKMajor, kBKMajor, kCount>(v, where, a, b, M, N, K, lda, ldb);
 #pragma unroll
   for (int j = 0; j < kCount; ++j) elem(j) = v[j];
 }

@@ -90,12 +90,12 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
 
 
 def test_every_kernel_variant_is_declared():
-    # one instantiation per key, except that the split-B kernel reads B's
-    # planes whatever B's layout (the split kernel takes the layout)
+    # one instantiation per key (the split-B kernel's main loop reads B's
+    # planes whatever B's layout, but its redo of NaN sums reads B itself)
     unsplit = {key: e for key, e in G.KERNELS.expressions.items() if not G.TILES[key[0]].split_b}
     assert len(set(unsplit.values())) == len(unsplit)
     split = {e for key, e in G.KERNELS.expressions.items() if G.TILES[key[0]].split_b}
-    assert len(split) == 2 * 2 and not split & set(unsplit.values())  # passes x A's layout
+    assert len(split) == 2 * 3 and not split & set(unsplit.values())  # passes x layout
     assert len(set(G.SPLIT_B_KERNELS.expressions.values())) == 4  # passes x B's layout
     for layout in G.LAYOUTS:
         for passes in (1, 3):
@@ -329,6 +329,33 @@ def test_non_finite_operands_land_where_sgemm_puts_them(route, layout, passes, d
     finite = torch.isfinite(want)
     clean = product(torch.nan_to_num(a_log, 0, 0, 0), torch.nan_to_num(b_log, 0, 0, 0))
     torch.testing.assert_close(got.cpu()[finite], clean.cpu()[finite], rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("layout", list(G.LAYOUTS))
+@pytest.mark.parametrize("route", list(G.TILES) + ["word_loads"])
+def test_operands_at_the_float32_range_end_stay_finite(route, layout, device):
+    """Operands within TF32 rounding of FLT_MAX (to_tf32 rounds their big
+    part up to inf, so the 3xTF32 sum is NaN): the redo gives SGEMM's finite
+    product, on every kernel (the split-B one reads B itself, not its
+    planes)."""
+    if route != "word_loads" and route not in G.available_tiles(device.index):
+        pytest.skip(f"{route} does not run on this device")
+    m, k, n = (200, 72, 264) if route != "word_loads" else (201, 71, 263)
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    a_log, b_log = torch.rand(m, k, generator=gen) - 0.5, torch.rand(k, n, generator=gen) - 0.5
+    big = torch.tensor(3.4028e38)
+    assert torch.isfinite(big) and big.view(torch.int32) >= 0x7f7ff000
+    a_log[3, 5], b_log[7, 9] = big, -big
+    a_log[3, 6] = 0.0  # row 3 meets column 9 only through a_log[3, 7] * b_log[7, 9]
+    a_log[3, 7] = 2.0 ** -10
+    a, b = _physical(layout, a_log.to(device), b_log.to(device))
+    got = G._gemm(a, b, layout, 3) if route == "word_loads" else _run_tile(route, a, b, layout, 3)
+    want = a_log.double() @ b_log.double()
+    finite = torch.isfinite(want) & (want.abs() < 3e38)
+    assert finite[3].sum() > 100 and finite[:, 9].sum() > 100
+    assert torch.isfinite(got.cpu()[finite]).all()
+    torch.testing.assert_close(got.cpu().double()[finite], want[finite], rtol=1e-5, atol=1e-3)
 
 
 # ---------------------------------------------------------------- 16-bit engine (Hopper)

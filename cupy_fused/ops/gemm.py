@@ -37,8 +37,9 @@ of C split B into its TF32 planes once beforehand (:func:`splits_b`).
 Non-finite inputs: NaN and ±inf land where SGEMM puts them under every
 precision.  (With ``"3xtf32"`` the kernels redo a NaN sum, which an
 infinite operand's correction products can give where SGEMM gives ±inf, as
-a plain float32 dot product.  Operands within TF32 rounding of FLT_MAX are
-the exception: docs/gemm.md.)
+a plain float32 dot product, from the raw operands, which also mends
+operands within TF32 rounding of FLT_MAX.  Under ``"tf32"`` those round
+to ±inf: docs/gemm.md.)
 """
 from __future__ import annotations
 
@@ -136,8 +137,7 @@ def _cxx_bool(b: bool) -> str:
 
 def _expr(t: Tile, passes: int, layout: str, vec: bool) -> str:
     a, b = map(_cxx_bool, LAYOUTS[layout])
-    if t.wgmma:  # 128x128 only, 16-byte loads only; B's layout is the split's business
-        b = "true" if t.split_b else b
+    if t.wgmma:  # 128x128 only, 16-byte loads only (with split_b, B's layout is the split's and the redo's)
         return (f"cf::gemm_tf32_wgmma<{t.stages}, {passes}, {a}, {b}, cf::LinearEpilogue, "
                 f"{_cxx_bool(t.split_b)}>")
     return (f"cf::gemm_tf32<{t.bm}, {t.bn}, {t.stages}, {passes}, {a}, {b}, "
@@ -292,11 +292,14 @@ def _launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, 
     m, n = out.shape
     k = _inner_size(a, layout)
     dev, ldb = a.device.index, b.shape[1]
-    if tile.split_b:  # the kernel then reads the planes image (and ignores ldb)
+    b_raw = b
+    if tile.split_b:  # the main loop then reads the planes image; the NaN redo reads B
         b = _split_b(b, n, k, b_kmajor, passes)
+    # (the wgmma kernel's last parameter: B itself, for its redo of NaN sums)
+    extra = (b_raw.data_ptr(),) if tile.wgmma else ()
     _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), tile.threads, (
         a.data_ptr(), b.data_ptr(), out.data_ptr(), _ptr_or_null(bias),
-        activation, m, n, k, a.shape[1], ldb, n), dev,
+        activation, m, n, k, a.shape[1], ldb, n) + extra, dev,
         shared_mem=tile.shared_bytes(a_kmajor, b_kmajor, passes))
 
 
