@@ -166,8 +166,13 @@ __device__ __forceinline__ unsigned nonzero_halves(unsigned pair) {
 // row of y starts at any element, as OW is any size; 16 bytes for float32
 // y).  A lane's two 32-bit
 // reads of the staging row, in the order its half-warp alternates, fall in
-// distinct banks.  Rows that start at an odd element are read value by
-// value, and the grid's partial chunks at a row's ends written so.
+// distinct banks.  Where every row starts on the grid of pairs of values
+// (OW even, y so aligned), a lane's four values go as two pairs, each
+// written or not, with no per-value path (the warp issues every branch's
+// stores, so the per-value path cost a quarter of the op's time where it
+// was taken for every row).  Otherwise rows that start at an odd element
+// are read value by value, and the grid's partial chunks at a row's ends
+// written so.
 template <typename T, typename Out, bool kMask = false>
 struct NchwStore {
   // float32 y, or the mask: relu(acc + conv_bias) staged, the bias added at the store
@@ -216,6 +221,34 @@ struct NchwStore {
     Out* dst = y + ((n * cout + n0 + warp) * out_rows + oh) * out_cols + ow0;
     // Warp w writes rows w, w + 4, ..., four at a time: the reads of four
     // rows, then their writes, so that the reads' latencies overlap.
+    if (out_cols % 2 == 0 && (reinterpret_cast<unsigned long long>(y) & (2 * sizeof(Out) - 1)) == 0) {
+      // Every row starts on the grid of pairs of values: a lane's four
+      // values are two aligned pairs, read and written whole, with no
+      // per-value path.
+      for (int co0 = warp; co0 < rows; co0 += 16) {
+        unsigned w[4][2];
+        int c0[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          c0[j] = 4 * lane - row_shift(dst + 4 * j * plane);
+          read_pairs(staging, co0 + 4 * j, c0[j], lane, w[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (co0 + 4 * j < rows)
+            write_pairs(dst + 4 * j * plane, c0[j], cols, w[j],
+                        kBiasLater ? ConvBiases<Out>::bias_of(table, co0 + 4 * j) : 0.0f);
+        if constexpr (kMask) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (co0 + 4 * j < rows)  // (the whole warp: the mask's shuffles)
+              mask_row(dst + 4 * j * plane - y, c0[j], cols, w[j], lane);
+        }
+        dst += 16 * plane;
+      }
+      store_last_chunk(me, n, oh, ow0, n0, rows, cols, table);
+      return;
+    }
     for (int co0 = warp; co0 < rows; co0 += 16) {
       unsigned w[4][2];
       int c0[4];
@@ -237,8 +270,14 @@ struct NchwStore {
       }
       dst += 16 * plane;
     }
-    // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i
-    // writes that of the warp's row w + 4i.
+    store_last_chunk(me, n, oh, ow0, n0, rows, cols, table);
+  }
+  // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i writes
+  // that of the warp's row w + 4i.
+  __device__ __forceinline__ void store_last_chunk(const HalfGemmLane& me, i64 n, i64 oh, i64 ow0, i64 n0,
+                                                   int rows, int cols, unsigned table) const {
+    const unsigned staging = table - kConvTileBytes;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     if (cols > kHgBM - 3) {
       const int co = warp + 4 * lane;
       if (co < rows) {
@@ -254,6 +293,39 @@ struct NchwStore {
             if (bits) atomicOr(mask + (f >> 5), bits);
           }
         }
+      }
+    }
+  }
+  // The values of staging row co at columns c .. c + 3, c even: two
+  // aligned words, a lane's two reads in the order its half-warp
+  // alternates (distinct banks).
+  __device__ __forceinline__ static void read_pairs(unsigned staging, int co, int c, int lane, unsigned (&w)[2]) {
+    const unsigned at = staging + 2 * (co * kConvStageRow + kConvStageLead + c);
+    const int first = (lane >> 4) & 1;
+    unsigned a, b;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a) : "r"(at + 4 * first) : "memory");
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(b) : "r"(at + 4 * (1 - first)) : "memory");
+    w[0] = first ? b : a;
+    w[1] = first ? a : b;
+  }
+  // Writes them (plus b where the bias comes at the store, kBiasLater) to
+  // row[c .. c + 3] as two pairs, each where it lies inside the columns
+  // 0 .. cols - 1 (cols even, c >= -2, row + c on the grid of pairs).
+  __device__ __forceinline__ static void write_pairs(Out* row, int c, int cols, const unsigned (&w)[2], float b) {
+    const bool first = c >= 0 && c < cols, second = c + 2 < cols;
+    if constexpr (!kBiasLater) {
+      if (first) *reinterpret_cast<unsigned*>(row + c) = w[0];
+      if (second) *reinterpret_cast<unsigned*>(row + c + 2) = w[1];
+    } else {
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = packed_value<T>(w, e) + b;
+      if constexpr (sizeof(Out) == 4) {
+        if (first) *reinterpret_cast<float2*>(row + c) = make_float2(v[0], v[1]);
+        if (second) *reinterpret_cast<float2*>(row + c + 2) = make_float2(v[2], v[3]);
+      } else {  // a 16-bit y (kMask): rounded again after the bias
+        if (first) *reinterpret_cast<unsigned*>(row + c) = pack2<T>(v[0], v[1]);
+        if (second) *reinterpret_cast<unsigned*>(row + c + 2) = pack2<T>(v[2], v[3]);
       }
     }
   }
@@ -310,12 +382,7 @@ struct NchwStore {
                                                unsigned (&w)[2]) {
     const unsigned at = staging + 2 * (co * kConvStageRow + kConvStageLead + c);
     if ((s & 1) == 0) {
-      const int first = (lane >> 4) & 1;
-      unsigned a, b;
-      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a) : "r"(at + 4 * first) : "memory");
-      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(b) : "r"(at + 4 * (1 - first)) : "memory");
-      w[0] = first ? b : a;
-      w[1] = first ? a : b;
+      read_pairs(staging, co, c, lane, w);
     } else {
       unsigned short v[4];
 #pragma unroll
