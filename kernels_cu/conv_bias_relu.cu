@@ -219,36 +219,22 @@ struct NchwStore {
     const int rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
     const i64 plane = out_rows * out_cols;
     Out* dst = y + ((n * cout + n0 + warp) * out_rows + oh) * out_cols + ow0;
-    // Warp w writes rows w, w + 4, ..., four at a time: the reads of four
-    // rows, then their writes, so that the reads' latencies overlap.
+    // Every row starts on the grid of pairs of values (kPairs): a lane's
+    // four values are two aligned pairs, read and written whole, with no
+    // per-value path.
     if (out_cols % 2 == 0 && (reinterpret_cast<unsigned long long>(y) & (2 * sizeof(Out) - 1)) == 0) {
-      // Every row starts on the grid of pairs of values: a lane's four
-      // values are two aligned pairs, read and written whole, with no
-      // per-value path.
-      for (int co0 = warp; co0 < rows; co0 += 16) {
-        unsigned w[4][2];
-        int c0[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          c0[j] = 4 * lane - row_shift(dst + 4 * j * plane);
-          read_pairs(staging, co0 + 4 * j, c0[j], lane, w[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (co0 + 4 * j < rows)
-            write_pairs(dst + 4 * j * plane, c0[j], cols, w[j],
-                        kBiasLater ? ConvBiases<Out>::bias_of(table, co0 + 4 * j) : 0.0f);
-        if constexpr (kMask) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (co0 + 4 * j < rows)  // (the whole warp: the mask's shuffles)
-              mask_row(dst + 4 * j * plane - y, c0[j], cols, w[j], lane);
-        }
-        dst += 16 * plane;
-      }
-      store_last_chunk(me, n, oh, ow0, n0, rows, cols, table);
-      return;
+      store_rows<true>(dst, plane, lane, warp, rows, cols, staging, table);
+    } else {
+      store_rows<false>(dst, plane, lane, warp, rows, cols, staging, table);
     }
+    store_last_chunk(me, n, oh, ow0, n0, rows, cols, table);
+  }
+  // Warp w writes rows w, w + 4, ..., four at a time (dst: row w's column
+  // 0): the reads of four rows, then their writes, so that the reads'
+  // latencies overlap.
+  template <bool kPairs>
+  __device__ __forceinline__ void store_rows(Out* dst, i64 plane, int lane, int warp, int rows, int cols,
+                                             unsigned staging, unsigned table) const {
     for (int co0 = warp; co0 < rows; co0 += 16) {
       unsigned w[4][2];
       int c0[4];
@@ -256,12 +242,21 @@ struct NchwStore {
       for (int j = 0; j < 4; ++j) {
         const int s = row_shift(dst + 4 * j * plane);
         c0[j] = 4 * lane - s;
-        read4(staging, co0 + 4 * j, c0[j], s, lane, w[j]);
+        if constexpr (kPairs) {
+          read_pairs(staging, co0 + 4 * j, c0[j], lane, w[j]);
+        } else {
+          read4(staging, co0 + 4 * j, c0[j], s, lane, w[j]);
+        }
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (co0 + 4 * j < rows && c0[j] < cols)
-          write4(dst + 4 * j * plane, c0[j], cols, w[j], kBiasLater ? ConvBiases<Out>::bias_of(table, co0 + 4 * j) : 0.0f);
+      for (int j = 0; j < 4; ++j) {
+        const float b = kBiasLater ? ConvBiases<Out>::bias_of(table, co0 + 4 * j) : 0.0f;
+        if constexpr (kPairs) {
+          if (co0 + 4 * j < rows) write_pairs(dst + 4 * j * plane, c0[j], cols, w[j], b);
+        } else {
+          if (co0 + 4 * j < rows && c0[j] < cols) write4(dst + 4 * j * plane, c0[j], cols, w[j], b);
+        }
+      }
       if constexpr (kMask) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -270,7 +265,6 @@ struct NchwStore {
       }
       dst += 16 * plane;
     }
-    store_last_chunk(me, n, oh, ow0, n0, rows, cols, table);
   }
   // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i writes
   // that of the warp's row w + 4i.
