@@ -168,9 +168,9 @@ __device__ __forceinline__ unsigned nonzero_halves(unsigned pair) {
 // reads of the staging row, in the order its half-warp alternates, fall in
 // distinct banks.  Where every row starts on the grid of pairs of values
 // (OW even, y so aligned), a lane's four values go as two pairs, each
-// written or not, with no per-value path (the warp issues every branch's
-// stores, so the per-value path cost a quarter of the op's time where it
-// was taken for every row).  Otherwise rows that start at an odd element
+// written or not, with no per-value path (a warp issues the stores of
+// every branch any of its lanes takes, and a row's partial chunks would
+// take the per-value one for every row).  Otherwise rows that start at an odd element
 // are read value by value, and the grid's partial chunks at a row's ends
 // written so.
 template <typename T, typename Out, bool kMask = false>
