@@ -227,7 +227,7 @@ struct NchwStore {
     } else {
       store_rows<false>(dst, plane, lane, warp, rows, cols, staging, table);
     }
-    store_last_chunk(me, n, oh, ow0, n0, rows, cols, table);
+    store_last_chunk(n, oh, ow0, n0, rows, cols, table);
   }
   // Warp w writes rows w, w + 4, ..., four at a time (dst: row w's column
   // 0): the reads of four rows, then their writes, so that the reads'
@@ -268,8 +268,8 @@ struct NchwStore {
   }
   // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i writes
   // that of the warp's row w + 4i.
-  __device__ __forceinline__ void store_last_chunk(const HalfGemmLane& me, i64 n, i64 oh, i64 ow0, i64 n0,
-                                                   int rows, int cols, unsigned table) const {
+  __device__ __forceinline__ void store_last_chunk(i64 n, i64 oh, i64 ow0, i64 n0, int rows, int cols,
+                                                   unsigned table) const {
     const unsigned staging = table - kConvTileBytes;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     if (cols > kHgBM - 3) {

@@ -224,7 +224,8 @@ constexpr int kPlaneBytes = kPlaneStepBytes * (kGemmBK / 8);  // one plane of a 
 constexpr int kWgBarrierBytes = 128;                 // the stages' full/empty mbarriers
 
 // kBPlanes: B comes already split, as the image of its planes in global
-// memory (gemm_tf32_split_b below); kBKMajor is then unused.
+// memory (gemm_tf32_split_b below); kBKMajor is then unused here (the
+// kernel's redo of NaN sums reads B itself in that layout).
 template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, bool kBPlanes = false>
 struct WgmmaConfig {
   typedef OperandTile<kAKMajor, kWgBM> TileA;
@@ -377,7 +378,7 @@ struct ConsumerLane {
 // inside the consumer branch: code after a join of the producer's and the
 // consumers' paths would be held to the producer's register budget and spill.
 //
-// kBPlanes: b is the planes image of B (see plane_float_offset; ldb unused)
+// kBPlanes: b is the planes image of B (see plane_float_offset; ldb unused here)
 // and the producer only copies: the raw A tile and the tile's planes, each
 // with 16-byte cp.async, tiles kStages - 2 ahead of the one it marks full.
 template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Store, bool kBPlanes = false>

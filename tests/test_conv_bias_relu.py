@@ -504,7 +504,8 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
 # rows at every start in their 4-value chunk and mask word (OW odd, OW of
 # 125 to 129 and past one 128-column tile), C_out over one 128-channel tile.
 TRAINING_SHAPES = [(2, 8, 9, 70, 16, 3, 3), (1, 16, 5, 127, 8, 1, 3), (2, 8, 4, 131, 136, 2, 3),
-                   (1, 64, 6, 130, 24, 3, 3), (3, 8, 3, 5, 8, 1, 1)]
+                   (1, 64, 6, 130, 24, 3, 3), (3, 8, 3, 5, 8, 1, 1),
+                   (2, 8, 4, 132, 136, 2, 3)]  # OW 130: NCHW rows starting 2 values off the 4-value grid
 
 
 def _engine_training_step_against_float64(shape, dtype, amp, memory_format, device):
