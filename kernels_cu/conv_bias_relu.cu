@@ -306,20 +306,19 @@ struct NchwStore {
   // row[c .. c + 3] as two pairs, each where it lies inside the columns
   // 0 .. cols - 1 (cols even, c >= -2, row + c on the grid of pairs).
   __device__ __forceinline__ static void write_pairs(Out* row, int c, int cols, const unsigned (&w)[2], float b) {
-    const bool first = c >= 0 && c < cols, second = c + 2 < cols;
+    if (c >= 0 && c < cols) write_pair(row + c, w, 0, b);
+    if (c + 2 < cols) write_pair(row + c + 2, w, 1, b);
+  }
+  // Values 2 p, 2 p + 1 of the four in w (plus b, kBiasLater) to at[0 .. 1].
+  __device__ __forceinline__ static void write_pair(Out* at, const unsigned (&w)[2], int p, float b) {
     if constexpr (!kBiasLater) {
-      if (first) *reinterpret_cast<unsigned*>(row + c) = w[0];
-      if (second) *reinterpret_cast<unsigned*>(row + c + 2) = w[1];
+      *reinterpret_cast<unsigned*>(at) = w[p];
     } else {
-      float v[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = packed_value<T>(w, e) + b;
+      const float lo = packed_value<T>(w, 2 * p) + b, hi = packed_value<T>(w, 2 * p + 1) + b;
       if constexpr (sizeof(Out) == 4) {
-        if (first) *reinterpret_cast<float2*>(row + c) = make_float2(v[0], v[1]);
-        if (second) *reinterpret_cast<float2*>(row + c + 2) = make_float2(v[2], v[3]);
+        *reinterpret_cast<float2*>(at) = make_float2(lo, hi);
       } else {  // a 16-bit y (kMask): rounded again after the bias
-        if (first) *reinterpret_cast<unsigned*>(row + c) = pack2<T>(v[0], v[1]);
-        if (second) *reinterpret_cast<unsigned*>(row + c + 2) = pack2<T>(v[2], v[3]);
+        *reinterpret_cast<unsigned*>(at) = pack2<T>(lo, hi);
       }
     }
   }

@@ -285,10 +285,7 @@ __device__ __noinline__ float warp_float32_dot(const float* __restrict__ a, cons
     if (__any_sync(0xffffffffu, s[0] != s[0] || s[1] != s[1] || s[2] != s[2] || s[3] != s[3]))
       return __int_as_float(0x7fffffff);
   }
-  float t = (s[0] + s[1]) + (s[2] + s[3]);
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) t += __shfl_xor_sync(0xffffffffu, t, d);  // a + b == b + a: every lane agrees
-  return t;
+  return team_sum((s[0] + s[1]) + (s[2] + s[3]), 32);  // (a + b == b + a: every lane agrees)
 }
 
 // Redoes the NaN sums among a warp's v[kCount] (see above); called by all 32
