@@ -286,10 +286,32 @@ def _physical(layout, a_log, b_log):
     return a.contiguous(), b.contiguous()
 
 
+# The routes of the non-finite tests: each tile kernel, and the word-load
+# kernel, which takes operands whose rows are off the 16-byte grid.
+ROUTES = list(G.TILES) + ["word_loads"]
+
+
+def _route_shape(route, device):
+    """(m, k, n) of a non-finite test on ``route``, which is skipped where it
+    does not run: rows off the 16-byte grid for the word loads."""
+    if route != "word_loads" and route not in G.available_tiles(device.index):
+        pytest.skip(f"{route} does not run on this device")
+    return (200, 72, 264) if route != "word_loads" else (201, 71, 263)
+
+
+def _product_on_route(route, layout, a_log, b_log, passes, device):
+    """a_log @ b_log on ``route``, the operands in ``layout``."""
+    a, b = _physical(layout, a_log.to(device), b_log.to(device))
+    if route == "word_loads":
+        assert not G._rows_aligned(a, a.shape[1])
+        return G._gemm(a, b, layout, passes)
+    return _run_tile(route, a, b, layout, passes)
+
+
 @gpu
 @pytest.mark.parametrize("passes", [3, 1])
 @pytest.mark.parametrize("layout", list(G.LAYOUTS))
-@pytest.mark.parametrize("route", list(G.TILES) + ["word_loads"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_non_finite_operands_land_where_sgemm_puts_them(route, layout, passes, device):
     """NaN, +inf and -inf in both operands: the product's NaN / +inf / -inf
     masks equal float64's (SGEMM's) on every kernel, layout and pass count.
@@ -297,9 +319,7 @@ def test_non_finite_operands_land_where_sgemm_puts_them(route, layout, passes, d
     products meet an infinite big part with a zero small part (inf * 0), and
     the rest with small parts of either sign; finite outputs stay as
     accurate as without the non-finite values."""
-    if route != "word_loads" and route not in G.available_tiles(device.index):
-        pytest.skip(f"{route} does not run on this device")
-    m, k, n = (200, 72, 264) if route != "word_loads" else (201, 71, 263)  # rows not 16-byte aligned
+    m, k, n = _route_shape(route, device)
     gen = torch.Generator(device="cpu").manual_seed(7)
 
     def values(*shape):  # half exact in TF32 (quarters), half not
@@ -314,42 +334,33 @@ def test_non_finite_operands_land_where_sgemm_puts_them(route, layout, passes, d
     b_log[9, 4], b_log[11, 6], b_log[0, 100] = inf, -inf, nan
     b_log[:, 8] = 0.0                           # a zero column meets row 1's inf: NaN
 
-    def product(a_log, b_log):  # on the route under test
-        a, b = _physical(layout, a_log.to(device), b_log.to(device))
-        if route == "word_loads":
-            assert not G._rows_aligned(a, a.shape[1])
-            return G._gemm(a, b, layout, passes)
-        return _run_tile(route, a, b, layout, passes)
-
-    got = product(a_log, b_log)
+    got = _product_on_route(route, layout, a_log, b_log, passes, device)
     want = a_log.double() @ b_log.double()
     for test in (torch.isnan, torch.isposinf, torch.isneginf):
         assert torch.equal(test(got).cpu(), test(want)), test.__name__
     assert int(torch.isinf(want).sum()) > 500 and int(torch.isnan(want).sum()) > 500  # the test bites
     finite = torch.isfinite(want)
-    clean = product(torch.nan_to_num(a_log, 0, 0, 0), torch.nan_to_num(b_log, 0, 0, 0))
+    clean = _product_on_route(route, layout, torch.nan_to_num(a_log, 0, 0, 0),
+                              torch.nan_to_num(b_log, 0, 0, 0), passes, device)
     torch.testing.assert_close(got.cpu()[finite], clean.cpu()[finite], rtol=0, atol=0)
 
 
 @gpu
 @pytest.mark.parametrize("layout", list(G.LAYOUTS))
-@pytest.mark.parametrize("route", list(G.TILES) + ["word_loads"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_operands_at_the_float32_range_end_stay_finite(route, layout, device):
     """Operands within TF32 rounding of FLT_MAX (to_tf32 rounds their big
     part up to inf, so the 3xTF32 sum is NaN): the redo gives SGEMM's finite
     product, on every kernel (the split-B one reads B itself, not its
     planes)."""
-    if route != "word_loads" and route not in G.available_tiles(device.index):
-        pytest.skip(f"{route} does not run on this device")
-    m, k, n = (200, 72, 264) if route != "word_loads" else (201, 71, 263)
+    m, k, n = _route_shape(route, device)
     gen = torch.Generator(device="cpu").manual_seed(11)
     a_log, b_log = torch.rand(m, k, generator=gen) - 0.5, torch.rand(k, n, generator=gen) - 0.5
     big = torch.tensor(3.4028e38)
     assert torch.isfinite(big) and big.view(torch.int32) >= 0x7f7ff000
     a_log[3, 5], b_log[7, 9] = big, -big
     a_log[3, 7] = 2.0 ** -10  # (row 3 meets column 9 through both values, and stays finite)
-    a, b = _physical(layout, a_log.to(device), b_log.to(device))
-    got = G._gemm(a, b, layout, 3) if route == "word_loads" else _run_tile(route, a, b, layout, 3)
+    got = _product_on_route(route, layout, a_log, b_log, 3, device)
     want = a_log.double() @ b_log.double()
     finite = torch.isfinite(want) & (want.abs() < 3e38)
     assert finite[3].sum() > 100 and finite[:, 9].sum() > 100
