@@ -212,6 +212,26 @@ __device__ __forceinline__ float mish_and_grad(float x, float& grad) {
 // relu that keeps a NaN, as torch.relu does (fmaxf would return the 0).
 // ptxas makes one max.NaN of it.
 __device__ __forceinline__ float relu_keep_nan(float v) { return v <= 0.0f ? 0.0f : v; }
+
+// float -> TF32 (low 13 mantissa bits zero), rounding to nearest with ties
+// away from zero, as cvt.rna.tf32.f32 does, in two integer instructions
+// (the cvt is several instructions on sm_80/sm_90, and this runs once per
+// fragment element).  A carry out of the mantissa correctly bumps the
+// exponent; values that round past FLT_MAX become inf, as with the cvt.
+// A NaN with a high mantissa (the GPU's own NaN is 0x7fffffff) would carry
+// into the sign bit and become a zero: see to_tf32_keep_nan.
+__device__ __forceinline__ unsigned to_tf32(float x) {
+  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
+// to_tf32 that keeps a NaN a NaN, so that a NaN operand reaches the output:
+// for a TF32 copy of an operand, and the "big" part of a split (through the
+// big x big product).  (The
+// small part needs no such care: x - big is NaN only where big is already
+// NaN or infinite, and for an infinite x a small part of zero is what the
+// correction products need.)
+__device__ __forceinline__ unsigned to_tf32_keep_nan(float x) {
+  return x != x ? 0x7fffe000u : to_tf32(x);
+}
 // fminf/fmaxf return the other operand for a NaN: NaN must come through, as
 // in torch.nn.functional.hardtanh.
 __device__ __forceinline__ float hardtanhf(float x) {

@@ -1,16 +1,18 @@
 // Kernel family "conv_bias_relu" (cupy_fused/ops/conv_bias_relu.py): problem
 // 1's forward, y = relu(conv2d(x, W) + conv_bias) + bias (stride 1, no
-// padding, dilation 1, one group), in float16 / bfloat16 as one implicit GEMM
-// on the Hopper engine (gemm.cuh): the convolution's operand tiles come from
-// ConvLoader (from x channels-last: as given, or a copy of an NCHW x), and
-// the chain is applied to the float32 accumulators in the store (NchwStore,
-// NhwcStore: y in x's layout), which writes y once.
+// padding, dilation 1, one group), in float16 / bfloat16, or float32 read as
+// TF32, as one implicit GEMM on the Hopper engine (gemm.cuh): the
+// convolution's operand tiles come from ConvLoader (from x channels-last: as
+// given, or a copy of an NCHW x), and the chain is applied to the float32
+// accumulators in the store (NchwStore, NchwStoreF32, NhwcStore: y in x's
+// layout), which writes y once.
 //
 // The product: C [M, Cout] = A [M, K] B^T.  A row m of A is an output pixel
 // (n, oh, ow), its column k = (kh, kw, c) the input value x[n, c, oh + kh,
 // ow + kw]: im2col, which is never formed.  B [Cout, K] is the weight with
 // its k in the same (kh, kw, c) order, c padded with zeros to a multiple of
-// 64 (Cpad), so that a k-tile of 64 is one (kh, kw) and 64 channels.
+// a k-tile's channels (Cpad: 64 16-bit values, 32 float32 ones), so that a
+// k-tile is one (kh, kw) and one block of channels.
 #include "gemm.cuh"
 
 namespace cf {
@@ -23,9 +25,11 @@ namespace cf {
 // the output's width compute values the store drops).  (An NCHW input
 // cannot be read so: a box's first element must lie on the 16-byte grid,
 // and the taps kw shift it along W one element at a time.)
+template <typename T>
 struct ConvLoader {
-  const TensorMap& map_x;  // x [N, H, W, C] channels-last: dims (C, W, H, N), boxes 64 x 128 x 1 x 1
-  const TensorMap& map_w;  // B [Cout, KH * KW * Cpad]: boxes of 64 x 128
+  static constexpr int kBK = hg_bk<T>();  // channels of a k-tile
+  const TensorMap& map_x;  // x [N, H, W, C] channels-last: dims (C, W, H, N), boxes kBK x 128 x 1 x 1
+  const TensorMap& map_w;  // B [Cout, KH * KW * Cpad]: boxes of kBK x 128
   i64 n_images, out_rows, col_tiles, cout;
   int kw_size, c_blocks, k_tiles;
   // The current tile (begin_tile) and the next k-tile's tap and channel
@@ -50,8 +54,8 @@ struct ConvLoader {
     kh = kw = cb = 0;
   }
   __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
-    tma_load_4d(tile_a, map_x, cb * kHgBK, ow0 + kw, oh + kh, n, bar);
-    tma_load_2d(tile_b, map_w, kt * kHgBK, n0, bar);
+    tma_load_4d(tile_a, map_x, cb * kBK, ow0 + kw, oh + kh, n, bar);
+    tma_load_2d(tile_b, map_w, kt * kBK, n0, bar);
     if (++cb == c_blocks) {
       cb = 0;
       if (++kw == kw_size) {
@@ -103,6 +107,13 @@ struct ConvBiases {
                    : "memory");
     }
     named_barrier(1 + me.wg, 128);
+  }
+  // The start of an NCHW store's tile, by all 128 threads of the
+  // warpgroup: once every warp has read the previous tile's staging rows
+  // and table, the table for n0.
+  __device__ __forceinline__ void begin(unsigned table, i64 n0, const HalfGemmLane& me) {
+    named_barrier(1 + me.wg, 128);
+    refill(table, n0, me);
   }
   // The entry of the thread's pair of channels 8i + 2t, +1 of the tile.
   __device__ __forceinline__ static float4 pair(unsigned table, int i, int t) {
@@ -188,10 +199,7 @@ struct NchwStore {
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) {
     const unsigned table = staging + kConvTileBytes;
-    // The previous tile's staging rows and biases have been read by every
-    // warp of the warpgroup.
-    named_barrier(1 + me.wg, 128);
-    biases.refill(table, n0, me);
+    biases.begin(table, n0, me);
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     // stmatrix: lane 8 j + r gives row r of matrix j, which is channel
     // 8 (i + j / 2) + r at columns 64 hm + 16 warp + 8 (j % 2) ...
@@ -419,6 +427,114 @@ struct NchwStore {
   __device__ __forceinline__ void finish(const HalfGemmLane&) const {}
 };
 
+// y [N, Cout, OH, OW] of float32 from a float32 (TF32) product: relu(acc +
+// conv_bias) + bias in float32.  The tile goes out in two passes of 64
+// channels (a float32 staging of all 128 beside the engine's stages would
+// not fit in shared memory): the warpgroup writes the pass's values into
+// its staging area, channel-major [64 channels][kF32StageRow floats] (4
+// floats of lead, then the tile's 128 columns: a row of 132 words puts the
+// 8 pixels x 4 channel pairs that one store instruction writes in distinct
+// banks), then each warp writes whole rows of y, four at a time (one
+// channel, the tile's columns of one output row), a lane 16 bytes of the
+// row's 16-byte grid (s: where the row starts on it; the lead covers the
+// reads of columns -3 .. -1, and each row's last s columns go as a 33rd
+// chunk).
+constexpr int kF32StageLead = 4, kF32StageRow = kF32StageLead + kHgBM;
+constexpr int kF32StageBytes = 64 * kF32StageRow * 4;
+constexpr int kConvF32StagingBytes = 2 * (kF32StageBytes + kConvBiasBytes);  // both consumer warpgroups
+struct NchwStoreF32 {
+  float* y;
+  ConvBiases<float> biases;
+  i64 cout, out_rows, out_cols, col_tiles;
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned staging) {
+    const unsigned table = staging + kF32StageBytes;
+    biases.begin(table, n0, me);
+    i64 ow0;
+    const i64 row = conv_tile_row(m0, col_tiles, ow0);
+    const i64 n = row / out_rows, oh = row - n * out_rows;
+    const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - ow0));
+    const int rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const i64 plane = out_rows * out_cols;
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass > 0) named_barrier(1 + me.wg, 128);  // the first pass's rows have been read
+#pragma unroll
+      for (int ii = 0; ii < 8; ++ii) {
+        const int i = 8 * pass + ii;  // the thread's channels 8 i + 2 t, +1 of the tile
+        const float4 p = ConvBiases<float>::pair(table, i, me.t);
+#pragma unroll
+        for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int col = 64 * hm + me.row + 8 * h;
+            const unsigned at = staging + 4 * ((8 * ii + 2 * me.t) * kF32StageRow + kF32StageLead + col);
+            const float lo = relu_keep_nan(acc[hm][4 * i + 2 * h] + p.x) + p.z;
+            const float hi = relu_keep_nan(acc[hm][4 * i + 2 * h + 1] + p.y) + p.w;
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(lo) : "memory");
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + 4 * kF32StageRow), "f"(hi) : "memory");
+          }
+      }
+      named_barrier(1 + me.wg, 128);
+      const int chans = rows - 64 * pass;  // of this pass (<= 0: none)
+      float* dst = y + ((n * cout + n0 + 64 * pass + warp) * out_rows + oh) * out_cols + ow0;
+      for (int co0 = warp; co0 < min(chans, 64); co0 += 16, dst += 16 * plane) {
+        float v[4][4];
+        int c0[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int s = static_cast<int>((reinterpret_cast<unsigned long long>(dst + 4 * j * plane) / 4) & 3);
+          c0[j] = 4 * lane - s;
+          read4(staging, co0 + 4 * j, c0[j], s, v[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (co0 + 4 * j >= min(chans, 64)) continue;
+          float* const at = dst + 4 * j * plane;
+          const int c = c0[j];
+          if (c >= 0 && c + 4 <= cols) {
+            *reinterpret_cast<float4*>(at + c) = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (c + e >= 0 && c + e < cols) at[c + e] = v[j][e];
+          }
+          // The row's last s columns (128 - s .. 127), past lane 31's chunk.
+          const int s = 4 * lane - c;
+          if (lane < s && kHgBM - s + lane < cols) {
+            const int last = kHgBM - s + lane;
+            float x;
+            asm volatile("ld.shared.f32 %0, [%1];\n"
+                         : "=f"(x)
+                         : "r"(staging + 4 * ((co0 + 4 * j) * kF32StageRow + kF32StageLead + last))
+                         : "memory");
+            at[last] = x;
+          }
+        }
+      }
+    }
+  }
+  // Staging row co's values at columns c .. c + 3 (c >= -3: the row's lead;
+  // on the 16-byte grid where s is 0, on the 8-byte one where s is even).
+  __device__ __forceinline__ static void read4(unsigned staging, int co, int c, int s, float (&v)[4]) {
+    const unsigned at = staging + 4 * (co * kF32StageRow + kF32StageLead + c);
+    if (s == 0) {
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                   : "r"(at)
+                   : "memory");
+    } else if ((s & 1) == 0) {
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v[0]), "=f"(v[1]) : "r"(at) : "memory");
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v[2]), "=f"(v[3]) : "r"(at + 8) : "memory");
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v[e]) : "r"(at + 4 * e) : "memory");
+    }
+  }
+  __device__ __forceinline__ void finish(const HalfGemmLane&) const {}
+};
+
 // y [N, OH, OW, Cout] (channels-last, as the reference returns for a
 // channels-last input), through the copy engine: the tile is rows ow0 ..
 // ow0 + 127 of the (n, oh) plane of y viewed as [N * OH, OW, Cout], clipped
@@ -490,10 +606,14 @@ struct NhwcStore {
 #endif
 
 // A value of Tin as the transposes' T: itself, or rounded from float32 for
-// a 16-bit T (autocast's cast).
-template <typename T, typename Tin>
+// a 16-bit T (autocast's cast); with kTf32, a float32 rounded to TF32 (the
+// engine's float32 operand, rounded once here rather than truncated by the
+// MMA), NaN kept.
+template <typename T, bool kTf32, typename Tin>
 __device__ __forceinline__ T tile_value(Tin v) {
-  if constexpr (sizeof(Tin) == sizeof(T)) {
+  if constexpr (kTf32) {
+    return __uint_as_float(to_tf32_keep_nan(v));
+  } else if constexpr (sizeof(Tin) == sizeof(T)) {
     return v;  // (a copy keeps the dtype: Tin is T)
   } else {
     return from_float<T>(v);
@@ -505,7 +625,7 @@ __device__ __forceinline__ T tile_value(Tin v) {
 // shared memory, so that both the reads and the writes are whole runs of a
 // warp along the contiguous dim of their tensor.  blockIdx.x: (image row
 // n * H + h) * column tiles + column tile; blockIdx.y: channel tile.
-template <bool kToNhwc, typename Tin, typename T>
+template <bool kToNhwc, bool kTf32, typename Tin, typename T>
 __device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* __restrict__ dst, i64 C, i64 H,
                                                i64 W) {
   // +1: the transposed accesses of 4-byte words hit distinct banks (of
@@ -521,7 +641,7 @@ __device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* _
     const int ci = kToNhwc ? i : tx, wi = kToNhwc ? tx : i;
     const i64 c = c0 + ci, w = w0 + wi;
     if (c < C && w < W)
-      tile[ci][wi] = tile_value<T>(src[kToNhwc ? ((n * C + c) * H + h) * W + w : (nh * W + w) * C + c]);
+      tile[ci][wi] = tile_value<T, kTf32>(src[kToNhwc ? ((n * C + c) * H + h) * W + w : (nh * W + w) * C + c]);
   }
   __syncthreads();
 #pragma unroll 4
@@ -534,12 +654,13 @@ __device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* _
 }
 
 // x [N, C, H, W] (NCHW) of Tin -> xc [N, H, W, C] (channels-last) of T: the
-// layout the convolution's loader reads, and cuDNN's native one for the
-// training route's backward (dz and x).  Grid as transpose_tile's.
-template <typename Tin, typename T>
+// layout the convolution's loader reads (kTf32: float32 rounded to TF32),
+// and cuDNN's native one for the training route's backward (dz and x).
+// Grid as transpose_tile's.
+template <typename Tin, typename T, bool kTf32 = false>
 __global__ void __launch_bounds__(256) nchw_to_nhwc(const Tin* __restrict__ x, T* __restrict__ xc, i64 C,
                                                     i64 H, i64 W) {
-  transpose_tile<true>(x, xc, C, H, W);
+  transpose_tile<true, kTf32>(x, xc, C, H, W);
 }
 
 // xc [N, H, W, C] (channels-last) of T -> x [N, C, H, W] (NCHW): the
@@ -547,21 +668,23 @@ __global__ void __launch_bounds__(256) nchw_to_nhwc(const Tin* __restrict__ x, T
 template <typename T>
 __global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T* __restrict__ x, i64 C, i64 H,
                                                     i64 W) {
-  transpose_tile<false>(xc, x, C, H, W);
+  transpose_tile<false, false>(xc, x, C, H, W);
 }
 
 // y = relu(conv2d(x, W) + conv_bias) + bias: the implicit GEMM on the
 // engine, from x channels-last [N, H, W, C] of T (C a multiple of 8: the
 // caller's channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y
 // NCHW (NchwStore: y and the biases of Out, T or float32 as under
-// autocast), or channels-last through map_y (kNhwcOut: NhwcStore, Out = T,
-// Cout a multiple of 8).  kMask: also relu's mask into `mask` (NchwStore,
+// autocast; NchwStoreF32 for a float32 T, read as TF32, and y), or
+// channels-last through map_y (kNhwcOut: NhwcStore, Out = T, 16-bit, Cout
+// a multiple of 8).  kMask: also relu's mask into `mask` (NchwStore,
 // NhwcStore with Cout a multiple of 32), for a training step's backward;
-// null otherwise.  map_x: dims (C, W, H, N), boxes 64 x 128 x 1 x 1,
-// 128-byte swizzle; map_w: the weight as B [Cout, KH * KW * Cpad] of T
-// (ops/conv_bias_relu.py), boxes 64 x 128.  Grid: at most one block per SM
-// (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
-// kConvNhwcStagingBytes or kConvNchwStagingBytes>() of dynamic shared memory.
+// null otherwise.  map_x: dims (C, W, H, N), boxes hg_bk<T>() x 128 x 1 x
+// 1, 128-byte swizzle; map_w: the weight as B [Cout, KH * KW * Cpad] of T
+// (ops/conv_bias_relu.py), boxes hg_bk<T>() x 128.  Grid: at most one block
+// per SM (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
+// the store's staging (kConvNhwcStagingBytes, kConvNchwStagingBytes or
+// kConvF32StagingBytes)>() of dynamic shared memory.
 template <typename T, int kStages, bool kNhwcOut, typename Out, bool kMask>
 __global__ void __launch_bounds__(kHgThreads, 1)
 conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
@@ -571,10 +694,14 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char conv_shared[];
   const i64 col_tiles = (out_cols + kHgBM - 1) / kHgBM;
-  const ConvLoader loader{map_x, map_w, n_images, out_rows, col_tiles, cout, static_cast<int>(kw_size),
-                          static_cast<int>(c_blocks), static_cast<int>(k_tiles)};
+  const ConvLoader<T> loader{map_x, map_w, n_images, out_rows, col_tiles, cout, static_cast<int>(kw_size),
+                             static_cast<int>(c_blocks), static_cast<int>(k_tiles)};
   const ConvBiases<Out> biases{conv_bias, bias, cout};
-  if constexpr (kNhwcOut) {
+  if constexpr (sizeof(T) == 4) {
+    static_assert(!kNhwcOut && !kMask && sizeof(Out) == 4, "a float32 product: NCHW y of float32, no mask");
+    NchwStoreF32 store{y, biases, cout, out_rows, out_cols, col_tiles};
+    half_gemm_persistent<T, kStages, kConvF32StagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
+  } else if constexpr (kNhwcOut) {
     static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype");
     NhwcStore<T, kMask> store{map_y, biases, col_tiles, mask, out_cols, cout};
     half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);

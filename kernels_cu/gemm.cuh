@@ -1,6 +1,7 @@
-// The Hopper GEMM engine for 16-bit operands (float16, bfloat16; float32
-// accumulation): C = A B^T with A [M, K] and B [N, K], both K-major (the
-// forward product of a linear layer, x W^T), any M, N and K, with row
+// The Hopper GEMM engine for 16-bit operands (float16, bfloat16) and for
+// float32 ones read as TF32, with float32 accumulation: C = A B^T with A
+// [M, K] and B [N, K], both K-major (the forward product of a linear
+// layer, x W^T), any M, N and K, with row
 // strides of a multiple of 16 bytes (ops.gemm._tma_compatible).  The
 // main loop is shared by every kernel on it.  Where the operands' tiles
 // come from is the caller's `Loader` (DenseLoader: two matrices through 2D
@@ -12,16 +13,17 @@
 // walks the output tiles (128 x 128) in a fixed grouped order, blockIdx.x,
 // + gridDim.x, ...
 //  * the producer warpgroup (one thread of it) streams the tiles of A and B
-//    (128 x 64 each) with the bulk tensor copy engine (TMA) into a kStages
+//    (128 rows x 128 bytes each: 64 16-bit values, or 32 float32 ones, of
+//    k) with the bulk tensor copy engine (TMA) into a kStages
 //    ring of shared memory, 128-byte swizzled, each stage guarded by a
 //    "full" mbarrier (the copies' bytes) and an "empty" one (the consumer's
 //    release), tile after tile;
 //  * two consumer warpgroups take the tiles in turn ("ping-pong"): while one
 //    stores its tile, the other runs its MMAs, so the tensor cores do not
-//    wait for the store.  A consumer runs wgmma.m64n128k16 on both 64-row
-//    halves of its tile, operands read from shared memory, with one group of
-//    MMAs in flight: a stage is released as soon as the MMAs that read it
-//    have completed.
+//    wait for the store.  A consumer runs wgmma.m64n128k16 (k8 for TF32)
+//    on both 64-row halves of its tile, operands read from shared memory,
+//    with one group of MMAs in flight: a stage is released as soon as the
+//    MMAs that read it have completed.
 // The tensor maps' out-of-bounds fill (zeros) predicates every edge: the
 // loads need no bounds checks, and the stores clip rows and columns.
 //
@@ -35,6 +37,13 @@
 namespace cf {
 
 constexpr int kHgBM = 128, kHgBN = 128, kHgBK = 64;  // a consumer's tile (k: one 128-byte swizzle row)
+// k-values of T in a k-tile's 128-byte rows: kHgBK for 16-bit T, 32 for
+// float32 (TF32).  The MMAs take the rows in four steps of 32 bytes.
+template <typename T>
+__host__ __device__ constexpr int hg_bk() {
+  return 128 / static_cast<int>(sizeof(T));
+}
+constexpr int kHgSteps = 4;
 constexpr int kHgThreads = 384;                      // producer + 2 consumer warpgroups
 constexpr int kHgTileABytes = kHgBM * kHgBK * 2;     // 16 KiB
 constexpr int kHgTileBBytes = kHgBN * kHgBK * 2;     // 16 KiB
@@ -175,33 +184,37 @@ template <> __device__ __forceinline__ unsigned pack2<half>(float lo, float hi) 
   return r;
 }
 
-// Element type names of wgmma for T.
+// Whether a 16-bit T is bfloat16 (wgmma's operand type name).
 template <typename T> struct WgmmaType;
 template <> struct WgmmaType<half> { static constexpr bool kBf16 = false; };
 template <> struct WgmmaType<bfloat16> { static constexpr bool kBf16 = true; };
 
-#define CF_WGMMA_M64N128K16(TYPE)                                                                      \
+#define CF_WGMMA_M64N128(SHAPE_TYPES, TRANSPOSES)                                                    \
   asm volatile(                                                                                        \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                    \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                 \
+      "wgmma.mma_async.sync.aligned.m64n128" SHAPE_TYPES " "                                          \
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
       "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "    \
       "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "     \
-      "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                       \
+      "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1" TRANSPOSES ";\n}\n"             \
       : CF_D32(0), CF_D32(32)                                                                          \
       : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-// d (+)= A B^T for a 64 x 16 slice of A and a 128 x 16 slice of B, both in
-// shared memory (descriptors).  accumulate = 0 ignores d's old value.
+// d (+)= A B^T for one 32-byte step of k: a 64 x 16 slice of A and a 128 x
+// 16 slice of B of a 16-bit T, 64 x 8 and 128 x 8 of float32 T (read as
+// TF32: the low 13 bits of the mantissa are not used), both in shared
+// memory (descriptors).  accumulate = 0 ignores d's old value.
 template <typename T>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long desc_a,
-                                                 unsigned long long desc_b, int accumulate) {
-  if constexpr (WgmmaType<T>::kBf16) {
-    CF_WGMMA_M64N128K16("bf16");
+__device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long long desc_a,
+                                                   unsigned long long desc_b, int accumulate) {
+  if constexpr (sizeof(T) == 4) {
+    CF_WGMMA_M64N128("k8.f32.tf32.tf32", "");  // (TF32 takes no transpose flags)
+  } else if constexpr (WgmmaType<T>::kBf16) {
+    CF_WGMMA_M64N128("k16.f32.bf16.bf16", ", 0, 0");
   } else {
-    CF_WGMMA_M64N128K16("f16");
+    CF_WGMMA_M64N128("k16.f32.f16.f16", ", 0, 0");
   }
 }
-#undef CF_WGMMA_M64N128K16
+#undef CF_WGMMA_M64N128
 
 // The engine, run by all kHgThreads threads of a block: every tile of C this
 // block owns, each handed to store(acc, lane, m0, n0, staging) by every
@@ -301,10 +314,10 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
       fence_registers(acc[1]);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kHgBK / 16; ++kk) {  // 16 k-values = 32 bytes along the swizzled row
+      for (int kk = 0; kk < kHgSteps; ++kk) {  // 32 bytes along the swizzled row
         const unsigned long long db = swizzle128_desc(b + 32 * kk);
-        wgmma_m64n128k16<T>(acc[0], swizzle128_desc(a + 32 * kk), db, kt > 0 || kk > 0);
-        wgmma_m64n128k16<T>(acc[1], swizzle128_desc(a + 64 * 128 + 32 * kk), db, kt > 0 || kk > 0);
+        wgmma_m64n128_step<T>(acc[0], swizzle128_desc(a + 32 * kk), db, kt > 0 || kk > 0);
+        wgmma_m64n128_step<T>(acc[1], swizzle128_desc(a + 64 * 128 + 32 * kk), db, kt > 0 || kk > 0);
       }
       wgmma_commit();
       if (kt > 0) {

@@ -70,24 +70,6 @@ template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
-// float -> TF32 (low 13 mantissa bits zero), rounding to nearest with ties
-// away from zero, as cvt.rna.tf32.f32 does, in two integer instructions
-// (the cvt is several instructions on sm_80/sm_90, and this runs once per
-// fragment element).  A carry out of the mantissa correctly bumps the
-// exponent; values that round past FLT_MAX become inf, as with the cvt.
-// A NaN with a high mantissa (the GPU's own NaN is 0x7fffffff) would carry
-// into the sign bit and become a zero: see to_tf32_keep_nan.
-__device__ __forceinline__ unsigned to_tf32(float x) {
-  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-}
-// to_tf32 that keeps a NaN a NaN, for the "big" part of a split: a NaN
-// operand then reaches the output through the big x big product.  (The
-// small part needs no such care: x - big is NaN only where big is already
-// NaN or infinite, and for an infinite x a small part of zero is what the
-// correction products need.)
-__device__ __forceinline__ unsigned to_tf32_keep_nan(float x) {
-  return x != x ? 0x7fffe000u : to_tf32(x);
-}
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"

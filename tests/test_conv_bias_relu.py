@@ -1,7 +1,7 @@
 """conv_bias_relu: relu(conv2d(x, W) + conv_bias) + bias.  CPU tier: bad
-arguments refused before any launch.  GPU tier: the engine route (an
-implicit-GEMM convolution on Hopper, after a channels-last copy of an NCHW
-x) and the cudnn route against a float64 run of the reference, output
+arguments refused before any launch; TF32 rounding.  GPU tier: the engine
+route (an implicit-GEMM convolution on Hopper, after a channels-last copy of
+an NCHW x; 16-bit, or float32 as TF32) and the cudnn route against a float64 run of the reference, output
 poisoned with NaN first; NaN / inf placement; two runs bitwise equal; the
 route each call takes."""
 import importlib
@@ -208,6 +208,88 @@ def test_engine_against_float64(shape, kind, dtype, device):
         assert again.is_contiguous(memory_format=fmt)  # the reference's layout
 
 
+def test_tf32_rounding():
+    """The float32 product's operands rounded to TF32 as the kernels round
+    them (to_tf32_keep_nan): to nearest, ties away from zero, NaN and inf
+    kept, FLT_MAX up to inf, subnormals alike (as cvt.rna.tf32.f32)."""
+    e = 2.0 ** -10  # a TF32 ulp at 1
+    cases = [(1.0, 1.0), (1 + e / 2, 1 + e), (-(1 + e / 2), -(1 + e)), (1 + e / 2 - 2.0 ** -20, 1.0),
+             (1 + e + e / 4, 1 + e), (2.0 ** -130, 2.0 ** -130), (3 * 2.0 ** -140, 0.0), (-0.0, -0.0),
+             (float("inf"), float("inf")), (-float("inf"), -float("inf")),
+             (torch.finfo(torch.float32).max, float("inf"))]
+    x = torch.tensor([c[0] for c in cases] + [float("nan")])
+    r = CB._tf32(x)
+    assert r[:-1].tolist() == [c[1] for c in cases] and r[-1].isnan()
+    assert torch.equal(torch.signbit(r[:-1]), torch.signbit(x[:-1]))
+    assert not (r[:-1].view(torch.int32) & 0x1FFF).any()  # the low 13 mantissa bits are zero
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", INPUTS[:2])
+@pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_engine_float32_against_float64(shape, kind, device):
+    """A float32 call on the engine (TF32 operands, float32 sums), NCHW x,
+    output poisoned with NaN first: its sums within float32 rounding of the
+    exact product of the TF32-rounded operands, and within 1.5x of that
+    product's own error against float64 (TF32's precision, which
+    torch.backends.cudnn.allow_tf32 grants the reference); two runs equal."""
+    _engine_device(device)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape) + 2)
+    x = _engine_input(n, cin, h, w, kind, gen, device, torch.float32)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device)
+    cb = torch.randn(cout, generator=gen).to(device)
+    b = torch.randn(cout, generator=gen).to(device)
+    with torch.no_grad():
+        assert CB.engine_layout(x, wt) == CB.NCHW
+        assert CB.engine_dtypes(x, wt, cb, b) == (torch.float32, torch.float32)
+        truth = _reference(x.double(), wt.double(), cb.double(), b.double())
+        tf32 = _reference(CB._tf32(x).double(), CB._tf32(wt).double(), cb.double(), b.double())
+        out = torch.full(truth.shape, float("nan"), device=device)
+        # (below ENGINE_FLOAT32_MIN_ELEMENTS the route is cuDNN's: the plan given)
+        plan = (CB.NCHW, torch.float32, torch.float32, False)
+        ours = CB._launch_engine(x, wt, cb, b, out=out, plan=plan)
+        assert ours is out and not ours.isnan().any()
+        assert rel_error(ours, tf32) <= 1e-5
+        assert rel_error(ours, truth) <= 1.5 * rel_error(tf32.float(), truth) + torch.finfo(torch.float32).eps
+        assert torch.equal(CB._launch_engine(x, wt, cb, b, plan=plan), ours)
+
+
+@pytest.mark.gpu
+def test_engine_float32_route(device):
+    """Float32 calls take the engine with TF32 allowed (PyTorch's default),
+    no gradient to record and at least ENGINE_FLOAT32_MIN_ELEMENTS output
+    values; there the public entry matches eager's error against float64
+    and puts NaN and inf where eager does.  Otherwise cuDNN."""
+    _engine_device(device)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 16, 130, 1026, generator=gen).to(device)  # 2 x 64 x 128 x 1024 = 2^24 outputs
+    wt = (torch.randn(64, 16, 3, 3, generator=gen) / 12).to(device)
+    cb, b = torch.randn(64, generator=gen).to(device), torch.randn(64, 1, 1, generator=gen).to(device)
+    assert CB.ENGINE_FLOAT32_MIN_ELEMENTS == 2**24
+    with torch.no_grad():
+        assert torch.backends.cudnn.allow_tf32
+        assert CB.route(x, wt, cb, b) == "engine"
+        assert CB.route(x[:, :, 1:], wt, cb, b) == "cudnn"  # one output row fewer: below the size
+        try:
+            torch.backends.cudnn.allow_tf32 = False
+            assert CB.route(x, wt, cb, b) == "cudnn" and CB.engine_dtypes(x, wt, cb, b) is None
+        finally:
+            torch.backends.cudnn.allow_tf32 = True
+        truth = _reference(x.double(), wt.double(), cb.double(), b.double())
+        tf32 = _reference(CB._tf32(x).double(), CB._tf32(wt).double(), cb.double(), b.double())
+        ours = ops.conv_bias_relu(x, wt, cb, b)
+        assert rel_error(ours, truth) <= 1.5 * rel_error(tf32.float(), truth) + torch.finfo(torch.float32).eps
+        del truth, tf32
+        x[0, 3, 40, 500] = float("nan")
+        x[1, 7, 2, 9] = float("inf")
+        x[1, 9, 100, 1000] = -float("inf")
+        ours, eager = ops.conv_bias_relu(x, wt, cb, b), _reference(x, wt, cb, b)
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(ours), test(eager))
+    assert CB.route(x, wt.detach().requires_grad_(True), cb, b) == "cudnn"  # no float32 training forward
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("x_dtype", ["float32", "amp"])
@@ -368,7 +450,9 @@ def test_routes(device):
         assert y16.dtype == ref16.dtype == torch.bfloat16
         assert torch.allclose(y16.float(), ref16.float(), atol=3e-2, rtol=3e-2)
         assert ops.conv_bias_relu(x, wt, cb, b).dtype == torch.float32
-    assert CB.engine_dtypes(x, wt, cb, b) is None  # float32 outside autocast
+    # float32 outside autocast: a TF32 product, where TF32 is allowed (the
+    # engine for large calls only: test_engine_float32_route)
+    assert CB.engine_dtypes(x, wt, cb, b) == (torch.float32, torch.float32)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,12 @@ Route, decided once per call (:func:`route`):
   capability 9.0 GPU with no gradient to record, x in one of the layouts
   of :func:`engine_layout`, and the dtypes of :func:`engine_dtypes`: every
   tensor float16 or every tensor bfloat16, or under ``torch.autocast`` an
-  NCHW x (the product then in the autocast dtype, as the reference's).
+  NCHW x (the product then in the autocast dtype, as the reference's), or
+  every tensor float32 with an NCHW x while
+  ``torch.backends.cudnn.allow_tf32`` is on (PyTorch's default, under which
+  the reference's convolution runs in TF32 too) and at least
+  :data:`ENGINE_FLOAT32_MIN_ELEMENTS` output values: the operands rounded
+  to TF32 (x in its channels-last copy), float32 accumulation and output.
   With a gradient to record (at least :data:`ENGINE_TRAINING_MIN_ELEMENTS`
   output values; :func:`_trains_on_engine`), the same forward also writes
   relu's mask, and keeps an NCHW x's channels-last copy; the backward is
@@ -60,17 +65,23 @@ _BIAS_BYTES = gemm.HALF_TILE[1] // 2 * 16
 # The stores' staging per consumer warpgroup: NCHW rows, a channel-major tile
 # of 128 + 8 values a row (kConvNchwStagingBytes); channels-last, the TMA
 # store's tile (kConvNhwcStagingBytes).
+# A float32 product's NCHW store (NchwStoreF32): 64 channels of 4 + 128
+# float32 values a row per consumer warpgroup (kConvF32StagingBytes).
+NCHW_FLOAT32 = "nchw_float32"
 SHARED_BYTES = {
     NCHW: gemm._half_shared_bytes(2 * (gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2 + _BIAS_BYTES)),
     CHANNELS_LAST: gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * _BIAS_BYTES),
+    NCHW_FLOAT32: gemm._half_shared_bytes(2 * (64 * (gemm.HALF_TILE[0] + 4) * 4 + _BIAS_BYTES)),
 }
 
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
-# and its chain (y float32 only from an NCHW x, under autocast; with the
-# mask of relu for a training step's backward); ("to_nhwc", x's
-# dtype, copy's dtype): an NCHW tensor's channels-last copy (the engine's x;
-# the training route's dz and x, float32 too); ("to_nchw", dtype): a
-# channels-last tensor's NCHW copy (the training route's input gradient).
+# and its chain (y float32 only from an NCHW x, under autocast or from a
+# float32 product; with the mask of relu for a training step's backward);
+# ("to_nhwc", x's dtype, copy's dtype): an NCHW tensor's channels-last copy
+# (the engine's x; the training route's dz and x, float32 too);
+# ("to_nhwc_tf32", float32): the same rounded to TF32 (the engine's float32
+# x); ("to_nchw", dtype): a channels-last tensor's NCHW copy (the training
+# route's input gradient).
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("conv", d, layout, out, mask): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
                                        f"{'true' if layout == CHANNELS_LAST else 'false'}, {cxx_type(out)}, "
@@ -78,6 +89,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
        for d in HALF_DTYPES
        for layout, out, mask in ((NCHW, d, False), (CHANNELS_LAST, d, False), (NCHW, torch.float32, False),
                                  (NCHW, d, True), (CHANNELS_LAST, d, True), (NCHW, torch.float32, True))},
+    ("conv", torch.float32, NCHW, torch.float32, False):
+        f"cf::conv_bias_relu_wgmma<float, {gemm.HALF_STAGES}, false, float, false>",
+    ("to_nhwc_tf32", torch.float32): "cf::nchw_to_nhwc<float, float, true>",
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
        for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
     **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES}})
@@ -107,7 +121,9 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
                   bias: Optional[torch.Tensor]) -> Optional[Tuple[torch.dtype, torch.dtype]]:
     """The engine's (product dtype, y's dtype) for these arguments, or None
     where their dtypes keep it off: outside autocast every tensor float16,
-    or every tensor bfloat16 (both x's dtype); under ``torch.autocast`` to
+    or every tensor bfloat16 (both x's dtype), or every tensor float32 with
+    an NCHW x (contiguous) and ``torch.backends.cudnn.allow_tf32`` on (a
+    TF32 product, as the reference's); under ``torch.autocast`` to
     d, an NCHW x, and every tensor float32 or d: the product in d, and y in
     d, or in float32 where a bias is float32 (torch's promotion, as
     :func:`.bias_relu.bias_relu`; the chain is then computed as
@@ -118,6 +134,9 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
     amp = autocast_dtype()
     if amp is None:
         if x.dtype in HALF_DTYPES and weight.dtype == x.dtype and all(v == x.dtype for v in vectors):
+            return x.dtype, x.dtype
+        if (x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == x.dtype
+                and all(v == x.dtype for v in vectors) and torch.backends.cudnn.allow_tf32):
             return x.dtype, x.dtype
         return None
     allowed = (torch.float32, amp)
@@ -151,6 +170,20 @@ _Plan = Tuple[str, torch.dtype, torch.dtype, bool]
 # measured to pay (CL_BACKWARD_MIN_ELEMENTS, below).
 ENGINE_TRAINING_MIN_ELEMENTS = 2**24
 
+# A float32 call (TF32 allowed) takes the engine from this many output
+# values.  TF32 is the precision torch.backends.cudnn.allow_tf32 grants the
+# reference, and cuDNN's kernel for it at the benchmark shape runs in TF32
+# (its error against float64 the same as the engine's), but cuDNN runs some
+# small convolutions (and some 1 x 1 ones) in full float32, whose error the
+# engine's TF32 would not match: those, and every smaller call, keep cuDNN.
+ENGINE_FLOAT32_MIN_ELEMENTS = 2**24
+
+
+def _out_numel(x: torch.Tensor, weight: torch.Tensor) -> int:
+    n, _, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    return n * cout * (h - kh + 1) * (w - kw + 1)
+
 
 def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> Optional[_Plan]:
@@ -167,8 +200,11 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
         if training and not _trains_on_engine(x, weight):
             return None
         layout, dtypes = engine_layout(x, weight), engine_dtypes(x, weight, conv_bias, bias)
-        if layout is not None and dtypes is not None:
-            return (layout, *dtypes, training)
+        if layout is None or dtypes is None:
+            return None
+        if dtypes[0] == torch.float32 and (training or _out_numel(x, weight) < ENGINE_FLOAT32_MIN_ELEMENTS):
+            return None  # (a float32 product has no training forward)
+        return (layout, *dtypes, training)
     return None
 
 
@@ -183,7 +219,7 @@ def _trains_on_engine(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n, _, h, w = x.shape
     cout, _, kh, kw = weight.shape
     dz_shape = (n, cout, h - kh + 1, w - kw + 1)
-    if math.prod(dz_shape) < ENGINE_TRAINING_MIN_ELEMENTS:
+    if _out_numel(x, weight) < ENGINE_TRAINING_MIN_ELEMENTS:
         return False
     if x.is_contiguous():
         return cout % 8 == 0 and _transposes_shape(dz_shape)
@@ -201,15 +237,16 @@ def _transposes_shape(shape) -> bool:
     return n * h * cdiv(w, 64) < 2**31 and cdiv(c, 64) <= 65535
 
 
-def _transposed(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _transposed(t: torch.Tensor, dtype: Optional[torch.dtype] = None, tf32: bool = False) -> torch.Tensor:
     """A copy of ``t`` [N, C, H, W] in the other memory format: channels-last
-    (in ``dtype``, default t's) from a contiguous t, contiguous from a
-    channels-last one (t's dtype).  :func:`_transposes` t."""
+    (in ``dtype``, default t's; with ``tf32``, a float32 t's values rounded
+    to TF32) from a contiguous t, contiguous from a channels-last one (t's
+    dtype).  :func:`_transposes` t."""
     n, c, h, w = t.shape
     dev = t.device.index
     if t.is_contiguous():
         out = torch.empty((n, h, w, c), dtype=dtype or t.dtype, device=t.device).permute(0, 3, 1, 2)
-        fn = KERNELS.get(("to_nhwc", t.dtype, out.dtype), dev)
+        fn = KERNELS.get(("to_nhwc_tf32", t.dtype) if tf32 else ("to_nhwc", t.dtype, out.dtype), dev)
     else:
         out = torch.empty((n, c, h, w), dtype=t.dtype, device=t.device)
         fn = KERNELS.get(("to_nchw", t.dtype), dev)
@@ -219,13 +256,30 @@ def _transposed(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.T
     return out
 
 
+def _tf32(t: torch.Tensor) -> torch.Tensor:
+    """The float32 ``t`` rounded to TF32 (the low 13 bits of the mantissa
+    zero), to nearest with ties away from zero, as the kernels' to_tf32
+    (``kernels_cu/cf_common.cuh``) rounds; NaN kept."""
+    bits = t.contiguous().view(torch.int32)
+    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32)
+    return torch.where(torch.isnan(t), t, rounded)
+
+
+def _k_tile(dtype: torch.dtype) -> int:
+    """The channels of one of the engine's k-tiles of ``dtype``: a
+    128-byte row (64 16-bit values, 32 float32 ones)."""
+    return 128 // (torch.finfo(dtype).bits // 8)
+
+
 def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight [C_out, C_in, KH, KW] as the GEMM's B [C_out, KH * KW *
-    Cpad] of ``dtype``: k in (kh, kw, c) order, c padded with zeros to Cpad,
-    a multiple of 64 (one k-tile per (kh, kw) and 64 channels)."""
-    weight = weight.to(dtype)
+    Cpad] of ``dtype`` (float32 rounded to TF32): k in (kh, kw, c) order, c
+    padded with zeros to Cpad, a multiple of :func:`_k_tile` (one k-tile per
+    (kh, kw) and block of channels)."""
+    weight = _tf32(weight) if dtype == torch.float32 else weight.to(dtype)
     cout, cin, kh, kw = weight.shape
-    cpad = cdiv(cin, gemm.HALF_BOX_K) * gemm.HALF_BOX_K
+    box_k = _k_tile(dtype)
+    cpad = cdiv(cin, box_k) * box_k
     packed = weight.permute(0, 2, 3, 1)
     packed = F.pad(packed, (0, cpad - cin)) if cpad != cin else packed.contiguous()
     packed = packed.reshape(cout, kh * kw * cpad)
@@ -262,11 +316,12 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     conv_bias = conv_bias.to(out_dtype)
     bias = None if bias is None else bias.to(out_dtype)
     dev = x.device.index
-    box_k, box_m = gemm.HALF_BOX_K, gemm.HALF_TILE[0]
-    # An NCHW x: its channels-last copy, in the product's dtype.
+    box_k, box_m = _k_tile(dtype), gemm.HALF_TILE[0]
+    # An NCHW x: its channels-last copy, in the product's dtype (float32
+    # rounded to TF32).
     if xc is None:
-        xc = _transposed(x, dtype) if layout == NCHW else x
-    # x channels-last, dims (C, W, H, N): boxes of 64 channels x 128 columns.
+        xc = _transposed(x, dtype, tf32=dtype == torch.float32) if layout == NCHW else x
+    # x channels-last, dims (C, W, H, N): boxes of a k-tile's channels x 128 columns.
     map_x = gemm._encode_tensor_map(xc.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin),
                                     dtype, (box_k, box_m, 1, 1))
     # y channels-last as [N * OH, OW, C_out]: boxes of 64 channels x 128 columns.
@@ -280,7 +335,8 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                    (min(tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
                    (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), map_y, out.data_ptr(),
                     _ptr_or_null(mask), conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw,
-                    c_blocks, kh * kw * c_blocks), dev, shared_mem=SHARED_BYTES[layout])
+                    c_blocks, kh * kw * c_blocks), dev,
+                   shared_mem=SHARED_BYTES[NCHW_FLOAT32 if dtype == torch.float32 else layout])
     # xc, packed and cast biases go back to the allocator here: it hands
     # their memory to later work of this stream only, which runs after the
     # launch.

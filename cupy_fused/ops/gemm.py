@@ -360,7 +360,7 @@ HALF_KERNELS = _runtime.KernelFamily("gemm.cu", {
 
 # CUtensorMapDataType of each dtype; the driver's enums for no interleave,
 # 128-byte swizzle, 256-byte L2 promotion and zero fill.
-_TMA_DTYPE = {torch.float16: 6, torch.bfloat16: 9}
+_TMA_DTYPE = {torch.float16: 6, torch.bfloat16: 9, torch.float32: 7}
 _TMA_SWIZZLE_128B, _TMA_L2_256B = 3, 3
 
 
@@ -380,20 +380,20 @@ def _encode_tiled():
 @functools.lru_cache(maxsize=256)
 def _encode_tensor_map(ptr: int, dims: Tuple[int, ...], strides: Tuple[int, ...],
                        dtype: torch.dtype, box: Tuple[int, ...]) -> bytes:
-    """A 128-byte TMA descriptor of the float16 / bfloat16 tensor at ``ptr``:
-    ``dims`` innermost first (unit stride), ``strides`` of the outer dims in
-    elements, boxes of ``box`` elements (innermost first; 64 innermost:
-    128-byte swizzle rows); loads read zeros outside the tensor, stores skip
-    it."""
+    """A 128-byte TMA descriptor of the float16 / bfloat16 / float32 tensor
+    at ``ptr``: ``dims`` innermost first (unit stride), ``strides`` of the
+    outer dims in elements, boxes of ``box`` elements (innermost first; 128
+    bytes innermost: 128-byte swizzle rows); loads read zeros outside the
+    tensor, stores skip it."""
     # The descriptor depends only on these values, so equal arguments give an
     # equal, valid descriptor whatever tensor they came from.
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    rank = len(dims)
+    rank, size = len(dims), torch.finfo(dtype).bits // 8
     storage = ctypes.create_string_buffer(128 + 64)  # CUtensorMap is 64-byte aligned
     at = -ctypes.addressof(storage) % 64
     status = _encode_tiled()(
         ctypes.addressof(storage) + at, _TMA_DTYPE[dtype], rank, ptr, (u64 * rank)(*dims),
-        (u64 * (rank - 1))(*(2 * st for st in strides)), (u32 * rank)(*box),
+        (u64 * (rank - 1))(*(size * st for st in strides)), (u32 * rank)(*box),
         (u32 * rank)(*([1] * rank)), 0, _TMA_SWIZZLE_128B, _TMA_L2_256B, 0)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a "
@@ -403,19 +403,19 @@ def _encode_tensor_map(ptr: int, dims: Tuple[int, ...], strides: Tuple[int, ...]
 
 def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
     """The TMA descriptor (128 bytes, for a ``TensorMap`` kernel parameter)
-    of the 2-D float16 / bfloat16 tensor ``t`` [rows, cols] with unit column
-    stride: boxes of ``box_rows`` x 64 elements, 128-byte swizzle; loads
-    read zeros outside the tensor, stores skip it.  ``t`` must satisfy
-    :func:`_tma_compatible`."""
+    of the 2-D float16 / bfloat16 / float32 tensor ``t`` [rows, cols] with
+    unit column stride: boxes of ``box_rows`` rows x 128 bytes (64 16-bit
+    values, 32 float32 ones), 128-byte swizzle; loads read zeros outside
+    the tensor, stores skip it.  ``t`` must satisfy :func:`_tma_compatible`."""
     return _encode_tensor_map(t.data_ptr(), (t.shape[1], t.shape[0]), (t.stride(0),), t.dtype,
-                              (HALF_BOX_K, box_rows))
+                              (128 // t.element_size(), box_rows))
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:
     """Whether the copy engine can read the 2-D ``t``: unit column stride, a
     row stride that is a multiple of 16 bytes, a 16-byte aligned start and
     fewer than 2^31 rows and columns (the coordinates are 32-bit)."""
-    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * 2) % 16 == 0
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
             and t.data_ptr() % 16 == 0 and t.shape[0] < 2**31 and t.shape[1] < 2**31)
 
 
