@@ -215,8 +215,8 @@ __device__ __forceinline__ float relu_keep_nan(float v) { return v <= 0.0f ? 0.0
 
 // float -> TF32 (low 13 mantissa bits zero), rounding to nearest with ties
 // away from zero, as cvt.rna.tf32.f32 does, in two integer instructions
-// (the cvt is several instructions on sm_80/sm_90, and this runs once per
-// fragment element).  A carry out of the mantissa correctly bumps the
+// (the cvt is several instructions on sm_80/sm_90, and the GEMMs run this
+// once per fragment element).  A carry out of the mantissa correctly bumps the
 // exponent; values that round past FLT_MAX become inf, as with the cvt.
 // A NaN with a high mantissa (the GPU's own NaN is 0x7fffffff) would carry
 // into the sign bit and become a zero: see to_tf32_keep_nan.

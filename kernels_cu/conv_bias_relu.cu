@@ -20,7 +20,8 @@ namespace cf {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // An M tile is 128 consecutive output columns ow0 .. ow0 + 127 of one output
 // row (n, oh), so that its A tile for k-tile (kh, kw, c-block cb) is one box
-// of the channels-last input, x[n, oh + kh, ow0 + kw .. + 127, 64 cb .. + 63]:
+// of the channels-last input, x[n, oh + kh, ow0 + kw .. + 127, kBK cb .. +
+// kBK - 1] (kBK: 64 16-bit channels, 32 float32 ones):
 // a single copy, with zeros past the input's width and channels (rows past
 // the output's width compute values the store drops).  (An NCHW input
 // cannot be read so: a box's first element must lie on the 16-byte grid,

@@ -131,8 +131,8 @@ struct TmaTileWriter {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The operands' tiles, as the engine's producer asks for them: C's tiles
 // form a tiles_m() x tiles_n() grid, each the sum of ktiles() products of a
-// 128 x 64 tile of A and one of B (K-major, 128-byte swizzled, zeros past
-// the edges).  The producer (one thread, on its own copy of the loader)
+// tile of A of 128 rows x 128 bytes (hg_bk<T>() values) and one of B
+// (K-major, 128-byte swizzled, zeros past the edges).  The producer (one thread, on its own copy of the loader)
 // calls begin_tile() for each output tile, then load() for its k-tiles in
 // order, which has the copy engine write them to shared memory, completing
 // `bar`'s transaction count by kHgStageBytes.  The producer's issue rate

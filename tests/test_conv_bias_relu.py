@@ -220,6 +220,11 @@ def test_tf32_rounding():
     x = torch.tensor([c[0] for c in cases] + [float("nan")])
     r = CB._tf32(x)
     assert r[:-1].tolist() == [c[1] for c in cases] and r[-1].isnan()
+    # Every NaN the one NaN to_tf32_keep_nan writes, those with a payload in
+    # the low 13 bits alone (which the MMA would read as inf) included.
+    nan_bits = [0x7F800001, -0x7FFFFF, 0x7FC00000, -1]  # -0x7fffff: 0xff800001
+    nans = torch.tensor(nan_bits, dtype=torch.int32).view(torch.float32)
+    assert (CB._tf32(nans).view(torch.int32) == 0x7FFFE000).all()
     assert torch.equal(torch.signbit(r[:-1]), torch.signbit(x[:-1]))
     assert not (r[:-1].view(torch.int32) & 0x1FFF).any()  # the low 13 mantissa bits are zero
 
@@ -227,13 +232,14 @@ def test_tf32_rounding():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", INPUTS[:2])
 @pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_engine_float32_against_float64(shape, kind, device):
+def test_engine_float32_against_float64(shape, kind, device, monkeypatch):
     """A float32 call on the engine (TF32 operands, float32 sums), NCHW x,
     output poisoned with NaN first: its sums within float32 rounding of the
     exact product of the TF32-rounded operands, and within 1.5x of that
     product's own error against float64 (TF32's precision, which
     torch.backends.cudnn.allow_tf32 grants the reference); two runs equal."""
     _engine_device(device)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
     n, cin, h, w, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape) + 2)
     x = _engine_input(n, cin, h, w, kind, gen, device, torch.float32)
@@ -256,7 +262,7 @@ def test_engine_float32_against_float64(shape, kind, device):
 
 
 @pytest.mark.gpu
-def test_engine_float32_route(device):
+def test_engine_float32_route(device, monkeypatch):
     """Float32 calls take the engine with TF32 allowed (PyTorch's default),
     no gradient to record and at least ENGINE_FLOAT32_MIN_ELEMENTS output
     values; there the public entry matches eager's error against float64
@@ -268,14 +274,11 @@ def test_engine_float32_route(device):
     cb, b = torch.randn(64, generator=gen).to(device), torch.randn(64, 1, 1, generator=gen).to(device)
     assert CB.ENGINE_FLOAT32_MIN_ELEMENTS == 2**24
     with torch.no_grad():
-        assert torch.backends.cudnn.allow_tf32
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        assert CB.route(x, wt, cb, b) == "cudnn" and CB.engine_dtypes(x, wt, cb, b) is None
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
         assert CB.route(x, wt, cb, b) == "engine"
-        assert CB.route(x[:, :, 1:], wt, cb, b) == "cudnn"  # one output row fewer: below the size
-        try:
-            torch.backends.cudnn.allow_tf32 = False
-            assert CB.route(x, wt, cb, b) == "cudnn" and CB.engine_dtypes(x, wt, cb, b) is None
-        finally:
-            torch.backends.cudnn.allow_tf32 = True
+        assert CB.route(x[:, :, 1:].contiguous(), wt, cb, b) == "cudnn"  # one output row fewer: below the size
         truth = _reference(x.double(), wt.double(), cb.double(), b.double())
         tf32 = _reference(CB._tf32(x).double(), CB._tf32(wt).double(), cb.double(), b.double())
         ours = ops.conv_bias_relu(x, wt, cb, b)
@@ -396,7 +399,7 @@ def test_engine_is_bitwise_reproducible_and_keeps_nan_and_inf(kind, device):
 
 
 @pytest.mark.gpu
-def test_routes(device):
+def test_routes(device, monkeypatch):
     """The engine takes inputs with no gradient to record: 16-bit NCHW or
     channels-last, or NCHW under autocast; every other call takes cuDNN,
     with gradients, autocast and layouts as the reference."""
@@ -452,6 +455,7 @@ def test_routes(device):
         assert ops.conv_bias_relu(x, wt, cb, b).dtype == torch.float32
     # float32 outside autocast: a TF32 product, where TF32 is allowed (the
     # engine for large calls only: test_engine_float32_route)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     assert CB.engine_dtypes(x, wt, cb, b) == (torch.float32, torch.float32)
 
 

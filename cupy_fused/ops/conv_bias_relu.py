@@ -122,8 +122,8 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
     """The engine's (product dtype, y's dtype) for these arguments, or None
     where their dtypes keep it off: outside autocast every tensor float16,
     or every tensor bfloat16 (both x's dtype), or every tensor float32 with
-    an NCHW x (contiguous) and ``torch.backends.cudnn.allow_tf32`` on (a
-    TF32 product, as the reference's); under ``torch.autocast`` to
+    an NCHW x (contiguous) and TF32 allowed to cuDNN (:func:`_cudnn_tf32`:
+    a TF32 product, as the reference's); under ``torch.autocast`` to
     d, an NCHW x, and every tensor float32 or d: the product in d, and y in
     d, or in float32 where a bias is float32 (torch's promotion, as
     :func:`.bias_relu.bias_relu`; the chain is then computed as
@@ -136,7 +136,7 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
         if x.dtype in HALF_DTYPES and weight.dtype == x.dtype and all(v == x.dtype for v in vectors):
             return x.dtype, x.dtype
         if (x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == x.dtype
-                and all(v == x.dtype for v in vectors) and torch.backends.cudnn.allow_tf32):
+                and all(v == x.dtype for v in vectors) and _cudnn_tf32()):
             return x.dtype, x.dtype
         return None
     allowed = (torch.float32, amp)
@@ -256,13 +256,33 @@ def _transposed(t: torch.Tensor, dtype: Optional[torch.dtype] = None, tf32: bool
     return out
 
 
+def _cudnn_tf32() -> bool:
+    """Whether cuDNN may run the reference's float32 convolution in TF32:
+    cuDNN on and ``torch.backends.cudnn.allow_tf32`` (PyTorch's default),
+    or, where a program set the newer
+    ``torch.backends.cudnn.conv.fp32_precision`` (reading allow_tf32 then
+    raises), that set to ``"tf32"``."""
+    if not torch.backends.cudnn.enabled:
+        return False
+    try:
+        return bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", None) == "tf32"
+
+
+# A NaN as the kernels' to_tf32_keep_nan writes it (0x7fffe000).
+_TF32_NAN = 0x7FFFE000
+
+
 def _tf32(t: torch.Tensor) -> torch.Tensor:
     """The float32 ``t`` rounded to TF32 (the low 13 bits of the mantissa
-    zero), to nearest with ties away from zero, as the kernels' to_tf32
-    (``kernels_cu/cf_common.cuh``) rounds; NaN kept."""
+    zero), to nearest with ties away from zero, bit for bit as the kernels'
+    to_tf32_keep_nan (``kernels_cu/cf_common.cuh``): every NaN becomes the
+    one NaN 0x7fffe000 (a NaN whose payload lies in the low bits alone would
+    otherwise reach the MMA as an infinity)."""
     bits = t.contiguous().view(torch.int32)
-    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32)
-    return torch.where(torch.isnan(t), t, rounded)
+    rounded = (bits + 0x1000) & -0x2000
+    return torch.where(torch.isnan(t), torch.full_like(bits, _TF32_NAN), rounded).view(torch.float32)
 
 
 def _k_tile(dtype: torch.dtype) -> int:
@@ -297,8 +317,8 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     :func:`_engine_plan`, if the caller has it; ``mask``: zeroed words,
     one bit per value of y in its memory order, that the store fills with
     relu's mask (a channels-last y: C_out a multiple of 32); ``xc``: an
-    NCHW x's channels-last copy in the product's dtype, if the caller has
-    made it."""
+    NCHW x's channels-last copy in the product's dtype (a float32 one
+    rounded to TF32), if the caller has made it."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = h - kh + 1, w - kw + 1
@@ -536,7 +556,7 @@ def _channels_last_backward(dz: torch.Tensor, x: torch.Tensor) -> bool:
     return (dz.numel() >= CL_BACKWARD_MIN_ELEMENTS and x.shape[1] % 8 == 0 and dz.shape[1] % 8 == 0
             and x.is_cuda and x.is_contiguous()
             and (dz.is_contiguous() or dz.is_contiguous(memory_format=torch.channels_last))
-            and (x.dtype != torch.float32 or torch.backends.cudnn.allow_tf32)
+            and (x.dtype != torch.float32 or _cudnn_tf32())
             and _transposes(x) and _transposes(dz)
             and _runtime.device_capability(x.device.index) == (9, 0))
 
