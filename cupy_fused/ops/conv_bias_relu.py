@@ -62,12 +62,13 @@ NCHW, CHANNELS_LAST = "nchw", "channels_last"
 # The bias table of each consumer warpgroup (kConvBiasBytes): 64 channel
 # pairs of 4 float32.
 _BIAS_BYTES = gemm.HALF_TILE[1] // 2 * 16
+# The key of a float32 product's NCHW store in SHARED_BYTES.
+NCHW_FLOAT32 = "nchw_float32"
 # The stores' staging per consumer warpgroup: NCHW rows, a channel-major tile
 # of 128 + 8 values a row (kConvNchwStagingBytes); channels-last, the TMA
-# store's tile (kConvNhwcStagingBytes).
-# A float32 product's NCHW store (NchwStoreF32): 64 channels of 4 + 128
-# float32 values a row per consumer warpgroup (kConvF32StagingBytes).
-NCHW_FLOAT32 = "nchw_float32"
+# store's tile (kConvNhwcStagingBytes); a float32 product's NCHW rows
+# (NchwStoreF32), 64 channels of 4 + 128 float32 values a row
+# (kConvF32StagingBytes).
 SHARED_BYTES = {
     NCHW: gemm._half_shared_bytes(2 * (gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2 + _BIAS_BYTES)),
     CHANNELS_LAST: gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * _BIAS_BYTES),
