@@ -401,6 +401,13 @@ def _encode_tensor_map(ptr: int, dims: Tuple[int, ...], strides: Tuple[int, ...]
     return ctypes.string_at(ctypes.addressof(storage) + at, 128)
 
 
+def k_tile(dtype: torch.dtype) -> int:
+    """The k-values of one of the Hopper engine's k-tiles of ``dtype``: a
+    128-byte swizzle row (64 16-bit values, 32 float32 ones read as TF32;
+    hg_bk in kernels_cu/gemm.cuh)."""
+    return 128 // (torch.finfo(dtype).bits // 8)
+
+
 def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
     """The TMA descriptor (128 bytes, for a ``TensorMap`` kernel parameter)
     of the 2-D float16 / bfloat16 / float32 tensor ``t`` [rows, cols] with
@@ -408,7 +415,7 @@ def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
     values, 32 float32 ones), 128-byte swizzle; loads read zeros outside
     the tensor, stores skip it.  ``t`` must satisfy :func:`_tma_compatible`."""
     return _encode_tensor_map(t.data_ptr(), (t.shape[1], t.shape[0]), (t.stride(0),), t.dtype,
-                              (128 // t.element_size(), box_rows))
+                              (k_tile(t.dtype), box_rows))
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:
