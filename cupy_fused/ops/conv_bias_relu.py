@@ -289,11 +289,11 @@ def _tf32(t: torch.Tensor) -> torch.Tensor:
 def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight [C_out, C_in, KH, KW] as the GEMM's B [C_out, KH * KW *
     Cpad] of ``dtype`` (float32 rounded to TF32): k in (kh, kw, c) order, c
-    padded with zeros to Cpad, a multiple of :func:`.gemm.k_tile` (one k-tile per
+    padded with zeros to Cpad, a multiple of :func:`.gemm._k_tile` (one k-tile per
     (kh, kw) and block of channels)."""
     weight = _tf32(weight) if dtype == torch.float32 else weight.to(dtype)
     cout, cin, kh, kw = weight.shape
-    box_k = gemm.k_tile(dtype)
+    box_k = gemm._k_tile(dtype)
     cpad = cdiv(cin, box_k) * box_k
     packed = weight.permute(0, 2, 3, 1)
     packed = F.pad(packed, (0, cpad - cin)) if cpad != cin else packed.contiguous()
@@ -331,7 +331,7 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     conv_bias = conv_bias.to(out_dtype)
     bias = None if bias is None else bias.to(out_dtype)
     dev = x.device.index
-    box_k, box_m = gemm.k_tile(dtype), gemm.HALF_TILE[0]
+    box_k, box_m = gemm._k_tile(dtype), gemm.HALF_TILE[0]
     # An NCHW x: its channels-last copy, in the product's dtype (float32
     # rounded to TF32).
     if xc is None:

@@ -401,7 +401,7 @@ def _encode_tensor_map(ptr: int, dims: Tuple[int, ...], strides: Tuple[int, ...]
     return ctypes.string_at(ctypes.addressof(storage) + at, 128)
 
 
-def k_tile(dtype: torch.dtype) -> int:
+def _k_tile(dtype: torch.dtype) -> int:
     """The k-values of one of the Hopper engine's k-tiles of ``dtype``: a
     128-byte swizzle row (64 16-bit values, 32 float32 ones read as TF32;
     hg_bk in kernels_cu/gemm.cuh)."""
@@ -415,7 +415,7 @@ def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
     values, 32 float32 ones), 128-byte swizzle; loads read zeros outside
     the tensor, stores skip it.  ``t`` must satisfy :func:`_tma_compatible`."""
     return _encode_tensor_map(t.data_ptr(), (t.shape[1], t.shape[0]), (t.stride(0),), t.dtype,
-                              (k_tile(t.dtype), box_rows))
+                              (_k_tile(t.dtype), box_rows))
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:
