@@ -189,8 +189,8 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, 
 
 // Per-element part of the backward shared by both paths below: recomputes
 // x^ and y^ from z and the saved statistics, returns dy^ * gn_weight (= dx^).
-// P, C: ColumnVectors and a column, or LaneVectors / SharedVectors and a
-// lane's column index.
+// P, C: ColumnVectors and a column, or LaneVectors and a lane's column
+// index.
 // From Pre's value v (the vectorised backward computes it with its derivative).
 template <typename Chain, typename P, typename C>
 __device__ __forceinline__ float element_backward_from_pre(float v, float dy, float mean, float rstd,
@@ -397,13 +397,21 @@ __device__ __forceinline__ VecLane vec_lane(int cpg, i64 groups, int t) {
 // (LaneVectors), with the lane's column sums and two rows of loads, they
 // push the kernel past its 128 registers at 2 blocks per SM with 16-byte
 // accesses (eight values per lane), and it spills.  So they sit in shared
-// memory instead
-// (SharedVectors), one copy per block (every warp of a block covers the same
-// columns), laid out [vector][k][lane] so that a warp's reads hit 32 banks.
+// memory instead, one copy per block (every warp of a block covers the same
+// columns), laid out [vector][quad][lane][4]: a lane reads four channels of
+// a vector in one 16-byte load, and a warp's loads cover 512 contiguous
+// bytes (no bank conflicts).
 // BackwardVectors: registers, or (kShared) shared memory `smem` of kSlots
-// floats, filled by the first warp (a barrier follows).
+// floats, filled by the first warp (a barrier follows).  quad(lv, q): the
+// lane's channels kQ q .. kQ q + kQ - 1 of every vector (kQ = 4, or kE where
+// fewer), in registers, for the elements of one row (the shared form loads
+// them again for every row, so that they never hold registers across rows).
+template <int kE>
+constexpr int kQuadOf = kE < 4 ? kE : 4;
+
 template <bool kShared, typename TO, int kE, bool kFast>
 struct BackwardVectors {
+  static constexpr int kQ = kQuadOf<kE>;
   static constexpr int kSlots = 1;
   using type = LaneVectors<TO, kE, kFast>;
   static __device__ __forceinline__ type make(const ColumnVectors<TO, kFast>& p,
@@ -412,29 +420,67 @@ struct BackwardVectors {
     if (l.active) lv.load(p, l.col);
     return lv;
   }
+  static __device__ __forceinline__ LaneVectors<TO, kQ, kFast> quad(const type& lv, int q) {
+    LaneVectors<TO, kQ, kFast> r;
+#pragma unroll
+    for (int k = 0; k < kQ; ++k) {
+      r.lin_[k] = lv.lin_[kQ * q + k];
+      r.extra_[k] = lv.extra_[kQ * q + k];
+      r.gamma_[k] = lv.gamma_[kQ * q + k];
+      r.beta_[k] = lv.beta_[kQ * q + k];
+      r.mul_[k] = lv.mul_[kQ * q + k];
+    }
+    return r;
+  }
 };
 
 template <typename TO, int kE, bool kFast>
 struct BackwardVectors<true, TO, kE, kFast> {
+  static_assert(kE % 4 == 0, "whole quads of channels");
+  static constexpr int kQ = 4;
+  static constexpr int kQuads = kE / 4;
   static constexpr int kSlots = 5 * kE * 32;
-  using type = SharedVectors<TO, kFast, kE * 32, 32>;
+  struct type {
+    unsigned base;  // shared address of the lane's first quad
+  };
   static __device__ __forceinline__ type make(const ColumnVectors<TO, kFast>& p,
                                               const VecLane& l, float* smem) {
     const int lane = threadIdx.x & 31;
     if (threadIdx.x < 32) {
       LaneVectors<TO, kE, kFast> v = {};
       if (l.active) v.load(p, l.col);
+      auto at = [&](int vector, int k) -> float& {
+        return smem[((vector * kQuads + k / 4) * 32 + lane) * 4 + k % 4];
+      };
 #pragma unroll
       for (int k = 0; k < kE; ++k) {
-        smem[(0 * kE + k) * 32 + lane] = v.lin_[k];
-        smem[(1 * kE + k) * 32 + lane] = v.extra_[k];
-        smem[(2 * kE + k) * 32 + lane] = v.gamma_[k];
-        smem[(3 * kE + k) * 32 + lane] = v.beta_[k];
-        smem[(4 * kE + k) * 32 + lane] = v.mul_[k];
+        at(0, k) = v.lin_[k];
+        at(1, k) = v.extra_[k];
+        at(2, k) = v.gamma_[k];
+        at(3, k) = v.beta_[k];
+        at(4, k) = v.mul_[k];
       }
     }
     __syncthreads();
-    return type{shared_addr(smem + lane)};
+    return type{shared_addr(smem + 4 * lane)};
+  }
+  // asm volatile: loaded for each row, never hoisted into registers that
+  // would live across the row loop.
+  static __device__ __forceinline__ void load4(unsigned addr, float (&out)[4]) {
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(out[0]), "=f"(out[1]), "=f"(out[2]), "=f"(out[3])
+                 : "r"(addr));
+  }
+  static __device__ __forceinline__ LaneVectors<TO, 4, kFast> quad(const type& lv, int q) {
+    LaneVectors<TO, 4, kFast> r;
+    constexpr unsigned kVector = kQuads * 32 * 16;  // bytes of one vector
+    const unsigned a = lv.base + q * 32 * 16;
+    load4(a + 0 * kVector, r.lin_);
+    load4(a + 1 * kVector, r.extra_);
+    load4(a + 2 * kVector, r.gamma_);
+    load4(a + 3 * kVector, r.beta_);
+    load4(a + 4 * kVector, r.mul_);
+    return r;
   }
 };
 
@@ -541,7 +587,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
   chunk_rows(rows, rows_per_chunk, row0, row1);
 
   using Vectors = BackwardVectors<sizeof(T) == 2, TO, kE, kFast>;
-  __shared__ float vector_smem[Vectors::kSlots];
+  __shared__ __align__(16) float vector_smem[Vectors::kSlots];  // 16-byte loads (quad)
   const typename Vectors::type lv = Vectors::make(p, l, vector_smem);
   float acc[S][kE];
 #pragma unroll
@@ -584,13 +630,19 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     // Every lane computes (an idle lane on zeros) and an idle lane's terms
     // are zeroed: a branch per value would cost more than the arithmetic.
 #pragma unroll
-    for (int k = 0; k < kE; ++k) {
-      const float v = Chain::pre_with_grad(zs[k], lv, k, pg[k]);
-      const float d = element_backward_from_pre<Chain>(v, dys[k], mu, rs, k, lv, xh[k], dyh[k], mg[k]);
-      dxh[k] = l.active ? d : 0.0f;
-      xh[k] = l.active ? xh[k] : 0.0f;
-      s1 += dxh[k];
-      s2 += dxh[k] * xh[k];
+    for (int q = 0; q < kE / Vectors::kQ; ++q) {
+      const LaneVectors<TO, Vectors::kQ, kFast> qv = Vectors::quad(lv, q);
+#pragma unroll
+      for (int kk = 0; kk < Vectors::kQ; ++kk) {
+        const int k = Vectors::kQ * q + kk;
+        const float v = Chain::pre_with_grad(zs[k], qv, kk, pg[k]);
+        const float d =
+            element_backward_from_pre<Chain>(v, dys[k], mu, rs, kk, qv, xh[k], dyh[k], mg[k]);
+        dxh[k] = l.active ? d : 0.0f;
+        xh[k] = l.active ? xh[k] : 0.0f;
+        s1 += dxh[k];
+        s2 += dxh[k] * xh[k];
+      }
     }
     s1 = team_sum(s1, t) * inv_cpg;
     s2 = team_sum(s2, t) * inv_cpg;

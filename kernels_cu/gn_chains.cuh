@@ -14,7 +14,7 @@ namespace cf {
 // The per-column vectors a chain may read; null where the model has none.
 // Chains read them through the accessors (column c), which this type (global
 // memory), LaneVectors (a lane's columns, in registers) and SharedVectors
-// (a tile's or a lane's columns, in shared memory) provide;
+// (a tile's columns, in shared memory) provide;
 // value_type is the dtype the eager-rounding chains round to; kFast selects
 // the fast activations (cf_common.cuh).
 template <typename T, bool kFastMath = false>
