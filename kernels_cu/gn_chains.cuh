@@ -226,16 +226,27 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
   static constexpr bool kGatedPreGrad = true;
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
-  // Pre and its derivative sharing mish's tanh(softplus) (the derivative
-  // at the unrounded sum, as eager's backward takes it).
+  // Pre and its derivative sharing mish's tanh(softplus) (mish's
+  // derivative at the unrounded sum).  The hardtanh gate is eager's, in
+  // every mode: eager's backward zeroes the gradient where hardtanh's input
+  // is at or past +-1, and that input is its sum as tensors of T: z +
+  // lin_bias rounded to T, then + bias rounded again (under autocast, with
+  // float32 vectors, nothing is rounded).  A sum within half a unit of T of
+  // +-1 rounds across it, and the gate decides a whole term of dz: on any
+  // other sum it would disagree with eager's there, an error of a whole
+  // term that eager's gradient does not have.
   template <typename P, typename C>
   __device__ static float pre_with_grad(float z, const P& p, C c, float& grad) {
     using T = typename P::value_type;
-    const float u = __fadd_rn(__fadd_rn(z, p.lin(c)), p.extra(c));
+    // Each vector read once (SharedVectors' reads are volatile loads).
+    const float lin = p.lin(c), extra = p.extra(c);
+    const float u = __fadd_rn(__fadd_rn(z, lin), extra);
     float mg;
     const float m = mish_and_grad<P::kFast>(hardtanhf(eager_round<T, kEagerRounding>(u)), mg);
     if (kEagerRounding) mish_and_grad<P::kFast>(hardtanhf(u), mg);
-    grad = hardtanh_grad(u) * mg;
+    const float eager_sum =
+        eager_round<T, true>(__fadd_rn(eager_round<T, true>(__fadd_rn(z, lin)), extra));
+    grad = hardtanh_grad(eager_sum) * mg;
     return eager_round<T, kEagerRounding>(m);
   }
 };

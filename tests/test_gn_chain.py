@@ -196,6 +196,45 @@ def test_one_value_vector(chain, mode, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias_in_z", [True, False], ids=["bias-in-z", "linear-bias-apart"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_hardtanh_gate_is_eagers_next_to_the_clamp(dtype, bias_in_z, device):
+    """Problem 94's chain where z (+ lin_bias) + bias lies within half a unit
+    of the dtype of +-1: eager's sums, tensors of the dtype, round onto +-1,
+    and its hardtanh backward zeroes the gradient there.  Ours must gate
+    where eager's does: on the unrounded sum the gate would pass a whole
+    term of dz, and the weight gradient built from dz would be off by that
+    term."""
+    rows, groups, cpg = 6, 2, 16
+    channels = groups * cpg
+    gen = torch.Generator().manual_seed(17)
+    z = torch.randn(rows, channels, generator=gen)
+    lin = torch.randn(channels, generator=gen) if not bias_in_z else torch.zeros(channels)
+    v = torch.randn(channels, generator=gen)
+    gw, gb = (torch.randn(channels, generator=gen) for _ in range(2))
+    g = torch.randn(rows, channels, generator=gen).to(device)
+    # Sums of +-(1 - eps / 8): inside (-1, 1), within half a unit of the
+    # dtype below 1 (eps / 4), so they round onto +-1.  Every part exact.
+    off = 0.25 - torch.finfo(dtype).eps / 8
+    near = [1, cpg + 3]  # a channel in each group, +1 and -1
+    for c, sign in zip(near, (1.0, -1.0)):
+        if bias_in_z:
+            z[:, c] = sign * 0.75
+        else:
+            z[:, c], lin[c] = sign * 0.5, sign * 0.25
+        v[c] = sign * off
+    tensors = [t.to(device, dtype) for t in (z, lin, v, gw, gb)]
+    total = (tensors[0].double() + tensors[1].double() + tensors[2].double())[:, near]
+    assert (total.abs() < 1).all() and (total.abs() > 1 - torch.finfo(dtype).eps / 4).all()
+    chain = "bias_hardtanh_mish_gn"
+    eager = _run(lambda *t: _reference(chain, groups, *t), tensors, g, None)
+    ours = _run(lambda *t: _ours(chain, groups, t[0], None if bias_in_z else t[1], *t[2:]),
+                tensors, g, None)
+    assert (eager[1][:, near] == 0).all()  # eager's gate closed: the case is what it says
+    assert (ours[1][:, near] == 0).all(), ours[1][:, near]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_vector_and_scalar_kernels_agree(dtype, device):
     """The same values through the vectorised kernels (aligned z) and the
