@@ -180,10 +180,12 @@ ENGINE_TRAINING_MIN_ELEMENTS = 2**24
 ENGINE_FLOAT32_MIN_ELEMENTS = 2**24
 
 
-def _out_numel(x: torch.Tensor, weight: torch.Tensor) -> int:
+def _out_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int, int, int]:
+    """y's shape (N, C_out, OH, OW) for x [N, C_in, H, W] and the weight
+    [C_out, C_in, KH, KW] (stride 1, no padding)."""
     n, _, h, w = x.shape
     cout, _, kh, kw = weight.shape
-    return n * cout * (h - kh + 1) * (w - kw + 1)
+    return n, cout, h - kh + 1, w - kw + 1
 
 
 def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
@@ -203,7 +205,8 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
         layout, dtypes = engine_layout(x, weight), engine_dtypes(x, weight, conv_bias, bias)
         if layout is None or dtypes is None:
             return None
-        if dtypes[0] == torch.float32 and (training or _out_numel(x, weight) < ENGINE_FLOAT32_MIN_ELEMENTS):
+        if dtypes[0] == torch.float32 and (
+                training or math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS):
             return None  # (a float32 product has no training forward)
         return (layout, *dtypes, training)
     return None
@@ -217,11 +220,10 @@ def _trains_on_engine(x: torch.Tensor, weight: torch.Tensor) -> bool:
     backward's channels-last dz and cuDNN's channels-last backward), or a
     channels-last x with C_out a multiple of 32 (a tile row's mask bits are
     whole words)."""
-    n, _, h, w = x.shape
-    cout, _, kh, kw = weight.shape
-    dz_shape = (n, cout, h - kh + 1, w - kw + 1)
-    if _out_numel(x, weight) < ENGINE_TRAINING_MIN_ELEMENTS:
+    dz_shape = _out_shape(x, weight)
+    if math.prod(dz_shape) < ENGINE_TRAINING_MIN_ELEMENTS:
         return False
+    cout = dz_shape[1]
     if x.is_contiguous():
         return cout % 8 == 0 and _transposes_shape(dz_shape)
     return cout % 32 == 0
@@ -316,7 +318,7 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     rounded to TF32), if the caller has made it."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
-    oh, ow = h - kh + 1, w - kw + 1
+    oh, ow = _out_shape(x, weight)[2:]
     layout, dtype, out_dtype, _ = plan or _engine_plan(x, weight, conv_bias, bias)
     bias = _spread(bias, cout)
     fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
@@ -365,9 +367,7 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                    out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (y, relu's mask, x's channels-last copy in the product's dtype: an
     # NCHW x's; empty for a channels-last x, which the backward reads itself)
-    n, _, h, w = x.shape
-    cout, _, kh, kw = weight.shape
-    numel = n * cout * (h - kh + 1) * (w - kw + 1)
+    numel = math.prod(_out_shape(x, weight))
     # (a fresh y: its first element on the 4-element grid the NCHW mask needs)
     mask = torch.zeros((cdiv(numel, 32),), dtype=torch.int32, device=x.device)
     if x.is_contiguous():
@@ -385,8 +385,7 @@ def _train_forward_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
                         bias: Optional[torch.Tensor], dtype: torch.dtype,
                         out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, cin, h, w = x.shape
-    cout, _, kh, kw = weight.shape
-    shape = (n, cout, h - kh + 1, w - kw + 1)
+    shape = _out_shape(x, weight)
     mask = torch.empty((cdiv(math.prod(shape), 32),), dtype=torch.int32, device=x.device)
     if x.is_contiguous():
         return (torch.empty(shape, dtype=out_dtype, device=x.device), mask,
@@ -516,9 +515,7 @@ def _cudnn_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _cudnn_forward_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    n, _, h, w = x.shape
-    cout, _, kh, kw = weight.shape
-    return torch.empty((n, cout, h - kh + 1, w - kw + 1), dtype=x.dtype, device=x.device,
+    return torch.empty(_out_shape(x, weight), dtype=x.dtype, device=x.device,
                        memory_format=_conv_format(x, weight))
 
 

@@ -388,7 +388,7 @@ def _encode_tensor_map(ptr: int, dims: Tuple[int, ...], strides: Tuple[int, ...]
     # The descriptor depends only on these values, so equal arguments give an
     # equal, valid descriptor whatever tensor they came from.
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    rank, size = len(dims), torch.finfo(dtype).bits // 8
+    rank, size = len(dims), dtype.itemsize
     storage = ctypes.create_string_buffer(128 + 64)  # CUtensorMap is 64-byte aligned
     at = -ctypes.addressof(storage) % 64
     status = _encode_tiled()(
@@ -405,7 +405,7 @@ def _k_tile(dtype: torch.dtype) -> int:
     """The k-values of one of the Hopper engine's k-tiles of ``dtype``: a
     128-byte swizzle row (64 16-bit values, 32 float32 ones read as TF32;
     hg_bk in kernels_cu/gemm.cuh)."""
-    return 128 // (torch.finfo(dtype).bits // 8)
+    return 128 // dtype.itemsize
 
 
 def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
