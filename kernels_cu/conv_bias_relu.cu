@@ -654,22 +654,107 @@ __device__ __forceinline__ void transpose_tile(const Tin* __restrict__ src, T* _
   }
 }
 
+// transpose_tile_vec's two rounds of one side of the copy, the block's 256
+// lanes a vector each a round: the NCHW side (kNchwSide) 8 columns of one
+// channel (8 lanes a channel's 64), the channels-last side 8 channels of one
+// column (8 lanes a column's 64).  f(ci, wi, c, w): the vector at tile
+// channel ci, column wi (c, w in the tensors), for those inside them.
+template <bool kNchwSide, typename F>
+__device__ __forceinline__ void each_vector(i64 c0, i64 w0, i64 C, i64 W, F f) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int id = static_cast<int>(threadIdx.x) + 256 * i, a = id >> 3, b = 8 * (id & 7);
+    const int ci = kNchwSide ? a : b, wi = kNchwSide ? b : a;
+    if (c0 + ci < C && w0 + wi < W) f(ci, wi, c0 + ci, w0 + wi);
+  }
+}
+
+// 8 values from `from` to `to` (16-byte aligned), 16 bytes an access.
+template <typename V>
+__device__ __forceinline__ void copy_row8(V* to, const V* from) {
+#pragma unroll
+  for (int e = 0; e < static_cast<int>(sizeof(V)) / 2; ++e)
+    reinterpret_cast<uint4*>(to)[e] = reinterpret_cast<const uint4*>(from)[e];
+}
+
+// transpose_tile for a 16-bit T, in vectors: C and W multiples of 8, both
+// tensors 16-byte aligned (ops/conv_bias_relu.py: _vector_transposes).
+// transpose_tile moves 2 bytes a lane each way, too few for a copy at the
+// memory's bandwidth; here a lane moves 8 values of W of
+// one channel on the NCHW side (16 bytes; 32 of a float32 Tin) and 8
+// channels of one column on the channels-last side (16 bytes), through a
+// [64 w][64 c] tile of 128-byte rows whose 16-byte chunks are swizzled by
+// (w / 8) % 8: the 8 lanes that hold one column's 64 channels hit 8
+// distinct chunks, and so do the 8 lanes that hold one channel's 64
+// columns (their values e at rows 8j + e, j = 0 .. 7).  Grid as
+// transpose_tile's.
+template <bool kToNhwc, typename Tin, typename T>
+__device__ __forceinline__ void transpose_tile_vec(const Tin* __restrict__ src, T* __restrict__ dst, i64 C,
+                                                   i64 H, i64 W) {
+  static_assert(sizeof(T) == 2 && (kToNhwc || sizeof(Tin) == 2), "16-bit copies (from float32 to NHWC too)");
+  __shared__ __align__(16) unsigned short tile[64 * 64];
+  const i64 col_tiles = (W + 63) / 64;
+  const i64 nh = blockIdx.x / col_tiles;  // n * H + h
+  const i64 w0 = (blockIdx.x - nh * col_tiles) * 64, c0 = static_cast<i64>(blockIdx.y) * 64;
+  const i64 n = nh / H, h = nh - n * H;
+  // Byte offset of (w, c) in the tile.
+  auto at = [](int w, int c) { return w * 128 + ((((c >> 3) ^ (w >> 3)) & 7) << 4) + 2 * (c & 7); };
+  auto word = [](T a) { return *reinterpret_cast<unsigned short*>(&a); };
+  auto value = [](unsigned short u) { return *reinterpret_cast<T*>(&u); };
+  char* const bytes = reinterpret_cast<char*>(tile);
+  if constexpr (kToNhwc) {
+    each_vector<true>(c0, w0, C, W, [&](int ci, int wi, i64 c, i64 w) {
+      Tin v[8];
+      copy_row8(v, src + ((n * C + c) * H + h) * W + w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        *reinterpret_cast<unsigned short*>(bytes + at(wi + e, ci)) = word(tile_value<T, false>(v[e]));
+    });
+    __syncthreads();
+    each_vector<false>(c0, w0, C, W, [&](int ci, int wi, i64 c, i64 w) {
+      copy_row8(dst + (nh * W + w) * C + c, reinterpret_cast<const T*>(bytes + at(wi, ci)));
+    });
+  } else {
+    each_vector<false>(c0, w0, C, W, [&](int ci, int wi, i64 c, i64 w) {
+      copy_row8(reinterpret_cast<T*>(bytes + at(wi, ci)), src + (nh * W + w) * C + c);
+    });
+    __syncthreads();
+    each_vector<true>(c0, w0, C, W, [&](int ci, int wi, i64 c, i64 w) {
+      T v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = value(*reinterpret_cast<const unsigned short*>(bytes + at(wi + e, ci)));
+      copy_row8(dst + ((n * C + c) * H + h) * W + w, v);
+    });
+  }
+}
+
 // x [N, C, H, W] (NCHW) of Tin -> xc [N, H, W, C] (channels-last) of T: the
 // layout the convolution's loader reads (kTf32: float32 rounded to TF32),
 // and cuDNN's native one for the training route's backward (dz and x).
+// kVec: transpose_tile_vec (its conditions hold), else transpose_tile.
 // Grid as transpose_tile's.
-template <typename Tin, typename T, bool kTf32 = false>
+template <typename Tin, typename T, bool kTf32 = false, bool kVec = false>
 __global__ void __launch_bounds__(256) nchw_to_nhwc(const Tin* __restrict__ x, T* __restrict__ xc, i64 C,
                                                     i64 H, i64 W) {
-  transpose_tile<true, kTf32>(x, xc, C, H, W);
+  if constexpr (kVec) {
+    static_assert(!kTf32, "a 16-bit copy");
+    transpose_tile_vec<true>(x, xc, C, H, W);
+  } else {
+    transpose_tile<true, kTf32>(x, xc, C, H, W);
+  }
 }
 
 // xc [N, H, W, C] (channels-last) of T -> x [N, C, H, W] (NCHW): the
-// training route's input gradient back in the input's layout.
-template <typename T>
+// training route's input gradient back in the input's layout.  kVec as for
+// nchw_to_nhwc.
+template <typename T, bool kVec = false>
 __global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T* __restrict__ x, i64 C, i64 H,
                                                     i64 W) {
-  transpose_tile<false, false>(xc, x, C, H, W);
+  if constexpr (kVec) {
+    transpose_tile_vec<false>(xc, x, C, H, W);
+  } else {
+    transpose_tile<false, false>(xc, x, C, H, W);
+  }
 }
 
 // y = relu(conv2d(x, W) + conv_bias) + bias: the implicit GEMM on the

@@ -519,18 +519,56 @@ def test_training_step_is_bitwise_reproducible(mode, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 33, 9, 130), (3, 70, 4, 64), (2, 8, 1, 1)],
+@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 33, 9, 130), (3, 70, 4, 64), (2, 8, 1, 1),
+                                   (2, 72, 3, 136), (1, 64, 2, 128), (3, 8, 2, 8)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_transposing_copies_are_exact(shape, dtype, device):
     """NCHW -> channels-last -> NCHW copies (odd channel counts and widths,
-    several 64 x 64 tiles each way, a 1 x 1 image): torch's own copies,
-    bitwise."""
+    several 64 x 64 tiles each way, a 1 x 1 image; the last three shapes
+    take the vector kernels in 16 bits, with partial tiles both ways):
+    torch's own copies, bitwise.  A float32 x copied to a 16-bit
+    channels-last one is its cast."""
     x = torch.randn(shape, device=device).to(dtype)
     cl = CB._transposed(x)
     assert cl.is_contiguous(memory_format=torch.channels_last) and cl.dtype == dtype
     assert torch.equal(cl, x) and cl.data_ptr() != x.data_ptr()
+    vec = dtype != torch.float32 and shape[1] % 8 == 0 and shape[3] % 8 == 0
+    assert CB._vector_transposes(x, cl) == vec and CB._vector_transposes(cl, x) == vec
     back = CB._transposed(cl) if not cl.is_contiguous() else cl.contiguous()
     assert back.is_contiguous() and torch.equal(back, x)
+    if dtype != torch.float32:
+        x32 = torch.randn(shape, device=device) * 1e3
+        cast = CB._transposed(x32, dtype)
+        assert cast.is_contiguous(memory_format=torch.channels_last) and torch.equal(cast, x32.to(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_transposing_copies_off_the_vector_grid(dtype, device):
+    """A 16-bit x whose start is off the 16-byte grid takes the copy of one
+    value a lane, and is copied exactly both ways."""
+    x = torch.randn(2 * 16 * 3 * 8 + 1, device=device).to(dtype)[1:].view(2, 16, 3, 8)
+    cl = CB._transposed(x)
+    assert not CB._vector_transposes(x, cl) and torch.equal(cl, x)
+    back = CB._transposed(cl)
+    assert torch.equal(back, x)
+
+
+@pytest.mark.parametrize("shape, dtype, vec", [((2, 64, 3, 128), torch.bfloat16, True),
+                                               ((2, 64, 3, 128), torch.float32, False),
+                                               ((2, 60, 3, 128), torch.float16, False),
+                                               ((2, 64, 3, 124), torch.float16, False)],
+                         ids=["bf16", "fp32", "c60", "w124"])
+def test_which_copies_take_vectors(shape, dtype, vec):
+    """The vector copies take 16-bit outputs with C and W multiples of 8,
+    both tensors on the 16-byte grid (CPU tier: the rule alone)."""
+    x = torch.empty(shape, dtype=dtype)
+    cl = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
+    assert CB._vector_transposes(x, cl) == vec and CB._vector_transposes(cl, x) == vec
+    if vec:  # from float32 to a 16-bit copy (autocast's cast in the copy) too
+        assert CB._vector_transposes(torch.empty(shape), cl)
+        off = torch.empty(x.numel() + 1, dtype=dtype)[1:].view(shape)
+        assert not CB._vector_transposes(off, cl)
 
 
 @pytest.mark.gpu

@@ -82,7 +82,8 @@ SHARED_BYTES = {
 # (the engine's x; the training route's dz and x, float32 too);
 # ("to_nhwc_tf32", float32): the same rounded to TF32 (the engine's float32
 # x); ("to_nchw", dtype): a channels-last tensor's NCHW copy (the training
-# route's input gradient).
+# route's input gradient).  A key with a last element "vec": the same copy in
+# vectors (16-bit copies that :func:`_vector_transposes` accepts).
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("conv", d, layout, out, mask): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
                                        f"{'true' if layout == CHANNELS_LAST else 'false'}, {cxx_type(out)}, "
@@ -95,7 +96,10 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     ("to_nhwc_tf32", torch.float32): "cf::nchw_to_nhwc<float, float, true>",
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
        for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
-    **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES}})
+    **{("to_nhwc", src, d, "vec"): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}, false, true>"
+       for d in HALF_DTYPES for src in (d, torch.float32)},
+    **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES},
+    **{("to_nchw", d, "vec"): f"cf::nhwc_to_nchw<{cxx_type(d)}, true>" for d in HALF_DTYPES}})
 
 ROUTES = ("engine", "cudnn")
 
@@ -240,6 +244,17 @@ def _transposes_shape(shape) -> bool:
     return n * h * cdiv(w, 64) < 2**31 and cdiv(c, 64) <= 65535
 
 
+def _vector_transposes(t: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the copy of ``t`` [N, C, H, W] into ``out`` takes the vector
+    kernels (``transpose_tile_vec``): a 16-bit out (from a 16-bit t, or
+    from float32 to channels-last), C and W multiples of 8 (whole 16-byte
+    vectors along both layouts' rows), both tensors 16-byte aligned.
+    Elsewhere the copy moves one value a lane."""
+    c, w = t.shape[1], t.shape[3]
+    return (out.dtype in HALF_DTYPES and c % 8 == 0 and w % 8 == 0
+            and t.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0)
+
+
 def _transposed(t: torch.Tensor, dtype: Optional[torch.dtype] = None, tf32: bool = False) -> torch.Tensor:
     """A copy of ``t`` [N, C, H, W] in the other memory format: channels-last
     (in ``dtype``, default t's; with ``tf32``, a float32 t's values rounded
@@ -249,10 +264,11 @@ def _transposed(t: torch.Tensor, dtype: Optional[torch.dtype] = None, tf32: bool
     dev = t.device.index
     if t.is_contiguous():
         out = torch.empty((n, h, w, c), dtype=dtype or t.dtype, device=t.device).permute(0, 3, 1, 2)
-        fn = KERNELS.get(("to_nhwc_tf32", t.dtype) if tf32 else ("to_nhwc", t.dtype, out.dtype), dev)
+        key = ("to_nhwc_tf32", t.dtype) if tf32 else ("to_nhwc", t.dtype, out.dtype)
     else:
         out = torch.empty((n, c, h, w), dtype=t.dtype, device=t.device)
-        fn = KERNELS.get(("to_nchw", t.dtype), dev)
+        key = ("to_nchw", t.dtype)
+    fn = KERNELS.get(key + ("vec",) if not tf32 and _vector_transposes(t, out) else key, dev)
     if t.numel():
         _bridge.launch(fn, (n * h * cdiv(w, 64), cdiv(c, 64), 1), BLOCK,
                        (t.data_ptr(), out.data_ptr(), c, h, w), dev)
