@@ -77,6 +77,29 @@ __device__ __forceinline__ i64 conv_tile_row(i64 m0, i64 col_tiles, i64& ow0) {
   return row;
 }
 
+// Where an NCHW store's tile lies in y [N, Cout, OH, OW]: image n, output
+// row oh, columns ow0 .. ow0 + cols - 1 of channels n0 .. n0 + rows - 1
+// (both clipped at y's edges); plane: OH * OW, the step between channels.
+struct NchwTile {
+  i64 n, oh, ow0, n0, cout, plane, start;  // start: (oh, ow0) in a plane
+  int rows, cols;
+  __device__ __forceinline__ NchwTile(i64 m0, i64 tile_n0, i64 y_cout, i64 out_rows, i64 out_cols,
+                                      i64 col_tiles)
+      : n0(tile_n0), cout(y_cout), plane(out_rows * out_cols) {
+    const i64 row = conv_tile_row(m0, col_tiles, ow0);
+    n = row / out_rows;
+    oh = row - n * out_rows;
+    start = oh * out_cols + ow0;
+    cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - ow0));
+    rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
+  }
+  // Column 0 of the tile's channel co in y.
+  template <typename Out>
+  __device__ __forceinline__ Out* channel(Out* y, int co) const {
+    return y + (n * cout + n0 + co) * plane + start;
+  }
+};
+
 // The chain's two biases for a tile's 128 channels, float32 in shared memory
 // (kConvBiasBytes per consumer warpgroup): pair p holds {conv_bias[c],
 // conv_bias[c + 1], bias[c], bias[c + 1]} for c = n0 + 2p, zeros past Cout.
@@ -221,22 +244,17 @@ struct NchwStore {
       }
     }
     named_barrier(1 + me.wg, 128);
-    i64 ow0;
-    const i64 row = conv_tile_row(m0, col_tiles, ow0);
-    const i64 n = row / out_rows, oh = row - n * out_rows;
-    const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - ow0));
-    const int rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
-    const i64 plane = out_rows * out_cols;
-    Out* dst = y + ((n * cout + n0 + warp) * out_rows + oh) * out_cols + ow0;
+    const NchwTile tile(m0, n0, cout, out_rows, out_cols, col_tiles);
+    Out* dst = tile.channel(y, warp);
     // Every row starts on the grid of pairs of values (kPairs): a lane's
     // four values are two aligned pairs, read and written whole, with no
     // per-value path.
     if (out_cols % 2 == 0 && (reinterpret_cast<unsigned long long>(y) & (2 * sizeof(Out) - 1)) == 0) {
-      store_rows<true>(dst, plane, lane, warp, rows, cols, staging, table);
+      store_rows<true>(dst, tile.plane, lane, warp, tile.rows, tile.cols, staging, table);
     } else {
-      store_rows<false>(dst, plane, lane, warp, rows, cols, staging, table);
+      store_rows<false>(dst, tile.plane, lane, warp, tile.rows, tile.cols, staging, table);
     }
-    store_last_chunk(n, oh, ow0, n0, rows, cols, table);
+    store_last_chunk(tile, table);
   }
   // Warp w writes rows w, w + 4, ..., four at a time (dst: row w's column
   // 0): the reads of four rows, then their writes, so that the reads'
@@ -277,14 +295,13 @@ struct NchwStore {
   }
   // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i writes
   // that of the warp's row w + 4i.
-  __device__ __forceinline__ void store_last_chunk(i64 n, i64 oh, i64 ow0, i64 n0, int rows, int cols,
-                                                   unsigned table) const {
+  __device__ __forceinline__ void store_last_chunk(const NchwTile& tile, unsigned table) const {
     const unsigned staging = table - kConvTileBytes;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    if (cols > kHgBM - 3) {
-      const int co = warp + 4 * lane;
-      if (co < rows) {
-        Out* const row_dst = y + ((n * cout + n0 + co) * out_rows + oh) * out_cols + ow0;
+    if (tile.cols > kHgBM - 3) {
+      const int co = warp + 4 * lane, cols = tile.cols;
+      if (co < tile.rows) {
+        Out* const row_dst = tile.channel(y, co);
         const int s = row_shift(row_dst), c = kHgBM - s;
         if (c < cols) {
           unsigned w[2];
@@ -451,13 +468,10 @@ struct NchwStoreF32 {
                                              i64 n0, unsigned staging) {
     const unsigned table = staging + kF32StageBytes;
     biases.begin(table, n0, me);
-    i64 ow0;
-    const i64 row = conv_tile_row(m0, col_tiles, ow0);
-    const i64 n = row / out_rows, oh = row - n * out_rows;
-    const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - ow0));
-    const int rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
+    const NchwTile tile(m0, n0, cout, out_rows, out_cols, col_tiles);
+    const int cols = tile.cols;
+    const i64 plane = tile.plane;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    const i64 plane = out_rows * out_cols;
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
       if (pass > 0) named_barrier(1 + me.wg, 128);  // the first pass's rows have been read
@@ -478,8 +492,8 @@ struct NchwStoreF32 {
           }
       }
       named_barrier(1 + me.wg, 128);
-      const int chans = rows - 64 * pass;  // of this pass (<= 0: none)
-      float* dst = y + ((n * cout + n0 + 64 * pass + warp) * out_rows + oh) * out_cols + ow0;
+      const int chans = tile.rows - 64 * pass;  // of this pass (<= 0: none)
+      float* dst = tile.channel(y, 64 * pass + warp);
       for (int co0 = warp; co0 < min(chans, 64); co0 += 16, dst += 16 * plane) {
         float v[4][4];
         int c0[4];
