@@ -714,11 +714,10 @@ __device__ __forceinline__ void transpose_tile_vec(const Tin* __restrict__ src, 
   // Byte offset of (w, c) in the tile.
   auto at = [](int w, int c) { return w * 128 + ((((c >> 3) ^ (w >> 3)) & 7) << 4) + 2 * (c & 7); };
   auto word = [](T a) { return *reinterpret_cast<unsigned short*>(&a); };
-  auto value = [](unsigned short u) { return *reinterpret_cast<T*>(&u); };
   char* const bytes = reinterpret_cast<char*>(tile);
   if constexpr (kToNhwc) {
     each_vector<true>(c0, w0, C, W, [&](int ci, int wi, i64 c, i64 w) {
-      Tin v[8];
+      __align__(16) Tin v[8];  // (copy_row8 moves it as 16-byte words)
       copy_row8(v, src + ((n * C + c) * H + h) * W + w);
 #pragma unroll
       for (int e = 0; e < 8; ++e)
@@ -734,10 +733,15 @@ __device__ __forceinline__ void transpose_tile_vec(const Tin* __restrict__ src, 
     });
     __syncthreads();
     each_vector<true>(c0, w0, C, W, [&](int ci, int wi, i64 c, i64 w) {
-      T v[8];
+      unsigned u[4];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = value(*reinterpret_cast<const unsigned short*>(bytes + at(wi + e, ci)));
-      copy_row8(dst + ((n * C + c) * H + h) * W + w, v);
+      for (int k = 0; k < 4; ++k)
+        u[k] = *reinterpret_cast<const unsigned short*>(bytes + at(wi + 2 * k, ci)) |
+               static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(bytes + at(wi + 2 * k + 1, ci))) << 16;
+      // (in PTX: as a uint4 assignment the compiler split it into 4-byte stores)
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + ((n * C + c) * H + h) * W + w),
+                   "r"(u[0]), "r"(u[1]), "r"(u[2]), "r"(u[3])
+                   : "memory");
     });
   }
 }

@@ -5,6 +5,7 @@ an NCHW x; 16-bit, or float32 as TF32) and the cudnn route against a float64 run
 poisoned with NaN first; NaN / inf placement; two runs bitwise equal; the
 route each call takes."""
 import importlib
+import math
 
 import pytest
 import torch
@@ -522,36 +523,50 @@ def test_training_step_is_bitwise_reproducible(mode, device):
 @pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 33, 9, 130), (3, 70, 4, 64), (2, 8, 1, 1),
                                    (2, 72, 3, 136), (1, 64, 2, 128), (3, 8, 2, 8)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_transposing_copies_are_exact(shape, dtype, device):
+def test_transposing_copies_are_exact(shape, dtype, device, monkeypatch):
     """NCHW -> channels-last -> NCHW copies (odd channel counts and widths,
     several 64 x 64 tiles each way, a 1 x 1 image; the last three shapes
     take the vector kernels in 16 bits, with partial tiles both ways):
     torch's own copies, bitwise.  A float32 x copied to a 16-bit
     channels-last one is its cast."""
+    launched = []
+    get = CB.KERNELS.get
+    monkeypatch.setattr(CB.KERNELS, "get", lambda key, dev: launched.append(key) or get(key, dev))
     x = torch.randn(shape, device=device).to(dtype)
     cl = CB._transposed(x)
     assert cl.is_contiguous(memory_format=torch.channels_last) and cl.dtype == dtype
     assert torch.equal(cl, x) and cl.data_ptr() != x.data_ptr()
-    vec = dtype != torch.float32 and shape[1] % 8 == 0 and shape[3] % 8 == 0
-    assert CB._vector_transposes(x, cl) == vec and CB._vector_transposes(cl, x) == vec
     back = CB._transposed(cl) if not cl.is_contiguous() else cl.contiguous()
     assert back.is_contiguous() and torch.equal(back, x)
     if dtype != torch.float32:
         x32 = torch.randn(shape, device=device) * 1e3
         cast = CB._transposed(x32, dtype)
         assert cast.is_contiguous(memory_format=torch.channels_last) and torch.equal(cast, x32.to(dtype))
+    vec = dtype != torch.float32 and shape[1] % 8 == 0 and shape[3] % 8 == 0
+    expected = [("to_nhwc", dtype, dtype)]
+    if not cl.is_contiguous():  # (a 1 x 1 image's channels-last copy is contiguous too)
+        expected.append(("to_nchw", dtype))
+    if dtype != torch.float32:
+        expected.append(("to_nhwc", torch.float32, dtype))
+    assert launched == [k + ("vec",) if vec else k for k in expected]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_transposing_copies_off_the_vector_grid(dtype, device):
-    """A 16-bit x whose start is off the 16-byte grid takes the copy of one
-    value a lane, and is copied exactly both ways."""
-    x = torch.randn(2 * 16 * 3 * 8 + 1, device=device).to(dtype)[1:].view(2, 16, 3, 8)
+    """16-bit tensors whose start is off the 16-byte grid, NCHW and
+    channels-last, take the copy of one value a lane, and are copied
+    exactly."""
+    shape = (2, 16, 3, 8)
+    x = torch.randn(math.prod(shape) + 1, device=device).to(dtype)[1:].view(shape)
     cl = CB._transposed(x)
     assert not CB._vector_transposes(x, cl) and torch.equal(cl, x)
-    back = CB._transposed(cl)
-    assert torch.equal(back, x)
+    n, c, h, w = shape
+    cl_off = torch.empty(math.prod(shape) + 1, device=device, dtype=dtype)[1:].view(n, h, w, c)
+    cl_off = cl_off.permute(0, 3, 1, 2).copy_(x)
+    assert cl_off.is_contiguous(memory_format=torch.channels_last) and cl_off.data_ptr() % 16
+    back = CB._transposed(cl_off)
+    assert not CB._vector_transposes(cl_off, back) and back.is_contiguous() and torch.equal(back, x)
 
 
 @pytest.mark.parametrize("shape, dtype, vec", [((2, 64, 3, 128), torch.bfloat16, True),
