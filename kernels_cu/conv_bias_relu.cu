@@ -694,14 +694,13 @@ __device__ __forceinline__ void copy_row8(V* to, const V* from) {
 // transpose_tile for a 16-bit T, in vectors: C and W multiples of 8, both
 // tensors 16-byte aligned (ops/conv_bias_relu.py: _vector_transposes).
 // transpose_tile moves 2 bytes a lane each way, too few for a copy at the
-// memory's bandwidth; here a lane moves 8 values of W of
-// one channel on the NCHW side (16 bytes; 32 of a float32 Tin) and 8
-// channels of one column on the channels-last side (16 bytes), through a
-// [64 w][64 c] tile of 128-byte rows whose 16-byte chunks are swizzled by
-// (w / 8) % 8: the 8 lanes that hold one column's 64 channels hit 8
-// distinct chunks, and so do the 8 lanes that hold one channel's 64
-// columns (their values e at rows 8j + e, j = 0 .. 7).  Grid as
-// transpose_tile's.
+// memory's bandwidth; here a lane moves 8 values of W of one channel on the
+// NCHW side (16 bytes; 32 of a float32 Tin) and 8 channels of one column on
+// the channels-last side (16 bytes), through a [64 w][64 c] tile of
+// 128-byte rows whose 16-byte chunks are swizzled by (w / 8) % 8: the 8
+// lanes that hold one column's 64 channels hit 8 distinct chunks, and so do
+// the 8 lanes that hold one channel's 64 columns (their values e at rows
+// 8j + e, j = 0 .. 7).  Grid as transpose_tile's.
 template <bool kToNhwc, typename Tin, typename T>
 __device__ __forceinline__ void transpose_tile_vec(const Tin* __restrict__ src, T* __restrict__ dst, i64 C,
                                                    i64 H, i64 W) {
