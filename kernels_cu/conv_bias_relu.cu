@@ -79,17 +79,18 @@ __device__ __forceinline__ i64 conv_tile_row(i64 m0, i64 col_tiles, i64& ow0) {
 
 // Where an NCHW store's tile lies in y [N, Cout, OH, OW]: image n, output
 // row oh, columns ow0 .. ow0 + cols - 1 of channels n0 .. n0 + rows - 1
-// (both clipped at y's edges); plane: OH * OW, the step between channels.
+// (both clipped at y's edges); plane: OH * OW, the step between channels;
+// start: (oh, ow0)'s place in a plane.
 struct NchwTile {
-  i64 n, oh, ow0, n0, cout, plane, start;  // start: (oh, ow0) in a plane
+  i64 n, n0, cout, plane, start;
   int rows, cols;
   __device__ __forceinline__ NchwTile(i64 m0, i64 tile_n0, i64 y_cout, i64 out_rows, i64 out_cols,
                                       i64 col_tiles)
       : n0(tile_n0), cout(y_cout), plane(out_rows * out_cols) {
+    i64 ow0;
     const i64 row = conv_tile_row(m0, col_tiles, ow0);
     n = row / out_rows;
-    oh = row - n * out_rows;
-    start = oh * out_cols + ow0;
+    start = (row - n * out_rows) * out_cols + ow0;
     cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - ow0));
     rows = static_cast<int>(min(static_cast<i64>(kHgBN), cout - n0));
   }

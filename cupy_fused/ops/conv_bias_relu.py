@@ -268,7 +268,7 @@ def _transposed(t: torch.Tensor, dtype: Optional[torch.dtype] = None, tf32: bool
     else:
         out = torch.empty((n, c, h, w), dtype=t.dtype, device=t.device)
         key = ("to_nchw", t.dtype)
-    fn = KERNELS.get(key + ("vec",) if not tf32 and _vector_transposes(t, out) else key, dev)
+    fn = KERNELS.get(key + ("vec",) if _vector_transposes(t, out) else key, dev)
     if t.numel():
         _bridge.launch(fn, (n * h * cdiv(w, 64), cdiv(c, 64), 1), BLOCK,
                        (t.data_ptr(), out.data_ptr(), c, h, w), dev)
