@@ -450,105 +450,93 @@ struct NchwStore {
 // conv_bias) + bias in float32.  The tile goes out in two passes of 64
 // channels (a float32 staging of all 128 beside the engine's stages would
 // not fit in shared memory): the warpgroup writes the pass's values into
-// its staging area, channel-major [64 channels][kF32StageRow floats] (4
-// floats of lead, then the tile's 128 columns: a row of 132 words puts the
-// 8 pixels x 4 channel pairs that one store instruction writes in distinct
-// banks), then each warp writes whole rows of y, four at a time (one
-// channel, the tile's columns of one output row), a lane 16 bytes of the
-// row's 16-byte grid (s: where the row starts on it; the lead covers the
-// reads of columns -3 .. -1, and each row's last s columns go as a 33rd
-// chunk).
-constexpr int kF32StageLead = 4, kF32StageRow = kF32StageLead + kHgBM;
+// its staging area, channel-major [64 channels][kF32StageRow floats], each
+// row shifted by 0 .. 3 values so that its columns lie on the 16-byte grid
+// as they do in y (rows of 132 words: 3 + 128 fit, and rows stay 16-byte
+// aligned); then thread i hands row i's whole 16-byte chunks to the copy
+// engine (one bulk copy) and stores the at most three values at either
+// end itself (a row of y starts anywhere on the grid, as OW is any size).
+// The global writes are then the copy engine's, not store instructions
+// issued beside the other warpgroup's MMAs.  The 8 pixels x 4 channel
+// pairs that one staging store writes fall in distinct banks where OH * OW
+// is even (every channel's shift differs from the next one's by an even
+// number), in two-way conflicts otherwise.
+constexpr int kF32StageRow = 4 + kHgBM;
 constexpr int kF32StageBytes = 64 * kF32StageRow * 4;
 constexpr int kConvF32StagingBytes = 2 * (kF32StageBytes + kConvBiasBytes);  // both consumer warpgroups
+// The bulk copies' sources are 16-byte aligned: every row, in both
+// consumer warpgroups' staging areas.
+static_assert(kF32StageRow % 4 == 0 && (kF32StageBytes + kConvBiasBytes) % 16 == 0, "16-byte aligned rows");
 struct NchwStoreF32 {
   float* y;
   ConvBiases<float> biases;
   i64 cout, out_rows, out_cols, col_tiles;
+  // Where `at` lies on the 16-byte grid, in values (0 .. 3).
+  static __device__ __forceinline__ int grid_shift(const float* at) {
+    return static_cast<int>((reinterpret_cast<unsigned long long>(at) >> 2) & 3);
+  }
+  // Staging row co's column c, for a row of y whose column 0 lies at
+  // `shift` on the grid (taken modulo 4): shift + c values into the row,
+  // on the grid where column c of y is.
+  static __device__ __forceinline__ unsigned staged(unsigned staging, int co, int shift, int c) {
+    return staging + 4 * (co * kF32StageRow + (shift & 3) + c);
+  }
+  static __device__ __forceinline__ float staged_value(unsigned staging, int co, int shift, int c) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(staged(staging, co, shift, c)) : "memory");
+    return v;
+  }
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) {
     const unsigned table = staging + kF32StageBytes;
+    bulk_wait_read();  // the previous tile's rows have left the staging area
     biases.begin(table, n0, me);
     const NchwTile tile(m0, n0, cout, out_rows, out_cols, col_tiles);
     const int cols = tile.cols;
-    const i64 plane = tile.plane;
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int tid = threadIdx.x & 127;
+    // Channel co's shift: that of channel 0, plus co planes.
+    const int shift0 = grid_shift(tile.channel(y, 0)), plane_shift = static_cast<int>(tile.plane & 3);
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
-      if (pass > 0) named_barrier(1 + me.wg, 128);  // the first pass's rows have been read
+      if (pass > 0) {  // the first pass's rows have left the staging area
+        bulk_wait_read();
+        named_barrier(1 + me.wg, 128);
+      }
 #pragma unroll
       for (int ii = 0; ii < 8; ++ii) {
         const int i = 8 * pass + ii;  // the thread's channels 8 i + 2 t, +1 of the tile
         const float4 p = ConvBiases<float>::pair(table, i, me.t);
+        const int co = 8 * ii + 2 * me.t;  // staging row of channel 8 i + 2 t
+        const int s_lo = shift0 + (64 * pass + co) * plane_shift;  // (staged() takes it modulo 4)
+        const int s_hi = s_lo + plane_shift;
 #pragma unroll
         for (int hm = 0; hm < 2; ++hm)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int col = 64 * hm + me.row + 8 * h;
-            const unsigned at = staging + 4 * ((8 * ii + 2 * me.t) * kF32StageRow + kF32StageLead + col);
             const float lo = relu_keep_nan(acc[hm][4 * i + 2 * h] + p.x) + p.z;
             const float hi = relu_keep_nan(acc[hm][4 * i + 2 * h + 1] + p.y) + p.w;
-            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(lo) : "memory");
-            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + 4 * kF32StageRow), "f"(hi) : "memory");
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(staged(staging, co, s_lo, col)), "f"(lo) : "memory");
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(staged(staging, co + 1, s_hi, col)), "f"(hi) : "memory");
           }
       }
+      fence_proxy_async();  // the copy engine reads what the threads wrote
       named_barrier(1 + me.wg, 128);
-      const int chans = tile.rows - 64 * pass;  // of this pass (<= 0: none)
-      float* dst = tile.channel(y, 64 * pass + warp);
-      for (int co0 = warp; co0 < min(chans, 64); co0 += 16, dst += 16 * plane) {
-        float v[4][4];
-        int c0[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int s = static_cast<int>((reinterpret_cast<unsigned long long>(dst + 4 * j * plane) / 4) & 3);
-          c0[j] = 4 * lane - s;
-          read4(staging, co0 + 4 * j, c0[j], s, v[j]);
+      if (tid < min(tile.rows - 64 * pass, 64)) {
+        float* const row = tile.channel(y, 64 * pass + tid);
+        const int s = grid_shift(row);
+        const int head = min((4 - s) & 3, cols);  // values before the first whole chunk
+        const int body = (cols - head) & ~3;      // values in whole chunks
+        if (body > 0) {
+          bulk_store(row + head, staged(staging, tid, s, head), 4u * body);
+          bulk_commit();
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (co0 + 4 * j >= min(chans, 64)) continue;
-          float* const at = dst + 4 * j * plane;
-          const int c = c0[j];
-          if (c >= 0 && c + 4 <= cols) {
-            *reinterpret_cast<float4*>(at + c) = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
-          } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (c + e >= 0 && c + e < cols) at[c + e] = v[j][e];
-          }
-          // The row's last s columns (128 - s .. 127), past lane 31's chunk.
-          const int s = 4 * lane - c;
-          if (lane < s && kHgBM - s + lane < cols) {
-            const int last = kHgBM - s + lane;
-            float x;
-            asm volatile("ld.shared.f32 %0, [%1];\n"
-                         : "=f"(x)
-                         : "r"(staging + 4 * ((co0 + 4 * j) * kF32StageRow + kF32StageLead + last))
-                         : "memory");
-            at[last] = x;
-          }
-        }
+        for (int c = 0; c < head; ++c) row[c] = staged_value(staging, tid, s, c);
+        for (int c = head + body; c < cols; ++c) row[c] = staged_value(staging, tid, s, c);
       }
     }
   }
-  // Staging row co's values at columns c .. c + 3 (c >= -3: the row's lead;
-  // on the 16-byte grid where s is 0, on the 8-byte one where s is even).
-  __device__ __forceinline__ static void read4(unsigned staging, int co, int c, int s, float (&v)[4]) {
-    const unsigned at = staging + 4 * (co * kF32StageRow + kF32StageLead + c);
-    if (s == 0) {
-      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
-                   : "r"(at)
-                   : "memory");
-    } else if ((s & 1) == 0) {
-      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v[0]), "=f"(v[1]) : "r"(at) : "memory");
-      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v[2]), "=f"(v[3]) : "r"(at + 8) : "memory");
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v[e]) : "r"(at + 4 * e) : "memory");
-    }
-  }
-  __device__ __forceinline__ void finish(const HalfGemmLane&) const {}
+  __device__ __forceinline__ void finish(const HalfGemmLane&) const { bulk_wait(); }
 };
 
 // y [N, OH, OW, Cout] (channels-last, as the reference returns for a

@@ -116,6 +116,15 @@ __device__ __forceinline__ void tma_store_3d(const TensorMap& map, unsigned src,
                "r"(c0), "r"(c1), "r"(c2), "r"(src)
                : "memory");
 }
+// `bytes` (a multiple of 16) from shared memory at `src` to global memory at
+// `dst` (both 16-byte aligned), as part of this thread's bulk asynchronous
+// group: the copy engine writes them, not the thread's own stores.  The
+// threads' writes of `src` must be made visible to it first
+// (fence_proxy_async, then a barrier with the issuing thread).
+__device__ __forceinline__ void bulk_store(void* dst, unsigned src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk groups have finished reading shared memory.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
