@@ -263,6 +263,38 @@ def test_engine_float32_against_float64(shape, kind, device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+@pytest.mark.parametrize("shape", [ENGINE_SHAPES[1], ENGINE_SHAPES[2], ENGINE_SHAPES[5], ENGINE_SHAPES[7]],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_engine_float32_out_off_grid(shape, offset, device, monkeypatch):
+    """The float32 store writes each row's whole 16-byte chunks by bulk copy
+    and the values at its ends one by one, wherever the row starts: into an
+    ``out`` starting ``offset`` floats past the 16-byte grid (and rows and
+    planes of odd or even length, so that the rows start all over the
+    grid), the same values as into an aligned one, and nothing outside
+    it."""
+    _engine_device(device)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape) + offset)
+    x = _engine_input(n, cin, h, w, "nchw", gen, device, torch.float32)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device)
+    cb = torch.randn(cout, generator=gen).to(device)
+    b = torch.randn(cout, generator=gen).to(device)
+    plan = (CB.NCHW, torch.float32, torch.float32, False)
+    with torch.no_grad():
+        aligned = CB._launch_engine(x, wt, cb, b, plan=plan)
+        numel = aligned.numel()
+        buf = torch.full((numel + 8,), 7.0, device=device)
+        assert buf.data_ptr() % 16 == 0
+        out = buf[offset:offset + numel].view(aligned.shape)
+        out.fill_(float("nan"))
+        assert CB._launch_engine(x, wt, cb, b, out=out, plan=plan) is out
+        assert torch.equal(out, aligned)
+        assert (buf[:offset] == 7.0).all() and (buf[offset + numel:] == 7.0).all()
+
+
+@pytest.mark.gpu
 def test_engine_float32_route(device, monkeypatch):
     """Float32 calls take the engine with TF32 allowed (PyTorch's default),
     no gradient to record and at least ENGINE_FLOAT32_MIN_ELEMENTS output
