@@ -55,9 +55,12 @@ def _ms(value) -> str:
 def markdown(rows) -> str:
     """The Markdown table of the rows at the benchmark shapes: one line per
     problem, dtype and mode.  The ours+graphs column and the host columns
-    (ours's host issue / GPU time per step, and which implementations are
-    host-bound) appear when the rows have them; implementations that failed
-    are listed under the table.
+    (ours's host issue / GPU time per step, which implementations are
+    host-bound, and torch.compile's GPU time per step over ours's) appear
+    when the rows have them; implementations that failed are listed under
+    the table.  Where a step is host-bound, its "ours/compile speedup" (of
+    event times) compares the implementations' host issue times; the
+    GPU-time ratio says what their kernels do.
 
     Args:
         rows: result rows of ``run.bench_problem``.
@@ -75,7 +78,7 @@ def markdown(rows) -> str:
     head += ["ours+graphs ms"] * graphs
     head += ["GEMM/conv alone ms", "ours/eager speedup", "ours/compile speedup",
              "peak extra GiB (eager / compile / ours)", "ours TFLOP/s (of ceiling)"]
-    head += ["ours host / GPU ms per step", "host-bound"] * host
+    head += ["ours host / GPU ms per step", "host-bound", "ours/compile on GPU time"] * host
     head += ["fwd rel. error vs fp64 (ours / eager)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     failed = []
@@ -95,6 +98,8 @@ def markdown(rows) -> str:
             cells.append(f"{_ms(ours.get('host_ms'))} / {_ms(ours.get('gpu_ms'))}")
             bound = [i for i, r in g.items() if r.get("host_bound")]
             cells.append(", ".join(bound) if bound else "-")
+            gpu = get("compile", "gpu_ms") / get("ours", "gpu_ms")
+            cells.append("-" if gpu != gpu else f"{gpu:.2f}x")  # NaN: a GPU time missing
         cells.append(f"{get('ours', 'fwd_rel_error'):.1e} / {get('eager', 'fwd_rel_error'):.1e}")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         failed += [f"- {p} {d} {m} {i}: {r['error']}" for i, r in g.items() if r.get("error")]

@@ -522,8 +522,10 @@ def test_markdown_shows_amp_rows_host_times_and_failures():
     cells = [c.strip() for c in amp.strip("|").split("|")]
     assert cells[:4] == ["76", "amp-bf16", "train", "0.620"]
     assert "0.550 / 0.350" in cells and "eager, ours" in cells and "nan" in cells
+    assert "ours/compile on GPU time" in head and "1.86x" in cells  # 0.65 / 0.35, not 0.70 / 0.50
     fp32 = next(line for line in table if "| float32 |" in line)
-    assert "0.100 / 0.950" in fp32 and fp32.rstrip().split("|")[-3].strip() == "-"
+    # not host-bound, and no compile row to set its GPU time against
+    assert "0.100 / 0.950" in fp32 and [c.strip() for c in fp32.split("|")[-4:-2]] == ["-", "-"]
     assert table.count("- 76 amp-bf16 train ours+graphs: RuntimeError('capture')") == 1
     assert len(head.split("|")) == len(amp.split("|")) == len(fp32.split("|"))
     # rows of earlier runs (no host times, no ours+graphs): the original columns
