@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -99,7 +100,7 @@ def markdown(rows) -> str:
             bound = [i for i, r in g.items() if r.get("host_bound")]
             cells.append(", ".join(bound) if bound else "-")
             gpu = get("compile", "gpu_ms") / get("ours", "gpu_ms")
-            cells.append("-" if gpu != gpu else f"{gpu:.2f}x")  # NaN: a GPU time missing
+            cells.append("-" if math.isnan(gpu) else f"{gpu:.2f}x")  # a GPU time missing
         cells.append(f"{get('ours', 'fwd_rel_error'):.1e} / {get('eager', 'fwd_rel_error'):.1e}")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         failed += [f"- {p} {d} {m} {i}: {r['error']}" for i, r in g.items() if r.get("error")]
