@@ -6,6 +6,7 @@ against float64.
     python benchmarks/gemm.py [--shapes 1024x8192x8192 32768x1024x4096] [--json F] [--md F]
     python benchmarks/gemm.py --tiles wgmma128x128 wgmma128x128_split_b   # also each tile kernel
     python benchmarks/gemm.py --half     # the float16 / bfloat16 engine (Hopper) against cuBLAS
+    python benchmarks/gemm.py --float32-weight   # autocast's product, float32 W (Hopper)
 
 A shape MxKxN is batch x in_features x out_features: forward y = x W^T with
 x [M, K], W [N, K]; grad_input dx = dy W; grad_weight dW = dy^T x.  Error:
@@ -128,11 +129,13 @@ def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256)
     return out
 
 
-def half_run(shapes, iters: int):
-    """The forward product x W^T in float16 and bfloat16: our Hopper engine
-    (``G._half_linear``, kernels_cu/gemm.cuh) against cuBLAS (``torch.mm``),
-    timed in turns; error of each against float64 (as the module docstring
-    says)."""
+def _product_rows(shapes, iters: int, impls_of):
+    """Rows of timed forward products x W^T, per shape and 16-bit dtype: x
+    [M, K] in the dtype, W [N, K] float32 (random, seeded by the shape);
+    ``impls_of(x, w, dtype)`` gives the implementations to time in turns,
+    each of which returns x W^T with W rounded to the dtype.  Each
+    implementation's row entry: median and best ms, TFLOP/s, error against
+    float64 of that product (as the module docstring says)."""
     device = torch.device("cuda")
     rows = []
     for shape in shapes:
@@ -141,21 +144,68 @@ def half_run(shapes, iters: int):
         for dtype in (torch.float16, torch.bfloat16):
             g = torch.Generator(device=device).manual_seed(m + k + n)
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
-            w = (torch.randn(n, k, device=device, generator=g) / k ** 0.5).to(dtype)
-            impls = {"ours": lambda: G._half_linear(x, w), "cublas": lambda: torch.mm(x, w.t())}
+            w = torch.randn(n, k, device=device, generator=g) / k ** 0.5
+            w_d = w.to(dtype)
+            impls = impls_of(x, w, dtype)
             times = time_interleaved(impls, iters, warmup=3)
             row = {"shape": shape, "dtype": str(dtype).replace("torch.", "")}
             for name, fn in impls.items():
                 med, best = times[name]
-                err = scaled_gemm_error(fn(), x, w, lambda a, b: a @ b.t())
                 row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
-                             "error": err}
-            row["ours vs cublas"] = row["cublas"]["median_ms"] / row["ours"]["median_ms"]
+                             "error": scaled_gemm_error(fn(), x, w_d, lambda a, b: a @ b.t())}
             rows.append(row)
-            print(f"{shape} {row['dtype']:9s} ours {row['ours']['median_ms']:.3f} ms "
-                  f"{row['ours']['tflops']:.0f} TF/s  cuBLAS {row['cublas']['median_ms']:.3f} ms "
-                  f"{row['cublas']['tflops']:.0f} TF/s  x{row['ours vs cublas']:.3f}", flush=True)
     return rows
+
+
+def half_run(shapes, iters: int):
+    """The forward product x W^T in float16 and bfloat16: our Hopper engine
+    (``G._half_linear``, kernels_cu/gemm.cuh) against cuBLAS (``torch.mm``),
+    timed in turns."""
+    def impls_of(x, w, dtype):
+        w_d = w.to(dtype)
+        return {"ours": lambda: G._half_linear(x, w_d), "cublas": lambda: torch.mm(x, w_d.t())}
+
+    rows = _product_rows(shapes, iters, impls_of)
+    for row in rows:
+        row["ours vs cublas"] = row["cublas"]["median_ms"] / row["ours"]["median_ms"]
+        print(f"{row['shape']} {row['dtype']:9s} ours {row['ours']['median_ms']:.3f} ms "
+              f"{row['ours']['tflops']:.0f} TF/s  cuBLAS {row['cublas']['median_ms']:.3f} ms "
+              f"{row['cublas']['tflops']:.0f} TF/s  x{row['ours vs cublas']:.3f}", flush=True)
+    return rows
+
+
+def float32_weight_run(shapes, iters: int):
+    """The forward product of a linear layer under autocast, x_d W^T with a
+    float32 W: our kernel that rounds W in registers
+    (``G._linear_float32_weight``) against what autocast runs, W's cast then
+    cuBLAS, and against cuBLAS alone on a cast made beforehand (the floor),
+    timed in turns."""
+    def impls_of(x, w, dtype):
+        w_d = w.to(dtype)
+        return {"cast + cublas": lambda: torch.mm(x, w.to(dtype).t()),
+                "ours": lambda: G._linear_float32_weight(x, w),
+                "cublas on a cast": lambda: torch.mm(x, w_d.t())}
+
+    rows = _product_rows(shapes, iters, impls_of)
+    for row in rows:
+        base = row["cast + cublas"]["median_ms"]
+        print(f"{row['shape']} {row['dtype']:9s} " + "  ".join(
+            f"{name} {row[name]['median_ms']:.3f} ms (x{base / row[name]['median_ms']:.3f})"
+            for name in ("cast + cublas", "ours", "cublas on a cast")), flush=True)
+    return rows
+
+
+def float32_weight_markdown(rows) -> str:
+    names = ("cast + cublas", "ours", "cublas on a cast")
+    lines = ["| shape (MxKxN) | dtype | " + " | ".join(f"{n} ms" for n in names)
+             + " | ours vs cast + cuBLAS | error ours | error cuBLAS |",
+             "|---|---|" + "---|" * len(names) + "---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['dtype']} | " + " | ".join(
+            f"{r[n]['median_ms']:.3f}" for n in names)
+            + f" | {r['cast + cublas']['median_ms'] / r['ours']['median_ms']:.3f}x"
+            f" | {r['ours']['error']:.1e} | {r['cublas on a cast']['error']:.1e} |")
+    return "\n".join(lines) + "\n"
 
 
 def half_markdown(rows) -> str:
@@ -205,10 +255,15 @@ def main(argv=None):
     p.add_argument("--half", action="store_true",
                    help="the float16 / bfloat16 forward on our Hopper engine against cuBLAS "
                         "(instead of the float32 products)")
+    p.add_argument("--float32-weight", action="store_true",
+                   help="the autocast forward x_d W^T with a float32 W: our converting kernel "
+                        "against W's cast then cuBLAS (Hopper)")
     args = p.parse_args(argv)
-    if args.half:
-        rows = half_run(args.shapes, args.iters)
-        md = half_markdown(rows)
+    if args.half or args.float32_weight:
+        run_, markdown_ = ((float32_weight_run, float32_weight_markdown) if args.float32_weight
+                           else (half_run, half_markdown))
+        rows = run_(args.shapes, args.iters)
+        md = markdown_(rows)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if args.json:
             Path(args.json).write_text(json.dumps({"meta": meta, "half": rows}, indent=1))

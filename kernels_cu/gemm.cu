@@ -1,7 +1,9 @@
 // Kernel family "gemm": the plain 16-bit product act(x W^T + bias) on the
 // Hopper GEMM engine (gemm.cuh), the bias and the activation applied to the
 // float32 accumulators in the store (ops.gemm._half_linear; measured against
-// cuBLAS by benchmarks/gemm.py --half).
+// cuBLAS by benchmarks/gemm.py --half), and the same product with a float32
+// W rounded to 16 bits inside the engine (ops.gemm._linear_float32_weight;
+// benchmarks/gemm.py --float32-weight).
 #include "gemm.cuh"
 
 namespace cf {
@@ -39,6 +41,50 @@ struct TmaStore {
                                       epilogue(acc[hm][4 * i + 2 * h + 1], col + 1)));
         }
     TmaTileWriter::end(map_c, me, staging, m0, n0);
+  }
+  __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
+};
+#endif
+
+// The store of F32ConvertMma's tiles, which compute C^T (C's columns as
+// their rows): a warpgroup's 64 x 256 part of a tile of C^T at (m0, n0) goes
+// to C [rows, N] as its 256 x 64 tile at (n0, m0), in two halves of 128 rows
+// of C, each transposed on its way through the warpgroup's staging area
+// (stmatrix .trans: a warp's 8 x 8 blocks land as 16-byte rows, in the
+// 128-byte swizzle layout), then written by the copy engine (a box of 64 x
+// 128, clipped at C's edges).  epilogue(v, m): the value at C^T's row m.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <typename T, typename Epilogue>
+struct TransposedTmaStore {
+  const TensorMap& map_c;
+  Epilogue epilogue;
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned staging) const {
+    const int lane = threadIdx.x & 31, warp = me.row >> 4;
+    const int j = lane >> 3, r = lane & 7;  // this lane's row r of matrix j
+    const i64 m = m0 + me.row;              // C^T's rows m, m + 8 (C's columns)
+    // Matrices 0-3 of block pair p of a half: the 8 x 8 blocks at C^T rows
+    // 16 warp (+ 8), columns 16 p (+ 8) of the half; lane 8j + r addresses
+    // the half's row 16 p + 8 (j / 2) + r, 16-byte chunk 2 warp + j % 2.
+    const unsigned lane_addr = staging + (8 * (j >> 1) + r) * 128 + (((2 * warp + (j & 1)) ^ r) << 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // C's rows n0 + 128 h .. + 127: acc[h]
+      TmaTileWriter::begin(me);
+      const float* a = acc[h];
+#pragma unroll
+      for (int p = 0; p < 8; ++p) {
+        const int i = 2 * p;  // the m64n128 layout's column block of 8
+        stmatrix_x4_trans(lane_addr + p * (16 * 128),
+                          pack2<T>(epilogue(a[4 * i], m), epilogue(a[4 * i + 1], m)),
+                          pack2<T>(epilogue(a[4 * i + 2], m + 8), epilogue(a[4 * i + 3], m + 8)),
+                          pack2<T>(epilogue(a[4 * i + 4], m), epilogue(a[4 * i + 5], m)),
+                          pack2<T>(epilogue(a[4 * i + 6], m + 8), epilogue(a[4 * i + 7], m + 8)));
+      }
+      if (TmaTileWriter::staged(me)) {
+        tma_store_2d(map_c, staging, static_cast<int>(m0), static_cast<int>(n0 + 128 * h));
+        bulk_commit();
+      }
+    }
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
@@ -99,6 +145,34 @@ gemm_wgmma(const __grid_constant__ TensorMap map_a, const __grid_constant__ Tens
     DirectStore<T, LinearEpilogue<T>> store{c, epilogue, M, N, ldc};
     half_gemm_persistent<T, kStages, 0>(reinterpret_cast<char*>(gemm_shared), loader, store);
   }
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
+
+
+// z [M, N] = x W^T (+ bias) with x [M, K] of the 16-bit T and W [N, K]
+// float32, W rounded to T in registers (F32ConvertMma; the same products as
+// x times W cast to T): the product of a linear layer under autocast, which
+// reads the float32 weight once instead of casting it first.  Computed as
+// z^T = W x^T (W as wgmma's A, the operand that may come from registers).
+// bias: N values of T, or null.  K % 8 == 0, N % 8 == 0, 16-byte aligned
+// rows (tensor maps: map_w boxes 32 x 128, map_x 64 x 256, map_z 64 x 128).
+// Grid: at most one block per SM, kHgThreads threads,
+// half_gemm_shared_bytes<kStages, kCtStagingBytes, kCvStageBytes>() of
+// dynamic shared memory.
+template <typename T, int kStages>
+__global__ void __launch_bounds__(kHgThreads, 1)
+gemm_wgmma_f32_weight(const __grid_constant__ TensorMap map_w, const __grid_constant__ TensorMap map_x,
+                      const __grid_constant__ TensorMap map_z, const T* __restrict__ bias, i64 M, i64 N,
+                      i64 K) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char gemm_shared[];
+  // A: W's tiles of 128 rows x 64 float32 as two boxes; B: x's of 256 rows.
+  const TiledLoader<kCvBM, kCvBN, 2> loader{map_w, map_x, N, M, K};
+  TransposedTmaStore<T, LinearEpilogue<T>> store{map_z, LinearEpilogue<T>{bias, 0, N}};
+  half_gemm_persistent<T, kStages, kCtStagingBytes>(reinterpret_cast<char*>(gemm_shared), loader, store,
+                                                    F32ConvertMma<T>());
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

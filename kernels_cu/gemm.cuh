@@ -7,11 +7,14 @@
 // come from is the caller's `Loader` (DenseLoader: two matrices through 2D
 // tensor maps; a convolution's loader gathers A's tiles from its input
 // instead); what is done with the accumulators is the caller's `Store`
-// (gemm.cu: bias and activation; linear_gn_chain.cu: the GroupNorm chains).
+// (gemm.cu: bias and activation; linear_gn_chain.cu: the GroupNorm chains);
+// how the consumers run their MMAs is the `Mma` policy (SmemMma: both
+// operands from shared memory, as below; F32ConvertMma: A float32, rounded
+// to 16 bits in registers, both consumers on one 128 x 256 tile).
 //
 // Persistent and warp-specialised: one block of three warpgroups per SM
-// walks the output tiles (128 x 128) in a fixed grouped order, blockIdx.x,
-// + gridDim.x, ...
+// walks the output tiles (128 x 128 with SmemMma) in a fixed grouped order,
+// blockIdx.x, + gridDim.x, ...
 //  * the producer warpgroup (one thread of it) streams the tiles of A and B
 //    (128 rows x 128 bytes each: 64 16-bit values, or 32 float32 ones, of
 //    k) with the bulk tensor copy engine (TMA) into a kStages
@@ -49,14 +52,20 @@ constexpr int kHgTileABytes = kHgBM * kHgBK * 2;     // 16 KiB
 constexpr int kHgTileBBytes = kHgBN * kHgBK * 2;     // 16 KiB
 constexpr int kHgStageBytes = kHgTileABytes + kHgTileBBytes;
 constexpr int kHgAccs = 64;                          // accumulators per consumer thread and half
+// F32ConvertMma's tile of C^T (rows of its float32 A x rows of B) and stage.
+constexpr int kCvBM = 128, kCvBN = 256;
+constexpr int kCvStageBytes = kCvBM * 64 * 4 + kCvBN * 64 * 2;  // 64 KiB
+// Its store's staging (gemm.cu, TransposedTmaStore): 128 x 64 16-bit values
+// of C per consumer warpgroup.
+constexpr int kCtStagingBytes = 2 * (kCvBN / 2) * 64 * 2;
 
 // Dynamic shared memory of the engine: the stages (1024-byte aligned, as the
 // 128-byte swizzle pattern repeats every 1024 bytes), the store's staging
 // area of kStagingBytes (a multiple of 1024), and the stages' mbarriers.
-template <int kStages, int kStagingBytes>
+template <int kStages, int kStagingBytes, int kStageBytes = kHgStageBytes>
 __host__ __device__ constexpr int half_gemm_shared_bytes() {
   // 1024: alignment slack; the barriers: full and empty per stage, 2 turns.
-  return 1024 + kStages * kHgStageBytes + kStagingBytes + 2 * kStages * 8 + 16;
+  return 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + 16;
 }
 
 // A consumer thread: its warpgroup (wg: 0, 1) and where its accumulators
@@ -100,14 +109,19 @@ struct TmaTileWriter {
   __device__ __forceinline__ static void put(unsigned staging, int r, int i, int t, unsigned word) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(chunk_addr(staging, r, i) + 4 * t), "r"(word) : "memory");
   }
+  // Makes the warpgroup's writes of its staging area visible to the copy
+  // engine; true for the thread that then hands it over.
+  __device__ __forceinline__ static bool staged(const HalfGemmLane& me) {
+    fence_proxy_async();
+    named_barrier(1 + me.wg, 128);
+    return me.leader();
+  }
   // Hands the tile to the copy engine: the boxes at (n0 + 64 box, m0) of a
   // 2-D C, or, with outer >= 0, of plane `outer` of a 3-D C (its rows those
   // of one plane, the boxes 64 x 128 x 1).
   __device__ __forceinline__ static void end(const TensorMap& map, const HalfGemmLane& me, unsigned staging,
                                              i64 m0, i64 n0, int outer = -1) {
-    fence_proxy_async();
-    named_barrier(1 + me.wg, 128);
-    if (me.leader()) {
+    if (staged(me)) {
 #pragma unroll
       for (int box = 0; box < kHgBN / 64; ++box) {
         const unsigned src = staging + box * (kHgBM * 128);
@@ -138,29 +152,36 @@ struct TmaTileWriter {
 // `bar`'s transaction count by kHgStageBytes.  The producer's issue rate
 // can set a short product's pace: per-tile work belongs in begin_tile().
 //
-// DenseLoader: A [M, K] and B [N, K] through tensor maps with boxes of
-// 128 x 64 elements, 128-byte swizzle (ops.gemm._tensor_map).
-struct DenseLoader {
+// TiledLoader: A [M, K] and B [N, K] through tensor maps, tiles of kBM x
+// 64 and kBN x 64 elements of a 16-bit B; A's tile is kABoxes boxes of
+// 128-byte rows, side by side in k (one of 64 16-bit values; two of 32
+// float32 ones), B's one box (128-byte swizzle: ops.gemm._tensor_map).
+// DenseLoader: 128 x 128 tiles of C, A of B's dtype.
+template <int kBM, int kBN, int kABoxes = 1>
+struct TiledLoader {
   const TensorMap& map_a;
   const TensorMap& map_b;
   i64 M, N, K;
   int m0 = 0, n0 = 0;  // the current output tile's first row and column
-  __device__ __forceinline__ i64 tiles_m() const { return (M + kHgBM - 1) / kHgBM; }
-  __device__ __forceinline__ i64 tiles_n() const { return (N + kHgBN - 1) / kHgBN; }
+  __device__ __forceinline__ i64 tiles_m() const { return (M + kBM - 1) / kBM; }
+  __device__ __forceinline__ i64 tiles_n() const { return (N + kBN - 1) / kBN; }
   __device__ __forceinline__ int ktiles() const { return static_cast<int>((K + kHgBK - 1) / kHgBK); }
   __device__ __forceinline__ void prefetch() const {
     tma_prefetch_descriptor(map_a);
     tma_prefetch_descriptor(map_b);
   }
   __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
-    m0 = static_cast<int>(tm * kHgBM);
-    n0 = static_cast<int>(tn * kHgBN);
+    m0 = static_cast<int>(tm * kBM);
+    n0 = static_cast<int>(tn * kBN);
   }
   __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
-    tma_load_2d(tile_a, map_a, kt * kHgBK, m0, bar);
+#pragma unroll
+    for (int box = 0; box < kABoxes; ++box)
+      tma_load_2d(tile_a + box * (kBM * 128), map_a, kt * kHgBK + box * (kHgBK / kABoxes), m0, bar);
     tma_load_2d(tile_b, map_b, kt * kHgBK, n0, bar);
   }
 };
+using DenseLoader = TiledLoader<kHgBM, kHgBN>;
 
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte
 // swizzle layout that TMA writes: rows of 128 bytes, 8-row (1024-byte) core
@@ -216,26 +237,201 @@ __device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long
 }
 #undef CF_WGMMA_M64N128
 
+// The consumers' MMAs, a policy of the engine (half_gemm_persistent): the
+// shape of a block's tile of C (kBM x kBN) and how the two consumer
+// warpgroups share it (kCooperative: both work on every tile, warpgroup w
+// on its rows kWgRows w .. kWgRows (w + 1) - 1; else they take whole tiles in
+// turns, "ping-pong"), the bytes of A's and B's tiles in a stage, and
+// issue(acc, a, b, kt), which issues and commits the MMAs of k-tile kt
+// whose operands lie in the stage at shared addresses a (A) and b (B),
+// leaving at most one group of this k-tile's MMAs in flight.
+// begin_tile(tm, tn) comes before a tile's first k-tile, end_tile() after
+// the wait for its last MMAs.
+//
+// SmemMma: both operands from shared memory (descriptors), A and B 128 rows
+// of 128 bytes, two wgmma.m64n128 per 32-byte step of k (acc[h]: rows 64h ..
+// 64h + 63), one group per k-tile.
+template <typename T>
+struct SmemMma {
+  static constexpr int kBM = kHgBM, kBN = kHgBN, kWgRows = kHgBM;
+  static constexpr bool kCooperative = false;
+  static constexpr int kTileABytes = kHgTileABytes, kTileBBytes = kHgTileBBytes;
+  __device__ __forceinline__ void begin_tile(i64, i64) {}
+  __device__ __forceinline__ void end_tile() {}
+  __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) const {
+    fence_registers(acc[0]);
+    fence_registers(acc[1]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHgSteps; ++kk) {  // 32 bytes along the swizzled row
+      const unsigned long long db = swizzle128_desc(b + 32 * kk);
+      wgmma_m64n128_step<T>(acc[0], swizzle128_desc(a + 32 * kk), db, kt > 0 || kk > 0);
+      wgmma_m64n128_step<T>(acc[1], swizzle128_desc(a + 64 * 128 + 32 * kk), db, kt > 0 || kk > 0);
+    }
+    wgmma_commit();
+  }
+};
+
+#define CF_E8(i) "+f"(e[i]), "+f"(e[i + 1]), "+f"(e[i + 2]), "+f"(e[i + 3]), "+f"(e[i + 4]), \
+                 "+f"(e[i + 5]), "+f"(e[i + 6]), "+f"(e[i + 7])
+#define CF_E32(i) CF_E8(i), CF_E8(i + 8), CF_E8(i + 16), CF_E8(i + 24)
+#define CF_WGMMA_M64N256_RS(TYPES)                                                                       \
+  asm volatile(                                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                     \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32" TYPES " "                                           \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "     \
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "      \
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "       \
+      "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "       \
+      "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "       \
+      "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "         \
+      "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "       \
+      "%123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                  \
+      : CF_D32(0), CF_D32(32), CF_E32(0), CF_E32(32)                                                     \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+// d, e (+)= A B^T for one 16-value step of k, A from registers: a 64 x 16
+// slice of A of a 16-bit T in the fragment layout of mma.m16n8k16 per warp
+// (warp w: rows 16w + g, + 8; a[0]: row g, k 2t, 2t + 1; a[1]: row g + 8;
+// a[2], a[3]: the same at k + 8), and a 256 x 16 slice of B in shared
+// memory (descriptor).  d: columns 0-127 of C's 64 x 256 slice, e: 128-255,
+// each in the m64n128 layout.  accumulate = 0 ignores d's and e's old
+// values.  wgmma reads a[] asynchronously: the registers must keep their
+// values until the MMA has completed (wgmma_wait).
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n256_rs(float (&d)[64], float (&e)[64], const unsigned (&a)[4],
+                                                 unsigned long long desc_b, int accumulate) {
+  if constexpr (WgmmaType<T>::kBf16) {
+    CF_WGMMA_M64N256_RS(".bf16.bf16");
+  } else {
+    CF_WGMMA_M64N256_RS(".f16.f16");
+  }
+}
+#undef CF_WGMMA_M64N256_RS
+#undef CF_E32
+#undef CF_E8
+
+// Keeps the compiler from giving the registers of an MMA's A operand to
+// anything else before this point (after the wait for that MMA).
+__device__ __forceinline__ void fence_registers(unsigned (&a)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// F32ConvertMma: A is float32 in shared memory, rounded to the 16-bit T in
+// registers as the MMAs take it (wgmma's A may come from registers, B may
+// not), so a float32 operand is read once, with no cast of it in memory.
+// A block's tile is 128 rows (A's) x 256 columns (B's), shared by the two
+// consumer warpgroups (cooperative: they read the same B tile, which halves
+// the operand bytes per MMA of a 64 x 256 tile each).  Warpgroup w takes
+// rows 64w .. 64w + 63: one wgmma.m64n256k16 per 16 values of k, acc[0]
+// and acc[1] its columns 0-127 and 128-255 (each in the m64n128 layout).
+// A's tile in a stage: 128 rows x 64 float32 as two 128-byte swizzled boxes
+// of 32 values of k (16 KiB each); B's: 256 rows x 64 values of T (one
+// swizzled box).  A k-tile's A fragments are loaded and rounded whole into
+// one of two register sets, taken in turn, while the previous k-tile's MMAs
+// run; one group of MMAs per k-tile.
+template <typename T>
+struct F32ConvertMma {
+  static constexpr int kBM = kCvBM, kBN = kCvBN, kWgRows = 64;
+  static constexpr bool kCooperative = true;
+  static constexpr int kTileABytes = kBM * 64 * 4, kTileBBytes = kBN * 64 * 2;
+  static_assert(kTileABytes + kTileBBytes == kCvStageBytes, "the stage as the host sizes it");
+  // This thread's rows of A's tile (row, row + 8: in its warpgroup's half)
+  // and the byte offsets in a box row of its values at k 2t, 2t + 1 (lo) and
+  // k + 8 (hi), for steps of even and odd kk.
+  int row;
+  unsigned off[2][2];
+  unsigned regs[2][4][4];  // [k-tile parity][step kk][fragment register]
+
+  __device__ __forceinline__ F32ConvertMma() {
+    const HalfGemmLane me;
+    row = kWgRows * me.wg + me.row;
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd)
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int chunk = 4 * odd + 2 * hi + (me.t >> 1);  // 16-byte chunk of k in the 128-byte row
+        off[odd][hi] = (static_cast<unsigned>(chunk ^ (row & 7)) << 4) + 8u * (me.t & 1);
+      }
+  }
+  __device__ __forceinline__ void begin_tile(i64, i64) {
+    // (New values: the last tile's stay live only until its end_tile.)
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) regs[p][kk][i] = 0u;
+  }
+  __device__ __forceinline__ void end_tile() {
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) fence_registers(regs[p][kk]);
+  }
+  __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) {
+    // (Register sets named at compile time: an index by kt would put them
+    // in local memory.)
+    if (kt & 1) {
+      issue_into<1>(acc, a, b, kt);
+    } else {
+      issue_into<0>(acc, a, b, kt);
+    }
+  }
+  template <int kSet>
+  __device__ __forceinline__ void issue_into(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) {
+    unsigned (&frag)[4][4] = regs[kSet];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const unsigned r0 = a + (kk >> 1) * (kBM * 128) + row * 128;  // row `row` of box kk / 2
+      float2 v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)  // (row, lo), (row + 8, lo), (row, hi), (row + 8, hi)
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                     : "=f"(v[j].x), "=f"(v[j].y)
+                     : "r"(r0 + (j & 1) * 1024 + off[kk & 1][j >> 1]));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) frag[kk][j] = pack2<T>(v[j].x, v[j].y);
+    }
+    fence_registers(acc[0]);
+    fence_registers(acc[1]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_m64n256_rs<T>(acc[0], acc[1], frag[kk], swizzle128_desc(b + 32 * kk), kt > 0 || kk > 0);
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous k-tile's MMAs are done: its A registers are free
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) fence_registers(regs[1 - kSet][kk]);
+  }
+};
+
 // The engine, run by all kHgThreads threads of a block: every tile of C this
 // block owns, each handed to store(acc, lane, m0, n0, staging) by every
-// thread of the consumer warpgroup that computed it (its 2 x kHgAccs sums,
-// layout above) after its last read of the tile's stages; `staging`: the
-// shared address of that warpgroup's kStagingBytes / 2 of staging area.
-// After its last tile every consumer thread calls store.finish(lane).  The
-// store runs inside the consumer branch: code after a join of the producer's
-// and the consumers' paths would be held to the producer's register budget.
-// `loader` (DenseLoader above) supplies the operands' tiles.
-template <typename T, int kStages, int kStagingBytes, typename Loader, typename Store>
-__device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loader& loader,
-                                                     Store& store) {
+// thread of each consumer warpgroup that computed part of it (its 2 x
+// kHgAccs sums, in the layout of its Mma; m0: the first row of its part)
+// after its last read of the tile's stages; `staging`: the shared address
+// of that warpgroup's kStagingBytes / 2 of staging area.  After its last
+// tile every consumer thread calls store.finish(lane).  The store runs
+// inside the consumer branch: code after a join of the producer's and the
+// consumers' paths would be held to the producer's register budget.
+// `loader` (DenseLoader above) supplies the operands' tiles, `mma` (SmemMma
+// by default) runs the MMAs.
+template <typename T, int kStages, int kStagingBytes, typename Mma = SmemMma<T>, typename Loader,
+          typename Store>
+__device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loader& loader, Store& store,
+                                                     Mma mma = Mma()) {
   // 1024-byte aligned stages, the staging area, then the barriers: full[s] at
   // + 8s, empty[s] at + 8 (kStages + s), turn[w] at + 8 (2 kStages + w).
-  static_assert(half_gemm_shared_bytes<kStages, kStagingBytes>() <= 232448, "fits the opt-in shared memory");
+  constexpr int kStageBytes = Mma::kTileABytes + Mma::kTileBBytes;
+  static_assert(half_gemm_shared_bytes<kStages, kStagingBytes, kStageBytes>() <= 232448,
+                "fits the opt-in shared memory");
+  static_assert(Mma::kTileABytes % 1024 == 0 && Mma::kTileBBytes % 1024 == 0, "tiles keep the swizzle's alignment");
   const unsigned base = (shared_addr(smem_raw) + 1023u) & ~1023u;
-  const unsigned staging = base + kStages * kHgStageBytes;
+  const unsigned staging = base + kStages * kStageBytes;
   const unsigned bars = staging + kStagingBytes;
-  auto tile_a = [&](int s) { return base + s * kHgStageBytes; };
-  auto tile_b = [&](int s) { return base + s * kHgStageBytes + kHgTileABytes; };
+  auto tile_a = [&](int s) { return base + s * kStageBytes; };
+  auto tile_b = [&](int s) { return base + s * kStageBytes + Mma::kTileABytes; };
   auto full = [&](int s) { return bars + 8u * s; };
   auto empty = [&](int s) { return bars + 8u * (kStages + s); };
   auto turn = [&](int w) { return bars + 8u * (2 * kStages + w); };
@@ -249,7 +445,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     loader.prefetch();
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), 1);   // the producer's arrive; the copies complete the phase
-      mbar_init(empty(s), 4);  // one arrive per warp of the consuming warpgroup
+      mbar_init(empty(s), Mma::kCooperative ? 8 : 4);  // one arrive per warp of the consumer(s)
     }
     mbar_init(turn(0), 4);  // one arrive per warp of the other consumer warpgroup
     mbar_init(turn(1), 4);
@@ -258,14 +454,16 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   __syncthreads();
 
   // The block's j-th tile is blockIdx.x + j * gridDim.x, consumed by
-  // warpgroup j % 2; its k-tile kt is the pipeline's it = j * ktiles + kt-th
-  // use of a stage (stage it % kStages, phase it / kStages).  The consumers'
-  // main loops take turns: warpgroup w starts tile j once the other has
-  // issued every MMA of tile j - 1 (its arrive on turn[w]).  Besides
-  // ordering the tensor-core work, that keeps every wait on a stage's "full"
-  // barrier at most one phase ahead of the barrier, as waits by parity need:
-  // without it, a warpgroup could wait for a stage's next-but-one phase and
-  // take the completion of the phase before it.
+  // warpgroup j % 2 (ping-pong) or by both (cooperative); its k-tile kt is
+  // the pipeline's it = j * ktiles + kt-th use of a stage (stage it %
+  // kStages, phase it / kStages).  Ping-pong, the consumers' main loops take
+  // turns: warpgroup w starts tile j once the other has issued every MMA of
+  // tile j - 1 (its arrive on turn[w]).  Besides ordering the tensor-core
+  // work, that keeps every wait on a stage's "full" barrier at most one
+  // phase ahead of the barrier, as waits by parity need: without it, a
+  // warpgroup could wait for a stage's next-but-one phase and take the
+  // completion of the phase before it.  Cooperative, both consumers release
+  // every stage, so neither can get a whole ring ahead of the other.
   if (warp < 4) {
     // ---------------- producer ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -280,7 +478,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
         const int s = it % kStages;
         // The stage's previous use (it - kStages) must have been released.
         if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
-        mbar_arrive_expect_tx(full(s), kHgStageBytes);
+        mbar_arrive_expect_tx(full(s), kStageBytes);
         producer.load(tile_a(s), tile_b(s), full(s), kt);
       }
     }
@@ -291,8 +489,13 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   const HalfGemmLane me;
   const bool warp_leader = (tid & 31) == 0;
   const unsigned my_staging = staging + me.wg * (kStagingBytes / 2);
+  // Cooperative: every tile, this warpgroup's rows of it; ping-pong: every
+  // other tile, whole.
+  constexpr int kStride = Mma::kCooperative ? 1 : 2;
+  const i64 my_rows = Mma::kCooperative ? me.wg * Mma::kWgRows : 0;
   float acc[2][kHgAccs];
-  for (i64 j = me.wg, tile = blockIdx.x + j * gridDim.x; tile < tiles; j += 2, tile += 2 * gridDim.x) {
+  for (i64 j = Mma::kCooperative ? 0 : me.wg, tile = blockIdx.x + j * gridDim.x; tile < tiles;
+       j += kStride, tile += kStride * gridDim.x) {
     i64 tm, tn;
     grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
     // The first MMA of a tile ignores the accumulators; zeroing them here
@@ -305,32 +508,24 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     int it = static_cast<int>(j) * ktiles;
     // Tile j is this warpgroup's (j / 2)-th: wait for the other's tile j - 1,
     // the turn barrier's phase (j - 1) / 2.
-    if (j > 0) mbar_wait(turn(me.wg), ((j - 1) >> 1) & 1);
+    if (!Mma::kCooperative && j > 0) mbar_wait(turn(me.wg), ((j - 1) >> 1) & 1);
+    mma.begin_tile(tm, tn);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % kStages;
       mbar_wait(full(s), (it / kStages) & 1);
-      const unsigned a = tile_a(s), b = tile_b(s);
-      fence_registers(acc[0]);
-      fence_registers(acc[1]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHgSteps; ++kk) {  // 32 bytes along the swizzled row
-        const unsigned long long db = swizzle128_desc(b + 32 * kk);
-        wgmma_m64n128_step<T>(acc[0], swizzle128_desc(a + 32 * kk), db, kt > 0 || kk > 0);
-        wgmma_m64n128_step<T>(acc[1], swizzle128_desc(a + 64 * 128 + 32 * kk), db, kt > 0 || kk > 0);
-      }
-      wgmma_commit();
+      mma.issue(acc, tile_a(s), tile_b(s), kt);
       if (kt > 0) {
         wgmma_wait<1>();  // the previous k-tile's MMAs are done: release its stage
         if (warp_leader) mbar_arrive(empty((it - 1) % kStages));
       }
     }
-    if (warp_leader) mbar_arrive(turn(1 - me.wg));  // every MMA of tile j is issued
+    if (!Mma::kCooperative && warp_leader) mbar_arrive(turn(1 - me.wg));  // every MMA of tile j is issued
     wgmma_wait<0>();
     fence_registers(acc[0]);
     fence_registers(acc[1]);
+    mma.end_tile();
     if (warp_leader) mbar_arrive(empty((it - 1) % kStages));
-    store(acc, me, tm * kHgBM, tn * kHgBN, my_staging);
+    store(acc, me, tm * Mma::kBM + my_rows, tn * Mma::kBN, my_staging);
   }
   store.finish(me);
 }

@@ -109,7 +109,8 @@ for dtype in (d for d in dtypes if d != torch.float32):
             failed += [] if ok else [f"eager_rounding {chain} {dtype} {(rows, channels, groups)}"]
 if G.has_wgmma(0):
     # The Hopper 16-bit GEMM engine directly: the plain product (TMA store,
-    # and the register store of a C whose rows TMA cannot address) and the
+    # and the register store of a C whose rows TMA cannot address), the
+    # product with a float32 weight, and the
     # one-launch GEMM + GroupNorm chains (every chain, groups of 8 to 128
     # channels, ragged rows and columns, saving the backward's tensors or
     # not), into NaN-poisoned outputs, against cuBLAS and the two-launch route.
@@ -127,6 +128,14 @@ if G.has_wgmma(0):
                                 atol=3e-2, rtol=3e-2)
             print("half gemm", dtype, (m, k, n), "OK" if ok else "ERROR", flush=True)
             failed += [] if ok else [f"half gemm {dtype} {(m, k, n)}"]
+            # The product with a float32 weight rounded in the kernel (its
+            # tile 128 rows of W x 256 of x: ragged here on both sides).
+            w32 = torch.randn(n - n % 8, k, device="cuda") / k ** 0.5
+            y = G._linear_float32_weight(x, w32, bias[:n - n % 8])
+            ok = torch.allclose(y.float(), torch.addmm(bias[:n - n % 8], x, w32.to(dtype).t()).float(),
+                                atol=3e-2, rtol=3e-2)
+            print("float32-weight gemm", dtype, (m, k, n - n % 8), "OK" if ok else "ERROR", flush=True)
+            failed += [] if ok else [f"float32-weight gemm {dtype} {(m, k, n - n % 8)}"]
         for m, k, n, groups in ((3, 64, 136, 17), (130, 64, 256, 2), (129, 72, 384, 12)):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5

@@ -4,6 +4,7 @@ there: output dtype, gradient dtypes, error against a float64 run no worse
 than 1.5x eager's, non-finite values where the reference puts them,
 GradScaler's skipped step, and torch.compile."""
 import copy
+import importlib
 
 import pytest
 import torch
@@ -148,6 +149,66 @@ def test_compiled_under_autocast(problem, device):
     (y0, dx0), (y1, dx1) = results
     assert y1.dtype == y0.dtype == torch.float32 and dx1.dtype == dx0.dtype == torch.float32
     assert rel_error(y1, y0) < 1e-2 and rel_error(dx1, dx0) < 1e-2
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize("amp", AMP, ids=str)
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_forward_without_autograd_under_autocast(problem, amp, value, device):
+    """Inference under autocast (no autograd: on Hopper, problem 76's product
+    reads its float32 weight itself): the reference's output dtype, error
+    within 1.5x of eager's against float64, and a non-finite input element
+    landing where the reference puts it."""
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    ref, ours = build_pair(problem, args, device, torch.float32)
+    gen = torch.Generator(device="cpu").manual_seed(problem + 1)
+    x = torch.rand(shape, generator=gen).to(device)
+    if value is not None:
+        x.view(-1)[x.numel() // 3] = value
+    with torch.no_grad():
+        truth = copy.deepcopy(ref).double()(x.double())
+        with _autocast(amp):
+            want, got = ref(x), ours(x)
+    assert got.dtype == want.dtype
+    if value is None:
+        errors = {"out": (rel_error(got, truth), rel_error(want, truth))}
+        assert not worse_than_eager(errors, amp), errors
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(got), test(want)), test.__name__
+
+
+@pytest.mark.parametrize("amp", AMP, ids=str)
+def test_autocast_inference_reads_the_float32_weight_up_to_its_row_limit(amp, device, monkeypatch):
+    """The route of an autocast product without autograd: on Hopper, at most
+    CONVERT_MAX_ROWS rows of x in enough tiles take
+    gemm._linear_float32_weight; more rows, too few tiles, a product that
+    autograd records, or another GPU take the weight's cast and cuBLAS.
+    Each gives F.linear's result within its error."""
+    from cupy_fused.ops import gemm
+
+    linear_module = importlib.import_module("cupy_fused.ops.linear")  # (ops.linear: the function)
+
+    calls = []
+    real = linear_module._linear_float32_weight
+    monkeypatch.setattr(linear_module, "_linear_float32_weight",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    limit, sms = gemm.CONVERT_MAX_ROWS, gemm.sm_count(device.index)
+    hopper = gemm.has_wgmma(device.index)
+    # A weight of just enough 128-row tiles, with x of 4 256-row tiles; then
+    # one tile fewer.
+    n_enough = 128 * -(-sms // 8)
+    for rows, n, grad, taken in ((limit, n_enough, False, hopper), (limit + 1, n_enough, False, False),
+                                 (limit, n_enough - 128, False, False), (8, n_enough, True, False)):
+        calls.clear()
+        w, b = _rand(n, 64, seed=1) * 0.2, _rand(n, seed=2)
+        x = _rand(rows, 64, seed=rows).requires_grad_(grad)
+        with torch.set_grad_enabled(grad), _autocast(amp):
+            got, want = ops.linear(x, w, b, "relu"), F.relu(F.linear(x, w, b))
+        assert calls == ([rows] if taken else []), (rows, n, grad)
+        assert got.dtype == want.dtype == amp
+        truth = F.relu(F.linear(x.double(), w.double(), b.double()))
+        errors = {"out": (rel_error(got, truth), rel_error(want, truth))}
+        assert not worse_than_eager(errors, amp), (rows, errors)
 
 
 # ---------------------------------------------------------------- functional ops

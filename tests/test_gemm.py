@@ -445,3 +445,72 @@ def test_half_engine_is_bitwise_reproducible_and_refuses_what_it_cannot_run(devi
         G._half_linear(x.view(-1)[1:1 + 999 * 1024].view(999, 1024), w)  # starts off 16 bytes
     with pytest.raises(ValueError, match="out must be a contiguous"):
         G._half_linear(x, w, out=torch.empty(1000, 1031, device=device, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- float32 weight (autocast)
+
+# (M, K, N): ragged against the 128 x 256 tiles of z^T, one row, a K of one
+# 16-byte row of x, K not a multiple of the 64-value k-tile, a single tile,
+# N of one 8-row group.
+F32W_SHAPES = [(1, 8, 8), (300, 72, 264), (257, 1000, 136), (1000, 1024, 1032), (64, 64, 64),
+               (513, 200, 8)]
+
+
+def _needs_float32_weight_engine(x_d, w):
+    if not G.has_wgmma(x_d.device.index):
+        pytest.skip("the float32-weight product needs compute capability 9.0")
+    assert G._uses_float32_weight_engine(x_d, w)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("shape", F32W_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_float32_weight_product_is_the_cast_weights_product(shape, dtype, device):
+    """x_d W^T (+ bias) with W float32 rounded in the kernel: within cuBLAS's
+    error on ``W.to(dtype)`` against float64 of that product, every element
+    written (NaN-poisoned memory)."""
+    m, k, n = shape
+    x, _, b = _half_operands(m, k, n, dtype, device)
+    g = torch.Generator(device="cpu").manual_seed(m * k + n)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device)
+    _needs_float32_weight_engine(x, w)
+    w_d = w.to(dtype)
+    for bias in (b, None):
+        truth = x.double() @ w_d.double().t() + (bias.double() if bias is not None else 0)
+        cublas = torch.addmm(bias, x, w_d.t()) if bias is not None else torch.mm(x, w_d.t())
+        poison_allocator(device, 2 * m * n)
+        z = G._linear_float32_weight(x, w, bias)
+        assert z.dtype == dtype and z.shape == (m, n)
+        errors = {"out": (rel_error(z, truth), rel_error(cublas, truth))}
+        assert not worse_than_eager(errors, dtype), errors
+
+
+@gpu
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e38], ids=str)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_float32_weight_non_finite_lands_where_the_cast_puts_it(value, dtype, device):
+    """A non-finite (or, in float16, overflowing) element of W and of x:
+    NaN / +inf / -inf where cuBLAS on the cast weight puts them."""
+    x, _, _ = _half_operands(300, 72, 264, dtype, device)
+    w = torch.randn(264, 72, device=device) / 8
+    _needs_float32_weight_engine(x, w)
+    w[100, 3] = value
+    w[7, 70] = -value
+    x[17, 5] = value if value != 1e38 else 1.0
+    want = torch.mm(x, w.to(dtype).t())
+    got = G._linear_float32_weight(x, w)
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(got), test(want)), test.__name__
+
+
+@gpu
+def test_float32_weight_is_bitwise_reproducible_and_refuses_what_it_cannot_run(device):
+    x, _, b = _half_operands(1000, 1024, 1032, torch.bfloat16, device)
+    w = torch.randn(1032, 1024, device=device)
+    _needs_float32_weight_engine(x, w)
+    assert torch.equal(G._linear_float32_weight(x, w, b), G._linear_float32_weight(x, w, b))
+    for bad_x, bad_w in ((x.float(), w), (x, w.to(torch.bfloat16)), (x, w[:1030]),
+                         (x.view(-1)[1:1 + 999 * 1024].view(999, 1024), w)):
+        assert not G._uses_float32_weight_engine(bad_x, bad_w)
+        with pytest.raises(ValueError, match="_linear_float32_weight needs"):
+            G._linear_float32_weight(bad_x, bad_w)

@@ -22,8 +22,10 @@ process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
 * ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``).  This is also
   the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
   cuBLAS's own (bias and ReLU on that path: see :mod:`.linear`), except
-  the one-launch GroupNorm forward of :mod:`.linear_gn_chain`, on the 16-bit
-  Hopper engine at the end of this module.
+  the one-launch GroupNorm forward of :mod:`.linear_gn_chain` and, under
+  autocast without autograd, the product with a float32 weight
+  (:func:`_linear_float32_weight`), both on the 16-bit Hopper engine at the
+  end of this module.
 
 The cuBLAS products follow torch's own settings: with
 ``torch.backends.cuda.matmul.allow_tf32 = True`` they run in TF32.
@@ -343,13 +345,14 @@ HALF_STAGES = 4
 HALF_STAGING_BYTES = 2 * HALF_TILE[0] * HALF_TILE[1] * 2
 
 
-def _half_shared_bytes(staging_bytes: int) -> int:
-    """Dynamic shared memory of a kernel on the engine with HALF_STAGES
-    stages and ``staging_bytes`` of store staging: half_gemm_shared_bytes<stages,
-    staging>() (kernels_cu/gemm.cuh; 1024 bytes of alignment slack,
-    the stages, the staging, the stages' and the turns' mbarriers)."""
-    return (1024 + HALF_STAGES * (HALF_TILE[0] + HALF_TILE[1]) * HALF_BOX_K * 2
-            + staging_bytes + 2 * HALF_STAGES * 8 + 16)
+def _half_shared_bytes(staging_bytes: int, stages: int = HALF_STAGES,
+                       stage_bytes: int = (HALF_TILE[0] + HALF_TILE[1]) * HALF_BOX_K * 2) -> int:
+    """Dynamic shared memory of a kernel on the engine with ``stages``
+    stages of ``stage_bytes`` and ``staging_bytes`` of store staging:
+    half_gemm_shared_bytes<stages, staging, stage bytes>()
+    (kernels_cu/gemm.cuh; 1024 bytes of alignment slack, the stages, the
+    staging, the stages' and the turns' mbarriers)."""
+    return 1024 + stages * stage_bytes + staging_bytes + 2 * stages * 8 + 16
 
 
 # Keyed by (dtype, C stored through TMA).
@@ -472,6 +475,95 @@ def _half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                                   _ptr_or_null(bias), activation, m, n, k, n), dev,
                    shared_mem=_half_shared_bytes(HALF_STAGING_BYTES if tma else 0))
     return out
+
+
+# ---------------------------------------------------------------- float32 weight (autocast)
+#
+# x W^T with x of a 16-bit dtype and W float32, W rounded to x's dtype in
+# registers as the MMAs take it (F32ConvertMma in kernels_cu/gemm.cuh): a
+# linear layer's product under autocast without the cast of its weight, a
+# pass over the weight of its own (read 4 bytes, write 2 per value) before
+# every forward.  The kernel computes z^T = W x^T in tiles of 128 rows of W
+# x 256 of x (both consumer warpgroups on one tile) and writes z through a
+# transposing store.  Its main loop runs at about 0.77x cuBLAS's on the
+# cast weight (docs/gemm.md), so it wins where the cast it saves is large
+# against the product: a forward without autograd (inference) of few rows
+# (:data:`CONVERT_MAX_ROWS`).
+# Training keeps the cast, which the backward reads again (docs/gemm.md).
+
+CONVERT_TILE = (128, 256)  # rows of W x rows of x per tile (kCvBM, kCvBN)
+CONVERT_STAGES = 3         # of 64 KiB, beside 32 KiB of staging
+CONVERT_STAGE_BYTES = CONVERT_TILE[0] * 64 * 4 + CONVERT_TILE[1] * 64 * 2
+CONVERT_STAGING_BYTES = 2 * 128 * 64 * 2  # kCtStagingBytes: 128 x 64 of z per warpgroup
+# Where the product runs here rather than as W's cast then cuBLAS: at most
+# this many rows of x (measured faster at 512 and 1024 rows, slower at
+# 2048), in at least half as many tiles as the GPU has SMs (128 tiles
+# faster, 32 slower) (H200; docs/gemm.md).
+CONVERT_MAX_ROWS = 1024
+
+CONVERT_KERNELS = _runtime.KernelFamily("gemm.cu", {
+    dtype: f"cf::gemm_wgmma_f32_weight<{cxx_type(dtype)}, {CONVERT_STAGES}>"
+    for dtype in HALF_DTYPES
+})
+
+
+def _uses_float32_weight_engine(x_d: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`_linear_float32_weight` can take ``x_d W^T``: a compute
+    capability 9.0 GPU (and the ``gemm_wgmma`` setting on), x_d float16 /
+    bfloat16 and W float32, both 2-D and read by the copy engine
+    (:func:`_tma_compatible`), a non-empty product, and a number of W's rows
+    whose 16-bit output rows the copy engine writes (a multiple of 8).
+    Whether it should is the caller's rule (:data:`CONVERT_MAX_ROWS`);
+    elsewhere the caller casts W and runs cuBLAS (the named fallback)."""
+    return (x_d.dtype in HALF_DTYPES and weight.dtype == torch.float32
+            and x_d.dim() == 2 and weight.dim() == 2 and x_d.shape[1] == weight.shape[1]
+            and x_d.shape[0] > 0 and weight.shape[0] > 0 and x_d.shape[1] > 0
+            and weight.shape[0] % 8 == 0 and has_wgmma(x_d.device.index)
+            and _tma_compatible(x_d) and _tma_compatible(weight))
+
+
+def _routes_float32_weight(x_d: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The route of an autocast forward without autograd: whether ``x_d
+    W^T`` (x_d the input's cast, W float32) runs on
+    :func:`_linear_float32_weight` (at most :data:`CONVERT_MAX_ROWS` rows, at
+    least half as many tiles as the GPU has SMs, and
+    :func:`_uses_float32_weight_engine`) rather than as W's cast then
+    cuBLAS."""
+    m, n = x_d.shape[0], weight.shape[0]
+    return (m <= CONVERT_MAX_ROWS and _uses_float32_weight_engine(x_d, weight)
+            and 2 * cdiv(n, CONVERT_TILE[0]) * cdiv(m, CONVERT_TILE[1]) >= sm_count(x_d.device.index))
+
+
+def _linear_float32_weight(x_d: torch.Tensor, weight: torch.Tensor,
+                           bias_d: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x_d W^T + bias_d`` with W float32, rounded to x_d's dtype on the
+    way into the tensor cores: what ``F.linear`` computes under autocast
+    from ``W.to(x_d.dtype)``, without that cast.  No autograd.
+
+    Args:
+        x_d: [M, K] float16 / bfloat16; weight: [N, K] float32 (both
+            accepted by :func:`_uses_float32_weight_engine`).
+        bias_d: [N] of x_d's dtype, contiguous, or None.
+
+    Returns:
+        z [M, N] of x_d's dtype.
+    """
+    if not _uses_float32_weight_engine(x_d, weight):
+        raise ValueError("_linear_float32_weight needs a compute capability 9.0 GPU, a float16 / "
+                         "bfloat16 x [M, K] and a float32 weight [N, K] (N a multiple of 8) whose "
+                         "rows the copy engine can read (_tma_compatible)")
+    m, k = x_d.shape
+    n = weight.shape[0]
+    z = torch.empty((m, n), dtype=x_d.dtype, device=x_d.device)
+    dev = x_d.device.index
+    tiles = cdiv(n, CONVERT_TILE[0]) * cdiv(m, CONVERT_TILE[1])
+    _bridge.launch(CONVERT_KERNELS.get(x_d.dtype, dev), (min(tiles, sm_count(dev)), 1, 1),
+                   HALF_THREADS, (_tensor_map(weight, CONVERT_TILE[0]),
+                                  _tensor_map(x_d, CONVERT_TILE[1]), _tensor_map(z, 128),
+                                  _ptr_or_null(bias_d), m, n, k), dev,
+                   shared_mem=_half_shared_bytes(CONVERT_STAGING_BYTES, CONVERT_STAGES,
+                                                 CONVERT_STAGE_BYTES))
+    return z
 
 
 # ---------------------------------------------------------------- autograd op

@@ -16,7 +16,10 @@ decided once per call (:func:`.gemm.route`):
   with ReLU's own backward kernel, then :func:`_cublas_relu_backward` does
   the rest.
 * under ``torch.autocast("cuda", dtype=d)``: cuBLAS in d, gradients in each
-  tensor's own dtype (:func:`_run_autocast_linear`).
+  tensor's own dtype (:func:`_run_autocast_linear`).  A forward without
+  autograd of few rows and a float32 weight runs on Hopper as
+  :func:`.gemm._linear_float32_weight`, which rounds the weight to d inside
+  the product instead of casting it first (:func:`.gemm._routes_float32_weight`).
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from .._validation import check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
 from .bias_relu import bias_relu
-from .gemm import _LINEAR, CUBLAS, _backward_fake, route
+from .gemm import (_LINEAR, CUBLAS, _backward_fake, _linear_float32_weight, _routes_float32_weight,
+                   route)
 
 ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 
@@ -284,13 +288,21 @@ def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[
     bias (N,) flat or None; any float dtypes, one device): the product in
     ``dtype`` (bias in cuBLAS's epilogue), gradients in each tensor's own
     dtype (:data:`_LINEAR_AUTOCAST`).  ``bias_grad=False``: the bias is
-    added but gets no gradient from this op (a caller computes it)."""
+    added but gets no gradient from this op (a caller computes it).
+
+    Without autograd, eagerly, a float32 weight and few rows: the product
+    reads the weight itself and rounds it in the tensor cores' operand
+    registers (:func:`.gemm._routes_float32_weight`): the same values as its
+    cast, without the cast's pass over the weight."""
     x_d = x2.detach().to(dtype)  # (.to returns the tensor itself when already in dtype)
-    w_d = weight.detach().to(dtype)
     bias_d = bias.detach().to(dtype) if bias is not None else None
     if not bias_grad:
         bias = None
-    return _LINEAR_AUTOCAST.run(needs_grad(x2, weight, bias), x2, weight, bias, x_d, w_d, bias_d)
+    grad = needs_grad(x2, weight, bias)
+    if not grad and not is_compiling() and _routes_float32_weight(x_d, weight):
+        return _linear_float32_weight(x_d, weight, bias_d)
+    w_d = weight.detach().to(dtype)
+    return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x_d, w_d, bias_d)
 
 
 def linear(x, weight, bias=None, activation: Optional[str] = None,
