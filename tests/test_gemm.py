@@ -89,6 +89,28 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
     assert G._inner_size(a, "grad_weight") == 5
 
 
+def test_float32_weight_route(monkeypatch):
+    """Autocast inference's rule (pure logic, on CPU tensors): on a wgmma GPU
+    of 132 SMs, x of at most CONVERT_MAX_ROWS rows in at least 66 tiles of
+    128 x 256 takes the float32-weight product; one row more, one tile
+    fewer, a 16-bit weight, W's rows not a multiple of 8 or unaligned rows
+    of x do not; without wgmma nothing does."""
+    monkeypatch.setattr(G, "has_wgmma", lambda dev: True)
+    monkeypatch.setattr(G, "sm_count", lambda dev: 132)
+    limit, k = G.CONVERT_MAX_ROWS, 64
+    x = torch.empty(limit, k, dtype=torch.bfloat16)
+    enough = torch.empty(128 * 17, k)        # 17 x 4 tiles: 2 x 68 >= 132
+    too_few = torch.empty(128 * 16, k)       # 16 x 4 tiles: 2 x 64 < 132
+    assert G._routes_float32_weight(x, enough)
+    assert not G._routes_float32_weight(torch.empty(limit + 1, k, dtype=torch.bfloat16), enough)
+    assert not G._routes_float32_weight(x, too_few)
+    assert not G._routes_float32_weight(x, enough.to(torch.bfloat16))
+    assert not G._routes_float32_weight(x, torch.empty(128 * 17 - 4, k))
+    assert not G._routes_float32_weight(torch.empty(limit, k + 1, dtype=torch.bfloat16)[:, :k], enough)
+    monkeypatch.setattr(G, "has_wgmma", lambda dev: False)
+    assert not G._routes_float32_weight(x, enough)
+
+
 def test_every_kernel_variant_is_declared():
     # one instantiation per key (the split-B kernel's main loop reads B's
     # planes whatever B's layout, but its redo of NaN sums reads B itself)
