@@ -132,8 +132,8 @@ def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256)
 def _product_rows(shapes, iters: int, impls_of):
     """Rows of timed forward products x W^T, per shape and 16-bit dtype: x
     [M, K] in the dtype, W [N, K] float32 (random, seeded by the shape);
-    ``impls_of(x, w, dtype)`` gives the implementations to time in turns,
-    each of which returns x W^T with W rounded to the dtype.  Each
+    ``impls_of(x, w, w_d)`` (w_d: W cast to the dtype) gives the
+    implementations to time in turns, each of which returns x w_d^T.  Each
     implementation's row entry: median and best ms, TFLOP/s, error against
     float64 of that product (as the module docstring says)."""
     device = torch.device("cuda")
@@ -146,7 +146,7 @@ def _product_rows(shapes, iters: int, impls_of):
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
             w = torch.randn(n, k, device=device, generator=g) / k ** 0.5
             w_d = w.to(dtype)
-            impls = impls_of(x, w, dtype)
+            impls = impls_of(x, w, w_d)
             times = time_interleaved(impls, iters, warmup=3)
             row = {"shape": shape, "dtype": str(dtype).replace("torch.", "")}
             for name, fn in impls.items():
@@ -161,8 +161,7 @@ def half_run(shapes, iters: int):
     """The forward product x W^T in float16 and bfloat16: our Hopper engine
     (``G._half_linear``, kernels_cu/gemm.cuh) against cuBLAS (``torch.mm``),
     timed in turns."""
-    def impls_of(x, w, dtype):
-        w_d = w.to(dtype)
+    def impls_of(x, w, w_d):
         return {"ours": lambda: G._half_linear(x, w_d), "cublas": lambda: torch.mm(x, w_d.t())}
 
     rows = _product_rows(shapes, iters, impls_of)
@@ -180,9 +179,8 @@ def float32_weight_run(shapes, iters: int):
     (``G._linear_float32_weight``) against what autocast runs, W's cast then
     cuBLAS, and against cuBLAS alone on a cast made beforehand (the floor),
     timed in turns."""
-    def impls_of(x, w, dtype):
-        w_d = w.to(dtype)
-        return {"cast + cublas": lambda: torch.mm(x, w.to(dtype).t()),
+    def impls_of(x, w, w_d):
+        return {"cast + cublas": lambda: torch.mm(x, w.to(w_d.dtype).t()),
                 "ours": lambda: G._linear_float32_weight(x, w),
                 "cublas on a cast": lambda: torch.mm(x, w_d.t())}
 
@@ -266,7 +264,8 @@ def main(argv=None):
         md = markdown_(rows)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if args.json:
-            Path(args.json).write_text(json.dumps({"meta": meta, "half": rows}, indent=1))
+            key = "float32_weight" if args.float32_weight else "half"
+            Path(args.json).write_text(json.dumps({"meta": meta, key: rows}, indent=1))
         if args.md:
             Path(args.md).write_text(f"16-bit GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)
         print(md)

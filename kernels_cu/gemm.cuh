@@ -21,7 +21,8 @@
 //    ring of shared memory, 128-byte swizzled, each stage guarded by a
 //    "full" mbarrier (the copies' bytes) and an "empty" one (the consumer's
 //    release), tile after tile;
-//  * two consumer warpgroups take the tiles in turn ("ping-pong"): while one
+//  * two consumer warpgroups take the tiles in turn ("ping-pong"; with
+//    F32ConvertMma both work on every tile instead): while one
 //    stores its tile, the other runs its MMAs, so the tensor cores do not
 //    wait for the store.  A consumer runs wgmma.m64n128k16 (k8 for TF32)
 //    on both 64-row halves of its tile, operands read from shared memory,

@@ -12,7 +12,7 @@ import torch
 
 from cupy_fused import _runtime, ops, reference
 from cupy_fused.ops import gemm as G
-from cupy_fused.testing import compare, rel_error, worse_than_eager
+from cupy_fused.testing import compare, poison_allocator, rel_error, worse_than_eager
 
 CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
 # Problem 1's convolution (n, C_in, H, W, C_out, KH, KW): ragged widths,
@@ -131,6 +131,7 @@ if G.has_wgmma(0):
             # The product with a float32 weight rounded in the kernel (its
             # tile 128 rows of W x 256 of x: ragged here on both sides).
             w32 = torch.randn(n - n % 8, k, device="cuda") / k ** 0.5
+            poison_allocator("cuda", 2 * m * n)  # (its output is allocated inside)
             y = G._linear_float32_weight(x, w32, bias[:n - n % 8])
             ok = torch.allclose(y.float(), torch.addmm(bias[:n - n % 8], x, w32.to(dtype).t()).float(),
                                 atol=3e-2, rtol=3e-2)

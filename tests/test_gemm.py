@@ -91,10 +91,10 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
 
 def test_float32_weight_route(monkeypatch):
     """Autocast inference's rule (pure logic, on CPU tensors): on a wgmma GPU
-    of 132 SMs, x of at most CONVERT_MAX_ROWS rows in at least 66 tiles of
-    128 x 256 takes the float32-weight product; one row more, one tile
-    fewer, a 16-bit weight, W's rows not a multiple of 8 or unaligned rows
-    of x do not; without wgmma nothing does."""
+    of 132 SMs, x of CONVERT_MIN_ROWS to CONVERT_MAX_ROWS rows in at least
+    66 tiles of 128 x 256 takes the float32-weight product; a row more or
+    fewer, a tile fewer, a 16-bit weight, W's rows not a multiple of 8 or
+    unaligned rows of x do not; without wgmma nothing does."""
     monkeypatch.setattr(G, "has_wgmma", lambda dev: True)
     monkeypatch.setattr(G, "sm_count", lambda dev: 132)
     limit, k = G.CONVERT_MAX_ROWS, 64
@@ -107,6 +107,10 @@ def test_float32_weight_route(monkeypatch):
     assert not G._routes_float32_weight(x, enough.to(torch.bfloat16))
     assert not G._routes_float32_weight(x, torch.empty(128 * 17 - 4, k))
     assert not G._routes_float32_weight(torch.empty(limit, k + 1, dtype=torch.bfloat16)[:, :k], enough)
+    fewest = G.CONVERT_MIN_ROWS  # 2 tiles of x's rows: 33 of W's make 66
+    assert G._routes_float32_weight(torch.empty(fewest, k, dtype=torch.bfloat16), torch.empty(128 * 33, k))
+    assert not G._routes_float32_weight(torch.empty(fewest - 1, k, dtype=torch.bfloat16),
+                                        torch.empty(128 * 33, k))
     monkeypatch.setattr(G, "has_wgmma", lambda dev: False)
     assert not G._routes_float32_weight(x, enough)
 

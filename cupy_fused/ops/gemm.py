@@ -488,18 +488,19 @@ def _half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 # transposing store.  Its main loop runs at about 0.77x cuBLAS's on the
 # cast weight (docs/gemm.md), so it wins where the cast it saves is large
 # against the product: a forward without autograd (inference) of few rows
-# (:data:`CONVERT_MAX_ROWS`).
+# (:func:`_routes_float32_weight`).
 # Training keeps the cast, which the backward reads again (docs/gemm.md).
 
 CONVERT_TILE = (128, 256)  # rows of W x rows of x per tile (kCvBM, kCvBN)
 CONVERT_STAGES = 3         # of 64 KiB, beside 32 KiB of staging
 CONVERT_STAGE_BYTES = CONVERT_TILE[0] * 64 * 4 + CONVERT_TILE[1] * 64 * 2
-CONVERT_STAGING_BYTES = 2 * 128 * 64 * 2  # kCtStagingBytes: 128 x 64 of z per warpgroup
-# Where the product runs here rather than as W's cast then cuBLAS: at most
-# this many rows of x (measured faster at 512 and 1024 rows, slower at
-# 2048), in at least half as many tiles as the GPU has SMs (128 tiles
-# faster, 32 slower) (H200; docs/gemm.md).
-CONVERT_MAX_ROWS = 1024
+# kCtStagingBytes: half of a warpgroup's 64 x 256 part of z, per warpgroup
+CONVERT_STAGING_BYTES = 2 * (CONVERT_TILE[1] // 2) * (CONVERT_TILE[0] // 2) * 2
+# Where the product runs here rather than as W's cast then cuBLAS: rows of
+# x in the measured range (faster at 512 and 1024 rows, slower at 2048;
+# fewer rows not measured at enough tiles), in at least half as many tiles
+# as the GPU has SMs (128 tiles faster, 32 slower) (H200; docs/gemm.md).
+CONVERT_MIN_ROWS, CONVERT_MAX_ROWS = 512, 1024
 
 CONVERT_KERNELS = _runtime.KernelFamily("gemm.cu", {
     dtype: f"cf::gemm_wgmma_f32_weight<{cxx_type(dtype)}, {CONVERT_STAGES}>"
@@ -513,7 +514,7 @@ def _uses_float32_weight_engine(x_d: torch.Tensor, weight: torch.Tensor) -> bool
     bfloat16 and W float32, both 2-D and read by the copy engine
     (:func:`_tma_compatible`), a non-empty product, and a number of W's rows
     whose 16-bit output rows the copy engine writes (a multiple of 8).
-    Whether it should is the caller's rule (:data:`CONVERT_MAX_ROWS`);
+    Whether it should is the caller's rule (:func:`_routes_float32_weight`);
     elsewhere the caller casts W and runs cuBLAS (the named fallback)."""
     return (x_d.dtype in HALF_DTYPES and weight.dtype == torch.float32
             and x_d.dim() == 2 and weight.dim() == 2 and x_d.shape[1] == weight.shape[1]
@@ -525,12 +526,13 @@ def _uses_float32_weight_engine(x_d: torch.Tensor, weight: torch.Tensor) -> bool
 def _routes_float32_weight(x_d: torch.Tensor, weight: torch.Tensor) -> bool:
     """The route of an autocast forward without autograd: whether ``x_d
     W^T`` (x_d the input's cast, W float32) runs on
-    :func:`_linear_float32_weight` (at most :data:`CONVERT_MAX_ROWS` rows, at
-    least half as many tiles as the GPU has SMs, and
+    :func:`_linear_float32_weight` (:data:`CONVERT_MIN_ROWS` to
+    :data:`CONVERT_MAX_ROWS` rows, at least half as many tiles as the GPU
+    has SMs, and
     :func:`_uses_float32_weight_engine`) rather than as W's cast then
     cuBLAS."""
     m, n = x_d.shape[0], weight.shape[0]
-    return (m <= CONVERT_MAX_ROWS and _uses_float32_weight_engine(x_d, weight)
+    return (CONVERT_MIN_ROWS <= m <= CONVERT_MAX_ROWS and _uses_float32_weight_engine(x_d, weight)
             and 2 * cdiv(n, CONVERT_TILE[0]) * cdiv(m, CONVERT_TILE[1]) >= sm_count(x_d.device.index))
 
 

@@ -328,7 +328,9 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
 
     Under ``torch.autocast("cuda", dtype=d)``, as ``F.linear`` there: x,
     weight and bias may have any float dtypes; they are cast to d, the
-    product runs in d (cuBLAS; the ReLU after it) and the result is in d;
+    product runs in d (cuBLAS, or without autograd on Hopper our engine
+    reading a float32 weight itself: :func:`.gemm._routes_float32_weight`;
+    the ReLU after it) and the result is in d;
     the gradients come back in each tensor's own dtype, written so by the
     backward's products (:func:`_run_autocast_linear`).
 
