@@ -429,15 +429,20 @@ def _tma_compatible(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0 and t.shape[0] < 2**31 and t.shape[1] < 2**31)
 
 
+def _engine_reads(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Hopper engine can take ``x W^T`` whatever the dtypes: a
+    compute capability 9.0 GPU (and the ``gemm_wgmma`` setting on), x and W
+    that :func:`_tma_compatible` accepts, and a non-empty product."""
+    return (_tma_compatible(x) and _tma_compatible(weight)
+            and x.shape[0] > 0 and weight.shape[0] > 0 and x.shape[1] > 0
+            and has_wgmma(x.device.index))
+
+
 def _uses_half_engine(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the float16 / bfloat16 product ``x W^T`` runs on the Hopper
-    engine: a compute capability 9.0 GPU (and the ``gemm_wgmma`` setting
-    on), x and W of one 16-bit dtype that :func:`_tma_compatible` accepts,
-    and a non-empty product.  Elsewhere the product stays on cuBLAS (the
-    named fallback)."""
-    return (x.dtype in HALF_DTYPES and weight.dtype == x.dtype and has_wgmma(x.device.index)
-            and x.shape[0] > 0 and weight.shape[0] > 0 and x.shape[1] > 0
-            and _tma_compatible(x) and _tma_compatible(weight))
+    engine: x and W of one 16-bit dtype that :func:`_engine_reads` accepts.
+    Elsewhere the product stays on cuBLAS (the named fallback)."""
+    return x.dtype in HALF_DTYPES and weight.dtype == x.dtype and _engine_reads(x, weight)
 
 
 def _half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -509,18 +514,15 @@ CONVERT_KERNELS = _runtime.KernelFamily("gemm.cu", {
 
 
 def _uses_float32_weight_engine(x_d: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`_linear_float32_weight` can take ``x_d W^T``: a compute
-    capability 9.0 GPU (and the ``gemm_wgmma`` setting on), x_d float16 /
-    bfloat16 and W float32, both 2-D and read by the copy engine
-    (:func:`_tma_compatible`), a non-empty product, and a number of W's rows
-    whose 16-bit output rows the copy engine writes (a multiple of 8).
+    """Whether :func:`_linear_float32_weight` can take ``x_d W^T``: x_d
+    float16 / bfloat16 and W float32 that :func:`_engine_reads` accepts, of
+    one inner size, and a number of W's rows whose 16-bit output rows the
+    copy engine writes (a multiple of 8).
     Whether it should is the caller's rule (:func:`_routes_float32_weight`);
     elsewhere the caller casts W and runs cuBLAS (the named fallback)."""
     return (x_d.dtype in HALF_DTYPES and weight.dtype == torch.float32
-            and x_d.dim() == 2 and weight.dim() == 2 and x_d.shape[1] == weight.shape[1]
-            and x_d.shape[0] > 0 and weight.shape[0] > 0 and x_d.shape[1] > 0
-            and weight.shape[0] % 8 == 0 and has_wgmma(x_d.device.index)
-            and _tma_compatible(x_d) and _tma_compatible(weight))
+            and _engine_reads(x_d, weight) and x_d.shape[1] == weight.shape[1]
+            and weight.shape[0] % 8 == 0)
 
 
 def _routes_float32_weight(x_d: torch.Tensor, weight: torch.Tensor) -> bool:
