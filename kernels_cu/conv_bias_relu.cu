@@ -461,14 +461,29 @@ struct NchwStore {
 // pairs that one staging store writes fall in distinct banks where OH * OW
 // is even (every channel's shift differs from the next one's by an even
 // number), in two-way conflicts otherwise.
+//
+// With kMask (training), also relu's mask in y's memory order (bias_relu's
+// format, as NchwStore writes it; a bit set where relu's input acc +
+// conv_bias is > 0 or NaN).  The bias is added before staging, so the bits
+// cannot be read back from the staged values: each warp gathers them from
+// its registers by ballots into a bitmap beside the staging rows (row co:
+// 128 bits, one per column), and thread i, which writes row i of y, writes
+// that row's bits as mask words: the words inside the row with plain
+// stores, the at most two it shares with its neighbours in y (other tiles)
+// OR-ed in (an integer OR into zeroed words, so the result does not depend
+// on the order).
 constexpr int kF32StageRow = 4 + kHgBM;
 constexpr int kF32StageBytes = 64 * kF32StageRow * 4;
-constexpr int kConvF32StagingBytes = 2 * (kF32StageBytes + kConvBiasBytes);  // both consumer warpgroups
+constexpr int kF32MaskBytes = 64 * kHgBM / 8;  // the bitmap of a pass's 64 rows
+constexpr int kConvF32StagingBytes = 2 * (kF32StageBytes + kConvBiasBytes + kF32MaskBytes);  // both consumer warpgroups
 // The bulk copies' sources are 16-byte aligned: every row, in both
 // consumer warpgroups' staging areas.
-static_assert(kF32StageRow % 4 == 0 && (kF32StageBytes + kConvBiasBytes) % 16 == 0, "16-byte aligned rows");
+static_assert(kF32StageRow % 4 == 0 && (kF32StageBytes + kConvBiasBytes + kF32MaskBytes) % 16 == 0,
+              "16-byte aligned rows");
+template <bool kMask = false>
 struct NchwStoreF32 {
   float* y;
+  unsigned* mask;  // kMask: cdiv(y's elements, 32) words, zeroed by the caller; else unused
   ConvBiases<float> biases;
   i64 cout, out_rows, out_cols, col_tiles;
   // Where `at` lies on the 16-byte grid, in values (0 .. 3).
@@ -486,9 +501,68 @@ struct NchwStoreF32 {
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(staged(staging, co, shift, c)) : "memory");
     return v;
   }
+  // The 8 bits of a ballot that belong to the lanes of quad position t
+  // (lane 4 g + t: bit g), gathered into the low byte.
+  static __device__ __forceinline__ unsigned quad_byte(unsigned ballot, int t) {
+    unsigned v = (ballot >> t) & 0x11111111u;
+    v = (v | v >> 3) & 0x03030303u;
+    v = (v | v >> 6) & 0x000f000fu;
+    return (v | v >> 12) & 0xffu;
+  }
+  // The bitmap of channel pair 8 i + 2 t, +1 of the pass (staging rows co =
+  // 8 ii + 2 t, +1): bits[hm][h][e] is the thread's bit of channel co + e
+  // at column 64 hm + row + 8 h.  By the whole warp: lane L < 16 writes the
+  // 16 bits of channel 8 ii + (L % 8) at the warp's columns 64 (L / 8) +
+  // 16 warp .. + 15 (ballot bit 4 g + t is column 16 warp + 8 h + g of
+  // channel 8 ii + 2 t + e).
+  static __device__ __forceinline__ void put_bits(unsigned bitmap, int ii, const bool (&bits)[2][2][2]) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    unsigned b[2][2][2];
+#pragma unroll
+    for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) b[hm][h][e] = __ballot_sync(0xffffffffu, bits[hm][h][e]);
+    if (lane < 16) {
+      const int hm = lane >> 3, t = (lane >> 1) & 3, e = lane & 1;
+      const unsigned lo = hm ? (e ? b[1][0][1] : b[1][0][0]) : (e ? b[0][0][1] : b[0][0][0]);
+      const unsigned hi = hm ? (e ? b[1][1][1] : b[1][1][0]) : (e ? b[0][1][1] : b[0][1][0]);
+      const unsigned short half = static_cast<unsigned short>(quad_byte(lo, t) | quad_byte(hi, t) << 8);
+      const unsigned at = bitmap + 16 * (8 * ii + (lane & 7)) + 2 * (4 * hm + warp);
+      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"(half) : "memory");
+    }
+  }
+  // Row co's mask words (its bitmap row; its column 0 is y's element f0,
+  // `cols` columns): the words inside the row stored, the others OR-ed in.
+  __device__ __forceinline__ void put_mask_row(unsigned bitmap, int co, i64 f0, int cols) const {
+    unsigned b[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(bitmap + 16 * co)
+                 : "memory");
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // the columns past the row's last hold no value of y
+      const int n = cols - 32 * k;
+      b[k] = n >= 32 ? b[k] : n <= 0 ? 0u : b[k] & ((1u << n) - 1u);
+    }
+    const int q = static_cast<int>(f0 & 31);
+    unsigned* const words = mask + (f0 >> 5);
+#pragma unroll
+    for (int w = 0; w < 5; ++w) {  // word w: the row's columns 32 w - q .. + 31
+      const int lo = 32 * w - q;
+      if (lo >= cols) break;
+      const unsigned v = (w < 4 ? b[w] << q : 0u) | (w > 0 && q ? b[w - 1] >> (32 - q) : 0u);
+      if (lo >= 0 && lo + 32 <= cols) {
+        words[w] = v;
+      } else if (v) {
+        atomicOr(words + w, v);
+      }
+    }
+  }
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) {
-    const unsigned table = staging + kF32StageBytes;
+    const unsigned table = staging + kF32StageBytes, bitmap = table + kConvBiasBytes;
     bulk_wait_read();  // the previous tile's rows have left the staging area
     biases.begin(table, n0, me);
     const NchwTile tile(m0, n0, cout, out_rows, out_cols, col_tiles);
@@ -509,16 +583,21 @@ struct NchwStoreF32 {
         const int co = 8 * ii + 2 * me.t;  // staging row of channel 8 i + 2 t
         const int s_lo = shift0 + (64 * pass + co) * plane_shift;  // (staged() takes it modulo 4)
         const int s_hi = s_lo + plane_shift;
+        bool bits[2][2][2];
 #pragma unroll
         for (int hm = 0; hm < 2; ++hm)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int col = 64 * hm + me.row + 8 * h;
-            const float lo = relu_keep_nan(acc[hm][4 * i + 2 * h] + p.x) + p.z;
-            const float hi = relu_keep_nan(acc[hm][4 * i + 2 * h + 1] + p.y) + p.w;
+            const float z_lo = acc[hm][4 * i + 2 * h] + p.x, z_hi = acc[hm][4 * i + 2 * h + 1] + p.y;
+            bits[hm][h][0] = !(z_lo <= 0.0f);  // relu's mask: > 0 or NaN
+            bits[hm][h][1] = !(z_hi <= 0.0f);
+            const float lo = relu_keep_nan(z_lo) + p.z;
+            const float hi = relu_keep_nan(z_hi) + p.w;
             asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(staged(staging, co, s_lo, col)), "f"(lo) : "memory");
             asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(staged(staging, co + 1, s_hi, col)), "f"(hi) : "memory");
           }
+        if constexpr (kMask) put_bits(bitmap, ii, bits);
       }
       fence_proxy_async();  // the copy engine reads what the threads wrote
       named_barrier(1 + me.wg, 128);
@@ -533,6 +612,7 @@ struct NchwStoreF32 {
         }
         for (int c = 0; c < head; ++c) row[c] = staged_value(staging, tid, s, c);
         for (int c = head + body; c < cols; ++c) row[c] = staged_value(staging, tid, s, c);
+        if constexpr (kMask) put_mask_row(bitmap, tid, row - y, cols);
       }
     }
   }
@@ -790,8 +870,8 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
                              static_cast<int>(c_blocks), static_cast<int>(k_tiles)};
   const ConvBiases<Out> biases{conv_bias, bias, cout};
   if constexpr (sizeof(T) == 4) {
-    static_assert(!kNhwcOut && !kMask && sizeof(Out) == 4, "a float32 product: NCHW y of float32, no mask");
-    NchwStoreF32 store{y, biases, cout, out_rows, out_cols, col_tiles};
+    static_assert(!kNhwcOut && sizeof(Out) == 4, "a float32 product: NCHW y of float32");
+    NchwStoreF32<kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
     half_gemm_persistent<T, kStages, kConvF32StagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else if constexpr (kNhwcOut) {
     static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype");

@@ -223,34 +223,42 @@ if _runtime.device_capability(0) == (9, 0):
                 failed += [] if ok else [f"conv_bias_relu channels-last backward {dtype} {shape}"]
     finally:
         CB._transposed, BR._TO_NHWC_BLOCKS_PER_SM = transposed, blocks_per_sm
-    # The engine's training forward (its size threshold lifted): y and relu's
-    # mask from the store, then the channels-last backward on x's copy;
-    # each step against float64, beside the same step on the cudnn route.
-    # (The last shape from a channels-last x: C_out a multiple of 32.)
-    for dtype in (d for d in dtypes if d != torch.float32):
+    # The engine's training forward (its size thresholds lifted; float32 as
+    # TF32): y and relu's mask from the store, then the channels-last
+    # backward on x's copy; each step against float64 (float32: on the
+    # TF32-rounded x and weight), beside the same step on the cudnn route.
+    # (The last shape from a channels-last 16-bit x: C_out a multiple of 32.)
+    torch.backends.cudnn.allow_tf32 = True  # (PyTorch's default)
+    for dtype in dtypes:
         for shape, fmt in ([(shape, torch.contiguous_format) for shape in CONV_SHAPES]
-                           + [((2, 8, 9, 70, 32, 3, 3), torch.channels_last)]):
+                           + ([((2, 8, 9, 70, 32, 3, 3), torch.channels_last)] if dtype != torch.float32 else [])):
             x, wt, cb, b = conv_inputs(shape, dtype)
             x = x.contiguous(memory_format=fmt)
             n, _, h, w, cout, kh, kw = shape
             if cout % 8:
                 continue  # the cudnn route's (the channels-last backward needs C_out % 8 == 0)
             g = torch.randn(n, cout, h - kh + 1, w - kw + 1, device="cuda", dtype=dtype)
-            ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
+            src = (CB._tf32(x), CB._tf32(wt)) if dtype == torch.float32 else (x, wt)
+            ref = [t.detach().double().requires_grad_(True) for t in (*src, cb, b)]
             want = torch.relu(torch.nn.functional.conv2d(*ref[:3])) + ref[3].reshape(-1, 1, 1)
             want.backward(g.double())
             want = [want] + [t.grad for t in ref]
             steps = []
             for threshold in (0, 2**62):
-                keep = CB.ENGINE_TRAINING_MIN_ELEMENTS
-                CB.ENGINE_TRAINING_MIN_ELEMENTS = threshold
+                keep = (CB.ENGINE_TRAINING_MIN_ELEMENTS, CB.ENGINE_FLOAT32_MIN_ELEMENTS,
+                        CB.CL_BACKWARD_MIN_ELEMENTS)
+                CB.ENGINE_TRAINING_MIN_ELEMENTS = CB.ENGINE_FLOAT32_MIN_ELEMENTS = threshold
+                # (float32: the cudnn route's backward through the same
+                # channels-last cuDNN calls, TF32 where its NCHW ones are not)
+                CB.CL_BACKWARD_MIN_ELEMENTS = 0 if dtype == torch.float32 else keep[2]
                 try:
                     leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
                     route = CB.route(*leaves)
                     y = ops.conv_bias_relu(*leaves)
                     y.backward(g)
                 finally:
-                    CB.ENGINE_TRAINING_MIN_ELEMENTS = keep
+                    (CB.ENGINE_TRAINING_MIN_ELEMENTS, CB.ENGINE_FLOAT32_MIN_ELEMENTS,
+                     CB.CL_BACKWARD_MIN_ELEMENTS) = keep
                 steps.append((route, [rel_error(a, r) for a, r in zip([y] + [t.grad for t in leaves], want)]))
             (r0, ours), (r1, theirs) = steps
             # Each against float64: the cudnn route rounds the convolution

@@ -61,8 +61,10 @@ def test_training_calls_take_the_engine_only_where_its_backward_applies(past_dev
                                                                          monkeypatch):
     """With a gradient to record, the engine route takes calls of at least
     ENGINE_TRAINING_MIN_ELEMENTS output values: an NCHW x in 16-bit (or
-    under autocast) with C_out a multiple of 8, a channels-last one with
-    C_out a multiple of 32; float32 and smaller calls take cuDNN."""
+    under autocast, or float32 with TF32 allowed and at least
+    ENGINE_FLOAT32_MIN_ELEMENTS output values) with C_out a multiple of 8,
+    a channels-last one with C_out a multiple of 32; smaller calls take
+    cuDNN."""
     monkeypatch.setattr(gemm, "has_wgmma", lambda device: True)
     x = torch.rand(2, 8, 6, 7, dtype=torch.bfloat16)
     w = torch.rand(16, 8, 3, 3, dtype=torch.bfloat16)
@@ -79,7 +81,13 @@ def test_training_calls_take_the_engine_only_where_its_backward_applies(past_dev
     w32 = torch.rand(32, 8, 3, 3, dtype=torch.bfloat16)
     cb32, b32 = torch.rand(32, dtype=torch.bfloat16), torch.rand(32, dtype=torch.bfloat16)
     assert CB.route(cl, w32, cb32, b32) == "engine"
-    assert CB.route(xg.float(), w.float(), cb.float(), b.float()) == "cudnn"
+    f32 = (xg.float(), w.float(), cb.float(), b.float())
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert CB.route(*f32) == "cudnn"  # below ENGINE_FLOAT32_MIN_ELEMENTS
+    monkeypatch.setattr(CB, "ENGINE_FLOAT32_MIN_ELEMENTS", 2 * 16 * 4 * 5)
+    assert CB.route(*f32) == "engine"
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert CB.route(*f32) == "cudnn"  # float32 without TF32: cuDNN's full-precision product
     monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 2 * 16 * 4 * 5 + 1)
     assert CB.route(xg, w, cb, b) == "cudnn"
 
@@ -296,8 +304,8 @@ def test_engine_float32_out_off_grid(shape, offset, device, monkeypatch):
 
 @pytest.mark.gpu
 def test_engine_float32_route(device, monkeypatch):
-    """Float32 calls take the engine with TF32 allowed (PyTorch's default),
-    no gradient to record and at least ENGINE_FLOAT32_MIN_ELEMENTS output
+    """Float32 calls take the engine with TF32 allowed (PyTorch's default)
+    and at least ENGINE_FLOAT32_MIN_ELEMENTS output
     values; there the public entry matches eager's error against float64
     and puts NaN and inf where eager does.  Otherwise cuDNN."""
     _engine_device(device)
@@ -323,7 +331,7 @@ def test_engine_float32_route(device, monkeypatch):
         ours, eager = ops.conv_bias_relu(x, wt, cb, b), _reference(x, wt, cb, b)
         for test in (torch.isnan, torch.isposinf, torch.isneginf):
             assert torch.equal(test(ours), test(eager))
-    assert CB.route(x, wt.detach().requires_grad_(True), cb, b) == "cudnn"  # no float32 training forward
+    assert CB.route(x, wt.detach().requires_grad_(True), cb, b) == "engine"  # the training forward
 
 
 @pytest.mark.gpu
@@ -682,12 +690,12 @@ TRAINING_SHAPES = [(2, 8, 9, 70, 16, 3, 3), (1, 16, 5, 127, 8, 1, 3), (2, 8, 4, 
 
 
 def _engine_training_step_against_float64(shape, dtype, amp, memory_format, device):
-    """Two training steps on the engine (its size threshold lifted by the
-    caller) from random inputs of ``shape`` (n, C_in, H, W, C_out, KH, KW)
-    in ``dtype``, x in ``memory_format``, the forward under autocast to
-    ``amp`` (or None): the steps bitwise equal, the output and every
-    gradient within 1.5x eager's error against float64.  Returns (y, our
-    leaves, eager's y, eager's leaves)."""
+    """Two training steps on the engine (its size thresholds lifted by the
+    caller, TF32 allowed for float32) from random inputs of ``shape`` (n,
+    C_in, H, W, C_out, KH, KW) in ``dtype``, x in ``memory_format``, the
+    forward under autocast to ``amp`` (or None): the steps bitwise equal,
+    the output and every gradient within 1.5x eager's error against
+    float64.  Returns (y, our leaves, eager's y, eager's leaves)."""
     n, cin, h, w, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(memory_format=memory_format)
@@ -708,19 +716,30 @@ def _engine_training_step_against_float64(shape, dtype, amp, memory_format, devi
     again, leaves2 = step()
     assert torch.equal(y, again) and all(torch.equal(a.grad, c.grad) for a, c in zip(leaves, leaves2))
     # Under autocast the float64 reference runs on autocast's casts of x and
-    # the weight (what the convolution computes there).  From the float32
-    # inputs, the few values that the inputs' rounding carries across 0 flip
-    # relu's mask, in ours or in eager's by chance, each flip a gradient
-    # error of about 1/sqrt(y.numel()): at these sizes the comparison would
-    # be a coin toss.
-    src = (x.to(amp), wt.to(amp)) if amp else (x, wt)
+    # the weight (what the convolution computes there), in float32 on their
+    # TF32 roundings (what torch.backends.cudnn.allow_tf32 grants the
+    # reference's convolution).  From the unrounded inputs, the few values
+    # that the inputs' rounding carries across 0 flip relu's mask, in ours or
+    # in eager's by chance, each flip a gradient error of about
+    # 1/sqrt(y.numel()): at these sizes the comparison would be a coin toss.
+    src = (x.to(amp), wt.to(amp)) if amp else (CB._tf32(x), CB._tf32(wt)) if dtype == torch.float32 else (x, wt)
     ref = [t.detach().double().requires_grad_(True) for t in (*src, cb, b)]
     want = _reference(*ref)
     want.backward(g.double())
-    eager = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
-    with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
-        ey = F.relu(F.conv2d(eager[0], eager[1], eager[2])) + eager[3]
-    ey.backward(g)
+    def eager_step(x):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            y = F.relu(F.conv2d(leaves[0], leaves[1], leaves[2])) + leaves[3]
+        y.backward(g)
+        return y, leaves
+
+    ey, eager = eager_step(x)
+    # In float32 the yardstick is eager on a channels-last x, its algorithms
+    # held to the deterministic ones (as test_channels_last_backward's): our
+    # backward's cuDNN calls, TF32 at sizes where eager's NCHW ones are not.
+    if dtype == torch.float32 and memory_format == torch.contiguous_format:
+        with CB._deterministic_cudnn():
+            ey, eager = eager_step(x.contiguous(memory_format=torch.channels_last))
     eps = torch.finfo(amp or dtype).eps
     assert rel_error(y, want) <= 1.5 * rel_error(ey, want) + eps
     for name, ours, r, theirs in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager):
@@ -729,23 +748,31 @@ def _engine_training_step_against_float64(shape, dtype, amp, memory_format, devi
     return y, leaves, ey, eager
 
 
+def _lift_engine_thresholds(monkeypatch):
+    # The engine's training forward at small sizes, float32 (TF32) included.
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(CB, "ENGINE_FLOAT32_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bfloat16", "float16", "amp_bf16", "amp_fp16"])
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "float32", "amp_bf16", "amp_fp16"])
 @pytest.mark.parametrize("shape", TRAINING_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_engine_training_forward(shape, mode, device, monkeypatch):
     """A training step on the engine (here at small sizes too): y and relu's
     mask from its store, bias_relu's backward writing dz channels-last,
-    cuDNN's channels-last backward on the forward's copy of x.  Output and
-    every gradient within 1.5x eager's error against float64, in the
-    reference's dtypes and layouts; two steps bitwise equal."""
+    cuDNN's channels-last backward on the forward's copy of x (float32:
+    rounded to TF32).  Output and every gradient within 1.5x eager's error
+    against float64, in the reference's dtypes and layouts; two steps
+    bitwise equal."""
     _engine_device(device)
-    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    _lift_engine_thresholds(monkeypatch)
     amp = {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(mode)
     y, leaves, ey, eager = _engine_training_step_against_float64(
         shape, torch.float32 if amp else getattr(torch, mode), amp, torch.contiguous_format, device)
     assert y.dtype == ey.dtype and y.is_contiguous()
     for ours, theirs in zip(leaves, eager):
-        assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == theirs.grad.stride()
+        assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == ours.stride()  # (as eager's)
 
 
 @pytest.mark.gpu
@@ -779,34 +806,62 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_engine_training_mask_keeps_nan_and_inf(device, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_engine_training_mask_keeps_nan_and_inf(dtype, device, monkeypatch):
     """relu's mask from the store: a NaN or an infinity in x reaches y, and
     the gradients of x and of the biases, where the reference's do
     (bias_relu's mask passes the gradient at a NaN, as torch's relu backward
     does).  (The weight's gradient sums x's infinities times zeros of dz:
     where its NaN lands depends on cuDNN's algorithm.)"""
     _engine_device(device)
-    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    _lift_engine_thresholds(monkeypatch)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 8, 6, 133, generator=gen)
     x[0, 3, 2, 7], x[1, 0, 4, 130], x[1, 5, 0, 0] = float("nan"), float("inf"), -float("inf")
     wt = torch.randn(16, 8, 3, 3, generator=gen) / 8
     cb, b = torch.randn(16, generator=gen), torch.randn(16, 1, 1, generator=gen)
     g = torch.randn(2, 16, 4, 131, generator=gen)
-    args = [t.to(device, torch.bfloat16) for t in (x, wt, cb, b)]
+    args = [t.to(device, dtype) for t in (x, wt, cb, b)]
     leaves = [t.clone().requires_grad_(True) for t in args]
     assert CB.route(*leaves) == "engine"
     y = ops.conv_bias_relu(*leaves)
-    y.backward(g.to(device, torch.bfloat16))
+    y.backward(g.to(device, dtype))
     ref = [t.clone().requires_grad_(True) for t in args]
     ry = F.relu(F.conv2d(ref[0], ref[1], ref[2])) + ref[3]
-    ry.backward(g.to(device, torch.bfloat16))
+    ry.backward(g.to(device, dtype))
     pairs = [(y, ry)] + [(leaves[i].grad, ref[i].grad) for i in (0, 2, 3)]
     assert y.isnan().any() and y.isposinf().any()
     for ours, theirs in pairs:
         assert torch.equal(ours.isnan(), theirs.isnan())
         assert torch.equal(ours.isposinf(), theirs.isposinf())
         assert torch.equal(ours.isneginf(), theirs.isneginf())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", TRAINING_SHAPES + [(1, 8, 3, 200, 8, 3, 70), (2, 8, 3, 97, 200, 1, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_engine_float32_training_mask(shape, device, monkeypatch):
+    """The float32 store's relu mask (bits gathered from the registers by
+    ballots, a row's words stored or OR-ed into a zeroed mask) against the
+    sign of the exact product of the TF32-rounded operands plus conv_bias:
+    every bit equal where that sum is not within float32 rounding of 0, no
+    bit past y's last element; y against the same product."""
+    _engine_device(device)
+    _lift_engine_thresholds(monkeypatch)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape) + 5)
+    x = torch.randn(n, cin, h, w, generator=gen).to(device)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device)
+    cb, b = torch.randn(cout, generator=gen).to(device), torch.randn(cout, generator=gen).to(device)
+    y, mask, xc = CB._train_forward(x, wt, cb, b, torch.float32, torch.float32)
+    assert torch.equal(xc, CB._tf32(x)) and xc.is_contiguous(memory_format=torch.channels_last)
+    z = F.conv2d(CB._tf32(x).double(), CB._tf32(wt).double(), cb.double())
+    assert rel_error(y, F.relu(z) + b.double().view(-1, 1, 1)) <= 1e-5
+    bits = (mask.view(-1, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
+    bits = bits.flatten()
+    assert not bits[z.numel():].any()
+    clear = z.abs().flatten() > 1e-5 * (z.abs().max() + 1)
+    assert torch.equal(bits[:z.numel()][clear].bool(), (z.flatten() > 0)[clear])
 
 
 @pytest.mark.gpu

@@ -19,15 +19,16 @@ Route, decided once per call (:func:`route`):
   to TF32 (x in its channels-last copy), float32 accumulation and output.
   With a gradient to record (at least :data:`ENGINE_TRAINING_MIN_ELEMENTS`
   output values; :func:`_trains_on_engine`), the same forward also writes
-  relu's mask, and keeps an NCHW x's channels-last copy; the backward is
+  relu's mask, and keeps an NCHW x's channels-last copy (a float32 one
+  rounded to TF32, as the product read it); the backward is
   :func:`.bias_relu.bias_relu`'s (dz written channels-last) and cuDNN's
   deterministic channels-last convolution backward on x channels-last (as
   the ``"cudnn"`` route's backward runs on Hopper:
   :func:`_channels_last_backward`), the input gradient in x's layout.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
-  layout, autocast's promotions.  Smaller and float32 training steps take
-  it.  Its convolution is one autograd
+  layout, autocast's promotions.  Smaller training steps take it, and
+  float32 ones with TF32 off.  Its convolution is one autograd
   node of its own whose backward runs cuDNN's deterministic algorithms
   whatever ``torch.backends.cudnn.deterministic`` says, so that a training
   step is bitwise reproducible (with ``torch.backends.cudnn.benchmark`` on,
@@ -67,12 +68,13 @@ NCHW_FLOAT32 = "nchw_float32"
 # The stores' staging per consumer warpgroup: NCHW rows, a channel-major tile
 # of 128 + 8 values a row (kConvNchwStagingBytes); channels-last, the TMA
 # store's tile (kConvNhwcStagingBytes); a float32 product's NCHW rows
-# (NchwStoreF32), 64 channels of 4 + 128 float32 values a row
-# (kConvF32StagingBytes).
+# (NchwStoreF32), 64 channels of 4 + 128 float32 values a row and their
+# mask bits (kConvF32StagingBytes).
 SHARED_BYTES = {
     NCHW: gemm._half_shared_bytes(2 * (gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2 + _BIAS_BYTES)),
     CHANNELS_LAST: gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * _BIAS_BYTES),
-    NCHW_FLOAT32: gemm._half_shared_bytes(2 * (64 * (gemm.HALF_TILE[0] + 4) * 4 + _BIAS_BYTES)),
+    NCHW_FLOAT32: gemm._half_shared_bytes(2 * (64 * (gemm.HALF_TILE[0] + 4) * 4 + _BIAS_BYTES
+                                               + 64 * gemm.HALF_TILE[0] // 8)),
 }
 
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
@@ -91,8 +93,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
        for d in HALF_DTYPES
        for layout, out, mask in ((NCHW, d, False), (CHANNELS_LAST, d, False), (NCHW, torch.float32, False),
                                  (NCHW, d, True), (CHANNELS_LAST, d, True), (NCHW, torch.float32, True))},
-    ("conv", torch.float32, NCHW, torch.float32, False):
-        f"cf::conv_bias_relu_wgmma<float, {gemm.HALF_STAGES}, false, float, false>",
+    **{("conv", torch.float32, NCHW, torch.float32, mask):
+       f"cf::conv_bias_relu_wgmma<float, {gemm.HALF_STAGES}, false, float, {'true' if mask else 'false'}>"
+       for mask in (False, True)},
     ("to_nhwc_tf32", torch.float32): "cf::nchw_to_nhwc<float, float, true>",
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
        for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
@@ -209,9 +212,8 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
         layout, dtypes = engine_layout(x, weight), engine_dtypes(x, weight, conv_bias, bias)
         if layout is None or dtypes is None:
             return None
-        if dtypes[0] == torch.float32 and (
-                training or math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS):
-            return None  # (a float32 product has no training forward)
+        if dtypes[0] == torch.float32 and math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS:
+            return None
         return (layout, *dtypes, training)
     return None
 
@@ -387,7 +389,7 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # (a fresh y: its first element on the 4-element grid the NCHW mask needs)
     mask = torch.zeros((cdiv(numel, 32),), dtype=torch.int32, device=x.device)
     if x.is_contiguous():
-        xc = _transposed(x, dtype)
+        xc = _transposed(x, dtype, tf32=dtype == torch.float32)
         y = _launch_engine(x, weight, conv_bias, bias, plan=(NCHW, dtype, out_dtype, True),
                            mask=mask, xc=xc)
     else:
