@@ -9,15 +9,22 @@
 namespace cf {
 
 // C = act(A B^T + bias), rounded once to T.  bias: N values of T, or null;
-// act: 0 = identity, 1 = relu (relu_keep_nan).
+// act: 0 = identity, 1 = relu (relu_keep_nan).  The stores read a tile's
+// bias values (bias_at) before they stage any value: read inside the
+// staging loop, each read would wait for the shared-memory stores before
+// it (asm volatile), and the reads' latencies would add up in the store.
 template <typename T>
 struct LinearEpilogue {
   const T* bias;
   i64 act, N;
-  __device__ __forceinline__ float operator()(float v, i64 col) const {
-    if (bias && col < N) v += to_float(bias[col]);
+  __device__ __forceinline__ float bias_at(i64 col) const {
+    return bias && col < N ? to_float(bias[col]) : 0.0f;
+  }
+  __device__ __forceinline__ float apply(float v, float b) const {
+    if (bias) v += b;  // (no add without a bias: -0 stays -0)
     return act == 1 ? relu_keep_nan(v) : v;
   }
+  __device__ __forceinline__ float operator()(float v, i64 col) const { return apply(v, bias_at(col)); }
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -28,18 +35,23 @@ struct TmaStore {
   Epilogue epilogue;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
+    float b[kHgAccs / 4][2];  // the bias of this thread's columns 8 i + 2 t, +1
+#pragma unroll
+    for (int i = 0; i < kHgAccs / 4; ++i) {
+      const i64 col = n0 + 8 * i + 2 * me.t;
+      b[i][0] = epilogue.bias_at(col);
+      b[i][1] = epilogue.bias_at(col + 1);
+    }
     TmaTileWriter::begin(me);
 #pragma unroll
     for (int hm = 0; hm < 2; ++hm)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int i = 0; i < kHgAccs / 4; ++i) {
-          const i64 col = n0 + 8 * i + 2 * me.t;
+        for (int i = 0; i < kHgAccs / 4; ++i)
           TmaTileWriter::put(staging, 64 * hm + me.row + 8 * h, i, me.t,
-                             pack2<T>(epilogue(acc[hm][4 * i + 2 * h], col),
-                                      epilogue(acc[hm][4 * i + 2 * h + 1], col + 1)));
-        }
+                             pack2<T>(epilogue.apply(acc[hm][4 * i + 2 * h], b[i][0]),
+                                      epilogue.apply(acc[hm][4 * i + 2 * h + 1], b[i][1])));
     TmaTileWriter::end(map_c, me, staging, m0, n0);
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
@@ -52,7 +64,8 @@ struct TmaStore {
 // of C, each transposed on its way through the warpgroup's staging area
 // (stmatrix .trans: a warp's 8 x 8 blocks land as 16-byte rows, in the
 // 128-byte swizzle layout), then written by the copy engine (a box of 64 x
-// 128, clipped at C's edges).  epilogue(v, m): the value at C^T's row m.
+// 128, clipped at C's edges).  epilogue.apply(v, epilogue.bias_at(m)): the
+// value at C^T's row m.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <typename T, typename Epilogue>
 struct TransposedTmaStore {
@@ -63,6 +76,7 @@ struct TransposedTmaStore {
     const int lane = threadIdx.x & 31, warp = me.row >> 4;
     const int j = lane >> 3, r = lane & 7;  // this lane's row r of matrix j
     const i64 m = m0 + me.row;              // C^T's rows m, m + 8 (C's columns)
+    const float b0 = epilogue.bias_at(m), b8 = epilogue.bias_at(m + 8);
     // Matrices 0-3 of block pair p of a half: the 8 x 8 blocks at C^T rows
     // 16 warp (+ 8), columns 16 p (+ 8) of the half; lane 8j + r addresses
     // the half's row 16 p + 8 (j / 2) + r, 16-byte chunk 2 warp + j % 2.
@@ -75,10 +89,10 @@ struct TransposedTmaStore {
       for (int p = 0; p < 8; ++p) {
         const int i = 2 * p;  // the m64n128 layout's column block of 8
         stmatrix_x4_trans(lane_addr + p * (16 * 128),
-                          pack2<T>(epilogue(a[4 * i], m), epilogue(a[4 * i + 1], m)),
-                          pack2<T>(epilogue(a[4 * i + 2], m + 8), epilogue(a[4 * i + 3], m + 8)),
-                          pack2<T>(epilogue(a[4 * i + 4], m), epilogue(a[4 * i + 5], m)),
-                          pack2<T>(epilogue(a[4 * i + 6], m + 8), epilogue(a[4 * i + 7], m + 8)));
+                          pack2<T>(epilogue.apply(a[4 * i], b0), epilogue.apply(a[4 * i + 1], b0)),
+                          pack2<T>(epilogue.apply(a[4 * i + 2], b8), epilogue.apply(a[4 * i + 3], b8)),
+                          pack2<T>(epilogue.apply(a[4 * i + 4], b0), epilogue.apply(a[4 * i + 5], b0)),
+                          pack2<T>(epilogue.apply(a[4 * i + 6], b8), epilogue.apply(a[4 * i + 7], b8)));
       }
       if (TmaTileWriter::staged(me)) {
         tma_store_2d(map_c, staging, static_cast<int>(m0), static_cast<int>(n0 + 128 * h));
