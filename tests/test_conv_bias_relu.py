@@ -722,7 +722,12 @@ def _engine_training_step_against_float64(shape, dtype, amp, memory_format, devi
     # that the inputs' rounding carries across 0 flip relu's mask, in ours or
     # in eager's by chance, each flip a gradient error of about
     # 1/sqrt(y.numel()): at these sizes the comparison would be a coin toss.
-    src = (x.to(amp), wt.to(amp)) if amp else (CB._tf32(x), CB._tf32(wt)) if dtype == torch.float32 else (x, wt)
+    if amp:
+        src = (x.to(amp), wt.to(amp))
+    elif dtype == torch.float32:
+        src = (CB._tf32(x), CB._tf32(wt))
+    else:
+        src = (x, wt)
     ref = [t.detach().double().requires_grad_(True) for t in (*src, cb, b)]
     want = _reference(*ref)
     want.backward(g.double())
