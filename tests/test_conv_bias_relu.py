@@ -850,7 +850,8 @@ def test_engine_float32_training_mask(shape, device, monkeypatch):
     ballots, a row's words stored or OR-ed into a zeroed mask) against the
     sign of the exact product of the TF32-rounded operands plus conv_bias:
     every bit equal where that sum is not within float32 rounding of 0, no
-    bit past y's last element; y against the same product."""
+    bit past y's last element; y against the same product.  The same
+    launch into a NaN-poisoned y and a fresh mask: the same bits."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)
     n, cin, h, w, cout, kh, kw = shape
@@ -867,6 +868,10 @@ def test_engine_float32_training_mask(shape, device, monkeypatch):
     assert not bits[z.numel():].any()
     clear = z.abs().flatten() > 1e-5 * (z.abs().max() + 1)
     assert torch.equal(bits[:z.numel()][clear].bool(), (z.flatten() > 0)[clear])
+    out, again = torch.full_like(y, float("nan")), torch.zeros_like(mask)
+    CB._launch_engine(x, wt, cb, b, out=out, plan=(CB.NCHW, torch.float32, torch.float32, True), mask=again,
+                      xc=xc)
+    assert torch.equal(out, y) and torch.equal(again, mask)
 
 
 @pytest.mark.gpu
