@@ -182,7 +182,8 @@ def test_forward_without_autograd_under_autocast(problem, amp, value, device):
 def test_autocast_inference_reads_the_float32_weight_up_to_its_row_limit(amp, device, monkeypatch):
     """The route of an autocast product without autograd: on Hopper,
     CONVERT_MAX_ROWS rows of x in enough tiles take
-    gemm._linear_float32_weight; more rows, too few tiles, the same product
+    gemm._linear_float32_weight (its launch, _run_float32_weight, after the
+    route's check of the operands); more rows, too few tiles, the same product
     recorded by autograd, or another GPU take the weight's cast and cuBLAS.
     Each gives F.linear's result within its error."""
     from cupy_fused.ops import gemm
@@ -190,8 +191,8 @@ def test_autocast_inference_reads_the_float32_weight_up_to_its_row_limit(amp, de
     linear_module = importlib.import_module("cupy_fused.ops.linear")  # (ops.linear: the function)
 
     calls = []
-    real = linear_module._linear_float32_weight
-    monkeypatch.setattr(linear_module, "_linear_float32_weight",
+    real = linear_module._run_float32_weight
+    monkeypatch.setattr(linear_module, "_run_float32_weight",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
     limit, sms = gemm.CONVERT_MAX_ROWS, gemm.sm_count(device.index)
     hopper = gemm.has_wgmma(device.index)

@@ -556,6 +556,13 @@ def _linear_float32_weight(x_d: torch.Tensor, weight: torch.Tensor,
         raise ValueError("_linear_float32_weight needs a compute capability 9.0 GPU, a float16 / "
                          "bfloat16 x [M, K] and a float32 weight [N, K] (N a multiple of 8) whose "
                          "rows the copy engine can read (_tma_compatible)")
+    return _run_float32_weight(x_d, weight, bias_d)
+
+
+def _run_float32_weight(x_d: torch.Tensor, weight: torch.Tensor,
+                        bias_d: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`_linear_float32_weight` on operands already checked (by it,
+    or by :func:`_routes_float32_weight` on the autocast route)."""
     m, k = x_d.shape
     n = weight.shape[0]
     z = torch.empty((m, n), dtype=x_d.dtype, device=x_d.device)

@@ -34,8 +34,7 @@ from .._validation import check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
 from .bias_relu import bias_relu
-from .gemm import (_LINEAR, CUBLAS, _backward_fake, _linear_float32_weight, _routes_float32_weight,
-                   route)
+from .gemm import _LINEAR, CUBLAS, _backward_fake, _routes_float32_weight, _run_float32_weight, route
 
 ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 
@@ -300,7 +299,7 @@ def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[
         bias = None
     grad = needs_grad(x2, weight, bias)
     if not grad and not is_compiling() and _routes_float32_weight(x_d, weight):
-        return _linear_float32_weight(x_d, weight, bias_d)
+        return _run_float32_weight(x_d, weight, bias_d)  # (the route checked the operands)
     w_d = weight.detach().to(dtype)
     return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x_d, w_d, bias_d)
 
