@@ -184,8 +184,11 @@ __device__ __forceinline__ float sigmoid_of(float x) {
 template <bool kFast>
 __device__ __forceinline__ float swish_and_grad(float x, float& grad) {
   const float s = sigmoid_of<kFast>(x);
-  grad = s + x * s * (1.0f - s);
-  return __fmul_rn(x, s);
+  const float xs = __fmul_rn(x, s);
+  // (x s rounded before its FMA with 1 - s, as `x * s * (1 - s)` compiles:
+  // the same bits, with the product computed once for both results.)
+  grad = s + xs * (1.0f - s);
+  return xs;
 }
 // mish(x) and its derivative sharing one tanh(softplus(x)).  Fast:
 // tanh(log1p(e)) = n / (n + 2) with n = e (e + 2), e = exp(x), one exp for
@@ -269,6 +272,12 @@ struct CompensatedSum {
   }
 };
 
+// A compile-time flag as a value (for generic lambdas: `decltype(tag)::value`).
+template <bool kValue>
+struct BoolTag {
+  static constexpr bool value = kValue;
+};
+
 // Sum over an aligned team of `team` lanes (a power of two <= 32) inside a
 // warp.  Every lane of the warp must call it (full mask); the xor pattern keeps
 // each team's lanes together, and the fixed order makes the result
@@ -277,6 +286,17 @@ __device__ __forceinline__ float team_sum(float v, int team) {
   for (int offset = team >> 1; offset > 0; offset >>= 1)
     v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+// Two team sums at once (the same values as two team_sum calls): one loop's
+// control and divergence checks for both, which in the GroupNorm backward,
+// bound by issue, cost more per row than the shuffles themselves.
+__device__ __forceinline__ void team_sum2(float& a, float& b, int team) {
+  for (int offset = team >> 1; offset > 0; offset >>= 1) {
+    const float oa = __shfl_xor_sync(0xffffffffu, a, offset);
+    const float ob = __shfl_xor_sync(0xffffffffu, b, offset);
+    a += oa;
+    b += ob;
+  }
 }
 
 // Block-wide sum in double, for blockDim.x a multiple of 32 (<= 1024):

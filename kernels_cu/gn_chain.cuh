@@ -393,6 +393,38 @@ __device__ __forceinline__ VecLane vec_lane(int cpg, i64 groups, int t) {
   return l;
 }
 
+// Whether every lane of this block's warps owns channels (VecLane::active):
+// channels per group fill the team (cpg = team * kE) and the block's slice
+// of groups lies inside the tensor.  The row loops then run a copy of their
+// code without the idle lanes' selects (BoolTag<true>), bitwise the same
+// results, in fewer instructions: these kernels are bound by issue.
+template <int kE>
+__device__ __forceinline__ bool whole_warps(int cpg, i64 groups, int t) {
+  return cpg == t * kE && (static_cast<i64>(blockIdx.x) + 1) * (32 / t) <= groups;
+}
+
+// A warp's walk over its rows first, first + kWarps, ... < row1 of the
+// vectorised kernels: do_row(tag, buffer, r, cursor at row r) on the two
+// row buffers in turn (each loads the row 2 kWarps ahead into its buffer);
+// `at` a Cursor at row `first` (ahead(elements, stats) moves it), `step`
+// and `stats_step` its moves over kWarps rows.  tag: BoolTag<whole> (see
+// whole_warps).
+template <typename Cursor, typename Buffer, typename DoRow>
+__device__ __forceinline__ void walk_row_pairs(i64 first, i64 row1, Cursor at, i64 step, i64 stats_step,
+                                               Buffer& even, Buffer& odd, bool whole, DoRow& do_row) {
+  auto walk = [&](auto tag) {
+    for (i64 r = first; r < row1; r += 2 * kWarps, at = at.ahead(2 * step, 2 * stats_step)) {
+      do_row(tag, even, r, at);
+      if (r + kWarps < row1) do_row(tag, odd, r + kWarps, at.ahead(step, stats_step));
+    }
+  };
+  if (whole) {
+    walk(BoolTag<true>());
+  } else {
+    walk(BoolTag<false>());
+  }
+}
+
 // The backward's column vectors on a 16-bit z: held in registers
 // (LaneVectors), with the lane's column sums and two rows of loads, they
 // push the kernel past its 128 registers at 2 blocks per SM with 16-byte
@@ -512,20 +544,33 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
   LaneVectors<TO, kE, kFast> lv = {};
   if (l.active) lv.load(p, l.col);
 
-  auto load_row = [&](Packed<T, kE>& b, i64 r) {
-    if (l.active && r < row1) b.load(z + r * channels + l.col);
+  // The lane's addresses in row r, advanced by whole steps of rows (as in
+  // gn_chain_backward_vec).
+  struct Cursor {
+    const T* z;
+    TO* out;
+    i64 pair;  // the (row, group) pair's index into mean_out / rstd_out
+    __device__ __forceinline__ Cursor ahead(i64 elements, i64 pairs) const {
+      return Cursor{z + elements, out + elements, pair + pairs};
+    }
   };
-  auto do_row = [&](Packed<T, kE>& b, i64 r) {
+  const i64 step = kWarps * channels, pair_step = kWarps * groups;
+  auto load_row = [&](Packed<T, kE>& b, i64 r, const Cursor& at) {
+    if (l.active && r < row1) b.load(at.z);
+  };
+  auto do_row = [&](auto all_active, Packed<T, kE>& b, i64 r, const Cursor& at) {
+    const bool active = decltype(all_active)::value || l.active;
     float v[kE];
     b.unpack(v);
-    load_row(b, r + 2 * kWarps);
+    load_row(b, r + 2 * kWarps, at.ahead(2 * step, 2 * pair_step));
     float sum = 0.0f;
     // Every lane computes Pre (an idle lane on zeros) and selects: a branch
-    // per value would cost more than the arithmetic.
+    // per value would cost more than the arithmetic.  (`active` is the
+    // constant true in whole warps: no selects there.)
 #pragma unroll
     for (int k = 0; k < kE; ++k) {
       const float pre = Chain::pre(v[k], lv, k);
-      v[k] = l.active ? pre : 0.0f;
+      v[k] = active ? pre : 0.0f;
       sum += v[k];
     }
     float mean = team_sum(sum, t) * inv_cpg;
@@ -533,32 +578,31 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
 #pragma unroll
     for (int k = 0; k < kE; ++k) {
       const float d = v[k] - mean;
-      if (l.active) sq += d * d;
+      if (active) sq += d * d;
     }
     float rstd;
     finish_statistics<T, Chain>(team_sum(sq, t), inv_cpg, feps, round_stats, mean, rstd);
-    if (l.active) {
+    if (active) {
       float o[kE];
 #pragma unroll
       for (int k = 0; k < kE; ++k)
         o[k] = Chain::post((v[k] - mean) * rstd * lv.gamma(k) + lv.beta(k), lv, k);
-      store_vec<TO, kE>(out + r * channels + l.col, o);
+      store_vec<TO, kE>(at.out, o);
     }
     if (l.leader && mean_out) {
-      mean_out[r * groups + l.g] = mean;
-      rstd_out[r * groups + l.g] = rstd;
+      mean_out[at.pair] = mean;
+      rstd_out[at.pair] = rstd;
     }
   };
   // Two rows of loads in flight per lane; warp-uniform trip counts (the
   // team sums need every lane of the warp).
   Packed<T, kE> even = {}, odd = {};
   const i64 first = row0 + threadIdx.x / 32;
-  load_row(even, first);
-  load_row(odd, first + kWarps);
-  for (i64 r = first; r < row1; r += 2 * kWarps) {
-    do_row(even, r);
-    if (r + kWarps < row1) do_row(odd, r + kWarps);
-  }
+  const Cursor start{z, out, 0};
+  Cursor at = start.ahead(first * channels + l.col, first * groups + l.g);
+  load_row(even, first, at);
+  load_row(odd, first + kWarps, at.ahead(step, pair_step));
+  walk_row_pairs(first, row1, at, step, pair_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
 }
 
 // Backward: grid = (slices, chunks).  Writes dz and, per chunk, the column
@@ -601,19 +645,35 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     Packed<TO, kE> dy;
     float mu, rs;
   };
-  auto load_row = [&](Row& b, i64 r) {
+  // The lane's addresses in row r (z, dy and dz at its columns; the
+  // statistics at its group), advanced by whole steps of rows: a row's
+  // offsets recomputed from r would cost 64-bit products on every row, in a
+  // kernel bound by issue.
+  struct Cursor {
+    const T* z;
+    const TO* dy;
+    T* dz;
+    const float* mu;
+    const float* rs;
+    __device__ __forceinline__ Cursor ahead(i64 elements, i64 stats) const {
+      return Cursor{z + elements, dy + elements, dz + elements, mu + stats, rs + stats};
+    }
+  };
+  auto load_row = [&](Row& b, i64 r, const Cursor& at) {
     if (r < row1) {
       if (l.active) {
-        b.z.load(z + r * channels + l.col);
-        if (dy_dense) b.dy.load(dy + r * channels + l.col);
+        b.z.load(at.z);
+        if (dy_dense) b.dy.load(at.dy);
       }
       if (real) {
-        b.mu = mean[r * groups + l.g];
-        b.rs = rstd[r * groups + l.g];
+        b.mu = *at.mu;
+        b.rs = *at.rs;
       }
     }
   };
-  auto do_row = [&](Row& b, i64 r) {
+  const i64 step = kWarps * channels, stats_step = kWarps * groups;
+  auto do_row = [&](auto all_active, Row& b, i64 r, const Cursor& at) {
+    const bool active = decltype(all_active)::value || l.active;
     float zs[kE], dys[kE];
     b.z.unpack(zs);
     if (dy_dense) {
@@ -624,11 +684,12 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     }
     const float mu = real ? b.mu : 0.0f;
     const float rs = real ? b.rs : 0.0f;
-    load_row(b, r + 2 * kWarps);
+    load_row(b, r + 2 * kWarps, at.ahead(2 * step, 2 * stats_step));
     float xh[kE], dxh[kE], dyh[kE], mg[kE], pg[kE];
     float s1 = 0.0f, s2 = 0.0f;
     // Every lane computes (an idle lane on zeros) and an idle lane's terms
     // are zeroed: a branch per value would cost more than the arithmetic.
+    // (`active` is the constant true in whole warps: no selects there.)
 #pragma unroll
     for (int q = 0; q < kE / Vectors::kQ; ++q) {
       const LaneVectors<TO, Vectors::kQ, kFast> qv = Vectors::quad(lv, q);
@@ -638,15 +699,16 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
         const float v = Chain::pre_with_grad(zs[k], qv, kk, pg[k]);
         const float d =
             element_backward_from_pre<Chain>(v, dys[k], mu, rs, kk, qv, xh[k], dyh[k], mg[k]);
-        dxh[k] = l.active ? d : 0.0f;
-        xh[k] = l.active ? xh[k] : 0.0f;
+        dxh[k] = active ? d : 0.0f;
+        xh[k] = active ? xh[k] : 0.0f;
         s1 += dxh[k];
         s2 += dxh[k] * xh[k];
       }
     }
-    s1 = team_sum(s1, t) * inv_cpg;
-    s2 = team_sum(s2, t) * inv_cpg;
-    if (l.active) {
+    team_sum2(s1, s2, t);
+    s1 *= inv_cpg;
+    s2 *= inv_cpg;
+    if (active) {
       float d[kE];
 #pragma unroll
       for (int k = 0; k < kE; ++k) {
@@ -657,18 +719,17 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
 #pragma unroll
         for (int s = 0; s < S; ++s) acc[s][k] += vals[s];
       }
-      store_vec<T, kE>(dz_out + r * channels + l.col, d);
+      store_vec<T, kE>(at.dz, d);
     }
   };
   Row even = {}, odd = {};
   const int warp = threadIdx.x / 32;
   const i64 first = row0 + warp;
-  load_row(even, first);
-  load_row(odd, first + kWarps);
-  for (i64 r = first; r < row1; r += 2 * kWarps) {
-    do_row(even, r);
-    if (r + kWarps < row1) do_row(odd, r + kWarps);
-  }
+  Cursor at{z, dy, dz_out, mean, rstd};
+  at = at.ahead(first * channels + l.col, first * groups + l.g);
+  load_row(even, first, at);
+  load_row(odd, first + kWarps, at.ahead(step, stats_step));
+  walk_row_pairs(first, row1, at, step, stats_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
 
   // The warps' sums of each column, added in warp order.
   __shared__ float sums[kWarps][32 * kE];

@@ -163,7 +163,10 @@ struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEag
     using T = typename P::value_type;
     const float zb = __fadd_rn(z, p.lin(c));
     const float s0 = sigmoid_of<P::kFast>(zb);
-    grad = s0 + zb * s0 * (1.0f - s0);
+    // (zb s0 rounded before its FMA with 1 - s0, as the plain product
+    // compiles; without eager rounding it is Pre's own product, s = s0,
+    // computed once for both.)
+    grad = s0 + __fmul_rn(zb, s0) * (1.0f - s0);
     const float s = eager_round<T, kEagerRounding>(s0);
     return eager_round<T, kEagerRounding>(
         __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), p.extra(c)));
