@@ -261,13 +261,14 @@ def test_vector_and_scalar_kernels_agree(dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_whole_and_partial_warps_give_the_same_bits(dtype, device):
+def test_whole_and_partial_warps_agree(dtype, device):
     """The vectorised kernels run one copy of their row loop where every
     lane of a block owns channels and another, with the idle lanes' selects,
     where not: groups 0-2 of a tensor of 4 groups of 64 channels (whole
     warps: 4 or 2 groups to a warp) and the same groups as a tensor of their
     own (3 groups: a warp's last team idle) give the same output and input
-    gradient bit for bit."""
+    gradient, to rounding (the two copies may contract a product and a sum
+    into one FMA in different places)."""
     rows, cpg = 40, 64
     gen = torch.Generator().manual_seed(4)
     z = torch.randn(rows, 4 * cpg, generator=gen).to(device, dtype)
@@ -280,7 +281,7 @@ def test_whole_and_partial_warps_give_the_same_bits(dtype, device):
                      [z[:, :part].contiguous()] + [v[:part] for v in vectors],
                      g[:, :part].contiguous(), None)
         for a, b in zip(whole[:2], three[:2]):  # the output and z's gradient
-            assert torch.equal(a[:, :part], b), chain
+            assert rel_error(a[:, :part], b) < 8 * torch.finfo(dtype).eps, chain
 
 
 @pytest.mark.gpu
