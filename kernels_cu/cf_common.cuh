@@ -272,12 +272,6 @@ struct CompensatedSum {
   }
 };
 
-// A compile-time flag as a value (for generic lambdas: `decltype(tag)::value`).
-template <bool kValue>
-struct BoolTag {
-  static constexpr bool value = kValue;
-};
-
 // Sum over an aligned team of `team` lanes (a power of two <= 32) inside a
 // warp.  Every lane of the warp must call it (full mask); the xor pattern keeps
 // each team's lanes together, and the fixed order makes the result

@@ -396,32 +396,38 @@ __device__ __forceinline__ VecLane vec_lane(int cpg, i64 groups, int t) {
 // Whether every lane of this block's warps owns channels (VecLane::active):
 // channels per group fill the team (cpg = team * kE) and the block's slice
 // of groups lies inside the tensor.  The row loops then run a copy of their
-// code without the idle lanes' selects (BoolTag<true>), bitwise the same
-// results, in fewer instructions: these kernels are bound by issue.
+// code without the idle lanes' selects (walk_rows<true>), in fewer
+// instructions (these kernels are bound by issue), with the same results
+// except where the two copies contract a product and a sum into one FMA
+// differently (test_gn_chain: below a unit of float32).
 template <int kE>
 __device__ __forceinline__ bool whole_warps(int cpg, i64 groups, int t) {
   return cpg == t * kE && (static_cast<i64>(blockIdx.x) + 1) * (32 / t) <= groups;
 }
 
 // A warp's walk over its rows first, first + kWarps, ... < row1 of the
-// vectorised kernels: do_row(tag, buffer, r, cursor at row r) on the two
+// vectorised kernels: do_row(kWhole, buffer, r, cursor at row r) on the two
 // row buffers in turn (each loads the row 2 kWarps ahead into its buffer);
 // `at` a Cursor at row `first` (ahead(elements, stats) moves it), `step`
-// and `stats_step` its moves over kWarps rows.  tag: BoolTag<whole> (see
-// whole_warps).
+// and `stats_step` its moves over kWarps rows.  kWhole: see whole_warps; a
+// constant in each copy of the loop, which the inlined do_row folds (NVRTC
+// 12 refuses a generic lambda, which could take it as a type, in device
+// code: it compiles one as host code).
+template <bool kWhole, typename Cursor, typename Buffer, typename DoRow>
+__device__ __forceinline__ void walk_rows(i64 first, i64 row1, Cursor at, i64 step, i64 stats_step,
+                                          Buffer& even, Buffer& odd, DoRow& do_row) {
+  for (i64 r = first; r < row1; r += 2 * kWarps, at = at.ahead(2 * step, 2 * stats_step)) {
+    do_row(kWhole, even, r, at);
+    if (r + kWarps < row1) do_row(kWhole, odd, r + kWarps, at.ahead(step, stats_step));
+  }
+}
 template <typename Cursor, typename Buffer, typename DoRow>
 __device__ __forceinline__ void walk_row_pairs(i64 first, i64 row1, Cursor at, i64 step, i64 stats_step,
                                                Buffer& even, Buffer& odd, bool whole, DoRow& do_row) {
-  auto walk = [&](auto tag) {
-    for (i64 r = first; r < row1; r += 2 * kWarps, at = at.ahead(2 * step, 2 * stats_step)) {
-      do_row(tag, even, r, at);
-      if (r + kWarps < row1) do_row(tag, odd, r + kWarps, at.ahead(step, stats_step));
-    }
-  };
   if (whole) {
-    walk(BoolTag<true>());
+    walk_rows<true>(first, row1, at, step, stats_step, even, odd, do_row);
   } else {
-    walk(BoolTag<false>());
+    walk_rows<false>(first, row1, at, step, stats_step, even, odd, do_row);
   }
 }
 
@@ -558,8 +564,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
   auto load_row = [&](Packed<T, kE>& b, i64 r, const Cursor& at) {
     if (l.active && r < row1) b.load(at.z);
   };
-  auto do_row = [&](auto all_active, Packed<T, kE>& b, i64 r, const Cursor& at) {
-    const bool active = decltype(all_active)::value || l.active;
+  auto do_row = [&](bool whole, Packed<T, kE>& b, i64 r, const Cursor& at) {
+    const bool active = whole || l.active;
     float v[kE];
     b.unpack(v);
     load_row(b, r + 2 * kWarps, at.ahead(2 * step, 2 * pair_step));
@@ -672,8 +678,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     }
   };
   const i64 step = kWarps * channels, stats_step = kWarps * groups;
-  auto do_row = [&](auto all_active, Row& b, i64 r, const Cursor& at) {
-    const bool active = decltype(all_active)::value || l.active;
+  auto do_row = [&](bool whole, Row& b, i64 r, const Cursor& at) {
+    const bool active = whole || l.active;
     float zs[kE], dys[kE];
     b.z.unpack(zs);
     if (dy_dense) {
