@@ -139,25 +139,29 @@ struct DirectStore {
 };
 
 // C [M, N] = act(A B^T + bias): A [M, K] and B [N, K] through their tensor
-// maps (ops.gemm._tensor_map), any K.  kTmaStore: C through map_c (boxes of
-// 128 x 64), else through c with row stride ldc.  Grid: at most one block per
-// SM (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages, staging>()
-// of dynamic shared memory.
-template <typename T, int kStages, bool kTmaStore>
+// maps (ops.gemm._tensor_map), any K.  kAMn / kBMn: A given as its
+// transpose [K, M] (M-major), B as [K, N] (N-major), through maps of boxes
+// of 64 x 64 (TiledLoader; ops.gemm._half_matmul).  kTmaStore: C through
+// map_c (boxes of 128 x 64), else through c with row stride ldc.  Grid: at
+// most one block per SM (persistent), kHgThreads threads,
+// half_gemm_shared_bytes<kStages, staging>() of dynamic shared memory.
+template <typename T, int kStages, bool kTmaStore, bool kAMn = false, bool kBMn = false>
 __global__ void __launch_bounds__(kHgThreads, 1)
 gemm_wgmma(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
            const __grid_constant__ TensorMap map_c, T* __restrict__ c, const T* __restrict__ bias, i64 act,
            i64 M, i64 N, i64 K, i64 ldc) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char gemm_shared[];
+  using Mma = SmemMma<T, kAMn, kBMn>;
   const LinearEpilogue<T> epilogue{bias, act, N};
-  const DenseLoader loader{map_a, map_b, M, N, K};
+  const TiledLoader<kHgBM, kHgBN, 1, kAMn, kBMn> loader{map_a, map_b, M, N, K};
   if constexpr (kTmaStore) {
     TmaStore<T, LinearEpilogue<T>> store{map_c, epilogue};
-    half_gemm_persistent<T, kStages, kHgStagingBytes>(reinterpret_cast<char*>(gemm_shared), loader, store);
+    half_gemm_persistent<T, kStages, kHgStagingBytes, Mma>(reinterpret_cast<char*>(gemm_shared), loader,
+                                                           store);
   } else {
     DirectStore<T, LinearEpilogue<T>> store{c, epilogue, M, N, ldc};
-    half_gemm_persistent<T, kStages, 0>(reinterpret_cast<char*>(gemm_shared), loader, store);
+    half_gemm_persistent<T, kStages, 0, Mma>(reinterpret_cast<char*>(gemm_shared), loader, store);
   }
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used

@@ -48,6 +48,9 @@ __host__ __device__ constexpr int hg_bk() {
   return 128 / static_cast<int>(sizeof(T));
 }
 constexpr int kHgSteps = 4;
+// An MN-major operand's box: 64 rows of k x 128 bytes (64 16-bit values of
+// m or n; TiledLoader), two per 128-row tile.
+constexpr int kMnBoxBytes = 64 * 128;
 constexpr int kHgThreads = 384;                      // producer + 2 consumer warpgroups
 constexpr int kHgTileABytes = kHgBM * kHgBK * 2;     // 16 KiB
 constexpr int kHgTileBBytes = kHgBN * kHgBK * 2;     // 16 KiB
@@ -158,8 +161,16 @@ struct TmaTileWriter {
 // 128-byte rows, side by side in k (one of 64 16-bit values; two of 32
 // float32 ones), B's one box (128-byte swizzle: ops.gemm._tensor_map).
 // DenseLoader: 128 x 128 tiles of C, A of B's dtype.
-template <int kBM, int kBN, int kABoxes = 1>
+// kAMn / kBMn (16-bit operands, 128 x 128 tiles): A (B) is M-major (N-major),
+// read through a tensor map of its transpose, [K, M] ([K, N]): a tile is two
+// boxes of 64 rows of k x 128 bytes (64 values of m or n), side by side in
+// m (n), each in the 128-byte swizzle layout of an MN-major wgmma operand.
+// These are the layouts of a linear layer's backward products: dZ W (B
+// N-major) and dZ^T x (both MN-major).
+template <int kBM, int kBN, int kABoxes = 1, bool kAMn = false, bool kBMn = false>
 struct TiledLoader {
+  static_assert(!(kAMn || kBMn) || (kBM == 128 && kBN == 128 && kABoxes == 1),
+                "MN-major operands: 128 x 128 tiles of 16-bit values");
   const TensorMap& map_a;
   const TensorMap& map_b;
   i64 M, N, K;
@@ -176,10 +187,20 @@ struct TiledLoader {
     n0 = static_cast<int>(tn * kBN);
   }
   __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
+    if constexpr (kAMn) {
+      tma_load_2d(tile_a, map_a, m0, kt * kHgBK, bar);
+      tma_load_2d(tile_a + kMnBoxBytes, map_a, m0 + 64, kt * kHgBK, bar);
+    } else {
 #pragma unroll
-    for (int box = 0; box < kABoxes; ++box)
-      tma_load_2d(tile_a + box * (kBM * 128), map_a, kt * kHgBK + box * (kHgBK / kABoxes), m0, bar);
-    tma_load_2d(tile_b, map_b, kt * kHgBK, n0, bar);
+      for (int box = 0; box < kABoxes; ++box)
+        tma_load_2d(tile_a + box * (kBM * 128), map_a, kt * kHgBK + box * (kHgBK / kABoxes), m0, bar);
+    }
+    if constexpr (kBMn) {
+      tma_load_2d(tile_b, map_b, n0, kt * kHgBK, bar);
+      tma_load_2d(tile_b + kMnBoxBytes, map_b, n0 + 64, kt * kHgBK, bar);
+    } else {
+      tma_load_2d(tile_b, map_b, kt * kHgBK, n0, bar);
+    }
   }
 };
 using DenseLoader = TiledLoader<kHgBM, kHgBN>;
@@ -189,6 +210,16 @@ using DenseLoader = TiledLoader<kHgBM, kHgBN>;
 // groups (stride-byte offset 1024; the leading-byte offset is unused there).
 __device__ __forceinline__ unsigned long long swizzle128_desc(unsigned addr) {
   return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) | (1ull << 16) |
+         (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// The same for an MN-major operand (PTX: M-major A, N-major B) as
+// TiledLoader's MN-major boxes lay it out: rows of 128 bytes (64 values of
+// m or n at one k), 8-row (1024-byte) groups along k (stride-byte offset),
+// and the next 64 values of m or n kMnBoxBytes on (leading-byte offset).
+__device__ __forceinline__ unsigned long long swizzle128_desc_mn(unsigned addr) {
+  return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) |
+         (static_cast<unsigned long long>(kMnBoxBytes >> 4) << 16) |
          (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
 }
 
@@ -220,20 +251,23 @@ template <> struct WgmmaType<bfloat16> { static constexpr bool kBf16 = true; };
       "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "     \
       "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1" TRANSPOSES ";\n}\n"             \
       : CF_D32(0), CF_D32(32)                                                                          \
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB))
 // d (+)= A B^T for one 32-byte step of k: a 64 x 16 slice of A and a 128 x
 // 16 slice of B of a 16-bit T, 64 x 8 and 128 x 8 of float32 T (read as
 // TF32: the low 13 bits of the mantissa are not used), both in shared
-// memory (descriptors).  accumulate = 0 ignores d's old value.
-template <typename T>
+// memory (descriptors).  accumulate = 0 ignores d's old value.  kTransA /
+// kTransB (16-bit T): A M-major / B N-major (swizzle128_desc_mn), else
+// K-major.
+template <typename T, int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long long desc_a,
                                                    unsigned long long desc_b, int accumulate) {
   if constexpr (sizeof(T) == 4) {
+    static_assert(kTransA == 0 && kTransB == 0, "TF32 operands are K-major");
     CF_WGMMA_M64N128("k8.f32.tf32.tf32", "");  // (TF32 takes no transpose flags)
   } else if constexpr (WgmmaType<T>::kBf16) {
-    CF_WGMMA_M64N128("k16.f32.bf16.bf16", ", 0, 0");
+    CF_WGMMA_M64N128("k16.f32.bf16.bf16", ", %67, %68");
   } else {
-    CF_WGMMA_M64N128("k16.f32.f16.f16", ", 0, 0");
+    CF_WGMMA_M64N128("k16.f32.f16.f16", ", %67, %68");
   }
 }
 #undef CF_WGMMA_M64N128
@@ -250,10 +284,20 @@ __device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long
 // the wait for its last MMAs.
 //
 // SmemMma: both operands from shared memory (descriptors), A and B 128 rows
-// of 128 bytes, two wgmma.m64n128 per 32-byte step of k (acc[h]: rows 64h ..
-// 64h + 63), one group per k-tile.
-template <typename T>
+// of 128 bytes (K-major) or two boxes of 64 rows of k (kAMn / kBMn:
+// MN-major, TiledLoader), two wgmma.m64n128 per step of 16 values of k
+// (acc[h]: rows 64h .. 64h + 63), one group per k-tile.
+template <typename T, bool kAMn = false, bool kBMn = false>
 struct SmemMma {
+  // The operands' slices for step kk of k (rows 64h.. of A): K-major, 32
+  // bytes along the swizzled rows; MN-major, 16 rows of k (2048 bytes) on.
+  __device__ __forceinline__ static unsigned long long desc_a(unsigned a, int h, int kk) {
+    return kAMn ? swizzle128_desc_mn(a + h * kMnBoxBytes + 2048 * kk)
+                : swizzle128_desc(a + h * (64 * 128) + 32 * kk);
+  }
+  __device__ __forceinline__ static unsigned long long desc_b(unsigned b, int kk) {
+    return kBMn ? swizzle128_desc_mn(b + 2048 * kk) : swizzle128_desc(b + 32 * kk);
+  }
   static constexpr int kBM = kHgBM, kBN = kHgBN, kWgRows = kHgBM;
   static constexpr bool kCooperative = false;
   static constexpr int kTileABytes = kHgTileABytes, kTileBBytes = kHgTileBBytes;
@@ -264,10 +308,10 @@ struct SmemMma {
     fence_registers(acc[1]);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kHgSteps; ++kk) {  // 32 bytes along the swizzled row
-      const unsigned long long db = swizzle128_desc(b + 32 * kk);
-      wgmma_m64n128_step<T>(acc[0], swizzle128_desc(a + 32 * kk), db, kt > 0 || kk > 0);
-      wgmma_m64n128_step<T>(acc[1], swizzle128_desc(a + 64 * 128 + 32 * kk), db, kt > 0 || kk > 0);
+    for (int kk = 0; kk < kHgSteps; ++kk) {
+      const unsigned long long db = desc_b(b, kk);
+      wgmma_m64n128_step<T, kAMn, kBMn>(acc[0], desc_a(a, 0, kk), db, kt > 0 || kk > 0);
+      wgmma_m64n128_step<T, kAMn, kBMn>(acc[1], desc_a(a, 1, kk), db, kt > 0 || kk > 0);
     }
     wgmma_commit();
   }

@@ -460,6 +460,60 @@ def test_half_engine_non_finite_lands_where_cublas_puts_it(value, dtype, device)
             assert torch.equal(test(got), test(want)), (test.__name__, activation)
 
 
+# The engine's operand layouts (_half_matmul): a [M, K] contiguous (K-major)
+# or a transposed view (M-major); b [K, N] a transposed view (K-major) or
+# contiguous (N-major): x W^T is "kk", dZ W "kn", dZ^T x "mn".  (M, K, N)
+# ragged against the 128 x 128 x 64 tiles, multiples of 8 (every dimension
+# is some layout's contiguous one, whose rows the copy engine reads in
+# 16-byte units).
+LAYOUTS = {"kk": (False, False), "kn": (False, True), "mn": (True, True), "mk": (True, False)}
+LAYOUT_SHAPES = [(8, 8, 8), (200, 72, 136), (1000, 520, 264), (136, 1032, 1000)]
+
+
+def _layout_operands(m, k, n, layout, dtype, device):
+    g = torch.Generator(device="cpu").manual_seed(m + 3 * k + 7 * n)
+    a = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    b = (torch.randn(k, n, generator=g) / k ** 0.5).to(device=device, dtype=dtype)
+    a_mn, b_mn = LAYOUTS[layout]
+    a_op = a.t().contiguous().t() if a_mn else a  # M-major: the transpose of a contiguous [K, M]
+    b_op = b if b_mn else b.t().contiguous().t()  # K-major: the transpose of a contiguous [N, K]
+    return a_op, b_op
+
+
+@gpu
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_half_engine_layouts_against_float64(shape, dtype, layout, device):
+    """a @ b in each operand layout, into NaN: error against float64 no
+    worse than cuBLAS's on the same views (1.5x, plus a unit of rounding);
+    two runs bitwise equal."""
+    m, k, n = shape
+    if not G.has_wgmma(device.index):
+        pytest.skip("the 16-bit engine needs compute capability 9.0")
+    a, b = _layout_operands(m, k, n, layout, dtype, device)
+    assert (a.stride(0) == 1) == LAYOUTS[layout][0] and (b.stride(1) == 1) == LAYOUTS[layout][1]
+    truth = a.double() @ b.double()
+    poison_allocator(device, 2 * m * n)
+    ours = G._half_matmul(a, b, out=torch.full((m, n), float("nan"), device=device, dtype=dtype))
+    errors = {"out": (rel_error(ours, truth), rel_error(a @ b, truth))}
+    assert not worse_than_eager(errors, dtype), errors
+    assert torch.equal(ours, G._half_matmul(a, b))
+
+
+@gpu
+def test_half_matmul_refuses_what_it_cannot_read(device):
+    if not G.has_wgmma(device.index):
+        pytest.skip("the 16-bit engine needs compute capability 9.0")
+    a, b = _layout_operands(64, 64, 64, "kn", torch.bfloat16, device)
+    for bad_a, bad_b in ((a.float(), b.float()), (a, b.half()), (a[:, 1:], b[1:]),
+                         (a, b[:56]), (a[:0], b)):
+        with pytest.raises(ValueError, match="_half_matmul needs"):
+            G._half_matmul(bad_a, bad_b)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        G._half_matmul(a, b, out=torch.empty(64, 65, device=device, dtype=torch.bfloat16))
+
+
 @gpu
 def test_half_engine_is_bitwise_reproducible_and_refuses_what_it_cannot_run(device):
     x, w, b = _half_operands(1000, 1024, 1032, torch.bfloat16, device)

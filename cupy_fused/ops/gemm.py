@@ -482,6 +482,87 @@ def _half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return out
 
 
+# The other two products of a linear layer on the engine: dZ W (B N-major)
+# and dZ^T x (A M-major too), read through tensor maps of the operands as
+# they lie in memory (MN-major boxes of 64 x 64: TiledLoader in
+# kernels_cu/gemm.cuh).  Measured against cuBLAS, not routed: the backward's
+# products stay on cuBLAS (docs/gemm.md).  Keyed by (dtype, C stored
+# through TMA, A M-major, B N-major), the MN-major combinations only.
+LAYOUT_KERNELS = _runtime.KernelFamily("gemm.cu", {
+    (dtype, tma, a_mn, b_mn): (f"cf::gemm_wgmma<{cxx_type(dtype)}, {HALF_STAGES}, {_cxx_bool(tma)}, "
+                               f"{_cxx_bool(a_mn)}, {_cxx_bool(b_mn)}>")
+    for dtype in HALF_DTYPES for tma in (True, False)
+    for a_mn, b_mn in ((False, True), (True, False), (True, True))
+})
+
+
+def _operand_layout(t: torch.Tensor, mn_major_when_contiguous: bool) -> Optional[bool]:
+    """Whether the 2-D ``t`` [rows, cols] is read MN-major (True) or K-major
+    (False) by :func:`_half_matmul`, or None where the copy engine cannot
+    read it: a contiguous ``t`` is MN-major for B ([K, N]) and K-major for
+    A ([M, K]); a transposed view of a contiguous tensor the other way."""
+    if t.dim() != 2 or t.data_ptr() % 16 or t.shape[0] >= 2**31 or t.shape[1] >= 2**31:
+        return None
+    if t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0:
+        return mn_major_when_contiguous
+    if t.stride(0) == 1 and (t.stride(1) * t.element_size()) % 16 == 0:
+        return not mn_major_when_contiguous
+    return None
+
+
+def _operand_map(t: torch.Tensor, mn_major: bool, contiguous_is_mn: bool) -> bytes:
+    """The tensor map of an operand of :func:`_half_matmul` (see
+    :func:`_operand_layout`): K-major, boxes of 128 rows x 64 values of k;
+    MN-major, boxes of 64 rows of k x 64 values of m or n."""
+    base = t if t.stride(1) == 1 else t.t()  # the layout in memory: [outer, inner]
+    if mn_major:
+        return _encode_tensor_map(base.data_ptr(), (base.shape[1], base.shape[0]),
+                                  (base.stride(0),), t.dtype, (HALF_BOX_K, HALF_BOX_K))
+    return _tensor_map(base, HALF_TILE[0])
+
+
+def _half_matmul(a: torch.Tensor, b: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ b`` on the Hopper engine, float16 / bfloat16 with float32
+    accumulation, rounded once: the three products of a linear layer in the
+    layouts they come in (x W^T: b = W.t(); dZ W: b = W; dZ^T x: a = dZ.t(),
+    b = x).
+
+    Args:
+        a: [M, K], contiguous or the transpose of a contiguous tensor.
+        b: [K, N] of a's dtype, contiguous or the transpose of a contiguous
+            tensor.  Rows of 16-byte multiples, 16-byte aligned starts.
+        out: the contiguous [M, N] result to write, else a new one.
+
+    Returns:
+        [M, N] tensor of a's dtype.
+    """
+    a_mn, b_mn = _operand_layout(a, False), _operand_layout(b, True)
+    if (a.dtype not in HALF_DTYPES or b.dtype != a.dtype or a_mn is None or b_mn is None
+            or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or 0 in a.shape
+            or b.shape[1] == 0 or not has_wgmma(a.device.index)):
+        raise ValueError("_half_matmul needs a compute capability 9.0 GPU and float16 / bfloat16 "
+                         "a [M, K] and b [K, N] of one dtype, not empty, each contiguous or the "
+                         "transpose of a contiguous tensor, with 16-byte rows and starts")
+    m, k = a.shape
+    n = b.shape[1]
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    elif out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor of a's dtype")
+    dev = a.device.index
+    map_a, map_b = _operand_map(a, a_mn, False), _operand_map(b, b_mn, True)
+    tma = _tma_compatible(out)
+    map_c = _tensor_map(out, HALF_TILE[0]) if tma else map_a  # (unused without the TMA store)
+    family, key = ((HALF_KERNELS, (a.dtype, tma)) if not (a_mn or b_mn)
+                   else (LAYOUT_KERNELS, (a.dtype, tma, a_mn, b_mn)))
+    tiles = cdiv(m, HALF_TILE[0]) * cdiv(n, HALF_TILE[1])
+    _bridge.launch(family.get(key, dev), (min(tiles, sm_count(dev)), 1, 1), HALF_THREADS,
+                   (map_a, map_b, map_c, out.data_ptr(), 0, 0, m, n, k, n), dev,
+                   shared_mem=_half_shared_bytes(HALF_STAGING_BYTES if tma else 0))
+    return out
+
+
 # ---------------------------------------------------------------- float32 weight (autocast)
 #
 # x W^T with x of a 16-bit dtype and W float32, W rounded to x's dtype in
