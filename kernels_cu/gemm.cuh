@@ -205,21 +205,16 @@ struct TiledLoader {
 };
 using DenseLoader = TiledLoader<kHgBM, kHgBN>;
 
-// Shared-memory matrix descriptor of a K-major operand in the 128-byte
-// swizzle layout that TMA writes: rows of 128 bytes, 8-row (1024-byte) core
-// groups (stride-byte offset 1024; the leading-byte offset is unused there).
-__device__ __forceinline__ unsigned long long swizzle128_desc(unsigned addr) {
-  return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) | (1ull << 16) |
-         (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
-}
-
-// The same for an MN-major operand (PTX: M-major A, N-major B) as
-// TiledLoader's MN-major boxes lay it out: rows of 128 bytes (64 values of
-// m or n at one k), 8-row (1024-byte) groups along k (stride-byte offset),
-// and the next 64 values of m or n kMnBoxBytes on (leading-byte offset).
-__device__ __forceinline__ unsigned long long swizzle128_desc_mn(unsigned addr) {
+// Shared-memory matrix descriptor of an operand in the 128-byte swizzle
+// layout that TMA writes: rows of 128 bytes, 8-row (1024-byte) core groups
+// (stride-byte offset 1024).  K-major (the rows along m or n): the
+// leading-byte offset is unused there (16).  MN-major (PTX: M-major A,
+// N-major B; the rows along k, 64 values of m or n each, as TiledLoader's
+// MN-major boxes lay them out): the leading-byte offset is the step to the
+// next 64 values of m or n, kMnBoxBytes.
+__device__ __forceinline__ unsigned long long swizzle128_desc(unsigned addr, unsigned leading_bytes = 16) {
   return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) |
-         (static_cast<unsigned long long>(kMnBoxBytes >> 4) << 16) |
+         (static_cast<unsigned long long>(leading_bytes >> 4) << 16) |
          (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
 }
 
@@ -256,7 +251,7 @@ template <> struct WgmmaType<bfloat16> { static constexpr bool kBf16 = true; };
 // 16 slice of B of a 16-bit T, 64 x 8 and 128 x 8 of float32 T (read as
 // TF32: the low 13 bits of the mantissa are not used), both in shared
 // memory (descriptors).  accumulate = 0 ignores d's old value.  kTransA /
-// kTransB (16-bit T): A M-major / B N-major (swizzle128_desc_mn), else
+// kTransB (16-bit T): A M-major / B N-major (swizzle128_desc), else
 // K-major.
 template <typename T, int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long long desc_a,
@@ -292,11 +287,11 @@ struct SmemMma {
   // The operands' slices for step kk of k (rows 64h.. of A): K-major, 32
   // bytes along the swizzled rows; MN-major, 16 rows of k (2048 bytes) on.
   __device__ __forceinline__ static unsigned long long desc_a(unsigned a, int h, int kk) {
-    return kAMn ? swizzle128_desc_mn(a + h * kMnBoxBytes + 2048 * kk)
+    return kAMn ? swizzle128_desc(a + h * kMnBoxBytes + 2048 * kk, kMnBoxBytes)
                 : swizzle128_desc(a + h * (64 * 128) + 32 * kk);
   }
   __device__ __forceinline__ static unsigned long long desc_b(unsigned b, int kk) {
-    return kBMn ? swizzle128_desc_mn(b + 2048 * kk) : swizzle128_desc(b + 32 * kk);
+    return kBMn ? swizzle128_desc(b + 2048 * kk, kMnBoxBytes) : swizzle128_desc(b + 32 * kk);
   }
   static constexpr int kBM = kHgBM, kBN = kHgBN, kWgRows = kHgBM;
   static constexpr bool kCooperative = false;

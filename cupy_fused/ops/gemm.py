@@ -510,7 +510,7 @@ def _operand_layout(t: torch.Tensor, mn_major_when_contiguous: bool) -> Optional
     return None
 
 
-def _operand_map(t: torch.Tensor, mn_major: bool, contiguous_is_mn: bool) -> bytes:
+def _operand_map(t: torch.Tensor, mn_major: bool) -> bytes:
     """The tensor map of an operand of :func:`_half_matmul` (see
     :func:`_operand_layout`): K-major, boxes of 128 rows x 64 values of k;
     MN-major, boxes of 64 rows of k x 64 values of m or n."""
@@ -539,7 +539,7 @@ def _half_matmul(a: torch.Tensor, b: torch.Tensor,
     """
     a_mn, b_mn = _operand_layout(a, False), _operand_layout(b, True)
     if (a.dtype not in HALF_DTYPES or b.dtype != a.dtype or a_mn is None or b_mn is None
-            or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or 0 in a.shape
+            or a.shape[1] != b.shape[0] or 0 in a.shape
             or b.shape[1] == 0 or not has_wgmma(a.device.index)):
         raise ValueError("_half_matmul needs a compute capability 9.0 GPU and float16 / bfloat16 "
                          "a [M, K] and b [K, N] of one dtype, not empty, each contiguous or the "
@@ -551,7 +551,7 @@ def _half_matmul(a: torch.Tensor, b: torch.Tensor,
     elif out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{m}, {n}] tensor of a's dtype")
     dev = a.device.index
-    map_a, map_b = _operand_map(a, a_mn, False), _operand_map(b, b_mn, True)
+    map_a, map_b = _operand_map(a, a_mn), _operand_map(b, b_mn)
     tma = _tma_compatible(out)
     map_c = _tensor_map(out, HALF_TILE[0]) if tma else map_a  # (unused without the TMA store)
     family, key = ((HALF_KERNELS, (a.dtype, tma)) if not (a_mn or b_mn)
