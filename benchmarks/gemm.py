@@ -6,6 +6,7 @@ against float64.
     python benchmarks/gemm.py [--shapes 1024x8192x8192 32768x1024x4096] [--json F] [--md F]
     python benchmarks/gemm.py --tiles wgmma128x128 wgmma128x128_split_b   # also each tile kernel
     python benchmarks/gemm.py --half     # the float16 / bfloat16 engine (Hopper) against cuBLAS
+    python benchmarks/gemm.py --half-layouts [--products grad_weight]   # its three products
     python benchmarks/gemm.py --float32-weight   # autocast's product, float32 W (Hopper)
 
 A shape MxKxN is batch x in_features x out_features: forward y = x W^T with
@@ -16,6 +17,7 @@ dot product's rounding error, so rows of any magnitude count equally).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -136,25 +138,30 @@ def _product_rows(shapes, iters: int, impls_of):
     implementations to time in turns, each of which returns x w_d^T.  Each
     implementation's row entry: median and best ms, TFLOP/s, error against
     float64 of that product (as the module docstring says)."""
-    device = torch.device("cuda")
     rows = []
+    for shape, (m, k, n), flops, dtype, g in _half_cases(shapes):
+        x = torch.randn(m, k, device=g.device, generator=g).to(dtype)
+        w = torch.randn(n, k, device=g.device, generator=g) / k ** 0.5
+        w_d = w.to(dtype)
+        impls = impls_of(x, w, w_d)
+        times = time_interleaved(impls, iters, warmup=3)
+        row = {"shape": shape, "dtype": str(dtype).replace("torch.", "")}
+        for name, fn in impls.items():
+            med, best = times[name]
+            row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
+                         "error": scaled_gemm_error(fn(), x, w_d, lambda a, b: a @ b.t())}
+        rows.append(row)
+    return rows
+
+
+def _half_cases(shapes):
+    """(shape, (M, K, N), FLOP of one product, dtype, a CUDA generator
+    seeded by the shape) for each shape MxKxN and 16-bit dtype."""
     for shape in shapes:
         m, k, n = map(int, shape.split("x"))
-        flops = 2.0 * m * n * k
         for dtype in (torch.float16, torch.bfloat16):
-            g = torch.Generator(device=device).manual_seed(m + k + n)
-            x = torch.randn(m, k, device=device, generator=g).to(dtype)
-            w = torch.randn(n, k, device=device, generator=g) / k ** 0.5
-            w_d = w.to(dtype)
-            impls = impls_of(x, w, w_d)
-            times = time_interleaved(impls, iters, warmup=3)
-            row = {"shape": shape, "dtype": str(dtype).replace("torch.", "")}
-            for name, fn in impls.items():
-                med, best = times[name]
-                row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
-                             "error": scaled_gemm_error(fn(), x, w_d, lambda a, b: a @ b.t())}
-            rows.append(row)
-    return rows
+            yield (shape, (m, k, n), 2.0 * m * n * k, dtype,
+                   torch.Generator(device="cuda").manual_seed(m + k + n))
 
 
 def half_run(shapes, iters: int):
@@ -170,6 +177,42 @@ def half_run(shapes, iters: int):
         print(f"{row['shape']} {row['dtype']:9s} ours {row['ours']['median_ms']:.3f} ms "
               f"{row['ours']['tflops']:.0f} TF/s  cuBLAS {row['cublas']['median_ms']:.3f} ms "
               f"{row['cublas']['tflops']:.0f} TF/s  x{row['ours vs cublas']:.3f}", flush=True)
+    return rows
+
+
+def _sampled_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int = 256) -> float:
+    """scaled_gemm_error of ``c = a @ b`` over ``rows`` evenly spaced rows
+    (float64 products of the full size would take longer than the timing)."""
+    idx = torch.linspace(0, a.shape[0] - 1, min(rows, a.shape[0]), device=a.device).long()
+    return scaled_gemm_error(c[idx], a[idx], b, torch.mm)
+
+
+def half_layouts_run(shapes, iters: int, products=tuple(PRODUCT_SIZES)):
+    """The products of a 16-bit linear layer of each shape (batch x in x out
+    = M x K x N): forward x W^T, grad_input dZ W, grad_weight dZ^T x, on our
+    Hopper engine in the layouts they come in (``G._half_matmul``) against
+    cuBLAS (``torch.mm`` on the same views), timed in turns."""
+    rows = []
+    for shape, (m, k, n), flops, dtype, g in _half_cases(shapes):
+        x = torch.randn(m, k, device=g.device, generator=g).to(dtype)
+        w = (torch.randn(n, k, device=g.device, generator=g) / k ** 0.5).to(dtype)
+        dz = torch.randn(m, n, device=g.device, generator=g).to(dtype)
+        operands = {"forward": (x, w.t()), "grad_input": (dz, w), "grad_weight": (dz.t(), x)}
+        for product in products:
+            a, b = operands[product]
+            impls = {"ours": lambda a=a, b=b: G._half_matmul(a, b),
+                     "cublas": lambda a=a, b=b: torch.mm(a, b)}
+            times = time_interleaved(impls, iters, warmup=3)
+            row = {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "layout": product}
+            for name, fn in impls.items():
+                med, best = times[name]
+                row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
+                             "error": _sampled_error(fn(), a, b)}
+            row["ours vs cublas"] = row["cublas"]["median_ms"] / row["ours"]["median_ms"]
+            print(f"{shape} {row['dtype']:9s} {product:11s} ours {row['ours']['median_ms']:.3f} ms"
+                  f"  cuBLAS {row['cublas']['median_ms']:.3f} ms  x{row['ours vs cublas']:.3f}",
+                  flush=True)
+            rows.append(row)
     return rows
 
 
@@ -211,7 +254,8 @@ def half_markdown(rows) -> str:
              "error ours | error cuBLAS |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         o, c = r["ours"], r["cublas"]
-        lines.append(f"| {r['shape']} | {r['dtype']} | {o['median_ms']:.3f} | {o['tflops']:.0f} | "
+        shape = f"{r['shape']} {r['layout']}" if "layout" in r else r["shape"]
+        lines.append(f"| {shape} | {r['dtype']} | {o['median_ms']:.3f} | {o['tflops']:.0f} | "
                      f"{c['median_ms']:.3f} | {c['tflops']:.0f} | {r['ours vs cublas']:.3f}x | "
                      f"{o['error']:.1e} | {c['error']:.1e} |")
     return "\n".join(lines) + "\n"
@@ -253,18 +297,27 @@ def main(argv=None):
     p.add_argument("--half", action="store_true",
                    help="the float16 / bfloat16 forward on our Hopper engine against cuBLAS "
                         "(instead of the float32 products)")
+    p.add_argument("--half-layouts", action="store_true",
+                   help="the three products of a 16-bit linear layer (x W^T, dZ W, dZ^T x) on "
+                        "our Hopper engine against cuBLAS")
+    p.add_argument("--products", nargs="+", choices=list(PRODUCT_SIZES),
+                   default=list(PRODUCT_SIZES), help="with --half-layouts: these products only")
     p.add_argument("--float32-weight", action="store_true",
                    help="the autocast forward x_d W^T with a float32 W: our converting kernel "
                         "against W's cast then cuBLAS (Hopper)")
     args = p.parse_args(argv)
-    if args.half or args.float32_weight:
-        run_, markdown_ = ((float32_weight_run, float32_weight_markdown) if args.float32_weight
-                           else (half_run, half_markdown))
+    if args.half or args.float32_weight or args.half_layouts:
+        if args.float32_weight:
+            key, run_, markdown_ = "float32_weight", float32_weight_run, float32_weight_markdown
+        elif args.half_layouts:
+            key, markdown_ = "half_layouts", half_markdown
+            run_ = functools.partial(half_layouts_run, products=args.products)
+        else:
+            key, run_, markdown_ = "half", half_run, half_markdown
         rows = run_(args.shapes, args.iters)
         md = markdown_(rows)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if args.json:
-            key = "float32_weight" if args.float32_weight else "half"
             Path(args.json).write_text(json.dumps({"meta": meta, key: rows}, indent=1))
         if args.md:
             Path(args.md).write_text(f"16-bit GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)

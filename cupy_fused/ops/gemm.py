@@ -464,22 +464,7 @@ def _half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         raise ValueError("_half_linear needs a compute capability 9.0 GPU and float16 / bfloat16 "
                          "x [M, K] and weight [N, K] of one dtype whose rows the copy engine can "
                          "read (_tma_compatible)")
-    m, k = x.shape
-    n = weight.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor of x's dtype")
-    dev = x.device.index
-    tiles = cdiv(m, HALF_TILE[0]) * cdiv(n, HALF_TILE[1])
-    map_a = _tensor_map(x, HALF_TILE[0])
-    tma = _tma_compatible(out)
-    map_c = _tensor_map(out, HALF_TILE[0]) if tma else map_a  # (unused without the TMA store)
-    _bridge.launch(HALF_KERNELS.get((x.dtype, tma), dev), (min(tiles, sm_count(dev)), 1, 1),
-                   HALF_THREADS, (map_a, _tensor_map(weight, HALF_TILE[1]), map_c, out.data_ptr(),
-                                  _ptr_or_null(bias), activation, m, n, k, n), dev,
-                   shared_mem=_half_shared_bytes(HALF_STAGING_BYTES if tma else 0))
-    return out
+    return _launch_matmul(x, weight.t(), False, False, bias, activation, out)
 
 
 # The other two products of a linear layer on the engine: dZ W (B N-major)
@@ -544,12 +529,20 @@ def _half_matmul(a: torch.Tensor, b: torch.Tensor,
         raise ValueError("_half_matmul needs a compute capability 9.0 GPU and float16 / bfloat16 "
                          "a [M, K] and b [K, N] of one dtype, not empty, each contiguous or the "
                          "transpose of a contiguous tensor, with 16-byte rows and starts")
+    return _launch_matmul(a, b, a_mn, b_mn, None, 0, out)
+
+
+def _launch_matmul(a: torch.Tensor, b: torch.Tensor, a_mn: bool, b_mn: bool,
+                   bias: Optional[torch.Tensor], activation: int,
+                   out: Optional[torch.Tensor]) -> torch.Tensor:
+    """The launch of :func:`_half_linear` and :func:`_half_matmul`, their
+    operands checked: act(a @ b + bias) into ``out`` (or a new tensor)."""
     m, k = a.shape
     n = b.shape[1]
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     elif out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor of a's dtype")
+        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor of the operands' dtype")
     dev = a.device.index
     map_a, map_b = _operand_map(a, a_mn), _operand_map(b, b_mn)
     tma = _tma_compatible(out)
@@ -558,8 +551,8 @@ def _half_matmul(a: torch.Tensor, b: torch.Tensor,
                    else (LAYOUT_KERNELS, (a.dtype, tma, a_mn, b_mn)))
     tiles = cdiv(m, HALF_TILE[0]) * cdiv(n, HALF_TILE[1])
     _bridge.launch(family.get(key, dev), (min(tiles, sm_count(dev)), 1, 1), HALF_THREADS,
-                   (map_a, map_b, map_c, out.data_ptr(), 0, 0, m, n, k, n), dev,
-                   shared_mem=_half_shared_bytes(HALF_STAGING_BYTES if tma else 0))
+                   (map_a, map_b, map_c, out.data_ptr(), _ptr_or_null(bias), activation, m, n, k,
+                    n), dev, shared_mem=_half_shared_bytes(HALF_STAGING_BYTES if tma else 0))
     return out
 
 
