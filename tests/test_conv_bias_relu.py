@@ -6,6 +6,7 @@ poisoned with NaN first; NaN / inf placement; two runs bitwise equal; the
 route each call takes."""
 import importlib
 import math
+import weakref
 
 import pytest
 import torch
@@ -780,6 +781,19 @@ def test_engine_training_forward(shape, mode, device, monkeypatch):
         assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == ours.stride()  # (as eager's)
 
 
+def _small_training_operands(channels_last, seed, device):
+    """(the generator, seeded, for more draws; x [2, 8, 9, 70] NCHW or
+    channels-last, weight [32, 8, 3, 3], conv_bias [32], g [2, 32, 7, 68]
+    in x's layout), bfloat16 on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(2, 8, 9, 70, generator=gen).to(device, torch.bfloat16).contiguous(memory_format=fmt)
+    wt = (torch.randn(32, 8, 3, 3, generator=gen) / 72 ** 0.5).to(device, torch.bfloat16)
+    cb = torch.randn(32, generator=gen).to(device, torch.bfloat16)
+    g = torch.randn(2, 32, 7, 68, generator=gen).to(device, torch.bfloat16).contiguous(memory_format=fmt)
+    return gen, x, wt, cb, g
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
@@ -789,13 +803,8 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
     are each rounded once, as the whole sum is)."""
     _engine_device(device)
     monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
-    gen = torch.Generator().manual_seed(4)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    x = torch.randn(2, 8, 9, 70, generator=gen).to(device, torch.bfloat16).contiguous(memory_format=fmt)
-    wt = (torch.randn(32, 8, 3, 3, generator=gen) / 72 ** 0.5).to(device, torch.bfloat16)
-    cb = torch.randn(32, generator=gen).to(device, torch.bfloat16)
+    gen, x, wt, cb, g = _small_training_operands(channels_last, 4, device)
     one = torch.randn(1, generator=gen).to(device, torch.bfloat16)
-    g = torch.randn(2, 32, 7, 68, generator=gen).to(device, torch.bfloat16).contiguous(memory_format=fmt)
     results = []
     for b in (one, one.expand(32).contiguous()):
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
@@ -808,6 +817,38 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
     whole = gc.double().sum()
     bound = torch.finfo(torch.bfloat16).eps * (whole.abs() + gc.double().abs().sum())
     assert (g1.double() - whole).abs() <= bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_engine_training_frees_the_mask_before_the_products(channels_last, device, monkeypatch):
+    """The eager node keeps relu's mask for one use: freed once dz exists,
+    before cuDNN's backward runs; a second backward through a retained
+    graph recomputes it, with the same gradients."""
+    _engine_device(device)
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    gen, x, wt, cb, g = _small_training_operands(channels_last, 6, device)
+    b = torch.randn(32, generator=gen).to(device, torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+    assert CB.route(*leaves) == "engine"
+    y = ops.conv_bias_relu(*leaves)
+    mask = weakref.ref(y.grad_fn.kept_mask)
+    alive_at_products = []
+    conv_backward = CB._conv_backward
+
+    def watched(*args):
+        alive_at_products.append(mask() is not None)
+        return conv_backward(*args)
+
+    monkeypatch.setattr(CB, "_conv_backward", watched)
+    y.backward(g, retain_graph=True)
+    assert alive_at_products == [False] and y.grad_fn.kept_mask is None
+    first = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    y.backward(g)  # recomputes the mask
+    assert all(torch.equal(t.grad, f) for t, f in zip(leaves, first))
+    assert (y == b.view(1, -1, 1, 1)).any() and (y != b.view(1, -1, 1, 1)).any()  # both sides of relu
 
 
 @pytest.mark.gpu

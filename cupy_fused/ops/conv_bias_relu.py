@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -385,9 +385,8 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                    out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (y, relu's mask, x's channels-last copy in the product's dtype: an
     # NCHW x's; empty for a channels-last x, which the backward reads itself)
-    numel = math.prod(_out_shape(x, weight))
     # (a fresh y: its first element on the 4-element grid the NCHW mask needs)
-    mask = torch.zeros((cdiv(numel, 32),), dtype=torch.int32, device=x.device)
+    mask = _zeroed_mask(x, weight)
     if x.is_contiguous():
         xc = _transposed(x, dtype, tf32=dtype == torch.float32)
         y = _launch_engine(x, weight, conv_bias, bias, plan=(NCHW, dtype, out_dtype, True),
@@ -397,6 +396,12 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         y = _launch_engine(x, weight, conv_bias, bias, plan=(CHANNELS_LAST, dtype, out_dtype, True),
                            mask=mask)
     return y, mask, xc
+
+
+def _zeroed_mask(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Zeroed int32 words for relu's mask: a bit per value of y."""
+    return torch.zeros((cdiv(math.prod(_out_shape(x, weight)), 32),), dtype=torch.int32,
+                       device=x.device)
 
 
 def _train_forward_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
@@ -417,6 +422,24 @@ def _train_setup_context(ctx, inputs, output):
     _, mask, xc = output
     # x channels-last in the product's dtype: its copy, or x itself
     ctx.save_for_backward(xc if xc.numel() else x, weight, mask)
+    _train_fields(ctx, x, weight, conv_bias, bias)
+
+
+def _train_eager_setup_context(ctx, inputs, output):
+    # Eager: relu's mask is kept for one use, not saved, so that the
+    # backward drops it as soon as dz exists, before cuDNN's products
+    # allocate (a saved tensor lives until the backward returns, a bit per
+    # value of y above the reference's peak).  The biases are saved to
+    # recompute it for a second backward through a retained graph.
+    x, weight, conv_bias, bias, dtype, out_dtype = inputs
+    _, mask, xc = output
+    ctx.save_for_backward(xc if xc.numel() else x, weight, conv_bias, bias)
+    ctx.kept_mask = mask
+    ctx.plan = (NCHW if x.is_contiguous() else CHANNELS_LAST, dtype, out_dtype, True)
+    _train_fields(ctx, x, weight, conv_bias, bias)
+
+
+def _train_fields(ctx, x, weight, conv_bias, bias):
     ctx.dtypes = (x.dtype, conv_bias.dtype, None if bias is None else bias.dtype)
     ctx.nchw = x.is_contiguous()  # y's layout, and so the mask's order
     # (bias_relu's rows of sums: conv_bias's gradient, then bias's)
@@ -424,12 +447,30 @@ def _train_setup_context(ctx, inputs, output):
     ctx.whole = _one_value_rows((conv_bias, bias), (0, 1), weight.shape[0])
 
 
+def _take_mask(ctx) -> torch.Tensor:
+    """The mask kept by the eager setup, which the node then no longer
+    holds; for a second backward through a retained graph, recomputed by
+    the forward's kernel (the same bits; y is computed again and dropped)."""
+    mask, ctx.kept_mask = ctx.kept_mask, None
+    if mask is not None:
+        return mask
+    xc, weight, conv_bias, bias = ctx.saved_tensors
+    mask = _zeroed_mask(xc, weight)
+    _launch_engine(xc, weight, conv_bias, bias, plan=ctx.plan, mask=mask,
+                   xc=xc if ctx.nchw else None)
+    return mask
+
+
 def _train_backward_formula(ctx, grads, run_backward):
-    xc, weight, mask = ctx.saved_tensors
     x_dtype, cb_dtype, b_dtype = ctx.dtypes
     want = ctx.needs_input_grad
-    dx, dw, sums = run_backward(grads[0], xc, weight, mask, b_dtype is not None, x_dtype, want[0],
-                                want[1], ctx.nchw, ctx.whole)
+    flags = (b_dtype is not None, x_dtype, want[0], want[1], ctx.nchw, ctx.whole)
+    if hasattr(ctx, "kept_mask"):  # eager (see _train_eager_setup_context)
+        xc, weight = ctx.saved_tensors[:2]
+        dx, dw, sums = _train_steps(grads[0], xc, weight, lambda: _take_mask(ctx), *flags)
+    else:
+        xc, weight, mask = ctx.saved_tensors
+        dx, dw, sums = run_backward(grads[0], xc, weight, mask, *flags)
     dcb, db = _vector_grads(sums, ctx.lengths, (0, 1))
     dcb = dcb.to(cb_dtype) if want[2] else None
     db = db.to(b_dtype) if db is not None and want[3] else None
@@ -439,12 +480,21 @@ def _train_backward_formula(ctx, grads, run_backward):
 def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
                     second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
                     nchw: bool, whole: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _train_steps(dy, xc, weight, lambda: mask, second_bias, x_dtype, want_x, want_weight,
+                        nchw, whole)
+
+
+def _train_steps(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor,
+                 take_mask: Callable[[], torch.Tensor], second_bias: bool, x_dtype: torch.dtype,
+                 want_x: bool, want_weight: bool, nchw: bool,
+                 whole: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dz (channels-last, the product's dtype) and the biases' sums from
-    # bias_relu's backward (the mask in y's memory order: NCHW for an NCHW
-    # x, channels-last for a channels-last one), then cuDNN's channels-last
-    # backward on xc (x channels-last: an NCHW x's copy, or x itself).
-    dz, sums = _bias_relu_backward(dy, mask, list(dy.shape), not nchw, second_bias, xc.dtype, nchw,
-                                   whole)
+    # bias_relu's backward (the mask, from take_mask() and held by this
+    # call only, in y's memory order: NCHW for an NCHW x, channels-last for
+    # a channels-last one), then cuDNN's channels-last backward on xc (x
+    # channels-last: an NCHW x's copy, or x itself).
+    dz, sums = _bias_relu_backward(dy, take_mask(), list(dy.shape), not nchw, second_bias,
+                                   xc.dtype, nchw, whole)
     dx = dw = None
     if want_x or want_weight:
         dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x, want_weight)
@@ -475,7 +525,8 @@ def _train_backward_fake(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tenso
 # channels-last copy kept for the backward (outputs that carry no gradient).
 _ENGINE_TRAIN = FusedOp("conv_bias_relu_engine_train", _train_forward, _train_forward_fake,
                         _train_setup_context, _train_backward_formula, _train_backward,
-                        _train_backward_fake, nondifferentiable=(1, 2))
+                        _train_backward_fake, nondifferentiable=(1, 2),
+                        eager_setup_context=_train_eager_setup_context)
 
 
 # ---------------------------------------------------------------- the "cudnn" route
