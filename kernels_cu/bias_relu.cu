@@ -121,14 +121,17 @@ __device__ __forceinline__ unsigned mask_bits(const unsigned* mask, i64 i, int n
 //    the channel run is followed element by element.
 enum BiasLayout { kBiasVector, kTwoChannels, kPerElement };
 
+//  index32 (e < 2^31): the divisions by inner and channels by FastDiv.
 template <typename TO, typename Chain, int N>
 __device__ __forceinline__ void channel_biases(const TO* b1, const TO* b2, int layout, i64 e,
                                                i64 channels, i64 inner, bool index32,
+                                               const FastDiv& by_inner, const FastDiv& by_channels,
                                                float (&b)[N], float (&c)[N]) {
   i64 q, ch;
   if (index32) {
-    q = inner == 1 ? e : unsigned(e) / unsigned(inner);
-    ch = unsigned(q) % unsigned(channels);
+    const unsigned q32 = inner == 1 ? unsigned(e) : by_inner.div(unsigned(e));
+    q = q32;
+    ch = q32 - by_channels.div(q32) * unsigned(channels);
   } else {
     q = inner == 1 ? e : e / inner;
     ch = q % channels;
@@ -141,14 +144,19 @@ __device__ __forceinline__ void channel_biases(const TO* b1, const TO* b2, int l
   // Elements of the vector left in channel ch.
   i64 left = (q + 1) * inner - e;
   if (layout == kTwoChannels) {
-    const i64 next = ch + 1 == channels ? 0 : ch + 1;
     const float b_this = to_float(b1[ch]);
-    const float b_next = left < N ? to_float(b1[next]) : b_this;
-    float c_this = 0.0f, c_next = 0.0f;
-    if (Chain::kHasSecondBias) {
-      c_this = to_float(b2[ch]);
-      c_next = left < N ? to_float(b2[next]) : c_this;
+    const float c_this = Chain::kHasSecondBias ? to_float(b2[ch]) : 0.0f;
+    if (left >= N) {  // the whole vector in one channel: nearly every vector
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        b[k] = b_this;
+        c[k] = c_this;
+      }
+      return;
     }
+    const i64 next = ch + 1 == channels ? 0 : ch + 1;
+    const float b_next = to_float(b1[next]);
+    const float c_next = Chain::kHasSecondBias ? to_float(b2[next]) : 0.0f;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       b[k] = k < left ? b_this : b_next;
@@ -181,7 +189,7 @@ template <typename T, typename Chain, typename TO = T>
 __global__ void __launch_bounds__(256)
 bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out, unsigned* __restrict__ mask,
                   const TO* __restrict__ b1, const TO* __restrict__ b2, i64 total,
-                  i64 channels, i64 inner) {
+                  i64 channels, i64 inner, i64 inner_divisor, i64 channels_divisor) {
   constexpr int kV = 16 / static_cast<int>(sizeof(T));
   constexpr int kLanes = 32 / kV;
   constexpr int kU = 2;
@@ -192,6 +200,7 @@ bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out, unsigned* __res
   // 64-bit division costs several times a 32-bit one: 32-bit index math
   // whenever the tensor allows it.
   const bool index32 = total < (i64(1) << 31);
+  const FastDiv by_inner(inner_divisor), by_channels(channels_divisor);
   const bool vec = brelu::aligned16(z) && brelu::aligned16(out);
   const bool biases_aligned = brelu::aligned16(b1) && (!b2 || brelu::aligned16(b2));
   const int layout = inner == 1 && channels % kV == 0 && biases_aligned ? brelu::kBiasVector
@@ -212,7 +221,8 @@ bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out, unsigned* __res
       unsigned bits = 0;
       if (n[u] > 0) {
         float b[kV], c[kV], y[kV];
-        brelu::channel_biases<TO, Chain, kV>(b1, b2, layout, e[u], channels, inner, index32, b, c);
+        brelu::channel_biases<TO, Chain, kV>(b1, b2, layout, e[u], channels, inner, index32,
+                                             by_inner, by_channels, b, c);
 #pragma unroll
         for (int k = 0; k < kV; ++k) {
           const float v = packed_value<T>(x[u], k) + b[k];

@@ -50,6 +50,17 @@ template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float f) {
   return b;
 }
 
+// n / d for 32-bit n < 2^31 and 1 <= d < 2^31 in three instructions (a
+// multiply-high, an add and a shift; Granlund and Montgomery), where the
+// compiler's 32-bit division takes about twenty.  `packed`: the host's
+// multiplier | shift << 32 (ops/_common.py, fast_divisor).
+struct FastDiv {
+  unsigned m, s;
+  __device__ __forceinline__ explicit FastDiv(i64 packed)
+      : m(static_cast<unsigned>(packed)), s(static_cast<unsigned>(packed >> 32)) {}
+  __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, m) + n) >> s; }
+};
+
 // ---- vector access: N consecutive values in one to two wide transactions ----
 // The memory-bound kernels move 16 bytes per load or store where the layout
 // allows: a 2- or 4-byte access per value leaves the load/store units, not

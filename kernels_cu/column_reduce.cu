@@ -18,8 +18,20 @@ __global__ void reduce_column_partials(const double* __restrict__ partial, T* __
                                        i64 chunks, i64 slots_times_columns, i64 duplicated) {
   const i64 j = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
   if (j >= slots_times_columns) return;
+  // The loads of eight chunks are issued before their adds, which stay in
+  // chunk order: one dependent load (from L2) per chunk would set the pace
+  // where there are many chunks.
+  constexpr int kAhead = 8;
   double acc = 0.0;
-  for (i64 k = 0; k < chunks; ++k) acc += partial[k * slots_times_columns + j];
+  i64 k = 0;
+  for (; k + kAhead <= chunks; k += kAhead) {
+    double v[kAhead];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) v[u] = partial[(k + u) * slots_times_columns + j];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) acc += v[u];
+  }
+  for (; k < chunks; ++k) acc += partial[k * slots_times_columns + j];
   const T sum = from_float<T>(static_cast<float>(acc));
   out[j] = sum;
   if (j < duplicated) out[slots_times_columns + j] = sum;

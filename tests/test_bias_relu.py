@@ -50,6 +50,32 @@ def test_forward_grid_covers_the_tensor_once(dtype):
         assert blocks * per_block >= total > (blocks - 1) * per_block
 
 
+def test_fast_divisor_divides_every_index_exactly():
+    """The forward's FastDiv (multiply-high, add, shift; emulated here in
+    32-bit unsigned arithmetic): n // d for every n below 2^31, at the
+    divisors' edges and the ends of n's range; refuses what it cannot."""
+    def divide(n, packed):
+        m, s = packed & 0xFFFFFFFF, packed >> 32
+        t = (n * m) >> 32
+        assert t + n < 2**32  # no 32-bit overflow
+        return (t + n) >> s
+
+    gen = torch.Generator().manual_seed(3)
+    divisors = list(range(1, 1100)) + [15876, 2**30 - 1, 2**30, 2**30 + 1, 2**31 - 1]
+    divisors += torch.randint(1, 2**31 - 1, (300,), generator=gen).tolist()
+    for d in divisors:
+        packed = BR.fast_divisor(d)
+        ns = [0, 1, d - 1, d, d + 1, 2 * d - 1, 2**31 - 2, 2**31 - 1]
+        ns += torch.randint(0, 2**31 - 1, (40,), generator=gen).tolist()
+        for n in ns:
+            if 0 <= n < 2**31:
+                assert divide(n, packed) == n // d, (n, d)
+    for bad in (0, -1, 2**31):
+        with pytest.raises(ValueError, match="fast divisor"):
+            BR.fast_divisor(bad)
+    assert BR._divisors(2**31, 7, 3) == (0, 0)  # the 64-bit path divides itself
+
+
 def test_rows_launch_shapes():
     """Blocks of cols (a power of two, at most a warp) channel vectors by
     BLOCK // cols row groups; the channel vectors cover C once; chunks are

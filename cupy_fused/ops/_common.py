@@ -81,6 +81,18 @@ def _vector_grads(sums: torch.Tensor, lengths: Sequence[Optional[int]],
                  for n, row in zip(lengths, rows_of))
 
 
+def fast_divisor(d: int) -> int:
+    """The kernels' ``FastDiv`` (kernels_cu/cf_common.cuh) of ``d`` (1 <= d
+    < 2^31): multiplier | shift << 32, such that n // d == (umulhi(n, m) +
+    n) >> shift for every n < 2^31 (umulhi: the high 32 bits of the 64-bit
+    product)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"a fast divisor needs 1 <= d < 2^31, got {d}")
+    shift = (d - 1).bit_length()  # the least s with 2^s >= d
+    multiplier = ((1 << 32) * ((1 << shift) - d)) // d + 1
+    return multiplier | shift << 32
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -27,9 +27,9 @@ from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, cast, promoted
 from .._autograd import FusedOp, is_compiling, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
-from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, _ptr_or_null,
-                      _one_value_rows, _reduce_partials, _spread, _vector_grads, _whole_sums, row_chunks,
-                      sm_count)
+from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, fast_divisor,
+                      _ptr_or_null, _one_value_rows, _reduce_partials, _spread, _vector_grads,
+                      _whole_sums, row_chunks, sm_count)
 
 # Kernel names of the keys below that are another kernel's instantiation:
 # bias_relu_backward_to_nhwc moving two values per access (kVec = 2).
@@ -109,6 +109,15 @@ def _is_channels_last(z: torch.Tensor) -> bool:
     return z.dim() == 4 and not z.is_contiguous()
 
 
+def _divisors(total: int, inner: int, channels: int) -> Tuple[int, int]:
+    """The forward's FastDiv of inner and of channels: the kernel's 32-bit
+    index path divides by them (total below 2^31, so both are); zeros,
+    unused, for the 64-bit path."""
+    if total >= 2**31:
+        return 0, 0
+    return fast_divisor(inner), fast_divisor(channels)
+
+
 def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
              save_mask: bool, dz_channels_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     # dz_channels_last: the backward's dz layout (_setup_context), unused here.
@@ -123,7 +132,8 @@ def _forward(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor],
         fn = KERNELS.get(("bias_relu_forward", z.dtype, bias.dtype, bias2 is not None), dev)
         _bridge.launch(fn, (forward_grid(total, z.dtype), 1, 1), BLOCK, (
             z.data_ptr(), out.data_ptr(), mask.data_ptr() if save_mask else 0, bias.data_ptr(),
-            _ptr_or_null(bias2), total, z.shape[1], inner), dev)
+            _ptr_or_null(bias2), total, z.shape[1], inner, *_divisors(total, inner, z.shape[1])),
+            dev)
     return out, mask
 
 
