@@ -370,28 +370,39 @@ __device__ __forceinline__ void fence_registers(unsigned (&a)[4]) {
 // swizzled box).  A k-tile's A fragments are loaded and rounded whole into
 // one of two register sets, taken in turn, while the previous k-tile's MMAs
 // run; one group of MMAs per k-tile.
+// The fragment loads go by pairs of steps (2m, 2m + 1: the two halves of
+// box m's rows), the odd rows taking the second step first: a half-warp's
+// rows g = 0-3 (or 4-7) at k 2t of one step find their values in four of
+// the row's eight 16-byte chunks (the swizzle XORs the chunk with g), two
+// rows to a chunk, a 2-way bank conflict; with the odd rows on the other
+// step's four chunks, each load's 16 lanes cover all 32 banks.  Two selects
+// per fragment register put the values back in step order.
 template <typename T>
 struct F32ConvertMma {
   static constexpr int kBM = kCvBM, kBN = kCvBN, kWgRows = 64;
   static constexpr bool kCooperative = true;
   static constexpr int kTileABytes = kBM * 64 * 4, kTileBBytes = kBN * 64 * 2;
   static_assert(kTileABytes + kTileBBytes == kCvStageBytes, "the stage as the host sizes it");
-  // This thread's rows of A's tile (row, row + 8: in its warpgroup's half)
-  // and the byte offsets in a box row of its values at k 2t, 2t + 1 (lo) and
-  // k + 8 (hi), for steps of even and odd kk.
+  // This thread's rows of A's tile (row, row + 8: in its warpgroup's half),
+  // whether it takes the odd step of a pair first (an odd row), and the byte
+  // offsets in a box row of its values at k 2t, 2t + 1 (lo) and k + 8 (hi),
+  // for its first and second load of a pair of steps.
   int row;
+  bool odd_first;
   unsigned off[2][2];
   unsigned regs[2][4][4];  // [k-tile parity][step kk][fragment register]
 
   __device__ __forceinline__ F32ConvertMma() {
     const HalfGemmLane me;
     row = kWgRows * me.wg + me.row;
+    odd_first = (row & 1) != 0;
 #pragma unroll
-    for (int odd = 0; odd < 2; ++odd)
+    for (int second = 0; second < 2; ++second)
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
+        const int odd = second ^ static_cast<int>(odd_first);  // the step's parity
         const int chunk = 4 * odd + 2 * hi + (me.t >> 1);  // 16-byte chunk of k in the 128-byte row
-        off[odd][hi] = (static_cast<unsigned>(chunk ^ (row & 7)) << 4) + 8u * (me.t & 1);
+        off[second][hi] = (static_cast<unsigned>(chunk ^ (row & 7)) << 4) + 8u * (me.t & 1);
       }
   }
   __device__ __forceinline__ void begin_tile(i64, i64) {
@@ -422,16 +433,23 @@ struct F32ConvertMma {
   __device__ __forceinline__ void issue_into(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) {
     unsigned (&frag)[4][4] = regs[kSet];
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const unsigned r0 = a + (kk >> 1) * (kBM * 128) + row * 128;  // row `row` of box kk / 2
-      float2 v[4];
+    for (int m = 0; m < 2; ++m) {  // steps 2m and 2m + 1
+      const unsigned r0 = a + m * (kBM * 128) + row * 128;  // row `row` of box m
+      float2 v[2][4];  // [first or second load][j]
 #pragma unroll
-      for (int j = 0; j < 4; ++j)  // (row, lo), (row + 8, lo), (row, hi), (row + 8, hi)
-        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
-                     : "=f"(v[j].x), "=f"(v[j].y)
-                     : "r"(r0 + (j & 1) * 1024 + off[kk & 1][j >> 1]));
+      for (int second = 0; second < 2; ++second)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) frag[kk][j] = pack2<T>(v[j].x, v[j].y);
+        for (int j = 0; j < 4; ++j)  // (row, lo), (row + 8, lo), (row, hi), (row + 8, hi)
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                       : "=f"(v[second][j].x), "=f"(v[second][j].y)
+                       : "r"(r0 + (j & 1) * 1024 + off[second][j >> 1]));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const unsigned first = pack2<T>(v[0][j].x, v[0][j].y);
+        const unsigned later = pack2<T>(v[1][j].x, v[1][j].y);
+        frag[2 * m][j] = odd_first ? later : first;
+        frag[2 * m + 1][j] = odd_first ? first : later;
+      }
     }
     fence_registers(acc[0]);
     fence_registers(acc[1]);

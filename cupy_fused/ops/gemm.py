@@ -564,8 +564,8 @@ def _launch_matmul(a: torch.Tensor, b: torch.Tensor, a_mn: bool, b_mn: bool,
 # pass over the weight of its own (read 4 bytes, write 2 per value) before
 # every forward.  The kernel computes z^T = W x^T in tiles of 128 rows of W
 # x 256 of x (both consumer warpgroups on one tile) and writes z through a
-# transposing store.  Its main loop runs at about 0.77x cuBLAS's on the
-# cast weight (docs/gemm.md), so it wins where the cast it saves is large
+# transposing store.  Its main loop is slower than cuBLAS's on the cast
+# weight (docs/gemm.md), so it wins where the cast it saves is large
 # against the product: a forward without autograd (inference) of few rows
 # (:func:`_routes_float32_weight`).
 # Training keeps the cast, which the backward reads again (docs/gemm.md).
