@@ -824,7 +824,8 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
 def test_engine_training_frees_the_mask_before_the_products(channels_last, device, monkeypatch):
     """The eager node keeps relu's mask for one use: freed once dz exists,
     before cuDNN's backward runs; a second backward through a retained
-    graph recomputes it, with the same gradients."""
+    graph recomputes it, with the same gradients, and refuses a bias
+    changed in place since the forward."""
     _engine_device(device)
     monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
     gen, x, wt, cb, g = _small_training_operands(channels_last, 6, device)
@@ -846,9 +847,13 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, devic
     first = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
-    y.backward(g)  # recomputes the mask
+    y.backward(g, retain_graph=True)  # recomputes the mask
     assert all(torch.equal(t.grad, f) for t, f in zip(leaves, first))
     assert (y == b.view(1, -1, 1, 1)).any() and (y != b.view(1, -1, 1, 1)).any()  # both sides of relu
+    with torch.no_grad():
+        leaves[2].add_(1.0)  # a bias changed in place: a recomputed mask would not be y's
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: conv_bias"):
+        y.backward(g)
 
 
 @pytest.mark.gpu

@@ -429,12 +429,16 @@ def _train_eager_setup_context(ctx, inputs, output):
     # Eager: relu's mask is kept for one use, not saved, so that the
     # backward drops it as soon as dz exists, before cuDNN's products
     # allocate (a saved tensor lives until the backward returns, a bit per
-    # value of y above the reference's peak).  The biases are saved to
-    # recompute it for a second backward through a retained graph.
+    # value of y above the reference's peak).  The biases, with their
+    # versions, recompute it for a second backward through a retained
+    # graph (not saved tensors: the reference's backward reads neither, so
+    # changing one in place before the first backward is no error there).
     x, weight, conv_bias, bias, dtype, out_dtype = inputs
     _, mask, xc = output
-    ctx.save_for_backward(xc if xc.numel() else x, weight, conv_bias, bias)
+    ctx.save_for_backward(xc if xc.numel() else x, weight)
     ctx.kept_mask = mask
+    ctx.biases = (conv_bias, bias)
+    ctx.bias_versions = tuple(None if b is None else b._version for b in ctx.biases)
     ctx.plan = (NCHW if x.is_contiguous() else CHANNELS_LAST, dtype, out_dtype, True)
     _train_fields(ctx, x, weight, conv_bias, bias)
 
@@ -450,11 +454,20 @@ def _train_fields(ctx, x, weight, conv_bias, bias):
 def _take_mask(ctx) -> torch.Tensor:
     """The mask kept by the eager setup, which the node then no longer
     holds; for a second backward through a retained graph, recomputed by
-    the forward's kernel (the same bits; y is computed again and dropped)."""
+    the forward's kernel (the same bits; y is computed again and dropped),
+    refused, as autograd refuses, if a bias changed in place since the
+    forward."""
     mask, ctx.kept_mask = ctx.kept_mask, None
     if mask is not None:
         return mask
-    xc, weight, conv_bias, bias = ctx.saved_tensors
+    xc, weight = ctx.saved_tensors
+    conv_bias, bias = ctx.biases
+    for name, b, version in zip(("conv_bias", "bias"), ctx.biases, ctx.bias_versions):
+        if b is not None and b._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: {name} of cupy_fused::conv_bias_relu_engine_train is at "
+                f"version {b._version}; expected version {version} instead")
     mask = _zeroed_mask(xc, weight)
     _launch_engine(xc, weight, conv_bias, bias, plan=ctx.plan, mask=mask,
                    xc=xc if ctx.nchw else None)
@@ -466,7 +479,7 @@ def _train_backward_formula(ctx, grads, run_backward):
     want = ctx.needs_input_grad
     flags = (b_dtype is not None, x_dtype, want[0], want[1], ctx.nchw, ctx.whole)
     if hasattr(ctx, "kept_mask"):  # eager (see _train_eager_setup_context)
-        xc, weight = ctx.saved_tensors[:2]
+        xc, weight = ctx.saved_tensors
         dx, dw, sums = _train_steps(grads[0], xc, weight, lambda: _take_mask(ctx), *flags)
     else:
         xc, weight, mask = ctx.saved_tensors
