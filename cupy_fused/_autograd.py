@@ -138,6 +138,26 @@ def take_output(ctx) -> Optional[torch.Tensor]:
     return kept
 
 
+def version_of(t: Optional[torch.Tensor]) -> Optional[int]:
+    """``t``'s version counter, for :func:`check_unchanged` to tell whether
+    it was changed in place (as autograd checks its saved tensors); None
+    for None or an inference tensor (``torch.inference_mode``), which has no
+    counter and cannot be changed in place outside inference mode."""
+    if t is None or t.is_inference():
+        return None
+    return t._version
+
+
+def check_unchanged(t: Optional[torch.Tensor], version: Optional[int], what: str) -> None:
+    """Raises, as autograd does for a saved tensor, where ``t`` (kept by a
+    node, not saved: :func:`version_of` at the forward) changed in place."""
+    if version is not None and t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {what} is at version {t._version}; expected version "
+            f"{version} instead")
+
+
 def double_backward_message(name: str) -> str:
     return (f"{NAMESPACE}::{name} does not support double backward (create_graph=True through "
             "its backward, e.g. a gradient penalty): cupy-fused's backward kernels compute "

@@ -5,7 +5,7 @@ from typing import Tuple
 import pytest
 import torch
 
-from cupy_fused._autograd import FusedOp
+from cupy_fused._autograd import FusedOp, check_unchanged, version_of
 
 
 def _forward(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -303,3 +303,22 @@ def test_dynamic_shapes_compile_once():
         y.sum().backward()
         torch.testing.assert_close(x.grad, 2 * model.w.detach().expand(batch, 4))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_kept_tensor_changed_in_place_is_refused_as_autograd_refuses():
+    """version_of / check_unchanged, the check of the tensors a node keeps
+    without saving them: a change in place raises autograd's message; None
+    and inference tensors (no version counter; no change in place outside
+    inference mode) have no version and pass."""
+    t = torch.ones(3)
+    version = version_of(t)
+    check_unchanged(t, version, "t")
+    t.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: t is at version"):
+        check_unchanged(t, version, "t")
+    with torch.inference_mode():
+        frozen = torch.ones(3)
+    assert version_of(frozen) is None and version_of(None) is None
+    check_unchanged(frozen, None, "frozen")
+    with pytest.raises(RuntimeError):
+        frozen.add_(1)  # (torch refuses it outside inference mode)

@@ -781,16 +781,16 @@ def test_engine_training_forward(shape, mode, device, monkeypatch):
         assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == ours.stride()  # (as eager's)
 
 
-def _small_training_operands(channels_last, seed, device):
+def _small_training_operands(channels_last, seed, device, dtype=torch.bfloat16):
     """(the generator, seeded, for more draws; x [2, 8, 9, 70] NCHW or
     channels-last, weight [32, 8, 3, 3], conv_bias [32], g [2, 32, 7, 68]
-    in x's layout), bfloat16 on ``device``."""
+    in x's layout), in ``dtype`` on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    x = torch.randn(2, 8, 9, 70, generator=gen).to(device, torch.bfloat16).contiguous(memory_format=fmt)
-    wt = (torch.randn(32, 8, 3, 3, generator=gen) / 72 ** 0.5).to(device, torch.bfloat16)
-    cb = torch.randn(32, generator=gen).to(device, torch.bfloat16)
-    g = torch.randn(2, 32, 7, 68, generator=gen).to(device, torch.bfloat16).contiguous(memory_format=fmt)
+    x = torch.randn(2, 8, 9, 70, generator=gen).to(device, dtype).contiguous(memory_format=fmt)
+    wt = (torch.randn(32, 8, 3, 3, generator=gen) / 72 ** 0.5).to(device, dtype)
+    cb = torch.randn(32, generator=gen).to(device, dtype)
+    g = torch.randn(2, 32, 7, 68, generator=gen).to(device, dtype).contiguous(memory_format=fmt)
     return gen, x, wt, cb, g
 
 
@@ -820,19 +820,27 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
-def test_engine_training_frees_the_mask_before_the_products(channels_last, device, monkeypatch):
+@pytest.mark.parametrize("channels_last, dtype", [(False, torch.bfloat16), (True, torch.bfloat16),
+                                                  (False, torch.float32)],
+                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32"])
+def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype, device,
+                                                            monkeypatch):
     """The eager node keeps relu's mask for one use: freed once dz exists,
     before cuDNN's backward runs; a second backward through a retained
     graph recomputes it, with the same gradients, and refuses a bias
-    changed in place since the forward."""
+    changed in place since the forward; biases made in inference mode
+    (no version counter) train as the reference's do."""
     _engine_device(device)
-    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
-    gen, x, wt, cb, g = _small_training_operands(channels_last, 6, device)
-    b = torch.randn(32, generator=gen).to(device, torch.bfloat16)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
-    assert CB.route(*leaves) == "engine"
-    y = ops.conv_bias_relu(*leaves)
+    _lift_engine_thresholds(monkeypatch)  # small sizes, float32 (TF32) too
+    gen, x, wt, cb, g = _small_training_operands(channels_last, 6, device, dtype)
+    b = torch.randn(32, generator=gen).to(device, dtype)
+
+    def forward(cb=cb, b=b):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        assert CB.route(*leaves) == "engine"
+        return ops.conv_bias_relu(*leaves), leaves
+
+    y, leaves = forward()
     mask = weakref.ref(y.grad_fn.kept_mask)
     alive_at_products = []
     conv_backward = CB._conv_backward
@@ -847,13 +855,22 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, devic
     first = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
-    y.backward(g, retain_graph=True)  # recomputes the mask
+    y.backward(g)  # recomputes the mask
     assert all(torch.equal(t.grad, f) for t, f in zip(leaves, first))
     assert (y == b.view(1, -1, 1, 1)).any() and (y != b.view(1, -1, 1, 1)).any()  # both sides of relu
-    with torch.no_grad():
-        leaves[2].add_(1.0)  # a bias changed in place: a recomputed mask would not be y's
-    with pytest.raises(RuntimeError, match="modified by an inplace operation: conv_bias"):
-        y.backward(g)
+    for name, i in (("conv_bias", 2), ("bias", 3)):
+        y, leaves = forward()
+        y.backward(g, retain_graph=True)
+        with torch.no_grad():
+            leaves[i].add_(1.0)  # a recomputed mask would not be y's
+        with pytest.raises(RuntimeError, match=f"modified by an inplace operation: {name} of"):
+            y.backward(g)
+    with torch.inference_mode():
+        cb_inf, b_inf = cb.clone(), b.clone()
+    x_leaf, w_leaf = (t.detach().clone().requires_grad_(True) for t in (x, wt))
+    y = ops.conv_bias_relu(x_leaf, w_leaf, cb_inf, b_inf)
+    y.backward(g)
+    assert torch.equal(x_leaf.grad, first[0]) and torch.equal(w_leaf.grad, first[1])
 
 
 @pytest.mark.gpu

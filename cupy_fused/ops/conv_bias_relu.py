@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
-from .._autograd import FusedOp, is_compiling, needs_grad
+from .._autograd import FusedOp, check_unchanged, is_compiling, needs_grad, version_of
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
@@ -438,7 +438,7 @@ def _train_eager_setup_context(ctx, inputs, output):
     ctx.save_for_backward(xc if xc.numel() else x, weight)
     ctx.kept_mask = mask
     ctx.biases = (conv_bias, bias)
-    ctx.bias_versions = tuple(None if b is None else b._version for b in ctx.biases)
+    ctx.bias_versions = tuple(version_of(b) for b in ctx.biases)
     ctx.plan = (NCHW if x.is_contiguous() else CHANNELS_LAST, dtype, out_dtype, True)
     _train_fields(ctx, x, weight, conv_bias, bias)
 
@@ -463,11 +463,7 @@ def _take_mask(ctx) -> torch.Tensor:
     xc, weight = ctx.saved_tensors
     conv_bias, bias = ctx.biases
     for name, b, version in zip(("conv_bias", "bias"), ctx.biases, ctx.bias_versions):
-        if b is not None and b._version != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: {name} of cupy_fused::conv_bias_relu_engine_train is at "
-                f"version {b._version}; expected version {version} instead")
+        check_unchanged(b, version, f"{name} of cupy_fused::conv_bias_relu_engine_train")
     mask = _zeroed_mask(xc, weight)
     _launch_engine(xc, weight, conv_bias, bias, plan=ctx.plan, mask=mask,
                    xc=xc if ctx.nchw else None)
@@ -502,9 +498,10 @@ def _train_steps(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor,
                  want_x: bool, want_weight: bool, nchw: bool,
                  whole: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dz (channels-last, the product's dtype) and the biases' sums from
-    # bias_relu's backward (the mask, from take_mask() and held by this
-    # call only, in y's memory order: NCHW for an NCHW x, channels-last for
-    # a channels-last one), then cuDNN's channels-last backward on xc (x
+    # bias_relu's backward (the mask from take_mask(), in y's memory order:
+    # NCHW for an NCHW x, channels-last for a channels-last one; the eager
+    # node's is held by that call alone, so it is freed before the
+    # products), then cuDNN's channels-last backward on xc (x
     # channels-last: an NCHW x's copy, or x itself).
     dz, sums = _bias_relu_backward(dy, take_mask(), list(dy.shape), not nchw, second_bias,
                                    xc.dtype, nchw, whole)

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .._amp import autocast_dtype
-from .._autograd import FusedOp, is_compiling, keep_output, needs_grad, take_output
+from .._autograd import (FusedOp, check_unchanged, is_compiling, keep_output, needs_grad,
+                         take_output, version_of)
 from .._validation import check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
@@ -232,7 +233,7 @@ def _autocast_eager_setup_context(ctx, inputs, output):
     # cast back to float32 runs).
     x, weight, bias, x_d, w_d, _ = inputs
     ctx.save_for_backward(x_d)
-    ctx.kept_w_d, ctx.weight, ctx.weight_version = w_d, weight, weight._version
+    ctx.kept_w_d, ctx.weight, ctx.weight_version = w_d, weight, version_of(weight)
     ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
     ctx.has_bias = bias is not None
 
@@ -245,11 +246,7 @@ def _take_weight_cast(ctx) -> torch.Tensor:
     w_d, ctx.kept_w_d = ctx.kept_w_d, None
     if w_d is not None:
         return w_d
-    if ctx.weight._version != ctx.weight_version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: the weight of cupy_fused::linear_autocast is at version "
-            f"{ctx.weight._version}; expected version {ctx.weight_version} instead")
+    check_unchanged(ctx.weight, ctx.weight_version, "the weight of cupy_fused::linear_autocast")
     return ctx.weight.detach().to(ctx.saved_tensors[0].dtype)
 
 
