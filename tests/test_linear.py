@@ -319,7 +319,8 @@ def test_linear_under_autocast_keeps_half_operands_and_their_dtypes(past_device_
 def test_autocast_linear_retained_graph_recasts_the_weight(past_device_check, monkeypatch):
     """The weight's cast is dropped by the first backward (before dW is
     allocated); a second backward through a retained graph recasts it, and
-    refuses if the weight changed in place meanwhile."""
+    refuses if the weight changed in place meanwhile; an inference-mode
+    weight, which has no version counter, passes."""
     monkeypatch.setattr(L, "autocast_dtype", lambda: torch.bfloat16)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(5, 12, generator=gen).requires_grad_(True)
@@ -334,6 +335,16 @@ def test_autocast_linear_retained_graph_recasts_the_weight(past_device_check, mo
         w.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward(g)
+    # A weight made in inference mode has no version counter to check: it
+    # trains as the reference's does (x's gradient as with w's values).
+    with torch.inference_mode():
+        frozen = w.detach().clone()
+    x.grad = None
+    y = ops.linear(x, frozen)
+    y.backward(g, retain_graph=True)
+    y.backward(g)
+    want = (g.float() @ frozen.bfloat16().float()).to(x.dtype)
+    torch.testing.assert_close(x.grad, 2 * want, rtol=2e-2, atol=2e-2)
 
 
 def test_autocast_linear_without_bias_gradient(past_device_check):
