@@ -130,11 +130,7 @@ def take_output(ctx) -> Optional[torch.Tensor]:
     if kept is None:
         return None
     ctx.kept_output = None
-    if kept._version != ctx.kept_version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: the output of a cupy_fused op is at version {kept._version}; "
-            f"expected version {ctx.kept_version} instead")
+    check_unchanged(kept, ctx.kept_version, "the output of a cupy_fused op")
     return kept
 
 
