@@ -2,6 +2,7 @@
 deterministic column reduction and the CuPy-array entry point."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -81,11 +82,12 @@ def _vector_grads(sums: torch.Tensor, lengths: Sequence[Optional[int]],
                  for n, row in zip(lengths, rows_of))
 
 
+@functools.lru_cache(maxsize=256)
 def fast_divisor(d: int) -> int:
     """The kernels' ``FastDiv`` (kernels_cu/cf_common.cuh) of ``d`` (1 <= d
     < 2^31): multiplier | shift << 32, such that n // d == (umulhi(n, m) +
     n) >> shift for every n < 2^31 (umulhi: the high 32 bits of the 64-bit
-    product)."""
+    product).  Cached: bias_relu's forward asks for two on every call."""
     if not 1 <= d < 2**31:
         raise ValueError(f"a fast divisor needs 1 <= d < 2^31, got {d}")
     shift = (d - 1).bit_length()  # the least s with 2^s >= d
