@@ -79,6 +79,7 @@ class Case(NamedTuple):
             "bias2"; gn_chain: its keywords), each with its shape.
         chain: the GroupNorm chain (gn_chain only).
         groups: GroupNorm groups (gn_chain only).
+        channels_last: z (and y, dy) 4-D in channels-last memory format.
     """
 
     op: str
@@ -87,6 +88,7 @@ class Case(NamedTuple):
     vectors: Tuple[Tuple[str, Tuple[int, ...]], ...]
     chain: Optional[str] = None
     groups: int = 0
+    channels_last: bool = False
 
 
 def _vectors(names, channels: int) -> tuple:
@@ -99,6 +101,10 @@ CASES = {
     # Problem 1: the conv's own bias (C,) and the model's (C, 1, 1), NCHW.
     "bias_relu_1": Case("bias_relu", 1, (128, 128, 126, 126),
                         (("bias", (128,)), ("bias2", (128, 1, 1)))),
+    # The same on a channels-last z, as a channels-last input's convolution
+    # gives it (the training step's backward: the rows kernel).
+    "bias_relu_1_cl": Case("bias_relu", 1, (128, 128, 126, 126),
+                           (("bias", (128,)), ("bias2", (128, 1, 1))), channels_last=True),
     "swish_bias_gn_37": Case("gn_chain", 37, (32768, 4096), _vectors(
         ["lin_bias", "extra_bias", "gn_weight", "gn_bias"], 4096), "swish_bias_gn", 64),
     "gn_swish_mul_swish_88": Case("gn_chain", 88, (1024, 8192), _vectors(
@@ -298,12 +304,16 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
     numel = math.prod(case.shape)
     row_groups = case.shape[0] * case.groups
     base = dict(kernel=name, op=case.op, problem=case.problem, chain=case.chain,
-                shape=list(case.shape), dtype=dtype, z_dtype=str(z_dtype).replace("torch.", ""),
+                shape=list(case.shape), channels_last=case.channels_last,
+                dtype=dtype, z_dtype=str(z_dtype).replace("torch.", ""),
                 vector_dtype=str(v_dtype).replace("torch.", ""))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def randn(shape, dt):
-        return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dt)
+    def randn(shape, dt):  # z, y and dy in the case's layout; the vectors as they are
+        t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dt)
+        if case.channels_last and len(shape) == 4:
+            return t.contiguous(memory_format=torch.channels_last)
+        return t
 
     z = randn(case.shape, z_dtype)
     vectors = {k: randn(shape, v_dtype) for k, shape in case.vectors}
@@ -351,7 +361,7 @@ def text_table(rows, name: str) -> str:
     copy ceiling, "copy ms" the same-size copy's time and "% same" of its
     rate (which the flag is against)."""
     lines = [f"{name}  ({rows[0]['op']}{', ' + rows[0]['chain'] if rows[0]['chain'] else ''}, "
-             f"problem {rows[0]['problem']})",
+             f"problem {rows[0]['problem']}{', channels-last' if rows[0].get('channels_last') else ''})",
              f"  {'shape':<22}{'dtype':<10}{'direction':<10}{'ms':>9}{'GB/s':>9}{'% 1GiB':>8}"
              f"{'copy ms':>9}{'% same':>8}"]
     for r in rows:
@@ -385,7 +395,8 @@ def markdown(rows, meta: dict) -> str:
     for name in dict.fromkeys(r["kernel"] for r in rows):
         mine = [r for r in rows if r["kernel"] == name]
         first = mine[0]
-        what = first["op"] + (f" `{first['chain']}`" if first["chain"] else "")
+        what = first["op"] + (f" `{first['chain']}`" if first["chain"] else "") + (
+            " on a channels-last z" if first.get("channels_last") else "")
         out += [f"### {name}: {what}, problem {first['problem']}", "",
                 "| shape | dtype (z / vectors / y) | direction | ms | MB moved | GB/s | "
                 "% of 1 GiB copy | copy of same bytes ms | % of same-size copy | |",

@@ -261,24 +261,30 @@ constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : 3;
 // (a power of two, <= 32) vectors wide and blockDim.x / cols row groups deep.
 // Row group g of chunk blockIdx.y takes rows row0 + g, row0 + g + groups,
 // ..., kR of them per pass with their loads issued first; each thread sums
-// its rows in order (CompensatedSum per channel), then the row groups
-// combine in a fixed tree in shared memory (double), so that one partial per
-// chunk covers many rows: the partials are written and read again by
-// _reduce_partials, traffic that grows with the chunk count.  When C is not
-// a multiple of kV the rows are not vector-aligned: values one at a time
-// (the same sums).
-template <typename T, typename Chain, typename TO = T>
+// its rows in order, then the row groups combine in a fixed tree in shared
+// memory (double), so that one partial per chunk covers many rows: the
+// partials are written and read again by _reduce_partials, traffic that
+// grows with the chunk count.  A thread's sums are compensated
+// (CompensatedSum) for a float32 gradient; for a 16-bit one (kPlainSums)
+// they are plain float sums (FloatSum), the launch giving a thread at most
+// PLAIN_SUM_ROWS rows (ops/bias_relu.py, rows_launch): these kernels are
+// bound by the instructions they issue, and the compensation was most of
+// them.  When C is not a multiple of kV the rows are not vector-aligned:
+// values one at a time (the same sums).
+template <typename T, typename Chain, typename TO = T, bool kPlainSums = false>
 __global__ void __launch_bounds__(256, kRowsBlocksPerSm<T>)
 bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
                         const unsigned* __restrict__ mask, T* __restrict__ dz,
                         double* __restrict__ partial, i64 rows, i64 channels,
                         i64 rows_per_chunk, i64 cols) {
+  static_assert(!kPlainSums || sizeof(TO) == 2, "plain sums round to a 16-bit gradient");
   constexpr int kV = 16 / static_cast<int>(sizeof(T));
   // Rows per pass: 64 bytes of dy in flight per thread for float; 32 for
   // a 16-bit z, whose 8 channels' sums already hold 32 registers (more
   // would spill at kRowsBlocksPerSm).
   constexpr int kR = sizeof(T) == 4 ? 4 : 32 / (kV * static_cast<int>(sizeof(TO)));
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
+  using Sum = typename ColumnSum<kPlainSums>::type;
   __shared__ double scratch[kV][256];
   const int tid = threadIdx.x;
   const int groups = blockDim.x / static_cast<int>(cols);
@@ -290,7 +296,7 @@ bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
   const float g_all = dy_dense ? 0.0f : to_float(dy[0]);
   const i64 row0 = blockIdx.y * rows_per_chunk;
   const i64 row1 = min(rows, row0 + rows_per_chunk);
-  CompensatedSum sum_dz[kV], sum_dy[kV];
+  Sum sum_dz[kV], sum_dy[kV];
   if (nc > 0) {
 #pragma unroll 1
     for (i64 r = row0 + group; r < row1; r += i64(groups) * kR) {

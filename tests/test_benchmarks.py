@@ -745,7 +745,10 @@ def test_kernel_cases_and_their_filter():
         "bias_hardtanh_mish_gn": ((1024, 8192), 256)}
     assert [n for n, _ in cases["gn_swish_mul_swish_88"].vectors] == [
         "lin_bias", "gn_weight", "gn_bias", "mul_weight"]
-    assert list(bench_kernels.select_cases(["bias_relu"])) == ["bias_relu_76", "bias_relu_1"]
+    assert cases["bias_relu_1_cl"].channels_last and not cases["bias_relu_1"].channels_last
+    assert cases["bias_relu_1_cl"][:4] == cases["bias_relu_1"][:4]
+    assert list(bench_kernels.select_cases(["bias_relu"])) == [
+        "bias_relu_76", "bias_relu_1", "bias_relu_1_cl"]
     assert len(bench_kernels.select_cases(["gn"])) == 3
     assert bench_kernels.select_cases(None) == cases
     with pytest.raises(SystemExit):

@@ -97,6 +97,29 @@ def test_rows_launch_shapes():
                     assert chunks <= math.ceil(rows / (BLOCK // cols))
 
 
+def test_rows_launch_bounds_the_rows_a_thread_sums():
+    """With max_rows, chunks enough that no thread of a block (BLOCK // cols
+    row groups) has more rows than that, where 65535 chunks allow; plain
+    float sums exactly where the bound holds and the gradient is 16-bit."""
+    for vector in (4, 8):
+        for channels in (5, 128, 8192):
+            for rows in (1, 1024, 2032128, 10**9):
+                for max_rows in (1, 2, 512):
+                    cols, grid_x, chunks, per = BR.rows_launch(rows, channels, vector, 396,
+                                                               max_rows)
+                    groups = BLOCK // cols
+                    assert chunks * per >= rows > (chunks - 1) * per and 1 <= chunks <= 65535
+                    fits = math.ceil(per / groups) <= max_rows
+                    assert fits or math.ceil(rows / (groups * max_rows)) > 65535
+                    assert chunks <= max(math.ceil(396 / grid_x), math.ceil(rows / (groups * max_rows)))
+                    if max_rows == BR.PLAIN_SUM_ROWS:
+                        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                            assert BR.plain_sums(cols, per, dtype) == (fits and dtype != torch.float32)
+    # Problem 1's channels-last backward (2032128 x 128) keeps its one wave.
+    assert BR.rows_launch(2032128, 128, 8, 396, BR.PLAIN_SUM_ROWS) == BR.rows_launch(
+        2032128, 128, 8, 396)
+
+
 def test_rows_launch_for_the_benchmark_shapes():
     """Problem 76's [1024, 8192] on an H100 (132 SMs): one wave of resident
     blocks, a few chunks, so that the float64 partials stay small next to
@@ -316,12 +339,41 @@ def test_grids_smaller_than_the_work(pair, device, monkeypatch):
     at its slab offset)."""
     launch, grids = BR.rows_launch, BR.slab_grids
     monkeypatch.setattr(BR, "forward_grid", lambda total, dtype: 1)
-    monkeypatch.setattr(BR, "rows_launch",
-                        lambda rows, channels, vector, resident: launch(rows, channels, vector, 1))
+    monkeypatch.setattr(BR, "rows_launch", lambda rows, channels, vector, resident, max_rows=None:
+                        launch(rows, channels, vector, 1, max_rows))
     monkeypatch.setattr(BR, "slab_grids", lambda slabs: grids(slabs, 2))
     for shape, cl in [((300, 77), False), ((64, 256), False), ((2, 3, 33, 35), False),
                       ((3, 16, 9, 7), True)]:
         _check(*_inputs(shape, cl, *pair, True, device, nonfinite=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [p for p in PAIRS if p[1] != torch.float32], ids=_pair_id)
+def test_rows_backward_sums_on_either_side_of_the_plain_sum_bound(pair, device, monkeypatch):
+    """A 16-bit gradient's rows backward: plain float sums over many small
+    chunks (a bound of 2 rows a thread), and compensated sums where the
+    launch cannot keep to the bound (here: made to ignore it), each within
+    the reference's error."""
+    launch = BR.rows_launch
+    monkeypatch.setattr(BR, "PLAIN_SUM_ROWS", 2)
+    seen = []
+    kernels = BR.KERNELS.get
+
+    def get(key, dev):
+        seen.append(key[0])
+        return kernels(key, dev)
+
+    monkeypatch.setattr(BR.KERNELS, "get", get)
+    for ignore in (False, True):
+        monkeypatch.setattr(BR, "rows_launch", lambda rows, channels, vector, resident,
+                            max_rows=None: launch(rows, channels, vector, 1,
+                                                  None if ignore else max_rows))
+        seen.clear()
+        for shape, cl in [((300, 77), False), ((1000, 64), False), ((3, 16, 19, 17), True)]:
+            _check(*_inputs(shape, cl, *pair, True, device, nonfinite=True))
+        rows_kernels = {k for k in seen if k.startswith("bias_relu_backward_rows")}
+        assert rows_kernels == {"bias_relu_backward_rows" if ignore
+                                else "bias_relu_backward_rows_plain"}
 
 
 @pytest.mark.gpu

@@ -874,6 +874,46 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("channels_last, dtype", [(False, torch.bfloat16), (True, torch.bfloat16),
+                                                  (False, torch.float32)],
+                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32"])
+def test_engine_training_refuses_double_backward(channels_last, dtype, device, monkeypatch):
+    """The engine's training node (its own eager node, which keeps relu's
+    mask) under create_graph=True: a first-order backward gives the plain
+    backward's gradients bit for bit; a gradient penalty through it, with
+    respect to x or to the parameters only, is refused by name, never
+    computed without the op's second-order terms."""
+    _engine_device(device)
+    _lift_engine_thresholds(monkeypatch)
+    gen, x, wt, cb, g = _small_training_operands(channels_last, 8, device, dtype)
+    b = torch.randn(32, generator=gen).to(device, dtype)
+
+    def leaves():
+        out = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        assert CB.route(*out) == "engine"
+        return out
+
+    def grads(create_graph):
+        ts = leaves()
+        ops.conv_bias_relu(*ts).backward(g, create_graph=create_graph)
+        return [t.grad.detach() for t in ts]
+
+    assert all(torch.equal(a, c) for a, c in zip(grads(False), grads(True)))
+    refused = r"cupy_fused::\w+ does not support double backward"
+    ts = leaves()
+    y = ops.conv_bias_relu(*ts)
+    (gx,) = torch.autograd.grad((y * g).sum(), ts[0], create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match=refused):
+        (y.float().sum() + gx.float().square().sum()).backward()
+    ts = leaves()
+    (gx,) = torch.autograd.grad(ops.conv_bias_relu(*ts).sum(), ts[0], create_graph=True)
+    with pytest.raises(RuntimeError, match=refused):
+        torch.autograd.grad(gx.float().square().sum(), ts[1:], allow_unused=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_engine_training_mask_keeps_nan_and_inf(dtype, device, monkeypatch):
     """relu's mask from the store: a NaN or an infinity in x reaches y, and

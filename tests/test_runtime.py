@@ -315,9 +315,10 @@ def test_precompile_selection():
     assert (len(_runtime._selection([gemm.KERNELS], [torch.float16]))
             == len(set(gemm.KERNELS.expressions.values())))
     # bias_relu: (kernel, z dtype, output dtype, second bias); float16 z
-    # takes a float16 or (autocast) float32 output: 5 kernels x 2 x 2
+    # takes a float16 or (autocast) float32 output: 5 kernels x 2 x 2, and
+    # the rows kernel's plain-sum variant for the float16 output x 2
     half = _runtime._selection("bias_relu.cu", [torch.float16])
-    assert len(half) == 20 and all("cf::half" in e for _, e in half)
+    assert len(half) == 22 and all("cf::half" in e for _, e in half)
     with pytest.raises(ValueError, match="no declared kernel source 'nope.cu'"):
         _runtime._selection(["nope.cu"], None)
     with pytest.raises(ValueError, match="not an architecture name"):

@@ -31,16 +31,19 @@ from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, f
                       _ptr_or_null, _one_value_rows, _reduce_partials, _spread, _vector_grads,
                       _whole_sums, row_chunks, sm_count)
 
-# Kernel names of the keys below that are another kernel's instantiation:
-# bias_relu_backward_to_nhwc moving two values per access (kVec = 2).
-_VARIANTS = {"bias_relu_backward_to_nhwc_x2": ("bias_relu_backward_to_nhwc", 2)}
+# Kernel names of the keys below that are another kernel's instantiation,
+# with the template arguments they add: bias_relu_backward_to_nhwc moving two
+# values per access (kVec = 2); bias_relu_backward_rows with plain float
+# column sums (kPlainSums, a 16-bit gradient: see rows_launch).
+_VARIANTS = {"bias_relu_backward_to_nhwc_x2": ("bias_relu_backward_to_nhwc", "2"),
+             "bias_relu_backward_rows_plain": ("bias_relu_backward_rows", "true")}
 
 
 def _expr(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype, second_bias: bool) -> str:
-    kernel, vec = _VARIANTS.get(kernel, (kernel, 1))
+    kernel, extra = _VARIANTS.get(kernel, (kernel, ""))
     chain = f"cf::BiasReluChain<{'true' if second_bias else 'false'}>"
-    out = "" if out_dtype == dtype and vec == 1 else f", {cxx_type(out_dtype)}"
-    return f"cf::{kernel}<{cxx_type(dtype)}, {chain}{out}{'' if vec == 1 else f', {vec}'}>"
+    out = "" if out_dtype == dtype and not extra else f", {cxx_type(out_dtype)}"
+    return f"cf::{kernel}<{cxx_type(dtype)}, {chain}{out}{f', {extra}' if extra else ''}>"
 
 
 # (z's dtype, the output's): one dtype, or a half z with float32 biases.
@@ -48,10 +51,12 @@ DTYPE_PAIRS = tuple((d, d) for d in FLOAT_DTYPES) + tuple((d, torch.float32) for
 
 # Keyed by (kernel, z's dtype, output dtype, second bias present).
 KERNELS = _runtime.KernelFamily("bias_relu.cu", {
-    (k, d, o, b): _expr(k, d, o, b)
-    for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs",
-              "bias_relu_backward_to_nhwc", "bias_relu_backward_to_nhwc_x2")
-    for d, o in DTYPE_PAIRS for b in (False, True)
+    **{(k, d, o, b): _expr(k, d, o, b)
+       for k in ("bias_relu_forward", "bias_relu_backward_rows", "bias_relu_backward_slabs",
+                 "bias_relu_backward_to_nhwc", "bias_relu_backward_to_nhwc_x2")
+       for d, o in DTYPE_PAIRS for b in (False, True)},
+    **{("bias_relu_backward_rows_plain", d, o, b): _expr("bias_relu_backward_rows_plain", d, o, b)
+       for d, o in DTYPE_PAIRS if o in HALF_DTYPES for b in (False, True)},
 })
 
 
@@ -76,9 +81,16 @@ def forward_grid(total: int, dtype: torch.dtype) -> int:
     return min(cdiv(total, _FORWARD_BLOCK_ELEMENTS[dtype]), _MAX_GRID)
 
 
+# The most rows a thread of bias_relu_backward_rows sums in plain float
+# (kPlainSums, for a float16 / bfloat16 gradient): rows_launch gives no
+# thread more, so that the sums' float rounding stays far below the 16-bit
+# rounding of the result (cf_common.cuh, FloatSum).
+PLAIN_SUM_ROWS = 512
+
+
 @functools.lru_cache(maxsize=256)
-def rows_launch(rows: int, channels: int, vector: int,
-                resident_blocks: int) -> Tuple[int, int, int, int]:
+def rows_launch(rows: int, channels: int, vector: int, resident_blocks: int,
+                max_rows: Optional[int] = None) -> Tuple[int, int, int, int]:
     """Launch of ``bias_relu_backward_rows`` over [rows, channels] (both
     > 0): (cols, grid_x, chunks, rows_per_chunk).
 
@@ -88,15 +100,27 @@ def rows_launch(rows: int, channels: int, vector: int,
     which sum their rows together before the block writes one partial per
     chunk.  The chunks (grid y) bring the grid to ``resident_blocks``, what
     the GPU holds at once: fewer would leave it idle, more would add
-    partials (written, then read by _reduce_partials) and a second wave.
-    Every chunk is non-empty."""
+    partials (written, then read by _reduce_partials) and a second wave;
+    ``max_rows``: and at least as many as give no thread more rows than
+    that, where the grid's 65535 chunks allow (:func:`plain_sums` says
+    whether they did).  Every chunk is non-empty."""
     vectors = cdiv(channels, vector)
     cols = min(32, 1 << (vectors - 1).bit_length())
     grid_x = cdiv(vectors, cols)
     groups = BLOCK // cols
-    chunks = max(1, min(cdiv(rows, groups), resident_blocks // grid_x, 65535))
+    chunks = max(1, resident_blocks // grid_x)
+    if max_rows is not None:
+        chunks = max(chunks, cdiv(rows, groups * max_rows))
+    chunks = min(chunks, cdiv(rows, groups), 65535)
     rows_per_chunk = cdiv(rows, chunks)
     return cols, grid_x, cdiv(rows, rows_per_chunk), rows_per_chunk
+
+
+def plain_sums(cols: int, rows_per_chunk: int, out_dtype: torch.dtype) -> bool:
+    """Whether bias_relu_backward_rows sums in plain float (its
+    ``_plain`` variant) at this launch (:func:`rows_launch`): for a 16-bit
+    gradient, where no thread has more than :data:`PLAIN_SUM_ROWS` rows."""
+    return out_dtype in HALF_DTYPES and cdiv(rows_per_chunk, BLOCK // cols) <= PLAIN_SUM_ROWS
 
 
 def _inner(sizes: List[int], channels_last: bool) -> int:
@@ -197,10 +221,12 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
             chunks, per_chunk = row_chunks(tiles, c_tiles, dev, _TO_NHWC_BLOCKS_PER_SM)
             grid, extra = (c_tiles, chunks, 1), (channels, inner, tiles, per_chunk)
         elif inner == 1:
-            kernel = "bias_relu_backward_rows"
             rows = total // channels
             cols, grid_x, chunks, rows_per_chunk = rows_launch(
-                rows, channels, VECTOR[z_dtype], sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
+                rows, channels, VECTOR[z_dtype], sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype],
+                PLAIN_SUM_ROWS if dout.dtype in HALF_DTYPES else None)
+            kernel = ("bias_relu_backward_rows_plain" if plain_sums(cols, rows_per_chunk, dout.dtype)
+                      else "bias_relu_backward_rows")
             grid, extra = (grid_x, chunks, 1), (rows, channels, rows_per_chunk, cols)
         else:
             kernel = "bias_relu_backward_slabs"
