@@ -246,11 +246,13 @@ bias_relu_forward(const T* __restrict__ z, TO* __restrict__ out, unsigned* __res
 }
 
 // Blocks per SM the rows kernel is built for (its registers are capped so
-// that they fit: 64 a thread for float, 80 for the 16-bit types, whose 8
-// channels' sums take 32); ops/bias_relu.py (ROWS_BLOCKS_PER_SM) sizes its
-// grid from the same numbers.
-template <typename T>
-constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : 3;
+// that they fit: 64 a thread for float; 80 for the 16-bit types, whose 8
+// channels' compensated sums take 32, and 64 where they are plain float
+// sums, kPlainSums, which leaves room for a fourth block); ops/bias_relu.py
+// (ROWS_BLOCKS_PER_SM, PLAIN_ROWS_BLOCKS_PER_SM) sizes its grid from the
+// same numbers.
+template <typename T, bool kPlainSums>
+constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : (kPlainSums ? 4 : 3);
 
 // Backward, channel-last layout (inner == 1): dz = dy * mask; per-chunk sums
 // go to partial[chunk][slot][C] (double): slot 0 = sum dz (grad of b1), slot
@@ -272,7 +274,7 @@ constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : 3;
 // them.  When C is not a multiple of kV the rows are not vector-aligned:
 // values one at a time (the same sums).
 template <typename T, typename Chain, typename TO = T, bool kPlainSums = false>
-__global__ void __launch_bounds__(256, kRowsBlocksPerSm<T>)
+__global__ void __launch_bounds__(256, kRowsBlocksPerSm<T, kPlainSums>)
 bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
                         const unsigned* __restrict__ mask, T* __restrict__ dz,
                         double* __restrict__ partial, i64 rows, i64 channels,

@@ -115,9 +115,11 @@ def test_rows_launch_bounds_the_rows_a_thread_sums():
                     if max_rows == BR.PLAIN_SUM_ROWS:
                         for dtype in (torch.float16, torch.bfloat16, torch.float32):
                             assert BR.plain_sums(cols, per, dtype) == (fits and dtype != torch.float32)
-    # Problem 1's channels-last backward (2032128 x 128) keeps its one wave.
-    assert BR.rows_launch(2032128, 128, 8, 396, BR.PLAIN_SUM_ROWS) == BR.rows_launch(
-        2032128, 128, 8, 396)
+    # Problem 1's channels-last backward (2032128 x 128) on 132 SMs keeps its
+    # one wave of resident blocks, with plain sums.
+    resident = 132 * BR.PLAIN_ROWS_BLOCKS_PER_SM
+    cols, _, chunks, per = BR.rows_launch(2032128, 128, 8, resident, BR.PLAIN_SUM_ROWS)
+    assert chunks == resident and BR.plain_sums(cols, per, torch.bfloat16)
 
 
 def test_rows_launch_for_the_benchmark_shapes():
@@ -139,11 +141,13 @@ def test_launch_constants_match_the_kernel_source():
     forward = src[src.index("bias_relu_forward("):]
     assert re.search(r"constexpr int kU = (\d+);", forward).group(1) == "2"
     assert BR._FORWARD_BLOCK_ELEMENTS[torch.float32] == BLOCK * 2 * 4
-    m = re.search(r"kRowsBlocksPerSm = sizeof\(T\) == 4 \? (\d+) : (\d+);", src)
+    m = re.search(r"kRowsBlocksPerSm = sizeof\(T\) == 4 \? (\d+) : \(kPlainSums \? (\d+) : (\d+)\);",
+                  src)
     assert m, "kRowsBlocksPerSm's definition changed: update ROWS_BLOCKS_PER_SM and this test"
     assert BR.ROWS_BLOCKS_PER_SM == {
-        torch.float32: int(m.group(1)), torch.float16: int(m.group(2)),
-        torch.bfloat16: int(m.group(2))}
+        torch.float32: int(m.group(1)), torch.float16: int(m.group(3)),
+        torch.bfloat16: int(m.group(3))}
+    assert BR.PLAIN_ROWS_BLOCKS_PER_SM == int(m.group(2))
 
 
 # ---------------------------------------------------------------- GPU tier
