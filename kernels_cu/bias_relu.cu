@@ -270,9 +270,9 @@ constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : (kPlainSums ? 4 : 3);
 // (CompensatedSum) for a float32 gradient; for a 16-bit one (kPlainSums)
 // they are plain float sums (FloatSum), the launch giving a thread at most
 // PLAIN_SUM_ROWS rows (ops/bias_relu.py, rows_launch): these kernels are
-// bound by the instructions they issue, and the compensation was most of
-// them.  When C is not a multiple of kV the rows are not vector-aligned:
-// values one at a time (the same sums).
+// bound by the instructions they issue, and in the compensated variant the
+// compensation is most of them.  When C is not a multiple of kV the rows
+// are not vector-aligned: values one at a time (the same sums).
 template <typename T, typename Chain, typename TO = T, bool kPlainSums = false>
 __global__ void __launch_bounds__(256, kRowsBlocksPerSm<T, kPlainSums>)
 bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
@@ -282,8 +282,9 @@ bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
   static_assert(!kPlainSums || sizeof(TO) == 2, "plain sums round to a 16-bit gradient");
   constexpr int kV = 16 / static_cast<int>(sizeof(T));
   // Rows per pass: 64 bytes of dy in flight per thread for float; 32 for
-  // a 16-bit z, whose 8 channels' sums already hold 32 registers (more
-  // would spill at kRowsBlocksPerSm).
+  // a 16-bit z, whose 8 channels' compensated sums already hold 32
+  // registers (more would spill at kRowsBlocksPerSm; the plain variant
+  // holds 16, and spends the room on a fourth block per SM instead).
   constexpr int kR = sizeof(T) == 4 ? 4 : 32 / (kV * static_cast<int>(sizeof(TO)));
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
   using Sum = typename ColumnSum<kPlainSums>::type;

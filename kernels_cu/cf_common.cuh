@@ -284,10 +284,11 @@ struct CompensatedSum {
 };
 
 // A plain float running sum with CompensatedSum's interface, for sums of a
-// bounded number of terms whose result is rounded to a 16-bit dtype: the
-// float rounding of a few hundred adds (relative to the terms' magnitudes,
-// 2^-24 each) stays far below that dtype's own (2^-11 for float16, 2^-8 for
-// bfloat16), and it costs one add per term instead of six instructions.
+// bounded number of terms whose result is rounded to a 16-bit dtype: n adds
+// err by at most n 2^-24 of the sum of the terms' magnitudes (2^-15 for
+// 512), against that dtype's own rounding of 2^-11 (float16) or 2^-8
+// (bfloat16) of the result, and cost one instruction per term instead of
+// six.
 struct FloatSum {
   float sum;
   __device__ __forceinline__ FloatSum() : sum(0.0f) {}

@@ -127,11 +127,13 @@ def test_rows_launch_for_the_benchmark_shapes():
     blocks, a few chunks, so that the float64 partials stay small next to
     dy and dz."""
     for dtype in (torch.float32, torch.float16):
-        resident = 132 * BR.ROWS_BLOCKS_PER_SM[dtype]
+        plain = dtype != torch.float32  # (the plain-sum variant's launch)
+        resident = 132 * (BR.PLAIN_ROWS_BLOCKS_PER_SM if plain else BR.ROWS_BLOCKS_PER_SM[dtype])
         cols, grid_x, chunks, per = BR.rows_launch(
-            1024, 8192, BR.VECTOR[dtype], resident)
+            1024, 8192, BR.VECTOR[dtype], resident, BR.PLAIN_SUM_ROWS if plain else None)
         assert cols == 32 and grid_x * chunks <= resident
         assert chunks * 8192 * 8 < 1024 * 8192 * dtype.itemsize // 8
+        assert BR.plain_sums(cols, per, dtype) == plain
 
 
 def test_launch_constants_match_the_kernel_source():
@@ -258,13 +260,15 @@ def _check(z, b1, b2, *, grad_mode="dense", dy_offset=0, seed=1):
     torch.testing.assert_close(grads[0], ref_grads[0].to(z.dtype), rtol=0, atol=0)
     # Bias gradients: compensated float sums, then float64 partials: at most
     # the rounding of the result to its dtype plus a few float ulps of the
-    # terms' magnitude.
+    # terms' magnitude; for a 16-bit gradient, plain float sums of at most
+    # PLAIN_SUM_ROWS rows a thread, whose worst case is that many ulps.
     dims = [0] + list(range(2, z.dim()))
     passed = torch.where(ref_grads[0] != 0, terms.abs(), torch.zeros_like(terms))
     scales = [passed.sum(dims), terms.abs().sum(dims)]
+    ulps = BR.PLAIN_SUM_ROWS * 2.0**-24 if out_dtype in (torch.float16, torch.bfloat16) else 1e-6
     for got, want, scale in zip(grads[1:], ref_grads[1:], scales):
         assert got.dtype == out_dtype and not got.isnan().any()
-        bound = eps * want.abs() + 1e-6 * scale
+        bound = eps * want.abs() + ulps * scale
         assert ((got.double() - want).abs() <= bound).all(), (got, want)
 
 
@@ -360,7 +364,7 @@ def test_rows_backward_sums_on_either_side_of_the_plain_sum_bound(pair, device, 
     the reference's error."""
     launch = BR.rows_launch
     monkeypatch.setattr(BR, "PLAIN_SUM_ROWS", 2)
-    seen = []
+    seen, asked = [], []
     kernels = BR.KERNELS.get
 
     def get(key, dev):
@@ -368,16 +372,36 @@ def test_rows_backward_sums_on_either_side_of_the_plain_sum_bound(pair, device, 
         return kernels(key, dev)
 
     monkeypatch.setattr(BR.KERNELS, "get", get)
+    sms = BR.sm_count(device.index)
     for ignore in (False, True):
-        monkeypatch.setattr(BR, "rows_launch", lambda rows, channels, vector, resident,
-                            max_rows=None: launch(rows, channels, vector, 1,
-                                                  None if ignore else max_rows))
+        def rows_launch(rows, channels, vector, resident, max_rows=None):
+            asked.append((resident, max_rows))
+            return launch(rows, channels, vector, 1, None if ignore else max_rows)
+
+        monkeypatch.setattr(BR, "rows_launch", rows_launch)
         seen.clear()
         for shape, cl in [((300, 77), False), ((1000, 64), False), ((3, 16, 19, 17), True)]:
+            asked.clear()
             _check(*_inputs(shape, cl, *pair, True, device, nonfinite=True))
+            plain_launch = (sms * BR.PLAIN_ROWS_BLOCKS_PER_SM, 2)
+            fallback = (sms * BR.ROWS_BLOCKS_PER_SM[pair[0]], None)
+            assert asked == ([plain_launch, fallback] if ignore else [plain_launch])
         rows_kernels = {k for k in seen if k.startswith("bias_relu_backward_rows")}
         assert rows_kernels == {"bias_relu_backward_rows" if ignore
                                 else "bias_relu_backward_rows_plain"}
+
+
+@pytest.mark.gpu
+def test_rows_backward_plain_sums_at_the_bound(device, monkeypatch):
+    """Every thread of the plain-sum variant summing exactly PLAIN_SUM_ROWS
+    rows (one SM's grid over 2^20 rows of 128 channels, bfloat16): the
+    gradients within the bound _check puts on them."""
+    monkeypatch.setattr(BR, "sm_count", lambda dev: 1)
+    cols, _, chunks, per = BR.rows_launch(2**20, 128, 8, BR.PLAIN_ROWS_BLOCKS_PER_SM,
+                                          BR.PLAIN_SUM_ROWS)
+    assert math.ceil(per / (BLOCK // cols)) == BR.PLAIN_SUM_ROWS
+    assert BR.plain_sums(cols, per, torch.bfloat16)
+    _check(*_inputs((2**20, 128), False, torch.bfloat16, torch.bfloat16, True, device))
 
 
 @pytest.mark.gpu

@@ -72,7 +72,8 @@ _MAX_GRID = 2**31 - 1
 
 # Blocks per SM the rows backward's registers are capped for, by z's dtype
 # (kRowsBlocksPerSm in bias_relu.cu): its grid is that many blocks per SM,
-# all resident at once.
+# all resident at once (more, in waves, where its plain-sum variant needs
+# more chunks to keep a thread's rows under PLAIN_SUM_ROWS).
 ROWS_BLOCKS_PER_SM = {torch.float32: 4, torch.float16: 3, torch.bfloat16: 3}
 # The same for its plain-sum variant (a 16-bit z and gradient).
 PLAIN_ROWS_BLOCKS_PER_SM = 4
@@ -223,16 +224,16 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
             chunks, per_chunk = row_chunks(tiles, c_tiles, dev, _TO_NHWC_BLOCKS_PER_SM)
             grid, extra = (c_tiles, chunks, 1), (channels, inner, tiles, per_chunk)
         elif inner == 1:
-            rows = total // channels
-            plain = dout.dtype in HALF_DTYPES
-            launch = rows_launch(rows, channels, VECTOR[z_dtype],
-                                 sm_count(dev) * PLAIN_ROWS_BLOCKS_PER_SM, PLAIN_SUM_ROWS) if plain else None
-            if not plain or not plain_sums(launch[0], launch[3], dout.dtype):
-                plain = False  # (a thread would sum more rows than plain sums may)
-                launch = rows_launch(rows, channels, VECTOR[z_dtype],
-                                     sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
+            rows, vector = total // channels, VECTOR[z_dtype]
+            kernel = "bias_relu_backward_rows_plain"  # a 16-bit gradient, where the bound holds
+            launch = None
+            if dout.dtype in HALF_DTYPES:
+                launch = rows_launch(rows, channels, vector, sm_count(dev) * PLAIN_ROWS_BLOCKS_PER_SM,
+                                     PLAIN_SUM_ROWS)
+            if launch is None or not plain_sums(launch[0], launch[3], dout.dtype):
+                kernel = "bias_relu_backward_rows"
+                launch = rows_launch(rows, channels, vector, sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
             cols, grid_x, chunks, rows_per_chunk = launch
-            kernel = "bias_relu_backward_rows_plain" if plain else "bias_relu_backward_rows"
             grid, extra = (grid_x, chunks, 1), (rows, channels, rows_per_chunk, cols)
         else:
             kernel = "bias_relu_backward_slabs"
