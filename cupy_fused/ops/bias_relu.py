@@ -86,8 +86,9 @@ def forward_grid(total: int, dtype: torch.dtype) -> int:
 
 # The most rows a thread of bias_relu_backward_rows sums in plain float
 # (kPlainSums, for a float16 / bfloat16 gradient): rows_launch gives no
-# thread more, so that the sums' float rounding stays far below the 16-bit
-# rounding of the result (cf_common.cuh, FloatSum).
+# thread more, so that the sums' float rounding stays under 2^-15 of the
+# sum of the terms' magnitudes, against the 16-bit result's own rounding of
+# 2^-11 (float16) or 2^-8 (bfloat16) of its value (cf_common.cuh, FloatSum).
 PLAIN_SUM_ROWS = 512
 
 
@@ -228,11 +229,12 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
             kernel = "bias_relu_backward_rows_plain"  # a 16-bit gradient, where the bound holds
             launch = None
             if dout.dtype in HALF_DTYPES:
-                launch = rows_launch(rows, channels, vector, sm_count(dev) * PLAIN_ROWS_BLOCKS_PER_SM,
-                                     PLAIN_SUM_ROWS)
+                launch = rows_launch(rows, channels, vector,
+                                     sm_count(dev) * PLAIN_ROWS_BLOCKS_PER_SM, PLAIN_SUM_ROWS)
             if launch is None or not plain_sums(launch[0], launch[3], dout.dtype):
                 kernel = "bias_relu_backward_rows"
-                launch = rows_launch(rows, channels, vector, sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
+                launch = rows_launch(rows, channels, vector,
+                                     sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
             cols, grid_x, chunks, rows_per_chunk = launch
             grid, extra = (grid_x, chunks, 1), (rows, channels, rows_per_chunk, cols)
         else:
