@@ -1,9 +1,19 @@
 // Second, deterministic stage of every per-column (per-channel) parameter
-// gradient: out[j] = sum over chunks k, in order, of partial[k][j], where j
-// runs over slots x columns.  The first stage leaves its partial sums in
-// double; summing them in double and rounding once to the parameter dtype
-// makes the gradient as accurate as the dtype allows.  Fixed order, no
-// atomics: bitwise reproducible.
+// gradient: out[j] = the sum over chunks k of partial[k][j], where j runs
+// over slots x columns.  The first stage leaves its partial sums in double;
+// summing them in double and rounding once to the parameter dtype makes the
+// gradient as accurate as the dtype allows.  Fixed order, no atomics:
+// bitwise reproducible.
+//
+// A block is blockDim.x / 32 warps in column groups of `chunk_warps` warps
+// (a function of the chunk count alone: ops/_common.py, reduce_warps); a
+// group takes kColumns consecutive j, a lane each, and its warps split the
+// chunks (warp w of the group: chunks w, w + chunk_warps, ..., in order);
+// their sums are added in warp order.  With the chunks spread over warps a
+// thread waits for chunks / chunk_warps loads, not chunks: a backward with
+// few columns and many chunks (a channels-last convolution's: 256 sums of
+// 528 chunks) would otherwise run a few blocks whose every thread waits for
+// hundreds of loads from L2 in turn.
 //
 // The first `duplicated` sums are written a second time after the others
 // (out[slots_times_columns + j]): a chain whose two parameters get the same
@@ -13,28 +23,56 @@
 
 namespace cf {
 
+namespace column_reduce {
+constexpr int kColumns = 32;
+constexpr int kMaxWarps = 32;
+}  // namespace column_reduce
+
 template <typename T>
-__global__ void reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out,
-                                       i64 chunks, i64 slots_times_columns, i64 duplicated) {
-  const i64 j = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
-  if (j >= slots_times_columns) return;
-  // The loads of eight chunks are issued before their adds, which stay in
-  // chunk order: one dependent load (from L2) per chunk would set the pace
-  // where there are many chunks.
+__global__ void __launch_bounds__(32 * column_reduce::kMaxWarps)
+reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out, i64 chunks,
+                       i64 slots_times_columns, i64 duplicated, i64 chunk_warps) {
+  using column_reduce::kColumns;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int warps = static_cast<int>(chunk_warps);
+  const int group = warp / warps, w = warp % warps;
+  const i64 groups = blockDim.x / (32 * warps);
+  const i64 j = (blockIdx.x * groups + group) * kColumns + lane;
+  // The loads of eight of the warp's chunks are issued before their adds,
+  // which stay in chunk order.
   constexpr int kAhead = 8;
   double acc = 0.0;
-  i64 k = 0;
-  for (; k + kAhead <= chunks; k += kAhead) {
-    double v[kAhead];
+  if (j < slots_times_columns) {
+    const double* p = partial + w * slots_times_columns + j;
+    const i64 stride = warps * slots_times_columns;
+    i64 k = w;
+    for (; k + (kAhead - 1) * warps < chunks; k += kAhead * warps, p += kAhead * stride) {
+      double v[kAhead];
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) v[u] = partial[(k + u) * slots_times_columns + j];
+      for (int u = 0; u < kAhead; ++u) v[u] = p[u * stride];
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) acc += v[u];
+      for (int u = 0; u < kAhead; ++u) acc += v[u];
+    }
+    for (; k < chunks; k += warps, p += stride) acc += *p;
   }
-  for (; k < chunks; ++k) acc += partial[k * slots_times_columns + j];
-  const T sum = from_float<T>(static_cast<float>(acc));
-  out[j] = sum;
-  if (j < duplicated) out[slots_times_columns + j] = sum;
+  if (warps == 1) {  // no other warp's sums to add
+    if (j < slots_times_columns) {
+      const T sum = from_float<T>(static_cast<float>(acc));
+      out[j] = sum;
+      if (j < duplicated) out[slots_times_columns + j] = sum;
+    }
+    return;
+  }
+  __shared__ double sums[column_reduce::kMaxWarps][kColumns];
+  sums[warp][lane] = acc;
+  __syncthreads();
+  if (w == 0 && j < slots_times_columns) {
+    double total = acc;
+    for (int u = 1; u < warps; ++u) total += sums[warp + u][lane];
+    const T sum = from_float<T>(static_cast<float>(total));
+    out[j] = sum;
+    if (j < duplicated) out[slots_times_columns + j] = sum;
+  }
 }
 
 }  // namespace cf

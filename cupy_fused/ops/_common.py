@@ -16,6 +16,25 @@ BLOCK = 256
 # sum over chunks.  This many blocks in flight keeps every SM busy.
 BLOCKS_PER_SM = 8
 
+# reduce_column_partials (column_reduce.cu): the sums of a column group
+# (kColumns), and the most warps a group may have (kMaxWarps), which split
+# the chunks; a block is REDUCE_BLOCK_WARPS warps, or one group of more.
+REDUCE_COLUMNS = 32
+REDUCE_MAX_WARPS = 32
+REDUCE_BLOCK_WARPS = 8
+# Chunks a warp of reduce_column_partials sums at least, where its group
+# could have more warps: fewer would leave the group's warps mostly idle.
+REDUCE_WARP_CHUNKS = 16
+
+
+def reduce_warps(chunks: int) -> int:
+    """Warps of a column group of reduce_column_partials for ``chunks`` (>=
+    1): the largest power of two at most REDUCE_MAX_WARPS that gives each
+    at least REDUCE_WARP_CHUNKS chunks (1 below that).  The order of the sums
+    depends on it, so it depends on nothing but ``chunks``."""
+    return min(REDUCE_MAX_WARPS, 1 << max(0, (chunks // REDUCE_WARP_CHUNKS).bit_length() - 1))
+
+
 _REDUCE = _runtime.KernelFamily(
     "column_reduce.cu", {d: f"cf::reduce_column_partials<{cxx_type(d)}>" for d in FLOAT_DTYPES})
 
@@ -134,7 +153,8 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int,
 def _reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
                      duplicate_first_row: bool = False) -> torch.Tensor:
     """``partial``: float64 [chunks, slots, C] -> [slots, C] in ``dtype``,
-    summed over chunks in order (bitwise reproducible).  With
+    summed over chunks in double in a fixed order (column_reduce.cu),
+    rounded once: bitwise reproducible.  With
     ``duplicate_first_row``, [slots + 1, C]: the last row repeats the first
     (for two parameters with the same gradient: rows of their own, so that
     accumulating into one never changes the other)."""
@@ -143,9 +163,12 @@ def _reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
                       device=partial.device)
     n = slots * channels
     dev = partial.device.index
-    _bridge.launch(_REDUCE.get(dtype, dev), (cdiv(n, BLOCK), 1, 1), BLOCK,
+    warps = reduce_warps(chunks)
+    block_warps = max(warps, REDUCE_BLOCK_WARPS)
+    columns = REDUCE_COLUMNS * (block_warps // warps)  # per block
+    _bridge.launch(_REDUCE.get(dtype, dev), (cdiv(n, columns), 1, 1), 32 * block_warps,
                    (partial.data_ptr(), out.data_ptr(), chunks, n,
-                    channels if duplicate_first_row else 0), dev)
+                    channels if duplicate_first_row else 0, warps), dev)
     return out
 
 
