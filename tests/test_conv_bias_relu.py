@@ -980,6 +980,35 @@ def test_engine_float32_training_mask(shape, device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
+                                   (2, 8, 4, 257, 160, 2, 3), (3, 64, 6, 130, 96, 3, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_engine_channels_last_mask_every_word_written(shape, dtype, device):
+    """The channels-last training forward's mask is not zeroed first
+    (_mask_words): its store writes every word.  Its memory filled with
+    ones beforehand (the allocator's block of a freed all-ones tensor), it
+    holds the bits of a launch into a zeroed mask, and y is the same."""
+    _engine_device(device)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape) + 11)
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(
+        memory_format=torch.channels_last)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
+    words = math.ceil(n * cout * (h - kh + 1) * (w - kw + 1) / 32)
+    ones = torch.full((words,), -1, dtype=torch.int32, device=device)
+    poisoned = ones.data_ptr()
+    del ones
+    y, mask, _ = CB._train_forward(x, wt, cb, b, dtype, dtype)
+    assert mask.data_ptr() == poisoned  # the test's premise: the ones' memory
+    again, out = torch.zeros_like(mask), torch.full_like(y, float("nan"))
+    CB._launch_engine(x, wt, cb, b, out=out, plan=(CB.CHANNELS_LAST, dtype, dtype, True), mask=again)
+    assert torch.equal(mask, again) and torch.equal(out, y)
+    assert again.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
                                    (2, 8, 4, 257, 160, 2, 3)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_engine_training_forward_channels_last(shape, dtype, device, monkeypatch):

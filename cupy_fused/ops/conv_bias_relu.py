@@ -329,9 +329,10 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     """The engine route on arguments :func:`route` sends there (a non-empty
     result).  ``out``: the result to write (e.g. NaN-poisoned), in x's
     memory format, else a new one; ``plan``: the call's
-    :func:`_engine_plan`, if the caller has it; ``mask``: zeroed words,
-    one bit per value of y in its memory order, that the store fills with
-    relu's mask (a channels-last y: C_out a multiple of 32); ``xc``: an
+    :func:`_engine_plan`, if the caller has it; ``mask``: words, one bit
+    per value of y in its memory order, that the store fills with relu's
+    mask (:func:`_mask_words`: zeroed for an NCHW y; a channels-last y:
+    C_out a multiple of 32); ``xc``: an
     NCHW x's channels-last copy in the product's dtype (a float32 one
     rounded to TF32), if the caller has made it."""
     n, cin, h, w = x.shape
@@ -386,7 +387,7 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # (y, relu's mask, x's channels-last copy in the product's dtype: an
     # NCHW x's; empty for a channels-last x, which the backward reads itself)
     # (a fresh y: its first element on the 4-element grid the NCHW mask needs)
-    mask = _zeroed_mask(x, weight)
+    mask = _mask_words(x, weight, nchw=x.is_contiguous())
     if x.is_contiguous():
         xc = _transposed(x, dtype, tf32=dtype == torch.float32)
         y = _launch_engine(x, weight, conv_bias, bias, plan=(NCHW, dtype, out_dtype, True),
@@ -398,10 +399,14 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     return y, mask, xc
 
 
-def _zeroed_mask(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Zeroed int32 words for relu's mask: a bit per value of y."""
-    return torch.zeros((cdiv(math.prod(_out_shape(x, weight)), 32),), dtype=torch.int32,
-                       device=x.device)
+def _mask_words(x: torch.Tensor, weight: torch.Tensor, nchw: bool) -> torch.Tensor:
+    """int32 words for relu's mask, a bit per value of y: zeroed for an
+    NCHW y (``nchw``), whose store ORs the words that rows of y share
+    (``NchwStore``); not for a channels-last one, whose store writes every
+    word whole (``NhwcStore``, C_out a multiple of 32)."""
+    words = cdiv(math.prod(_out_shape(x, weight)), 32)
+    make = torch.zeros if nchw else torch.empty
+    return make((words,), dtype=torch.int32, device=x.device)
 
 
 def _train_forward_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
@@ -464,7 +469,7 @@ def _take_mask(ctx) -> torch.Tensor:
     conv_bias, bias = ctx.biases
     for name, b, version in zip(("conv_bias", "bias"), ctx.biases, ctx.bias_versions):
         check_unchanged(b, version, f"{name} of cupy_fused::conv_bias_relu_engine_train")
-    mask = _zeroed_mask(xc, weight)
+    mask = _mask_words(xc, weight, ctx.nchw)
     _launch_engine(xc, weight, conv_bias, bias, plan=ctx.plan, mask=mask,
                    xc=xc if ctx.nchw else None)
     return mask
