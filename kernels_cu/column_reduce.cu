@@ -5,12 +5,12 @@
 // gradient as accurate as the dtype allows.  Fixed order, no atomics:
 // bitwise reproducible.
 //
-// A block is blockDim.x / 32 warps in column groups of `chunk_warps` warps
-// (a function of the chunk count alone: ops/_common.py, reduce_warps); a
-// group takes kColumns consecutive j, a lane each, and its warps split the
-// chunks (warp w of the group: chunks w, w + chunk_warps, ..., in order);
-// their sums are added in warp order.  With the chunks spread over warps a
-// thread waits for chunks / chunk_warps loads, not chunks: a backward with
+// A block is blockDim.x / 32 warps in column groups of W = 2^log2_chunk_warps
+// warps (a function of the chunk count alone: ops/_common.py,
+// reduce_warps); a group takes kColumns consecutive j, a lane each, and its
+// warps split the chunks (warp w of the group: chunks w, w + W, ..., in
+// order); their sums are added in warp order.  With the chunks spread over
+// W warps a thread waits for chunks / W loads, not chunks: a backward with
 // few columns and many chunks (a channels-last convolution's: 256 sums of
 // 528 chunks) would otherwise run a few blocks whose every thread waits for
 // hundreds of loads from L2 in turn.
@@ -28,15 +28,20 @@ constexpr int kColumns = 32;
 constexpr int kMaxWarps = 32;
 }  // namespace column_reduce
 
-template <typename T>
+// kSplit: W > 1 (the warps' sums meet in shared memory); without it the
+// kernel has no shared memory, as a backward's few chunks need none.
+template <typename T, bool kSplit>
 __global__ void __launch_bounds__(32 * column_reduce::kMaxWarps)
 reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out, i64 chunks,
-                       i64 slots_times_columns, i64 duplicated, i64 chunk_warps) {
+                       i64 slots_times_columns, i64 duplicated, i64 log2_chunk_warps) {
   using column_reduce::kColumns;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const int warps = static_cast<int>(chunk_warps);
-  const int group = warp / warps, w = warp % warps;
-  const i64 groups = blockDim.x / (32 * warps);
+  // (W a power of two: shifts and masks, not divisions, in a kernel of a
+  // few microseconds)
+  const int shift = static_cast<int>(log2_chunk_warps);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = 1 << shift;
+  const int group = warp >> shift, w = warp & (warps - 1);
+  const i64 groups = blockDim.x >> (5 + shift);
   const i64 j = (blockIdx.x * groups + group) * kColumns + lane;
   // The loads of eight of the warp's chunks are issued before their adds,
   // which stay in chunk order.
@@ -55,23 +60,23 @@ reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out, 
     }
     for (; k < chunks; k += warps, p += stride) acc += *p;
   }
-  if (warps == 1) {  // no other warp's sums to add
+  if constexpr (!kSplit) {  // W == 1: no other warp's sums to add
     if (j < slots_times_columns) {
       const T sum = from_float<T>(static_cast<float>(acc));
       out[j] = sum;
       if (j < duplicated) out[slots_times_columns + j] = sum;
     }
-    return;
-  }
-  __shared__ double sums[column_reduce::kMaxWarps][kColumns];
-  sums[warp][lane] = acc;
-  __syncthreads();
-  if (w == 0 && j < slots_times_columns) {
-    double total = acc;
-    for (int u = 1; u < warps; ++u) total += sums[warp + u][lane];
-    const T sum = from_float<T>(static_cast<float>(total));
-    out[j] = sum;
-    if (j < duplicated) out[slots_times_columns + j] = sum;
+  } else {
+    __shared__ double sums[column_reduce::kMaxWarps][kColumns];
+    sums[warp][lane] = acc;
+    __syncthreads();
+    if (w == 0 && j < slots_times_columns) {
+      double total = acc;
+      for (int u = 1; u < warps; ++u) total += sums[warp + u][lane];
+      const T sum = from_float<T>(static_cast<float>(total));
+      out[j] = sum;
+      if (j < duplicated) out[slots_times_columns + j] = sum;
+    }
   }
 }
 

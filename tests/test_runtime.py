@@ -303,9 +303,10 @@ def test_precompile_for_an_architecture_needs_no_gpu(monkeypatch, capsys):
     done = cupy_fused.precompile(["scale_add.cu", "column_reduce.cu"], device="sm_80",
                                  dtypes=[torch.float32])
     assert set(done) == {("scale_add.cu", "cf::scale_add<float>"),
-                         ("column_reduce.cu", "cf::reduce_column_partials<float>")}
+                         ("column_reduce.cu", "cf::reduce_column_partials<float, false>"),
+                         ("column_reduce.cu", "cf::reduce_column_partials<float, true>")}
     err = capsys.readouterr().err
-    assert "precompile sm_80 [1/2]" in err and "precompile sm_80 [2/2]" in err
+    assert "precompile sm_80 [1/3]" in err and "precompile sm_80 [3/3]" in err
 
 
 def test_precompile_selection():

@@ -36,7 +36,8 @@ def reduce_warps(chunks: int) -> int:
 
 
 _REDUCE = _runtime.KernelFamily(
-    "column_reduce.cu", {d: f"cf::reduce_column_partials<{cxx_type(d)}>" for d in FLOAT_DTYPES})
+    "column_reduce.cu", {(d, split): f"cf::reduce_column_partials<{cxx_type(d)}, {str(split).lower()}>"
+                         for d in FLOAT_DTYPES for split in (False, True)})
 
 _sm_counts: Dict[int, int] = {}
 
@@ -166,9 +167,9 @@ def _reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
     warps = reduce_warps(chunks)
     block_warps = max(warps, REDUCE_BLOCK_WARPS)
     columns = REDUCE_COLUMNS * (block_warps // warps)  # per block
-    _bridge.launch(_REDUCE.get(dtype, dev), (cdiv(n, columns), 1, 1), 32 * block_warps,
+    _bridge.launch(_REDUCE.get((dtype, warps > 1), dev), (cdiv(n, columns), 1, 1), 32 * block_warps,
                    (partial.data_ptr(), out.data_ptr(), chunks, n,
-                    channels if duplicate_first_row else 0, warps), dev)
+                    channels if duplicate_first_row else 0, warps.bit_length() - 1), dev)
     return out
 
 
