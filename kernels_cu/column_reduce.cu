@@ -1,9 +1,9 @@
 // Second, deterministic stage of every per-column (per-channel) parameter
 // gradient: out[j] = the sum over chunks k of partial[k][j], where j runs
 // over slots x columns.  The first stage leaves its partial sums in double;
-// summing them in double and rounding once to the parameter dtype makes the
-// gradient as accurate as the dtype allows.  Fixed order, no atomics:
-// bitwise reproducible.
+// summing them in double and rounding only at the end (to float, and from
+// float to a 16-bit parameter dtype) keeps the chunks' own sums from adding
+// rounding errors.  Fixed order, no atomics: bitwise reproducible.
 //
 // A block is blockDim.x / 32 warps in column groups of W = 2^log2_chunk_warps
 // warps (a function of the chunk count alone: ops/_common.py,
@@ -28,8 +28,13 @@ constexpr int kColumns = 32;
 constexpr int kMaxWarps = 32;
 }  // namespace column_reduce
 
-// kSplit: W > 1 (the warps' sums meet in shared memory); without it the
-// kernel has no shared memory, as a backward's few chunks need none.
+// Launch contract (ops/_common.py, _reduce_partials): kColumns and kMaxWarps
+// are REDUCE_COLUMNS and REDUCE_MAX_WARPS there; blockDim.x is a multiple of
+// 32 W; kSplit is W > 1, the case where the group's warps meet in shared
+// memory.  W == 1 (fewer than 32 chunks: 76's, 88's and 94's backwards) is
+// an instantiation of its own, without the shared array and its barrier:
+// the stage is a few microseconds there, next to a first stage not much
+// longer, so every fixed cost shows.
 template <typename T, bool kSplit>
 __global__ void __launch_bounds__(32 * column_reduce::kMaxWarps)
 reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out, i64 chunks,
@@ -44,7 +49,8 @@ reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out, 
   const i64 groups = blockDim.x >> (5 + shift);
   const i64 j = (blockIdx.x * groups + group) * kColumns + lane;
   // The loads of eight of the warp's chunks are issued before their adds,
-  // which stay in chunk order.
+  // which stay in chunk order: one load from L2 per chunk, each waited
+  // for, would set the pace where a warp has many chunks.
   constexpr int kAhead = 8;
   double acc = 0.0;
   if (j < slots_times_columns) {

@@ -44,14 +44,15 @@ def test_sums_every_chunk_of_every_column(device, chunks, slots, channels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("chunks", [9, 528])
-def test_double_sum_rounded_once_and_reproducible(device, dtype, chunks):
+def test_double_sums_rounded_to_the_dtype_and_repeatable(device, dtype, chunks):
     partial = _partial(chunks, 2, 200, device, integral=False)
     first = _reduce(partial, dtype)
     assert first.dtype == dtype and first.shape == (2, 200)
     want = partial.sum(0)
     # The double sum differs from torch's only in its order (relative 1e-14
-    # of the terms' magnitudes); rounding it once to the dtype gives the
-    # dtype's rounding of the exact sum or its neighbour.
+    # of the terms' magnitudes); rounded (through float) to the dtype it is
+    # the dtype's rounding of the exact sum or a neighbour of it.  A float
+    # accumulation, or a chunk left out, lands further off.
     scale = partial.abs().sum(0)
     info = torch.finfo(dtype)
     assert ((first.double() - want).abs()

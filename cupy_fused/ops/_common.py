@@ -154,8 +154,8 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int,
 def _reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
                      duplicate_first_row: bool = False) -> torch.Tensor:
     """``partial``: float64 [chunks, slots, C] -> [slots, C] in ``dtype``,
-    summed over chunks in double in a fixed order (column_reduce.cu),
-    rounded once: bitwise reproducible.  With
+    summed over chunks in double in an order fixed by the chunk count
+    (column_reduce.cu), rounded at the end: bitwise reproducible.  With
     ``duplicate_first_row``, [slots + 1, C]: the last row repeats the first
     (for two parameters with the same gradient: rows of their own, so that
     accumulating into one never changes the other)."""
