@@ -72,14 +72,9 @@ def run(shapes, iters: int, tiles=()):
             for tile in tiles:
                 impls[f"ours 3xtf32 on {tile}"] = (
                     lambda tile=tile: G._gemm_on_tile(a, b, layout, 3, tile))
-            # In turns (see time_interleaved), not one after another.
-            times = time_interleaved(impls, iters, warmup=3)
             row = {"shape": shape, "layout": layout}
-            for name, fn in impls.items():
-                med, best = times[name]
-                err = scaled_gemm_error(fn(), a, b, ref)
-                row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
-                             "error": err}
+            row.update(_timed_entries(impls, iters, flops,
+                                      lambda c: scaled_gemm_error(c, a, b, ref)))
             row["speedup 3xtf32 vs sgemm"] = row["cublas sgemm"]["median_ms"] / row["ours 3xtf32"]["median_ms"]
             row["tile"] = G.choose_tile(*G._product_shape(a, b, layout), True, device.index)
             rows.append(row)
@@ -131,6 +126,20 @@ def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256)
     return out
 
 
+def _timed_entries(impls, iters: int, flops: float, error) -> dict:
+    """Times ``impls`` (name -> a call returning its product) in turns, not
+    one after another (see ``time_interleaved``), and gives each name's row
+    entry: median and best ms, TFLOP/s for ``flops`` per call, and
+    ``error(product)`` of one more call's product."""
+    times = time_interleaved(impls, iters, warmup=3)
+    entries = {}
+    for name, fn in impls.items():
+        med, best = times[name]
+        entries[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
+                         "error": error(fn())}
+    return entries
+
+
 def _product_rows(shapes, iters: int, impls_of):
     """Rows of timed forward products x W^T, per shape and 16-bit dtype: x
     [M, K] in the dtype, W [N, K] float32 (random, seeded by the shape);
@@ -143,13 +152,9 @@ def _product_rows(shapes, iters: int, impls_of):
         x = torch.randn(m, k, device=g.device, generator=g).to(dtype)
         w = torch.randn(n, k, device=g.device, generator=g) / k ** 0.5
         w_d = w.to(dtype)
-        impls = impls_of(x, w, w_d)
-        times = time_interleaved(impls, iters, warmup=3)
         row = {"shape": shape, "dtype": str(dtype).replace("torch.", "")}
-        for name, fn in impls.items():
-            med, best = times[name]
-            row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
-                         "error": scaled_gemm_error(fn(), x, w_d, lambda a, b: a @ b.t())}
+        row.update(_timed_entries(impls_of(x, w, w_d), iters, flops,
+                                  lambda c: scaled_gemm_error(c, x, w_d, lambda a, b: a @ b.t())))
         rows.append(row)
     return rows
 
@@ -202,12 +207,9 @@ def half_layouts_run(shapes, iters: int, products=tuple(PRODUCT_SIZES)):
             a, b = operands[product]
             impls = {"ours": lambda a=a, b=b: G._half_matmul(a, b),
                      "cublas": lambda a=a, b=b: torch.mm(a, b)}
-            times = time_interleaved(impls, iters, warmup=3)
             row = {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "layout": product}
-            for name, fn in impls.items():
-                med, best = times[name]
-                row[name] = {"median_ms": med, "min_ms": best, "tflops": flops / med / 1e9,
-                             "error": _sampled_error(fn(), a, b)}
+            row.update(_timed_entries(impls, iters, flops,
+                                      lambda c, a=a, b=b: _sampled_error(c, a, b)))
             row["ours vs cublas"] = row["cublas"]["median_ms"] / row["ours"]["median_ms"]
             print(f"{shape} {row['dtype']:9s} {product:11s} ours {row['ours']['median_ms']:.3f} ms"
                   f"  cuBLAS {row['cublas']['median_ms']:.3f} ms  x{row['ours vs cublas']:.3f}",

@@ -898,3 +898,24 @@ def test_kernel_backward_reruns_only_the_recorded_graphs_in_turns(monkeypatch):
     fwd = bench_kernels._forward_fn(case, z, vectors, 3, randn)
     fwd()
     assert len(calls) == 3
+
+
+def test_gemm_timed_entries(monkeypatch):
+    """benchmarks/gemm.py's row entries: each implementation's median and
+    best times from one timing in turns, its TFLOP/s, and the error of its
+    product."""
+    spec = importlib.util.spec_from_file_location("bench_gemm", REPO / "benchmarks/gemm.py")
+    bench_gemm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gemm)
+    timed = []
+
+    def fake_interleaved(impls, iters, warmup):
+        timed.append((sorted(impls), iters))
+        return {"a": (2.0, 1.5), "b": (4.0, 3.0)}
+
+    monkeypatch.setattr(bench_gemm, "time_interleaved", fake_interleaved)
+    impls = {"a": lambda: torch.tensor([1.0]), "b": lambda: torch.tensor([3.0])}
+    entries = bench_gemm._timed_entries(impls, 7, 4e9, lambda c: float(c.sum()) / 10)
+    assert timed == [(["a", "b"], 7)]
+    assert entries == {"a": {"median_ms": 2.0, "min_ms": 1.5, "tflops": 2.0, "error": 0.1},
+                       "b": {"median_ms": 4.0, "min_ms": 3.0, "tflops": 1.0, "error": 0.3}}

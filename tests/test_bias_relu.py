@@ -136,6 +136,36 @@ def test_rows_launch_for_the_benchmark_shapes():
         assert BR.plain_sums(cols, per, dtype) == plain
 
 
+def test_rows_kernel_picks_plain_sums_where_the_bound_holds(monkeypatch):
+    """The rows backward's variant: plain sums for a 16-bit gradient at 4
+    blocks per SM where no thread gets more than PLAIN_SUM_ROWS rows,
+    compensated sums at ROWS_BLOCKS_PER_SM for a float32 gradient (float32
+    z, or autocast's 16-bit z with a float32 gradient) and where the grid's
+    65535 chunks cannot keep to the bound."""
+    cl_rows = 128 * 126 * 126  # problem 1's channels-last z: [N H W, 128]
+    for z, grad in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]:
+        kernel, launch = BR.rows_kernel(cl_rows, 128, z, grad, 132)
+        assert kernel == "bias_relu_backward_rows_plain"
+        assert launch == BR.rows_launch(cl_rows, 128, 8, 132 * BR.PLAIN_ROWS_BLOCKS_PER_SM,
+                                        BR.PLAIN_SUM_ROWS)
+    for z, grad in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
+        kernel, launch = BR.rows_kernel(1024, 8192, z, grad, 132)
+        assert kernel == "bias_relu_backward_rows"
+        assert launch == BR.rows_launch(1024, 8192, BR.VECTOR[z], 132 * BR.ROWS_BLOCKS_PER_SM[z])
+    # 2^31 rows of one channel: at the grid's 65535 chunks a thread sums
+    # `least` rows; a bound below that cannot be kept, one at it can.
+    cols, _, chunks, per = BR.rows_launch(2**31, 1, 8, 132 * BR.PLAIN_ROWS_BLOCKS_PER_SM, 1)
+    least = math.ceil(per / (BLOCK // cols))
+    assert chunks == 65535 and least > 1
+    monkeypatch.setattr(BR, "PLAIN_SUM_ROWS", least - 1)
+    kernel, launch = BR.rows_kernel(2**31, 1, torch.bfloat16, torch.bfloat16, 132)
+    assert kernel == "bias_relu_backward_rows"
+    assert launch == BR.rows_launch(2**31, 1, 8, 132 * BR.ROWS_BLOCKS_PER_SM[torch.bfloat16])
+    monkeypatch.setattr(BR, "PLAIN_SUM_ROWS", least)
+    assert BR.rows_kernel(2**31, 1, torch.bfloat16, torch.bfloat16, 132)[0] == \
+        "bias_relu_backward_rows_plain"
+
+
 def test_launch_constants_match_the_kernel_source():
     """ops/bias_relu.py mirrors two constants of bias_relu.cu: the forward's
     vectors per lane and the rows kernel's blocks per SM."""

@@ -36,7 +36,7 @@ PURE = {
                  "clear_launch_plans", "LaunchShapes", "launch_shapes"},
     "linear": set(),
     "linear_gn_chain": {"fusion_pays"},
-    "bias_relu": {"forward_grid", "rows_launch", "plain_sums", "slab_grids"},
+    "bias_relu": {"forward_grid", "rows_launch", "plain_sums", "rows_kernel", "slab_grids"},
     "conv_bias_relu": {"route", "engine_layout", "engine_dtypes"},
     "scale_add": set(),
 }

@@ -127,6 +127,25 @@ def plain_sums(cols: int, rows_per_chunk: int, out_dtype: torch.dtype) -> bool:
     return out_dtype in HALF_DTYPES and cdiv(rows_per_chunk, BLOCK // cols) <= PLAIN_SUM_ROWS
 
 
+def rows_kernel(rows: int, channels: int, z_dtype: torch.dtype, grad_dtype: torch.dtype,
+                sms: int) -> Tuple[str, Tuple[int, int, int, int]]:
+    """The variant of ``bias_relu_backward_rows`` and its launch
+    (:func:`rows_launch`) for a [rows, channels] z of ``z_dtype`` (both
+    sizes > 0) and a gradient of ``grad_dtype``, on a GPU of ``sms`` SMs:
+    the plain-sum variant (``"bias_relu_backward_rows_plain"``, at
+    PLAIN_ROWS_BLOCKS_PER_SM) for a 16-bit gradient where its launch keeps
+    every thread within PLAIN_SUM_ROWS rows, else the compensated one
+    (``"bias_relu_backward_rows"``, at ROWS_BLOCKS_PER_SM)."""
+    vector = VECTOR[z_dtype]
+    if grad_dtype in HALF_DTYPES:
+        launch = rows_launch(rows, channels, vector, sms * PLAIN_ROWS_BLOCKS_PER_SM,
+                             PLAIN_SUM_ROWS)
+        if plain_sums(launch[0], launch[3], grad_dtype):
+            return "bias_relu_backward_rows_plain", launch
+    return "bias_relu_backward_rows", rows_launch(rows, channels, vector,
+                                                  sms * ROWS_BLOCKS_PER_SM[z_dtype])
+
+
 def _inner(sizes: List[int], channels_last: bool) -> int:
     """Elements per channel run in memory: 1 for [M, C] and channels-last,
     H*W for NCHW."""
@@ -225,17 +244,9 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
             chunks, per_chunk = row_chunks(tiles, c_tiles, dev, _TO_NHWC_BLOCKS_PER_SM)
             grid, extra = (c_tiles, chunks, 1), (channels, inner, tiles, per_chunk)
         elif inner == 1:
-            rows, vector = total // channels, VECTOR[z_dtype]
-            kernel = "bias_relu_backward_rows_plain"  # a 16-bit gradient, where the bound holds
-            launch = None
-            if dout.dtype in HALF_DTYPES:
-                launch = rows_launch(rows, channels, vector,
-                                     sm_count(dev) * PLAIN_ROWS_BLOCKS_PER_SM, PLAIN_SUM_ROWS)
-            if launch is None or not plain_sums(launch[0], launch[3], dout.dtype):
-                kernel = "bias_relu_backward_rows"
-                launch = rows_launch(rows, channels, vector,
-                                     sm_count(dev) * ROWS_BLOCKS_PER_SM[z_dtype])
-            cols, grid_x, chunks, rows_per_chunk = launch
+            rows = total // channels
+            kernel, (cols, grid_x, chunks, rows_per_chunk) = rows_kernel(
+                rows, channels, z_dtype, dout.dtype, sm_count(dev))
             grid, extra = (grid_x, chunks, 1), (rows, channels, rows_per_chunk, cols)
         else:
             kernel = "bias_relu_backward_slabs"
