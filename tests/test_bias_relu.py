@@ -166,6 +166,35 @@ def test_rows_kernel_picks_plain_sums_where_the_bound_holds(monkeypatch):
         "bias_relu_backward_rows_plain"
 
 
+def test_rows_backward_launches_what_rows_kernel_chose(monkeypatch):
+    """The rows backward's launch (on CPU tensors, the launches recorded
+    instead of run): the kernel, grid and arguments rows_kernel gives, then
+    the column reduce over its chunks."""
+    from cupy_fused import _bridge
+    from cupy_fused.ops import _common
+
+    launched = []
+    monkeypatch.setattr(BR, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(_common, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(BR.KERNELS, "get", lambda key, dev: ("bias_relu",) + key)
+    monkeypatch.setattr(_common._REDUCE, "get", lambda key, dev: ("reduce",) + key)
+    monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, args, dev, *rest:
+                        launched.append((fn, grid, block, args)))
+    sizes = [2, 128, 5, 7]  # channels-last: 70 rows of 128 channels
+    for grad in (torch.bfloat16, torch.float32):
+        launched.clear()
+        dy = torch.ones(sizes, dtype=grad).contiguous(memory_format=torch.channels_last)
+        mask = torch.zeros(70 * 128 // 32, dtype=torch.int32)
+        BR._backward(dy, mask, sizes, True, True, torch.bfloat16, False)
+        kernel, (cols, grid_x, chunks, per) = BR.rows_kernel(70, 128, torch.bfloat16, grad, 132)
+        (fn, grid, block, args), reduce = launched
+        assert fn == ("bias_relu", kernel, torch.bfloat16, grad, True)
+        assert grid == (grid_x, chunks, 1) and block == BLOCK
+        assert args[-4:] == (70, 128, per, cols)
+        assert reduce[0] == ("reduce", grad, _common.reduce_warps(chunks) > 1)
+        assert reduce[3][2:4] == (chunks, 2 * 128)
+
+
 def test_launch_constants_match_the_kernel_source():
     """ops/bias_relu.py mirrors two constants of bias_relu.cu: the forward's
     vectors per lane and the rows kernel's blocks per SM."""
