@@ -977,6 +977,19 @@ def test_engine_float32_training_mask(shape, device, monkeypatch):
     assert torch.equal(out, y) and torch.equal(again, mask)
 
 
+def test_channels_last_mask_needs_whole_words():
+    """The engine's channels-last store writes relu's mask in whole words
+    of 32 channels, into memory not zeroed first: another C_out is refused
+    before anything launches (the route never sends one there)."""
+    x = torch.randn(1, 8, 5, 5, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(40, 8, 3, 3, dtype=torch.bfloat16)
+    cb = torch.randn(40, dtype=torch.bfloat16)
+    mask = torch.empty(math.ceil(40 * 9 / 32), dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 32, got 40"):
+        CB._launch_engine(x, w, cb, None, plan=(CB.CHANNELS_LAST, torch.bfloat16, torch.bfloat16, True),
+                          mask=mask)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),

@@ -339,6 +339,11 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     cout, _, kh, kw = weight.shape
     oh, ow = _out_shape(x, weight)[2:]
     layout, dtype, out_dtype, _ = plan or _engine_plan(x, weight, conv_bias, bias)
+    if mask is not None and layout == CHANNELS_LAST and cout % 32:
+        # That store writes whole words of 32 channels into a mask it does
+        # not zero (_mask_words): any other C_out would leave words unset.
+        raise ValueError(f"relu's mask of a channels-last y needs C_out a multiple of 32, "
+                         f"got {cout}")
     bias = _spread(bias, cout)
     fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
     if out is None:
