@@ -910,12 +910,12 @@ def test_gemm_timed_entries(monkeypatch):
     timed = []
 
     def fake_interleaved(impls, iters, warmup):
-        timed.append((sorted(impls), iters))
+        timed.append((sorted(impls), iters, warmup))
         return {"a": (2.0, 1.5), "b": (4.0, 3.0)}
 
     monkeypatch.setattr(bench_gemm, "time_interleaved", fake_interleaved)
     impls = {"a": lambda: torch.tensor([1.0]), "b": lambda: torch.tensor([3.0])}
     entries = bench_gemm._timed_entries(impls, 7, 4e9, lambda c: float(c.sum()) / 10)
-    assert timed == [(["a", "b"], 7)]
+    assert timed == [(["a", "b"], 7, 3)]
     assert entries == {"a": {"median_ms": 2.0, "min_ms": 1.5, "tflops": 2.0, "error": 0.1},
                        "b": {"median_ms": 4.0, "min_ms": 3.0, "tflops": 1.0, "error": 0.3}}

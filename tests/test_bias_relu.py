@@ -148,10 +148,16 @@ def test_rows_kernel_picks_plain_sums_where_the_bound_holds(monkeypatch):
         assert kernel == "bias_relu_backward_rows_plain"
         assert launch == BR.rows_launch(cl_rows, 128, 8, 132 * BR.PLAIN_ROWS_BLOCKS_PER_SM,
                                         BR.PLAIN_SUM_ROWS)
+    launch_of, asked = BR.rows_launch, []
+    monkeypatch.setattr(BR, "rows_launch", lambda *args: asked.append(args) or launch_of(*args))
     for z, grad in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
+        asked.clear()
         kernel, launch = BR.rows_kernel(1024, 8192, z, grad, 132)
         assert kernel == "bias_relu_backward_rows"
-        assert launch == BR.rows_launch(1024, 8192, BR.VECTOR[z], 132 * BR.ROWS_BLOCKS_PER_SM[z])
+        # (a float32 gradient asks for the compensated launch alone)
+        assert asked == [(1024, 8192, BR.VECTOR[z], 132 * BR.ROWS_BLOCKS_PER_SM[z])]
+        assert launch == launch_of(*asked[0])
+    monkeypatch.setattr(BR, "rows_launch", launch_of)
     # 2^31 rows of one channel: at the grid's 65535 chunks a thread sums
     # `least` rows; a bound below that cannot be kept, one at it can.
     cols, _, chunks, per = BR.rows_launch(2**31, 1, 8, 132 * BR.PLAIN_ROWS_BLOCKS_PER_SM, 1)
@@ -180,17 +186,21 @@ def test_rows_backward_launches_what_rows_kernel_chose(monkeypatch):
     monkeypatch.setattr(_common._REDUCE, "get", lambda key, dev: ("reduce",) + key)
     monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, args, dev, *rest:
                         launched.append((fn, grid, block, args)))
-    sizes = [2, 128, 5, 7]  # channels-last: 70 rows of 128 channels
+    # Channels-last, 9600 rows of 128 channels: enough rows for the two
+    # variants' launches (4 and 3 blocks per SM) to differ.
+    sizes, rows = [2, 128, 80, 60], 9600
+    assert BR.rows_kernel(rows, 128, torch.bfloat16, torch.bfloat16, 132)[1] != \
+        BR.rows_kernel(rows, 128, torch.bfloat16, torch.float32, 132)[1]
     for grad in (torch.bfloat16, torch.float32):
         launched.clear()
         dy = torch.ones(sizes, dtype=grad).contiguous(memory_format=torch.channels_last)
-        mask = torch.zeros(70 * 128 // 32, dtype=torch.int32)
+        mask = torch.zeros(rows * 128 // 32, dtype=torch.int32)
         BR._backward(dy, mask, sizes, True, True, torch.bfloat16, False)
-        kernel, (cols, grid_x, chunks, per) = BR.rows_kernel(70, 128, torch.bfloat16, grad, 132)
+        kernel, (cols, grid_x, chunks, per) = BR.rows_kernel(rows, 128, torch.bfloat16, grad, 132)
         (fn, grid, block, args), reduce = launched
         assert fn == ("bias_relu", kernel, torch.bfloat16, grad, True)
         assert grid == (grid_x, chunks, 1) and block == BLOCK
-        assert args[-4:] == (70, 128, per, cols)
+        assert args[-4:] == (rows, 128, per, cols)
         assert reduce[0] == ("reduce", grad, _common.reduce_warps(chunks) > 1)
         assert reduce[3][2:4] == (chunks, 2 * 128)
 
