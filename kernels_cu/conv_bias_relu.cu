@@ -687,6 +687,206 @@ struct NhwcStore {
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
+
+// ---- Convolutions as windows (conv_bias_relu_window, conv_dgrad_wgmma) ----
+// Both compute a convolution transposed, out^T [Cout, pixels] = A [Cout, K]
+// im2col(in)^T, with `in` channels-last and stride 1, so that the 64-row A
+// of a consumer's tile is 64 output channels and its 256 columns are 256
+// output pixels, two rows of 128 columns, (n, h0 + r, w0 .. w0 + 127) for
+// r = 0, 1 (acc[r]):
+//  * the forward: in = x, A = the weight as [Cout, KH * KW * Cpad] (k in
+//    (kh, kw, c) order, ConvLoader's B), no padding;
+//  * the input gradient: in = dz, out = dx, A = Wf [Cin, KH * KW * Cpad]
+//    with Wf[ci, kh, kw, co] = W[co, ci, KH - 1 - kh, KW - 1 - kw] (the
+//    weight with its taps flipped and its channels swapped), padded by
+//    KH - 1 and KW - 1: dx[n, h, w, ci] = sum over (kh, kw, co) of
+//    dz[n, h - (KH - 1) + kh, w - (KW - 1) + kw, co] Wf[ci, kh, kw, co].
+// A stage holds one (kh, block of 64 channels of `in`) for all kKw taps kw:
+// A's kKw tiles of 64 rows x 64 values of k, and for each row r a window
+// of in's row h0 + r - pad_h + kh, its columns w0 - pad_w .. + kConvWindow
+// - 1 (one box of the channels-last `in`; the copy engine fills what lies
+// outside it, the padding, with zeros).  Tap kw reads the window from its
+// row kw on (the B descriptor moved by kw rows of 128 bytes, with no base
+// offset: the MMA, like the copy engine, takes the swizzle's phase from the
+// address itself), so each value of `in` comes from L2 once per (kh, row r,
+// block of 64 output channels) instead of once per tap.  The 64-row tile
+// keeps every MMA whole where the output has 64 channels (the input
+// gradient of problem 1).
+constexpr int kConvWindow = 136;  // 128 + up to 8 - 1 taps, in whole 1024-byte swizzle groups
+constexpr int kConvWindowBytes = kConvWindow * 128;
+
+// The pixel tile tn's image n, first row h0 and first column w0 (32-bit
+// divisions: ops/conv_bias_relu.py keeps the tile count below 2^31).
+__device__ __forceinline__ void window_tile(i64 tn, i64 row_pairs, i64 col_tiles, int& n, int& h0, int& w0) {
+  const unsigned t = static_cast<unsigned>(tn), ct = static_cast<unsigned>(col_tiles);
+  const unsigned row = t / ct, pairs = static_cast<unsigned>(row_pairs);  // row: n * row_pairs + h0 / 2
+  w0 = static_cast<int>(t - row * ct) * 128;
+  n = static_cast<int>(row / pairs);
+  h0 = 2 * static_cast<int>(row - static_cast<unsigned>(n) * pairs);
+}
+
+// The MMAs of a stage: for each tap and step of 16 values of k, one
+// wgmma.m64n128k16 per row r, A from tap kw's tile, B from row kw of
+// window r.
+template <typename T, int kKw>
+struct ConvWindowMma : TilelessMma {
+  static constexpr int kBM = 64, kBN = 256, kWgRows = 64;
+  static constexpr bool kCooperative = false;
+  static constexpr int kTileABytes = kKw * 64 * 128, kTileBBytes = 2 * kConvWindowBytes;
+  __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) const {
+    begin_mma_group(acc);
+#pragma unroll
+    for (int kw = 0; kw < kKw; ++kw)
+#pragma unroll
+      for (int kk = 0; kk < kHgSteps; ++kk) {
+        const unsigned long long da = swizzle128_desc(a + kw * (64 * 128) + 32 * kk);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          wgmma_m64n128_step<T>(acc[r], da, swizzle128_desc(b + r * kConvWindowBytes + kw * 128 + 32 * kk),
+                                kt > 0 || kw > 0 || kk > 0);
+      }
+    wgmma_commit();
+  }
+};
+
+template <typename T, int kKw>
+struct ConvWindowLoader {
+  const TensorMap& map_in;  // `in` [N, H, W, C] channels-last: dims (C, W, H, N), boxes 64 x kConvWindow x 1 x 1
+  const TensorMap& map_a;   // A [Cout, KH * kKw * Cpad]: boxes of 64 x 64
+  i64 row_pairs, col_tiles, pixel_tiles, a_rows;
+  int kh_size, c_blocks, pad_h, pad_w;
+  // The current tile and the next stage's kh and channel block, stepped by
+  // each load (the stages come in order).
+  int n = 0, h0 = 0, w0 = 0, m0 = 0, kh = 0, cb = 0;
+  __device__ __forceinline__ i64 tiles_m() const { return (a_rows + 63) / 64; }
+  __device__ __forceinline__ i64 tiles_n() const { return pixel_tiles; }
+  __device__ __forceinline__ int ktiles() const { return kh_size * c_blocks; }
+  __device__ __forceinline__ void prefetch() const {
+    tma_prefetch_descriptor(map_in);
+    tma_prefetch_descriptor(map_a);
+  }
+  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
+    window_tile(tn, row_pairs, col_tiles, n, h0, w0);
+    m0 = static_cast<int>(tm) * 64;
+    kh = cb = 0;
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int) {
+#pragma unroll
+    for (int kw = 0; kw < kKw; ++kw)  // A's k-tile ((kh KW + kw) c_blocks + cb)
+      tma_load_2d(tile_a + kw * (64 * 128), map_a, ((kh * kKw + kw) * c_blocks + cb) * 64, m0, bar);
+    const int c = cb * 64, w = w0 - pad_w, h = h0 - pad_h + kh;
+    tma_load_4d(tile_b, map_in, c, w, h, n, bar);
+    tma_load_4d(tile_b + kConvWindowBytes, map_in, c, w, h + 1, n, bar);
+    if (++cb == c_blocks) {
+      cb = 0;
+      ++kh;
+    }
+  }
+};
+
+// The output channels-last through the copy engine: each half of a
+// warpgroup's tile (one row of 128 pixels) transposed into its staging
+// area (stage_transposed: value(sum, hi) of the channel m0 + me.row (+ 8
+// where hi)), then one box of 64 channels x 128 columns, clipped at the
+// output's edges (a second row past the image's last is dropped so, as are
+// columns past its width).  map_out: dims (C, W, H, N), boxes 64 x 128 x 1
+// x 1.
+template <typename T, typename Value>
+__device__ __forceinline__ void store_window_tile(const float (&acc)[2][kHgAccs], const HalfGemmLane& me,
+                                                  unsigned staging, const TensorMap& map_out, i64 m0, int n,
+                                                  int h0, int w0, const Value& value) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    TmaTileWriter::begin(me);
+    stage_transposed<T>(acc[h], me, staging, value);
+    if (TmaTileWriter::staged(me)) {
+      tma_store_4d(map_out, staging, static_cast<int>(m0), w0, h0 + h, n);
+      bulk_commit();
+    }
+  }
+}
+
+// dx, the sums themselves.
+template <typename T>
+struct DgradStore {
+  const TensorMap& map_dx;  // dx [N, H, W, Cin] channels-last
+  i64 row_pairs, col_tiles;
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned staging) const {
+    int n, h0, w0;
+    window_tile(n0 / 256, row_pairs, col_tiles, n, h0, w0);
+    store_window_tile<T>(acc, me, staging, map_dx, m0, n, h0, w0, [](float v, bool) { return v; });
+  }
+  __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
+};
+
+// y = relu(acc + conv_bias) + bias, rounded once, channels-last; with
+// kMask (training) also relu's mask for the backward, bit i of word i / 32
+// for y's element i in memory order (Cout a multiple of 32), set where
+// relu(acc + conv_bias) rounded to T has a nonzero magnitude (as
+// NhwcStore's).  A warp's 16 channels of a pixel are one 16-bit half of a
+// mask word, OR-ed over the 8 lanes that hold them; a lane stores the
+// halves of 4 pixels (every half is written: the mask is not zeroed
+// first).
+template <typename T, bool kMask>
+struct WindowNhwcStore {
+  const TensorMap& map_y;  // y [N, OH, OW, Cout] channels-last
+  unsigned short* mask;    // kMask: the mask's words as 16-bit halves
+  const T* conv_bias;
+  const T* bias;  // or null
+  i64 cout, out_rows, out_cols, row_pairs, col_tiles;
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned staging) const {
+    int n, h0, w0;
+    window_tile(n0 / 256, row_pairs, col_tiles, n, h0, w0);
+    float cb[2], b[2];  // channels m0 + me.row, + 8
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const i64 c = m0 + me.row + 8 * r;
+      cb[r] = c < cout ? to_float(conv_bias[c]) : 0.0f;
+      b[r] = bias && c < cout ? to_float(bias[c]) : 0.0f;
+    }
+    store_window_tile<T>(acc, me, staging, map_y, m0, n, h0, w0,
+                         [&](float v, bool hi) { return relu_keep_nan(v + cb[hi]) + b[hi]; });
+    if constexpr (kMask) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) store_mask(acc[h], me, cb, m0, n, h0 + h, w0);
+    }
+  }
+  __device__ __forceinline__ void store_mask(const float (&a)[kHgAccs], const HalfGemmLane& me, const float (&cb)[2],
+                                             i64 m0, int n, int oh, int w0) const {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = me.row >> 4;
+    // This lane's pixel pairs w0 + 8 (g + 8 k) + 2 t (+ 1): the halves of
+    // both pixels of a pair, the second's in the high 16 bits.
+    unsigned pairs[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < kHgAccs / 4; ++i) {
+      // Channels 16 warp + g (lo) and + 8 (hi) at pixels 8 i + 2 t (bit 0), + 1 (bit 1).
+      const unsigned lo =
+          nonzero_halves(pack2<T>(relu_keep_nan(a[4 * i] + cb[0]), relu_keep_nan(a[4 * i + 1] + cb[0])));
+      const unsigned hi =
+          nonzero_halves(pack2<T>(relu_keep_nan(a[4 * i + 2] + cb[1]), relu_keep_nan(a[4 * i + 3] + cb[1])));
+      unsigned v = ((lo & 1u) | ((hi & 1u) << 8) | ((lo & 2u) << 15) | ((hi & 2u) << 23)) << g;
+      // OR over the 8 lanes of this t (g = 0 .. 7): the pair's 16 channels.
+      v |= __shfl_xor_sync(0xffffffffu, v, 4);
+      v |= __shfl_xor_sync(0xffffffffu, v, 8);
+      v |= __shfl_xor_sync(0xffffffffu, v, 16);
+      if ((i & 7) == g) pairs[i >> 3] = v;
+    }
+    const i64 c = m0 + 16 * warp;
+    if (oh >= out_rows || c >= cout) return;
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const i64 ow = w0 + 8 * (g + 8 * k) + 2 * t + e;
+        if (ow < out_cols)
+          mask[(((static_cast<i64>(n) * out_rows + oh) * out_cols + ow) * cout + c) >> 4] =
+              static_cast<unsigned short>(pairs[k] >> (16 * e));
+      }
+  }
+  __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
+};
 #endif
 
 // A value of Tin as the transposes' T: itself, or rounded from float32 for
@@ -881,6 +1081,66 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
     NchwStore<T, Out, kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
     half_gemm_persistent<T, kStages, kConvNchwStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   }
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
+
+// y [N, OH, OW, Cout] (channels-last) of the 16-bit T = relu(conv2d(x, W) +
+// conv_bias) + bias from x [N, H, W, Cin] channels-last (stride 1, no
+// padding, a KH x kKw kernel): the window GEMM above (ConvWindowLoader,
+// ConvWindowMma) and WindowNhwcStore; with kMask, relu's mask into `mask`
+// (Cout a multiple of 32; null otherwise).  map_x: dims (Cin, W, H, N),
+// boxes 64 x kConvWindow x 1 x 1; map_w: the weight as [Cout, KH * kKw *
+// Cpad] (ops/conv_bias_relu.py: _packed_weight), boxes of 64 x 64; map_y:
+// dims (Cout, OW, OH, N), boxes 64 x 128 x 1 x 1; all 128-byte swizzled.
+// Grid: at most one block per SM (persistent), kHgThreads threads,
+// half_gemm_shared_bytes<kStages, kCtStagingBytes, the stage's bytes>() of
+// dynamic shared memory.
+template <typename T, int kKw, int kStages, bool kMask>
+__global__ void __launch_bounds__(kHgThreads, 1)
+conv_bias_relu_window(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
+                      const __grid_constant__ TensorMap map_y, unsigned short* __restrict__ mask,
+                      const T* __restrict__ conv_bias, const T* __restrict__ bias, i64 n_images, i64 cout,
+                      i64 out_rows, i64 out_cols, i64 kh_size, i64 c_blocks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(kKw >= 1 && kKw <= kConvWindow - 127, "a tile's taps inside its window");
+  extern __shared__ __align__(128) unsigned char conv_shared[];
+  const i64 row_pairs = (out_rows + 1) / 2, col_tiles = (out_cols + 127) / 128;
+  const ConvWindowLoader<T, kKw> loader{map_x, map_w, row_pairs, col_tiles, n_images * row_pairs * col_tiles,
+                                        cout, static_cast<int>(kh_size), static_cast<int>(c_blocks), 0, 0};
+  WindowNhwcStore<T, kMask> store{map_y, mask, conv_bias, bias, cout, out_rows, out_cols, row_pairs, col_tiles};
+  half_gemm_persistent<T, kStages, kCtStagingBytes, ConvWindowMma<T, kKw>>(reinterpret_cast<char*>(conv_shared),
+                                                                           loader, store);
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
+
+// dx [N, H, W, Cin] (channels-last) of the 16-bit T, the input gradient of
+// the convolution (stride 1, no padding, a KH x kKw kernel) whose output
+// gradient is dz [N, OH, OW, Cout] (channels-last): the window GEMM above
+// with A = Wf, padded, and DgradStore; one rounding of float32 sums.
+// map_dz: dims (Cout, OW, OH, N), boxes 64 x kConvWindow x 1 x 1; map_w:
+// Wf as [Cin, KH * kKw * Cpad] (Cout padded with zeros to Cpad, a multiple
+// of 64; ops/conv_bias_relu.py), boxes of 64 x 64; map_dx: dims (Cin, W, H,
+// N), boxes 64 x 128 x 1 x 1; all 128-byte swizzled.  Grid, threads and
+// shared memory as conv_bias_relu_window's.
+template <typename T, int kKw, int kStages>
+__global__ void __launch_bounds__(kHgThreads, 1)
+conv_dgrad_wgmma(const __grid_constant__ TensorMap map_dz, const __grid_constant__ TensorMap map_w,
+                 const __grid_constant__ TensorMap map_dx, i64 n_images, i64 cin, i64 rows, i64 cols,
+                 i64 kh_size, i64 c_blocks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(kKw >= 1 && kKw <= kConvWindow - 127, "a tile's taps inside its window");
+  extern __shared__ __align__(128) unsigned char conv_shared[];
+  const i64 row_pairs = (rows + 1) / 2, col_tiles = (cols + 127) / 128;
+  const ConvWindowLoader<T, kKw> loader{map_dz, map_w, row_pairs, col_tiles, n_images * row_pairs * col_tiles,
+                                        cin, static_cast<int>(kh_size), static_cast<int>(c_blocks),
+                                        static_cast<int>(kh_size) - 1, kKw - 1};
+  DgradStore<T> store{map_dx, row_pairs, col_tiles};
+  half_gemm_persistent<T, kStages, kCtStagingBytes, ConvWindowMma<T, kKw>>(reinterpret_cast<char*>(conv_shared),
+                                                                           loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

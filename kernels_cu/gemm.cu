@@ -73,27 +73,13 @@ struct TransposedTmaStore {
   Epilogue epilogue;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
-    const int lane = threadIdx.x & 31, warp = me.row >> 4;
-    const int j = lane >> 3, r = lane & 7;  // this lane's row r of matrix j
-    const i64 m = m0 + me.row;              // C^T's rows m, m + 8 (C's columns)
+    const i64 m = m0 + me.row;  // C^T's rows m, m + 8 (C's columns)
     const float b0 = epilogue.bias_at(m), b8 = epilogue.bias_at(m + 8);
-    // Matrices 0-3 of block pair p of a half: the 8 x 8 blocks at C^T rows
-    // 16 warp (+ 8), columns 16 p (+ 8) of the half; lane 8j + r addresses
-    // the half's row 16 p + 8 (j / 2) + r, 16-byte chunk 2 warp + j % 2.
-    const unsigned lane_addr = staging + (8 * (j >> 1) + r) * 128 + (((2 * warp + (j & 1)) ^ r) << 4);
+    const auto value = [&](float v, bool hi) { return epilogue.apply(v, hi ? b8 : b0); };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // C's rows n0 + 128 h .. + 127: acc[h]
       TmaTileWriter::begin(me);
-      const float* a = acc[h];
-#pragma unroll
-      for (int p = 0; p < 8; ++p) {
-        const int i = 2 * p;  // the m64n128 layout's column block of 8
-        stmatrix_x4_trans(lane_addr + p * (16 * 128),
-                          pack2<T>(epilogue.apply(a[4 * i], b0), epilogue.apply(a[4 * i + 1], b0)),
-                          pack2<T>(epilogue.apply(a[4 * i + 2], b8), epilogue.apply(a[4 * i + 3], b8)),
-                          pack2<T>(epilogue.apply(a[4 * i + 4], b0), epilogue.apply(a[4 * i + 5], b0)),
-                          pack2<T>(epilogue.apply(a[4 * i + 6], b8), epilogue.apply(a[4 * i + 7], b8)));
-      }
+      stage_transposed<T>(acc[h], me, staging, value);
       if (TmaTileWriter::staged(me)) {
         tma_store_2d(map_c, staging, static_cast<int>(m0), static_cast<int>(n0 + 128 * h));
         bulk_commit();

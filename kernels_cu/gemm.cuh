@@ -10,7 +10,9 @@
 // (gemm.cu: bias and activation; linear_gn_chain.cu: the GroupNorm chains);
 // how the consumers run their MMAs is the `Mma` policy (SmemMma: both
 // operands from shared memory, as below; F32ConvertMma: A float32, rounded
-// to 16 bits in registers, both consumers on one 128 x 256 tile).
+// to 16 bits in registers, both consumers on one 128 x 256 tile;
+// conv_bias_relu.cu's ConvWindowMma: 64 x 256 tiles whose B is read at
+// shifted rows of a window of a convolution's input).
 //
 // Persistent and warp-specialised: one block of three warpgroups per SM
 // walks the output tiles (128 x 128 with SmemMma) in a fixed grouped order,
@@ -267,6 +269,19 @@ __device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long
 }
 #undef CF_WGMMA_M64N128
 
+// The start of a consumer's group of MMAs into acc: the accumulators' reads
+// and writes kept out of the asynchronous MMAs' way, then wgmma's fence.
+__device__ __forceinline__ void begin_mma_group(float (&acc)[2][kHgAccs]) {
+  fence_registers(acc[0]);
+  fence_registers(acc[1]);
+  wgmma_fence();
+}
+// An Mma policy with no per-tile state.
+struct TilelessMma {
+  __device__ __forceinline__ void begin_tile(i64, i64) {}
+  __device__ __forceinline__ void end_tile() {}
+};
+
 // The consumers' MMAs, a policy of the engine (half_gemm_persistent): the
 // shape of a block's tile of C (kBM x kBN) and how the two consumer
 // warpgroups share it (kCooperative: both work on every tile, warpgroup w
@@ -283,7 +298,7 @@ __device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long
 // MN-major, TiledLoader), two wgmma.m64n128 per step of 16 values of k
 // (acc[h]: rows 64h .. 64h + 63), one group per k-tile.
 template <typename T, bool kAMn = false, bool kBMn = false>
-struct SmemMma {
+struct SmemMma : TilelessMma {
   // The operands' slices for step kk of k (rows 64h.. of A): K-major, 32
   // bytes along the swizzled rows; MN-major, 16 rows of k (2048 bytes) on.
   __device__ __forceinline__ static unsigned long long desc_a(unsigned a, int h, int kk) {
@@ -296,12 +311,8 @@ struct SmemMma {
   static constexpr int kBM = kHgBM, kBN = kHgBN, kWgRows = kHgBM;
   static constexpr bool kCooperative = false;
   static constexpr int kTileABytes = kHgTileABytes, kTileBBytes = kHgTileBBytes;
-  __device__ __forceinline__ void begin_tile(i64, i64) {}
-  __device__ __forceinline__ void end_tile() {}
   __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) const {
-    fence_registers(acc[0]);
-    fence_registers(acc[1]);
-    wgmma_fence();
+    begin_mma_group(acc);
 #pragma unroll
     for (int kk = 0; kk < kHgSteps; ++kk) {
       const unsigned long long db = desc_b(b, kk);
@@ -349,6 +360,32 @@ __device__ __forceinline__ void wgmma_m64n256_rs(float (&d)[64], float (&e)[64],
 #undef CF_WGMMA_M64N256_RS
 #undef CF_E32
 #undef CF_E8
+
+// Half h of a consumer warpgroup's 64 x 256 tile of C^T (acc[h], its
+// columns 128 h .. + 127, in the m64n128 layout) written transposed into
+// `staging`: C's 128 x 64 tile, 128-byte swizzled rows, a TMA box of 64 x
+// 128 (stmatrix .trans: a warp's 8 x 8 blocks land as 16-byte rows; 8
+// instructions a thread).  value(v, hi) is the 16-bit T to stage for the
+// sum v at C^T's row me.row (+ 8 where hi).  The caller brackets it with
+// TmaTileWriter::begin and ::staged.
+template <typename T, typename Value>
+__device__ __forceinline__ void stage_transposed(const float (&a)[kHgAccs], const HalfGemmLane& me,
+                                                 unsigned staging, const Value& value) {
+  const int lane = threadIdx.x & 31, warp = me.row >> 4;
+  const int j = lane >> 3, r = lane & 7;  // this lane's row r of matrix j
+  // Matrices 0-3 of block pair p: the 8 x 8 blocks at C^T rows 16 warp (+
+  // 8), columns 16 p (+ 8) of the half; lane 8j + r addresses C's row 16 p
+  // + 8 (j / 2) + r, 16-byte chunk 2 warp + j % 2.
+  const unsigned lane_addr = staging + (8 * (j >> 1) + r) * 128 + (((2 * warp + (j & 1)) ^ r) << 4);
+#pragma unroll
+  for (int p = 0; p < 8; ++p) {
+    const int i = 2 * p;  // the m64n128 layout's column block of 8
+    stmatrix_x4_trans(lane_addr + p * (16 * 128), pack2<T>(value(a[4 * i], false), value(a[4 * i + 1], false)),
+                      pack2<T>(value(a[4 * i + 2], true), value(a[4 * i + 3], true)),
+                      pack2<T>(value(a[4 * i + 4], false), value(a[4 * i + 5], false)),
+                      pack2<T>(value(a[4 * i + 6], true), value(a[4 * i + 7], true)));
+  }
+}
 
 // Keeps the compiler from giving the registers of an MMA's A operand to
 // anything else before this point (after the wait for that MMA).
@@ -451,9 +488,7 @@ struct F32ConvertMma {
         frag[2 * m + 1][j] = odd_first ? first : later;
       }
     }
-    fence_registers(acc[0]);
-    fence_registers(acc[1]);
-    wgmma_fence();
+    begin_mma_group(acc);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
       wgmma_m64n256_rs<T>(acc[0], acc[1], frag[kk], swizzle128_desc(b + 32 * kk), kt > 0 || kk > 0);

@@ -116,6 +116,14 @@ __device__ __forceinline__ void tma_store_3d(const TensorMap& map, unsigned src,
                "r"(c0), "r"(c1), "r"(c2), "r"(src)
                : "memory");
 }
+// The same for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
+__device__ __forceinline__ void tma_store_4d(const TensorMap& map, unsigned src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(&map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+               : "memory");
+}
 // `bytes` (a multiple of 16) from shared memory at `src` to global memory at
 // `dst` (both 16-byte aligned), as part of this thread's bulk asynchronous
 // group: the copy engine writes them, not the thread's own stores.  The

@@ -6,15 +6,16 @@ poisoned with NaN first; NaN / inf placement; two runs bitwise equal; the
 route each call takes."""
 import importlib
 import math
+import re
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cupy_fused import ops
+from cupy_fused import _runtime, ops
 from cupy_fused.ops import gemm
-from cupy_fused.testing import rel_error
+from cupy_fused.testing import poison_allocator, rel_error
 
 CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")  # the module, not the op
 
@@ -636,7 +637,8 @@ def test_which_copies_take_vectors(shape, dtype, vec):
 def test_channels_last_backward(shape, mode, device, monkeypatch):
     """The training route's backward of an NCHW input on a compute
     capability 9.0 GPU (here at small sizes too): dz written channels-last
-    by bias_relu's backward, x copied so, cuDNN's channels-last backward,
+    by bias_relu's backward, x copied so, cuDNN's channels-last backward
+    (the input gradient of 16-bit dtypes on the engine, conv_dgrad_wgmma),
     the input gradient copied back to NCHW.  Every gradient within 1.5x the
     error against float64 of
     eager on a channels-last x (cuDNN's same layout, its algorithms held to
@@ -767,8 +769,9 @@ def _lift_engine_thresholds(monkeypatch):
 def test_engine_training_forward(shape, mode, device, monkeypatch):
     """A training step on the engine (here at small sizes too): y and relu's
     mask from its store, bias_relu's backward writing dz channels-last,
-    cuDNN's channels-last backward on the forward's copy of x (float32:
-    rounded to TF32).  Output and every gradient within 1.5x eager's error
+    the input gradient on the engine (16-bit: conv_dgrad_wgmma) and cuDNN's
+    channels-last weight gradient on the forward's copy of x (float32:
+    rounded to TF32; cuDNN's input gradient too).  Output and every gradient within 1.5x eager's error
     against float64, in the reference's dtypes and layouts; two steps
     bitwise equal."""
     _engine_device(device)
@@ -779,6 +782,121 @@ def test_engine_training_forward(shape, mode, device, monkeypatch):
     assert y.dtype == ey.dtype and y.is_contiguous()
     for ours, theirs in zip(leaves, eager):
         assert ours.grad.dtype == theirs.grad.dtype and ours.grad.stride() == ours.stride()  # (as eager's)
+
+
+# (n, C_in, OH, OW, C_out, KH, KW) of dz [n, C_out, OH, OW]: kernels 1 to 7
+# (7 x 7: dx's rows start 6 rows and columns before dz's), H and W odd (a
+# tile's second row past the image), W over one 128-column tile, C_in over
+# one 64-channel tile and not a multiple of 64, C_out not a multiple of the
+# 64-channel k-block, batch 1, a 1 x 1 dz.
+DGRAD_SHAPES = [(2, 64, 7, 70, 128, 3, 3), (1, 8, 5, 127, 8, 1, 1), (3, 72, 4, 131, 24, 2, 2),
+                (1, 16, 9, 9, 136, 5, 5), (2, 200, 3, 126, 40, 7, 7), (1, 8, 1, 1, 8, 3, 5),
+                (2, 64, 6, 122, 64, 7, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", DGRAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_dgrad_against_float64(shape, dtype, device):
+    """The engine's input gradient (conv_dgrad_wgmma) against float64 on
+    fresh random operands, into memory filled with NaN first: within 1.5x
+    the error of torch's own (cuDNN's) input gradient in the same dtype,
+    every element written, channels-last, bitwise reproducible; a NaN or an
+    infinity in dz reaches dx where it reaches float64's."""
+    _engine_device(device)
+    n, cin, oh, ow, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    dz = torch.randn(n, cout, oh, ow, generator=gen).to(device, dtype).contiguous(
+        memory_format=torch.channels_last)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cout * kh * kw) ** 0.5).to(device, dtype)
+    x_shape = (n, cin, oh + kh - 1, ow + kw - 1)
+    assert CB._dgrad_on_engine(dz, wt)
+    want = torch.nn.grad.conv2d_input(x_shape, wt.double(), dz.double())
+    theirs = torch.nn.grad.conv2d_input(x_shape, wt, dz)
+    poison_allocator(device, 2 * math.prod(x_shape) * 2)
+    dx = CB._launch_dgrad(dz, wt)
+    assert dx.shape == x_shape and dx.dtype == dtype and dx.is_contiguous(memory_format=torch.channels_last)
+    assert rel_error(dx, want) <= 1.5 * rel_error(theirs, want) + torch.finfo(dtype).eps
+    assert torch.equal(dx, CB._launch_dgrad(dz, wt))
+    # Non-finite dz: a NaN, +inf and -inf at three places.
+    bad = dz.clone()
+    flat = bad.permute(0, 2, 3, 1).reshape(-1)  # (a view of bad's memory)
+    for i, v in zip((0, flat.numel() // 2, flat.numel() - 1), (float("nan"), float("inf"), float("-inf"))):
+        flat[i] = v
+    want = torch.nn.grad.conv2d_input(x_shape, wt.double(), bad.double())
+    got = CB._launch_dgrad(bad, wt)
+    for check in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(check(got), check(want)), check.__name__
+
+
+def test_window_launches_fit_their_kernels():
+    """Each instantiation of the window kernels (conv_bias_relu_window and
+    conv_dgrad_wgmma, KW 1 to WINDOW_MAX_KW) gets two stages or more within
+    the opt-in shared memory, the window (kConvWindow in the kernels, WINDOW
+    here) holds the taps of a row of 128 columns, and the key table names
+    them all."""
+    text = (_runtime.kernel_dir() / "conv_bias_relu.cu").read_text()
+    assert int(re.search(r"constexpr int kConvWindow = (\d+);", text).group(1)) == CB.WINDOW
+    for kw in range(1, CB.WINDOW_MAX_KW + 1):
+        assert CB._window_stages(kw) >= 2 and CB._window_shared_bytes(kw) <= 232448
+        assert 128 + kw - 1 <= CB.WINDOW
+        for dtype in (torch.float16, torch.bfloat16):
+            assert f", {kw}, {CB._window_stages(kw)}>" in CB.KERNELS.expressions[("dgrad", dtype, kw)]
+            for mask in (False, True):
+                assert f", {kw}, {CB._window_stages(kw)}, " in CB.KERNELS.expressions[("window", dtype, kw, mask)]
+
+
+def test_dgrad_takes_what_its_kernel_runs(monkeypatch):
+    """_dgrad_on_engine on CPU tensors (a Hopper GPU assumed): a 16-bit
+    channels-last dz with C_in and C_out multiples of 8 and KW up to
+    WINDOW_MAX_KW, and nothing else."""
+    monkeypatch.setattr(gemm, "has_wgmma", lambda index: True)
+    cl = torch.channels_last
+
+    def dz(n=2, c=16, h=5, w=6, dtype=torch.bfloat16, fmt=cl):
+        return torch.empty(n, c, h, w, dtype=dtype).contiguous(memory_format=fmt)
+
+    def wt(cout=16, cin=8, kh=3, kw=3, dtype=torch.bfloat16):
+        return torch.empty(cout, cin, kh, kw, dtype=dtype)
+
+    assert CB._dgrad_on_engine(dz(), wt())
+    assert CB._dgrad_on_engine(dz(dtype=torch.float16), wt(dtype=torch.float16, kw=CB.WINDOW_MAX_KW))
+    assert CB._dgrad_on_engine(dz(h=1, w=1), wt())  # a 1 x 1 dz: both layouts at once
+    for refused in ((dz(dtype=torch.float32), wt()), (dz(fmt=torch.contiguous_format), wt()),
+                    (dz(c=12), wt(cout=12)), (dz(), wt(cin=12)), (dz(), wt(kw=CB.WINDOW_MAX_KW + 1)),
+                    (dz(n=0), wt())):
+        assert not CB._dgrad_on_engine(*refused)
+    monkeypatch.setattr(gemm, "has_wgmma", lambda index: False)
+    assert not CB._dgrad_on_engine(dz(), wt())
+
+
+@pytest.mark.gpu
+def test_dgrad_route(device, monkeypatch):
+    """The engine's training backward takes conv_dgrad_wgmma for its input
+    gradient where _dgrad_on_engine holds (and cuDNN for the weight
+    gradient alone), cuDNN for both elsewhere."""
+    _engine_device(device)
+    _lift_engine_thresholds(monkeypatch)
+    calls = []
+    real_dgrad, real_conv = CB._launch_dgrad, CB._conv_backward
+    monkeypatch.setattr(CB, "_launch_dgrad", lambda dz, wt: calls.append("ours") or real_dgrad(dz, wt))
+    monkeypatch.setattr(CB, "_conv_backward",
+                        lambda dz, x, wt, want_x, want_w: calls.append(("cudnn", want_x, want_w))
+                        or real_conv(dz, x, wt, want_x, want_w))
+    for dtype, cout, expect in ((torch.bfloat16, 32, ["ours", ("cudnn", False, True)]),
+                                (torch.float16, 32, ["ours", ("cudnn", False, True)]),
+                                (torch.float32, 32, [("cudnn", True, True)])):
+        calls.clear()
+        _, x, wt, cb, g = _small_training_operands(True, 5, device, dtype)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb)]
+        ops.conv_bias_relu(*leaves).backward(g)
+        assert calls == expect, (dtype, calls)
+    # Without a weight gradient, no cuDNN call at all.
+    calls.clear()
+    _, x, wt, cb, g = _small_training_operands(False, 6, device)
+    xl = x.detach().clone().requires_grad_(True)
+    ops.conv_bias_relu(xl, wt, cb.detach().clone().requires_grad_(True)).backward(g)
+    assert calls == ["ours"]
 
 
 def _small_training_operands(channels_last, seed, device, dtype=torch.bfloat16):
@@ -990,23 +1108,35 @@ def test_channels_last_mask_needs_whole_words():
                           mask=mask)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
-                                   (2, 8, 4, 257, 160, 2, 3), (3, 64, 6, 130, 96, 3, 2)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_engine_channels_last_mask_every_word_written(shape, dtype, device):
-    """The channels-last training forward's mask is not zeroed first
-    (_mask_words): its store writes every word.  Its memory filled with
-    ones beforehand (the allocator's block of a freed all-ones tensor), it
-    holds the bits of a launch into a zeroed mask, and y is the same."""
-    _engine_device(device)
+def _channels_last_operands(shape, seed, device, dtype):
+    """x (channels-last), weight, conv_bias and bias for ``shape`` (n, C_in,
+    H, W, C_out, KH, KW), random from ``seed`` and the shape, on ``device``."""
     n, cin, h, w, cout, kh, kw = shape
-    gen = torch.Generator().manual_seed(sum(shape) + 11)
+    gen = torch.Generator().manual_seed(sum(shape) + seed)
     x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(
         memory_format=torch.channels_last)
     wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
     cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
+    return x, wt, cb, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
+                                   (2, 8, 4, 257, 160, 2, 3), (3, 64, 6, 130, 96, 3, 2),
+                                   (1, 72, 5, 140, 64, 5, 7), (2, 16, 4, 20, 32, 1, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_engine_channels_last_mask(shape, dtype, device):
+    """The channels-last training forward's mask (bit i of word i / 32 for
+    y's element i in memory order) is not zeroed first (_mask_words): its
+    store writes every word.  Its memory filled with ones beforehand (the
+    allocator's block of a freed all-ones tensor), it holds the bits of a
+    launch into a zeroed mask, and y is the same.  Every bit is set where
+    relu's input in float64 (conv2d + conv_bias) is positive and clear
+    where it is negative, except within rounding of zero."""
+    _engine_device(device)
+    n, cin, h, w, cout, kh, kw = shape
+    x, wt, cb, b = _channels_last_operands(shape, 11, device, dtype)
     words = math.ceil(n * cout * (h - kh + 1) * (w - kw + 1) / 32)
     ones = torch.full((words,), -1, dtype=torch.int32, device=device)
     poisoned = ones.data_ptr()
@@ -1016,7 +1146,11 @@ def test_engine_channels_last_mask_every_word_written(shape, dtype, device):
     again, out = torch.zeros_like(mask), torch.full_like(y, float("nan"))
     CB._launch_engine(x, wt, cb, b, out=out, plan=(CB.CHANNELS_LAST, dtype, dtype, True), mask=again)
     assert torch.equal(mask, again) and torch.equal(out, y)
-    assert again.any()
+    z = F.conv2d(x.double(), wt.double(), cb.double()).permute(0, 2, 3, 1).reshape(-1)  # y's memory order
+    bits = ((mask.view(-1, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1).reshape(-1)[:z.numel()]
+    clear = z.abs() > 1e-2  # (well away from zero at these sizes' rounding)
+    assert torch.equal(bits[clear].bool(), z[clear] > 0)
+    assert clear.float().mean() > 0.9
 
 
 @pytest.mark.gpu
@@ -1025,9 +1159,10 @@ def test_engine_channels_last_mask_every_word_written(shape, dtype, device):
                                    (2, 8, 4, 257, 160, 2, 3)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_engine_training_forward_channels_last(shape, dtype, device, monkeypatch):
-    """The same step from a channels-last x: the mask written from the
-    store's registers (whole words per output pixel), bias_relu's
-    channels-last backward and cuDNN's on x itself; gradients in x's and
+    """The same step from a channels-last x: the window kernel's forward
+    with the mask from its registers (every word's halves), bias_relu's
+    channels-last backward, conv_dgrad_wgmma and cuDNN's weight gradient on
+    x itself; gradients in x's and
     the weight's layouts, within 1.5x eager's error; two steps bitwise
     equal."""
     _engine_device(device)

@@ -17,13 +17,19 @@ Route, decided once per call (:func:`route`):
   the reference's convolution runs in TF32 too) and at least
   :data:`ENGINE_FLOAT32_MIN_ELEMENTS` output values: the operands rounded
   to TF32 (x in its channels-last copy), float32 accumulation and output.
-  With a gradient to record (at least :data:`ENGINE_TRAINING_MIN_ELEMENTS`
+  A channels-last 16-bit x with a kernel up to :data:`WINDOW_MAX_KW` wide
+  takes the window kernel (``conv_bias_relu_window``: tiles of 64 output
+  channels x 256 pixels, each stage a window of x for all the taps of a
+  kernel row; :func:`_window_fits`).  With a gradient to record (at least :data:`ENGINE_TRAINING_MIN_ELEMENTS`
   output values; :func:`_trains_on_engine`), the same forward also writes
   relu's mask, and keeps an NCHW x's channels-last copy (a float32 one
   rounded to TF32, as the product read it); the backward is
-  :func:`.bias_relu.bias_relu`'s (dz written channels-last) and cuDNN's
-  deterministic channels-last convolution backward on x channels-last (as
-  the ``"cudnn"`` route's backward runs on Hopper:
+  :func:`.bias_relu.bias_relu`'s (dz written channels-last), the input
+  gradient on the engine where :func:`_dgrad_on_engine` takes it
+  (``conv_dgrad_wgmma``, 16-bit: the window kernel's structure on dz and
+  the flipped weight), and cuDNN's deterministic channels-last convolution
+  backward on x channels-last for the weight gradient (and the input
+  gradient elsewhere; as the ``"cudnn"`` route's backward runs on Hopper:
   :func:`_channels_last_backward`), the input gradient in x's layout.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
@@ -35,7 +41,8 @@ Route, decided once per call (:func:`route`):
   the fastest weight-gradient algorithm at some shapes sums in a varying
   order).  On Hopper, a large NCHW backward runs channels-last
   (:func:`_channels_last_backward`): cuDNN's native layout there, reached
-  through our transposing copies.
+  through our transposing copies, with the input gradient on the engine
+  where :func:`_dgrad_on_engine` takes it.
 """
 from __future__ import annotations
 
@@ -77,6 +84,49 @@ SHARED_BYTES = {
                                                + 64 * gemm.HALF_TILE[0] // 8)),
 }
 
+# The window kernels (conv_bias_relu_window, the channels-last forward, and
+# conv_dgrad_wgmma, the input gradient): tiles of 64 output channels x 256
+# pixels; a stage holds A's tiles of every tap kw (64 x 64 values each) and
+# two windows of the input (WINDOW columns x 64 channels each), beside half
+# of a warpgroup's tile per consumer warpgroup for the transposing store
+# (kCtStagingBytes).  Kernel widths 1 to WINDOW_MAX_KW, each its own
+# instantiation, with as many stages (at most 4) as shared memory holds.
+WINDOW_TILE = (64, 256)
+WINDOW = 136
+WINDOW_MAX_KW = 7
+_OPT_IN_SHARED_BYTES = 232448  # a block's dynamic shared memory on Hopper (gemm.cuh's static_assert)
+
+
+def _window_stage_bytes(kw: int) -> int:
+    return kw * WINDOW_TILE[0] * gemm.HALF_BOX_K * 2 + 2 * WINDOW * gemm.HALF_BOX_K * 2
+
+
+def _window_stages(kw: int) -> int:
+    fits = ((_OPT_IN_SHARED_BYTES - gemm._half_shared_bytes(gemm.CONVERT_STAGING_BYTES, 0, 0))
+            // (_window_stage_bytes(kw) + 16))
+    return min(4, fits)
+
+
+def _window_shared_bytes(kw: int) -> int:
+    return gemm._half_shared_bytes(gemm.CONVERT_STAGING_BYTES, _window_stages(kw), _window_stage_bytes(kw))
+
+
+def _window_tiles(n: int, cout: int, oh: int, ow: int) -> int:
+    """A window kernel's tiles for an output [n, cout, oh, ow]."""
+    return cdiv(cout, WINDOW_TILE[0]) * n * cdiv(oh, 2) * cdiv(ow, 128)
+
+
+def _window_fits(n: int, cin: int, h: int, w: int, cout: int, kh: int, kw: int) -> bool:
+    """Whether a window kernel takes a convolution's sizes (its input [n,
+    cin, h, w] channels-last, its output's cout channels, a kh x kw kernel,
+    before any padding): channels multiples of 8 (rows of whole 16 bytes for
+    the copy engine), kw at most :data:`WINDOW_MAX_KW`, the tile count and
+    every coordinate within 32 bits."""
+    return (cin % 8 == 0 and cout % 8 == 0 and 1 <= kw <= WINDOW_MAX_KW
+            and _window_tiles(n, cout, h + kh, w + kw) < 2**31 and max(n, h, w, cin, cout) + kw < 2**31
+            and kh * kw * cdiv(cin, gemm.HALF_BOX_K) < 2**31 // 64)
+
+
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
 # and its chain (y float32 only from an NCHW x, under autocast or from a
 # float32 product; with the mask of relu for a training step's backward);
@@ -84,8 +134,11 @@ SHARED_BYTES = {
 # (the engine's x; the training route's dz and x, float32 too);
 # ("to_nhwc_tf32", float32): the same rounded to TF32 (the engine's float32
 # x); ("to_nchw", dtype): a channels-last tensor's NCHW copy (the training
-# route's input gradient).  A key with a last element "vec": the same copy in
-# vectors (16-bit copies that :func:`_vector_transposes` accepts).
+# route's input gradient); ("dgrad", dtype, KW): the input gradient of the
+# convolution, channels-last (:func:`_launch_dgrad`); ("window", dtype, KW,
+# mask): the channels-last 16-bit forward (:func:`_launch_window`).  A key
+# with a last element "vec": the same copy in vectors (16-bit copies that
+# :func:`_vector_transposes` accepts).
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("conv", d, layout, out, mask): f"cf::conv_bias_relu_wgmma<{cxx_type(d)}, {gemm.HALF_STAGES}, "
                                        f"{'true' if layout == CHANNELS_LAST else 'false'}, {cxx_type(out)}, "
@@ -101,6 +154,11 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
        for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
     **{("to_nhwc", src, d, "vec"): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}, false, true>"
        for d in HALF_DTYPES for src in (d, torch.float32)},
+    **{("dgrad", d, kw): f"cf::conv_dgrad_wgmma<{cxx_type(d)}, {kw}, {_window_stages(kw)}>"
+       for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1)},
+    **{("window", d, kw, mask): f"cf::conv_bias_relu_window<{cxx_type(d)}, {kw}, {_window_stages(kw)}, "
+                                f"{'true' if mask else 'false'}>"
+       for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1) for mask in (False, True)},
     **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES},
     **{("to_nchw", d, "vec"): f"cf::nhwc_to_nchw<{cxx_type(d)}, true>" for d in HALF_DTYPES}})
 
@@ -362,6 +420,9 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # rounded to TF32).
     if xc is None:
         xc = _transposed(x, dtype, tf32=dtype == torch.float32) if layout == NCHW else x
+    if layout == CHANNELS_LAST and dtype in HALF_DTYPES and _window_fits(n, cin, h, w, cout, kh, kw):
+        _launch_window(xc, weight, conv_bias, bias, out, mask)
+        return out
     # x channels-last, dims (C, W, H, N): boxes of a k-tile's channels x 128 columns.
     map_x = gemm._encode_tensor_map(xc.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin),
                                     dtype, (box_k, box_m, 1, 1))
@@ -382,6 +443,87 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # their memory to later work of this stream only, which runs after the
     # launch.
     return out
+
+
+def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                   bias: Optional[torch.Tensor], out: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+    # The channels-last 16-bit forward on the window kernel
+    # (conv_bias_relu_window), for _launch_engine: x [N, C_in, H, W]
+    # channels-last, the weight and the biases (cast) of x's dtype, out
+    # channels-last and 16-byte aligned, mask (C_out a multiple of 32) or
+    # None; the sizes _window_fits takes.
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    _, _, oh, ow = out.shape
+    dtype, dev, box_k = x.dtype, x.device.index, gemm.HALF_BOX_K
+    packed = _packed_weight(weight, dtype)
+    c_blocks = packed.shape[1] // (kh * kw * box_k)
+    # x and y channels-last, dims (C, W, H, N): boxes of 64 channels x
+    # WINDOW columns (x's windows), x 128 columns (y's rows).
+    map_x = gemm._encode_tensor_map(x.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin), dtype,
+                                    (box_k, WINDOW, 1, 1))
+    map_y = gemm._encode_tensor_map(out.data_ptr(), (cout, ow, oh, n), (cout, ow * cout, oh * ow * cout),
+                                    dtype, (box_k, 128, 1, 1))
+    _bridge.launch(KERNELS.get(("window", dtype, kw, mask is not None), dev),
+                   (min(_window_tiles(n, cout, oh, ow), sm_count(dev)), 1, 1), gemm.HALF_THREADS,
+                   (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), map_y, _ptr_or_null(mask),
+                    conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kh, c_blocks), dev,
+                   shared_mem=_window_shared_bytes(kw))
+
+
+# ---------------------------------------------------------------- the input gradient
+
+def _dgrad_on_engine(dz: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`_launch_dgrad` computes the input gradient for this dz
+    [N, C_out, OH, OW] (the convolution's output gradient) and weight
+    [C_out, C_in, KH, KW], in place of cuDNN: a compute capability 9.0 GPU;
+    dz float16 / bfloat16, channels-last, 16-byte aligned, not empty; the
+    sizes :func:`_window_fits` takes (dz as the input, dx's C_in channels as
+    the output)."""
+    n, cout, oh, ow = dz.shape
+    cin, kh, kw = weight.shape[1:]
+    return (dz.dtype in HALF_DTYPES and dz.numel() > 0
+            and dz.is_contiguous(memory_format=torch.channels_last) and dz.data_ptr() % 16 == 0
+            and _window_fits(n, cout, oh, ow, cin, kh, kw)
+            and gemm.has_wgmma(dz.device.index))
+
+
+def _launch_dgrad(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The input gradient of the convolution (stride 1, no padding) on the
+    engine (``conv_dgrad_wgmma``: the convolution of dz with the weight's
+    taps flipped and its channels swapped, padded by KH - 1 and KW - 1, one
+    rounding of float32 sums; deterministic).
+
+    Args:
+        dz: [N, C_out, OH, OW], float16 or bfloat16, channels-last, as
+            :func:`_dgrad_on_engine` accepts.
+        weight: [C_out, C_in, KH, KW], cast to dz's dtype.
+
+    Returns:
+        dx [N, C_in, OH + KH - 1, OW + KW - 1] of dz's dtype, channels-last.
+    """
+    n, cout, oh, ow = dz.shape
+    cin, kh, kw = weight.shape[1:]
+    h, w = oh + kh - 1, ow + kw - 1
+    dtype, dev = dz.dtype, dz.device.index
+    dx = torch.empty((n, h, w, cin), dtype=dtype, device=dz.device).permute(0, 3, 1, 2)
+    # Wf [C_in, C_out, KH, KW], Wf[ci, co, kh, kw] = W[co, ci, KH-1-kh, KW-1-kw],
+    # as the GEMM's A [C_in, KH * KW * Cpad] (_packed_weight's (kh, kw, co) order).
+    packed = _packed_weight(weight.transpose(0, 1).flip(2, 3), dtype)
+    box_k = gemm.HALF_BOX_K
+    c_blocks = packed.shape[1] // (kh * kw * box_k)
+    # dz and dx channels-last, dims (C, W, H, N): boxes of 64 channels x
+    # WINDOW columns (dz's windows), x 128 columns (dx's rows).
+    map_dz = gemm._encode_tensor_map(dz.data_ptr(), (cout, ow, oh, n), (cout, ow * cout, oh * ow * cout),
+                                     dtype, (box_k, WINDOW, 1, 1))
+    map_dx = gemm._encode_tensor_map(dx.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin), dtype,
+                                     (box_k, 128, 1, 1))
+    _bridge.launch(KERNELS.get(("dgrad", dtype, kw), dev),
+                   (min(_window_tiles(n, cin, h, w), sm_count(dev)), 1, 1), gemm.HALF_THREADS,
+                   (map_dz, gemm._tensor_map(packed, WINDOW_TILE[0]), map_dx, n, cin, h, w, kh, c_blocks),
+                   dev, shared_mem=_window_shared_bytes(kw))
+    # (packed goes back to the allocator here: later work of this stream only.)
+    return dx
 
 
 # ---------------------------------------------------------------- the engine's training forward
@@ -516,8 +658,11 @@ def _train_steps(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor,
     dz, sums = _bias_relu_backward(dy, take_mask(), list(dy.shape), not nchw, second_bias,
                                    xc.dtype, nchw, whole)
     dx = dw = None
-    if want_x or want_weight:
-        dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x, want_weight)
+    if want_x and _dgrad_on_engine(dz, weight):
+        dx = _launch_dgrad(dz, weight)
+    if (want_x and dx is None) or want_weight:
+        cudnn_dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x and dx is None, want_weight)
+        dx = cudnn_dx if dx is None else dx
     del dz
     if want_x:  # in x's layout
         if nchw:
@@ -660,9 +805,18 @@ def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, wan
         # (dz comes channels-last from bias_relu's backward, see
         # conv_bias_relu(), unless something between them changed it.)
         dz_in = _transposed(dz) if dz.is_contiguous() else dz
+    # The input gradient on the engine where it takes this dz (channels-last
+    # here only at the sizes of the channels-last route), else cuDNN's.
+    dx = dw = None
+    if channels_last and want_x and _dgrad_on_engine(dz_in, weight):
+        dx = _launch_dgrad(dz_in, weight)
+    cudnn_x = want_x and dx is None
+    if channels_last and (cudnn_x or want_weight):
         # (dx needs x's shape and layout only.)
         x_in = _transposed(x) if want_weight else torch.empty_like(x, memory_format=torch.channels_last)
-    dx, dw = _conv_backward(dz_in, x_in, weight, want_x, want_weight)
+    if cudnn_x or want_weight:
+        cudnn_dx, dw = _conv_backward(dz_in, x_in, weight, cudnn_x, want_weight)
+        dx = cudnn_dx if cudnn_x else dx
     del dz_in, x_in
     if channels_last and want_x and _strictly_channels_last(dx):
         dx = _transposed(dx)
