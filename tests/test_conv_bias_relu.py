@@ -843,7 +843,8 @@ def test_window_launches_fit_their_kernels():
         for dtype in (torch.float16, torch.bfloat16):
             assert f", {kw}, {CB._window_stages(kw)}>" in CB.KERNELS.expressions[("dgrad", dtype, kw)]
             for mask in (False, True):
-                assert f", {kw}, {CB._window_stages(kw)}, " in CB.KERNELS.expressions[("window", dtype, kw, mask)]
+                expr = CB.KERNELS.expressions[("window", dtype, kw, mask)]
+                assert f", {kw}, {CB._window_stages(kw)}, " in expr
 
 
 def test_dgrad_takes_what_its_kernel_runs(monkeypatch):
@@ -868,6 +869,82 @@ def test_dgrad_takes_what_its_kernel_runs(monkeypatch):
         assert not CB._dgrad_on_engine(*refused)
     monkeypatch.setattr(gemm, "has_wgmma", lambda index: False)
     assert not CB._dgrad_on_engine(dz(), wt())
+
+
+def _record_window_launches(monkeypatch):
+    """Stubs for the window kernels' launches on CPU tensors: returns the
+    lists the tensor maps (ptr, dims, strides, dtype, box), the packed
+    weights (tensor, box rows) and the launches (kernel key, grid, block,
+    args, shared memory) are recorded into, instead of made."""
+    from cupy_fused import _bridge
+
+    maps, packed, launched = [], [], []
+    monkeypatch.setattr(CB, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(CB.KERNELS, "get", lambda key, dev: key)
+    monkeypatch.setattr(gemm, "_encode_tensor_map", lambda *a: maps.append(a) or ("map", len(maps) - 1))
+    monkeypatch.setattr(gemm, "_tensor_map", lambda t, rows: packed.append((t, rows)) or ("packed", rows))
+    monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, args, dev, shared_mem=0:
+                        launched.append((fn, grid, block, args, shared_mem)))
+    return maps, packed, launched
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["inference", "training"])
+def test_window_forward_launch(with_mask, monkeypatch):
+    """_launch_engine on a channels-last 16-bit x (CPU tensors, launches
+    recorded): the window kernel of its KW and mask, at most a block per
+    SM, its stages' shared memory; x's map with boxes of WINDOW columns,
+    y's [N, OH, OW, C_out] with rows of 128; the weight packed as
+    [C_out, KH * KW * Cpad]; the scalars in the kernel's order.  A kernel
+    wider than WINDOW_MAX_KW takes the per-tap kernel."""
+    maps, packed, launched = _record_window_launches(monkeypatch)
+    bf16, cl = torch.bfloat16, torch.channels_last
+    x = torch.randn(2, 72, 9, 140, dtype=bf16).contiguous(memory_format=cl)
+    wt = torch.randn(64, 72, 3, 5, dtype=bf16)
+    cb, b = torch.randn(64, dtype=bf16), torch.randn(64, dtype=bf16)
+    mask = torch.empty(2 * 64 * 7 * 136 // 32, dtype=torch.int32) if with_mask else None
+    y = CB._launch_engine(x, wt, cb, b, plan=(CB.CHANNELS_LAST, bf16, bf16, with_mask), mask=mask)
+    assert y.shape == (2, 64, 7, 136) and y.is_contiguous(memory_format=cl)
+    (fn, grid, block, args, shared), = launched
+    assert fn == ("window", bf16, 5, with_mask) and block == gemm.HALF_THREADS
+    assert grid == (1 * 2 * 4 * 2, 1, 1) and shared == CB._window_shared_bytes(5)
+    assert maps == [
+        (x.data_ptr(), (72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), bf16, (64, CB.WINDOW, 1, 1)),
+        (y.data_ptr(), (64, 136, 7, 2), (64, 136 * 64, 7 * 136 * 64), bf16, (64, 128, 1, 1))]
+    (a, rows), = packed
+    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)) and a.shape == (64, 3 * 5 * 128)
+    assert args[:3] == (("map", 0), ("packed", 64), ("map", 1))
+    assert args[3:] == (mask.data_ptr() if with_mask else 0, cb.data_ptr(), b.data_ptr(), 2, 64, 7, 136, 3, 2)
+    # Wider than the window takes: the engine's per-tap kernel.
+    launched.clear()
+    wide = torch.randn(64, 72, 3, CB.WINDOW_MAX_KW + 1, dtype=bf16)
+    CB._launch_engine(x, wide, cb, b, plan=(CB.CHANNELS_LAST, bf16, bf16, False))
+    assert launched[0][0][0] == "conv"
+
+
+def test_dgrad_launch(monkeypatch):
+    """_launch_dgrad on CPU tensors (launches recorded): the kernel of its
+    dtype and KW, dz's map with boxes of WINDOW columns, dx [N, H, W, C_in]
+    channels-last with rows of 128, and A = the weight with its taps
+    flipped and its channels swapped, [C_in, KH * KW * Cpad] with
+    Wf[ci, (kh KW + kw) Cpad + co] = W[co, ci, KH-1-kh, KW-1-kw]."""
+    maps, packed, launched = _record_window_launches(monkeypatch)
+    f16 = torch.float16
+    dz = torch.randn(2, 24, 7, 136, dtype=f16).contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(24, 72, 3, 5, dtype=f16)
+    dx = CB._launch_dgrad(dz, wt)
+    assert dx.shape == (2, 72, 9, 140) and dx.is_contiguous(memory_format=torch.channels_last)
+    (fn, grid, block, args, shared), = launched
+    assert fn == ("dgrad", f16, 5) and grid == (2 * 2 * 5 * 2, 1, 1) and shared == CB._window_shared_bytes(5)
+    assert maps == [
+        (dz.data_ptr(), (24, 136, 7, 2), (24, 136 * 24, 7 * 136 * 24), f16, (64, CB.WINDOW, 1, 1)),
+        (dx.data_ptr(), (72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), f16, (64, 128, 1, 1))]
+    assert args == (("map", 0), ("packed", 64), ("map", 1), 2, 72, 9, 140, 3, 1)
+    (a, rows), = packed
+    assert rows == 64 and a.shape == (72, 3 * 5 * 64)
+    a = a.reshape(72, 3, 5, 64)
+    for co, ci, kh, kw in ((0, 0, 0, 0), (23, 71, 2, 4), (5, 40, 1, 3), (17, 3, 2, 0)):
+        assert a[ci, kh, kw, co] == wt[co, ci, 2 - kh, 4 - kw]
+    assert not a[:, :, :, 24:].any()  # C_out padded with zeros to a k-block
 
 
 @pytest.mark.gpu
@@ -1147,7 +1224,8 @@ def test_engine_channels_last_mask(shape, dtype, device):
     CB._launch_engine(x, wt, cb, b, out=out, plan=(CB.CHANNELS_LAST, dtype, dtype, True), mask=again)
     assert torch.equal(mask, again) and torch.equal(out, y)
     z = F.conv2d(x.double(), wt.double(), cb.double()).permute(0, 2, 3, 1).reshape(-1)  # y's memory order
-    bits = ((mask.view(-1, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1).reshape(-1)[:z.numel()]
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    bits = ((mask.view(-1, 1) >> shifts) & 1).reshape(-1)[:z.numel()]
     clear = z.abs() > 1e-2  # (well away from zero at these sizes' rounding)
     assert torch.equal(bits[clear].bool(), z[clear] > 0)
     assert clear.float().mean() > 0.9
