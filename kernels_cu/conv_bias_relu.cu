@@ -712,7 +712,7 @@ struct NhwcStore {
 // block of 64 output channels) instead of once per tap.  The 64-row tile
 // keeps every MMA whole where the output has 64 channels (the input
 // gradient of problem 1).
-constexpr int kConvWindow = 136;  // 128 + up to 8 - 1 taps, in whole 1024-byte swizzle groups
+constexpr int kConvWindow = 136;  // 128 columns + the 8 more that 9 taps reach; whole 1024-byte groups
 constexpr int kConvWindowBytes = kConvWindow * 128;
 
 // The pixel tile tn's image n, first row h0 and first column w0 (32-bit

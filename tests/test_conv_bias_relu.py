@@ -648,9 +648,10 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     already."""
     _engine_device(device)
     monkeypatch.setattr(CB, "CL_BACKWARD_MIN_ELEMENTS", 0)
-    copies = []
-    transposed = CB._transposed
+    copies, dgrads = [], []
+    transposed, dgrad = CB._transposed, CB._launch_dgrad
     monkeypatch.setattr(CB, "_transposed", lambda *a, **k: copies.append(a[0].shape) or transposed(*a, **k))
+    monkeypatch.setattr(CB, "_launch_dgrad", lambda dz, wt: dgrads.append(dz.dtype) or dgrad(dz, wt))
     n, cin, h, w, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape))
     dtype = torch.float32 if mode in ("float32", "amp_bf16") else getattr(torch, mode.split("_")[0])
@@ -670,6 +671,7 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
         y = ops.conv_bias_relu(*leaves)
     y.backward(g)
     assert len(copies) == 2  # x channels-last, dx back (dz comes channels-last from bias_relu)
+    assert dgrads == ([] if mode == "float32" else [dz.dtype])  # the input gradient ours in 16 bits
     assert leaves[0].grad.is_contiguous()
     ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
     _reference(*ref).backward(g.double())
@@ -791,7 +793,9 @@ def test_engine_training_forward(shape, mode, device, monkeypatch):
 # 64-channel k-block, batch 1, a 1 x 1 dz.
 DGRAD_SHAPES = [(2, 64, 7, 70, 128, 3, 3), (1, 8, 5, 127, 8, 1, 1), (3, 72, 4, 131, 24, 2, 2),
                 (1, 16, 9, 9, 136, 5, 5), (2, 200, 3, 126, 40, 7, 7), (1, 8, 1, 1, 8, 3, 5),
-                (2, 64, 6, 122, 64, 7, 3)]
+                (2, 64, 6, 122, 64, 7, 3), (4, 72, 18, 130, 40, 2, 6),
+                # More tiles than SMs (352): both consumer warpgroups, tile after tile.
+                (8, 128, 40, 120, 16, 4, 4)]
 
 
 @pytest.mark.gpu
@@ -837,8 +841,15 @@ def test_window_launches_fit_their_kernels():
     them all."""
     text = (_runtime.kernel_dir() / "conv_bias_relu.cu").read_text()
     assert int(re.search(r"constexpr int kConvWindow = (\d+);", text).group(1)) == CB.WINDOW
+    # The stage as the kernel sizes it (ConvWindowMma), and the opt-in limit gemm.cuh asserts.
+    assert "kTileABytes = kKw * 64 * 128, kTileBBytes = 2 * kConvWindowBytes;" in text
+    assert CB._window_stage_bytes(3) == 3 * 64 * 128 + 2 * CB.WINDOW * 128
+    limit = re.search(r"\(\) <= (\d+),", (_runtime.kernel_dir() / "gemm.cuh").read_text()).group(1)
+    assert int(limit) == CB._OPT_IN_SHARED_BYTES
     for kw in range(1, CB.WINDOW_MAX_KW + 1):
-        assert CB._window_stages(kw) >= 2 and CB._window_shared_bytes(kw) <= 232448
+        assert CB._window_stages(kw) >= 2 and CB._window_shared_bytes(kw) <= CB._OPT_IN_SHARED_BYTES
+        assert CB._window_stages(kw) == 4 or CB._window_shared_bytes(kw) + CB._window_stage_bytes(kw) + 16 \
+            > CB._OPT_IN_SHARED_BYTES  # as many stages as fit
         assert 128 + kw - 1 <= CB.WINDOW
         for dtype in (torch.float16, torch.bfloat16):
             assert f", {kw}, {CB._window_stages(kw)}>" in CB.KERNELS.expressions[("dgrad", dtype, kw)]
@@ -960,14 +971,19 @@ def test_dgrad_route(device, monkeypatch):
     monkeypatch.setattr(CB, "_conv_backward",
                         lambda dz, x, wt, want_x, want_w: calls.append(("cudnn", want_x, want_w))
                         or real_conv(dz, x, wt, want_x, want_w))
-    for dtype, cout, expect in ((torch.bfloat16, 32, ["ours", ("cudnn", False, True)]),
-                                (torch.float16, 32, ["ours", ("cudnn", False, True)]),
-                                (torch.float32, 32, [("cudnn", True, True)])):
+    both, ours = [("cudnn", True, True)], ["ours", ("cudnn", False, True)]
+    for dtype, channels_last, kw, expect in ((torch.bfloat16, True, 3, ours), (torch.float16, False, 3, ours),
+                                             (torch.float32, False, 3, both),
+                                             (torch.bfloat16, True, CB.WINDOW_MAX_KW + 1, both)):
         calls.clear()
-        _, x, wt, cb, g = _small_training_operands(True, 5, device, dtype)
+        gen, x, wt, cb, g = _small_training_operands(channels_last, 5, device, dtype)
+        if kw != 3:
+            wt = torch.randn(32, 8, 3, kw, generator=gen).to(device, dtype) / 8
+            g = g[..., :x.shape[3] - kw + 1].contiguous(memory_format=torch.channels_last)
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb)]
+        assert CB.route(*leaves, None) == "engine"
         ops.conv_bias_relu(*leaves).backward(g)
-        assert calls == expect, (dtype, calls)
+        assert calls == expect, (dtype, kw, calls)
     # Without a weight gradient, no cuDNN call at all.
     calls.clear()
     _, x, wt, cb, g = _small_training_operands(False, 6, device)
@@ -1201,7 +1217,9 @@ def _channels_last_operands(shape, seed, device, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
                                    (2, 8, 4, 257, 160, 2, 3), (3, 64, 6, 130, 96, 3, 2),
-                                   (1, 72, 5, 140, 64, 5, 7), (2, 16, 4, 20, 32, 1, 1)],
+                                   (1, 72, 5, 140, 64, 5, 7), (2, 16, 4, 20, 32, 1, 1),
+                                   (2, 8, 9, 70, 32, 2, 6),
+                                   (4, 16, 40, 140, 128, 3, 4)],  # 304 tiles, more than SMs
                          ids=lambda s: "x".join(map(str, s)))
 def test_engine_channels_last_mask(shape, dtype, device):
     """The channels-last training forward's mask (bit i of word i / 32 for

@@ -36,6 +36,7 @@ Route, decided once per call (:func:`route`):
   layout, autocast's promotions.  Smaller training steps take it, and
   float32 ones with TF32 off.  Its convolution is one autograd
   node of its own whose backward runs cuDNN's deterministic algorithms
+  (or, for the input gradient, the engine's, as below)
   whatever ``torch.backends.cudnn.deterministic`` says, so that a training
   step is bitwise reproducible (with ``torch.backends.cudnn.benchmark`` on,
   the fastest weight-gradient algorithm at some shapes sums in a varying
@@ -118,13 +119,15 @@ def _window_tiles(n: int, cout: int, oh: int, ow: int) -> int:
 
 def _window_fits(n: int, cin: int, h: int, w: int, cout: int, kh: int, kw: int) -> bool:
     """Whether a window kernel takes a convolution's sizes (its input [n,
-    cin, h, w] channels-last, its output's cout channels, a kh x kw kernel,
-    before any padding): channels multiples of 8 (rows of whole 16 bytes for
-    the copy engine), kw at most :data:`WINDOW_MAX_KW`, the tile count and
-    every coordinate within 32 bits."""
+    cin, h, w] channels-last, its output's cout channels, a kh x kw kernel;
+    the output at most (h + kh) x (w + kw), as a padded one is): channels
+    multiples of 8 (rows of whole 16 bytes for the copy engine), kw at most
+    :data:`WINDOW_MAX_KW`, every coordinate within 32 bits, and the tiles
+    times their stages too (the engine counts a block's stages in an int)."""
+    stages = kh * cdiv(cin, gemm.HALF_BOX_K)
     return (cin % 8 == 0 and cout % 8 == 0 and 1 <= kw <= WINDOW_MAX_KW
-            and _window_tiles(n, cout, h + kh, w + kw) < 2**31 and max(n, h, w, cin, cout) + kw < 2**31
-            and kh * kw * cdiv(cin, gemm.HALF_BOX_K) < 2**31 // 64)
+            and _window_tiles(n, cout, h + kh, w + kw) * stages < 2**31
+            and max(n, h + kh, w + kw, cin, cout) < 2**31 and stages * kw < 2**31 // 64)
 
 
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
@@ -423,9 +426,7 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     if layout == CHANNELS_LAST and dtype in HALF_DTYPES and _window_fits(n, cin, h, w, cout, kh, kw):
         _launch_window(xc, weight, conv_bias, bias, out, mask)
         return out
-    # x channels-last, dims (C, W, H, N): boxes of a k-tile's channels x 128 columns.
-    map_x = gemm._encode_tensor_map(xc.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin),
-                                    dtype, (box_k, box_m, 1, 1))
+    map_x = _nhwc_map(xc, box_m)
     # y channels-last as [N * OH, OW, C_out]: boxes of 64 channels x 128 columns.
     map_y = (gemm._encode_tensor_map(out.data_ptr(), (cout, ow, n * oh), (cout, ow * cout), dtype,
                                      (box_k, box_m, 1))
@@ -445,6 +446,30 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     return out
 
 
+def _nhwc_map(t: torch.Tensor, box_cols: int) -> bytes:
+    """The tensor map of a channels-last t [N, C, H, W] of the engine's
+    dtypes, dims (C, W, H, N): boxes of a k-tile's channels (64 16-bit
+    values, 32 float32 ones) x ``box_cols`` columns of one row."""
+    n, c, h, w = t.shape
+    return gemm._encode_tensor_map(t.data_ptr(), (c, w, h, n), (c, w * c, h * w * c), t.dtype,
+                                   (gemm._k_tile(t.dtype), box_cols, 1, 1))
+
+
+def _launch_windows(key: tuple, inp: torch.Tensor, a: torch.Tensor, out: torch.Tensor,
+                    scalars: tuple) -> None:
+    # A window kernel, KERNELS[key] (key[2]: its KW): the input's windows of
+    # WINDOW columns, A [out's channels, KH * KW * Cpad] (_packed_weight's
+    # order), the output's rows of 128 columns; inp and out channels-last
+    # 16-bit, 16-byte aligned.  At most a block per SM (persistent).
+    n, c, h, w = out.shape
+    dev = inp.device.index
+    _bridge.launch(KERNELS.get(key, dev), (min(_window_tiles(n, c, h, w), sm_count(dev)), 1, 1),
+                   gemm.HALF_THREADS,
+                   (_nhwc_map(inp, WINDOW), gemm._tensor_map(a, WINDOW_TILE[0]), _nhwc_map(out, 128),
+                    *scalars), dev, shared_mem=_window_shared_bytes(key[2]))
+    # (a goes back to the allocator after this: later work of this stream only.)
+
+
 def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                    bias: Optional[torch.Tensor], out: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
     # The channels-last 16-bit forward on the window kernel
@@ -452,23 +477,13 @@ def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # channels-last, the weight and the biases (cast) of x's dtype, out
     # channels-last and 16-byte aligned, mask (C_out a multiple of 32) or
     # None; the sizes _window_fits takes.
-    n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
-    _, _, oh, ow = out.shape
-    dtype, dev, box_k = x.dtype, x.device.index, gemm.HALF_BOX_K
-    packed = _packed_weight(weight, dtype)
-    c_blocks = packed.shape[1] // (kh * kw * box_k)
-    # x and y channels-last, dims (C, W, H, N): boxes of 64 channels x
-    # WINDOW columns (x's windows), x 128 columns (y's rows).
-    map_x = gemm._encode_tensor_map(x.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin), dtype,
-                                    (box_k, WINDOW, 1, 1))
-    map_y = gemm._encode_tensor_map(out.data_ptr(), (cout, ow, oh, n), (cout, ow * cout, oh * ow * cout),
-                                    dtype, (box_k, 128, 1, 1))
-    _bridge.launch(KERNELS.get(("window", dtype, kw, mask is not None), dev),
-                   (min(_window_tiles(n, cout, oh, ow), sm_count(dev)), 1, 1), gemm.HALF_THREADS,
-                   (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), map_y, _ptr_or_null(mask),
-                    conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kh, c_blocks), dev,
-                   shared_mem=_window_shared_bytes(kw))
+    n, _, oh, ow = out.shape
+    packed = _packed_weight(weight, x.dtype)
+    c_blocks = packed.shape[1] // (kh * kw * gemm.HALF_BOX_K)
+    _launch_windows(("window", x.dtype, kw, mask is not None), x, packed, out,
+                    (_ptr_or_null(mask), conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kh,
+                     c_blocks))
 
 
 # ---------------------------------------------------------------- the input gradient
@@ -505,25 +520,30 @@ def _launch_dgrad(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, cout, oh, ow = dz.shape
     cin, kh, kw = weight.shape[1:]
     h, w = oh + kh - 1, ow + kw - 1
-    dtype, dev = dz.dtype, dz.device.index
-    dx = torch.empty((n, h, w, cin), dtype=dtype, device=dz.device).permute(0, 3, 1, 2)
+    dx = torch.empty((n, h, w, cin), dtype=dz.dtype, device=dz.device).permute(0, 3, 1, 2)
     # Wf [C_in, C_out, KH, KW], Wf[ci, co, kh, kw] = W[co, ci, KH-1-kh, KW-1-kw],
     # as the GEMM's A [C_in, KH * KW * Cpad] (_packed_weight's (kh, kw, co) order).
-    packed = _packed_weight(weight.transpose(0, 1).flip(2, 3), dtype)
-    box_k = gemm.HALF_BOX_K
-    c_blocks = packed.shape[1] // (kh * kw * box_k)
-    # dz and dx channels-last, dims (C, W, H, N): boxes of 64 channels x
-    # WINDOW columns (dz's windows), x 128 columns (dx's rows).
-    map_dz = gemm._encode_tensor_map(dz.data_ptr(), (cout, ow, oh, n), (cout, ow * cout, oh * ow * cout),
-                                     dtype, (box_k, WINDOW, 1, 1))
-    map_dx = gemm._encode_tensor_map(dx.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin), dtype,
-                                     (box_k, 128, 1, 1))
-    _bridge.launch(KERNELS.get(("dgrad", dtype, kw), dev),
-                   (min(_window_tiles(n, cin, h, w), sm_count(dev)), 1, 1), gemm.HALF_THREADS,
-                   (map_dz, gemm._tensor_map(packed, WINDOW_TILE[0]), map_dx, n, cin, h, w, kh, c_blocks),
-                   dev, shared_mem=_window_shared_bytes(kw))
-    # (packed goes back to the allocator here: later work of this stream only.)
+    packed = _packed_weight(weight.transpose(0, 1).flip(2, 3), dz.dtype)
+    c_blocks = packed.shape[1] // (kh * kw * gemm.HALF_BOX_K)
+    _launch_windows(("dgrad", dz.dtype, kw), dz, packed, dx, (n, cin, h, w, kh, c_blocks))
     return dx
+
+
+def _input_and_weight_grads(dz: torch.Tensor, weight: torch.Tensor, want_x: bool, want_weight: bool,
+                            engine: bool, cudnn_x: Callable[[], torch.Tensor]
+                            ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(dx, dw) of the convolution (stride 1, no padding), None where not
+    wanted: dx from :func:`_launch_dgrad` where ``engine`` and
+    :func:`_dgrad_on_engine` allow, cuDNN's deterministic backward for dw
+    and any other dx, on ``cudnn_x()`` (x, or what stands for it: called only
+    when cuDNN runs); each in the layout its producer picks for dz and x."""
+    dx = _launch_dgrad(dz, weight) if want_x and engine and _dgrad_on_engine(dz, weight) else None
+    dw = None
+    cudnn_dx = want_x and dx is None
+    if cudnn_dx or want_weight:
+        dx_c, dw = _conv_backward(dz, cudnn_x(), weight, cudnn_dx, want_weight)
+        dx = dx_c if cudnn_dx else dx
+    return dx, dw
 
 
 # ---------------------------------------------------------------- the engine's training forward
@@ -653,16 +673,12 @@ def _train_steps(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor,
     # bias_relu's backward (the mask from take_mask(), in y's memory order:
     # NCHW for an NCHW x, channels-last for a channels-last one; the eager
     # node's is held by that call alone, so it is freed before the
-    # products), then cuDNN's channels-last backward on xc (x
+    # products), then the input gradient on the engine (16-bit) and cuDNN's
+    # channels-last weight gradient (and input gradient elsewhere) on xc (x
     # channels-last: an NCHW x's copy, or x itself).
     dz, sums = _bias_relu_backward(dy, take_mask(), list(dy.shape), not nchw, second_bias,
                                    xc.dtype, nchw, whole)
-    dx = dw = None
-    if want_x and _dgrad_on_engine(dz, weight):
-        dx = _launch_dgrad(dz, weight)
-    if (want_x and dx is None) or want_weight:
-        cudnn_dx, dw = _conv_backward(dz, xc, weight.to(xc.dtype), want_x and dx is None, want_weight)
-        dx = cudnn_dx if dx is None else dx
+    dx, dw = _input_and_weight_grads(dz, weight.to(xc.dtype), want_x, want_weight, True, lambda: xc)
     del dz
     if want_x:  # in x's layout
         if nchw:
@@ -800,24 +816,17 @@ def _conv_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want
 def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
                     want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     channels_last = _channels_last_backward(dz, x)
-    dz_in, x_in = dz, x
+    dz_in, x_in = dz, lambda: x  # noqa: E731
     if channels_last:
         # (dz comes channels-last from bias_relu's backward, see
         # conv_bias_relu(), unless something between them changed it.)
         dz_in = _transposed(dz) if dz.is_contiguous() else dz
-    # The input gradient on the engine where it takes this dz (channels-last
-    # here only at the sizes of the channels-last route), else cuDNN's.
-    dx = dw = None
-    if channels_last and want_x and _dgrad_on_engine(dz_in, weight):
-        dx = _launch_dgrad(dz_in, weight)
-    cudnn_x = want_x and dx is None
-    if channels_last and (cudnn_x or want_weight):
-        # (dx needs x's shape and layout only.)
-        x_in = _transposed(x) if want_weight else torch.empty_like(x, memory_format=torch.channels_last)
-    if cudnn_x or want_weight:
-        cudnn_dx, dw = _conv_backward(dz_in, x_in, weight, cudnn_x, want_weight)
-        dx = cudnn_dx if cudnn_x else dx
-    del dz_in, x_in
+        # (A dx of cuDNN's needs x's shape and layout only.)
+        x_in = lambda: (_transposed(x) if want_weight  # noqa: E731
+                        else torch.empty_like(x, memory_format=torch.channels_last))
+    # The input gradient on the engine at the channels-last route's sizes.
+    dx, dw = _input_and_weight_grads(dz_in, weight, want_x, want_weight, channels_last, x_in)
+    del dz_in
     if channels_last and want_x and _strictly_channels_last(dx):
         dx = _transposed(dx)
     return (_strided_like(dx, x) if want_x else x.new_empty((0,)),
