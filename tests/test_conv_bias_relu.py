@@ -773,9 +773,9 @@ def test_engine_training_forward(shape, mode, device, monkeypatch):
     mask from its store, bias_relu's backward writing dz channels-last,
     the input gradient on the engine (16-bit: conv_dgrad_wgmma) and cuDNN's
     channels-last weight gradient on the forward's copy of x (float32:
-    rounded to TF32; cuDNN's input gradient too).  Output and every gradient within 1.5x eager's error
-    against float64, in the reference's dtypes and layouts; two steps
-    bitwise equal."""
+    rounded to TF32; cuDNN's input gradient too).  Output and every
+    gradient within 1.5x eager's error against float64, in the reference's
+    dtypes and layouts; two steps bitwise equal."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)
     amp = {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(mode)

@@ -20,8 +20,9 @@ Route, decided once per call (:func:`route`):
   A channels-last 16-bit x with a kernel up to :data:`WINDOW_MAX_KW` wide
   takes the window kernel (``conv_bias_relu_window``: tiles of 64 output
   channels x 256 pixels, each stage a window of x for all the taps of a
-  kernel row; :func:`_window_fits`).  With a gradient to record (at least :data:`ENGINE_TRAINING_MIN_ELEMENTS`
-  output values; :func:`_trains_on_engine`), the same forward also writes
+  kernel row; :func:`_window_fits`).  With a gradient to record (at least
+  :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values;
+  :func:`_trains_on_engine`), the same forward also writes
   relu's mask, and keeps an NCHW x's channels-last copy (a float32 one
   rounded to TF32, as the product read it); the backward is
   :func:`.bias_relu.bias_relu`'s (dz written channels-last), the input
@@ -35,9 +36,9 @@ Route, decided once per call (:func:`route`):
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
   layout, autocast's promotions.  Smaller training steps take it, and
   float32 ones with TF32 off.  Its convolution is one autograd
-  node of its own whose backward runs cuDNN's deterministic algorithms
-  (or, for the input gradient, the engine's, as below)
-  whatever ``torch.backends.cudnn.deterministic`` says, so that a training
+  node of its own whose backward runs deterministic algorithms (cuDNN's,
+  or the engine's for the input gradient, as below) whatever
+  ``torch.backends.cudnn.deterministic`` says, so that a training
   step is bitwise reproducible (with ``torch.backends.cudnn.benchmark`` on,
   the fastest weight-gradient algorithm at some shapes sums in a varying
   order).  On Hopper, a large NCHW backward runs channels-last
