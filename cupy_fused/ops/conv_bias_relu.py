@@ -104,9 +104,9 @@ def _window_stage_bytes(kw: int) -> int:
 
 
 def _window_stages(kw: int) -> int:
-    fits = ((_OPT_IN_SHARED_BYTES - gemm._half_shared_bytes(gemm.CONVERT_STAGING_BYTES, 0, 0))
-            // (_window_stage_bytes(kw) + 16))
-    return min(4, fits)
+    return max(stages for stages in range(1, 5)
+               if gemm._half_shared_bytes(gemm.CONVERT_STAGING_BYTES, stages, _window_stage_bytes(kw))
+               <= _OPT_IN_SHARED_BYTES)
 
 
 def _window_shared_bytes(kw: int) -> int:
