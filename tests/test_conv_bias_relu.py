@@ -628,6 +628,24 @@ def test_which_copies_take_vectors(shape, dtype, vec):
         assert not CB._vector_transposes(off, cl)
 
 
+def _conv_operands(shape, seed, device, dtype, memory_format=torch.contiguous_format):
+    """(the generator, for more draws; x in ``memory_format``, weight,
+    conv_bias and bias (flat)) for ``shape`` (n, C_in, H, W, C_out, KH, KW),
+    random from ``seed`` and the shape, in ``dtype`` on ``device``."""
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape) + seed)
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(memory_format=memory_format)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
+    return gen, x, wt, cb, b
+
+
+def _mask_bits(mask):
+    """relu's mask words unpacked: bit i of word i // 32 as element i."""
+    shifts = torch.arange(32, device=mask.device, dtype=torch.int32)
+    return ((mask.view(-1, 1) >> shifts) & 1).flatten()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["float32", "bfloat16", "float16", "amp_bf16",
                                   "bfloat16_weight_channels_last"])
@@ -653,14 +671,11 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     monkeypatch.setattr(CB, "_transposed", lambda *a, **k: copies.append(a[0].shape) or transposed(*a, **k))
     monkeypatch.setattr(CB, "_launch_dgrad", lambda dz, wt: dgrads.append(dz.dtype) or dgrad(dz, wt))
     n, cin, h, w, cout, kh, kw = shape
-    gen = torch.Generator().manual_seed(sum(shape))
     dtype = torch.float32 if mode in ("float32", "amp_bf16") else getattr(torch, mode.split("_")[0])
     amp = mode == "amp_bf16"
-    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
-    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    gen, x, wt, cb, b = _conv_operands(shape, 0, device, dtype)
     if mode.endswith("weight_channels_last"):
         wt = wt.contiguous(memory_format=torch.channels_last)
-    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
     b = b.reshape(cout, 1, 1)
     g = torch.randn(n, cout, h - kh + 1, w - kw + 1, generator=gen).to(device, dtype)
     dz = g.to(torch.bfloat16 if amp else dtype)
@@ -702,10 +717,7 @@ def _engine_training_step_against_float64(shape, dtype, amp, memory_format, devi
     the output and every gradient within 1.5x eager's error against
     float64.  Returns (y, our leaves, eager's y, eager's leaves)."""
     n, cin, h, w, cout, kh, kw = shape
-    gen = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(memory_format=memory_format)
-    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
-    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
+    gen, x, wt, cb, b = _conv_operands(shape, 0, device, dtype, memory_format)
     b = b.reshape(cout, 1, 1)
     g = torch.randn(n, cout, h - kh + 1, w - kw + 1, generator=gen).to(device, dtype)
 
@@ -1177,8 +1189,7 @@ def test_engine_float32_training_mask(shape, device, monkeypatch):
     assert torch.equal(xc, CB._tf32(x)) and xc.is_contiguous(memory_format=torch.channels_last)
     z = F.conv2d(CB._tf32(x).double(), CB._tf32(wt).double(), cb.double())
     assert rel_error(y, F.relu(z) + b.double().view(-1, 1, 1)) <= 1e-5
-    bits = (mask.view(-1, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
-    bits = bits.flatten()
+    bits = _mask_bits(mask)
     assert not bits[z.numel():].any()
     clear = z.abs().flatten() > 1e-5 * (z.abs().max() + 1)
     assert torch.equal(bits[:z.numel()][clear].bool(), (z.flatten() > 0)[clear])
@@ -1201,18 +1212,6 @@ def test_channels_last_mask_needs_whole_words():
                           mask=mask)
 
 
-def _channels_last_operands(shape, seed, device, dtype):
-    """x (channels-last), weight, conv_bias and bias for ``shape`` (n, C_in,
-    H, W, C_out, KH, KW), random from ``seed`` and the shape, on ``device``."""
-    n, cin, h, w, cout, kh, kw = shape
-    gen = torch.Generator().manual_seed(sum(shape) + seed)
-    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(
-        memory_format=torch.channels_last)
-    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
-    cb, b = (torch.randn(cout, generator=gen).to(device, dtype) for _ in range(2))
-    return x, wt, cb, b
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
@@ -1231,7 +1230,7 @@ def test_engine_channels_last_mask(shape, dtype, device):
     where it is negative, except within rounding of zero."""
     _engine_device(device)
     n, cin, h, w, cout, kh, kw = shape
-    x, wt, cb, b = _channels_last_operands(shape, 11, device, dtype)
+    _, x, wt, cb, b = _conv_operands(shape, 11, device, dtype, torch.channels_last)
     words = math.ceil(n * cout * (h - kh + 1) * (w - kw + 1) / 32)
     ones = torch.full((words,), -1, dtype=torch.int32, device=device)
     poisoned = ones.data_ptr()
@@ -1242,8 +1241,7 @@ def test_engine_channels_last_mask(shape, dtype, device):
     CB._launch_engine(x, wt, cb, b, out=out, plan=(CB.CHANNELS_LAST, dtype, dtype, True), mask=again)
     assert torch.equal(mask, again) and torch.equal(out, y)
     z = F.conv2d(x.double(), wt.double(), cb.double()).permute(0, 2, 3, 1).reshape(-1)  # y's memory order
-    shifts = torch.arange(32, device=device, dtype=torch.int32)
-    bits = ((mask.view(-1, 1) >> shifts) & 1).reshape(-1)[:z.numel()]
+    bits = _mask_bits(mask)[:z.numel()]
     clear = z.abs() > 1e-2  # (well away from zero at these sizes' rounding)
     assert torch.equal(bits[clear].bool(), z[clear] > 0)
     assert clear.float().mean() > 0.9
