@@ -5,7 +5,11 @@
 // convolution's operand tiles come from ConvLoader (from x channels-last: as
 // given, or a copy of an NCHW x), and the chain is applied to the float32
 // accumulators in the store (NchwStore, NchwStoreF32, NhwcStore: y in x's
-// layout), which writes y once.
+// layout), which writes y once.  The window kernels below compute the same
+// convolution transposed, a window of the input serving every tap of a
+// kernel row (conv_bias_relu_window, conv_bias_relu_nchw_window: the
+// forward from a channels-last or an NCHW x; conv_dgrad_wgmma: the input
+// gradient).
 //
 // The product: C [M, Cout] = A [M, K] B^T.  A row m of A is an output pixel
 // (n, oh, ow), its column k = (kh, kw, c) the input value x[n, c, oh + kh,
@@ -255,7 +259,7 @@ struct NchwStore {
     } else {
       store_rows<false>(dst, tile.plane, lane, warp, tile.rows, tile.cols, staging, table);
     }
-    store_last_chunk(tile, table);
+    store_last_chunk(tile.channel(y, 0), tile.plane, tile.rows, tile.cols, staging, table);
   }
   // Warp w writes rows w, w + 4, ..., four at a time (dst: row w's column
   // 0): the reads of four rows, then their writes, so that the reads'
@@ -295,14 +299,15 @@ struct NchwStore {
     }
   }
   // Chunk 32 (columns 128 - s ..) of the rows that reach it: lane i writes
-  // that of the warp's row w + 4i.
-  __device__ __forceinline__ void store_last_chunk(const NchwTile& tile, unsigned table) const {
-    const unsigned staging = table - kConvTileBytes;
+  // that of the warp's row w + 4i (row0: row 0's column 0 in y; rows and
+  // cols: the tile's, clipped).
+  __device__ __forceinline__ void store_last_chunk(Out* row0, i64 plane, int rows, int cols, unsigned staging,
+                                                   unsigned table) const {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    if (tile.cols > kHgBM - 3) {
-      const int co = warp + 4 * lane, cols = tile.cols;
-      if (co < tile.rows) {
-        Out* const row_dst = tile.channel(y, co);
+    if (cols > kHgBM - 3) {
+      const int co = warp + 4 * lane;
+      if (co < rows) {
+        Out* const row_dst = row0 + co * plane;
         const int s = row_shift(row_dst), c = kHgBM - s;
         if (c < cols) {
           unsigned w[2];
@@ -820,6 +825,24 @@ struct DgradStore {
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
 
+// The chain's biases of a consumer thread's channels m0 + me.row and + 8
+// (zeros past Cout), and relu(v + conv_bias) + bias for a sum v of the
+// first (hi false) or the second.
+struct WindowBiases {
+  float cb[2], b[2];
+  template <typename T>
+  __device__ __forceinline__ WindowBiases(const T* conv_bias, const T* bias, i64 cout, i64 m0,
+                                          const HalfGemmLane& me) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const i64 c = m0 + me.row + 8 * r;
+      cb[r] = c < cout ? to_float(conv_bias[c]) : 0.0f;
+      b[r] = bias && c < cout ? to_float(bias[c]) : 0.0f;
+    }
+  }
+  __device__ __forceinline__ float operator()(float v, bool hi) const { return relu_keep_nan(v + cb[hi]) + b[hi]; }
+};
+
 // y = relu(acc + conv_bias) + bias, rounded once, channels-last; with
 // kMask (training) also relu's mask for the backward, bit i of word i / 32
 // for y's element i in memory order (Cout a multiple of 32), set where
@@ -839,18 +862,11 @@ struct WindowNhwcStore {
                                              i64 n0, unsigned staging) const {
     int n, h0, w0;
     window_tile(n0 / 256, row_pairs, col_tiles, n, h0, w0);
-    float cb[2], b[2];  // channels m0 + me.row, + 8
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const i64 c = m0 + me.row + 8 * r;
-      cb[r] = c < cout ? to_float(conv_bias[c]) : 0.0f;
-      b[r] = bias && c < cout ? to_float(bias[c]) : 0.0f;
-    }
-    store_window_tile<T>(acc, me, staging, map_y, m0, n, h0, w0,
-                         [&](float v, bool hi) { return relu_keep_nan(v + cb[hi]) + b[hi]; });
+    const WindowBiases chain(conv_bias, bias, cout, m0, me);
+    store_window_tile<T>(acc, me, staging, map_y, m0, n, h0, w0, chain);
     if constexpr (kMask) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) store_mask(acc[h], me, cb, m0, n, h0 + h, w0);
+      for (int h = 0; h < 2; ++h) store_mask(acc[h], me, chain.cb, m0, n, h0 + h, w0);
     }
   }
   __device__ __forceinline__ void store_mask(const float (&a)[kHgAccs], const HalfGemmLane& me, const float (&cb)[2],
@@ -886,6 +902,210 @@ struct WindowNhwcStore {
       }
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
+};
+
+// The windows from an NCHW `in` [N, C, H, W] (conv_bias_relu_nchw_window):
+// the copy engine cannot shift a box of NCHW rows by one value (a box's
+// first element must lie on the 16-byte grid), nor lay channels out
+// innermost, so it brings each window's input row as it lies, 64 channels
+// x kConvWindow columns (a "raw" row, unswizzled: rows of 272 bytes), into
+// a ring of kRaw slots of the loader's own; the producer warpgroup's three
+// other warps (help()) then transpose it into the stage's window, in the
+// layout ConvWindowLoader's copies give (pixel rows of 64 channels,
+// 128-byte swizzled), 8 x 8 blocks at a time (ldmatrix, then stmatrix
+// .trans).  A stage's copies bring A's tiles alone.  The producer's thread
+// issues the raw rows up to kRaw ahead of the stage it loads (kRaw >= 2: both
+// rows of a stage are issued with its A tiles, or earlier).
+constexpr int kConvRawBytes = 64 * kConvWindow * 2;
+template <typename T, int kKw, int kRaw>
+struct NchwWindowLoader {
+  static_assert(kRaw >= 2, "both raw rows of a stage issued with its A tiles");
+  static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kConvRawBytes, kExtraBarriers = 2 * kRaw;
+  const TensorMap& map_in;  // `in` [N, C, H, W]: dims (W, H, C, N), boxes kConvWindow x 1 x 64 x 1, no swizzle
+  const TensorMap& map_a;   // A [Cout, KH * kKw * Cpad]: boxes of 64 x 64
+  i64 row_pairs, col_tiles, pixel_tiles, a_rows;
+  int kh_size, c_blocks;
+  // A's tiles: the current tile and the next stage's kh and channel block,
+  // as ConvWindowLoader's.
+  int n = 0, h0 = 0, w0 = 0, m0 = 0, kh = 0, cb = 0;
+  // The raw rows: the ring (attach), the stages loaded so far, the raw rows
+  // issued, and the next one's tile (the block's raw_tile-th), its image,
+  // rows and columns, kh, channel block and row r.
+  unsigned raws = 0, bars = 0;
+  int loaded = 0, issued = 0;
+  i64 raw_tile = 0;
+  int raw_n = 0, raw_h0 = 0, raw_w0 = 0, raw_kh = 0, raw_cb = 0, raw_r = 0;
+  __device__ __forceinline__ i64 tiles_m() const { return (a_rows + 63) / 64; }
+  __device__ __forceinline__ i64 tiles_n() const { return pixel_tiles; }
+  __device__ __forceinline__ int ktiles() const { return kh_size * c_blocks; }
+  __device__ __forceinline__ void prefetch() const {
+    tma_prefetch_descriptor(map_in);
+    tma_prefetch_descriptor(map_a);
+  }
+  __device__ __forceinline__ unsigned raw_full(int slot) const { return bars + 8u * slot; }
+  __device__ __forceinline__ unsigned raw_empty(int slot) const { return bars + 8u * (kRaw + slot); }
+  __device__ __forceinline__ void init_barriers(unsigned at) const {
+    for (int slot = 0; slot < kRaw; ++slot) {
+      mbar_init(at + 8u * slot, 1);                     // the producer's arrive; the copy completes it
+      mbar_init(at + 8u * (kRaw + slot), kHelperWarps);  // each helper warp's, once it has read the row
+    }
+  }
+  __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
+    raws = extra;
+    bars = loader_bars;
+    raw_tile = blockIdx.x;
+    if (raw_tile < tiles_m() * tiles_n()) begin_raw_tile();
+  }
+  __device__ __forceinline__ void begin_raw_tile() {
+    i64 tm, tn;
+    grouped_tile_of(raw_tile, tiles_m(), tiles_n(), tm, tn);
+    window_tile(tn, row_pairs, col_tiles, raw_n, raw_h0, raw_w0);
+  }
+  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
+    window_tile(tn, row_pairs, col_tiles, n, h0, w0);
+    m0 = static_cast<int>(tm) * 64;
+    kh = cb = 0;
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned, unsigned bar, int) {
+#pragma unroll
+    for (int kw = 0; kw < kKw; ++kw)  // A's k-tile ((kh KW + kw) c_blocks + cb)
+      tma_load_2d(tile_a + kw * (64 * 128), map_a, ((kh * kKw + kw) * c_blocks + cb) * 64, m0, bar);
+    if (++cb == c_blocks) {
+      cb = 0;
+      ++kh;
+    }
+    const int upto = 2 * loaded + kRaw;  // this stage's rows 2 loaded, + 1, and those after
+    ++loaded;
+    const i64 tiles = tiles_m() * tiles_n();
+    while (issued < upto && raw_tile < tiles) issue_raw(tiles);
+  }
+  // The next raw row into its slot, once the helpers have read the slot's
+  // previous row.
+  __device__ __forceinline__ void issue_raw(i64 tiles) {
+    const int slot = issued % kRaw;
+    if (issued >= kRaw) mbar_wait(raw_empty(slot), ((issued / kRaw) - 1) & 1);
+    mbar_arrive_expect_tx(raw_full(slot), kConvRawBytes);
+    tma_load_4d(raws + slot * kConvRawBytes, map_in, raw_w0, raw_h0 + raw_kh + raw_r, raw_cb * 64, raw_n,
+                raw_full(slot));
+    ++issued;
+    if (++raw_r == 2) {
+      raw_r = 0;
+      if (++raw_cb == c_blocks) {
+        raw_cb = 0;
+        if (++raw_kh == kh_size) {
+          raw_kh = 0;
+          raw_tile += gridDim.x;
+          if (raw_tile < tiles) begin_raw_tile();
+        }
+      }
+    }
+  }
+  // By the producer warpgroup's last kHelperWarps warps: for each stage the
+  // block uses, once the consumers have released it, its two raw rows
+  // transposed into its windows, then one arrive per warp on its "full"
+  // barrier.
+  __device__ __forceinline__ void help(const StageRing& ring, i64 tiles, int ktiles) const {
+    const int lane = threadIdx.x & 31, helper = (threadIdx.x >> 5) - (4 - kHelperWarps);
+    int it = 0, row = 0;
+    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % ring.stages;
+        if (it >= ring.stages) mbar_wait(ring.empty(s), ((it / ring.stages) - 1) & 1);
+#pragma unroll 1
+        for (int r = 0; r < 2; ++r, ++row) {
+          const int slot = row % kRaw;
+          mbar_wait(raw_full(slot), (row / kRaw) & 1);
+          transpose_row(raws + slot * kConvRawBytes, ring.tile_b(s) + r * kConvWindowBytes, helper, lane);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(raw_empty(slot));
+        }
+        fence_proxy_async();  // the windows' writes, before the MMAs read them
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ring.full(s));
+      }
+    }
+  }
+  // A raw row [64 channels][kConvWindow columns] into a window [kConvWindow
+  // pixels][64 channels], 128-byte swizzled, by 8 x 8 blocks (8 channels x 8
+  // columns): warp `helper` takes column chunks q = helper, + kHelperWarps,
+  // ..., each as two groups of four blocks, channel chunks j = 4 h + m (h =
+  // 0, 1), both groups' reads in flight before their writes.  Lane 8 m + l
+  // reads row l of block m (channel 8 j + l) and writes its row l
+  // transposed (pixel 8 q + l: 16 bytes at chunk j ^ l of the swizzle).
+  // The reads' 8 rows of 272 bytes fall in distinct banks, as do the
+  // writes' 8 swizzled rows.
+  __device__ __forceinline__ static void transpose_row(unsigned raw, unsigned window, int helper, int lane) {
+    const int m = lane >> 3, l = lane & 7;
+    const unsigned src = raw + (8 * m + l) * (kConvWindow * 2), dst = window + l * 128;
+    const unsigned chunk0 = (m ^ l) << 4, chunk1 = ((4 + m) ^ l) << 4;
+#pragma unroll 2
+    for (int q = helper; q < kConvWindow / 8; q += kHelperWarps) {
+      unsigned lo[4], hi[4];
+      ldmatrix_x4(src + 16 * q, lo);
+      ldmatrix_x4(src + 32 * (kConvWindow * 2) + 16 * q, hi);
+      stmatrix_x4_trans(dst + q * 1024 + chunk0, lo[0], lo[1], lo[2], lo[3]);
+      stmatrix_x4_trans(dst + q * 1024 + chunk1, hi[0], hi[1], hi[2], hi[3]);
+    }
+  }
+};
+
+// y [N, Cout, OH, OW] (NCHW) of the 16-bit T = relu(acc + conv_bias) +
+// bias rounded once: each half of a warpgroup's tile (64 channels x one
+// output row of 128 columns) staged channel-major as NchwStore stages its
+// tile (stmatrix: rows of kConvStageRow values), then written row by row by
+// NchwStore's writer (`rows`: y, no mask).
+// (The staging: 64 rows of kConvStageRow values a warpgroup, and the last
+// chunk's reads past the last row.)
+constexpr int kWindowNchwStagingBytes = 2 * 18 * 1024;
+template <typename T>
+struct WindowNchwStore {
+  NchwStore<T, T, false> rows;
+  const T* conv_bias;
+  const T* bias;  // or null
+  i64 cout, out_rows, out_cols, row_pairs, col_tiles;
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned staging) const {
+    int n, h0, w0;
+    window_tile(n0 / 256, row_pairs, col_tiles, n, h0, w0);
+    const WindowBiases chain(conv_bias, bias, cout, m0, me);
+    const int lane = threadIdx.x & 31, warp = me.row >> 4;
+    const int tile_rows = static_cast<int>(min(static_cast<i64>(64), cout - m0));
+    const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - w0));
+    const i64 plane = out_rows * out_cols;
+    const bool pairs = out_cols % 2 == 0 && (reinterpret_cast<unsigned long long>(rows.y) & (2 * sizeof(T) - 1)) == 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      named_barrier(1 + me.wg, 128);  // every warp has written the previous half's rows
+      stage_rows(acc[h], me, staging, chain);
+      named_barrier(1 + me.wg, 128);
+      if (h0 + h >= out_rows) continue;
+      T* const row0 = rows.y + ((n * cout + m0) * out_rows + h0 + h) * out_cols + w0;
+      if (pairs) {
+        rows.template store_rows<true>(row0 + warp * plane, plane, lane, warp, tile_rows, cols, staging, 0);
+      } else {
+        rows.template store_rows<false>(row0 + warp * plane, plane, lane, warp, tile_rows, cols, staging, 0);
+      }
+      rows.store_last_chunk(row0, plane, tile_rows, cols, staging, 0);
+    }
+  }
+  // acc's 64 x 128 values, with the chain, into the staging rows (channel
+  // me.row's at row me.row): lane 8 m + l addresses row l of matrix m, rows
+  // 16 warp + 8 (m % 2) + l, columns 16 p + 8 (m / 2) of pair p.
+  __device__ __forceinline__ static void stage_rows(const float (&a)[kHgAccs], const HalfGemmLane& me,
+                                                    unsigned staging, const WindowBiases& v) {
+    const int lane = threadIdx.x & 31, warp = me.row >> 4, m = lane >> 3, l = lane & 7;
+    const unsigned lane_addr =
+        staging + 2 * ((16 * warp + 8 * (m & 1) + l) * kConvStageRow + kConvStageLead + 8 * (m >> 1));
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      const int i = 2 * p;  // the m64n128 layout's column block of 8
+      stmatrix_x4(lane_addr + 32 * p, pack2<T>(v(a[4 * i], false), v(a[4 * i + 1], false)),
+                  pack2<T>(v(a[4 * i + 2], true), v(a[4 * i + 3], true)),
+                  pack2<T>(v(a[4 * i + 4], false), v(a[4 * i + 5], false)),
+                  pack2<T>(v(a[4 * i + 6], true), v(a[4 * i + 7], true)));
+    }
+  }
+  __device__ __forceinline__ void finish(const HalfGemmLane&) const {}
 };
 #endif
 
@@ -1141,6 +1361,36 @@ conv_dgrad_wgmma(const __grid_constant__ TensorMap map_dz, const __grid_constant
   DgradStore<T> store{map_dx, row_pairs, col_tiles};
   half_gemm_persistent<T, kStages, kCtStagingBytes, ConvWindowMma<T, kKw>>(reinterpret_cast<char*>(conv_shared),
                                                                            loader, store);
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
+
+// y [N, Cout, OH, OW] (NCHW) of the 16-bit T = relu(conv2d(x, W) +
+// conv_bias) + bias from x [N, Cin, H, W] NCHW (stride 1, no padding, a KH x
+// kKw kernel), with no copy of x: the window GEMM above, its windows
+// transposed from x's rows in shared memory (NchwWindowLoader, kRaw raw
+// rows in flight), and WindowNchwStore.  map_x: dims (W, H, Cin, N), boxes
+// kConvWindow x 1 x 64 x 1, no swizzle (W a multiple of 8, x 16-byte
+// aligned); map_w as conv_bias_relu_window's.  Grid: at most one block per
+// SM (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
+// kWindowNchwStagingBytes, the stage's bytes, the raw rows' bytes, 2
+// kRaw>() of dynamic shared memory.
+template <typename T, int kKw, int kStages, int kRaw>
+__global__ void __launch_bounds__(kHgThreads, 1)
+conv_bias_relu_nchw_window(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
+                           T* __restrict__ y, const T* __restrict__ conv_bias, const T* __restrict__ bias,
+                           i64 n_images, i64 cout, i64 out_rows, i64 out_cols, i64 kh_size, i64 c_blocks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(kKw >= 1 && kKw <= kConvWindow - 127, "a tile's taps inside its window");
+  extern __shared__ __align__(128) unsigned char conv_shared[];
+  const i64 row_pairs = (out_rows + 1) / 2, col_tiles = (out_cols + 127) / 128;
+  const NchwWindowLoader<T, kKw, kRaw> loader{map_x, map_w, row_pairs, col_tiles, n_images * row_pairs * col_tiles,
+                                              cout, static_cast<int>(kh_size), static_cast<int>(c_blocks)};
+  WindowNchwStore<T> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, col_tiles},
+                           conv_bias, bias, cout, out_rows, out_cols, row_pairs, col_tiles};
+  half_gemm_persistent<T, kStages, kWindowNchwStagingBytes, ConvWindowMma<T, kKw>>(
+      reinterpret_cast<char*>(conv_shared), loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

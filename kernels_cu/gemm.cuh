@@ -6,8 +6,10 @@
 // main loop is shared by every kernel on it.  Where the operands' tiles
 // come from is the caller's `Loader` (DenseLoader: two matrices through 2D
 // tensor maps; a convolution's loader gathers A's tiles from its input
-// instead); what is done with the accumulators is the caller's `Store`
-// (gemm.cu: bias and activation; linear_gn_chain.cu: the GroupNorm chains);
+// instead; a loader may also put the producer warpgroup's idle warps to
+// work on B's tiles: LoaderExtras); what is done with the accumulators is
+// the caller's `Store` (gemm.cu: bias and activation; linear_gn_chain.cu:
+// the GroupNorm chains);
 // how the consumers run their MMAs is the `Mma` policy (SmemMma: both
 // operands from shared memory, as below; F32ConvertMma: A float32, rounded
 // to 16 bits in registers, both consumers on one 128 x 256 tile;
@@ -67,11 +69,14 @@ constexpr int kCtStagingBytes = 2 * (kCvBN / 2) * 64 * 2;
 
 // Dynamic shared memory of the engine: the stages (1024-byte aligned, as the
 // 128-byte swizzle pattern repeats every 1024 bytes), the store's staging
-// area of kStagingBytes (a multiple of 1024), and the stages' mbarriers.
-template <int kStages, int kStagingBytes, int kStageBytes = kHgStageBytes>
+// area of kStagingBytes (a multiple of 1024), a loader's own kExtraBytes
+// (LoaderExtras), and the stages' mbarriers, then the loader's
+// kExtraBarriers.
+template <int kStages, int kStagingBytes, int kStageBytes = kHgStageBytes, int kExtraBytes = 0,
+          int kExtraBarriers = 0>
 __host__ __device__ constexpr int half_gemm_shared_bytes() {
   // 1024: alignment slack; the barriers: full and empty per stage, 2 turns.
-  return 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + 16;
+  return 1024 + kStages * kStageBytes + kStagingBytes + kExtraBytes + 2 * kStages * 8 + 16 + 8 * kExtraBarriers;
 }
 
 // A consumer thread: its warpgroup (wg: 0, 1) and where its accumulators
@@ -280,6 +285,33 @@ __device__ __forceinline__ void begin_mma_group(float (&acc)[2][kHgAccs]) {
 struct TilelessMma {
   __device__ __forceinline__ void begin_tile(i64, i64) {}
   __device__ __forceinline__ void end_tile() {}
+};
+
+// What a loader adds to the engine: none, unless it declares
+// kHelperWarps (then also kExtraBytes and kExtraBarriers).  Such a loader
+// writes B's tile of each stage itself, with the last kHelperWarps warps of
+// the producer warpgroup (help()): the stage's copies then bring A's tile
+// alone, and its "full" barrier also waits for one arrive per helper warp.
+// It gets kExtraBytes of shared memory (1024-byte aligned) and
+// kExtraBarriers mbarriers of its own (attach(), on the producer's and the
+// helpers' copies of it; init_barriers(), once, before the block's first
+// barrier).
+template <typename L, typename = int>
+struct LoaderExtras {
+  static constexpr int kHelperWarps = 0, kBytes = 0, kBarriers = 0;
+};
+template <typename L>
+struct LoaderExtras<L, decltype(L::kHelperWarps, 0)> {
+  static constexpr int kHelperWarps = L::kHelperWarps, kBytes = L::kExtraBytes, kBarriers = L::kExtraBarriers;
+};
+
+// The engine's ring of stages, as a loader's helpers see it.
+struct StageRing {
+  unsigned base, bars;
+  int stages, stage_bytes, tile_a_bytes;
+  __device__ __forceinline__ unsigned tile_b(int s) const { return base + s * stage_bytes + tile_a_bytes; }
+  __device__ __forceinline__ unsigned full(int s) const { return bars + 8u * s; }
+  __device__ __forceinline__ unsigned empty(int s) const { return bars + 8u * (stages + s); }
 };
 
 // The consumers' MMAs, a policy of the engine (half_gemm_persistent): the
@@ -514,15 +546,25 @@ template <typename T, int kStages, int kStagingBytes, typename Mma = SmemMma<T>,
           typename Store>
 __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loader& loader, Store& store,
                                                      Mma mma = Mma()) {
-  // 1024-byte aligned stages, the staging area, then the barriers: full[s] at
-  // + 8s, empty[s] at + 8 (kStages + s), turn[w] at + 8 (2 kStages + w).
+  // 1024-byte aligned stages, the staging area, the loader's bytes, then the
+  // barriers: full[s] at + 8s, empty[s] at + 8 (kStages + s), turn[w] at + 8
+  // (2 kStages + w), and the loader's.
+  using Extras = LoaderExtras<Loader>;
   constexpr int kStageBytes = Mma::kTileABytes + Mma::kTileBBytes;
-  static_assert(half_gemm_shared_bytes<kStages, kStagingBytes, kStageBytes>() <= 232448,
+  // The bytes a stage's copies bring (B's tile is the helpers' where there are some).
+  constexpr int kStageCopyBytes = Extras::kHelperWarps > 0 ? Mma::kTileABytes : kStageBytes;
+  static_assert(half_gemm_shared_bytes<kStages, kStagingBytes, kStageBytes, Extras::kBytes, Extras::kBarriers>() <=
+                    232448,
                 "fits the opt-in shared memory");
   static_assert(Mma::kTileABytes % 1024 == 0 && Mma::kTileBBytes % 1024 == 0, "tiles keep the swizzle's alignment");
+  static_assert(Extras::kBytes == 0 || (kStagingBytes % 1024 == 0 && Extras::kBytes % 1024 == 0),
+                "the loader's bytes 1024-byte aligned");
+  static_assert(Extras::kHelperWarps >= 0 && Extras::kHelperWarps <= 3, "helpers beside the copies' thread");
   const unsigned base = (shared_addr(smem_raw) + 1023u) & ~1023u;
   const unsigned staging = base + kStages * kStageBytes;
-  const unsigned bars = staging + kStagingBytes;
+  const unsigned extra = staging + kStagingBytes;
+  const unsigned bars = extra + Extras::kBytes;
+  const unsigned loader_bars = bars + 8u * (2 * kStages + 2);
   auto tile_a = [&](int s) { return base + s * kStageBytes; };
   auto tile_b = [&](int s) { return base + s * kStageBytes + Mma::kTileABytes; };
   auto full = [&](int s) { return bars + 8u * s; };
@@ -537,11 +579,13 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   if (tid == 0) {
     loader.prefetch();
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 1);   // the producer's arrive; the copies complete the phase
+      // the producer's arrive (and the helpers'); the copies complete the phase
+      mbar_init(full(s), 1 + Extras::kHelperWarps);
       mbar_init(empty(s), Mma::kCooperative ? 8 : 4);  // one arrive per warp of the consumer(s)
     }
     mbar_init(turn(0), 4);  // one arrive per warp of the other consumer warpgroup
     mbar_init(turn(1), 4);
+    if constexpr (Extras::kHelperWarps > 0) loader.init_barriers(loader_bars);
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -560,8 +604,17 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   if (warp < 4) {
     // ---------------- producer ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if constexpr (Extras::kHelperWarps > 0) {
+      if (warp >= 4 - Extras::kHelperWarps) {
+        Loader helper = loader;
+        helper.attach(extra, loader_bars);
+        helper.help(StageRing{base, bars, kStages, kStageBytes, Mma::kTileABytes}, tiles, ktiles);
+        return;
+      }
+    }
     if (tid != 0) return;
     Loader producer = loader;
+    if constexpr (Extras::kHelperWarps > 0) producer.attach(extra, loader_bars);
     int it = 0;
     for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       i64 tm, tn;
@@ -571,7 +624,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
         const int s = it % kStages;
         // The stage's previous use (it - kStages) must have been released.
         if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
-        mbar_arrive_expect_tx(full(s), kStageBytes);
+        mbar_arrive_expect_tx(full(s), kStageCopyBytes);
         producer.load(tile_a(s), tile_b(s), full(s), kt);
       }
     }

@@ -16,8 +16,10 @@ from cupy_fused.testing import compare, poison_allocator, rel_error, worse_than_
 
 CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
 # Problem 1's convolution (n, C_in, H, W, C_out, KH, KW): ragged widths,
-# output channels past one tile, an odd output width.
-CONV_SHAPES = ((2, 64, 9, 10, 40, 3, 3), (1, 8, 5, 140, 136, 5, 3), (3, 16, 11, 14, 24, 2, 2))
+# output channels past one tile, an odd output width; W a multiple of 8 (an
+# NCHW x read with no copy: the NCHW window kernel), KW 3 and 5.
+CONV_SHAPES = ((2, 64, 9, 10, 40, 3, 3), (1, 8, 5, 140, 136, 5, 3), (3, 16, 11, 14, 24, 2, 2),
+               (2, 16, 7, 24, 72, 3, 3), (1, 8, 6, 16, 24, 2, 5))
 
 
 def conv_inputs(shape, dtype):
@@ -166,8 +168,9 @@ if G.has_wgmma(0):
                       "OK" if ok else "ERROR", flush=True)
                 failed += [] if ok else [f"linear_gn_chain float32 out {chain} {dtype} {(m, k, n)}"]
     # Problem 1's implicit-GEMM convolution (conv_bias_relu), inference: an
-    # NCHW input (its channels-last copy, then y NCHW through the staging
-    # rows) and a channels-last one (y through the copy engine).
+    # NCHW input (read as it is where W is a multiple of 8, else through its
+    # channels-last copy; y NCHW through the staging rows) and a
+    # channels-last one (y through the copy engine).
     for dtype in (d for d in dtypes if d != torch.float32):
         for shape in CONV_SHAPES:
             x, wt, cb, b = conv_inputs(shape, dtype)

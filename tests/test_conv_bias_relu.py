@@ -219,6 +219,56 @@ def test_engine_against_float64(shape, kind, dtype, device):
         assert again.is_contiguous(memory_format=fmt)  # the reference's layout
 
 
+# (N, C_in, H, W, C_out, KH, KW) with W a multiple of 8, each the NCHW
+# window kernel's: KW 1 to 5, C_in not a multiple of 64, C_out not a
+# multiple of 8 (5, 33, 3) and above one 64-channel tile and partial, output
+# rows of 1 and of more than 128 columns (3 column tiles), an odd number of
+# output rows, problem 1's rows (126 of 128), batch 1, and more tiles than
+# SMs.  (The engine's route takes C_in a multiple of 8: engine_layout.)
+NCHW_WINDOW_SHAPES = [
+    (2, 64, 20, 16, 128, 3, 3),
+    (1, 8, 9, 8, 5, 1, 1),
+    (3, 16, 11, 24, 33, 2, 2),
+    (2, 72, 12, 16, 3, 5, 5),
+    (1, 24, 8, 136, 200, 4, 4),
+    (1, 64, 3, 304, 40, 3, 3),
+    (2, 64, 7, 128, 128, 3, 3),
+    (8, 64, 34, 40, 200, 3, 3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", NCHW_WINDOW_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
+    """The NCHW 16-bit forward with no copy of x (conv_bias_relu_nchw_window):
+    every value of a NaN-poisoned y written, within 1.5x eager's error
+    against float64, the public entry bitwise the same, two runs equal."""
+    _engine_device(device)
+    n, cin, h, w, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    cb = torch.randn(cout, generator=gen).to(device, dtype)
+    b = torch.randn(cout, 1, 1, generator=gen).to(device, dtype)
+    taken = []
+    get = CB.KERNELS.get
+    monkeypatch.setattr(CB.KERNELS, "get", lambda key, dev: taken.append(key[0]) or get(key, dev))
+    with torch.no_grad():
+        assert CB.route(x, wt, cb, b) == "engine" and CB._nchw_window_fits(x, wt)
+        truth = _reference(x.double(), wt.double(), cb.double(), b.double())
+        eager = _reference(x, wt, cb, b)
+        out = torch.full(truth.shape, float("nan"), dtype=dtype, device=device)
+        ours = CB._launch_engine(x, wt, cb, b.reshape(-1), out=out)
+        assert taken == ["nchw_window"]
+        assert ours is out and not ours.isnan().any()
+        err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
+        assert err <= 1.5 * eager_err + torch.finfo(dtype).eps, (err, eager_err)
+        again = ops.conv_bias_relu(x, wt, cb, b)
+        assert torch.equal(again, ours) and again.is_contiguous()
+        assert torch.equal(ops.conv_bias_relu(x, wt, cb, b), again)
+
+
 def test_tf32_rounding():
     """The float32 product's operands rounded to TF32 as the kernels round
     them (to_tf32_keep_nan): to nearest, ties away from zero, NaN and inf
@@ -856,7 +906,7 @@ def test_window_launches_fit_their_kernels():
     # The stage as the kernel sizes it (ConvWindowMma), and the opt-in limit gemm.cuh asserts.
     assert "kTileABytes = kKw * 64 * 128, kTileBBytes = 2 * kConvWindowBytes;" in text
     assert CB._window_stage_bytes(3) == 3 * 64 * 128 + 2 * CB.WINDOW * 128
-    limit = re.search(r"\(\) <= (\d+),", (_runtime.kernel_dir() / "gemm.cuh").read_text()).group(1)
+    limit = re.search(r"\(\) <=\s*(\d+),", (_runtime.kernel_dir() / "gemm.cuh").read_text()).group(1)
     assert int(limit) == CB._OPT_IN_SHARED_BYTES
     for kw in range(1, CB.WINDOW_MAX_KW + 1):
         assert CB._window_stages(kw) >= 2 and CB._window_shared_bytes(kw) <= CB._OPT_IN_SHARED_BYTES
@@ -868,6 +918,76 @@ def test_window_launches_fit_their_kernels():
             for mask in (False, True):
                 expr = CB.KERNELS.expressions[("window", dtype, kw, mask)]
                 assert f", {kw}, {CB._window_stages(kw)}, " in expr
+
+
+def test_nchw_window_launches_fit_their_kernel():
+    """Each NCHW window kernel (KW 1 to NCHW_WINDOW_MAX_KW) gets two raw
+    rows or more in flight (kRaw >= 2, which its loader asserts), as many
+    (up to 4) as the opt-in shared memory holds; the raw row and the
+    staging are sized as the kernel sizes them; no wider kernel fits."""
+    text = (_runtime.kernel_dir() / "conv_bias_relu.cu").read_text()
+    assert "constexpr int kConvRawBytes = 64 * kConvWindow * 2;" in text
+    assert CB._RAW_BYTES == 64 * CB.WINDOW * 2
+    staging = re.search(r"constexpr int kWindowNchwStagingBytes = 2 \* (\d+) \* 1024;", text).group(1)
+    assert CB._NCHW_WINDOW_STAGING_BYTES == 2 * int(staging) * 1024
+    # 64 staging rows of kConvStageRow (136) values, and the last chunk's reads past the last row.
+    assert CB._NCHW_WINDOW_STAGING_BYTES // 2 >= 64 * 136 * 2 + 16
+    for kw in range(1, CB.NCHW_WINDOW_MAX_KW + 1):
+        raws = CB._nchw_window_raws(kw)
+        assert 2 <= raws <= 4 and CB._nchw_window_shared_bytes(kw, raws) <= CB._OPT_IN_SHARED_BYTES
+        assert raws == 4 or CB._nchw_window_shared_bytes(kw, raws + 1) > CB._OPT_IN_SHARED_BYTES
+        for dtype in (torch.float16, torch.bfloat16):
+            assert CB.KERNELS.expressions[("nchw_window", dtype, kw)].endswith(
+                f", {kw}, {CB.NCHW_WINDOW_STAGES}, {raws}>")
+    assert CB._nchw_window_raws(CB.NCHW_WINDOW_MAX_KW + 1) < 2
+
+
+def test_nchw_window_takes_what_its_kernel_runs():
+    """_nchw_window_fits on CPU tensors: a contiguous 16-bit x with W a
+    multiple of 8, 16-byte aligned, any C_in and C_out, KW up to
+    NCHW_WINDOW_MAX_KW; nothing else."""
+    def x(n=2, c=3, h=5, w=16, dtype=torch.bfloat16):
+        return torch.empty(n, c, h, w, dtype=dtype)
+
+    def wt(cout=5, cin=3, kh=3, kw=3, dtype=torch.bfloat16):
+        return torch.empty(cout, cin, kh, kw, dtype=dtype)
+
+    assert CB._nchw_window_fits(x(), wt())
+    assert CB._nchw_window_fits(x(dtype=torch.float16, w=8), wt(dtype=torch.float16, kw=CB.NCHW_WINDOW_MAX_KW))
+    off_grid = torch.empty(1 + 2 * 3 * 5 * 16, dtype=torch.bfloat16)[1:].view(2, 3, 5, 16)
+    for refused in ((x(dtype=torch.float32), wt()), (x(w=12), wt()), (off_grid, wt()),
+                    (x().contiguous(memory_format=torch.channels_last), wt()),
+                    (x(), wt(kw=CB.NCHW_WINDOW_MAX_KW + 1))):
+        assert not CB._nchw_window_fits(*refused)
+
+
+def test_nchw_window_launch(monkeypatch):
+    """_launch_engine on an NCHW 16-bit x with no mask (CPU tensors,
+    launches recorded): the NCHW window kernel of its KW, no copy of x,
+    x's map as dims (W, H, C_in, N) with boxes of one row of WINDOW columns
+    x 64 channels, unswizzled; the packed weight; y NCHW; the scalars in
+    the kernel's order.  With a mask (training) or KW past the kernel's,
+    the copy and the per-tap kernel."""
+    maps, packed, launched = _record_window_launches(monkeypatch)
+    bf16 = torch.bfloat16
+    x = torch.randn(2, 5, 9, 136, dtype=bf16)
+    wt = torch.randn(33, 5, 3, 4, dtype=bf16)
+    cb, b = torch.randn(33, dtype=bf16), torch.randn(33, dtype=bf16)
+    y = CB._launch_engine(x, wt, cb, b, plan=(CB.NCHW, bf16, bf16, False))
+    assert y.shape == (2, 33, 7, 133) and y.is_contiguous()
+    (fn, grid, block, args, shared), = launched
+    assert fn == ("nchw_window", bf16, 4) and block == gemm.HALF_THREADS
+    assert grid == (1 * 2 * 4 * 2, 1, 1) and shared == CB._nchw_window_shared_bytes(4, CB._nchw_window_raws(4))
+    assert maps == [(x.data_ptr(), (136, 9, 5, 2), (136, 9 * 136, 5 * 9 * 136), bf16, (CB.WINDOW, 1, 64, 1),
+                     {"swizzle": False})]
+    (a, rows), = packed
+    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)) and a.shape == (33, 3 * 4 * 64)
+    assert args == (("map", 0), ("packed", 64), y.data_ptr(), cb.data_ptr(), b.data_ptr(), 2, 33, 7, 133, 3, 1)
+    for wide, mask in ((False, torch.zeros(2 * 33 * 7 * 133 // 32 + 1, dtype=torch.int32)), (True, None)):
+        launched.clear()
+        weight = torch.randn(33, 5, 3, CB.NCHW_WINDOW_MAX_KW + 1, dtype=bf16) if wide else wt
+        CB._launch_engine(x, weight, cb, b, plan=(CB.NCHW, bf16, bf16, mask is not None), mask=mask)
+        assert [launch[0][0] for launch in launched] == ["to_nhwc", "conv"]
 
 
 def test_dgrad_takes_what_its_kernel_runs(monkeypatch):
@@ -904,7 +1024,8 @@ def _record_window_launches(monkeypatch):
     maps, packed, launched = [], [], []
     monkeypatch.setattr(CB, "sm_count", lambda dev: 132)
     monkeypatch.setattr(CB.KERNELS, "get", lambda key, dev: key)
-    monkeypatch.setattr(gemm, "_encode_tensor_map", lambda *a: maps.append(a) or ("map", len(maps) - 1))
+    monkeypatch.setattr(gemm, "_encode_tensor_map",
+                        lambda *a, **k: maps.append(a + ((k,) if k else ())) or ("map", len(maps) - 1))
     monkeypatch.setattr(gemm, "_tensor_map", lambda t, rows: packed.append((t, rows)) or ("packed", rows))
     monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, args, dev, shared_mem=0:
                         launched.append((fn, grid, block, args, shared_mem)))

@@ -20,7 +20,11 @@ Route, decided once per call (:func:`route`):
   A channels-last 16-bit x with a kernel up to :data:`WINDOW_MAX_KW` wide
   takes the window kernel (``conv_bias_relu_window``: tiles of 64 output
   channels x 256 pixels, each stage a window of x for all the taps of a
-  kernel row; :func:`_window_fits`).  With a gradient to record (at least
+  kernel row; :func:`_window_fits`).  An NCHW 16-bit x with no gradient to
+  record, W a multiple of 8 and a kernel up to :data:`NCHW_WINDOW_MAX_KW`
+  wide takes the same kernel's NCHW form, with no copy of x
+  (``conv_bias_relu_nchw_window``: x's rows transposed into the windows in
+  shared memory; :func:`_nchw_window_fits`).  With a gradient to record (at least
   :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values;
   :func:`_trains_on_engine`), the same forward also writes
   relu's mask, and keeps an NCHW x's channels-last copy (a float32 one
@@ -113,6 +117,35 @@ def _window_shared_bytes(kw: int) -> int:
     return gemm._half_shared_bytes(gemm.CONVERT_STAGING_BYTES, _window_stages(kw), _window_stage_bytes(kw))
 
 
+# The NCHW window kernel (conv_bias_relu_nchw_window): the window kernels'
+# tiles, stages and MMAs, from an NCHW 16-bit x with no copy of it: each
+# window's input row comes as it lies, 64 channels x WINDOW columns
+# (_RAW_BYTES, kConvRawBytes), into a ring of raw rows that the producer
+# warpgroup's other warps transpose into the stage.  NCHW_WINDOW_STAGES
+# stages and as many raw rows (2 to 4) as shared memory then holds, beside
+# the NCHW store's staging (kWindowNchwStagingBytes): kernel widths 1 to
+# NCHW_WINDOW_MAX_KW.
+NCHW_WINDOW_STAGES = 2
+_RAW_BYTES = 64 * WINDOW * 2
+_NCHW_WINDOW_STAGING_BYTES = 2 * 18 * 1024
+
+
+def _nchw_window_shared_bytes(kw: int, raws: int) -> int:
+    # half_gemm_shared_bytes<stages, staging, stage, the raw rows, their 2 raws mbarriers>()
+    return (gemm._half_shared_bytes(_NCHW_WINDOW_STAGING_BYTES + raws * _RAW_BYTES, NCHW_WINDOW_STAGES,
+                                    _window_stage_bytes(kw)) + 8 * 2 * raws)
+
+
+def _nchw_window_raws(kw: int) -> int:
+    """The raw rows in flight of the NCHW window kernel of width ``kw``: the
+    most (up to 4) that fit; fewer than 2 (wider kernels) is no kernel."""
+    return max([raws for raws in range(2, 5) if _nchw_window_shared_bytes(kw, raws) <= _OPT_IN_SHARED_BYTES],
+               default=0)
+
+
+NCHW_WINDOW_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _nchw_window_raws(kw) >= 2)
+
+
 def _window_tiles(n: int, cout: int, oh: int, ow: int) -> int:
     """A window kernel's tiles for an output [n, cout, oh, ow]."""
     return cdiv(cout, WINDOW_TILE[0]) * n * cdiv(oh, 2) * cdiv(ow, 128)
@@ -140,7 +173,9 @@ def _window_fits(n: int, cin: int, h: int, w: int, cout: int, kh: int, kw: int) 
 # x); ("to_nchw", dtype): a channels-last tensor's NCHW copy (the training
 # route's input gradient); ("dgrad", dtype, KW): the input gradient of the
 # convolution, channels-last (:func:`_launch_dgrad`); ("window", dtype, KW,
-# mask): the channels-last 16-bit forward (:func:`_launch_window`).  A key
+# mask): the channels-last 16-bit forward (:func:`_launch_window`);
+# ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
+# (:func:`_launch_nchw_window`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
 # :func:`_vector_transposes` accepts).
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
@@ -163,6 +198,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("window", d, kw, mask): f"cf::conv_bias_relu_window<{cxx_type(d)}, {kw}, {_window_stages(kw)}, "
                                 f"{'true' if mask else 'false'}>"
        for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1) for mask in (False, True)},
+    **{("nchw_window", d, kw): f"cf::conv_bias_relu_nchw_window<{cxx_type(d)}, {kw}, {NCHW_WINDOW_STAGES}, "
+                               f"{_nchw_window_raws(kw)}>"
+       for d in HALF_DTYPES for kw in range(1, NCHW_WINDOW_MAX_KW + 1)},
     **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES},
     **{("to_nchw", d, "vec"): f"cf::nhwc_to_nchw<{cxx_type(d)}, true>" for d in HALF_DTYPES}})
 
@@ -247,6 +285,21 @@ ENGINE_TRAINING_MIN_ELEMENTS = 2**24
 # small convolutions (and some 1 x 1 ones) in full float32, whose error the
 # engine's TF32 would not match: those, and every smaller call, keep cuDNN.
 ENGINE_FLOAT32_MIN_ELEMENTS = 2**24
+
+
+def _nchw_window_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the NCHW window kernel takes x [N, C_in, H, W] (16-bit,
+    contiguous) and the weight [C_out, C_in, KH, KW]: rows of x of whole
+    16-byte vectors (W a multiple of 8, x 16-byte aligned: the copy engine's
+    strides and base), KW at most :data:`NCHW_WINDOW_MAX_KW`, and the bounds
+    of :func:`_window_fits` (any C_in and C_out: the copy engine reads x's
+    channels as an outer dimension, zeros past C_in)."""
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    stages = kh * cdiv(cin, gemm.HALF_BOX_K)
+    return (x.dtype in HALF_DTYPES and x.is_contiguous() and w % 8 == 0 and x.data_ptr() % 16 == 0
+            and 1 <= kw <= NCHW_WINDOW_MAX_KW and _window_tiles(n, cout, h, w) * stages < 2**31
+            and max(n, h, w, cin, cout) < 2**31 and stages * kw < 2**31 // 64)
 
 
 def _out_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int, int, int]:
@@ -420,6 +473,10 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     bias = None if bias is None else bias.to(out_dtype)
     dev = x.device.index
     box_k, box_m = gemm._k_tile(dtype), gemm.HALF_TILE[0]
+    if (layout == NCHW and mask is None and xc is None and x.dtype == dtype == out_dtype
+            and _nchw_window_fits(x, weight)):
+        _launch_nchw_window(x, weight, conv_bias, bias, out)
+        return out
     # An NCHW x: its channels-last copy, in the product's dtype (float32
     # rounded to TF32).
     if xc is None:
@@ -485,6 +542,29 @@ def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     _launch_windows(("window", x.dtype, kw, mask is not None), x, packed, out,
                     (_ptr_or_null(mask), conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kh,
                      c_blocks))
+
+
+def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                        bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    # The NCHW 16-bit forward with no copy of x (conv_bias_relu_nchw_window),
+    # for _launch_engine: x [N, C_in, H, W] as _nchw_window_fits takes it,
+    # the weight and the biases (cast) of x's dtype, out NCHW.
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    oh, ow = out.shape[2:]
+    packed = _packed_weight(weight, x.dtype)
+    c_blocks = packed.shape[1] // (kh * kw * gemm.HALF_BOX_K)
+    raws = _nchw_window_raws(kw)
+    # x as dims (W, H, C, N): boxes of one row of WINDOW columns x 64 channels.
+    map_x = gemm._encode_tensor_map(x.data_ptr(), (w, h, cin, n), (w, h * w, cin * h * w), x.dtype,
+                                    (WINDOW, 1, gemm.HALF_BOX_K, 1), swizzle=False)
+    dev = x.device.index
+    _bridge.launch(KERNELS.get(("nchw_window", x.dtype, kw), dev),
+                   (min(_window_tiles(n, cout, oh, ow), sm_count(dev)), 1, 1), gemm.HALF_THREADS,
+                   (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), out.data_ptr(), conv_bias.data_ptr(),
+                    _ptr_or_null(bias), n, cout, oh, ow, kh, c_blocks), dev,
+                   shared_mem=_nchw_window_shared_bytes(kw, raws))
+    # (packed goes back to the allocator after this: later work of this stream only.)
 
 
 # ---------------------------------------------------------------- the input gradient

@@ -362,9 +362,9 @@ HALF_KERNELS = _runtime.KernelFamily("gemm.cu", {
 })
 
 # CUtensorMapDataType of each dtype; the driver's enums for no interleave,
-# 128-byte swizzle, 256-byte L2 promotion and zero fill.
+# no swizzle and 128-byte swizzle, 256-byte L2 promotion and zero fill.
 _TMA_DTYPE = {torch.float16: 6, torch.bfloat16: 9, torch.float32: 7}
-_TMA_SWIZZLE_128B, _TMA_L2_256B = 3, 3
+_TMA_SWIZZLE_NONE, _TMA_SWIZZLE_128B, _TMA_L2_256B = 0, 3, 3
 
 
 @functools.lru_cache(maxsize=1)
@@ -382,12 +382,13 @@ def _encode_tiled():
 
 @functools.lru_cache(maxsize=256)
 def _encode_tensor_map(ptr: int, dims: Tuple[int, ...], strides: Tuple[int, ...],
-                       dtype: torch.dtype, box: Tuple[int, ...]) -> bytes:
+                       dtype: torch.dtype, box: Tuple[int, ...], swizzle: bool = True) -> bytes:
     """A 128-byte TMA descriptor of the float16 / bfloat16 / float32 tensor
     at ``ptr``: ``dims`` innermost first (unit stride), ``strides`` of the
     outer dims in elements, boxes of ``box`` elements (innermost first; 128
-    bytes innermost: 128-byte swizzle rows); loads read zeros outside the
-    tensor, stores skip it."""
+    bytes innermost: 128-byte swizzle rows; with ``swizzle`` False, rows of
+    any multiple of 16 bytes, laid out as they are); loads read zeros
+    outside the tensor, stores skip it."""
     # The descriptor depends only on these values, so equal arguments give an
     # equal, valid descriptor whatever tensor they came from.
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
@@ -397,7 +398,7 @@ def _encode_tensor_map(ptr: int, dims: Tuple[int, ...], strides: Tuple[int, ...]
     status = _encode_tiled()(
         ctypes.addressof(storage) + at, _TMA_DTYPE[dtype], rank, ptr, (u64 * rank)(*dims),
         (u64 * (rank - 1))(*(size * st for st in strides)), (u32 * rank)(*box),
-        (u32 * rank)(*([1] * rank)), 0, _TMA_SWIZZLE_128B, _TMA_L2_256B, 0)
+        (u32 * rank)(*([1] * rank)), 0, _TMA_SWIZZLE_128B if swizzle else _TMA_SWIZZLE_NONE, _TMA_L2_256B, 0)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a "
                            f"{dtype} tensor of dims {dims} (innermost first), strides {strides}")
