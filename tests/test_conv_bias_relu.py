@@ -420,12 +420,13 @@ def test_engine_under_autocast(shape, with_bias, x_dtype, amp, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["bf16", "amp_bf16"])
-@pytest.mark.parametrize("ow", [130, 3])
-def test_engine_nchw_rows_at_every_alignment(ow, amp, device):
+@pytest.mark.parametrize("ow", [130, 3, 134, 6])
+def test_engine_nchw_rows_at_every_alignment(ow, amp, device, monkeypatch):
     """The NCHW store into y placed 0 to 3 values off the 8- / 16-byte grid
     (16-bit y, and float32 y under autocast), rows wider than one 128-column
     tile and rows of 3 values: every value of y written and right, nothing
-    around y touched."""
+    around y touched.  (W = OW + 2 a multiple of 8: a 16-bit x takes the
+    NCHW window kernel and its store.)"""
     _engine_device(device)
     n, cin, h, cout = 2, 8, 4, 9
     gen = torch.Generator().manual_seed(ow)
@@ -435,6 +436,9 @@ def test_engine_nchw_rows_at_every_alignment(ow, amp, device):
     cb, b = (torch.randn(cout, generator=gen).to(device, model_dtype) for _ in range(2))
     truth = _reference(x.double(), wt.double(), cb.double(), b.double())
     numel = truth.numel()
+    taken = []
+    get = CB.KERNELS.get
+    monkeypatch.setattr(CB.KERNELS, "get", lambda key, dev: taken.append(key[0]) or get(key, dev))
     for offset in range(4):
         guard = torch.full((numel + 8,), 7.0, device=device, dtype=torch.float32 if amp else torch.bfloat16)
         out = guard[offset:offset + numel].view(truth.shape)
@@ -443,6 +447,7 @@ def test_engine_nchw_rows_at_every_alignment(ow, amp, device):
             assert CB.route(x, wt, cb, b) == "engine"
             eager = _reference(x, wt, cb, b)
             CB._launch_engine(x, wt, cb, b, out=out)
+        assert ("nchw_window" in taken) == (amp is None and (ow + 2) % 8 == 0)
         assert not out.isnan().any()
         assert (guard[:offset] == 7).all() and (guard[offset + numel:] == 7).all()
         err, eager_err = rel_error(out, truth), rel_error(eager, truth)
