@@ -1016,6 +1016,10 @@ struct NchwWindowLoader {
           const int slot = row % kRaw;
           mbar_wait(raw_full(slot), (row / kRaw) & 1);
           transpose_row(raws + slot * kConvRawBytes, ring.tile_b(s) + r * kConvWindowBytes, helper, lane);
+          // (The row's reads are done: their values went into the window's
+          // writes.  The copy engine's next write of the slot comes after
+          // the arrive, as a TMA pipeline's consumers release a stage read
+          // by ldmatrix.)
           __syncwarp();
           if (lane == 0) mbar_arrive(raw_empty(slot));
         }

@@ -243,7 +243,9 @@ NCHW_WINDOW_SHAPES = [
 def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
     """The NCHW 16-bit forward with no copy of x (conv_bias_relu_nchw_window):
     every value of a NaN-poisoned y written, within 1.5x eager's error
-    against float64, the public entry bitwise the same, two runs equal."""
+    against float64, the public entry bitwise the same, two runs equal;
+    with one block of 64 input channels (the same order of k-tiles),
+    bitwise the output of the copy and the per-tap kernel."""
     _engine_device(device)
     n, cin, h, w, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape))
@@ -267,6 +269,10 @@ def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
         again = ops.conv_bias_relu(x, wt, cb, b)
         assert torch.equal(again, ours) and again.is_contiguous()
         assert torch.equal(ops.conv_bias_relu(x, wt, cb, b), again)
+        if cin <= 64:
+            monkeypatch.setattr(CB, "_nchw_window_fits", lambda *a: False)
+            assert torch.equal(CB._launch_engine(x, wt, cb, b.reshape(-1)), ours)
+            assert taken[-2:] == ["to_nhwc", "conv"]
 
 
 def test_tf32_rounding():
