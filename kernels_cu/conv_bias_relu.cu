@@ -776,18 +776,38 @@ struct ConvWindowLoader {
     kh = cb = 0;
   }
   __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int) {
-#pragma unroll
-    for (int kw = 0; kw < kKw; ++kw)  // A's k-tile ((kh KW + kw) c_blocks + cb)
-      tma_load_2d(tile_a + kw * (64 * 128), map_a, ((kh * kKw + kw) * c_blocks + cb) * 64, m0, bar);
+    load_a(tile_a, bar);
     const int c = cb * 64, w = w0 - pad_w, h = h0 - pad_h + kh;
     tma_load_4d(tile_b, map_in, c, w, h, n, bar);
     tma_load_4d(tile_b + kConvWindowBytes, map_in, c, w, h + 1, n, bar);
+    next_stage();
+  }
+  // The stage's A tiles: k-tiles ((kh KW + kw) c_blocks + cb).
+  __device__ __forceinline__ void load_a(unsigned tile_a, unsigned bar) const {
+#pragma unroll
+    for (int kw = 0; kw < kKw; ++kw)
+      tma_load_2d(tile_a + kw * (64 * 128), map_a, ((kh * kKw + kw) * c_blocks + cb) * 64, m0, bar);
+  }
+  __device__ __forceinline__ void next_stage() {
     if (++cb == c_blocks) {
       cb = 0;
       ++kh;
     }
   }
 };
+
+// The loader of a window kernel whose output has rows x cols pixels in each
+// of n_images images and a_rows channels (A's rows), KH = kh_size, c_blocks
+// blocks of 64 channels of `in`, `in` padded by pad_h and pad_w.
+template <typename T, int kKw>
+__device__ __forceinline__ ConvWindowLoader<T, kKw> window_loader(const TensorMap& map_in, const TensorMap& map_a,
+                                                                  i64 n_images, i64 rows, i64 cols, i64 a_rows,
+                                                                  i64 kh_size, i64 c_blocks, int pad_h,
+                                                                  int pad_w) {
+  const i64 row_pairs = (rows + 1) / 2, col_tiles = (cols + 127) / 128;
+  return {map_in, map_a, row_pairs, col_tiles, n_images * row_pairs * col_tiles, a_rows,
+          static_cast<int>(kh_size), static_cast<int>(c_blocks), pad_h, pad_w};
+}
 
 // The output channels-last through the copy engine: each half of a
 // warpgroup's tile (one row of 128 pixels) transposed into its staging
@@ -918,16 +938,11 @@ struct WindowNhwcStore {
 // rows of a stage are issued with its A tiles, or earlier).
 constexpr int kConvRawBytes = 64 * kConvWindow * 2;
 template <typename T, int kKw, int kRaw>
-struct NchwWindowLoader {
+struct NchwWindowLoader : ConvWindowLoader<T, kKw> {
   static_assert(kRaw >= 2, "both raw rows of a stage issued with its A tiles");
   static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kConvRawBytes, kExtraBarriers = 2 * kRaw;
-  const TensorMap& map_in;  // `in` [N, C, H, W]: dims (W, H, C, N), boxes kConvWindow x 1 x 64 x 1, no swizzle
-  const TensorMap& map_a;   // A [Cout, KH * kKw * Cpad]: boxes of 64 x 64
-  i64 row_pairs, col_tiles, pixel_tiles, a_rows;
-  int kh_size, c_blocks;
-  // A's tiles: the current tile and the next stage's kh and channel block,
-  // as ConvWindowLoader's.
-  int n = 0, h0 = 0, w0 = 0, m0 = 0, kh = 0, cb = 0;
+  // The base's A side as it is; its map_in: `in` [N, C, H, W] as dims (W, H,
+  // C, N), boxes kConvWindow x 1 x 64 x 1, no swizzle; no padding.
   // The raw rows: the ring (attach), the stages loaded so far, the raw rows
   // issued, and the next one's tile (the block's raw_tile-th), its image,
   // rows and columns, kh, channel block and row r.
@@ -935,13 +950,6 @@ struct NchwWindowLoader {
   int loaded = 0, issued = 0;
   i64 raw_tile = 0;
   int raw_n = 0, raw_h0 = 0, raw_w0 = 0, raw_kh = 0, raw_cb = 0, raw_r = 0;
-  __device__ __forceinline__ i64 tiles_m() const { return (a_rows + 63) / 64; }
-  __device__ __forceinline__ i64 tiles_n() const { return pixel_tiles; }
-  __device__ __forceinline__ int ktiles() const { return kh_size * c_blocks; }
-  __device__ __forceinline__ void prefetch() const {
-    tma_prefetch_descriptor(map_in);
-    tma_prefetch_descriptor(map_a);
-  }
   __device__ __forceinline__ unsigned raw_full(int slot) const { return bars + 8u * slot; }
   __device__ __forceinline__ unsigned raw_empty(int slot) const { return bars + 8u * (kRaw + slot); }
   __device__ __forceinline__ void init_barriers(unsigned at) const {
@@ -954,29 +962,19 @@ struct NchwWindowLoader {
     raws = extra;
     bars = loader_bars;
     raw_tile = blockIdx.x;
-    if (raw_tile < tiles_m() * tiles_n()) begin_raw_tile();
+    if (raw_tile < this->tiles_m() * this->tiles_n()) begin_raw_tile();
   }
   __device__ __forceinline__ void begin_raw_tile() {
     i64 tm, tn;
-    grouped_tile_of(raw_tile, tiles_m(), tiles_n(), tm, tn);
-    window_tile(tn, row_pairs, col_tiles, raw_n, raw_h0, raw_w0);
-  }
-  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
-    window_tile(tn, row_pairs, col_tiles, n, h0, w0);
-    m0 = static_cast<int>(tm) * 64;
-    kh = cb = 0;
+    grouped_tile_of(raw_tile, this->tiles_m(), this->tiles_n(), tm, tn);
+    window_tile(tn, this->row_pairs, this->col_tiles, raw_n, raw_h0, raw_w0);
   }
   __device__ __forceinline__ void load(unsigned tile_a, unsigned, unsigned bar, int) {
-#pragma unroll
-    for (int kw = 0; kw < kKw; ++kw)  // A's k-tile ((kh KW + kw) c_blocks + cb)
-      tma_load_2d(tile_a + kw * (64 * 128), map_a, ((kh * kKw + kw) * c_blocks + cb) * 64, m0, bar);
-    if (++cb == c_blocks) {
-      cb = 0;
-      ++kh;
-    }
+    this->load_a(tile_a, bar);
+    this->next_stage();
     const int upto = 2 * loaded + kRaw;  // this stage's rows 2 loaded, + 1, and those after
     ++loaded;
-    const i64 tiles = tiles_m() * tiles_n();
+    const i64 tiles = this->tiles_m() * this->tiles_n();
     while (issued < upto && raw_tile < tiles) issue_raw(tiles);
   }
   // The next raw row into its slot, once the helpers have read the slot's
@@ -985,14 +983,14 @@ struct NchwWindowLoader {
     const int slot = issued % kRaw;
     if (issued >= kRaw) mbar_wait(raw_empty(slot), ((issued / kRaw) - 1) & 1);
     mbar_arrive_expect_tx(raw_full(slot), kConvRawBytes);
-    tma_load_4d(raws + slot * kConvRawBytes, map_in, raw_w0, raw_h0 + raw_kh + raw_r, raw_cb * 64, raw_n,
+    tma_load_4d(raws + slot * kConvRawBytes, this->map_in, raw_w0, raw_h0 + raw_kh + raw_r, raw_cb * 64, raw_n,
                 raw_full(slot));
     ++issued;
     if (++raw_r == 2) {
       raw_r = 0;
-      if (++raw_cb == c_blocks) {
+      if (++raw_cb == this->c_blocks) {
         raw_cb = 0;
-        if (++raw_kh == kh_size) {
+        if (++raw_kh == this->kh_size) {
           raw_kh = 0;
           raw_tile += gridDim.x;
           if (raw_tile < tiles) begin_raw_tile();
@@ -1310,6 +1308,18 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
 #endif
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A window kernel's body: the engine with ConvWindowMma on `loader`'s
+// stages, kStagingBytes of staging for `store`.
+template <typename T, int kKw, int kStages, int kStagingBytes, typename Loader, typename Store>
+__device__ __forceinline__ void run_windows(const Loader& loader, Store& store) {
+  static_assert(kKw >= 1 && kKw <= kConvWindow - 127, "a tile's taps inside its window");
+  extern __shared__ __align__(128) unsigned char conv_shared[];
+  half_gemm_persistent<T, kStages, kStagingBytes, ConvWindowMma<T, kKw>>(reinterpret_cast<char*>(conv_shared),
+                                                                         loader, store);
+}
+#endif
+
 // y [N, OH, OW, Cout] (channels-last) of the 16-bit T = relu(conv2d(x, W) +
 // conv_bias) + bias from x [N, H, W, Cin] channels-last (stride 1, no
 // padding, a KH x kKw kernel): the window GEMM above (ConvWindowLoader,
@@ -1328,14 +1338,11 @@ conv_bias_relu_window(const __grid_constant__ TensorMap map_x, const __grid_cons
                       const T* __restrict__ conv_bias, const T* __restrict__ bias, i64 n_images, i64 cout,
                       i64 out_rows, i64 out_cols, i64 kh_size, i64 c_blocks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(kKw >= 1 && kKw <= kConvWindow - 127, "a tile's taps inside its window");
-  extern __shared__ __align__(128) unsigned char conv_shared[];
-  const i64 row_pairs = (out_rows + 1) / 2, col_tiles = (out_cols + 127) / 128;
-  const ConvWindowLoader<T, kKw> loader{map_x, map_w, row_pairs, col_tiles, n_images * row_pairs * col_tiles,
-                                        cout, static_cast<int>(kh_size), static_cast<int>(c_blocks), 0, 0};
-  WindowNhwcStore<T, kMask> store{map_y, mask, conv_bias, bias, cout, out_rows, out_cols, row_pairs, col_tiles};
-  half_gemm_persistent<T, kStages, kCtStagingBytes, ConvWindowMma<T, kKw>>(reinterpret_cast<char*>(conv_shared),
-                                                                           loader, store);
+  const auto loader =
+      window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, c_blocks, 0, 0);
+  WindowNhwcStore<T, kMask> store{map_y, mask, conv_bias, bias, cout, out_rows, out_cols,
+                                  loader.row_pairs, loader.col_tiles};
+  run_windows<T, kKw, kStages, kCtStagingBytes>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
@@ -1356,15 +1363,10 @@ conv_dgrad_wgmma(const __grid_constant__ TensorMap map_dz, const __grid_constant
                  const __grid_constant__ TensorMap map_dx, i64 n_images, i64 cin, i64 rows, i64 cols,
                  i64 kh_size, i64 c_blocks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(kKw >= 1 && kKw <= kConvWindow - 127, "a tile's taps inside its window");
-  extern __shared__ __align__(128) unsigned char conv_shared[];
-  const i64 row_pairs = (rows + 1) / 2, col_tiles = (cols + 127) / 128;
-  const ConvWindowLoader<T, kKw> loader{map_dz, map_w, row_pairs, col_tiles, n_images * row_pairs * col_tiles,
-                                        cin, static_cast<int>(kh_size), static_cast<int>(c_blocks),
-                                        static_cast<int>(kh_size) - 1, kKw - 1};
-  DgradStore<T> store{map_dx, row_pairs, col_tiles};
-  half_gemm_persistent<T, kStages, kCtStagingBytes, ConvWindowMma<T, kKw>>(reinterpret_cast<char*>(conv_shared),
-                                                                           loader, store);
+  const auto loader = window_loader<T, kKw>(map_dz, map_w, n_images, rows, cols, cin, kh_size, c_blocks,
+                                            static_cast<int>(kh_size) - 1, kKw - 1);
+  DgradStore<T> store{map_dx, loader.row_pairs, loader.col_tiles};
+  run_windows<T, kKw, kStages, kCtStagingBytes>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
@@ -1386,15 +1388,11 @@ conv_bias_relu_nchw_window(const __grid_constant__ TensorMap map_x, const __grid
                            T* __restrict__ y, const T* __restrict__ conv_bias, const T* __restrict__ bias,
                            i64 n_images, i64 cout, i64 out_rows, i64 out_cols, i64 kh_size, i64 c_blocks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(kKw >= 1 && kKw <= kConvWindow - 127, "a tile's taps inside its window");
-  extern __shared__ __align__(128) unsigned char conv_shared[];
-  const i64 row_pairs = (out_rows + 1) / 2, col_tiles = (out_cols + 127) / 128;
-  const NchwWindowLoader<T, kKw, kRaw> loader{map_x, map_w, row_pairs, col_tiles, n_images * row_pairs * col_tiles,
-                                              cout, static_cast<int>(kh_size), static_cast<int>(c_blocks)};
-  WindowNchwStore<T> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, col_tiles},
-                           conv_bias, bias, cout, out_rows, out_cols, row_pairs, col_tiles};
-  half_gemm_persistent<T, kStages, kWindowNchwStagingBytes, ConvWindowMma<T, kKw>>(
-      reinterpret_cast<char*>(conv_shared), loader, store);
+  const NchwWindowLoader<T, kKw, kRaw> loader{
+      window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, c_blocks, 0, 0)};
+  WindowNchwStore<T> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, loader.col_tiles},
+                           conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles};
+  run_windows<T, kKw, kStages, kWindowNchwStagingBytes>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

@@ -158,10 +158,18 @@ def _window_fits(n: int, cin: int, h: int, w: int, cout: int, kh: int, kw: int) 
     multiples of 8 (rows of whole 16 bytes for the copy engine), kw at most
     :data:`WINDOW_MAX_KW`, every coordinate within 32 bits, and the tiles
     times their stages too (the engine counts a block's stages in an int)."""
+    return (cin % 8 == 0 and cout % 8 == 0 and kw <= WINDOW_MAX_KW
+            and _window_bounds(n, cin, h + kh, w + kw, cout, kh, kw))
+
+
+def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: int) -> bool:
+    """A window kernel's 32-bit bounds, for n images of cin input channels
+    and outputs of at most oh x ow pixels and cout channels, a kh x kw
+    kernel (kw >= 1): the coordinates, A's k-tile index (stages * kw of 64
+    values) and the tiles times their stages."""
     stages = kh * cdiv(cin, gemm.HALF_BOX_K)
-    return (cin % 8 == 0 and cout % 8 == 0 and 1 <= kw <= WINDOW_MAX_KW
-            and _window_tiles(n, cout, h + kh, w + kw) * stages < 2**31
-            and max(n, h + kh, w + kw, cin, cout) < 2**31 and stages * kw < 2**31 // 64)
+    return (kw >= 1 and _window_tiles(n, cout, oh, ow) * stages < 2**31
+            and max(n, oh, ow, cin, cout) < 2**31 and stages * kw < 2**31 // 64)
 
 
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
@@ -292,14 +300,12 @@ def _nchw_window_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     contiguous) and the weight [C_out, C_in, KH, KW]: rows of x of whole
     16-byte vectors (W a multiple of 8, x 16-byte aligned: the copy engine's
     strides and base), KW at most :data:`NCHW_WINDOW_MAX_KW`, and the bounds
-    of :func:`_window_fits` (any C_in and C_out: the copy engine reads x's
+    of :func:`_window_bounds` (any C_in and C_out: the copy engine reads x's
     channels as an outer dimension, zeros past C_in)."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
-    stages = kh * cdiv(cin, gemm.HALF_BOX_K)
     return (x.dtype in HALF_DTYPES and x.is_contiguous() and w % 8 == 0 and x.data_ptr() % 16 == 0
-            and 1 <= kw <= NCHW_WINDOW_MAX_KW and _window_tiles(n, cout, h, w) * stages < 2**31
-            and max(n, h, w, cin, cout) < 2**31 and stages * kw < 2**31 // 64)
+            and kw <= NCHW_WINDOW_MAX_KW and _window_bounds(n, cin, h, w, cout, kh, kw))
 
 
 def _out_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int, int, int]:
