@@ -66,12 +66,14 @@ reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out, 
     }
     for (; k < chunks; k += warps, p += stride) acc += *p;
   }
+  // Column j's sum, rounded to float and then to T, and its duplicate.
+  const auto write = [&](double total) {
+    const T sum = from_float<T>(static_cast<float>(total));
+    out[j] = sum;
+    if (j < duplicated) out[slots_times_columns + j] = sum;
+  };
   if constexpr (!kSplit) {  // W == 1: no other warp's sums to add
-    if (j < slots_times_columns) {
-      const T sum = from_float<T>(static_cast<float>(acc));
-      out[j] = sum;
-      if (j < duplicated) out[slots_times_columns + j] = sum;
-    }
+    if (j < slots_times_columns) write(acc);
   } else {
     __shared__ double sums[column_reduce::kMaxWarps][kColumns];
     sums[warp][lane] = acc;
@@ -79,9 +81,7 @@ reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out, 
     if (w == 0 && j < slots_times_columns) {
       double total = acc;
       for (int u = 1; u < warps; ++u) total += sums[warp + u][lane];
-      const T sum = from_float<T>(static_cast<float>(total));
-      out[j] = sum;
-      if (j < duplicated) out[slots_times_columns + j] = sum;
+      write(total);
     }
   }
 }
