@@ -159,7 +159,8 @@ __device__ __forceinline__ float load_or(const T* p, i64 i, float fallback) {
 }
 
 // ---- activations and their derivatives ----
-// kFast = false: float, IEEE libm, no fast-math.  kFast (the vectorised
+// kFast = false: float, libm's expf, log1pf and tanhf, and sigmoid's
+// reciprocal from rcp_of_denominator (below).  kFast (the vectorised
 // GroupNorm kernels on a float16 / bfloat16 z): one hardware exp2 and an
 // approximate divide instead of IEEE libm.  Their few units of float32
 // rounding sit far below the input's own (2^-8 or 2^-11), and a
@@ -167,7 +168,21 @@ __device__ __forceinline__ float load_or(const T* p, i64 i, float fallback) {
 // memory, with libm's expf, log1pf and tanhf.  The activations use
 // __fmul_rn so that a caller's add is never contracted into them: the same
 // input gives the same bits wherever they are inlined.
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// 1 / d for a sigmoid's denominator d = 1 + exp(-x) >= 1 (or NaN): the
+// hardware reciprocal refined by one Newton step (two FMAs): the IEEE
+// reciprocal's own fast path, the same bits wherever 1 / d is normal,
+// without its range tests and slow-path branch (a tenth of the float32
+// GroupNorm kernels' instructions).  Where 1 / d would be subnormal (d >
+// 2^126: x below about -87.3) or d is infinite it gives 0, which moves a
+// sigmoid by less than 2^-126; NaN stays NaN.
+__device__ __forceinline__ float rcp_of_denominator(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  r = fmaf(r, fmaf(-d, r, 1.0f), r);
+  return d > 0x1p126f ? 0.0f : r;
+}
+__device__ __forceinline__ float sigmoidf(float x) { return rcp_of_denominator(1.0f + expf(-x)); }
 
 // The fast forms' hardware exp and reciprocal, flushing subnormals: without
 // -ftz, __expf and __fdividef wrap MUFU.EX2 / MUFU.RCP in range tests and
