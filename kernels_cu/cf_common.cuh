@@ -172,10 +172,11 @@ __device__ __forceinline__ float load_or(const T* p, i64 i, float fallback) {
 // 1 / d for a sigmoid's denominator d = 1 + exp(-x) >= 1 (or NaN): the
 // hardware reciprocal refined by one Newton step (two FMAs): the IEEE
 // reciprocal's own fast path, the same bits wherever 1 / d is normal,
-// without its range tests and slow-path branch (a tenth of the float32
-// GroupNorm kernels' instructions).  Where 1 / d would be subnormal (d >
-// 2^126: x below about -87.3) or d is infinite it gives 0, which moves a
-// sigmoid by less than 2^-126; NaN stays NaN.
+// without its range tests and slow-path branch, whose instructions the
+// float32 GroupNorm kernels, bound by issue, would pay on every value.  Where
+// 1 / d would be subnormal (d > 2^126: x below about -87.3) or d is
+// infinite it gives 0, which moves a sigmoid by less than 2^-126; NaN
+// stays NaN.
 __device__ __forceinline__ float rcp_of_denominator(float d) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
