@@ -159,24 +159,23 @@ __device__ __forceinline__ float load_or(const T* p, i64 i, float fallback) {
 }
 
 // ---- activations and their derivatives ----
-// kFast = false: float, libm's expf, log1pf and tanhf, and sigmoid's
-// reciprocal from rcp_of_denominator (below).  kFast (the vectorised
-// GroupNorm kernels on a float16 / bfloat16 z): one hardware exp2 and an
-// approximate divide instead of IEEE libm.  Their few units of float32
-// rounding sit far below the input's own (2^-8 or 2^-11), and a
-// half-precision z leaves these kernels bound by instruction issue, not
-// memory, with libm's expf, log1pf and tanhf.  The activations use
-// __fmul_rn so that a caller's add is never contracted into them: the same
-// input gives the same bits wherever they are inlined.
+// kFast = false: float, libm's expf and the reciprocals of
+// rcp_of_denominator (below).  kFast (the vectorised GroupNorm kernels on a
+// float16 / bfloat16 z): one hardware exp2 and an approximate divide
+// instead.  Their few units of float32 rounding sit far below the input's
+// own (2^-8 or 2^-11), and a half-precision z leaves these kernels bound by
+// instruction issue, not memory.  The activations use __fmul_rn so that a
+// caller's add is never contracted into them: the same input gives the same
+// bits wherever they are inlined.
 
-// 1 / d for a sigmoid's denominator d = 1 + exp(-x) >= 1 (or NaN): the
-// hardware reciprocal refined by one Newton step (two FMAs): the IEEE
-// reciprocal's own fast path, the same bits wherever 1 / d is normal,
-// without its range tests and slow-path branch, whose instructions the
-// float32 GroupNorm kernels, bound by issue, would pay on every value.  Where
-// 1 / d would be subnormal (d > 2^126: x below about -87.3) or d is
-// infinite it gives 0, which moves a sigmoid by less than 2^-126; NaN
-// stays NaN.
+// 1 / d for d >= 1 or NaN (a sigmoid's denominator 1 + exp(-x); mish's
+// n + 2 and 1 + e below): the hardware reciprocal refined by one Newton
+// step (two FMAs), the IEEE reciprocal's own fast path, the same bits
+// wherever 1 / d is normal, without its range tests and slow-path branch,
+// whose instructions the float32 GroupNorm kernels, bound by issue, would
+// pay on every value.  Where 1 / d would be subnormal (d > 2^126: for a
+// sigmoid, x below about -87.3) or d is infinite it gives 0, which moves a
+// sigmoid by less than 2^-126; NaN stays NaN.
 __device__ __forceinline__ float rcp_of_denominator(float d) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
