@@ -651,20 +651,22 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     Packed<TO, kE> dy;
     float mu, rs;
   };
-  // The lane's addresses in row r (z, dy and dz at its columns; the
-  // statistics at its group), advanced by whole steps of rows: a row's
-  // offsets recomputed from r would cost 64-bit products on every row, in a
-  // kernel bound by issue.
+  // The lane's addresses in row r (z, dy and dz at its columns; the mean
+  // at its group), advanced by whole steps of rows: a row's offsets
+  // recomputed from r would cost 64-bit products on every row, in a kernel
+  // bound by issue.  1/std is read at a fixed distance from the mean (both
+  // planes of one allocation, ops/gn_chain.py's _stats_pointers) rather
+  // than through a fifth pointer stepped on every row.
   struct Cursor {
     const T* z;
     const TO* dy;
     T* dz;
     const float* mu;
-    const float* rs;
     __device__ __forceinline__ Cursor ahead(i64 elements, i64 stats) const {
-      return Cursor{z + elements, dy + elements, dz + elements, mu + stats, rs + stats};
+      return Cursor{z + elements, dy + elements, dz + elements, mu + stats};
     }
   };
+  const i64 rs_from_mu = rstd - mean;
   auto load_row = [&](Row& b, i64 r, const Cursor& at) {
     if (r < row1) {
       if (l.active) {
@@ -673,7 +675,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
       }
       if (real) {
         b.mu = *at.mu;
-        b.rs = *at.rs;
+        b.rs = at.mu[rs_from_mu];
       }
     }
   };
@@ -731,7 +733,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
   Row even = {}, odd = {};
   const int warp = threadIdx.x / 32;
   const i64 first = row0 + warp;
-  Cursor at{z, dy, dz_out, mean, rstd};
+  Cursor at{z, dy, dz_out, mean};
   at = at.ahead(first * channels + l.col, first * groups + l.g);
   load_row(even, first, at);
   load_row(odd, first + kWarps, at.ahead(step, stats_step));

@@ -992,7 +992,7 @@ def test_nchw_window_launch(monkeypatch):
     assert maps == [(x.data_ptr(), (136, 9, 5, 2), (136, 9 * 136, 5 * 9 * 136), bf16, (CB.WINDOW, 1, 64, 1),
                      {"swizzle": False})]
     (a, rows), = packed
-    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)) and a.shape == (33, 3 * 4 * 64)
+    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)[0]) and a.shape == (33, 3 * 4 * 64)
     assert args == (("map", 0), ("packed", 64), y.data_ptr(), cb.data_ptr(), b.data_ptr(), 2, 33, 7, 133, 3, 1)
     for wide, mask in ((False, torch.zeros(2 * 33 * 7 * 133 // 32 + 1, dtype=torch.int32)), (True, None)):
         launched.clear()
@@ -1066,7 +1066,7 @@ def test_window_forward_launch(with_mask, monkeypatch):
         (x.data_ptr(), (72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), bf16, (64, CB.WINDOW, 1, 1)),
         (y.data_ptr(), (64, 136, 7, 2), (64, 136 * 64, 7 * 136 * 64), bf16, (64, 128, 1, 1))]
     (a, rows), = packed
-    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)) and a.shape == (64, 3 * 5 * 128)
+    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)[0]) and a.shape == (64, 3 * 5 * 128)
     assert args[:3] == (("map", 0), ("packed", 64), ("map", 1))
     assert args[3:] == (mask.data_ptr() if with_mask else 0, cb.data_ptr(), b.data_ptr(), 2, 64, 7, 136, 3, 2)
     # Wider than the window takes: the engine's per-tap kernel.

@@ -427,11 +427,12 @@ def _tf32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), torch.full_like(bits, _TF32_NAN), rounded).view(torch.float32)
 
 
-def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
     """The weight [C_out, C_in, KH, KW] as the GEMM's B [C_out, KH * KW *
     Cpad] of ``dtype`` (float32 rounded to TF32): k in (kh, kw, c) order, c
     padded with zeros to Cpad, a multiple of :func:`.gemm._k_tile` (one k-tile per
-    (kh, kw) and block of channels)."""
+    (kh, kw) and block of channels); and Cpad / k-tile, the kernels'
+    ``c_blocks``."""
     weight = _tf32(weight) if dtype == torch.float32 else weight.to(dtype)
     cout, cin, kh, kw = weight.shape
     box_k = gemm._k_tile(dtype)
@@ -440,7 +441,7 @@ def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     packed = F.pad(packed, (0, cpad - cin)) if cpad != cin else packed.contiguous()
     packed = packed.reshape(cout, kh * kw * cpad)
     # A channels-last weight viewed at an odd offset is that view itself.
-    return packed if gemm._tma_compatible(packed) else packed.clone()
+    return (packed if gemm._tma_compatible(packed) else packed.clone()), cpad // box_k
 
 
 def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
@@ -495,8 +496,7 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     map_y = (gemm._encode_tensor_map(out.data_ptr(), (cout, ow, n * oh), (cout, ow * cout), dtype,
                                      (box_k, box_m, 1))
              if layout == CHANNELS_LAST else map_x)  # (unused by the NCHW stores)
-    packed = _packed_weight(weight, dtype)
-    c_blocks = packed.shape[1] // (kh * kw * box_k)
+    packed, c_blocks = _packed_weight(weight, dtype)
     tiles = n * oh * cdiv(ow, box_m) * cdiv(cout, gemm.HALF_TILE[1])
     _bridge.launch(KERNELS.get(("conv", dtype, layout, out_dtype, mask is not None), dev),
                    (min(tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
@@ -543,8 +543,7 @@ def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # None; the sizes _window_fits takes.
     cout, _, kh, kw = weight.shape
     n, _, oh, ow = out.shape
-    packed = _packed_weight(weight, x.dtype)
-    c_blocks = packed.shape[1] // (kh * kw * gemm.HALF_BOX_K)
+    packed, c_blocks = _packed_weight(weight, x.dtype)
     _launch_windows(("window", x.dtype, kw, mask is not None), x, packed, out,
                     (_ptr_or_null(mask), conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kh,
                      c_blocks))
@@ -558,8 +557,7 @@ def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = out.shape[2:]
-    packed = _packed_weight(weight, x.dtype)
-    c_blocks = packed.shape[1] // (kh * kw * gemm.HALF_BOX_K)
+    packed, c_blocks = _packed_weight(weight, x.dtype)
     raws = _nchw_window_raws(kw)
     # x as dims (W, H, C, N): boxes of one row of WINDOW columns x 64 channels.
     map_x = gemm._encode_tensor_map(x.data_ptr(), (w, h, cin, n), (w, h * w, cin * h * w), x.dtype,
@@ -610,8 +608,7 @@ def _launch_dgrad(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     dx = torch.empty((n, h, w, cin), dtype=dz.dtype, device=dz.device).permute(0, 3, 1, 2)
     # Wf [C_in, C_out, KH, KW], Wf[ci, co, kh, kw] = W[co, ci, KH-1-kh, KW-1-kw],
     # as the GEMM's A [C_in, KH * KW * Cpad] (_packed_weight's (kh, kw, co) order).
-    packed = _packed_weight(weight.transpose(0, 1).flip(2, 3), dz.dtype)
-    c_blocks = packed.shape[1] // (kh * kw * gemm.HALF_BOX_K)
+    packed, c_blocks = _packed_weight(weight.transpose(0, 1).flip(2, 3), dz.dtype)
     _launch_windows(("dgrad", dz.dtype, kw), dz, packed, dx, (n, cin, h, w, kh, c_blocks))
     return dx
 
