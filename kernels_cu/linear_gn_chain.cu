@@ -95,11 +95,19 @@ struct GroupNormTileStore {
       }
       named_barrier(1 + me.wg, 128);
     }
-    // z = acc + lin_bias, rounded, into the staging area.
+    // z = acc + lin_bias, rounded, into the staging area.  The lane's 32
+    // biases are read first: the cache's reads and the staging's writes are
+    // volatile asm, kept in program order, so reads between the writes
+    // would each wait out their latency in turn.
+    float lb[kHgAccs / 4][2];
 #pragma unroll
     for (int i = 0; i < kHgAccs / 4; ++i) {
-      const int c = 8 * i + 2 * me.t;
-      const float b0 = p.bias(c), b1 = p.bias(c + 1);
+      lb[i][0] = p.bias(8 * i + 2 * me.t);
+      lb[i][1] = p.bias(8 * i + 2 * me.t + 1);
+    }
+#pragma unroll
+    for (int i = 0; i < kHgAccs / 4; ++i) {
+      const float b0 = lb[i][0], b1 = lb[i][1];
 #pragma unroll
       for (int hm = 0; hm < 2; ++hm)
 #pragma unroll
@@ -223,6 +231,11 @@ linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_cons
                       const TO* __restrict__ mul_weight, i64 M, i64 N, i64 K, i64 groups, double eps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char gemm_shared[];
+  // eps as float, converted once: left to the compiler, the conversion
+  // (and its test for a value below float's range) was redone in every
+  // tile's store, on the store's critical path.
+  float feps;
+  asm volatile("mov.b32 %0, %1;" : "=f"(feps) : "f"(static_cast<float>(eps)));
   GroupNormTileStore<T, TO, Chain, kCpg> store{map_y,
                                                map_z,
                                                mean_out != nullptr,
@@ -234,7 +247,7 @@ linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_cons
                                                M,
                                                N,
                                                groups,
-                                               static_cast<float>(eps)};
+                                               feps};
   const DenseLoader loader{map_x, map_w, M, N, K};
   half_gemm_persistent<T, kStages, kGnStagingBytes>(reinterpret_cast<char*>(gemm_shared), loader, store);
 #else
