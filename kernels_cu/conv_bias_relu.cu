@@ -863,6 +863,22 @@ struct WindowBiases {
   __device__ __forceinline__ float operator()(float v, bool hi) const { return relu_keep_nan(v + cb[hi]) + b[hi]; }
 };
 
+// What both window stores know of y and its tiles.  begin(): where the
+// tile of 256 pixels from n0 lies (image n, output rows h0 and h0 + 1,
+// from column w0), and the biases of the consumer thread's channels of the
+// tile from channel m0.
+template <typename T>
+struct WindowTile {
+  const T* conv_bias;
+  const T* bias;  // or null
+  i64 cout, out_rows, out_cols, row_pairs, col_tiles;
+  __device__ __forceinline__ WindowBiases begin(const HalfGemmLane& me, i64 m0, i64 n0, int& n, int& h0,
+                                                int& w0) const {
+    window_tile(n0 / 256, row_pairs, col_tiles, n, h0, w0);
+    return WindowBiases(conv_bias, bias, cout, m0, me);
+  }
+};
+
 // y = relu(acc + conv_bias) + bias, rounded once, channels-last; with
 // kMask (training) also relu's mask for the backward, bit i of word i / 32
 // for y's element i in memory order (Cout a multiple of 32), set where
@@ -875,14 +891,11 @@ template <typename T, bool kMask>
 struct WindowNhwcStore {
   const TensorMap& map_y;  // y [N, OH, OW, Cout] channels-last
   unsigned short* mask;    // kMask: the mask's words as 16-bit halves
-  const T* conv_bias;
-  const T* bias;  // or null
-  i64 cout, out_rows, out_cols, row_pairs, col_tiles;
+  WindowTile<T> tile;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
     int n, h0, w0;
-    window_tile(n0 / 256, row_pairs, col_tiles, n, h0, w0);
-    const WindowBiases chain(conv_bias, bias, cout, m0, me);
+    const WindowBiases chain = tile.begin(me, m0, n0, n, h0, w0);
     store_window_tile<T>(acc, me, staging, map_y, m0, n, h0, w0, chain);
     if constexpr (kMask) {
 #pragma unroll
@@ -909,7 +922,7 @@ struct WindowNhwcStore {
       v |= __shfl_xor_sync(0xffffffffu, v, 16);
       if ((i & 7) == g) pairs[i >> 3] = v;
     }
-    const i64 c = m0 + 16 * warp;
+    const i64 c = m0 + 16 * warp, cout = tile.cout, out_rows = tile.out_rows, out_cols = tile.out_cols;
     if (oh >= out_rows || c >= cout) return;
 #pragma unroll
     for (int k = 0; k < 2; ++k)
@@ -1062,14 +1075,12 @@ constexpr int kWindowNchwStagingBytes = 2 * 18 * 1024;
 template <typename T>
 struct WindowNchwStore {
   NchwStore<T, T, false> rows;
-  const T* conv_bias;
-  const T* bias;  // or null
-  i64 cout, out_rows, out_cols, row_pairs, col_tiles;
+  WindowTile<T> tile;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
     int n, h0, w0;
-    window_tile(n0 / 256, row_pairs, col_tiles, n, h0, w0);
-    const WindowBiases chain(conv_bias, bias, cout, m0, me);
+    const WindowBiases chain = tile.begin(me, m0, n0, n, h0, w0);
+    const i64 cout = tile.cout, out_rows = tile.out_rows, out_cols = tile.out_cols;
     const int lane = threadIdx.x & 31, warp = me.row >> 4;
     const int tile_rows = static_cast<int>(min(static_cast<i64>(64), cout - m0));
     const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - w0));
@@ -1340,8 +1351,8 @@ conv_bias_relu_window(const __grid_constant__ TensorMap map_x, const __grid_cons
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const auto loader =
       window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, c_blocks, 0, 0);
-  WindowNhwcStore<T, kMask> store{map_y, mask, conv_bias, bias, cout, out_rows, out_cols,
-                                  loader.row_pairs, loader.col_tiles};
+  WindowNhwcStore<T, kMask> store{
+      map_y, mask, {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
   run_windows<T, kKw, kStages, kCtStagingBytes>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
@@ -1391,7 +1402,7 @@ conv_bias_relu_nchw_window(const __grid_constant__ TensorMap map_x, const __grid
   const NchwWindowLoader<T, kKw, kRaw> loader{
       window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, c_blocks, 0, 0)};
   WindowNchwStore<T> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, loader.col_tiles},
-                           conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles};
+                           {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
   run_windows<T, kKw, kStages, kWindowNchwStagingBytes>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
