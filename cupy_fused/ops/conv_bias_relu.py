@@ -131,9 +131,9 @@ _NCHW_WINDOW_STAGING_BYTES = 2 * 18 * 1024
 
 
 def _nchw_window_shared_bytes(kw: int, raws: int) -> int:
-    # half_gemm_shared_bytes<stages, staging, stage, the raw rows, their 2 raws mbarriers>()
-    return (gemm._half_shared_bytes(_NCHW_WINDOW_STAGING_BYTES + raws * _RAW_BYTES, NCHW_WINDOW_STAGES,
-                                    _window_stage_bytes(kw)) + 8 * 2 * raws)
+    # (the loader's extras: the raw rows and their 2 raws mbarriers)
+    return gemm._half_shared_bytes(_NCHW_WINDOW_STAGING_BYTES, NCHW_WINDOW_STAGES, _window_stage_bytes(kw),
+                                   raws * _RAW_BYTES, 2 * raws)
 
 
 def _nchw_window_raws(kw: int) -> int:

@@ -346,13 +346,17 @@ HALF_STAGING_BYTES = 2 * HALF_TILE[0] * HALF_TILE[1] * 2
 
 
 def _half_shared_bytes(staging_bytes: int, stages: int = HALF_STAGES,
-                       stage_bytes: int = (HALF_TILE[0] + HALF_TILE[1]) * HALF_BOX_K * 2) -> int:
+                       stage_bytes: int = (HALF_TILE[0] + HALF_TILE[1]) * HALF_BOX_K * 2,
+                       extra_bytes: int = 0, extra_barriers: int = 0) -> int:
     """Dynamic shared memory of a kernel on the engine with ``stages``
-    stages of ``stage_bytes`` and ``staging_bytes`` of store staging:
-    half_gemm_shared_bytes<stages, staging, stage bytes>()
-    (kernels_cu/gemm.cuh; 1024 bytes of alignment slack, the stages, the
-    staging, the stages' and the turns' mbarriers)."""
-    return 1024 + stages * stage_bytes + staging_bytes + 2 * stages * 8 + 16
+    stages of ``stage_bytes``, ``staging_bytes`` of store staging, and a
+    loader's own ``extra_bytes`` and ``extra_barriers`` mbarriers:
+    half_gemm_shared_bytes<stages, staging, stage bytes, extra bytes, extra
+    barriers>() (kernels_cu/gemm.cuh; 1024 bytes of alignment slack, the
+    stages, the staging, the loader's bytes, the stages' and the turns'
+    mbarriers, the loader's)."""
+    return (1024 + stages * stage_bytes + staging_bytes + extra_bytes + 2 * stages * 8 + 16
+            + 8 * extra_barriers)
 
 
 # Keyed by (dtype, C stored through TMA).
