@@ -17,8 +17,8 @@
 // shifted rows of a window of a convolution's input).
 //
 // Persistent and warp-specialised: one block of three warpgroups per SM
-// walks the output tiles (128 x 128 with SmemMma) in a fixed grouped order,
-// blockIdx.x, + gridDim.x, ...
+// (four with a store of its own: StoreExtras) walks the output tiles (128 x
+// 128 with SmemMma) in a fixed grouped order, blockIdx.x, + gridDim.x, ...
 //  * the producer warpgroup (one thread of it) streams the tiles of A and B
 //    (128 rows x 128 bytes each: 64 16-bit values, or 32 float32 ones, of
 //    k) with the bulk tensor copy engine (TMA) into a kStages
@@ -56,6 +56,7 @@ constexpr int kHgSteps = 4;
 // m or n; TiledLoader), two per 128-row tile.
 constexpr int kMnBoxBytes = 64 * 128;
 constexpr int kHgThreads = 384;                      // producer + 2 consumer warpgroups
+constexpr int kHgThreadsWithStore = 512;             // and the store's own (StoreExtras)
 constexpr int kHgTileABytes = kHgBM * kHgBK * 2;     // 16 KiB
 constexpr int kHgTileBBytes = kHgBN * kHgBK * 2;     // 16 KiB
 constexpr int kHgStageBytes = kHgTileABytes + kHgTileBBytes;
@@ -129,12 +130,13 @@ struct TmaTileWriter {
   }
   // Hands the tile to the copy engine: the boxes at (n0 + 64 box, m0) of a
   // 2-D C, or, with outer >= 0, of plane `outer` of a 3-D C (its rows those
-  // of one plane, the boxes 64 x 128 x 1).
+  // of one plane, the boxes 64 x 128 x 1); boxes first_box .. end_box - 1.
   __device__ __forceinline__ static void end(const TensorMap& map, const HalfGemmLane& me, unsigned staging,
-                                             i64 m0, i64 n0, int outer = -1) {
+                                             i64 m0, i64 n0, int outer = -1, int first_box = 0,
+                                             int end_box = kHgBN / 64) {
     if (staged(me)) {
 #pragma unroll
-      for (int box = 0; box < kHgBN / 64; ++box) {
+      for (int box = first_box; box < end_box; ++box) {
         const unsigned src = staging + box * (kHgBM * 128);
         const int col = static_cast<int>(n0) + 64 * box, row = static_cast<int>(m0);
         if (outer < 0) {
@@ -304,6 +306,35 @@ template <typename L>
 struct LoaderExtras<L, decltype(L::kHelperWarps, 0)> {
   static constexpr int kHelperWarps = L::kHelperWarps, kBytes = L::kExtraBytes, kBarriers = L::kExtraBarriers;
 };
+
+// What a store adds to the engine: none, unless it declares
+// kOwnWarpgroup (true): then the block has a fourth warpgroup
+// (kHgThreadsWithStore threads), the store's own, which shares the work of
+// finishing each tile with the consumer that computed it, after that
+// consumer has put it into its staging area.  Each staging area is handed
+// back and forth with two named barriers of the consumer's and the store's
+// warpgroups (256 threads; arrive on one side, sync on the other):
+// "staged" (the consumer's part for the store's warpgroup is in, and
+// nothing of the consumer's that reads it is left in flight) and "freed"
+// (the store's warpgroup is done with the area).
+template <typename S, typename = int>
+struct StoreExtras {
+  static constexpr bool kWarpgroup = false;
+};
+template <typename S>
+struct StoreExtras<S, decltype(S::kOwnWarpgroup, 0)> {
+  static constexpr bool kWarpgroup = S::kOwnWarpgroup;
+};
+// Named barriers (1-3: each warpgroup's own, TmaTileWriter): staged[w] at
+// kHgStagedBarrier + w, freed[w] at kHgFreedBarrier + w.
+constexpr int kHgStagedBarrier = 4, kHgFreedBarrier = 6;
+// Registers per thread after setmaxnreg: producer and consumers, and with a
+// store warpgroup producer, consumers and the store's (each set at most
+// 64 Ki registers in all; ptxas -v: no spills in the kernels on them).
+constexpr int kHgProducerRegs = 40, kHgConsumerRegs = 232;
+constexpr int kHgStoreProducerRegs = 24, kHgStoreConsumerRegs = 168, kHgStoreRowRegs = 152;
+static_assert(128 * (kHgProducerRegs + 2 * kHgConsumerRegs) <= 65536, "register budget");
+static_assert(128 * (kHgStoreProducerRegs + 2 * kHgStoreConsumerRegs + kHgStoreRowRegs) <= 65536, "register budget");
 
 // The engine's ring of stages, as a loader's helpers see it.
 struct StageRing {
@@ -537,7 +568,15 @@ struct F32ConvertMma {
 // kHgAccs sums, in the layout of its Mma; m0: the first row of its part)
 // after its last read of the tile's stages; `staging`: the shared address
 // of that warpgroup's kStagingBytes / 2 of staging area.  After its last
-// tile every consumer thread calls store.finish(lane).  The store runs
+// tile every consumer thread calls store.finish(lane).  With a store
+// warpgroup (StoreExtras), the consumers call store(acc, lane, m0, n0,
+// staging, staged) instead, and every thread of the store arrives on named
+// barrier `staged` (named_barrier_arrive, 256 threads) once the store's
+// warpgroup may go on; that warpgroup calls, for the block's j-th tile,
+// store.rows(lane, m0, n0, staging, wait) (staging: the area tile j was
+// staged in; wait(): returns once it has been), after which none of its
+// threads may have anything left that reads the area, and
+// store.finish(lane) at the end.  The store runs
 // inside the consumer branch: code after a join of the producer's and the
 // consumers' paths would be held to the producer's register budget.
 // `loader` (DenseLoader above) supplies the operands' tiles, `mma` (SmemMma
@@ -550,6 +589,9 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   // barriers: full[s] at + 8s, empty[s] at + 8 (kStages + s), turn[w] at + 8
   // (2 kStages + w), and the loader's.
   using Extras = LoaderExtras<Loader>;
+  constexpr bool kStoreWg = StoreExtras<Store>::kWarpgroup;
+  static_assert(!kStoreWg || (!Mma::kCooperative && Extras::kHelperWarps == 0),
+                "a store warpgroup beside ping-pong consumers and a plain producer");
   constexpr int kStageBytes = Mma::kTileABytes + Mma::kTileBBytes;
   // The bytes a stage's copies bring (B's tile is the helpers' where there are some).
   constexpr int kStageCopyBytes = Extras::kHelperWarps > 0 ? Mma::kTileABytes : kStageBytes;
@@ -603,7 +645,8 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   // every stage, so neither can get a whole ring ahead of the other.
   if (warp < 4) {
     // ---------------- producer ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kStoreWg ? kHgStoreProducerRegs : kHgProducerRegs)
+                 : "memory");
     if constexpr (Extras::kHelperWarps > 0) {
       if (warp >= 4 - Extras::kHelperWarps) {
         Loader helper = loader;
@@ -630,8 +673,29 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     }
     return;
   }
+  if constexpr (kStoreWg) {
+    if (warp >= 12) {
+      // ---------------- the store's warpgroup ----------------
+      static_assert(kHgStoreRowRegs >= 65536 / kHgThreadsWithStore, "more than the launch's: inc");
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHgStoreRowRegs) : "memory");
+      const HalfGemmLane me;  // (wg 2: its barrier is named 3)
+      for (i64 j = 0, tile = blockIdx.x; tile < tiles; ++j, tile += gridDim.x) {
+        i64 tm, tn;
+        grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
+        const int w = static_cast<int>(j & 1);
+        store.rows(me, tm * Mma::kBM, tn * Mma::kBN, staging + w * (kStagingBytes / 2),
+                   [&] { named_barrier(kHgStagedBarrier + w, 256); });
+        // The consumer's next tile, if any, waits for the area (a barrier
+        // left with arrivals nobody waits for would outlive the block).
+        if (tile + 2 * gridDim.x < tiles) named_barrier_arrive(kHgFreedBarrier + w, 256);
+      }
+      store.finish(me);
+      return;
+    }
+  }
   // ---------------- consumers ----------------
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStoreWg ? kHgStoreConsumerRegs : kHgConsumerRegs)
+               : "memory");
   const HalfGemmLane me;
   const bool warp_leader = (tid & 31) == 0;
   const unsigned my_staging = staging + me.wg * (kStagingBytes / 2);
@@ -671,7 +735,13 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     fence_registers(acc[1]);
     mma.end_tile();
     if (warp_leader) mbar_arrive(empty((it - 1) % kStages));
-    store(acc, me, tm * Mma::kBM + my_rows, tn * Mma::kBN, my_staging);
+    if constexpr (kStoreWg) {
+      // The store's warpgroup is done with this warpgroup's previous tile.
+      if (j >= 2) named_barrier(kHgFreedBarrier + me.wg, 256);
+      store(acc, me, tm * Mma::kBM + my_rows, tn * Mma::kBN, my_staging, kHgStagedBarrier + me.wg);
+    } else {
+      store(acc, me, tm * Mma::kBM + my_rows, tn * Mma::kBN, my_staging);
+    }
   }
   store.finish(me);
 }

@@ -36,7 +36,11 @@ namespace cf {
 // warp covers whole rows (a lane 4 adjacent columns: 512 contiguous bytes
 // per row and store): the row phase then only computes the statistics
 // (kept in shared memory), and the second pass recomputes Pre, bit for bit
-// the same, from z.
+// the same, from z.  That store outlasted the other warpgroup's main loop;
+// so with a float32 y (and fewer than 128 channels per group) the block
+// has a fourth warpgroup (the engine's StoreExtras), which takes the groups
+// of the tile's second 64 columns, both passes, while the consumer does
+// those of the first 64.
 //
 // Outputs: y [M, N] (through map_y when TO is 16-bit, else y); with mean_out
 // not null (training) also z [M, N] through map_z and mean / rstd [M, groups]
@@ -74,11 +78,24 @@ struct GroupNormTileStore {
   i64 M, N, groups;
   float feps;
 
+  // With a float32 y (autocast), the consumer finishes the groups of the
+  // tile's first 64 columns and the store's own warpgroup those of the
+  // other 64, each while the other consumer's MMAs run.  A 16-bit y, and a
+  // group of 128 channels (one per tile: the store's warpgroup's registers
+  // would not hold it), stay with the consumer, and the block has no store
+  // warpgroup (docs/gemm.md: measured).
+  static constexpr bool kOwnWarpgroup = sizeof(TO) == 4 && kCpg < kHgBN;
+  static constexpr int kMine = kOwnWarpgroup ? kGroups / 2 : kGroups;  // the consumer's groups: 0 .. kMine - 1
+
+  // A consumer's part: the vectors' cache, z = acc + lin_bias, rounded,
+  // into the staging area (and out through TMA when the backward needs it),
+  // the hand-off to the store's warpgroup (named barrier `staged`), then
+  // groups 0 .. kMine - 1 of every row.
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
-                                             i64 n0, unsigned staging) const {
+                                             i64 n0, unsigned staging, int staged = 0) const {
     const TileVectors<TO, kFast> p{staging + kHgStagingBytes / 2};
     const int lt = threadIdx.x & 127;
-    TmaTileWriter::begin(me);  // the previous tile has left the staging area and the cache
+    TmaTileWriter::begin(me);  // this warpgroup's last boxes have left the staging area
     // The cache: column n0 + lt of every vector (absent vectors and columns
     // past N: the neutral value).
     {
@@ -95,39 +112,67 @@ struct GroupNormTileStore {
       }
       named_barrier(1 + me.wg, 128);
     }
-    // z = acc + lin_bias, rounded, into the staging area.  The lane's 32
-    // biases are read first: the cache's reads and the staging's writes are
-    // volatile asm, kept in program order, so reads between the writes
-    // would each wait out their latency in turn.
-    float lb[kHgAccs / 4][2];
+    // The lane's biases are read ahead of the staging's writes (a batch at
+    // a time within the registers a consumer has beside a store
+    // warpgroup): the reads and the writes are volatile asm, kept in
+    // program order, so reads between the writes would each wait out their
+    // latency in turn.
+    constexpr int kBatch = kOwnWarpgroup ? 8 : kHgAccs / 4;
 #pragma unroll
-    for (int i = 0; i < kHgAccs / 4; ++i) {
-      lb[i][0] = p.bias(8 * i + 2 * me.t);
-      lb[i][1] = p.bias(8 * i + 2 * me.t + 1);
-    }
+    for (int i0 = 0; i0 < kHgAccs / 4; i0 += kBatch) {
+      float lb[kBatch][2];
 #pragma unroll
-    for (int i = 0; i < kHgAccs / 4; ++i) {
-      const float b0 = lb[i][0], b1 = lb[i][1];
+      for (int i = 0; i < kBatch; ++i) {
+        lb[i][0] = p.bias(8 * (i0 + i) + 2 * me.t);
+        lb[i][1] = p.bias(8 * (i0 + i) + 2 * me.t + 1);
+      }
 #pragma unroll
-      for (int hm = 0; hm < 2; ++hm)
+      for (int i = 0; i < kBatch; ++i)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          TmaTileWriter::put(staging, 64 * hm + me.row + 8 * h, i, me.t,
-                             pack2<T>(__fadd_rn(acc[hm][4 * i + 2 * h], b0), __fadd_rn(acc[hm][4 * i + 2 * h + 1], b1)));
+        for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            TmaTileWriter::put(staging, 64 * hm + me.row + 8 * h, i0 + i, me.t,
+                               pack2<T>(__fadd_rn(acc[hm][4 * (i0 + i) + 2 * h], lb[i][0]),
+                                        __fadd_rn(acc[hm][4 * (i0 + i) + 2 * h + 1], lb[i][1])));
     }
     if (save) {  // z leaves as it is; y may overwrite it once the copy has read it
       TmaTileWriter::end(map_z, me, staging, m0, n0);
       TmaTileWriter::begin(me);
     } else {
-      fence_proxy_async();
+      fence_proxy_async();  // (y's boxes leave through TMA from here)
       named_barrier(1 + me.wg, 128);
     }
-    // Row lt of the tile, group by group.
+    if (kOwnWarpgroup) named_barrier_arrive(staged, 256);
+    finish_groups<0, kMine>(me, m0, n0, staging);
+  }
+
+  // The store's warpgroup: groups kMine .. of the tile staged in `staging`
+  // (once wait() has returned).
+  template <typename Wait>
+  __device__ __forceinline__ void rows(const HalfGemmLane& me, i64 m0, i64 n0, unsigned staging,
+                                       const Wait& wait) const {
+    wait();
+    finish_groups<kMine, kGroups>(me, m0, n0, staging);
+    if (me.leader()) bulk_wait_read();
+  }
+
+  // Groups kQ0 .. kQ1 - 1 of each row of the tile (columns kQ0 kCpg .. kQ1
+  // kCpg: one or both 64-column boxes), row lt by thread lt: Pre, the
+  // statistics (float, two-pass, summed in column order by one thread:
+  // bitwise reproducible), the normalisation and Post, each group's values
+  // in registers.  A 16-bit y replaces z in place and its boxes leave
+  // through TMA; a float32 y is stored by a second pass (below).
+  template <int kQ0, int kQ1>
+  __device__ __forceinline__ void finish_groups(const HalfGemmLane& me, i64 m0, i64 n0, unsigned staging) const {
+    static_assert((kQ1 - kQ0) * kCpg % 64 == 0 && kQ0 * kCpg % 64 == 0, "whole boxes");
+    const TileVectors<TO, kFast> p{staging + kHgStagingBytes / 2};
+    const int lt = threadIdx.x & 127;
     const i64 row = m0 + lt;
     const float inv_cpg = 1.0f / static_cast<float>(kCpg);
     const unsigned stats = p.base + kGnStatsOffset;  // float32 y: [128 rows][kGroups] (mean, rstd)
 #pragma unroll 1
-    for (int q = 0; q < kGroups; ++q) {
+    for (int q = kQ0; q < kQ1; ++q) {
       float v[kCpg];
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) {
@@ -178,13 +223,16 @@ struct GroupNormTileStore {
       }
     }
     if constexpr (sizeof(TO) == 2) {
-      TmaTileWriter::end(map_y, me, staging, m0, n0);
+      TmaTileWriter::end(map_y, me, staging, m0, n0, -1, kQ0 * kCpg / 64, kQ1 * kCpg / 64);
     } else {
       static_assert(kHgBM * kGroups * 8 <= kGnVectorBytes - kGnStatsOffset, "the statistics fit");
       named_barrier(1 + me.wg, 128);  // every row's statistics are in
-      // Warp wr of the warpgroup takes rows wr, wr + 4, ...; lane l columns
-      // 4l .. 4l + 3 of each (half of a 16-byte chunk of z).
-      const int wr = lt >> 5, lane = lt & 31, c0 = 4 * lane, q = c0 / kCpg;
+      // Columns c_first .. + kCols - 1: a lane takes 4 adjacent columns
+      // (half of a 16-byte chunk of z) of one row, kLanes lanes a row (256
+      // or 512 contiguous bytes per store); warp wr of the warpgroup rows wr
+      // kRows .. (+ kRows - 1), then 4 kRows on.
+      constexpr int kCols = (kQ1 - kQ0) * kCpg, kLanes = kCols / 4, kRows = 32 / kLanes;
+      const int wr = lt >> 5, lane = lt & 31, c0 = kQ0 * kCpg + 4 * (lane % kLanes), q = c0 / kCpg;
       float gamma[4], beta[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -193,12 +241,12 @@ struct GroupNormTileStore {
       }
       const i64 col = n0 + c0;  // N is a multiple of kCpg >= 8: the 4 columns are in or out
 #pragma unroll 1
-      for (int r = wr; r < kHgBM; r += 4) {
+      for (int r = wr * kRows + lane / kLanes; r < kHgBM; r += 4 * kRows) {
         unsigned w[2];
         float mean, rstd;
         asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
                      : "=r"(w[0]), "=r"(w[1])
-                     : "r"(TmaTileWriter::chunk_addr(staging, r, lane >> 1) + 8u * (lane & 1)));
+                     : "r"(TmaTileWriter::chunk_addr(staging, r, c0 >> 3) + 8u * ((c0 >> 2) & 1)));
         asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
                      : "=f"(mean), "=f"(rstd)
                      : "r"(stats + 8u * (r * kGroups + q)));
@@ -211,18 +259,24 @@ struct GroupNormTileStore {
         if (m0 + r < M && col < N)
           *reinterpret_cast<float4*>(y + (m0 + r) * N + col) = make_float4(yv[0], yv[1], yv[2], yv[3]);
       }
-      // The next tile's begin() waits for every thread of the warpgroup
-      // before the staging area is written again.
+      // Nothing reads the staging area after the warpgroup's next barrier:
+      // the consumer's begin() at its next tile, the store's warpgroup's
+      // here.
+      named_barrier(1 + me.wg, 128);
     }
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
 
-// Grid: at most one block per SM (persistent), kHgThreads threads,
+// Grid: at most one block per SM (persistent), kHgThreads threads, or
+// kHgThreadsWithStore with the store's own warpgroup
+// (ops.linear_gn_chain._half_threads),
 // half_gemm_shared_bytes<kStages, kGnStagingBytes>() of dynamic shared memory
 // (ops.gemm._half_shared_bytes).
 template <typename T, typename TO, typename Chain, int kCpg, int kStages>
-__global__ void __launch_bounds__(kHgThreads, 1)
+__global__ void __launch_bounds__(GroupNormTileStore<T, TO, Chain, kCpg>::kOwnWarpgroup ? kHgThreadsWithStore
+                                                                                   : kHgThreads,
+                                  1)
 linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
                       const __grid_constant__ TensorMap map_y, const __grid_constant__ TensorMap map_z,
                       TO* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,

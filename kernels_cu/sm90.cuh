@@ -145,6 +145,12 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// Arrives on barrier `id` over `count` threads without waiting: this
+// thread's earlier memory accesses are performed for the threads that then
+// wait on it (bar.sync).
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 // Four 8 x 8 matrices of 16-bit values, held as mma accumulator fragments
 // (lane l: row l / 4, the pair of columns 2 (l % 4), +1, packed in r_j for
 // matrix j), stored transposed: row r of matrix j (its column r) goes to the

@@ -276,6 +276,8 @@ def test_one_launch_kernel_against_float64(chain, shape, dtype, device):
             x, w, *vf, chain, groups, eps, True, float_out=True,
             y=torch.full((m, n), float("nan"), device=device))
         assert torch.equal(z32, z) and torch.equal(stats32, stats)
+        y32_again, _, _ = LG._launch_fused_half(x, w, *vf, chain, groups, eps, True, float_out=True)
+        assert torch.equal(y32, y32_again)
         want, _ = GN._launch_forward(z, None, *vf[1:], chain, groups, eps, True, True,
                                      float_out=True)
         torch.testing.assert_close(y32, want, rtol=1e-4, atol=1e-4)

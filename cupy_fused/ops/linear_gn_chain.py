@@ -72,6 +72,14 @@ HALF_FLOAT_OUT_GROUP_SIZES = (32, 64, 128)
 # (kGnStagingBytes: 2 x 8 KiB beside the tiles).
 HALF_SHARED_BYTES = gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * 8192)
 
+
+def _half_threads(cpg: int, float_out: bool) -> int:
+    """Threads of the one-launch kernel for groups of ``cpg`` channels: the
+    engine's warpgroups, and the store's own for a float32 y below 128
+    channels per group (``GroupNormTileStore::kOwnWarpgroup``)."""
+    return gemm.HALF_THREADS + (128 if float_out and cpg < gemm.HALF_TILE[1] else 0)
+
+
 # Keyed by (dtype, float32 output and vectors (autocast), chain, channels per group).
 HALF_KERNELS = _runtime.KernelFamily("linear_gn_chain.cu", {
     (dtype, float_out, chain, cpg): (
@@ -185,7 +193,7 @@ def _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_wei
     # A float32 y is stored from registers: its map argument is unused.
     map_y = map_x if float_out else gemm._tensor_map(y, gemm.HALF_TILE[0])
     _bridge.launch(HALF_KERNELS.get((x.dtype, float_out, chain, n // num_groups), dev),
-                   (min(tiles, gemm.sm_count(dev)), 1, 1), gemm.HALF_THREADS, (
+                   (min(tiles, gemm.sm_count(dev)), 1, 1), _half_threads(n // num_groups, float_out), (
                        map_x, gemm._tensor_map(weight, gemm.HALF_TILE[1]),
                        map_y, gemm._tensor_map(z, gemm.HALF_TILE[0]) if save else map_y,
                        y.data_ptr(), mean, rstd, _ptr_or_null(lin_bias),
