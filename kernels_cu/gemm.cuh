@@ -314,9 +314,9 @@ struct LoaderExtras<L, decltype(L::kHelperWarps, 0)> {
 // consumer has put it into its staging area.  Each staging area is handed
 // back and forth with two named barriers of the consumer's and the store's
 // warpgroups (256 threads; arrive on one side, sync on the other):
-// "staged" (the consumer's part for the store's warpgroup is in, and
-// nothing of the consumer's that reads it is left in flight) and "freed"
-// (the store's warpgroup is done with the area).
+// "staged" (the consumer's part for the store's warpgroup is in, and its
+// copy engine has read what it was to read from the area) and "freed" (the
+// store's warpgroup is done with the area).
 template <typename S, typename = int>
 struct StoreExtras {
   static constexpr bool kWarpgroup = false;
@@ -329,12 +329,16 @@ struct StoreExtras<S, decltype(S::kOwnWarpgroup, 0)> {
 // kHgStagedBarrier + w, freed[w] at kHgFreedBarrier + w.
 constexpr int kHgStagedBarrier = 4, kHgFreedBarrier = 6;
 // Registers per thread after setmaxnreg: producer and consumers, and with a
-// store warpgroup producer, consumers and the store's (each set at most
-// 64 Ki registers in all; ptxas -v: no spills in the kernels on them).
+// store warpgroup producer, consumers and the store's (each set within the
+// launch's registers: 64 Ki per block, per thread a multiple of 8; ptxas
+// -v: no spills in the kernels on them).
 constexpr int kHgProducerRegs = 40, kHgConsumerRegs = 232;
 constexpr int kHgStoreProducerRegs = 24, kHgStoreConsumerRegs = 168, kHgStoreRowRegs = 152;
-static_assert(128 * (kHgProducerRegs + 2 * kHgConsumerRegs) <= 65536, "register budget");
-static_assert(128 * (kHgStoreProducerRegs + 2 * kHgStoreConsumerRegs + kHgStoreRowRegs) <= 65536, "register budget");
+static_assert(128 * (kHgProducerRegs + 2 * kHgConsumerRegs) <= kHgThreads * (65536 / kHgThreads / 8 * 8),
+              "register budget");
+static_assert(128 * (kHgStoreProducerRegs + 2 * kHgStoreConsumerRegs + kHgStoreRowRegs) <=
+                  kHgThreadsWithStore * (65536 / kHgThreadsWithStore / 8 * 8),
+              "register budget");
 
 // The engine's ring of stages, as a loader's helpers see it.
 struct StageRing {
@@ -562,7 +566,7 @@ struct F32ConvertMma {
   }
 };
 
-// The engine, run by all kHgThreads threads of a block: every tile of C this
+// The engine, run by all kHgThreads (or kHgThreadsWithStore) threads of a block: every tile of C this
 // block owns, each handed to store(acc, lane, m0, n0, staging) by every
 // thread of each consumer warpgroup that computed part of it (its 2 x
 // kHgAccs sums, in the layout of its Mma; m0: the first row of its part)

@@ -140,7 +140,7 @@ struct GroupNormTileStore {
       TmaTileWriter::end(map_z, me, staging, m0, n0);
       TmaTileWriter::begin(me);
     } else {
-      fence_proxy_async();  // (y's boxes leave through TMA from here)
+      fence_proxy_async();  // (a 16-bit y's boxes leave through TMA from here)
       named_barrier(1 + me.wg, 128);
     }
     if (kOwnWarpgroup) named_barrier_arrive(staged, 256);
@@ -227,7 +227,7 @@ struct GroupNormTileStore {
     } else {
       static_assert(kHgBM * kGroups * 8 <= kGnVectorBytes - kGnStatsOffset, "the statistics fit");
       named_barrier(1 + me.wg, 128);  // every row's statistics are in
-      // Columns c_first .. + kCols - 1: a lane takes 4 adjacent columns
+      // Columns kQ0 kCpg .. + kCols - 1: a lane takes 4 adjacent columns
       // (half of a 16-byte chunk of z) of one row, kLanes lanes a row (256
       // or 512 contiguous bytes per store); warp wr of the warpgroup rows wr
       // kRows .. (+ kRows - 1), then 4 kRows on.
@@ -259,9 +259,9 @@ struct GroupNormTileStore {
         if (m0 + r < M && col < N)
           *reinterpret_cast<float4*>(y + (m0 + r) * N + col) = make_float4(yv[0], yv[1], yv[2], yv[3]);
       }
-      // Nothing reads the staging area after the warpgroup's next barrier:
-      // the consumer's begin() at its next tile, the store's warpgroup's
-      // here.
+      // The warpgroup's reads of the staging area and the cache end here
+      // (the consumer's next begin() and the store's warpgroup's arrive on
+      // "freed" would also order them before the next tile's writes).
       named_barrier(1 + me.wg, 128);
     }
   }

@@ -238,11 +238,12 @@ HALF = [torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("chain", list(GN.CHAINS))
 @pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_one_launch_kernel_against_float64(chain, shape, dtype, device):
+def test_one_launch_kernel_against_float64(chain, shape, dtype, device, monkeypatch):
     """The 16-bit one-launch kernel, launched directly (the rule takes it
     only for products that fill the GPU): y into NaN, error vs float64 no
     worse than eager's in the same dtype; z, mean and 1/std as the backward
-    needs them; the same y without saving; the same bits twice."""
+    needs them; the same y without saving; the same bits twice, and (float32
+    y) on a grid of one or two blocks, each walking many tiles."""
     m, k, n, groups = shape
     if not G.has_wgmma(device.index):
         pytest.skip("the one-launch kernel needs the Hopper GEMM engine (compute capability 9.0)")
@@ -278,6 +279,13 @@ def test_one_launch_kernel_against_float64(chain, shape, dtype, device):
         assert torch.equal(z32, z) and torch.equal(stats32, stats)
         y32_again, _, _ = LG._launch_fused_half(x, w, *vf, chain, groups, eps, True, float_out=True)
         assert torch.equal(y32, y32_again)
+        for blocks in (1, 2):  # every staging area handed to the store's warpgroup again and again
+            monkeypatch.setattr(G, "sm_count", lambda dev, blocks=blocks: blocks)
+            y_few, z_few, stats_few = LG._launch_fused_half(x, w, *vf, chain, groups, eps, True,
+                                                            float_out=True)
+            assert torch.equal(y_few, y32), blocks
+            assert torch.equal(z_few, z) and torch.equal(stats_few, stats), blocks
+        monkeypatch.undo()
         want, _ = GN._launch_forward(z, None, *vf[1:], chain, groups, eps, True, True,
                                      float_out=True)
         torch.testing.assert_close(y32, want, rtol=1e-4, atol=1e-4)
