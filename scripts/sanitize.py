@@ -164,6 +164,14 @@ if G.has_wgmma(0):
                 want = _launch_forward(z, None, *vf[1:], chain, groups, 1e-5, False, True,
                                        float_out=True)[0]
                 ok = torch.allclose(y32, want, atol=1e-4, rtol=1e-4)
+                # The same on one block, which walks every tile: each staging
+                # area is handed to the store's warpgroup and back again.
+                sm_count, G.sm_count = G.sm_count, lambda dev: 1
+                try:
+                    y1, _, _ = LG._launch_fused_half(x, w, *vf, chain, groups, 1e-5, True, float_out=True)
+                finally:
+                    G.sm_count = sm_count
+                ok = ok and torch.equal(y1, y32)
                 print("linear_gn_chain float32 out", chain, dtype, (m, k, n, groups),
                       "OK" if ok else "ERROR", flush=True)
                 failed += [] if ok else [f"linear_gn_chain float32 out {chain} {dtype} {(m, k, n)}"]

@@ -101,6 +101,24 @@ def test_the_one_launch_entry_checks_a_given_y(past_device_check):
                                y, float_out)
 
 
+def test_the_one_launch_entry_checks_the_vectors(past_device_check):
+    """The kernel reads the linear bias as x's dtype and the other vectors as
+    y's (float32 under autocast): a vector of another dtype, length or
+    layout is refused before the launch (one value for every channel is
+    taken)."""
+    x, w = torch.rand(8, 16, dtype=torch.bfloat16), torch.rand(32, 16, dtype=torch.bfloat16)
+    half, single = torch.rand(32, dtype=torch.bfloat16), torch.rand(32)
+    cases = (("lin_bias", 0, single, False), ("lin_bias", 0, single, True),
+             ("gn_weight", 2, single, False), ("gn_weight", 2, half, True),
+             ("gn_bias", 3, torch.rand(31), True), ("extra_bias", 1, torch.rand(64)[::2], True),
+             ("mul_weight", 4, half.float(), False))
+    for name, slot, v, float_out in cases:
+        vectors = [None] * 5
+        vectors[slot] = v
+        with pytest.raises(ValueError, match=f"{name} must be a contiguous \\[32\\] \\(or \\[1\\]\\) tensor"):
+            LG._run_one_launch(x, w, *vectors, "swish_bias_gn", 4, 1e-5, False, None, float_out)
+
+
 def test_validation(past_device_check):
     x, w, v = torch.rand(4, 8), torch.rand(16, 8), torch.rand(16)
     with pytest.raises(ValueError, match="chain must be one of"):

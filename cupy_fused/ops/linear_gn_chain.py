@@ -174,9 +174,17 @@ def _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_wei
     m, k = x.shape
     n = weight.shape[0]
     dev = x.device.index
+    y_dtype = torch.float32 if float_out else x.dtype
+    # The kernel reads the vectors' N values as x's dtype (lin_bias) or as
+    # y's; one value for every channel is spread here.
+    for name, v, want in (("lin_bias", lin_bias, x.dtype), ("extra_bias", extra_bias, y_dtype),
+                          ("gn_weight", gn_weight, y_dtype), ("gn_bias", gn_bias, y_dtype),
+                          ("mul_weight", mul_weight, y_dtype)):
+        if v is not None and (v.dim() != 1 or v.shape[0] not in (1, n) or v.dtype != want
+                              or v.device != x.device or (v.shape[0] == n and not v.is_contiguous())):
+            raise ValueError(f"{name} must be a contiguous [{n}] (or [1]) tensor of {want} on x's device")
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
         _spread(v, n) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
-    y_dtype = torch.float32 if float_out else x.dtype
     if y is None:
         y = torch.empty((m, n), dtype=y_dtype, device=x.device)
     elif (y.shape != (m, n) or y.dtype != y_dtype or y.device != x.device or not y.is_contiguous()
