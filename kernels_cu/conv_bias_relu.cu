@@ -739,15 +739,16 @@ struct ConvWindowMma : TilelessMma {
   static constexpr bool kCooperative = false;
   static constexpr int kTileABytes = kKw * 64 * 128, kTileBBytes = 2 * kConvWindowBytes;
   __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) const {
+    const Swizzle128Desc sa(a), sb(b);
     begin_mma_group(acc);
 #pragma unroll
     for (int kw = 0; kw < kKw; ++kw)
 #pragma unroll
       for (int kk = 0; kk < kHgSteps; ++kk) {
-        const unsigned long long da = swizzle128_desc(a + kw * (64 * 128) + 32 * kk);
+        const unsigned long long da = sa.at(kw * (64 * 128) + 32 * kk);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          wgmma_m64n128_step<T>(acc[r], da, swizzle128_desc(b + r * kConvWindowBytes + kw * 128 + 32 * kk),
+          wgmma_m64n128_step<T>(acc[r], da, sb.at(r * kConvWindowBytes + kw * 128 + 32 * kk),
                                 kt > 0 || kw > 0 || kk > 0);
       }
     wgmma_commit();

@@ -214,18 +214,29 @@ struct TiledLoader {
 };
 using DenseLoader = TiledLoader<kHgBM, kHgBN>;
 
-// Shared-memory matrix descriptor of an operand in the 128-byte swizzle
+// Shared-memory matrix descriptors of an operand in the 128-byte swizzle
 // layout that TMA writes: rows of 128 bytes, 8-row (1024-byte) core groups
 // (stride-byte offset 1024).  K-major (the rows along m or n): the
 // leading-byte offset is unused there (16).  MN-major (PTX: M-major A,
 // N-major B; the rows along k, 64 values of m or n each, as TiledLoader's
 // MN-major boxes lay them out): the leading-byte offset is the step to the
 // next 64 values of m or n, kMnBoxBytes.
-__device__ __forceinline__ unsigned long long swizzle128_desc(unsigned addr, unsigned leading_bytes = 16) {
-  return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) |
-         (static_cast<unsigned long long>(leading_bytes >> 4) << 16) |
-         (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
-}
+// Made once from a stage's address; at(offset) is the descriptor of the
+// slice `offset` bytes on, one add per MMA step.  A shared address stays
+// below 2^18, so the 14-bit address field (address / 16) takes the offset
+// without carrying into the leading-byte field, and the high word (the
+// stride-byte offset and the swizzle mode) is a constant.  (Building each
+// descriptor whole, mask, shifts and ors, was about a quarter of the
+// consumers' main-loop instructions: docs/gemm.md, "Fewer instructions in
+// the main loop".)
+struct Swizzle128Desc {
+  unsigned lo;
+  __device__ __forceinline__ explicit Swizzle128Desc(unsigned addr, unsigned leading_bytes = 16)
+      : lo(((addr & 0x3ffffu) >> 4) | ((leading_bytes >> 4) << 16)) {}
+  __device__ __forceinline__ unsigned long long at(unsigned offset) const {
+    return (static_cast<unsigned long long>((1024 >> 4) | (1u << 30)) << 32) | (lo + (offset >> 4));
+  }
+};
 
 // Two floats rounded to T and packed into one word (lo in the low half), in
 // one instruction.
@@ -260,7 +271,7 @@ template <> struct WgmmaType<bfloat16> { static constexpr bool kBf16 = true; };
 // 16 slice of B of a 16-bit T, 64 x 8 and 128 x 8 of float32 T (read as
 // TF32: the low 13 bits of the mantissa are not used), both in shared
 // memory (descriptors).  accumulate = 0 ignores d's old value.  kTransA /
-// kTransB (16-bit T): A M-major / B N-major (swizzle128_desc), else
+// kTransB (16-bit T): A M-major / B N-major (Swizzle128Desc), else
 // K-major.
 template <typename T, int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long long desc_a,
@@ -368,23 +379,23 @@ template <typename T, bool kAMn = false, bool kBMn = false>
 struct SmemMma : TilelessMma {
   // The operands' slices for step kk of k (rows 64h.. of A): K-major, 32
   // bytes along the swizzled rows; MN-major, 16 rows of k (2048 bytes) on.
-  __device__ __forceinline__ static unsigned long long desc_a(unsigned a, int h, int kk) {
-    return kAMn ? swizzle128_desc(a + h * kMnBoxBytes + 2048 * kk, kMnBoxBytes)
-                : swizzle128_desc(a + h * (64 * 128) + 32 * kk);
+  __device__ __forceinline__ static unsigned long long desc_a(const Swizzle128Desc& a, int h, int kk) {
+    return kAMn ? a.at(h * kMnBoxBytes + 2048 * kk) : a.at(h * (64 * 128) + 32 * kk);
   }
-  __device__ __forceinline__ static unsigned long long desc_b(unsigned b, int kk) {
-    return kBMn ? swizzle128_desc(b + 2048 * kk, kMnBoxBytes) : swizzle128_desc(b + 32 * kk);
+  __device__ __forceinline__ static unsigned long long desc_b(const Swizzle128Desc& b, int kk) {
+    return kBMn ? b.at(2048 * kk) : b.at(32 * kk);
   }
   static constexpr int kBM = kHgBM, kBN = kHgBN, kWgRows = kHgBM;
   static constexpr bool kCooperative = false;
   static constexpr int kTileABytes = kHgTileABytes, kTileBBytes = kHgTileBBytes;
   __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) const {
+    const Swizzle128Desc sa(a, kAMn ? kMnBoxBytes : 16), sb(b, kBMn ? kMnBoxBytes : 16);
     begin_mma_group(acc);
 #pragma unroll
     for (int kk = 0; kk < kHgSteps; ++kk) {
-      const unsigned long long db = desc_b(b, kk);
-      wgmma_m64n128_step<T, kAMn, kBMn>(acc[0], desc_a(a, 0, kk), db, kt > 0 || kk > 0);
-      wgmma_m64n128_step<T, kAMn, kBMn>(acc[1], desc_a(a, 1, kk), db, kt > 0 || kk > 0);
+      const unsigned long long db = desc_b(sb, kk);
+      wgmma_m64n128_step<T, kAMn, kBMn>(acc[0], desc_a(sa, 0, kk), db, kt > 0 || kk > 0);
+      wgmma_m64n128_step<T, kAMn, kBMn>(acc[1], desc_a(sa, 1, kk), db, kt > 0 || kk > 0);
     }
     wgmma_commit();
   }
@@ -555,10 +566,10 @@ struct F32ConvertMma {
         frag[2 * m + 1][j] = odd_first ? first : later;
       }
     }
+    const Swizzle128Desc sb(b);
     begin_mma_group(acc);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_m64n256_rs<T>(acc[0], acc[1], frag[kk], swizzle128_desc(b + 32 * kk), kt > 0 || kk > 0);
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256_rs<T>(acc[0], acc[1], frag[kk], sb.at(32 * kk), kt > 0 || kk > 0);
     wgmma_commit();
     wgmma_wait<1>();  // the previous k-tile's MMAs are done: its A registers are free
 #pragma unroll
@@ -662,13 +673,13 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     if (tid != 0) return;
     Loader producer = loader;
     if constexpr (Extras::kHelperWarps > 0) producer.attach(extra, loader_bars);
-    int it = 0;
+    unsigned it = 0;  // (unsigned: the stage and phase a mask and a shift, not signed divisions)
     for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       i64 tm, tn;
       grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
       producer.begin_tile(tm, tn);
       for (int kt = 0; kt < ktiles; ++kt, ++it) {
-        const int s = it % kStages;
+        const int s = static_cast<int>(it % kStages);
         // The stage's previous use (it - kStages) must have been released.
         if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
         mbar_arrive_expect_tx(full(s), kStageCopyBytes);
@@ -719,13 +730,13 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < kHgAccs; ++i) acc[h][i] = 0.0f;
-    int it = static_cast<int>(j) * ktiles;
+    unsigned it = static_cast<unsigned>(j) * static_cast<unsigned>(ktiles);  // (as the producer's)
     // Tile j is this warpgroup's (j / 2)-th: wait for the other's tile j - 1,
     // the turn barrier's phase (j - 1) / 2.
     if (!Mma::kCooperative && j > 0) mbar_wait(turn(me.wg), ((j - 1) >> 1) & 1);
     mma.begin_tile(tm, tn);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
-      const int s = it % kStages;
+      const int s = static_cast<int>(it % kStages);
       mbar_wait(full(s), (it / kStages) & 1);
       mma.issue(acc, tile_a(s), tile_b(s), kt);
       if (kt > 0) {
