@@ -673,7 +673,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     if (tid != 0) return;
     Loader producer = loader;
     if constexpr (Extras::kHelperWarps > 0) producer.attach(extra, loader_bars);
-    unsigned it = 0;  // (unsigned: the stage and phase a mask and a shift, not signed divisions)
+    unsigned it = 0;  // (unsigned: no signed remainder and quotient for the stage and phase)
     for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       i64 tm, tn;
       grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);

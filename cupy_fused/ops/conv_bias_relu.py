@@ -157,7 +157,8 @@ def _window_fits(n: int, cin: int, h: int, w: int, cout: int, kh: int, kw: int) 
     the output at most (h + kh) x (w + kw), as a padded one is): channels
     multiples of 8 (rows of whole 16 bytes for the copy engine), kw at most
     :data:`WINDOW_MAX_KW`, every coordinate within 32 bits, and the tiles
-    times their stages too (the engine counts a block's stages in an int)."""
+    times their stages too (the NCHW windows' helper warps count a block's
+    stages in an int)."""
     return (cin % 8 == 0 and cout % 8 == 0 and kw <= WINDOW_MAX_KW
             and _window_bounds(n, cin, h + kh, w + kw, cout, kh, kw))
 
