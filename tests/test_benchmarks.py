@@ -1,4 +1,5 @@
 """The benchmark runner's pure-Python parts (CPU tier)."""
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -919,3 +920,122 @@ def test_gemm_timed_entries(monkeypatch):
     assert timed == [(["a", "b"], 7, 3)]
     assert entries == {"a": {"median_ms": 2.0, "min_ms": 1.5, "tflops": 2.0, "error": 0.1},
                        "b": {"median_ms": 4.0, "min_ms": 3.0, "tflops": 1.0, "error": 0.3}}
+
+
+def _bench_ab():
+    spec = importlib.util.spec_from_file_location("bench_ab", REPO / "benchmarks/ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_takes_a_folder_or_a_git_revisions_kernels(tmp_path):
+    ab = _bench_ab()
+    copy = ab.kernel_copy("HEAD", str(tmp_path))
+    assert copy == str(tmp_path / "kernels_cu")
+    assert (tmp_path / "kernels_cu" / "gemm.cuh").is_file()
+    assert ab.kernel_copy(copy, str(tmp_path / "unused")) == copy  # a folder as it is
+    (tmp_path / "empty").mkdir()
+    for bad in (str(tmp_path / "empty"), "no-such-revision-of-this-repo"):
+        with pytest.raises(SystemExit, match="--against"):
+            ab.kernel_copy(bad, str(tmp_path / "x"))
+
+
+def test_ab_kernels_from_answers_every_family_from_the_other_copy(monkeypatch):
+    """Inside kernels_from, a family's lookup compiles (once) from the other
+    folder with the define that keeps those kernels apart; outside, the
+    family's own cache and lookup are back, untouched."""
+    from cupy_fused import _runtime
+    ab = _bench_ab()
+    family = importlib.import_module("cupy_fused.ops.scale_add").KERNELS
+    compiled = []
+
+    def fake_get_function(source, expression, device, defines=()):
+        compiled.append((source, expression, device, defines, os.environ["CUPY_FUSED_KERNEL_DIR"]))
+        return f"kernel of {expression} from {os.environ['CUPY_FUSED_KERNEL_DIR']}"
+
+    monkeypatch.setattr(_runtime, "get_function", fake_get_function)
+    monkeypatch.delenv("CUPY_FUSED_KERNEL_DIR", raising=False)
+    real_get, own = _runtime.KernelFamily.get, dict(family._kernels)
+    with ab.kernels_from("/other/kernels_cu"):
+        first = family.get(torch.float16, 0)
+        assert family.get(torch.float16, 0) is first
+    assert first == "kernel of cf::scale_add<cf::half> from /other/kernels_cu"
+    assert compiled == [("scale_add.cu", "cf::scale_add<cf::half>", 0,
+                         (ab.against_define("/other/kernels_cu"),), "/other/kernels_cu")]
+    assert ab.against_define("/other/kernels_cu") != ab.against_define("/another/kernels_cu")
+    assert _runtime.KernelFamily.get is real_get and family._kernels == own
+    assert "CUPY_FUSED_KERNEL_DIR" not in os.environ and _runtime._options_cache is None
+    with pytest.raises(RuntimeError):  # an error inside still gives the lookup back
+        with ab.kernels_from("/other/kernels_cu"):
+            raise RuntimeError
+    assert _runtime.KernelFamily.get is real_get
+
+
+def test_ab_same_bits_tells_apart_what_equality_does_not():
+    ab = _bench_ab()
+    nan = torch.tensor([float("nan"), 1.0])
+    assert ab.same_bits(nan, nan.clone())  # equal bits, though NaN != NaN
+    assert not ab.same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))  # == though not the same bits
+    assert not ab.same_bits(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
+    a = torch.ones(2, dtype=torch.bfloat16)
+    assert ab.same_bits((a, None, [a]), (a.clone(), None, [a.clone()]))
+    assert not ab.same_bits((a, None), (a, a))
+    assert not ab.same_bits((a,), (a, a))
+
+
+def test_ab_jobs_and_arguments():
+    ab = _bench_ab()
+    assert ab.jobs(["gemm-37", "model-37"], ["fp32", "bf16"], ["forward", "train"]) == [
+        ("gemm-37", "bf16", "forward"), ("model-37", "fp32", "forward"), ("model-37", "fp32", "train"),
+        ("model-37", "bf16", "forward"), ("model-37", "bf16", "train")]
+    args = ab.parse_args(["--against", "HEAD~1"])
+    assert args.cases == list(ab.CASES) and args.dtypes == ["bf16"] and args.sustained == 0
+    with pytest.raises(SystemExit):  # the plain products take 16-bit dtypes only
+        ab.parse_args(["--against", "HEAD~1", "--cases", "gemm-37", "--dtypes", "fp32"])
+    with pytest.raises(SystemExit):
+        ab.parse_args([])  # --against is required
+
+
+def test_ab_runs_both_sides_in_turns_and_reports_the_ratio(monkeypatch):
+    """Each job's two sides are timed in one interleaved timing; the other
+    copy's side runs inside kernels_from, the tree's outside; the row
+    carries tree / against and whether the two computed the same bits."""
+    ab = _bench_ab()
+    inside = []
+
+    @contextlib.contextmanager
+    def fake_kernels_from(folder):
+        inside.append(folder)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    def make(dtype, mode):
+        out = {}
+
+        def run():
+            out["y"] = torch.tensor([2.0 if inside else 1.0]) if mode == "train" else torch.ones(1)
+        return run, lambda: out["y"]
+
+    timed = []
+
+    def fake_interleaved(fns, iters, warmup, rounds):
+        timed.append((sorted(fns), iters, rounds))
+        for fn in fns.values():
+            fn()
+        return {name: (3.0 if name.endswith("against") else 2.4, 1.0) for name in fns}
+
+    monkeypatch.setattr(ab, "kernels_from", fake_kernels_from)
+    monkeypatch.setattr(ab, "time_interleaved", fake_interleaved)
+    monkeypatch.setitem(ab.CASES, "fake", ab.Case(("bf16",), ("forward", "train"), make))
+    rows = ab.run_jobs([("fake", "bf16", "forward"), ("fake", "bf16", "train")], "/k", 70, 7)
+    assert timed == [(["fake bf16 forward against", "fake bf16 forward tree",
+                       "fake bf16 train against", "fake bf16 train tree"], 70, 7)]
+    assert [(r["mode"], r["against_ms"], r["tree_ms"], round(r["ratio"], 3), r["same_bits"])
+            for r in rows] == [("forward", 3.0, 2.4, 0.8, True), ("train", 3.0, 2.4, 0.8, False)]
+    assert rows[0]["dtype"] == "bfloat16" and inside == []
+    table = ab.markdown(rows, "HEAD~1")
+    assert "| fake | bfloat16 | train | 3.0000 | 2.4000 | 0.800 | NO |" in table
+    assert "held" not in table

@@ -1,0 +1,347 @@
+"""The kernels of this tree against those of another copy of ``kernels_cu/``
+(a git revision or a folder), timed in turns in one process, with their
+outputs compared bit for bit.
+
+    python benchmarks/ab.py --against HEAD~1                       # every case, bf16
+    python benchmarks/ab.py --against HEAD~1 --cases gemm-37 model-37 --dtypes bf16 fp16
+    python benchmarks/ab.py --against /tmp/kernels_cu --cases model-1 --modes train
+    python benchmarks/ab.py --against HEAD~1 --sustained 2         # also held at the power cap
+
+Each case runs twice per round: once with every kernel compiled from the
+other copy ("against"), once with this tree's ("tree").  Everything else,
+the Python side included, is this tree's, so the two copies must launch
+their kernels alike (the same arguments, threads and shared memory): a
+kernel change, not a change of its launch.  While a case runs against the
+other copy, every ``KernelFamily`` of the library looks its kernels up in
+a cache of their own, compiled from that copy (``kernels_from``).
+
+Times: CUDA events around each call, medians of ``--rounds`` rounds of
+``--iters`` calls in turns (``harness.time_interleaved``), so that the
+GPU's clock and temperature drift hit both alike.  ``--sustained S``
+also runs each case back to back for S seconds and keeps the median of
+the last half's batches: the H200 then runs at its power cap, where a
+kernel's clock depends on the power it draws.
+
+Cases: ``gemm-37`` and ``gemm-76`` are the 16-bit engine's plain product
+at problems 37's and 76's shapes; ``model-P`` is problem P's fused module
+(forward and / or training step, as ``benchmarks/run.py`` times them;
+``model-1-cl`` on a channels-last input).  Dtypes as ``run.py``'s
+(the plain products take fp16 and bf16 only).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from typing import Callable, Dict, List, NamedTuple
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import (DTYPES, autocast_context, autocast_dtype, dtype_label, fixed_grad,  # noqa: E402
+                     model_dtype, time_interleaved)
+
+
+def against_define(folder: str) -> str:
+    """The define that keeps a folder's kernels apart from the tree's (and
+    from another folder's) in the runtime's in-memory cache, which is keyed
+    by source, expression, device and defines; the disk cache tells them
+    apart by the sources' hash."""
+    return f"CUPY_FUSED_AB_AGAINST={zlib.crc32(os.path.abspath(folder).encode())}"
+
+
+def kernel_copy(against: str, into: str) -> str:
+    """The folder of the kernel sources to compare with: ``against`` itself
+    when it is a folder holding ``.cu`` files, else the ``kernels_cu/`` of
+    git revision ``against`` of this repository, extracted under ``into``.
+
+    Args:
+        against: a folder, or a git revision (``HEAD~1``, a commit).
+        into: an empty folder for the extracted copy.
+
+    Returns:
+        The folder's path.
+    """
+    if os.path.isdir(against):
+        if not any(name.endswith(".cu") for name in os.listdir(against)):
+            raise SystemExit(f"--against {against!r}: a folder without .cu files")
+        return os.path.abspath(against)
+    archive = subprocess.run(["git", "-C", REPO, "archive", against, "kernels_cu"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--against {against!r}: neither a folder nor a git revision with "
+                         f"kernels_cu/ ({archive.stderr.decode().strip()})")
+    subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
+    return os.path.join(into, "kernels_cu")
+
+
+@contextlib.contextmanager
+def kernels_from(folder: str):
+    """Inside, every kernel the library looks up comes from the sources in
+    ``folder``: each ``KernelFamily`` answers from a cache of its own for
+    that folder, compiled there on first use (a family made inside, such as
+    a lazily built one, too).  Outside, the families' caches are theirs
+    again, untouched."""
+    from cupy_fused import _runtime
+
+    caches = _AGAINST_CACHES.setdefault(folder, {})
+
+    def get(family, key, device):
+        cache = caches.setdefault(family, {})
+        try:
+            return cache[key, device]
+        except KeyError:
+            kernel = cache[key, device] = _compile_from(folder, family.source,
+                                                        family.expressions[key], device)
+            return kernel
+
+    real = _runtime.KernelFamily.get
+    _runtime.KernelFamily.get = get
+    try:
+        yield
+    finally:
+        _runtime.KernelFamily.get = real
+
+
+_AGAINST_CACHES: Dict[str, Dict[object, dict]] = {}
+
+
+def _compile_from(folder: str, source: str, expression: str, device: int):
+    from cupy_fused import _runtime
+
+    saved = os.environ.get("CUPY_FUSED_KERNEL_DIR")
+    os.environ["CUPY_FUSED_KERNEL_DIR"] = folder
+    _runtime._options_cache = None  # (its -I and sources hash name the folder)
+    try:
+        return _runtime.get_function(source, expression, device, (against_define(folder),))
+    finally:
+        if saved is None:
+            del os.environ["CUPY_FUSED_KERNEL_DIR"]
+        else:
+            os.environ["CUPY_FUSED_KERNEL_DIR"] = saved
+        _runtime._options_cache = None
+
+
+def same_bits(a, b) -> bool:
+    """Whether two results (tensors, or nested tuples / lists of them, or
+    None) are equal bit for bit, NaN payloads included."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(same_bits(x, y) for x, y in zip(a, b)))
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.detach().contiguous().view(bits), b.detach().contiguous().view(bits))
+
+
+class Case(NamedTuple):
+    """One thing to time, in the dtypes and modes it takes: ``make(dtype,
+    mode)`` builds its inputs and returns (run, result): run() launches it,
+    result() gives what the last run computed (the output, and in training
+    the gradients of the input and of every parameter)."""
+
+    dtypes: tuple
+    modes: tuple
+    make: Callable
+
+
+def _plain_product(m: int, k: int, n: int):
+    def make(dtype: str, mode: str):
+        gemm = importlib.import_module("cupy_fused.ops.gemm")  # (the module: ops.gemm is the op)
+        dt = model_dtype(dtype)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.rand(m, k, device="cuda", generator=gen).to(dt)
+        w = ((torch.rand(n, k, device="cuda", generator=gen) * 2 - 1) / k ** 0.5).to(dt)
+        out = {}
+
+        def run():
+            out["y"] = gemm._half_linear(x, w)
+        return run, lambda: out["y"]
+    return make
+
+
+def _model(problem: int, channels_last: bool = False):
+    def make(dtype: str, mode: str):
+        from cupy_fused import reference
+        from cupy_fused.testing import build_pair
+        _, args, shape = reference.PROBLEMS[problem]
+        _, ours = build_pair(problem, args, "cuda", model_dtype(dtype))
+        amp = autocast_dtype(dtype)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.rand(shape, device="cuda", generator=gen, dtype=model_dtype(dtype))
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        xt = x.clone().requires_grad_(True)
+        params = list(ours.parameters())
+        grad = fixed_grad(ours, x, amp) if mode == "train" else None
+        out = {}
+
+        def run():  # the step as benchmarks/run.py times it, keeping what it computed
+            if mode == "forward":
+                with torch.no_grad(), autocast_context(amp):
+                    out["y"] = ours(x)
+                return
+            xt.grad = None
+            for p in params:
+                p.grad = None
+            with autocast_context(amp):
+                y = ours(xt)
+            y.backward(grad)
+            out["y"] = y.detach()
+
+        def result():
+            if mode == "forward":
+                return out["y"]
+            return (out["y"], xt.grad) + tuple(p.grad for p in params)
+        return run, result
+    return make
+
+
+HALF = ("fp16", "bf16")
+ALL = tuple(DTYPES)
+CASES: Dict[str, Case] = {
+    "gemm-37": Case(HALF, ("forward",), _plain_product(32768, 1024, 4096)),
+    "gemm-76": Case(HALF, ("forward",), _plain_product(1024, 8192, 8192)),
+    "model-37": Case(ALL, ("forward", "train"), _model(37)),
+    "model-76": Case(ALL, ("forward", "train"), _model(76)),
+    "model-88": Case(ALL, ("forward", "train"), _model(88)),
+    "model-94": Case(ALL, ("forward", "train"), _model(94)),
+    "model-1": Case(ALL, ("forward", "train"), _model(1)),
+    "model-1-cl": Case(ALL, ("forward", "train"), _model(1, channels_last=True)),
+}
+
+
+def jobs(cases: List[str], dtypes: List[str], modes: List[str]) -> List[tuple]:
+    """(case, dtype, mode) of every asked combination a case takes."""
+    return [(c, d, m) for c in cases for d in dtypes for m in modes
+            if d in CASES[c].dtypes and m in CASES[c].modes]
+
+
+def sustained_ms(fn, seconds: float, batch: int = 40) -> float:
+    """Milliseconds per call of ``fn`` run back to back for ``seconds``:
+    the median over the last half of batches of ``batch`` calls."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    end = time.time() + seconds
+    while time.time() < end or len(per_call) < 4:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(batch):
+            fn()
+        stop.record()
+        stop.synchronize()
+        per_call.append(start.elapsed_time(stop) / batch)
+    return statistics.median(per_call[len(per_call) // 2:])
+
+
+def run_jobs(todo: List[tuple], folder: str, iters: int, rounds: int,
+             sustained: float = 0.0) -> List[dict]:
+    """Times each job against the other copy and with the tree's kernels.
+
+    Args:
+        todo: (case, dtype, mode) triples (:func:`jobs`).
+        folder: the other copy's kernel sources (:func:`kernel_copy`).
+        iters, rounds: calls of each, and rounds they are split into.
+        sustained: seconds of back-to-back calls of each (0: none).
+
+    Returns:
+        One row per job: its times (ms), tree / against, and whether both
+        computed the same bits.
+    """
+    fns, results = {}, {}
+    for case, dtype, mode in todo:
+        run, result = CASES[case].make(dtype, mode)
+        for side in ("against", "tree"):
+            def call(run=run, side=side):
+                with kernels_from(folder) if side == "against" else contextlib.nullcontext():
+                    return run()
+            fns[(case, dtype, mode, side)] = call
+            call()
+            results[(case, dtype, mode, side)] = result()
+    times = time_interleaved({" ".join(k): f for k, f in fns.items()}, iters, warmup=3,
+                             rounds=rounds)
+    rows = []
+    for case, dtype, mode in todo:
+        key = (case, dtype, mode)
+        t_against, t_tree = times[" ".join(key + ("against",))][0], times[" ".join(key + ("tree",))][0]
+        row = dict(case=case, dtype=dtype_label(dtype), mode=mode, against_ms=t_against,
+                   tree_ms=t_tree, ratio=t_tree / t_against,
+                   same_bits=same_bits(results[key + ("against",)], results[key + ("tree",)]))
+        if sustained > 0:
+            row["against_sustained_ms"] = sustained_ms(fns[key + ("against",)], sustained)
+            row["tree_sustained_ms"] = sustained_ms(fns[key + ("tree",)], sustained)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: List[dict], against: str) -> str:
+    """The rows as a Markdown table (times in ms; ratio: tree / against)."""
+    held = any("tree_sustained_ms" in r for r in rows)
+    head = ["case", "dtype", "mode", f"against ({against}) ms", "tree ms", "tree / against",
+            "same bits"] + (["held: against / tree ms"] if held else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["case"], r["dtype"], r["mode"], f"{r['against_ms']:.4f}", f"{r['tree_ms']:.4f}",
+                 f"{r['ratio']:.3f}", "yes" if r["same_bits"] else "NO"]
+        if held:
+            cells.append(f"{r['against_sustained_ms']:.4f} / {r['tree_sustained_ms']:.4f}"
+                         if "tree_sustained_ms" in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", required=True, metavar="REV_OR_DIR",
+                        help="a git revision of this repository, or a folder of kernel sources")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
+    parser.add_argument("--modes", nargs="+", default=["forward", "train"],
+                        choices=["forward", "train"])
+    parser.add_argument("--iters", type=int, default=140, help="calls of each, over all rounds")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                        help="also time each back to back for this long (power cap)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    if not jobs(args.cases, args.dtypes, args.modes):
+        parser.error("no case takes these dtypes and modes")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import cupy_fused  # noqa: F401  (after --help: the kernels need a GPU)
+
+    todo = jobs(args.cases, args.dtypes, args.modes)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = kernel_copy(args.against, tmp)
+        rows = run_jobs(todo, folder, args.iters, args.rounds, args.sustained)
+    print(markdown(rows, args.against), flush=True)
+    if args.json:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    date=str(datetime.date.today()), against=args.against,
+                    argv=sys.argv[1:] if argv is None else list(argv))
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        print(args.json)
+
+
+if __name__ == "__main__":
+    main()
