@@ -970,6 +970,10 @@ def test_ab_kernels_from_answers_every_family_from_the_other_copy(monkeypatch):
         with ab.kernels_from("/other/kernels_cu"):
             raise RuntimeError
     assert _runtime.KernelFamily.get is real_get
+    monkeypatch.setattr(_runtime.KernelFamily, "get", lambda fam, key, dev: ("own", key))
+    with ab.kernels_from(None):  # the tree's side: its own lookups, through the same detour
+        assert family.get(torch.float16, 0) == ("own", torch.float16)
+    assert len(compiled) == 1
 
 
 def test_ab_same_bits_tells_apart_what_equality_does_not():
@@ -1012,11 +1016,14 @@ def test_ab_runs_both_sides_in_turns_and_reports_the_ratio(monkeypatch):
         finally:
             inside.pop()
 
+    def against():
+        return bool(inside) and inside[-1] is not None
+
     def make(dtype, mode):
         out = {}
 
         def run():
-            out["y"] = torch.tensor([2.0 if inside else 1.0]) if mode == "train" else torch.ones(1)
+            out["y"] = torch.tensor([2.0 if against() else 1.0]) if mode == "train" else torch.ones(1)
         return run, lambda: out["y"]
 
     timed = []
