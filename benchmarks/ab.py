@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from typing import Callable, Dict, List, NamedTuple, Optional
@@ -83,8 +84,36 @@ def kernel_copy(against: str, into: str) -> str:
     if archive.returncode != 0:
         raise SystemExit(f"--against {against!r}: neither a folder nor a git revision with "
                          f"kernels_cu/ ({archive.stderr.decode().strip()})")
+    os.makedirs(into, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
     return os.path.join(into, "kernels_cu")
+
+
+def parameter_differences(folder: str, tree: Optional[str] = None) -> List[str]:
+    """The ``__global__`` kernels whose parameters differ between the
+    sources in ``folder`` and the tree's (or ``tree``), or that only one
+    declares: the launches, which are the tree's, would pass such a
+    kernel of the other copy the wrong arguments.
+
+    Returns:
+        Their names, sorted.
+    """
+    from cupy_fused import _bridge, _runtime
+
+    def declared(where: str) -> Dict[str, str]:
+        found: Dict[str, str] = {}
+        for name in sorted(os.listdir(where)):
+            if name.endswith((".cu", ".cuh")):
+                with open(os.path.join(where, name)) as f:
+                    for match in _bridge._GLOBAL.finditer(f.read()):
+                        params = [p.strip() for p in match.group(2).split(",") if p.strip()]
+                        found.setdefault(match.group(1), " ".join(
+                            " ".join(w for w in p.split()[:-1] if w not in _bridge._QUALIFIERS)
+                            for p in params))
+        return found
+
+    theirs, ours = declared(folder), declared(tree or str(_runtime.kernel_dir()))
+    return sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
 
 
 @contextlib.contextmanager
@@ -95,11 +124,17 @@ def kernels_from(folder: Optional[str]):
     a lazily built one, too).  Outside, the families' caches are theirs
     again, untouched.  ``folder`` None: the tree's own kernels, through the
     same detour (so that both sides of a comparison pay the same host
-    time for it)."""
+    time for it).
+
+    ``gn_chain`` keeps launch plans (its kernel among them) per shape: each
+    side gets plans of its own, so that neither launches the other's
+    kernels from a plan made on the other side."""
     from cupy_fused import _runtime
+    gn_chain = importlib.import_module("cupy_fused.ops.gn_chain")  # (the module)
 
     real = _runtime.KernelFamily.get
     caches = _AGAINST_CACHES.setdefault(folder, {})
+    plans = _PLANS.setdefault(folder, ({}, {}))
 
     def get(family, key, device):
         if folder is None:
@@ -112,30 +147,36 @@ def kernels_from(folder: Optional[str]):
                                                         family.expressions[key], device)
             return kernel
 
+    saved_plans = gn_chain._forward_plans, gn_chain._backward_plans
     _runtime.KernelFamily.get = get
+    gn_chain._forward_plans, gn_chain._backward_plans = plans
     try:
         yield
     finally:
         _runtime.KernelFamily.get = real
+        gn_chain._forward_plans, gn_chain._backward_plans = saved_plans
 
 
 _AGAINST_CACHES: Dict[Optional[str], Dict[object, dict]] = {}
+_PLANS: Dict[Optional[str], tuple] = {}
+_COMPILE_LOCK = threading.Lock()  # (the kernel folder is process-wide while one compiles)
 
 
 def _compile_from(folder: str, source: str, expression: str, device: int):
     from cupy_fused import _runtime
 
-    saved = os.environ.get("CUPY_FUSED_KERNEL_DIR")
-    os.environ["CUPY_FUSED_KERNEL_DIR"] = folder
-    _runtime._options_cache = None  # (its -I and sources hash name the folder)
-    try:
-        return _runtime.get_function(source, expression, device, (against_define(folder),))
-    finally:
-        if saved is None:
-            del os.environ["CUPY_FUSED_KERNEL_DIR"]
-        else:
-            os.environ["CUPY_FUSED_KERNEL_DIR"] = saved
-        _runtime._options_cache = None
+    with _COMPILE_LOCK:
+        saved = os.environ.get("CUPY_FUSED_KERNEL_DIR")
+        os.environ["CUPY_FUSED_KERNEL_DIR"] = folder
+        _runtime._options_cache = None  # (its -I and sources hash name the folder)
+        try:
+            return _runtime.get_function(source, expression, device, (against_define(folder),))
+        finally:
+            if saved is None:
+                del os.environ["CUPY_FUSED_KERNEL_DIR"]
+            else:
+                os.environ["CUPY_FUSED_KERNEL_DIR"] = saved
+            _runtime._options_cache = None
 
 
 def same_bits(a, b) -> bool:
@@ -336,6 +377,10 @@ def main(argv=None):
     todo = jobs(args.cases, args.dtypes, args.modes)
     with tempfile.TemporaryDirectory() as tmp:
         folder = kernel_copy(args.against, tmp)
+        changed = parameter_differences(folder)
+        if changed:
+            print(f"warning: parameters differ from {args.against}'s (launching them from there "
+                  f"would pass wrong arguments): {', '.join(changed)}", file=sys.stderr)
         rows = run_jobs(todo, folder, args.iters, args.rounds, args.sustained)
     print(markdown(rows, args.against), flush=True)
     if args.json:

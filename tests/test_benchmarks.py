@@ -931,14 +931,28 @@ def _bench_ab():
 
 def test_ab_takes_a_folder_or_a_git_revisions_kernels(tmp_path):
     ab = _bench_ab()
-    copy = ab.kernel_copy("HEAD", str(tmp_path))
-    assert copy == str(tmp_path / "kernels_cu")
-    assert (tmp_path / "kernels_cu" / "gemm.cuh").is_file()
+    copy = ab.kernel_copy("HEAD", str(tmp_path / "new"))
+    assert copy == str(tmp_path / "new" / "kernels_cu")
+    assert (tmp_path / "new" / "kernels_cu" / "gemm.cuh").is_file()
     assert ab.kernel_copy(copy, str(tmp_path / "unused")) == copy  # a folder as it is
     (tmp_path / "empty").mkdir()
     for bad in (str(tmp_path / "empty"), "no-such-revision-of-this-repo"):
         with pytest.raises(SystemExit, match="--against"):
             ab.kernel_copy(bad, str(tmp_path / "x"))
+
+
+def test_ab_names_the_kernels_whose_parameters_differ(tmp_path):
+    ab = _bench_ab()
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    (old / "a.cu").write_text("__global__ void __launch_bounds__(256) same(const float* __restrict__ x, "
+                              "i64 n) {}\n__global__ void grew(float* y) {}\n"
+                              "__global__ void gone(double d) {}\n")
+    (new / "a.cu").write_text("__global__ void same(const float* x, i64 count) {}\n"
+                              "__global__ void grew(float* y, i64 n) {}\n__global__ void added() {}\n")
+    assert ab.parameter_differences(str(old), str(new)) == ["added", "gone", "grew"]
+    assert ab.parameter_differences(str(REPO / "kernels_cu"), str(REPO / "kernels_cu")) == []
 
 
 def test_ab_kernels_from_answers_every_family_from_the_other_copy(monkeypatch):
@@ -974,6 +988,16 @@ def test_ab_kernels_from_answers_every_family_from_the_other_copy(monkeypatch):
     with ab.kernels_from(None):  # the tree's side: its own lookups, through the same detour
         assert family.get(torch.float16, 0) == ("own", torch.float16)
     assert len(compiled) == 1
+    # gn_chain's launch plans hold kernels: each side keeps its own.
+    gn_chain = importlib.import_module("cupy_fused.ops.gn_chain")
+    tree_plans = gn_chain._forward_plans
+    with ab.kernels_from("/other/kernels_cu"):
+        gn_chain._forward_plans["shape"] = "a plan with the other copy's kernel"
+    assert "shape" not in gn_chain._forward_plans and gn_chain._forward_plans is tree_plans
+    with ab.kernels_from("/other/kernels_cu"):
+        assert gn_chain._forward_plans == {"shape": "a plan with the other copy's kernel"}
+    with ab.kernels_from(None):
+        assert "shape" not in gn_chain._forward_plans
 
 
 def test_ab_same_bits_tells_apart_what_equality_does_not():
