@@ -101,11 +101,13 @@ def test_the_one_launch_entry_checks_a_given_y(past_device_check):
                                y, float_out)
 
 
-def test_the_one_launch_entry_checks_the_vectors(past_device_check):
+def test_the_one_launch_entry_checks_the_vectors(past_device_check, monkeypatch):
     """The kernel reads the linear bias as x's dtype and the other vectors as
     y's (float32 under autocast): a vector of another dtype, length or
     layout is refused before the launch (one value for every channel is
-    taken)."""
+    taken) by the entry tests and scripts call; the forward's own path
+    hands the kernel vectors it has checked already."""
+    monkeypatch.setattr(LG, "_half_engine_supports", lambda *args: True)
     x, w = torch.rand(8, 16, dtype=torch.bfloat16), torch.rand(32, 16, dtype=torch.bfloat16)
     half, single = torch.rand(32, dtype=torch.bfloat16), torch.rand(32)
     cases = (("lin_bias", 0, single, False), ("lin_bias", 0, single, True),
@@ -116,7 +118,7 @@ def test_the_one_launch_entry_checks_the_vectors(past_device_check):
         vectors = [None] * 5
         vectors[slot] = v
         with pytest.raises(ValueError, match=f"{name} must be a contiguous \\[32\\] \\(or \\[1\\]\\) tensor"):
-            LG._run_one_launch(x, w, *vectors, "swish_bias_gn", 4, 1e-5, False, None, float_out)
+            LG._launch_fused_half(x, w, *vectors, "swish_bias_gn", 4, 1e-5, False, None, float_out)
 
 
 def test_validation(past_device_check):

@@ -164,6 +164,16 @@ def _launch_fused_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional
         raise ValueError("the 16-bit one-launch GEMM + GroupNorm needs a compute capability 9.0 "
                          "GPU, x and weight rows the copy engine can read and "
                          f"{sizes} channels per group")
+    # The forward's own path hands checked vectors to _run_one_launch; this
+    # entry takes them from tests and scripts as they come.  The kernel
+    # reads the vectors' N values as x's dtype (lin_bias) or as y's.
+    n, y_dtype = weight.shape[0], torch.float32 if float_out else x.dtype
+    for name, v, want in (("lin_bias", lin_bias, x.dtype), ("extra_bias", extra_bias, y_dtype),
+                          ("gn_weight", gn_weight, y_dtype), ("gn_bias", gn_bias, y_dtype),
+                          ("mul_weight", mul_weight, y_dtype)):
+        if v is not None and (v.dim() != 1 or v.shape[0] not in (1, n) or v.dtype != want
+                              or v.device != x.device or (v.shape[0] == n and not v.is_contiguous())):
+            raise ValueError(f"{name} must be a contiguous [{n}] (or [1]) tensor of {want} on x's device")
     return _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, chain,
                            num_groups, eps, save, y, float_out)
 
@@ -175,14 +185,7 @@ def _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_wei
     n = weight.shape[0]
     dev = x.device.index
     y_dtype = torch.float32 if float_out else x.dtype
-    # The kernel reads the vectors' N values as x's dtype (lin_bias) or as
-    # y's; one value for every channel is spread here.
-    for name, v, want in (("lin_bias", lin_bias, x.dtype), ("extra_bias", extra_bias, y_dtype),
-                          ("gn_weight", gn_weight, y_dtype), ("gn_bias", gn_bias, y_dtype),
-                          ("mul_weight", mul_weight, y_dtype)):
-        if v is not None and (v.dim() != 1 or v.shape[0] not in (1, n) or v.dtype != want
-                              or v.device != x.device or (v.shape[0] == n and not v.is_contiguous())):
-            raise ValueError(f"{name} must be a contiguous [{n}] (or [1]) tensor of {want} on x's device")
+    # (one value for every channel is spread here)
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
         _spread(v, n) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
     if y is None:
