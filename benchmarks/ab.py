@@ -101,16 +101,10 @@ def parameter_differences(folder: str, tree: Optional[str] = None) -> List[str]:
     from cupy_fused import _bridge, _runtime
 
     def declared(where: str) -> Dict[str, str]:
-        found: Dict[str, str] = {}
-        for name in sorted(os.listdir(where)):
-            if name.endswith((".cu", ".cuh")):
-                with open(os.path.join(where, name)) as f:
-                    for match in _bridge._GLOBAL.finditer(f.read()):
-                        params = [p.strip() for p in match.group(2).split(",") if p.strip()]
-                        found.setdefault(match.group(1), " ".join(
-                            " ".join(w for w in p.split()[:-1] if w not in _bridge._QUALIFIERS)
-                            for p in params))
-        return found
+        # (each parameter's type, as _bridge reads it: names and qualifiers dropped)
+        return {name: " ".join(" ".join(w for w in p.split()[:-1] if w not in _bridge._QUALIFIERS)
+                               for p in params.split(",") if p.strip())
+                for name, params in _bridge.declarations_in(where).items()}
 
     theirs, ours = declared(folder), declared(tree or str(_runtime.kernel_dir()))
     return sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))

@@ -22,6 +22,7 @@ import re
 import struct
 import sys
 import threading
+from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
@@ -125,17 +126,22 @@ def kernel_signature(kernel: str) -> struct.Struct:
     return layout
 
 
-@functools.lru_cache(maxsize=1)
-def _declarations() -> Dict[str, str]:
-    """Parameter list of every ``__global__`` function, by name, read once
-    from the kernel sources."""
-    from ._runtime import kernel_dir
-
+def declarations_in(folder) -> Dict[str, str]:
+    """Parameter list of every ``__global__`` function of the ``.cu`` /
+    ``.cuh`` sources in ``folder`` (a path), by name."""
     found: Dict[str, str] = {}
-    for path in sorted(kernel_dir().glob("*.cu*")):
+    for path in sorted(Path(folder).glob("*.cu*")):
         for match in _GLOBAL.finditer(path.read_text()):
             found.setdefault(match.group(1), match.group(2))
     return found
+
+
+@functools.lru_cache(maxsize=1)
+def _declarations() -> Dict[str, str]:
+    """:func:`declarations_in` the kernel sources, read once."""
+    from ._runtime import kernel_dir
+
+    return declarations_in(kernel_dir())
 
 
 def _param_struct(kernel, args: tuple) -> struct.Struct:
