@@ -104,7 +104,8 @@ struct HalfGemmLane {
 // warpgroup's next tile starts while those writes drain; its staging area is
 // reused once they have read it.  C needs a row stride of a multiple of 16
 // bytes (ops.gemm._tma_compatible).  Usage, by all 128 threads of the
-// warpgroup: begin(); put() every pair; end(); and finish() after the last tile.
+// warpgroup: begin(); put() every pair (or put4() four blocks of them at a
+// time); end(); and finish() after the last tile.
 constexpr int kHgStagingBytes = 2 * kHgBM * kHgBN * 2;  // a tile of 16-bit C per consumer warpgroup
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 struct TmaTileWriter {
@@ -120,6 +121,21 @@ struct TmaTileWriter {
   // The packed pair at tile row r, columns 8i + 2t, +1.
   __device__ __forceinline__ static void put(unsigned staging, int r, int i, int t, unsigned word) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(chunk_addr(staging, r, i) + 4 * t), "r"(word) : "memory");
+  }
+  // A thread's packed pairs of columns 8i .. 8i + 15 (i even) of its two
+  // rows me.row and + 8 of row half hm, in one stmatrix (four 8 x 8 blocks,
+  // each row of a block one 16-byte chunk): w[h][c] holds the pair at row
+  // 64 hm + me.row + 8 h, columns 8 (i + c) + 2 me.t, +1, as put() would
+  // store it.  (One instruction for put()'s four.)
+  __device__ __forceinline__ static void put4(unsigned staging, const HalfGemmLane& me, int hm, int i,
+                                              const unsigned (&w)[2][2]) {
+    // Lane 8 j + l gives row l of block j: blocks (h, c) = (j & 1, j >> 1),
+    // at chunk_addr(staging, r, i + c).  With i even, ((i + c) & 7) ^ l is
+    // (i & 7) ^ (c ^ l): the lane's part is the same for every i.
+    const int lane = threadIdx.x & 31, j = lane >> 3, l = lane & 7;
+    const unsigned row = staging + (64 * hm + (me.row & ~7) + 8 * (j & 1) + l) * 128;
+    const unsigned swizzle = (((j >> 1) ^ l) << 4) ^ ((i & 7) << 4);
+    stmatrix_x4(row + (i >> 3) * (kHgBM * 128) + swizzle, w[0][0], w[1][0], w[0][1], w[1][1]);
   }
   // Makes the warpgroup's writes of its staging area visible to the copy
   // engine; true for the thread that then hands it over.
