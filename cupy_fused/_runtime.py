@@ -13,7 +13,9 @@ launchable function.
 * Compiled kernels are cached in process per (source, instantiation, device,
   extra defines); the launch path's lookup (:meth:`KernelFamily.get`) is one
   dict lookup.  CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``, default
-  ``~/.cupy/kernel_cache``) keeps each binary across processes.  The NVRTC
+  ``~/.cupy/kernel_cache``) keeps each binary across processes; with CuPy
+  13, which does not read back modules built from name expressions, the
+  run time keeps them itself, in that folder's ``cupy_fused/``.  The NVRTC
   options carry a hash of all kernel sources, so editing a header
   invalidates the disk cache too.
 * A compile holds a lock of its own (instantiation, device): threads that
@@ -39,6 +41,7 @@ import numbers
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -267,30 +270,42 @@ def _check_arch(arch: str) -> None:
                          + ", ".join(f"sm_{a}" for a in supported))
 
 
-def _nvrtc_compile(source: str, exprs: Sequence[str], arch: str) -> int:
+def _nvrtc_build(source: str, exprs: Sequence[str], arch: str,
+                 options: Optional[Sequence[str]] = None) -> Tuple[bytes, List[str]]:
     """Compiles ``exprs`` (name expressions of ``source``) as one NVRTC
-    program for ``arch``, with NVRTC alone (no GPU, no driver).  Returns the
-    cubin's size in bytes; raises :class:`CompileError` with the log."""
+    program for ``arch`` (a real architecture, e.g. ``"sm_90a"``), with NVRTC
+    alone (no GPU, no driver), with ``options`` (default
+    :func:`nvrtc_options`) and the architecture.  Returns the cubin and the
+    lowered (mangled) name of each expression; raises :class:`CompileError`
+    with the log."""
     require_cupy()
     from cupy.cuda import nvrtc
 
     what = f"{source}: {', '.join(exprs)}"
+    options = list(nvrtc_options() if options is None else options)
     with _naming_missing_nvrtc():
         prog = nvrtc.createProgram(_read_source(source), source, [], [])
         try:
             for expr in exprs:
                 nvrtc.addNameExpression(prog, expr)
             try:
-                nvrtc.compileProgram(prog, list(nvrtc_options()) + [f"--gpu-architecture={arch}"])
+                nvrtc.compileProgram(prog, options + [f"--gpu-architecture={arch}"])
             except nvrtc.NVRTCError as exc:
                 raise CompileError(
                     f"{what} for {arch} failed: {exc}\n{nvrtc.getProgramLog(prog)}") from None
-            for expr in exprs:
-                if not nvrtc.getLoweredName(prog, expr):
+            lowered = [nvrtc.getLoweredName(prog, expr) for expr in exprs]
+            for expr, name in zip(exprs, lowered):
+                if not name:
                     raise CompileError(f"{source}: {expr} was not instantiated")
-            return len(nvrtc.getCUBIN(prog))
+            return nvrtc.getCUBIN(prog), lowered
         finally:
             nvrtc.destroyProgram(prog)
+
+
+def _nvrtc_compile(source: str, exprs: Sequence[str], arch: str) -> int:
+    """:func:`_nvrtc_build` with the library's options; returns the cubin's
+    size in bytes (the compile check)."""
+    return len(_nvrtc_build(source, exprs, arch)[0])
 
 
 # ---------------------------------------------------------------- declarations
@@ -366,20 +381,93 @@ def _read_source(source: str) -> str:
     return path.read_text()
 
 
+def _cupy_caches_templates(cupy) -> bool:
+    """Whether CuPy's disk cache keeps the modules built from name
+    expressions, as it does from CuPy 14 on.  CuPy 13 writes them but never
+    reads them back: every process would compile every kernel again."""
+    major = str(getattr(cupy, "__version__", "")).split(".")[0]
+    return not major.isdigit() or int(major) >= 14
+
+
+def _cache_dir() -> Path:
+    """The run time's own disk cache (for CuPy 13): ``cupy_fused/`` in
+    CuPy's cache folder (``CUPY_CACHE_DIR``, default
+    ``~/.cupy/kernel_cache``)."""
+    base = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy",
+                                                             "kernel_cache")
+    return Path(base) / "cupy_fused"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` so that no reader sees part of it (a
+    temporary file in the same folder, then renamed over ``path``)."""
+    tmp = tempfile.NamedTemporaryFile(dir=path.parent, delete=False)
+    try:
+        with tmp:
+            tmp.write(data)
+        os.replace(tmp.name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp.name)
+        raise
+
+
+def _cached_cubin(source: str, name_expression: str, arch: str,
+                  options: Sequence[str]) -> Tuple[Path, str]:
+    """The cubin of one instantiation for ``arch`` in the run time's disk
+    cache, compiled (:func:`_nvrtc_build`) and stored there if missing.
+
+    The entry's key covers the CuPy and NVRTC versions, the architecture,
+    the options (which carry a hash of every kernel source), the source and
+    the name expression.  An entry is two files, ``<key>.name`` (the
+    lowered name) written before ``<key>.cubin``, each atomically: a reader
+    that finds the cubin finds the name.
+
+    Returns:
+        (the cubin's path, the kernel's lowered name).
+    """
+    cupy = require_cupy()
+    major, minor = nvrtc_version()
+    parts = ("cubin-1", str(cupy.__version__), f"nvrtc-{major}.{minor}", arch, *options, source,
+             _read_source(source), name_expression)
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    folder = _cache_dir()
+    cubin, name = folder / f"{key}.cubin", folder / f"{key}.name"
+    if cubin.is_file() and name.is_file():
+        return cubin, name.read_text()
+    data, (lowered,) = _nvrtc_build(source, (name_expression,), arch, options)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomically(name, lowered.encode())
+    _write_atomically(cubin, data)
+    return cubin, lowered
+
+
 def _compile_and_load(source: str, name_expression: str, device: int,
                       defines: Tuple[str, ...]) -> Kernel:
     """Builds one instantiation for ``device`` through ``cupy.RawModule``
-    (whose disk cache answers when an earlier process compiled it)."""
+    (whose disk cache answers when an earlier process compiled it).  With
+    CuPy 13, whose cache does not (:func:`_cupy_caches_templates`), NVRTC
+    builds a cubin into the run time's own cache (:func:`_cached_cubin`),
+    which ``cupy.RawModule`` loads; an architecture the installed NVRTC
+    cannot target (CuPy then compiles PTX for the driver) stays uncached
+    there."""
     cupy = require_cupy()
     arch = device_arch(device)
-    options = nvrtc_options() + arch_options(device) + tuple(f"-D{d}" for d in defines)
+    define_options = tuple(f"-D{d}" for d in defines)
     what = f"{source}: {name_expression}" + "".join(f" -D{d}" for d in defines)
     log.info("compiling %s for %s (first use; cached afterwards)", what, arch)
     start = time.perf_counter()
     with _naming_missing_nvrtc(), cupy.cuda.Device(device):
-        module = cupy.RawModule(code=_read_source(source), options=options,
-                                name_expressions=(name_expression,))
-        raw = module.get_function(name_expression)  # NVRTC (or the disk cache) runs here
+        if _cupy_caches_templates(cupy) or int(_ARCH_NAME.match(arch).group(1)) not in \
+                _supported_arch_numbers():
+            module = cupy.RawModule(code=_read_source(source),
+                                    options=nvrtc_options() + arch_options(device) + define_options,
+                                    name_expressions=(name_expression,))
+            raw = module.get_function(name_expression)  # NVRTC (or the disk cache) runs here
+        else:
+            path, lowered = _cached_cubin(source, name_expression, arch,
+                                          nvrtc_options() + define_options)
+            raw = cupy.RawModule(path=str(path)).get_function(lowered)
         kernel = Kernel(name_expression, raw.kernel.ptr, raw, device)
     log.info("compiled %s for %s in %.2f s", what, arch, time.perf_counter() - start)
     return kernel

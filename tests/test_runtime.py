@@ -145,16 +145,21 @@ class _FakeCupy:
         fake = self
 
         class RawModule:
-            def __init__(self, code, options, name_expressions):
+            def __init__(self, code=None, options=(), name_expressions=(), path=None):
                 self.names = tuple(name_expressions)
-                fake.programs.append((self.names, tuple(options)))
+                if path is None:
+                    fake.programs.append((self.names, tuple(options)))
+                else:  # a cubin file, its kernels named by their lowered names
+                    fake.loaded.append(path)
 
             def get_function(self, name):
-                assert name in self.names
+                assert name in self.names or fake.loaded
                 if compile_hook is not None:
                     compile_hook(self.names)
-                return SimpleNamespace(kernel=SimpleNamespace(ptr=id(self)))
+                return SimpleNamespace(kernel=SimpleNamespace(ptr=id(self)), name=name)
 
+        self.__version__ = "14.2.0"
+        self.loaded = []  # cubin paths loaded
         self.RawModule = RawModule
         self.cuda = SimpleNamespace(Device=lambda device: contextlib.nullcontext())
 
@@ -265,6 +270,87 @@ def test_precompile_on_a_device_builds_each_instantiation_as_a_first_launch_woul
     key = ("64x64", 3, "forward", True)
     family.get(key, 1)  # the launch path finds it built
     assert len(fake.programs) == len(exprs)
+
+
+def test_cupy13_loads_kernels_from_the_run_times_own_disk_cache(fake_cupy, monkeypatch):
+    """CuPy 13 never reads back a module built from name expressions: the
+    run time builds the cubin into its own cache and has CuPy load it, for
+    architectures the installed NVRTC targets; others go through CuPy."""
+    fake = fake_cupy()
+    fake.__version__ = "13.6.0"
+    monkeypatch.setattr(_runtime, "_supported_arch_numbers", lambda: (80, 90))
+    built = []
+
+    def cached_cubin(source, expr, arch, options):
+        built.append((source, expr, arch, tuple(options)))
+        return Path(f"/cache/{len(built)}.cubin"), f"_Z_lowered_{len(built)}"
+
+    monkeypatch.setattr(_runtime, "_cached_cubin", cached_cubin)
+    family = _gemm_family()
+    key = ("64x64", 3, "forward", True)
+    kernel = family.get(key, 0)
+    assert not fake.programs and fake.loaded == ["/cache/1.cubin"]
+    assert kernel.raw.name == "_Z_lowered_1" and kernel.name == family.expressions[key]
+    source, expr, arch, options = built[0]
+    assert (source, expr, arch) == ("gemm_tf32.cu", family.expressions[key], "sm_90a")
+    assert options == _runtime.nvrtc_options()  # the architecture is the build's own argument
+    family.get(key, 1)  # compute capability 8.0: sm_80
+    assert built[1][2] == "sm_80" and len(fake.loaded) == 2
+    monkeypatch.setattr(_runtime, "_supported_arch_numbers", lambda: (90,))
+    family.get(("64x64", 3, "grad_input", True), 1)  # sm_80 unsupported: CuPy compiles it
+    assert len(built) == 2 and len(fake.programs) == 1
+    fake.__version__ = "14.0.0"
+    family.get(("64x64", 3, "grad_input", True), 0)  # CuPy 14 caches it itself
+    assert len(built) == 2 and len(fake.programs) == 2
+
+
+def test_own_disk_cache_builds_once_and_keys_on_the_options(tmp_path, monkeypatch):
+    """A cubin and its lowered name land in CUPY_CACHE_DIR/cupy_fused; a
+    second process (here: a second call) reads them without compiling; other
+    options make another entry."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    expr = _runtime.declared()["scale_add.cu"][0]
+    builds = []
+    real_build = _runtime._nvrtc_build
+
+    def counted(*args):
+        builds.append(args)
+        return real_build(*args)
+
+    monkeypatch.setattr(_runtime, "_nvrtc_build", counted)
+    path, name = _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())
+    assert path.parent == tmp_path / "cupy_fused" and path.read_bytes()[:4] == b"\x7fELF"
+    assert name.startswith("_Z") and path.with_suffix(".name").read_text() == name
+    again = _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())
+    assert again == (path, name) and len(builds) == 1
+    other = _runtime._cached_cubin("scale_add.cu", expr, "sm_80",
+                                   _runtime.nvrtc_options() + ("-DCF_UNUSED=1",))
+    assert other[0] != path and len(builds) == 2
+    assert sorted(p.name for p in (tmp_path / "cupy_fused").iterdir()) == sorted(
+        [path.name, path.with_suffix(".name").name, other[0].name,
+         other[0].with_suffix(".name").name])  # no temporary files left
+
+
+@pytest.mark.gpu
+def test_kernels_from_the_own_disk_cache_compute_what_cupys_build_does(tmp_path, monkeypatch):
+    """The CuPy 13 route on this GPU: kernels built into the run time's own
+    cache, loaded by CuPy, launched by an op: the same bits as the kernels
+    CuPy builds."""
+    x = torch.randn(1001, 37, device="cuda")
+    y = torch.randn_like(x)
+    hopper = gemm.has_wgmma(x.device.index)  # also an sm_90a kernel: the 16-bit engine's product
+    a, b = (torch.randn(300, 136, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    runs = [lambda: cupy_fused.ops.scale_add(x, y, 0.75)] + ([lambda: gemm._half_linear(a, b)]
+                                                             if hopper else [])
+    want = [run() for run in runs]
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_runtime, "_functions", {})
+    for family in _runtime._families:
+        monkeypatch.setattr(family, "_kernels", {})
+    monkeypatch.setattr(_runtime, "_cupy_caches_templates", lambda cupy: False)
+    got = [run() for run in runs]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert len(list((tmp_path / "cupy_fused").glob("*.cubin"))) == len(runs)
 
 
 def test_compile_check_compiles_each_instantiation_as_its_own_program(monkeypatch):
