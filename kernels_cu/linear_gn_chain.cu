@@ -206,13 +206,27 @@ struct GroupNormTileStore {
         rstd_out[row * groups + g] = rstd;
       }
       if constexpr (sizeof(TO) == 2) {
+        // The weight and bias of chunk k + 1 are read before chunk k is
+        // computed and its y written: the reads and the writes are volatile
+        // asm, kept in program order, so reads placed after a write would
+        // wait out their latency one chunk at a time.
+        float wb[2][2][8];  // [chunk & 1][gamma, beta][value]
+        auto load_wb = [&](float (&dst)[2][8], int k) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            dst[0][e] = p.gamma(q * kCpg + 8 * k + e);
+            dst[1][e] = p.beta(q * kCpg + 8 * k + e);
+          }
+        };
+        load_wb(wb[0], 0);
 #pragma unroll
         for (int k = 0; k < kChunks; ++k) {
+          if (k + 1 < kChunks) load_wb(wb[(k + 1) & 1], k + 1);
           float yv[8];
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const int c = q * kCpg + 8 * k + e;
-            yv[e] = Chain::post((v[8 * k + e] - mean) * rstd * p.gamma(c) + p.beta(c), p, c);
+            yv[e] = Chain::post((v[8 * k + e] - mean) * rstd * wb[k & 1][0][e] + wb[k & 1][1][e], p, c);
           }
           asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
                        ::"r"(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k)),
