@@ -13,9 +13,10 @@ launchable function.
 * Compiled kernels are cached in process per (source, instantiation, device,
   extra defines); the launch path's lookup (:meth:`KernelFamily.get`) is one
   dict lookup.  CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``, default
-  ``~/.cupy/kernel_cache``) keeps each binary across processes; with CuPy
-  13, which does not read back modules built from name expressions, the
-  run time keeps them itself, in that folder's ``cupy_fused/``.  The NVRTC
+  ``~/.cupy/kernel_cache``) keeps each binary across processes; with a
+  CuPy before 14.2, which does not read back modules built from name
+  expressions, the run time keeps them itself, in that folder's
+  ``cupy_fused/``.  The NVRTC
   options carry a hash of all kernel sources, so editing a header
   invalidates the disk cache too.
 * A compile holds a lock of its own (instantiation, device): threads that
@@ -54,6 +55,10 @@ log = logging.getLogger("cupy_fused")
 
 # Fixed NVRTC options (the architecture is added per device / per check).
 BASE_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
+# What CuPy adds to every NVRTC compile of a RawModule (cupy/cuda/compiler.py):
+# the run time's own builds (the compile check, its own disk cache) add the
+# same, so that they produce the machine code CuPy's route produces.
+CUPY_NVRTC_OPTIONS: Tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
 
 # Architectures the compile check covers, those the installed NVRTC
 # supports (:func:`check_architectures`; NVRTC 13 dropped sm_70).
@@ -275,14 +280,14 @@ def _nvrtc_build(source: str, exprs: Sequence[str], arch: str,
     """Compiles ``exprs`` (name expressions of ``source``) as one NVRTC
     program for ``arch`` (a real architecture, e.g. ``"sm_90a"``), with NVRTC
     alone (no GPU, no driver), with ``options`` (default
-    :func:`nvrtc_options`) and the architecture.  Returns the cubin and the
-    lowered (mangled) name of each expression; raises :class:`CompileError`
-    with the log."""
+    :func:`nvrtc_options`), CuPy's own (:data:`CUPY_NVRTC_OPTIONS`) and the
+    architecture.  Returns the cubin and the lowered (mangled) name of each
+    expression; raises :class:`CompileError` with the log."""
     require_cupy()
     from cupy.cuda import nvrtc
 
     what = f"{source}: {', '.join(exprs)}"
-    options = list(nvrtc_options() if options is None else options)
+    options = list(nvrtc_options() if options is None else options) + list(CUPY_NVRTC_OPTIONS)
     with _naming_missing_nvrtc():
         prog = nvrtc.createProgram(_read_source(source), source, [], [])
         try:
@@ -382,15 +387,27 @@ def _read_source(source: str) -> str:
 
 
 def _cupy_caches_templates(cupy) -> bool:
-    """Whether CuPy's disk cache keeps the modules built from name
-    expressions, as it does from CuPy 14 on.  CuPy 13 writes them but never
-    reads them back: every process would compile every kernel again."""
-    major = str(getattr(cupy, "__version__", "")).split(".")[0]
-    return not major.isdigit() or int(major) >= 14
+    """Whether CuPy's disk cache gives back the modules built from name
+    expressions, as it does from CuPy 14.2 on, which stores their lowered
+    names beside the cubin.  CuPy 13 and 14.0 write them but never read
+    them back (14.1 only where the driver can list a module's functions):
+    every process would compile every kernel again."""
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(cupy, "__version__", "")))
+    return match is not None and (int(match.group(1)), int(match.group(2))) >= (14, 2)
+
+
+def _own_disk_cache(cupy, arch: str) -> bool:
+    """Whether kernels for ``arch`` go through the run time's own disk
+    cache: where CuPy's does not give them back, unless CuPy is told to
+    keep its builds in memory (``CUPY_CACHE_IN_MEMORY``) or the installed
+    NVRTC cannot target ``arch`` (CuPy then compiles PTX for the driver)."""
+    if _cupy_caches_templates(cupy) or os.environ.get("CUPY_CACHE_IN_MEMORY", "0") not in ("", "0"):
+        return False
+    return int(_ARCH_NAME.match(arch).group(1)) in _supported_arch_numbers()
 
 
 def _cache_dir() -> Path:
-    """The run time's own disk cache (for CuPy 13): ``cupy_fused/`` in
+    """The run time's own disk cache (before CuPy 14.2): ``cupy_fused/`` in
     CuPy's cache folder (``CUPY_CACHE_DIR``, default
     ``~/.cupy/kernel_cache``)."""
     base = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy",
@@ -420,11 +437,13 @@ def _cached_cubin(source: str, name_expression: str, arch: str,
     The entry's key covers the CuPy and NVRTC versions, the architecture,
     the options (which carry a hash of every kernel source), the source and
     the name expression.  An entry is two files, ``<key>.name`` (the
-    lowered name) written before ``<key>.cubin``, each atomically: a reader
-    that finds the cubin finds the name.
+    lowered name and the cubin's SHA-256) written before ``<key>.cubin``,
+    each atomically; an entry whose cubin does not match its digest (a
+    disk fault, a file cut short) is built again.
 
     Returns:
-        (the cubin's path, the kernel's lowered name).
+        (the cubin's path, the kernel's lowered name).  Raises ``OSError``
+        when the cache folder cannot be written.
     """
     cupy = require_cupy()
     major, minor = nvrtc_version()
@@ -433,11 +452,13 @@ def _cached_cubin(source: str, name_expression: str, arch: str,
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     folder = _cache_dir()
     cubin, name = folder / f"{key}.cubin", folder / f"{key}.name"
-    if cubin.is_file() and name.is_file():
-        return cubin, name.read_text()
+    with contextlib.suppress(OSError, ValueError):
+        lowered, digest = name.read_text().split("\n")
+        if lowered and hashlib.sha256(cubin.read_bytes()).hexdigest() == digest:
+            return cubin, lowered
     data, (lowered,) = _nvrtc_build(source, (name_expression,), arch, options)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_atomically(name, lowered.encode())
+    _write_atomically(name, f"{lowered}\n{hashlib.sha256(data).hexdigest()}".encode())
     _write_atomically(cubin, data)
     return cubin, lowered
 
@@ -446,11 +467,9 @@ def _compile_and_load(source: str, name_expression: str, device: int,
                       defines: Tuple[str, ...]) -> Kernel:
     """Builds one instantiation for ``device`` through ``cupy.RawModule``
     (whose disk cache answers when an earlier process compiled it).  With
-    CuPy 13, whose cache does not (:func:`_cupy_caches_templates`), NVRTC
-    builds a cubin into the run time's own cache (:func:`_cached_cubin`),
-    which ``cupy.RawModule`` loads; an architecture the installed NVRTC
-    cannot target (CuPy then compiles PTX for the driver) stays uncached
-    there."""
+    a CuPy whose cache does not (:func:`_own_disk_cache`), NVRTC builds a
+    cubin into the run time's own cache (:func:`_cached_cubin`), which
+    ``cupy.RawModule`` loads."""
     cupy = require_cupy()
     arch = device_arch(device)
     define_options = tuple(f"-D{d}" for d in defines)
@@ -458,16 +477,20 @@ def _compile_and_load(source: str, name_expression: str, device: int,
     log.info("compiling %s for %s (first use; cached afterwards)", what, arch)
     start = time.perf_counter()
     with _naming_missing_nvrtc(), cupy.cuda.Device(device):
-        if _cupy_caches_templates(cupy) or int(_ARCH_NAME.match(arch).group(1)) not in \
-                _supported_arch_numbers():
+        cached = None
+        if _own_disk_cache(cupy, arch):
+            try:
+                cached = _cached_cubin(source, name_expression, arch, nvrtc_options() + define_options)
+            except OSError as exc:
+                log.warning("kernel cache %s not writable (%s): %s is compiled for this process only",
+                            _cache_dir(), exc, what)
+        if cached is None:
             module = cupy.RawModule(code=_read_source(source),
                                     options=nvrtc_options() + arch_options(device) + define_options,
                                     name_expressions=(name_expression,))
             raw = module.get_function(name_expression)  # NVRTC (or the disk cache) runs here
         else:
-            path, lowered = _cached_cubin(source, name_expression, arch,
-                                          nvrtc_options() + define_options)
-            raw = cupy.RawModule(path=str(path)).get_function(lowered)
+            raw = cupy.RawModule(path=str(cached[0])).get_function(cached[1])
         kernel = Kernel(name_expression, raw.kernel.ptr, raw, device)
     log.info("compiled %s for %s in %.2f s", what, arch, time.perf_counter() - start)
     return kernel

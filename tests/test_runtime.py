@@ -149,17 +149,19 @@ class _FakeCupy:
                 self.names = tuple(name_expressions)
                 if path is None:
                     fake.programs.append((self.names, tuple(options)))
-                else:  # a cubin file, its kernels named by their lowered names
+                else:  # a cubin file: its kernels go by their lowered names
                     fake.loaded.append(path)
+                    self.names = tuple(fake.lowered.get(path, ()))
 
             def get_function(self, name):
-                assert name in self.names or fake.loaded
+                assert name in self.names
                 if compile_hook is not None:
                     compile_hook(self.names)
                 return SimpleNamespace(kernel=SimpleNamespace(ptr=id(self)), name=name)
 
         self.__version__ = "14.2.0"
         self.loaded = []  # cubin paths loaded
+        self.lowered = {}  # cubin path -> the lowered names it holds
         self.RawModule = RawModule
         self.cuda = SimpleNamespace(Device=lambda device: contextlib.nullcontext())
 
@@ -272,36 +274,64 @@ def test_precompile_on_a_device_builds_each_instantiation_as_a_first_launch_woul
     assert len(fake.programs) == len(exprs)
 
 
-def test_cupy13_loads_kernels_from_the_run_times_own_disk_cache(fake_cupy, monkeypatch):
-    """CuPy 13 never reads back a module built from name expressions: the
-    run time builds the cubin into its own cache and has CuPy load it, for
-    architectures the installed NVRTC targets; others go through CuPy."""
+def test_before_cupy_14_2_kernels_load_from_the_run_times_own_disk_cache(fake_cupy, monkeypatch):
+    """CuPy before 14.2 does not read back a module built from name
+    expressions: the run time builds the cubin into its own cache and has
+    CuPy load it, for architectures the installed NVRTC targets; others,
+    CuPy 14.2 on, and CUPY_CACHE_IN_MEMORY go through CuPy."""
     fake = fake_cupy()
-    fake.__version__ = "13.6.0"
+    fake.__version__ = "14.1.1"
     monkeypatch.setattr(_runtime, "_supported_arch_numbers", lambda: (80, 90))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
     built = []
 
     def cached_cubin(source, expr, arch, options):
         built.append((source, expr, arch, tuple(options)))
-        return Path(f"/cache/{len(built)}.cubin"), f"_Z_lowered_{len(built)}"
+        path = f"/cache/{len(built)}.cubin"
+        fake.lowered[path] = (f"_Z_lowered_{len(built)}",)
+        return Path(path), f"_Z_lowered_{len(built)}"
 
     monkeypatch.setattr(_runtime, "_cached_cubin", cached_cubin)
     family = _gemm_family()
     key = ("64x64", 3, "forward", True)
     kernel = family.get(key, 0)
     assert not fake.programs and fake.loaded == ["/cache/1.cubin"]
-    assert kernel.raw.name == "_Z_lowered_1" and kernel.name == family.expressions[key]
+    assert kernel.name == family.expressions[key]
     source, expr, arch, options = built[0]
     assert (source, expr, arch) == ("gemm_tf32.cu", family.expressions[key], "sm_90a")
     assert options == _runtime.nvrtc_options()  # the architecture is the build's own argument
     family.get(key, 1)  # compute capability 8.0: sm_80
     assert built[1][2] == "sm_80" and len(fake.loaded) == 2
+    # extra defines make a build of their own
+    _runtime.declare("gemm_tf32.cu", [expr])
+    _runtime.get_function("gemm_tf32.cu", expr, 0, ("CF_TUNE=2",))
+    assert built[2][3] == _runtime.nvrtc_options() + ("-DCF_TUNE=2",)
     monkeypatch.setattr(_runtime, "_supported_arch_numbers", lambda: (90,))
     family.get(("64x64", 3, "grad_input", True), 1)  # sm_80 unsupported: CuPy compiles it
-    assert len(built) == 2 and len(fake.programs) == 1
-    fake.__version__ = "14.0.0"
-    family.get(("64x64", 3, "grad_input", True), 0)  # CuPy 14 caches it itself
-    assert len(built) == 2 and len(fake.programs) == 2
+    assert len(built) == 3 and len(fake.programs) == 1
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
+    family.get(("64x64", 3, "grad_input", True), 0)
+    assert len(built) == 3 and len(fake.programs) == 2
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY")
+    fake.__version__ = "14.2.0"  # CuPy caches them itself
+    family.get(("64x64", 3, "grad_weight", True), 0)
+    assert len(built) == 3 and len(fake.programs) == 3
+
+
+def test_an_unwritable_own_cache_falls_back_to_cupys_route(fake_cupy, monkeypatch, caplog):
+    fake = fake_cupy()
+    fake.__version__ = "13.6.0"
+    monkeypatch.setattr(_runtime, "_supported_arch_numbers", lambda: (80, 90))
+
+    def unwritable(*args):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(_runtime, "_cached_cubin", unwritable)
+    caplog.set_level(logging.WARNING, logger="cupy_fused")
+    family = _gemm_family()
+    family.get(("64x64", 3, "forward", True), 0)
+    assert len(fake.programs) == 1 and not fake.loaded
+    assert any("not writable" in r.getMessage() for r in caplog.records)
 
 
 def test_own_disk_cache_builds_once_and_keys_on_the_options(tmp_path, monkeypatch):
@@ -320,7 +350,7 @@ def test_own_disk_cache_builds_once_and_keys_on_the_options(tmp_path, monkeypatc
     monkeypatch.setattr(_runtime, "_nvrtc_build", counted)
     path, name = _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())
     assert path.parent == tmp_path / "cupy_fused" and path.read_bytes()[:4] == b"\x7fELF"
-    assert name.startswith("_Z") and path.with_suffix(".name").read_text() == name
+    assert name.startswith("_Z") and path.with_suffix(".name").read_text().split("\n")[0] == name
     again = _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())
     assert again == (path, name) and len(builds) == 1
     other = _runtime._cached_cubin("scale_add.cu", expr, "sm_80",
@@ -329,15 +359,36 @@ def test_own_disk_cache_builds_once_and_keys_on_the_options(tmp_path, monkeypatc
     assert sorted(p.name for p in (tmp_path / "cupy_fused").iterdir()) == sorted(
         [path.name, path.with_suffix(".name").name, other[0].name,
          other[0].with_suffix(".name").name])  # no temporary files left
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])  # a cubin cut short: built again
+    assert _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options()) == (
+        path, name)
+    assert len(builds) == 3 and path.read_bytes() == good
+
+
+def test_own_builds_compile_what_cupys_route_compiles(monkeypatch):
+    """The run time's own NVRTC builds add the options CuPy adds to every
+    compile: flushed subnormals (-ftz) among them, so the same code."""
+    from cupy.cuda import compiler
+
+    source = Path(compiler.__file__).read_text()
+    for option in _runtime.CUPY_NVRTC_OPTIONS:
+        assert f"'{option}'" in source, option
+    expr = _runtime.declared()["scale_add.cu"][0]
+    cubin, _ = _runtime._nvrtc_build("scale_add.cu", (expr,), "sm_80")
+    monkeypatch.setattr(_runtime, "CUPY_NVRTC_OPTIONS", ())
+    plain, _ = _runtime._nvrtc_build("scale_add.cu", (expr,), "sm_80")
+    assert cubin != plain  # the options reach NVRTC, and they change the code
 
 
 @pytest.mark.gpu
 def test_kernels_from_the_own_disk_cache_compute_what_cupys_build_does(tmp_path, monkeypatch):
-    """The CuPy 13 route on this GPU: kernels built into the run time's own
-    cache, loaded by CuPy, launched by an op: the same bits as the kernels
-    CuPy builds."""
+    """The route before CuPy 14.2 on this GPU: kernels built into the run
+    time's own cache, loaded by CuPy, launched by an op: the same bits as
+    the kernels CuPy builds, subnormal inputs included."""
     x = torch.randn(1001, 37, device="cuda")
     y = torch.randn_like(x)
+    x[0], y[0] = 3e-39, -1e-39  # subnormal: kernels built without -ftz would not flush them
     hopper = gemm.has_wgmma(x.device.index)  # also an sm_90a kernel: the 16-bit engine's product
     a, b = (torch.randn(300, 136, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     runs = [lambda: cupy_fused.ops.scale_add(x, y, 0.75)] + ([lambda: gemm._half_linear(a, b)]
