@@ -429,14 +429,41 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
+_nvrtc_build_id: Optional[str] = None
+
+
+def nvrtc_build_id() -> str:
+    """The installed NVRTC's build, as the header of the PTX it writes for an
+    empty program names it (``"Compiler Build ID: CL-..."`` and ``"Cuda
+    compilation tools, release 13.0, V13.0.88"``): finer than
+    :func:`nvrtc_version`, so that a patch release of NVRTC builds its own
+    entries of the run time's disk cache.  Compiled once per process."""
+    global _nvrtc_build_id
+    if _nvrtc_build_id is None:
+        require_cupy()
+        from cupy.cuda import nvrtc
+
+        with _naming_missing_nvrtc():
+            prog = nvrtc.createProgram("", "empty.cu", [], [])
+            try:
+                nvrtc.compileProgram(prog, [f"--gpu-architecture=compute_{min(_supported_arch_numbers())}"])
+                header = nvrtc.getPTX(prog).decode(errors="replace")
+            finally:
+                nvrtc.destroyProgram(prog)
+        _nvrtc_build_id = " ".join(line[2:].strip() for line in header.splitlines()
+                                   if line.startswith("//") and line[2:].strip())
+    return _nvrtc_build_id
+
+
 def _cached_cubin(source: str, name_expression: str, arch: str,
                   options: Sequence[str]) -> Tuple[Path, str]:
     """The cubin of one instantiation for ``arch`` in the run time's disk
     cache, compiled (:func:`_nvrtc_build`) and stored there if missing.
 
-    The entry's key covers the CuPy and NVRTC versions, the architecture,
-    the options (which carry a hash of every kernel source), the source and
-    the name expression.  An entry is two files, ``<key>.name`` (the
+    The entry's key covers the CuPy version, NVRTC's build
+    (:func:`nvrtc_build_id`), the architecture, the options (which carry a
+    hash of every kernel source), the source and the name expression.  An
+    entry is two files, ``<key>.name`` (the
     lowered name and the cubin's SHA-256) written before ``<key>.cubin``,
     each atomically; an entry whose cubin does not match its digest (a
     disk fault, a file cut short) is built again.
@@ -446,8 +473,7 @@ def _cached_cubin(source: str, name_expression: str, arch: str,
         when the cache folder cannot be written.
     """
     cupy = require_cupy()
-    major, minor = nvrtc_version()
-    parts = ("cubin-1", str(cupy.__version__), f"nvrtc-{major}.{minor}", arch, *options, source,
+    parts = ("cubin-1", str(cupy.__version__), nvrtc_build_id(), arch, *options, source,
              _read_source(source), name_expression)
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     folder = _cache_dir()

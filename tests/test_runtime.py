@@ -359,11 +359,17 @@ def test_own_disk_cache_builds_once_and_keys_on_the_options(tmp_path, monkeypatc
     assert sorted(p.name for p in (tmp_path / "cupy_fused").iterdir()) == sorted(
         [path.name, path.with_suffix(".name").name, other[0].name,
          other[0].with_suffix(".name").name])  # no temporary files left
+    build_id = _runtime.nvrtc_build_id()
+    assert "Cuda compilation tools" in build_id
+    monkeypatch.setattr(_runtime, "_nvrtc_build_id", "another NVRTC build")  # a patch release
+    assert _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())[0] != path
+    monkeypatch.setattr(_runtime, "_nvrtc_build_id", build_id)
+    builds.clear()
     good = path.read_bytes()
     path.write_bytes(good[: len(good) // 2])  # a cubin cut short: built again
     assert _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options()) == (
         path, name)
-    assert len(builds) == 3 and path.read_bytes() == good
+    assert len(builds) == 1 and path.read_bytes() == good
 
 
 def test_own_builds_compile_what_cupys_route_compiles(monkeypatch):
