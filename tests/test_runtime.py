@@ -351,6 +351,7 @@ def test_own_disk_cache_builds_once_and_keys_on_the_options(tmp_path, monkeypatc
     path, name = _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())
     assert path.parent == tmp_path / "cupy_fused" and path.read_bytes()[:4] == b"\x7fELF"
     assert name.startswith("_Z") and path.with_suffix(".name").read_text().split("\n")[0] == name
+    assert name.encode() + b"\0" in path.read_bytes()  # the kernel's symbol, as get_function looks it up
     again = _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())
     assert again == (path, name) and len(builds) == 1
     other = _runtime._cached_cubin("scale_add.cu", expr, "sm_80",
