@@ -342,12 +342,7 @@ def test_own_disk_cache_builds_once_and_keys_on_the_options(tmp_path, monkeypatc
     expr = _runtime.declared()["scale_add.cu"][0]
     builds = []
     real_build = _runtime._nvrtc_build
-
-    def counted(*args):
-        builds.append(args)
-        return real_build(*args)
-
-    monkeypatch.setattr(_runtime, "_nvrtc_build", counted)
+    monkeypatch.setattr(_runtime, "_nvrtc_build", lambda *a: builds.append(a) or real_build(*a))
     path, name = _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())
     assert path.parent == tmp_path / "cupy_fused" and path.read_bytes()[:4] == b"\x7fELF"
     assert name.startswith("_Z") and path.with_suffix(".name").read_text().split("\n")[0] == name
