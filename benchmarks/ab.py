@@ -51,8 +51,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import (DTYPES, autocast_context, autocast_dtype, dtype_label, fixed_grad,  # noqa: E402
-                     model_dtype, time_interleaved)
+from harness import (DTYPES, autocast_dtype, dtype_label, fixed_grad, model_dtype,  # noqa: E402
+                     step_fns, time_interleaved)
 
 
 def against_define(folder: str) -> str:
@@ -228,19 +228,8 @@ def _model(problem: int, channels_last: bool = False):
         params = list(ours.parameters())
         grad = fixed_grad(ours, x, amp) if mode == "train" else None
         out = {}
-
-        def run():  # the step as benchmarks/run.py times it, keeping what it computed
-            if mode == "forward":
-                with torch.no_grad(), autocast_context(amp):
-                    out["y"] = ours(x)
-                return
-            xt.grad = None
-            for p in params:
-                p.grad = None
-            with autocast_context(amp):
-                y = ours(xt)
-            y.backward(grad)
-            out["y"] = y.detach()
+        # the step benchmarks/run.py times, keeping what it computed
+        run, _ = step_fns(ours, mode, [x], [xt], grad, amp, keep=out)
 
         def result():
             if mode == "forward":

@@ -120,7 +120,7 @@ def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
 
 
 def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs: bool = False,
-             device_type: str = "cuda"):
+             device_type: str = "cuda", keep: Optional[dict] = None):
     """(step, reset) of one timed iteration: a forward under ``no_grad``, or
     forward and ``y.backward(grad)`` after dropping earlier gradients.
 
@@ -137,6 +137,10 @@ def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs
             (``torch.compiler.cudagraph_mark_step_begin``), since the
             previous step's outputs are no longer used.
         device_type: the device type of ``torch.autocast``.
+        keep: a dict that each step leaves its output in (detached, as
+            ``keep["y"]``), for a caller that checks what the steps compute
+            (``benchmarks/ab.py``); None keeps nothing, so that a timed
+            step holds no earlier output.
 
     Returns:
         (step, reset), functions of no arguments.
@@ -155,7 +159,9 @@ def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs
             if begin is not None:
                 begin()
             with torch.no_grad(), autocast_context(amp, device_type):
-                model(next(rotation))
+                y = model(next(rotation))
+            if keep is not None:
+                keep["y"] = y
     else:
         if grad is None:
             raise ValueError("a training step needs its output gradient (fixed_grad)")
@@ -167,6 +173,8 @@ def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs
             with autocast_context(amp, device_type):
                 y = model(next(rotation))
             y.backward(grad)  # outside autocast, as training code runs it
+            if keep is not None:
+                keep["y"] = y.detach()
     return step, reset
 
 

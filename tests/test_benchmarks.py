@@ -385,6 +385,22 @@ def test_forward_step_runs_under_no_grad_and_autocast():
     assert model.forwards == [True] and model.backwards == []
 
 
+def test_steps_keep_their_output_for_a_caller_that_asks():
+    """keep gets each step's output (detached in training), as ab.py reads
+    it."""
+    model = _Recorder()
+    inputs = [torch.rand(3, 8)]
+    train_inputs = [inputs[0].clone().requires_grad_(True)]
+    g = bench_harness.fixed_grad(model, inputs[0], device_type="cpu")
+    for mode in ("forward", "train"):
+        kept = {}
+        step, _ = bench_harness.step_fns(model, mode, inputs, train_inputs, g, device_type="cpu",
+                                         keep=kept)
+        step()
+        want = model.linear(inputs[0])
+        assert torch.allclose(kept["y"], want) and kept["y"].grad_fn is None
+
+
 def test_cuda_graph_steps_begin_a_new_generation_each(monkeypatch):
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
