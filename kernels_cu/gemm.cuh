@@ -14,7 +14,9 @@
 // operands from shared memory, as below; F32ConvertMma: A float32, rounded
 // to 16 bits in registers, both consumers on one 128 x 256 tile;
 // conv_bias_relu.cu's ConvWindowMma: 64 x 256 tiles whose B is read at
-// shifted rows of a window of a convolution's input).
+// shifted rows of a window of a convolution's input; gemm_tf32.cuh's
+// Tf32SplitMma: float32 products at float32 accuracy, "3xTF32", A split
+// into its TF32 parts in registers, B's parts split beforehand).
 //
 // Persistent and warp-specialised: one block of three warpgroups per SM
 // (four with a store of its own: StoreExtras) walks the output tiles (128 x
@@ -313,7 +315,7 @@ __device__ __forceinline__ void begin_mma_group(float (&acc)[2][kHgAccs]) {
 // An Mma policy with no per-tile state.
 struct TilelessMma {
   __device__ __forceinline__ void begin_tile(i64, i64) {}
-  __device__ __forceinline__ void end_tile() {}
+  __device__ __forceinline__ void end_tile(float (&)[2][kHgAccs]) {}
 };
 
 // What a loader adds to the engine: none, unless it declares
@@ -384,8 +386,8 @@ struct StageRing {
 // issue(acc, a, b, kt), which issues and commits the MMAs of k-tile kt
 // whose operands lie in the stage at shared addresses a (A) and b (B),
 // leaving at most one group of this k-tile's MMAs in flight.
-// begin_tile(tm, tn) comes before a tile's first k-tile, end_tile() after
-// the wait for its last MMAs.
+// begin_tile(tm, tn) comes before a tile's first k-tile, end_tile(acc)
+// after the wait for its last MMAs (and may leave the tile's sums in acc).
 //
 // SmemMma: both operands from shared memory (descriptors), A and B 128 rows
 // of 128 bytes (K-major) or two boxes of 64 rows of k (kAMn / kBMn:
@@ -545,7 +547,7 @@ struct F32ConvertMma {
 #pragma unroll
         for (int i = 0; i < 4; ++i) regs[p][kk][i] = 0u;
   }
-  __device__ __forceinline__ void end_tile() {
+  __device__ __forceinline__ void end_tile(float (&)[2][kHgAccs]) {
 #pragma unroll
     for (int p = 0; p < 2; ++p)
 #pragma unroll
@@ -764,7 +766,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     wgmma_wait<0>();
     fence_registers(acc[0]);
     fence_registers(acc[1]);
-    mma.end_tile();
+    mma.end_tile(acc);
     if (warp_leader) mbar_arrive(empty((it - 1) % kStages));
     if constexpr (kStoreWg) {
       // The store's warpgroup is done with this warpgroup's previous tile.

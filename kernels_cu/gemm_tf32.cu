@@ -1,8 +1,10 @@
 // Kernel family "gemm_tf32": the float32 products of linear() on TF32 tensor
 // cores with the 3xTF32 split (gemm_tf32.cuh describes the scheme, the
-// operand layouts and the Hopper mainloop), their bias / ReLU epilogue fused
-// into the store: `gemm_tf32` (mma.sync, sm_80+) and `gemm_tf32_wgmma`
-// (wgmma, sm_90a).
+// operand layouts and the Hopper main loops), their bias / ReLU epilogue
+// fused into the store: `gemm_tf32` (mma.sync, sm_80+), `gemm_tf32_wgmma`
+// (wgmma, sm_90a, B split in the kernel) and `gemm_tf32_engine` (the
+// Hopper GEMM engine of gemm.cuh, B split beforehand by
+// `gemm_tf32_split_image`).
 #include "gemm_tf32.cuh"
 
 namespace cf {
@@ -196,15 +198,33 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
 #endif
 }
 
-// C = epilogue(A B): the products of linear() (bias, ReLU) on Hopper.
-// kBPlanes: b is B's planes image (gemm_tf32_split_b), which the main loop
-// reads; b_raw is B itself (layout kBKMajor, row stride ldb), which only
-// the redo of NaN sums reads (the same as b without kBPlanes).
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue, bool kBPlanes>
+// The Hopper kernels' store of one row of a consumer thread's 64 sums:
+// sum[4 i + 2 h], sum[4 i + 2 h + 1] (i = 0..15) to columns n0 + 8 i + 2 t,
+// + 1 of the row at crow, through the epilogue, as float2 where vec_store
+// allows (an even row stride and an 8-byte aligned C), clipped at N.
+template <typename Epilogue>
+__device__ __forceinline__ void store_row_sums(float* crow, const float (&sum)[64], int h, i64 n0, int t, i64 N,
+                                               bool vec_store, const Epilogue& epilogue) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const i64 col = n0 + 8 * i + 2 * t;
+    const float v0 = sum[4 * i + 2 * h], v1 = sum[4 * i + 2 * h + 1];
+    if (vec_store && col + 1 < N) {
+      *reinterpret_cast<float2*>(crow + col) = make_float2(epilogue(v0, col), epilogue(v1, col + 1));
+    } else {
+      if (col < N) crow[col] = epilogue(v0, col);
+      if (col + 1 < N) crow[col + 1] = epilogue(v1, col + 1);
+    }
+  }
+}
+
+// C = epilogue(A B): the products of linear() (bias, ReLU) on Hopper whose B
+// is split in the kernel (ops.gemm.splits_b).
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue>
 __global__ void __launch_bounds__(kWgThreads, 1)
 gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
                 const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K,
-                i64 lda, i64 ldb, i64 ldc, const float* __restrict__ b_raw) {
+                i64 lda, i64 ldb, i64 ldc) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) float4 wgmma_shared[];
   i64 m0, n0;
@@ -217,75 +237,117 @@ gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float*
         m = m0 + row + (x >> 1 & 1);
         n = n0 + 8 * (x >> 2) + 2 * t + (x & 1);
       };
-      redo_nan_outputs<kAKMajor, kBKMajor, 64>(elem, where, a, b_raw, M, N, K, lda, ldb);
+      redo_nan_outputs<kAKMajor, kBKMajor, 64>(elem, where, a, b, M, N, K, lda, ldb);
     }
     const Epilogue epilogue(epilogue_vector, epilogue_option);
     const bool vec_store = (ldc % 2 == 0) && ((reinterpret_cast<unsigned long long>(c) & 7) == 0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const i64 r = m0 + me.row + h;
-      if (r >= M) continue;
-      float* crow = c + r * ldc;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const i64 col = n0 + 8 * i + 2 * me.t;
-        const float v0 = sum[4 * i + 2 * h], v1 = sum[4 * i + 2 * h + 1];
-        if (vec_store && col + 1 < N) {
-          *reinterpret_cast<float2*>(crow + col) = make_float2(epilogue(v0, col), epilogue(v1, col + 1));
-        } else {
-          if (col < N) crow[col] = epilogue(v0, col);
-          if (col + 1 < N) crow[col + 1] = epilogue(v1, col + 1);
-        }
-      }
+      if (r < M) store_row_sums(c + r * ldc, sum, h, n0, me.t, N, vec_store, epilogue);
     }
   };
-  wgmma_tile_product<kStages, kPasses, kAKMajor, kBKMajor, decltype(store), kBPlanes>(
+  wgmma_tile_product<kStages, kPasses, kAKMajor, kBKMajor, decltype(store)>(
       reinterpret_cast<char*>(wgmma_shared), a, b, M, N, K, lda, ldb, m0, n0, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
 }
 
-// B [K, N] (B(k, n) = b[n*ldb + k] K-major, b[k*ldb + n] N-major) -> its
-// planes image for gemm_tf32_wgmma<..., kBPlanes = true> (layout at
-// plane_float_offset), split as the kernel's producer would split it, so
-// the product is bit for bit the same.  Splitting once pays where the GEMM
-// has many 128-row tiles: in-kernel, every tile row of C splits all of B again
-// (the producer's split was its bottleneck: GEMM_NOTES.md).
-// One thread per (column, 8-wide k step); grid-stride over
-// tiles_n * 128 * k_tiles * 4 items, columns fastest (coalesced N-major reads,
-// 128-byte runs of stores).
-template <int kPasses, bool kBKMajor>
-__global__ void gemm_tf32_split_b(const float* __restrict__ b, float* __restrict__ image, i64 N, i64 K,
-                                  i64 ldb, i64 k_tiles, i64 items) {
-  constexpr int kPlaneFloats = kPlaneBytes / 4;
-  constexpr int kTileFloats = (kPasses == 3 ? 2 : 1) * kPlaneFloats;
-  for (i64 item = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; item < items;
-       item += static_cast<i64>(gridDim.x) * blockDim.x) {
-    const int nl = static_cast<int>(item % kWgBN);
-    const int st = static_cast<int>((item / kWgBN) % (kGemmBK / 8));
-    const i64 tile = item / (kWgBN * (kGemmBK / 8));  // (tile_n, k-tile) = tile / k_tiles, tile % k_tiles
-    const i64 n = (tile / k_tiles) * kWgBN + nl;
-    const i64 k0 = (tile % k_tiles) * kGemmBK + 8 * st;
-    float v[8];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const i64 k = k0 + q;
-      v[q] = (n < N && k < K) ? (kBKMajor ? b[n * ldb + k] : b[k * ldb + n]) : 0.0f;
+// ---- on the Hopper GEMM engine ----
+// The store of Tf32SplitMma's tiles: C = epilogue(sum), float32, from
+// registers (a warpgroup's 64 rows: its accumulator row h at tile row
+// Mma::row_of(me, h), columns n0 + 8 i + 2 t, +1 at acc[0][4 i + 2 h], + 1),
+// after the redo of NaN sums for 3 passes (a and b: the raw operands,
+// layouts kAKMajor and kBKMajor).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue>
+struct SplitTileStore {
+  using Mma = Tf32SplitMma<kPasses, !kAKMajor>;
+  float* c;
+  Epilogue epilogue;
+  i64 M, N, K, ldc;
+  const float* a;
+  const float* b;
+  i64 lda, ldb;
+  __device__ __forceinline__ void operator()(float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0, i64 n0,
+                                             unsigned) const {
+    float (&sum)[kHgAccs] = acc[0];
+    if constexpr (kPasses == 3) {  // an infinite operand's NaN sums (gemm_tf32.cuh)
+      auto elem = [&](int x) -> float& { return sum[x]; };
+      auto where = [m0, n0, me](int x, i64& m, i64& n) {
+        m = m0 + Mma::row_of(me, x >> 1 & 1);
+        n = n0 + 8 * (x >> 2) + 2 * me.t + (x & 1);
+      };
+      redo_nan_outputs<kAKMajor, kBKMajor, kHgAccs>(elem, where, a, b, M, N, K, lda, ldb);
     }
-    float* const dst = image + tile * kTileFloats;
+    const bool vec_store = (ldc % 2 == 0) && ((reinterpret_cast<unsigned long long>(c) & 7) == 0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      Split<kPasses, 4> part;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) part.set(e, v[2 * e + h]);
-      const int off = plane_float_offset(nl, st, h);
-      *reinterpret_cast<uint4*>(dst + off) = make_uint4(part.big[0], part.big[1], part.big[2], part.big[3]);
-      if constexpr (kPasses == 3)
-        *reinterpret_cast<uint4*>(dst + kPlaneFloats + off) =
-            make_uint4(part.small[0], part.small[1], part.small[2], part.small[3]);
+      const i64 r = m0 + Mma::row_of(me, h);
+      if (r < M) store_row_sums(c + r * ldc, sum, h, n0, me.t, N, vec_store, epilogue);
     }
   }
+  __device__ __forceinline__ void finish(const HalfGemmLane&) const {}
+};
+#endif
+
+// B [K, N] (B(k, n) = b[n*ldb + k] K-major, b[k*ldb + n] N-major) -> its
+// split image for gemm_tf32_engine (gemm_tf32.cuh), split as Split does.
+// One thread per (column, step of 8 values of k) of a k-tile, grid-stride
+// over tiles_n * k_tiles * 128 * 4 items, the steps fastest: the 4 threads
+// of a column write its 128-byte row of each plane, and read 128
+// contiguous bytes of a K-major B, or 32 of an N-major one (8 columns in
+// each of a warp's rows of B).
+template <int kPasses, bool kBKMajor>
+__global__ void gemm_tf32_split_image(const float* __restrict__ b, float* __restrict__ image, i64 N, i64 K,
+                                      i64 ldb, i64 k_tiles, i64 items) {
+  for (i64 item = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; item < items;
+       item += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const int st = static_cast<int>(item & 3), nl = static_cast<int>((item >> 2) & (kWgBN - 1));
+    const i64 tile = item >> 9;  // (tile_n, k-tile) = tile / k_tiles, tile % k_tiles
+    const i64 n = (tile / k_tiles) * kWgBN + nl, k0 = (tile % k_tiles) * kGemmBK + 8 * st;
+    Split<kPasses, 8> part;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const i64 k = k0 + image_k_of(j);
+      part.set(j, (n < N && k < K) ? (kBKMajor ? b[n * ldb + k] : b[k * ldb + n]) : 0.0f);
+    }
+    float* const row = image + tile * split_tile_floats<kPasses>() + nl * kGemmBK;
+    uint4* const lo = reinterpret_cast<uint4*>(row + 4 * ((2 * st) ^ (nl & 7)));
+    uint4* const hi = reinterpret_cast<uint4*>(row + 4 * ((2 * st + 1) ^ (nl & 7)));
+    *lo = make_uint4(part.big[0], part.big[1], part.big[2], part.big[3]);
+    *hi = make_uint4(part.big[4], part.big[5], part.big[6], part.big[7]);
+    if constexpr (kPasses == 3) {
+      constexpr int kPlane = kWgBN * kGemmBK;
+      lo[kPlane / 4] = make_uint4(part.small[0], part.small[1], part.small[2], part.small[3]);
+      hi[kPlane / 4] = make_uint4(part.small[4], part.small[5], part.small[6], part.small[7]);
+    }
+  }
+}
+
+// C = epilogue(A B) on the engine: A through map_a (K-major: [M, K], boxes
+// of 128 rows x 32; else its transpose [K, M], boxes of 32 x 32), B as its
+// split image (gemm_tf32_split_image above); a and b, the raw operands (B in
+// layout kBKMajor, row strides lda, ldb), for the redo of NaN sums.  Grid:
+// at most one block per SM (persistent), kHgThreads threads,
+// half_gemm_shared_bytes<kStages, 0, A's 16 KiB + the planes' 16 KiB
+// each>() of dynamic shared memory.
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor>
+__global__ void __launch_bounds__(kHgThreads, 1)
+gemm_tf32_engine(const __grid_constant__ TensorMap map_a, const float* __restrict__ planes, float* __restrict__ c,
+                 const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K, i64 ldc,
+                 const float* __restrict__ a, i64 lda, const float* __restrict__ b, i64 ldb) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char engine_shared[];
+  using Store = SplitTileStore<kPasses, kAKMajor, kBKMajor, LinearEpilogue>;
+  const PlanesLoader<kPasses, !kAKMajor> loader{map_a, planes, M, N, K};
+  Store store{c, LinearEpilogue(epilogue_vector, epilogue_option), M, N, K, ldc, a, b, lda, ldb};
+  half_gemm_persistent<float, kStages, 0, typename Store::Mma>(reinterpret_cast<char*>(engine_shared), loader,
+                                                                store);
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
 }
 
 }  // namespace cf

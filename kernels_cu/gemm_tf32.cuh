@@ -44,7 +44,7 @@
 // (K-major: 32 + 4 words, MN-major: extent + 4 words) so those loads are free
 // of bank conflicts.
 #pragma once
-#include "sm90.cuh"
+#include "gemm.cuh"
 
 namespace cf {
 
@@ -205,27 +205,20 @@ constexpr int kPlaneStepBytes = kWgBN * 8 * 4;       // one 8-wide k step of a p
 constexpr int kPlaneBytes = kPlaneStepBytes * (kGemmBK / 8);  // one plane of a k-tile: 16 KiB
 constexpr int kWgBarrierBytes = 128;                 // the stages' full/empty mbarriers
 
-// kBPlanes: B comes already split, as the image of its planes in global
-// memory (gemm_tf32_split_b below); kBKMajor is then unused here (the
-// kernel's redo of NaN sums reads B itself in that layout).
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, bool kBPlanes = false>
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor>
 struct WgmmaConfig {
   typedef OperandTile<kAKMajor, kWgBM> TileA;
   typedef OperandTile<kBKMajor, kWgBN> TileB;
-  // A stage: the B planes (big, and small for 3 passes), then the raw tiles
-  // (raw A only when B comes as planes).
+  // A stage: the B planes (big, and small for 3 passes), then the raw tiles.
   static constexpr int kPlanesBytes = (kPasses == 3 ? 2 : 1) * kPlaneBytes;
-  static constexpr int kStageBytes = kPlanesBytes + (TileA::kFloats + (kBPlanes ? 0 : TileB::kFloats)) * 4;
+  static constexpr int kStageBytes = kPlanesBytes + (TileA::kFloats + TileB::kFloats) * 4;
   static_assert(2 * kStages * 8 <= kWgBarrierBytes, "barriers fit");
   static_assert(kStageBytes % 128 == 0, "every stage's planes start on 128 bytes");
 };
 
-// The planes image of B (kBPlanes): for each 128-column tile j of N and each
-// 32-deep k-tile t, the stage's planes exactly as the wgmma kernel's
-// producer would write them (big plane, then small for 3 passes), at float
-// offset (j * k_tiles + t) * kPlanesBytes / 4; out-of-range columns and k
-// are zero.  Item (column n, 8-wide step st) of a tile holds B(8 st + 2 e + h, n)
-// at float st * 1024 + (n / 8) * 64 + (n % 8) * 4 + 32 h + e.
+// Where the producer puts B's values in a stage's plane: item (column n,
+// 8-wide step st) holds B(8 st + 2 e + h, n) at float st * 1024 + (n / 8) *
+// 64 + (n % 8) * 4 + 32 h + e.
 __device__ __forceinline__ int plane_float_offset(int n, int st, int h) {
   return st * (kPlaneStepBytes / 4) + (n >> 3) * 64 + (n & 7) * 4 + 32 * h;
 }
@@ -356,16 +349,12 @@ struct ConsumerLane {
 // (the other consumer warpgroup may still be reading it).  The store runs
 // inside the consumer branch: code after a join of the producer's and the
 // consumers' paths would be held to the producer's register budget and spill.
-//
-// kBPlanes: b is the planes image of B (see plane_float_offset; ldb unused here)
-// and the producer only copies: the raw A tile and the tile's planes, each
-// with 16-byte cp.async, tiles kStages - 2 ahead of the one it marks full.
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Store, bool kBPlanes = false>
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Store>
 __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __restrict__ a,
                                                    const float* __restrict__ b, i64 M, i64 N,
                                                    i64 K, i64 lda, i64 ldb, i64 m0, i64 n0,
                                                    const Store& store) {
-  typedef WgmmaConfig<kStages, kPasses, kAKMajor, kBKMajor, kBPlanes> Cfg;
+  typedef WgmmaConfig<kStages, kPasses, kAKMajor, kBKMajor> Cfg;
   typedef typename Cfg::TileA TileA;
   typedef typename Cfg::TileB TileB;
   static_assert(kGemmBK == 32 && kChunkK == 16, "two chunks of two MMA steps per k-tile");
@@ -381,11 +370,9 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
   const int tid = threadIdx.x, warp = tid >> 5;
   const int ktiles = static_cast<int>((K + kGemmBK - 1) / kGemmBK);
   // Registers per producer / consumer thread after setmaxnreg (128 x P +
-  // 256 x C <= 384 x 168, the launch's allotment).  120 / 192 spills in no
-  // variant but the one-pass copy-only one, where ptxas spilled 16 bytes of
-  // a consumer at 192 and nothing at 104 / 200 (its producer needs few).
-  constexpr int kProducerRegs = kBPlanes && kPasses == 1 ? 104 : 120;
-  constexpr int kConsumerRegs = kBPlanes && kPasses == 1 ? 200 : 192;
+  // 256 x C <= 384 x 168, the launch's allotment): no variant spills.
+  constexpr int kProducerRegs = 120;
+  constexpr int kConsumerRegs = 192;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWgThreads * 168, "register budget");
 
   if (tid == 0) {
@@ -438,37 +425,6 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
       // The planes are read by the tensor cores (async proxy) next.
       fence_proxy_async();
     };
-    if constexpr (kBPlanes) {
-      static_assert(kStages >= 3, "the copies run kStages - 2 tiles ahead");
-      constexpr int kAhead = kStages - 2;
-      constexpr int kPlaneChunks = Cfg::kPlanesBytes / 16;  // 16-byte copies per tile
-      static_assert(kPlaneChunks % 128 == 0, "the planes split evenly over the producer");
-      // This thread's first 16 bytes of the tile column's planes; steps a tile per iteration.
-      const float* planes_src = b + (n0 / kWgBN) * ktiles * static_cast<i64>(Cfg::kPlanesBytes / 4) + 4 * ptid;
-      // Iteration `it` issues tile it's copies and marks tile it - kAhead full
-      // once this thread's copies of it have landed (each of the 128 threads
-      // arrives for its own).  Tile it's stage was released by the consumers
-      // of tile it - kStages, marked full kStages - kAhead iterations ago.
-      for (int it = 0; it < ktiles + kAhead; ++it) {
-        if (it < ktiles) {
-          const int s = it % kStages;
-          if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
-          TileA::template load<true, 128>(raw_a(s), a, lda, M, K, m0, static_cast<i64>(it) * kGemmBK, ptid);
-          const unsigned dst = planes(s) + 16u * ptid;
-#pragma unroll
-          for (int j = 0; j < kPlaneChunks / 128; ++j) cp_async16(dst + 16u * 128 * j, planes_src + 4 * 128 * j, 16);
-          planes_src += Cfg::kPlanesBytes / 4;
-        }
-        cp_async_commit();
-        if (it >= kAhead) {
-          cp_async_wait<kAhead>();  // this thread's copies of tile it - kAhead
-          // The planes are read by the tensor cores (async proxy) next.
-          fence_proxy_async();
-          mbar_arrive(full((it - kAhead) % kStages));
-        }
-      }
-      return;
-    }
     // Iteration `it` issues the loads of tile it and converts tile it - 1,
     // so one tile's loads are always in flight while the previous converts.
     for (int it = 0; it <= ktiles; ++it) {
@@ -549,6 +505,207 @@ __device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __re
   }
   store(sum, me);
 }
+#endif
+
+// ===========================================================================
+// The same split products on the Hopper GEMM engine (gemm.cuh,
+// half_gemm_persistent): PlanesLoader feeds it, Tf32SplitMma is its Mma
+// policy.  B comes split beforehand, as its split image
+// (gemm_tf32_split_image in gemm_tf32.cu): for each 128-column tile j of N
+// and each 32-deep k-tile t, kPasses == 3 ? 2 : 1 planes of B's TF32 parts
+// (big, small) exactly as a stage holds them, 16 KiB each, at float offset
+// (j * k_tiles + t) * split_tile_floats: 128 rows of n x 128 bytes, the
+// 16-byte chunk c of row n at (c ^ n % 8) * 16 (the 128-byte swizzle the
+// MMAs read), k in each 8 in the planes' order (image_k_of; out-of-range
+// columns and k zero).  The copy engine brings a stage's planes in one
+// contiguous copy.  A stays float32 as it lies in memory, read by the copy
+// engine through a tensor map, and is split in the consumers' registers.
+// Position j of a step's 8 values holds its k-value image_k_of(j): 0, 2, 4,
+// 6, 1, 3, 5, 7 (the planes' order above: MMA k t, t + 4 <-> k 2t, 2t + 1).
+__host__ __device__ constexpr int image_k_of(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
+template <int kPasses>
+__host__ __device__ constexpr int split_tile_floats() { return (kPasses == 3 ? 2 : 1) * kWgBN * kGemmBK; }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The engine's loader of a split product: A [M, K] (K-major: one box of 128
+// rows x 32 values of k, 128-byte swizzled; kAMn, A as its transpose [K,
+// M]: four boxes of 32 rows of k x 32 values of m, side by side in m), and
+// the tile's planes from B's split image; 128 x 128 tiles of C.
+template <int kPasses, bool kAMn>
+struct PlanesLoader {
+  static constexpr int kPlanesBytes = 4 * split_tile_floats<kPasses>();
+  const TensorMap& map_a;
+  const float* planes;  // B's split image
+  i64 M, N, K;
+  const char* tile_planes = nullptr;  // the current tile column's first k-tile of planes
+  int m0 = 0;
+  __device__ __forceinline__ i64 tiles_m() const { return (M + kWgBM - 1) / kWgBM; }
+  __device__ __forceinline__ i64 tiles_n() const { return (N + kWgBN - 1) / kWgBN; }
+  __device__ __forceinline__ int ktiles() const { return static_cast<int>((K + kGemmBK - 1) / kGemmBK); }
+  __device__ __forceinline__ void prefetch() const { tma_prefetch_descriptor(map_a); }
+  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
+    m0 = static_cast<int>(tm * kWgBM);
+    tile_planes = reinterpret_cast<const char*>(planes) + tn * ktiles() * static_cast<i64>(kPlanesBytes);
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
+    if constexpr (kAMn) {
+#pragma unroll
+      for (int box = 0; box < 4; ++box) tma_load_2d(tile_a + box * 4096, map_a, m0 + 32 * box, kt * kGemmBK, bar);
+    } else {
+      tma_load_2d(tile_a, map_a, kt * kGemmBK, m0, bar);
+    }
+    bulk_load(tile_b, tile_planes + kt * static_cast<i64>(kPlanesBytes), kPlanesBytes, bar);
+  }
+};
+
+// The split product's MMAs, cooperative: both consumer warpgroups on every
+// 128 x 128 tile, warpgroup w on its rows 64w .. 64w + 63, one
+// wgmma.m64n128k8 per TF32 pass and step of 8 values of k, A's fragment from
+// registers, split there, B's planes from the stage.  The passes and
+// chunks as in wgmma_tile_product above (acc[0] holds a chunk's sums, acc[1]
+// the tile's, zeroed by the engine; end_tile leaves the tile's in acc[0]),
+// and so is the fragment's k order.  A k-tile's A values are
+// loaded at once, then split: the first chunk's while the previous
+// k-tile's second chunk runs, the second's while the first runs; the
+// fragment registers of the two chunks are separate and stay untouched
+// until their MMAs complete.
+// K-major A (the m64n128 layout's rows: warp rows g, g + 8 at rows row, row
+// + 8): a row's k-values 2t, 2t + 1 of step s lie in its 16-byte chunk 2s +
+// t / 2 (XOR row % 8, the swizzle); the odd rows load the steps in the
+// order 2, 3, 0, 1, so that each 64-bit load's half-warp (rows g = 0-3 or
+// 4-7) finds its values in eight distinct chunks, all 32 banks (in step
+// order, four rows share four chunks, a 2-way conflict), and a select puts
+// them back.  M-major A: the warp's rows g, g + 8 are rows 2g, 2g + 1 of
+// its 16 (row_of), adjacent in A's M-major rows: one 64-bit load a k-value,
+// a warp's in 32 distinct banks.
+template <int kPasses, bool kAMn>
+struct Tf32SplitMma {
+  static constexpr int kBM = kWgBM, kBN = kWgBN, kWgRows = 64;
+  static constexpr bool kCooperative = true;
+  static constexpr int kTileABytes = kWgBM * kGemmBK * 4, kTileBBytes = PlanesLoader<kPasses, kAMn>::kPlanesBytes;
+  // The tile row of a consumer thread's accumulator row h (0: warp row g,
+  // 1: g + 8) in its warpgroup's 64 rows (HalfGemmLane::row = 16 warp + g).
+  __device__ __forceinline__ static int row_of(const HalfGemmLane& me, int h) {
+    return kAMn ? (me.row & ~15) + 2 * (me.row & 15) + h : me.row + 8 * h;
+  }
+  unsigned addr;   // this thread's first load's offset in A's tile
+  unsigned swz;    // K-major: load q reads at addr + ((32 q) ^ swz) (rows row, + 1024 bytes for row + 8)
+  bool odd;        // K-major: an odd row, whose load q reads step q ^ 2
+  unsigned big[4][4], small[4][4];  // [step][fragment register]
+
+  __device__ __forceinline__ Tf32SplitMma() {
+    const HalfGemmLane me;
+    const int row = kWgRows * me.wg + row_of(me, 0), g = row & 7;
+    odd = (g & 1) != 0;
+    if constexpr (kAMn) {
+      // A(m, k) of box m / 32 at row k, chunk ((m % 32) / 4) ^ (k % 8), word m % 4;
+      // the thread's k-values 8 s + 2 t + e: row 2 t + e of the 8-row group s.
+      addr = static_cast<unsigned>((row >> 5) * 4096 + 2 * me.t * 128 + 4 * (row & 3));
+      swz = static_cast<unsigned>((row & 31) >> 2);  // the chunk, before the XOR with the row's k % 8
+    } else {
+      // Step s's values lie in chunk (2 s + t / 2) ^ g; load q's step is q ^ (odd ? 2 : 0).
+      addr = static_cast<unsigned>(row * 128 + 8 * (me.t & 1));
+      swz = (odd ? 64u : 0u) ^ (static_cast<unsigned>((me.t >> 1) ^ g) << 4);
+    }
+  }
+  __device__ __forceinline__ void begin_tile(i64, i64) {
+    // (New values: the last tile's stay live only until its end_tile.)
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) big[s][i] = small[s][i] = 0u;
+  }
+  // The MMAs of steps 2c, 2c + 1 into acc[0], committed as one group.
+  __device__ __forceinline__ void chunk(float (&acc)[2][kHgAccs], unsigned b, int c) {
+    const Swizzle128Desc sb(b);
+    begin_mma_group(acc);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int s = 2 * c + j;
+      const unsigned long long big_b = sb.at(32 * s);  // (step s: 32 bytes of each row)
+      if constexpr (kPasses == 3) {
+        if (j == 0) wgmma_tf32<false>(acc[0], small[s], big_b);
+        else wgmma_tf32<true>(acc[0], small[s], big_b);
+        wgmma_tf32<true>(acc[0], big[s], sb.at(4 * kWgBN * kGemmBK + 32 * s));
+        wgmma_tf32<true>(acc[0], big[s], big_b);
+      } else {
+        if (j == 0) wgmma_tf32<false>(acc[0], big[s], big_b);
+        else wgmma_tf32<true>(acc[0], big[s], big_b);
+      }
+    }
+    wgmma_commit();
+  }
+  // Waits for the chunk in flight (whose fragments are steps 2c, 2c + 1)
+  // and adds it into the tile's sums.
+  __device__ __forceinline__ void fold(float (&acc)[2][kHgAccs], int c) {
+    wgmma_wait<0>();
+    fence_registers(acc[0]);
+#pragma unroll
+    for (int s = 2 * c; s < 2 * c + 2; ++s) {
+      fence_registers(big[s]);
+      fence_registers(small[s]);
+    }
+#pragma unroll
+    for (int i = 0; i < kHgAccs; ++i) acc[1][i] += acc[0][i];
+  }
+  __device__ __forceinline__ void split(const float (&v)[4][4], int s) {
+    Split<kPasses, 4> part;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) part.set(i, v[s][i]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      big[s][i] = part.big[i];
+      if constexpr (kPasses == 3) small[s][i] = part.small[i];
+    }
+  }
+  __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) {
+    // [step][fragment register]: rows g, g + 8 at k 2t; the same at 2t + 1
+    float v[4][4];
+    if constexpr (kAMn) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float2 w;  // rows 2g, 2g + 1 at k 8 s + 2 t + e (k % 8 = 2 t + e, as the row within its 8)
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                       : "=f"(w.x), "=f"(w.y)
+                       : "r"(a + addr + (8 * s + e) * 128 + ((swz ^ (2 * (threadIdx.x & 3) + e)) << 4)));
+          v[s][2 * e] = w.x;
+          v[s][2 * e + 1] = w.y;
+        }
+    } else {
+      float2 w[4][2];  // [load q][row, row + 8]
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                       : "=f"(w[q][h].x), "=f"(w[q][h].y)
+                       : "r"(a + addr + 1024 * h + ((32u * q) ^ swz)));
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const float2 r0 = odd ? w[s ^ 2][0] : w[s][0], r8 = odd ? w[s ^ 2][1] : w[s][1];
+        v[s][0] = r0.x;
+        v[s][1] = r8.x;
+        v[s][2] = r0.y;
+        v[s][3] = r8.y;
+      }
+    }
+    split(v, 0);
+    split(v, 1);
+    if (kt > 0) fold(acc, 1);  // the previous k-tile's second chunk
+    chunk(acc, b, 0);
+    split(v, 2);
+    split(v, 3);
+    fold(acc, 0);
+    chunk(acc, b, 1);
+  }
+  __device__ __forceinline__ void end_tile(float (&acc)[2][kHgAccs]) {
+    fold(acc, 1);  // (the engine has waited for it)
+#pragma unroll
+    for (int i = 0; i < kHgAccs; ++i) acc[0][i] = acc[1][i];
+  }
+};
 #endif
 
 }  // namespace cf

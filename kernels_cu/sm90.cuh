@@ -91,7 +91,15 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, 
       "l"(reinterpret_cast<unsigned long long>(&map)), "r"(inner), "r"(outer), "r"(bar)
       : "memory");
 }
-// The same for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
+// `bytes` contiguous bytes of global memory at `src` into shared memory at
+// `dst` (both 16-byte aligned, bytes a multiple of 16), completing them on
+// the mbarrier `bar`.
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// tma_load_2d for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap& map, int c0, int c1, int c2,
                                             int c3, unsigned bar) {
   asm volatile(
@@ -116,7 +124,7 @@ __device__ __forceinline__ void tma_store_3d(const TensorMap& map, unsigned src,
                "r"(c0), "r"(c1), "r"(c2), "r"(src)
                : "memory");
 }
-// The same for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
+// tma_load_2d for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
 __device__ __forceinline__ void tma_store_4d(const TensorMap& map, unsigned src, int c0, int c1, int c2,
                                              int c3) {
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(

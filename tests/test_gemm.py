@@ -23,8 +23,9 @@ def test_tiles_fit_in_shared_memory_and_split_evenly():
         assert tile.bm % 32 == 0 and tile.bn % 64 == 0
     # the wgmma kernel: mbarriers + 3 stages of raw A, raw B and two B planes
     assert G.TILES["wgmma128x128"].shared_bytes(True, True) == 128 + 3 * (2 * 128 * 36 + 2 * 128 * 32) * 4
-    # split B: mbarriers + 4 stages of raw A and two B planes
-    assert G.TILES["wgmma128x128_split_b"].shared_bytes(True, False) == 128 + 4 * (128 * 36 + 2 * 128 * 32) * 4
+    # the engine: alignment slack + 4 stages of A and two B planes (16 KiB each) + the mbarriers
+    assert G.TILES["engine128x128"].shared_bytes(False, False) == 1024 + 4 * 3 * 16384 + 2 * 4 * 8 + 16
+    assert G.TILES["engine128x128"].shared_bytes(True, True, 1) == 1024 + 4 * 2 * 16384 + 2 * 4 * 8 + 16
 
 
 @pytest.mark.parametrize("wgmma", [False, True])
@@ -34,9 +35,9 @@ def test_tile_choice(monkeypatch, wgmma):
     assert G.choose_tile(1024, 8192, True, 0) == ("wgmma128x128" if wgmma else "128x128")
     # many rows of C, B's planes no larger than A: B is split once beforehand (wgmma only)
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 2048, True, 0) == (
-        "wgmma128x128_split_b" if wgmma else "128x128")
+        "engine128x128" if wgmma else "128x128")
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 4096, True, 0, passes=1) == (
-        "wgmma128x128_split_b" if wgmma else "128x128")
+        "engine128x128" if wgmma else "128x128")
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 4096, True, 0) == (  # planes 2 x 4096 rows > A
         "wgmma128x128" if wgmma else "128x128")
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS - 1, 1024, True, 0) == (
@@ -44,7 +45,7 @@ def test_tile_choice(monkeypatch, wgmma):
     assert G.choose_tile(1024, 8192, False, 0) == "64x64"  # unaligned rows: word loads
     assert G.choose_tile(256, 256, True, 0) == "64x64"  # too few 128x128 tiles to fill the GPU
     assert G.available_tiles(0) == (
-        ("wgmma128x128", "wgmma128x128_split_b") if wgmma else ()) + ("128x128", "64x64")
+        ("wgmma128x128", "engine128x128") if wgmma else ()) + ("128x128", "64x64")
 
 
 def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
@@ -116,13 +117,11 @@ def test_float32_weight_route(monkeypatch):
 
 
 def test_every_kernel_variant_is_declared():
-    # one instantiation per key (the split-B kernel's main loop reads B's
-    # planes whatever B's layout, but its redo of NaN sums reads B itself)
-    unsplit = {key: e for key, e in G.KERNELS.expressions.items() if not G.TILES[key[0]].split_b}
-    assert len(set(unsplit.values())) == len(unsplit)
-    split = {e for key, e in G.KERNELS.expressions.items() if G.TILES[key[0]].split_b}
-    assert len(split) == 2 * 3 and not split & set(unsplit.values())  # passes x layout
-    assert len(set(G.SPLIT_B_KERNELS.expressions.values())) == 4  # passes x B's layout
+    # one instantiation per key
+    assert len(set(G.KERNELS.expressions.values())) == len(G.KERNELS.expressions)
+    engine = {key for key in G.KERNELS.expressions if G.TILES[key[0]].engine}
+    assert len(engine) == 2 * 3  # passes x layout (16-byte rows only)
+    assert len(set(G.SPLIT_IMAGE_KERNELS.expressions.values())) == 4  # passes x B's layout
     for layout in G.LAYOUTS:
         for passes in (1, 3):
             assert ("64x64", passes, layout, False) in G.KERNELS.expressions
@@ -234,10 +233,9 @@ def test_gemm_takes_the_wgmma_kernel_on_hopper(device, monkeypatch):
         a, b, ref = _operands(layout, m, k, n, device, gen)
         ours = G._gemm(a, b, layout, 3)
         assert torch.equal(ours, _run_tile("wgmma128x128", a, b, layout, 3))
-        # B split beforehand: the same split, the same products, the same bits
-        assert torch.equal(ours, _run_tile("wgmma128x128_split_b", a, b, layout, 3))
-        assert torch.equal(G._gemm(a, b, layout, 1),
-                           _run_tile("wgmma128x128_split_b", a, b, layout, 1))
+        # B split beforehand, on the engine: the same split, the same products, the same bits
+        assert torch.equal(ours, _run_tile("engine128x128", a, b, layout, 3))
+        assert torch.equal(G._gemm(a, b, layout, 1), _run_tile("engine128x128", a, b, layout, 1))
         with settings.gemm_wgmma(False):
             mma_sync = G._gemm(a, b, layout, 3)
         assert torch.equal(mma_sync, _run_tile("128x128", a, b, layout, 3))

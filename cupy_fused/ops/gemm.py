@@ -33,8 +33,9 @@ The cuBLAS products follow torch's own settings: with
 GPUs below compute capability 8.0 (V100, T4) have no TF32 tensor cores:
 there every float32 product runs on cuBLAS SGEMM, whatever the precision
 (:func:`has_tf32_tensor_cores`).  On 9.0 (H100, H200) the products that fill
-the GPU run on the ``wgmma`` kernel (:func:`has_wgmma`); those with many rows
-of C split B into its TF32 planes once beforehand (:func:`splits_b`).
+the GPU run on wgmma (:func:`has_wgmma`): those with many rows of C split B
+into its TF32 planes once beforehand (:func:`splits_b`) and run on the
+Hopper GEMM engine, the others split B in the kernel.
 
 Non-finite inputs: NaN and ±inf land where SGEMM puts them under every
 precision.  (With ``"3xtf32"`` the kernels redo a NaN sum, which an
@@ -73,40 +74,54 @@ class Tile:
     ``stages``-deep pipeline of raw float32 tiles; ``wgmma``: the Hopper
     kernel (``gemm_tf32_wgmma``, sm_90a, 3 warpgroups), whose stages also
     hold the B tile split into TF32 planes, plus a word of mbarriers each;
-    ``split_b``: B is split into its planes by a kernel of its own before the
-    product (``gemm_tf32_split_b``), and the stages hold raw A and the planes."""
+    ``engine`` (with ``wgmma``): the product on the Hopper GEMM engine
+    (``gemm_tf32_engine``, ``kernels_cu/gemm.cuh``: persistent, 3
+    warpgroups), B split into its planes by a kernel of its own before it
+    (``gemm_tf32_split_image``), each stage holding A's tile and B's planes,
+    brought by the copy engine."""
 
     bm: int
     bn: int
     stages: int
     wgmma: bool = False
-    split_b: bool = False
+    engine: bool = False
 
     @property
     def threads(self) -> int:
         return 384 if self.wgmma else 256
 
     def shared_bytes(self, a_kmajor: bool, b_kmajor: bool, passes: int = 3) -> int:
+        if self.engine:  # a stage: A's tile and B's planes, 16 KiB each
+            return _half_shared_bytes(0, self.stages, ENGINE_PLANE_BYTES * (1 + _planes(passes)))
         a = self.bm * 36 if a_kmajor else 32 * (self.bm + 4)
         b = self.bn * 36 if b_kmajor else 32 * (self.bn + 4)
         if not self.wgmma:
             return self.stages * (a + b) * 4
         planes = (2 if passes == 3 else 1) * self.bn * 32
-        return 128 + self.stages * (a + (0 if self.split_b else b) + planes) * 4
+        return 128 + self.stages * (a + b + planes) * 4
 
 
 # On H100/H200 (compute capability 9.0) every GEMM that fills the GPU with
-# 128x128 tiles and has 16-byte aligned rows runs on the wgmma kernel (one
-# block of 3 warpgroups per SM, 3 stages of raw tiles and B planes: 204 KiB
-# of shared memory); where :func:`splits_b` says so, B is split once
-# beforehand and the kernel copies its planes (4 stages of raw A and planes,
-# 200 KiB).  Elsewhere, 128x128 on mma.sync (4 stages, 147 KiB); 64x64
-# for smaller GEMMs and for operands not 16-byte aligned (word-by-word loads).
+# 128x128 tiles and has 16-byte aligned rows runs on wgmma: where
+# :func:`splits_b` says so, B is split once beforehand and the product runs
+# on the engine (4 stages of A's tile and B's planes: 193 KiB of shared
+# memory); elsewhere on the wgmma kernel (one block of 3 warpgroups per SM,
+# 3 stages of raw tiles and B planes: 204 KiB).  Other GPUs: 128x128 on
+# mma.sync (4 stages, 147 KiB).  64x64 for smaller GEMMs and for operands
+# not 16-byte aligned (word-by-word loads).
 # scripts/tune_gemm.py and benchmarks/gemm.py compare the candidates (see
 # docs/gemm.md).
 TILES = {"wgmma128x128": Tile(128, 128, 3, wgmma=True),
-         "wgmma128x128_split_b": Tile(128, 128, 4, wgmma=True, split_b=True),
+         "engine128x128": Tile(128, 128, 4, wgmma=True, engine=True),
          "128x128": Tile(128, 128, 4), "64x64": Tile(64, 64, 4)}
+# The engine's tiles of A and of each of B's planes: 128 rows x 32 float32.
+ENGINE_PLANE_BYTES = 128 * 32 * 4
+
+
+def _planes(passes: int) -> int:
+    """B's TF32 planes for ``passes``: big and small (3), big (1)."""
+    return 2 if passes == 3 else 1
+
 
 # The split of B beforehand reads B once and writes its planes (12 bytes per
 # element), where the in-kernel split redoes it for every 128-row tile of C
@@ -139,9 +154,10 @@ def _cxx_bool(b: bool) -> str:
 
 def _expr(t: Tile, passes: int, layout: str, vec: bool) -> str:
     a, b = map(_cxx_bool, LAYOUTS[layout])
-    if t.wgmma:  # 128x128 only, 16-byte loads only (with split_b, B's layout is the split's and the redo's)
-        return (f"cf::gemm_tf32_wgmma<{t.stages}, {passes}, {a}, {b}, cf::LinearEpilogue, "
-                f"{_cxx_bool(t.split_b)}>")
+    if t.engine:  # 128x128, 16-byte rows (B's layout: its split's and the redo's)
+        return f"cf::gemm_tf32_engine<{t.stages}, {passes}, {a}, {b}>"
+    if t.wgmma:  # 128x128 only, 16-byte loads only
+        return f"cf::gemm_tf32_wgmma<{t.stages}, {passes}, {a}, {b}, cf::LinearEpilogue>"
     return (f"cf::gemm_tf32<{t.bm}, {t.bn}, {t.stages}, {passes}, {a}, {b}, "
             f"{_cxx_bool(vec)}, cf::LinearEpilogue>")
 
@@ -154,8 +170,8 @@ KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
 })
 
 # Keyed by (passes, B K-major).
-SPLIT_B_KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
-    (passes, b_kmajor): f"cf::gemm_tf32_split_b<{passes}, {_cxx_bool(b_kmajor)}>"
+SPLIT_IMAGE_KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
+    (passes, b_kmajor): f"cf::gemm_tf32_split_image<{passes}, {_cxx_bool(b_kmajor)}>"
     for passes in (1, 3) for b_kmajor in (True, False)
 })
 
@@ -192,7 +208,7 @@ def choose_tile(m: int, n: int, vec: bool, device_index: int, passes: int = 3) -
     16-byte aligned when ``vec``): see :data:`TILES`."""
     if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
         if has_wgmma(device_index):
-            return "wgmma128x128_split_b" if splits_b(m, n, passes) else "wgmma128x128"
+            return "engine128x128" if splits_b(m, n, passes) else "wgmma128x128"
         return "128x128"
     return "64x64"
 
@@ -287,39 +303,57 @@ def _gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, ti
 
 def _launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, activation: int = 0, passes: int = 3) -> None:
-    """Launches ``fn``, a ``gemm_tf32`` (or ``gemm_tf32_wgmma``)
-    instantiation of ``tile``, ``passes`` and ``layout``, writing ``out``
+    """Launches ``fn``, a ``gemm_tf32`` (or ``gemm_tf32_wgmma``,
+    ``gemm_tf32_engine``) instantiation of ``tile``, ``passes`` and ``layout``, writing ``out``
     [M, N] (operands as in :func:`_gemm`)."""
+    if tile.engine:
+        _launch_engine(fn, tile, layout, a, b, out, bias, activation, passes)
+        return
     a_kmajor, b_kmajor = LAYOUTS[layout]
     m, n = out.shape
     k = _inner_size(a, layout)
-    dev, ldb = a.device.index, b.shape[1]
-    b_raw = b
-    if tile.split_b:  # the main loop then reads the planes image; the NaN redo reads B
-        b = _split_b(b, n, k, b_kmajor, passes)
-    # (the wgmma kernel's last parameter: B itself, for its redo of NaN sums)
-    extra = (b_raw.data_ptr(),) if tile.wgmma else ()
+    dev = a.device.index
     _bridge.launch(fn, (cdiv(m, tile.bm) * cdiv(n, tile.bn), 1, 1), tile.threads, (
         a.data_ptr(), b.data_ptr(), out.data_ptr(), _ptr_or_null(bias),
-        activation, m, n, k, a.shape[1], ldb, n) + extra, dev,
+        activation, m, n, k, a.shape[1], b.shape[1], n), dev,
         shared_mem=tile.shared_bytes(a_kmajor, b_kmajor, passes))
 
 
-def _split_b(b: torch.Tensor, n: int, k: int, b_kmajor: bool, passes: int) -> torch.Tensor:
-    """B's planes image for the ``split_b`` wgmma kernel (layout in
-    ``kernels_cu/gemm_tf32.cuh``, ``plane_float_offset``): one float32
-    buffer of ``passes == 3 ? 2 : 1`` planes of 128 x 32 values per (128-column
-    tile, 32-deep k-tile) of B [k, n] (zero-padded), as the kernel's own
-    split would make them."""
+def _split_image(b: torch.Tensor, n: int, k: int, b_kmajor: bool, passes: int) -> torch.Tensor:
+    """B's split image for the engine's product (``kernels_cu/gemm_tf32.cuh``,
+    ``PlanesLoader``): per (128-column tile, 32-deep k-tile) of B [k, n],
+    ``_planes(passes)`` planes of 128 x 32 TF32 parts in the stage's swizzled
+    layout (zero-padded)."""
     k_tiles = cdiv(k, 32)
     tiles = cdiv(n, 128) * k_tiles
-    image = torch.empty((tiles, (2 if passes == 3 else 1) * 128 * 32), dtype=torch.float32,
-                        device=b.device)
+    image = torch.empty((tiles, _planes(passes) * 128 * 32), dtype=torch.float32, device=b.device)
     items = tiles * 128 * 4
     dev = b.device.index
-    _bridge.launch(SPLIT_B_KERNELS.get((passes, b_kmajor), dev), (elementwise_grid(items, dev), 1, 1),
+    _bridge.launch(SPLIT_IMAGE_KERNELS.get((passes, b_kmajor), dev), (elementwise_grid(items, dev), 1, 1),
                    BLOCK, (b.data_ptr(), image.data_ptr(), n, k, b.shape[1], k_tiles, items), dev)
     return image
+
+
+def _launch_engine(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                   bias: Optional[torch.Tensor], activation: int, passes: int) -> None:
+    """:func:`_launch_gemm` for the engine's tile: B split into its image
+    (:func:`_split_image`), then ``fn`` (``gemm_tf32_engine``) reads A
+    through a tensor map and the image by contiguous copies, one block per
+    SM at most (persistent)."""
+    a_kmajor, b_kmajor = LAYOUTS[layout]
+    m, n = out.shape
+    k = _inner_size(a, layout)
+    dev = a.device.index
+    planes = _split_image(b, n, k, b_kmajor, passes)
+    # A as it lies in memory: [M, K], boxes of 128 rows x 32 values of k; or
+    # its transpose [K, M], boxes of 32 rows of k x 32 values of m.
+    map_a = _encode_tensor_map(a.data_ptr(), (a.shape[1], a.shape[0]), (a.stride(0),), torch.float32,
+                               (32, 128 if a_kmajor else 32))
+    tiles = cdiv(m, tile.bm) * cdiv(n, tile.bn)
+    _bridge.launch(fn, (min(tiles, sm_count(dev)), 1, 1), tile.threads, (
+        map_a, planes.data_ptr(), out.data_ptr(), _ptr_or_null(bias), activation, m, n, k, n,
+        a.data_ptr(), a.shape[1], b.data_ptr(), b.shape[1]), dev,
+        shared_mem=tile.shared_bytes(a_kmajor, b_kmajor, passes))
 
 
 # ---------------------------------------------------------------- 16-bit engine (Hopper)
