@@ -952,29 +952,23 @@ struct WindowNhwcStore {
 // rows of a stage are issued with its A tiles, or earlier).
 constexpr int kConvRawBytes = 64 * kConvWindow * 2;
 template <typename T, int kKw, int kRaw>
-struct NchwWindowLoader : ConvWindowLoader<T, kKw> {
+struct NchwWindowLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   static_assert(kRaw >= 2, "both raw rows of a stage issued with its A tiles");
   static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kConvRawBytes, kExtraBarriers = 2 * kRaw;
+  using Ring = RawRing<kRaw, kHelperWarps>;
   // The base's A side as it is; its map_in: `in` [N, C, H, W] as dims (W, H,
   // C, N), boxes kConvWindow x 1 x 64 x 1, no swizzle; no padding.
-  // The raw rows: the ring (attach), the stages loaded so far, the raw rows
+  // The raw rows (the ring: RawRing), the stages loaded so far, the raw rows
   // issued, and the next one's tile (the block's raw_tile-th), its image,
   // rows and columns, kh, channel block and row r.
-  unsigned raws = 0, bars = 0;
+  using Ring::raws;
+  using Ring::raw_full;
+  using Ring::raw_empty;
   int loaded = 0, issued = 0;
   i64 raw_tile = 0;
   int raw_n = 0, raw_h0 = 0, raw_w0 = 0, raw_kh = 0, raw_cb = 0, raw_r = 0;
-  __device__ __forceinline__ unsigned raw_full(int slot) const { return bars + 8u * slot; }
-  __device__ __forceinline__ unsigned raw_empty(int slot) const { return bars + 8u * (kRaw + slot); }
-  __device__ __forceinline__ void init_barriers(unsigned at) const {
-    for (int slot = 0; slot < kRaw; ++slot) {
-      mbar_init(at + 8u * slot, 1);                     // the producer's arrive; the copy completes it
-      mbar_init(at + 8u * (kRaw + slot), kHelperWarps);  // each helper warp's, once it has read the row
-    }
-  }
   __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
-    raws = extra;
-    bars = loader_bars;
+    Ring::attach(extra, loader_bars);
     raw_tile = blockIdx.x;
     if (raw_tile < this->tiles_m() * this->tiles_n()) begin_raw_tile();
   }

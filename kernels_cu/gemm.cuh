@@ -369,6 +369,28 @@ static_assert(128 * (kHgStoreProducerRegs + 2 * kHgStoreConsumerRegs + kHgStoreR
                   kHgThreadsWithStore * (65536 / kHgThreadsWithStore / 8 * 8),
               "register budget");
 
+// A loader's own ring of kRaw slots of raw tiles at `raws` (its
+// kExtraBytes) and their barriers (two of its kExtraBarriers a slot),
+// whose tiles the producer's copies bring and its kHelperWarps helper warps
+// read: raw_full(slot) takes the producer's arrive and the copy's bytes,
+// raw_empty(slot) one arrive per helper warp once it has read the slot.
+template <int kRaw, int kHelperWarps>
+struct RawRing {
+  unsigned raws = 0, bars = 0;  // (attach)
+  __device__ __forceinline__ unsigned raw_full(int slot) const { return bars + 8u * slot; }
+  __device__ __forceinline__ unsigned raw_empty(int slot) const { return bars + 8u * (kRaw + slot); }
+  __device__ __forceinline__ void init_barriers(unsigned at) const {
+    for (int slot = 0; slot < kRaw; ++slot) {
+      mbar_init(at + 8u * slot, 1);
+      mbar_init(at + 8u * (kRaw + slot), kHelperWarps);
+    }
+  }
+  __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
+    raws = extra;
+    bars = loader_bars;
+  }
+};
+
 // The engine's ring of stages, as a loader's helpers see it.
 struct StageRing {
   unsigned base, bars;

@@ -1,9 +1,8 @@
 // Kernel family "gemm_tf32": the float32 products of linear() on TF32 tensor
-// cores with the 3xTF32 split (gemm_tf32.cuh describes the scheme, the
-// operand layouts and the Hopper main loops), their bias / ReLU epilogue
-// fused into the store: `gemm_tf32` (mma.sync, sm_80+), `gemm_tf32_wgmma`
-// (wgmma, sm_90a, B split in the kernel) and `gemm_tf32_engine` (the
-// Hopper GEMM engine of gemm.cuh, B split beforehand by
+// cores with the 3xTF32 split (gemm_tf32.cuh describes the scheme and the
+// operand layouts), their bias / ReLU epilogue fused into the store:
+// `gemm_tf32` (mma.sync, sm_80+) and, on Hopper, `gemm_tf32_engine` (the
+// GEMM engine of gemm.cuh; B split in the kernel, or beforehand by
 // `gemm_tf32_split_image`).
 #include "gemm_tf32.cuh"
 
@@ -198,7 +197,8 @@ gemm_tf32(const float* __restrict__ a, const float* __restrict__ b, float* __res
 #endif
 }
 
-// The Hopper kernels' store of one row of a consumer thread's 64 sums:
+// ---- on the Hopper GEMM engine ----
+// SplitTileStore's store of one row of a consumer thread's 64 sums:
 // sum[4 i + 2 h], sum[4 i + 2 h + 1] (i = 0..15) to columns n0 + 8 i + 2 t,
 // + 1 of the row at crow, through the epilogue, as float2 where vec_store
 // allows (an even row stride and an 8-byte aligned C), clipped at N.
@@ -218,43 +218,6 @@ __device__ __forceinline__ void store_row_sums(float* crow, const float (&sum)[6
   }
 }
 
-// C = epilogue(A B): the products of linear() (bias, ReLU) on Hopper whose B
-// is split in the kernel (ops.gemm.splits_b).
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Epilogue>
-__global__ void __launch_bounds__(kWgThreads, 1)
-gemm_tf32_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-                const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K,
-                i64 lda, i64 ldb, i64 ldc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(128) float4 wgmma_shared[];
-  i64 m0, n0;
-  grouped_tile(M, N, kWgBM, kWgBN, m0, n0);
-  auto store = [&](float (&sum)[64], const ConsumerLane& me) {
-    if constexpr (kPasses == 3) {  // an infinite operand's NaN sums (gemm_tf32.cuh)
-      // sum[4i + 2h + e]: row me.row + h, column 8i + 2t + e of the tile
-      auto elem = [&](int x) -> float& { return sum[x]; };
-      auto where = [m0, n0, row = me.row, t = me.t](int x, i64& m, i64& n) {
-        m = m0 + row + (x >> 1 & 1);
-        n = n0 + 8 * (x >> 2) + 2 * t + (x & 1);
-      };
-      redo_nan_outputs<kAKMajor, kBKMajor, 64>(elem, where, a, b, M, N, K, lda, ldb);
-    }
-    const Epilogue epilogue(epilogue_vector, epilogue_option);
-    const bool vec_store = (ldc % 2 == 0) && ((reinterpret_cast<unsigned long long>(c) & 7) == 0);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const i64 r = m0 + me.row + h;
-      if (r < M) store_row_sums(c + r * ldc, sum, h, n0, me.t, N, vec_store, epilogue);
-    }
-  };
-  wgmma_tile_product<kStages, kPasses, kAKMajor, kBKMajor, decltype(store)>(
-      reinterpret_cast<char*>(wgmma_shared), a, b, M, N, K, lda, ldb, m0, n0, store);
-#else
-  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
-#endif
-}
-
-// ---- on the Hopper GEMM engine ----
 // The store of Tf32SplitMma's tiles: C = epilogue(sum), float32, from
 // registers (a warpgroup's 64 rows: its accumulator row h at tile row
 // Mma::row_of(me, h), columns n0 + 8 i + 2 t, +1 at acc[0][4 i + 2 h], + 1),
@@ -327,24 +290,34 @@ __global__ void gemm_tf32_split_image(const float* __restrict__ b, float* __rest
 }
 
 // C = epilogue(A B) on the engine: A through map_a (K-major: [M, K], boxes
-// of 128 rows x 32; else its transpose [K, M], boxes of 32 x 32), B as its
-// split image (gemm_tf32_split_image above); a and b, the raw operands (B in
-// layout kBKMajor, row strides lda, ldb), for the redo of NaN sums.  Grid:
-// at most one block per SM (persistent), kHgThreads threads,
-// half_gemm_shared_bytes<kStages, 0, A's 16 KiB + the planes' 16 KiB
-// each>() of dynamic shared memory.
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor>
+// of 128 rows x 32; else its transpose [K, M], boxes of 32 x 32); B split
+// beforehand (kSplitBefore: `planes`, its split image from
+// gemm_tf32_split_image above) or in the kernel (map_b: B as it lies, K-major
+// [N, K] in boxes of 32 x 128, 128-byte swizzled, or N-major [K, N] in
+// boxes of 128 x 32, unswizzled); a and b, the raw operands (B in layout
+// kBKMajor, row strides lda, ldb), for the redo of NaN sums.  Grid: at most
+// one block per SM (persistent), kHgThreads threads,
+// half_gemm_shared_bytes<kStages, 0, A's 16 KiB + the planes' 16 KiB each,
+// and in-kernel SplittingLoader's kExtraBytes and kExtraBarriers>() of
+// dynamic shared memory.
+template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, bool kSplitBefore>
 __global__ void __launch_bounds__(kHgThreads, 1)
-gemm_tf32_engine(const __grid_constant__ TensorMap map_a, const float* __restrict__ planes, float* __restrict__ c,
-                 const float* __restrict__ epilogue_vector, i64 epilogue_option, i64 M, i64 N, i64 K, i64 ldc,
-                 const float* __restrict__ a, i64 lda, const float* __restrict__ b, i64 ldb) {
+gemm_tf32_engine(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+                 const float* __restrict__ planes, float* __restrict__ c, const float* __restrict__ epilogue_vector,
+                 i64 epilogue_option, i64 M, i64 N, i64 K, i64 ldc, const float* __restrict__ a, i64 lda,
+                 const float* __restrict__ b, i64 ldb) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char engine_shared[];
   using Store = SplitTileStore<kPasses, kAKMajor, kBKMajor, LinearEpilogue>;
-  const PlanesLoader<kPasses, !kAKMajor> loader{map_a, planes, M, N, K};
   Store store{c, LinearEpilogue(epilogue_vector, epilogue_option), M, N, K, ldc, a, b, lda, ldb};
-  half_gemm_persistent<float, kStages, 0, typename Store::Mma>(reinterpret_cast<char*>(engine_shared), loader,
-                                                                store);
+  char* const smem = reinterpret_cast<char*>(engine_shared);
+  if constexpr (kSplitBefore) {
+    const PlanesLoader<kPasses, !kAKMajor> loader(map_a, planes, M, N, K);
+    half_gemm_persistent<float, kStages, 0, typename Store::Mma>(smem, loader, store);
+  } else {
+    const SplittingLoader<kPasses, !kAKMajor, kBKMajor> loader(map_a, map_b, M, N, K);
+    half_gemm_persistent<float, kStages, 0, typename Store::Mma>(smem, loader, store);
+  }
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

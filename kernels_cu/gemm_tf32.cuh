@@ -167,61 +167,8 @@ __device__ __forceinline__ void grouped_tile(i64 M, i64 N, int BM, int BN, i64& 
   n0 = tn * BN;
 }
 
-// ===========================================================================
-// Hopper variant: the same 3xTF32 product on `wgmma` (sm_90a), which runs
-// TF32 at about twice the rate of mma.sync on H100.
-//
-// Block tile 128 x 128 x 32, three warpgroups with their own roles (a first
-// version where every warp loaded, split and multiplied left the tensor
-// cores idle half the time: GEMM_NOTES.md):
-//  * the producer (warps 0-3) streams raw float32 tiles of A and B into a
-//    kStages ring with cp.async, then rewrites each B tile into a "big" and a
-//    "small" TF32 plane in wgmma's no-swizzle K-major layout (8 x 16-byte
-//    core matrices; LBO = 128 bytes between the two k-halves of an 8-wide
-//    step, SBO = 256 bytes between 8-column blocks), transposing N-major
-//    operands on the way, and marks the stage full (mbarrier);
-//  * two consumers (warps 4-7, 8-11) each own 64 rows of C: they load their
-//    A fragments from the raw tile, split them in registers (the same
-//    permuted 64-bit loads as the mma.sync kernel) and issue
-//    `wgmma.m64n128k8 {a0..a3}, descB` against the planes, then mark the
-//    stage empty.  wgmma takes TF32 operands K-major only, hence the B planes;
-//    A from registers needs no plane.
-//  * k order inside each 8-wide step follows the A permutation: k-half 0 of a
-//    plane row holds physical k 0, 2, 4, 6 and half 1 holds 1, 3, 5, 7.
-//  * Chunked accumulation as above: one chunk = two MMA steps (16 k-values,
-//    6 wgmma), started with scale-d = 0, then added into the float32 sum (64
-//    accumulator + 64 sum registers a thread).  setmaxnreg moves registers
-//    from the producer to the consumers.
-//
-// Accumulator layout (per warp, 16 rows): d[4i + 0/1] = row g, columns
-// 8i + 2t, +1; d[4i + 2/3] = row g + 8, same columns.  With the row
-// permutation (MMA row g <-> physical 2g, g + 8 <-> 2g + 1) a thread stores
-// float2s at physical rows 2g and 2g + 1.
-// Compiled for every architecture (the compile check covers it); without
-// sm_90a features the body traps, and the library never launches it there.
+// The Hopper products' tile of C (gemm_tf32_engine, below).
 constexpr int kWgBM = 128, kWgBN = 128;
-constexpr int kWgThreads = 384;                      // producer + 2 consumer warpgroups
-constexpr int kPlaneStepBytes = kWgBN * 8 * 4;       // one 8-wide k step of a plane: 4 KiB
-constexpr int kPlaneBytes = kPlaneStepBytes * (kGemmBK / 8);  // one plane of a k-tile: 16 KiB
-constexpr int kWgBarrierBytes = 128;                 // the stages' full/empty mbarriers
-
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor>
-struct WgmmaConfig {
-  typedef OperandTile<kAKMajor, kWgBM> TileA;
-  typedef OperandTile<kBKMajor, kWgBN> TileB;
-  // A stage: the B planes (big, and small for 3 passes), then the raw tiles.
-  static constexpr int kPlanesBytes = (kPasses == 3 ? 2 : 1) * kPlaneBytes;
-  static constexpr int kStageBytes = kPlanesBytes + (TileA::kFloats + TileB::kFloats) * 4;
-  static_assert(2 * kStages * 8 <= kWgBarrierBytes, "barriers fit");
-  static_assert(kStageBytes % 128 == 0, "every stage's planes start on 128 bytes");
-};
-
-// Where the producer puts B's values in a stage's plane: item (column n,
-// 8-wide step st) holds B(8 st + 2 e + h, n) at float st * 1024 + (n / 8) *
-// 64 + (n % 8) * 4 + 32 h + e.
-__device__ __forceinline__ int plane_float_offset(int n, int st, int h) {
-  return st * (kPlaneStepBytes / 4) + (n >> 3) * 64 + (n & 7) * 4 + 32 * h;
-}
 
 // ---- non-finite outputs ----
 // The split differs from a float32 product in what it makes of an infinite
@@ -304,12 +251,6 @@ __device__ __forceinline__ void redo_nan_outputs(const Elem& elem, const Where& 
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Shared-memory matrix descriptor, no swizzle: start address, LBO, SBO (each
-// in 16-byte units).
-__device__ __forceinline__ unsigned long long plane_desc(unsigned addr) {
-  return static_cast<unsigned long long>((addr & 0x3ffffu) >> 4) | (static_cast<unsigned long long>(128 >> 4) << 16) |
-         (static_cast<unsigned long long>(256 >> 4) << 32);
-}
 // d (+)= a * B, a: this warp's 16 x 8 TF32 fragment, B: 8 x 128 from shared
 // memory.  kAccumulate = false ignores d's old value (scale-d = 0).
 template <bool kAccumulate>
@@ -328,243 +269,185 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4
 
 #endif
 
-// A consumer thread's place in the tile: its sums lie in physical rows row and
-// row + 1 (row = 64 * consumer warpgroup + 16 * warp + 2g) and columns
-// 8i + 2t, +1 (i = 0..15).
-struct ConsumerLane {
-  int warp, lane, t, row;  // warp: 0..7 over both consumer warpgroups
-  __device__ __forceinline__ ConsumerLane() {
-    const int ctid = static_cast<int>(threadIdx.x) - 128;
-    warp = ctid >> 5;
-    lane = ctid & 31;
-    t = lane & 3;
-    row = 64 * (warp >> 2) + 16 * (warp & 3) + 2 * (lane >> 2);
-  }
-};
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// The product of one 128 x 128 tile of C at (m0, n0), run by all 384 threads
-// of a block; each consumer thread then calls store(sum, me) with its 64
-// sums (layout above) and its ConsumerLane, after its last read of the pipeline's shared memory
-// (the other consumer warpgroup may still be reading it).  The store runs
-// inside the consumer branch: code after a join of the producer's and the
-// consumers' paths would be held to the producer's register budget and spill.
-template <int kStages, int kPasses, bool kAKMajor, bool kBKMajor, typename Store>
-__device__ __forceinline__ void wgmma_tile_product(char* smem, const float* __restrict__ a,
-                                                   const float* __restrict__ b, i64 M, i64 N,
-                                                   i64 K, i64 lda, i64 ldb, i64 m0, i64 n0,
-                                                   const Store& store) {
-  typedef WgmmaConfig<kStages, kPasses, kAKMajor, kBKMajor> Cfg;
-  typedef typename Cfg::TileA TileA;
-  typedef typename Cfg::TileB TileB;
-  static_assert(kGemmBK == 32 && kChunkK == 16, "two chunks of two MMA steps per k-tile");
-  const unsigned bars = shared_addr(smem);  // full[s] at + 8s, empty[s] at + 8 (kStages + s)
-  char* const stages = smem + kWgBarrierBytes;
-  const unsigned stages_addr = bars + kWgBarrierBytes;
-  auto full = [&](int s) { return bars + 8u * s; };
-  auto empty = [&](int s) { return bars + 8u * (kStages + s); };
-  auto raw_a = [&](int s) { return reinterpret_cast<float*>(stages + s * Cfg::kStageBytes + Cfg::kPlanesBytes); };
-  auto raw_b = [&](int s) { return raw_a(s) + TileA::kFloats; };
-  auto planes = [&](int s) { return stages_addr + s * Cfg::kStageBytes; };
-
-  const int tid = threadIdx.x, warp = tid >> 5;
-  const int ktiles = static_cast<int>((K + kGemmBK - 1) / kGemmBK);
-  // Registers per producer / consumer thread after setmaxnreg (128 x P +
-  // 256 x C <= 384 x 168, the launch's allotment): no variant spills.
-  constexpr int kProducerRegs = 120;
-  constexpr int kConsumerRegs = 192;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWgThreads * 168, "register budget");
-
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 128);   // the producer's threads, after converting
-      mbar_init(empty(s), 256);  // the consumers' threads, after their last read
-    }
-    fence_mbarrier_init();
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    // ---------------- producer ----------------
-    // kProducerRegs / kConsumerRegs (above): the most the consumers can get
-    // (64 accumulator + 64 sum + 32 fragment registers and addresses) while
-    // neither role spills (ptxas -v, every variant).
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const int ptid = tid;  // 0..127
-    // Raw B tile in stage s -> its planes.  Item (step st, column n): the 8
-    // k-values of column n in step st, split, 16 bytes per (plane, k-half).
-    auto convert = [&](int s) {
-      const float* sb = raw_b(s);
-#pragma unroll
-      for (int j = 0; j < (kWgBN * kGemmBK / 8) / 128; ++j) {
-        const int item = ptid + j * 128;
-        const int n = item % kWgBN, st = item / kWgBN;
-        float v[8];
-        if constexpr (kBKMajor) {
-          const float4 lo = *reinterpret_cast<const float4*>(sb + n * TileB::kStride + 8 * st);
-          const float4 hi = *reinterpret_cast<const float4*>(sb + n * TileB::kStride + 8 * st + 4);
-          v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
-          v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
-        } else {
-#pragma unroll
-          for (int q = 0; q < 8; ++q) v[q] = sb[(8 * st + q) * TileB::kStride + n];
-        }
-        const unsigned dst = planes(s) + 4u * plane_float_offset(n, st, 0);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          Split<kPasses, 4> part;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) part.set(e, v[2 * e + h]);
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + 128 * h), "r"(part.big[0]),
-                       "r"(part.big[1]), "r"(part.big[2]), "r"(part.big[3]));
-          if constexpr (kPasses == 3)
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + kPlaneBytes + 128 * h),
-                         "r"(part.small[0]), "r"(part.small[1]), "r"(part.small[2]), "r"(part.small[3]));
-        }
-      }
-      // The planes are read by the tensor cores (async proxy) next.
-      fence_proxy_async();
-    };
-    // Iteration `it` issues the loads of tile it and converts tile it - 1,
-    // so one tile's loads are always in flight while the previous converts.
-    for (int it = 0; it <= ktiles; ++it) {
-      if (it < ktiles) {
-        const int s = it % kStages;
-        if (it >= kStages) mbar_wait(empty(s), ((it / kStages) - 1) & 1);
-        const i64 k0 = static_cast<i64>(it) * kGemmBK;
-        TileA::template load<true, 128>(raw_a(s), a, lda, M, K, m0, k0, ptid);
-        TileB::template load<true, 128>(raw_b(s), b, ldb, N, K, n0, k0, ptid);
-      }
-      cp_async_commit();
-      if (it >= 1) {
-        const int s = (it - 1) % kStages;
-        cp_async_wait<1>();                                  // tile it - 1: this thread's copies
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");     // ... and every producer thread's
-        convert(s);
-        mbar_arrive(full(s));
-      }
-    }
-    return;
-  }
-  // ---------------- consumers ----------------
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-  const ConsumerLane me;
-
-  // A fragment of MMA step st (0..3) of the tile in stage s, split.
-  auto load_a = [&](int s, int st, Split<kPasses, 4>& fa) { TileA::a_fragment(raw_a(s), me.row, 8 * st, me.t, fa); };
-  float acc[64], sum[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = sum[i] = 0.0f;
-  // The 3 (or 1) MMAs of each of the two steps of a chunk.  Its fragments
-  // must stay untouched until the MMAs complete, so the two chunks of a
-  // tile use separate fragment registers.
-  auto issue_chunk = [&](int s, int chunk, const Split<kPasses, 4> (&fa)[2]) {
-    fence_registers(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const unsigned big = planes(s) + (2 * chunk + j) * kPlaneStepBytes;
-      if constexpr (kPasses == 3) {
-        if (j == 0) wgmma_tf32<false>(acc, fa[j].small, plane_desc(big));
-        else wgmma_tf32<true>(acc, fa[j].small, plane_desc(big));
-        wgmma_tf32<true>(acc, fa[j].big, plane_desc(big + kPlaneBytes));
-        wgmma_tf32<true>(acc, fa[j].big, plane_desc(big));
-      } else {
-        if (j == 0) wgmma_tf32<false>(acc, fa[j].big, plane_desc(big));
-        else wgmma_tf32<true>(acc, fa[j].big, plane_desc(big));
-      }
-    }
-    wgmma_commit();
-  };
-  auto fold = [&]() {
-    wgmma_wait<0>();
-    fence_registers(acc);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) sum[i] += acc[i];
-  };
-
-  Split<kPasses, 4> fa_lo[2], fa_hi[2];  // steps 0, 1 and 2, 3 of a tile
-  mbar_wait(full(0), 0);
-  load_a(0, 0, fa_lo[0]);
-  load_a(0, 1, fa_lo[1]);
-  for (int kt = 0; kt < ktiles; ++kt) {
-    const int s = kt % kStages;
-    issue_chunk(s, 0, fa_lo);
-    load_a(s, 2, fa_hi[0]);
-    load_a(s, 3, fa_hi[1]);
-    fold();
-    issue_chunk(s, 1, fa_hi);
-    if (kt + 1 < ktiles) {  // the next tile's first fragments, while chunk 1 runs
-      const int s1 = (kt + 1) % kStages;
-      mbar_wait(full(s1), ((kt + 1) / kStages) & 1);
-      load_a(s1, 0, fa_lo[0]);
-      load_a(s1, 1, fa_lo[1]);
-    }
-    fold();
-    mbar_arrive(empty(s));
-  }
-  store(sum, me);
-}
-#endif
-
 // ===========================================================================
-// The same split products on the Hopper GEMM engine (gemm.cuh,
-// half_gemm_persistent): PlanesLoader feeds it, Tf32SplitMma is its Mma
-// policy.  B comes split beforehand, as its split image
-// (gemm_tf32_split_image in gemm_tf32.cu): for each 128-column tile j of N
-// and each 32-deep k-tile t, kPasses == 3 ? 2 : 1 planes of B's TF32 parts
-// (big, small) exactly as a stage holds them, 16 KiB each, at float offset
-// (j * k_tiles + t) * split_tile_floats: 128 rows of n x 128 bytes, the
-// 16-byte chunk c of row n at (c ^ n % 8) * 16 (the 128-byte swizzle the
-// MMAs read), k in each 8 in the planes' order (image_k_of; out-of-range
-// columns and k zero).  The copy engine brings a stage's planes in one
-// contiguous copy.  A stays float32 as it lies in memory, read by the copy
-// engine through a tensor map, and is split in the consumers' registers.
-// Position j of a step's 8 values holds its k-value image_k_of(j): 0, 2, 4,
-// 6, 1, 3, 5, 7 (the planes' order above: MMA k t, t + 4 <-> k 2t, 2t + 1).
+// Hopper: the same split products on the GEMM engine (gemm.cuh,
+// half_gemm_persistent), with Tf32SplitMma as its Mma policy.  A stays
+// float32 as it lies in memory, read by the copy engine through a tensor
+// map, and is split in the consumers' registers.  B's parts come into each
+// stage as planes: for a 128-column tile of N and a 32-deep k-tile,
+// kPasses == 3 ? 2 : 1 planes of its TF32 parts (big, small), 16 KiB each:
+// 128 rows of n x 128 bytes, the 16-byte chunk c of row n at (c ^ n % 8) *
+// 16 (the 128-byte swizzle the MMAs read), position j of each 8 values
+// holding k-value image_k_of(j): 0, 2, 4, 6, 1, 3, 5, 7 (the k order of
+// the mma.sync kernel's fragments: MMA k t, t + 4 <-> k 2t, 2t + 1), out-of-range columns and k
+// zero.  Either B is split beforehand (PlanesLoader): its split image
+// (gemm_tf32_split_image in gemm_tf32.cu) holds every tile's planes, tile
+// j and k-tile t at float offset (j * k_tiles + t) * split_tile_floats,
+// one contiguous copy a stage; or it is split in the kernel
+// (SplittingLoader), by the producer warpgroup's idle warps, from raw tiles
+// the copy engine brings.
 __host__ __device__ constexpr int image_k_of(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
 template <int kPasses>
 __host__ __device__ constexpr int split_tile_floats() { return (kPasses == 3 ? 2 : 1) * kWgBN * kGemmBK; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// The engine's loader of a split product: A [M, K] (K-major: one box of 128
-// rows x 32 values of k, 128-byte swizzled; kAMn, A as its transpose [K,
-// M]: four boxes of 32 rows of k x 32 values of m, side by side in m), and
-// the tile's planes from B's split image; 128 x 128 tiles of C.
-template <int kPasses, bool kAMn>
-struct PlanesLoader {
-  static constexpr int kPlanesBytes = 4 * split_tile_floats<kPasses>();
+// What the engine's loaders of a split product share: 128 x 128 tiles of C,
+// k-tiles of 32, and A [M, K] through map_a (K-major: one box of 128 rows x
+// 32 values of k, 128-byte swizzled; kAMn, A as its transpose [K, M]: four
+// boxes of 32 rows of k x 32 values of m, side by side in m).
+template <bool kAMn>
+struct SplitLoaderBase {
   const TensorMap& map_a;
-  const float* planes;  // B's split image
   i64 M, N, K;
-  const char* tile_planes = nullptr;  // the current tile column's first k-tile of planes
   int m0 = 0;
+  __device__ __forceinline__ SplitLoaderBase(const TensorMap& a, i64 m, i64 n, i64 k) : map_a(a), M(m), N(n), K(k) {}
   __device__ __forceinline__ i64 tiles_m() const { return (M + kWgBM - 1) / kWgBM; }
   __device__ __forceinline__ i64 tiles_n() const { return (N + kWgBN - 1) / kWgBN; }
   __device__ __forceinline__ int ktiles() const { return static_cast<int>((K + kGemmBK - 1) / kGemmBK); }
-  __device__ __forceinline__ void prefetch() const { tma_prefetch_descriptor(map_a); }
-  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
-    m0 = static_cast<int>(tm * kWgBM);
-    tile_planes = reinterpret_cast<const char*>(planes) + tn * ktiles() * static_cast<i64>(kPlanesBytes);
-  }
-  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
+  __device__ __forceinline__ void load_a(unsigned tile_a, unsigned bar, int kt) const {
     if constexpr (kAMn) {
 #pragma unroll
       for (int box = 0; box < 4; ++box) tma_load_2d(tile_a + box * 4096, map_a, m0 + 32 * box, kt * kGemmBK, bar);
     } else {
       tma_load_2d(tile_a, map_a, kt * kGemmBK, m0, bar);
     }
+  }
+};
+
+// The loader of a product whose B comes as its split image: the tile's
+// planes in one contiguous copy a stage.
+template <int kPasses, bool kAMn>
+struct PlanesLoader : SplitLoaderBase<kAMn> {
+  static constexpr int kPlanesBytes = 4 * split_tile_floats<kPasses>();
+  const float* planes;  // B's split image
+  const char* tile_planes = nullptr;  // the current tile column's first k-tile of planes
+  __device__ __forceinline__ PlanesLoader(const TensorMap& map_a, const float* image, i64 m, i64 n, i64 k)
+      : SplitLoaderBase<kAMn>(map_a, m, n, k), planes(image) {}
+  __device__ __forceinline__ void prefetch() const { tma_prefetch_descriptor(this->map_a); }
+  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
+    this->m0 = static_cast<int>(tm * kWgBM);
+    tile_planes = reinterpret_cast<const char*>(planes) + tn * this->ktiles() * static_cast<i64>(kPlanesBytes);
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
+    this->load_a(tile_a, bar, kt);
     bulk_load(tile_b, tile_planes + kt * static_cast<i64>(kPlanesBytes), kPlanesBytes, bar);
+  }
+};
+
+// The loader of a product that splits B in the kernel: the copy engine
+// brings B's raw tiles (128 columns x 32 values of k, float32; K-major
+// through map_b [N, K], boxes of 32 x 128, 128-byte swizzled; N-major
+// through map_b [K, N], boxes of 128 x 32, unswizzled: rows of 512 bytes)
+// into a ring of kRaw slots of the loader's own, and the producer
+// warpgroup's three other warps (help()) split each into its stage's
+// planes, in the split image's layout.  A stage's copies bring A's tile
+// alone.  The producer's thread issues a k-tile's raw B with its A tile.
+template <int kPasses, bool kAMn, bool kBKMajor, int kRaw = 2>
+struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
+  static constexpr int kRawBytes = kWgBN * kGemmBK * 4;
+  static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kRawBytes, kExtraBarriers = 2 * kRaw;
+  using Ring = RawRing<kRaw, kHelperWarps>;
+  using Ring::raws;
+  using Ring::raw_full;
+  using Ring::raw_empty;
+  const TensorMap& map_b;
+  int n0 = 0, issued = 0;  // the current tile's first column; raw tiles issued so far
+  __device__ __forceinline__ SplittingLoader(const TensorMap& map_a, const TensorMap& b, i64 m, i64 n, i64 k)
+      : SplitLoaderBase<kAMn>(map_a, m, n, k), map_b(b) {}
+  __device__ __forceinline__ void prefetch() const {
+    tma_prefetch_descriptor(this->map_a);
+    tma_prefetch_descriptor(map_b);
+  }
+  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
+    this->m0 = static_cast<int>(tm * kWgBM);
+    n0 = static_cast<int>(tn * kWgBN);
+  }
+  // A's tile, then B's raw tile into its slot once the helpers have read the
+  // slot's previous one.
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned, unsigned bar, int kt) {
+    this->load_a(tile_a, bar, kt);
+    const int slot = issued % kRaw;
+    if (issued >= kRaw) mbar_wait(raw_empty(slot), ((issued / kRaw) - 1) & 1);
+    mbar_arrive_expect_tx(raw_full(slot), kRawBytes);
+    if constexpr (kBKMajor) {
+      tma_load_2d(raws + slot * kRawBytes, map_b, kt * kGemmBK, n0, raw_full(slot));
+    } else {
+      tma_load_2d(raws + slot * kRawBytes, map_b, n0, kt * kGemmBK, raw_full(slot));
+    }
+    ++issued;
+  }
+  // By the producer warpgroup's last kHelperWarps warps: for each stage the
+  // block uses, once the consumers have released it, its raw B tile split
+  // into its planes, then one arrive per warp on its "full" barrier.
+  __device__ __forceinline__ void help(const StageRing& ring, i64 tiles, int ktiles) const {
+    const int lane = threadIdx.x & 31, htid = static_cast<int>(threadIdx.x) - 32 * (4 - kHelperWarps);
+    int it = 0;
+    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % ring.stages, slot = it % kRaw;
+        if (it >= ring.stages) mbar_wait(ring.empty(s), ((it / ring.stages) - 1) & 1);
+        mbar_wait(raw_full(slot), (it / kRaw) & 1);
+        split_tile(raws + slot * kRawBytes, ring.tile_b(s), htid);
+        // (The slot's reads are done: their values went into the planes'
+        // writes, as in NchwWindowLoader.)
+        __syncwarp();
+        if (lane == 0) mbar_arrive(raw_empty(slot));
+        fence_proxy_async();  // the planes' writes, before the MMAs read them
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ring.full(s));
+      }
+    }
+  }
+  // A raw tile into the planes: item (column n, step st of 8 values of k),
+  // 512 of them over the helpers' threads, the steps fastest for a K-major
+  // B (a warp reads the 16-byte chunks 2 st, 2 st + 1 of 8 raw rows, XOR n %
+  // 8: all 32 banks a quarter-warp), the columns fastest for an N-major one
+  // (a warp reads 32 consecutive columns of a raw row); the writes land as
+  // the K-major reads do.
+  __device__ __forceinline__ static void split_tile(unsigned raw, unsigned planes, int htid) {
+#pragma unroll 1
+    for (int item = htid; item < kWgBN * 4; item += 32 * kHelperWarps) {
+      const int n = kBKMajor ? item >> 2 : item & (kWgBN - 1), st = kBKMajor ? item & 3 : item >> 7;
+      const unsigned lo = static_cast<unsigned>(((2 * st) ^ (n & 7)) << 4);
+      const unsigned hi = static_cast<unsigned>(((2 * st + 1) ^ (n & 7)) << 4);
+      float v[8];  // B's k-values 8 st .. 8 st + 7 of column n
+      if constexpr (kBKMajor) {
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(raw + n * 128 + lo));
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(v[4]), "=f"(v[5]), "=f"(v[6]), "=f"(v[7]) : "r"(raw + n * 128 + hi));
+      } else {
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v[q]) : "r"(raw + (8 * st + q) * (kWgBN * 4) + 4 * n));
+      }
+      Split<kPasses, 8> part;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) part.set(j, v[image_k_of(j)]);
+      const unsigned row = planes + n * 128;
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + lo), "r"(part.big[0]), "r"(part.big[1]),
+                   "r"(part.big[2]), "r"(part.big[3]));
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + hi), "r"(part.big[4]), "r"(part.big[5]),
+                   "r"(part.big[6]), "r"(part.big[7]));
+      if constexpr (kPasses == 3) {
+        constexpr unsigned kSmall = 4 * kWgBN * kGemmBK;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + kSmall + lo), "r"(part.small[0]),
+                     "r"(part.small[1]), "r"(part.small[2]), "r"(part.small[3]));
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + kSmall + hi), "r"(part.small[4]),
+                     "r"(part.small[5]), "r"(part.small[6]), "r"(part.small[7]));
+      }
+    }
   }
 };
 
 // The split product's MMAs, cooperative: both consumer warpgroups on every
 // 128 x 128 tile, warpgroup w on its rows 64w .. 64w + 63, one
 // wgmma.m64n128k8 per TF32 pass and step of 8 values of k, A's fragment from
-// registers, split there, B's planes from the stage.  The passes and
-// chunks as in wgmma_tile_product above (acc[0] holds a chunk's sums, acc[1]
-// the tile's, zeroed by the engine; end_tile leaves the tile's in acc[0]),
-// and so is the fragment's k order.  A k-tile's A values are
+// registers, split there, B's planes from the stage.  The passes of a
+// step in the order a_small b_big, a_big b_small, a_big b_big; the chunked
+// accumulation (above) by chunks of two steps, 6 MMAs: acc[0] holds a
+// chunk's sums (its first MMA with scale-d = 0), acc[1] the tile's, zeroed
+// by the engine; end_tile leaves the tile's in acc[0].  A k-tile's A values are
 // loaded at once, then split: the first chunk's while the previous
 // k-tile's second chunk runs, the second's while the first runs; the
 // fragment registers of the two chunks are separate and stay untouched
@@ -582,7 +465,7 @@ template <int kPasses, bool kAMn>
 struct Tf32SplitMma {
   static constexpr int kBM = kWgBM, kBN = kWgBN, kWgRows = 64;
   static constexpr bool kCooperative = true;
-  static constexpr int kTileABytes = kWgBM * kGemmBK * 4, kTileBBytes = PlanesLoader<kPasses, kAMn>::kPlanesBytes;
+  static constexpr int kTileABytes = kWgBM * kGemmBK * 4, kTileBBytes = 4 * split_tile_floats<kPasses>();
   // The tile row of a consumer thread's accumulator row h (0: warp row g,
   // 1: g + 8) in its warpgroup's 64 rows (HalfGemmLane::row = 16 warp + g).
   __device__ __forceinline__ static int row_of(const HalfGemmLane& me, int h) {

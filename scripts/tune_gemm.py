@@ -3,8 +3,8 @@ shapes (the numbers behind ``cupy_fused.ops.gemm.TILES``):
 
     python scripts/tune_gemm.py [--tiles 128x128x3 64x128x4 ...] [--shapes MxKxN ...]
 
-A tile is BMxBNxSTAGES (mma.sync) or wgmma128x128xSTAGES (the Hopper
-kernel, whose block tile is fixed at 128x128).  Candidates are declared as
+A tile is BMxBNxSTAGES (mma.sync) or engine128x128xSTAGES (the Hopper
+engine, B split in the kernel; its block tile is fixed at 128x128).  Candidates are declared as
 extra instantiations of gemm_tf32.cu, so the first run compiles them all.
 """
 import argparse
@@ -19,7 +19,7 @@ from cupy_fused.ops import gemm as G
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from harness import time_ms  # noqa: E402  (benchmarks/harness.py)
 
-CANDIDATES = ["wgmma128x128x3", "wgmma128x128x2", "128x128x3", "128x128x4", "64x128x3", "64x128x4",
+CANDIDATES = ["engine128x128x4", "engine128x128x3", "128x128x3", "128x128x4", "64x128x3", "64x128x4",
               "128x64x3", "128x64x4", "64x64x4"]
 
 
@@ -30,7 +30,7 @@ def main():
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
-    tiles = {t: G.Tile(*map(int, t.replace("wgmma", "").split("x")), wgmma=t.startswith("wgmma"))
+    tiles = {t: G.Tile(*map(int, t.replace("engine", "").split("x")), engine=t.startswith("engine"))
              for t in args.tiles}
     family = _runtime.KernelFamily("gemm_tf32.cu", {
         name: G._expr(tile, args.passes, "forward", True) for name, tile in tiles.items()})

@@ -21,31 +21,33 @@ def test_tiles_fit_in_shared_memory_and_split_evenly():
             for passes in (1, 3):
                 assert tile.shared_bytes(a_k, b_k, passes) <= 227 * 1024  # H100 / A100 opt-in limit
         assert tile.bm % 32 == 0 and tile.bn % 64 == 0
-    # the wgmma kernel: mbarriers + 3 stages of raw A, raw B and two B planes
-    assert G.TILES["wgmma128x128"].shared_bytes(True, True) == 128 + 3 * (2 * 128 * 36 + 2 * 128 * 32) * 4
-    # the engine: alignment slack + 4 stages of A and two B planes (16 KiB each) + the mbarriers
-    assert G.TILES["engine128x128"].shared_bytes(False, False) == 1024 + 4 * 3 * 16384 + 2 * 4 * 8 + 16
-    assert G.TILES["engine128x128"].shared_bytes(True, True, 1) == 1024 + 4 * 2 * 16384 + 2 * 4 * 8 + 16
+    # the engine: alignment slack + 4 stages of A and two B planes (16 KiB each) + the mbarriers,
+    # and B split in the kernel, 2 slots of raw B and their full / empty mbarriers
+    split_b = G.TILES["engine128x128_split_b"]
+    assert split_b.shared_bytes(False, False) == 1024 + 4 * 3 * 16384 + 2 * 4 * 8 + 16
+    assert split_b.shared_bytes(True, True, 1) == 1024 + 4 * 2 * 16384 + 2 * 4 * 8 + 16
+    assert G.TILES["engine128x128"].shared_bytes(True, False) == (
+        1024 + 4 * 3 * 16384 + 2 * 16384 + 2 * 4 * 8 + 16 + 2 * 2 * 8)
 
 
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_tile_choice(monkeypatch, wgmma):
     monkeypatch.setattr(G, "sm_count", lambda dev: 132)
     monkeypatch.setattr(G, "has_wgmma", lambda dev: wgmma)
-    assert G.choose_tile(1024, 8192, True, 0) == ("wgmma128x128" if wgmma else "128x128")
+    assert G.choose_tile(1024, 8192, True, 0) == ("engine128x128" if wgmma else "128x128")
     # many rows of C, B's planes no larger than A: B is split once beforehand (wgmma only)
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 2048, True, 0) == (
-        "engine128x128" if wgmma else "128x128")
+        "engine128x128_split_b" if wgmma else "128x128")
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 4096, True, 0, passes=1) == (
-        "engine128x128" if wgmma else "128x128")
+        "engine128x128_split_b" if wgmma else "128x128")
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 4096, True, 0) == (  # planes 2 x 4096 rows > A
-        "wgmma128x128" if wgmma else "128x128")
+        "engine128x128" if wgmma else "128x128")
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS - 1, 1024, True, 0) == (
-        "wgmma128x128" if wgmma else "128x128")
+        "engine128x128" if wgmma else "128x128")
     assert G.choose_tile(1024, 8192, False, 0) == "64x64"  # unaligned rows: word loads
     assert G.choose_tile(256, 256, True, 0) == "64x64"  # too few 128x128 tiles to fill the GPU
     assert G.available_tiles(0) == (
-        ("wgmma128x128", "engine128x128") if wgmma else ()) + ("128x128", "64x64")
+        ("engine128x128", "engine128x128_split_b") if wgmma else ()) + ("128x128", "64x64")
 
 
 def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
@@ -53,7 +55,7 @@ def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
     with pytest.raises(ValueError, match="rows start on 16 bytes"):
         G._gemm_on_tile(a, b, "forward", 3, "64x64")
     with pytest.raises(ValueError, match=r"non-empty sum \(K >= 1\)"):
-        G._gemm_on_tile(torch.rand(8, 0), torch.rand(8, 0), "forward", 1, "wgmma128x128")
+        G._gemm_on_tile(torch.rand(8, 0), torch.rand(8, 0), "forward", 1, "engine128x128")
 
 
 def test_gemm_kernels_need_compute_capability_8_0(monkeypatch):
@@ -120,7 +122,7 @@ def test_every_kernel_variant_is_declared():
     # one instantiation per key
     assert len(set(G.KERNELS.expressions.values())) == len(G.KERNELS.expressions)
     engine = {key for key in G.KERNELS.expressions if G.TILES[key[0]].engine}
-    assert len(engine) == 2 * 3  # passes x layout (16-byte rows only)
+    assert len(engine) == 2 * 2 * 3  # B split in the kernel or before x passes x layout (16-byte rows only)
     assert len(set(G.SPLIT_IMAGE_KERNELS.expressions.values())) == 4  # passes x B's layout
     for layout in G.LAYOUTS:
         for passes in (1, 3):
@@ -220,22 +222,22 @@ def test_every_tile_kernel_on_ragged_shapes(layout, shape, device):
 
 @gpu
 def test_gemm_takes_the_wgmma_kernel_on_hopper(device, monkeypatch):
-    """A product that fills the GPU with 128x128 tiles runs on the wgmma
-    kernel on compute capability 9.0 (and on mma.sync when it is off), both
-    at least as accurate as SGEMM there."""
+    """A product that fills the GPU with 128x128 tiles runs on the engine on
+    compute capability 9.0 (and on mma.sync when wgmma is off), both at
+    least as accurate as SGEMM there."""
     idx = device.index
     if not G.has_wgmma(idx):
         pytest.skip("wgmma needs compute capability 9.0 (H100/H200)")
     m, k, n = 1536, 2048, 1540  # long sums: where the chunked accumulation beats SGEMM
-    assert G.choose_tile(m, n, True, idx) == "wgmma128x128"
+    assert G.choose_tile(m, n, True, idx) == "engine128x128"
     gen = torch.Generator(device=device).manual_seed(7)
     for layout in G.LAYOUTS:
         a, b, ref = _operands(layout, m, k, n, device, gen)
         ours = G._gemm(a, b, layout, 3)
-        assert torch.equal(ours, _run_tile("wgmma128x128", a, b, layout, 3))
-        # B split beforehand, on the engine: the same split, the same products, the same bits
         assert torch.equal(ours, _run_tile("engine128x128", a, b, layout, 3))
-        assert torch.equal(G._gemm(a, b, layout, 1), _run_tile("engine128x128", a, b, layout, 1))
+        # B split beforehand: the same split, the same products, the same bits
+        assert torch.equal(ours, _run_tile("engine128x128_split_b", a, b, layout, 3))
+        assert torch.equal(G._gemm(a, b, layout, 1), _run_tile("engine128x128_split_b", a, b, layout, 1))
         with settings.gemm_wgmma(False):
             mma_sync = G._gemm(a, b, layout, 3)
         assert torch.equal(mma_sync, _run_tile("128x128", a, b, layout, 3))
@@ -291,7 +293,7 @@ def test_zero_inner_dimension_gives_bias(device):
     x, w, bias = torch.rand(5, 0, device=device), torch.rand(7, 0, device=device), torch.randn(7, device=device)
     torch.testing.assert_close(ops.linear(x, w, bias, activation="relu"),
                                torch.relu(bias).expand(5, 7), rtol=0, atol=0)
-    # Sizes that would take the wgmma kernel, whose consumers would wait for
+    # Sizes that would take the engine, whose consumers would wait for
     # a first k-tile forever: every precision, and the GEMM entry point itself.
     x, w, bias = torch.rand(2048, 0, device=device), torch.rand(2048, 0, device=device), torch.randn(2048, device=device)
     for precision in ("3xtf32", "tf32"):

@@ -33,9 +33,10 @@ The cuBLAS products follow torch's own settings: with
 GPUs below compute capability 8.0 (V100, T4) have no TF32 tensor cores:
 there every float32 product runs on cuBLAS SGEMM, whatever the precision
 (:func:`has_tf32_tensor_cores`).  On 9.0 (H100, H200) the products that fill
-the GPU run on wgmma (:func:`has_wgmma`): those with many rows of C split B
-into its TF32 planes once beforehand (:func:`splits_b`) and run on the
-Hopper GEMM engine, the others split B in the kernel.
+the GPU run on the Hopper GEMM engine (:func:`has_wgmma`), the one the
+16-bit products run on, with a 3xTF32 MMA policy; those with many rows of
+C split B into its TF32 planes once beforehand (:func:`splits_b`), the
+others in the kernel.
 
 Non-finite inputs: NaN and ±inf land where SGEMM puts them under every
 precision.  (With ``"3xtf32"`` the kernels redo a NaN sum, which an
@@ -71,51 +72,51 @@ PASSES = {"3xtf32": 3, "tf32": 1}
 @dataclass(frozen=True)
 class Tile:
     """Block tile of a GEMM kernel: bm x bn outputs, k-tiles of 32, a
-    ``stages``-deep pipeline of raw float32 tiles; ``wgmma``: the Hopper
-    kernel (``gemm_tf32_wgmma``, sm_90a, 3 warpgroups), whose stages also
-    hold the B tile split into TF32 planes, plus a word of mbarriers each;
-    ``engine`` (with ``wgmma``): the product on the Hopper GEMM engine
-    (``gemm_tf32_engine``, ``kernels_cu/gemm.cuh``: persistent, 3
-    warpgroups), B split into its planes by a kernel of its own before it
-    (``gemm_tf32_split_image``), each stage holding A's tile and B's planes,
-    brought by the copy engine."""
+    ``stages``-deep pipeline: on ``mma.sync`` (``gemm_tf32``), of raw
+    float32 tiles brought by ``cp.async``; ``engine``: the product on the
+    Hopper GEMM engine (``gemm_tf32_engine``, ``kernels_cu/gemm.cuh``:
+    persistent, 3 warpgroups), each stage holding A's tile, brought by the
+    copy engine, and B's TF32 planes, split in the kernel from raw tiles of
+    B in a ring of :data:`ENGINE_RAW_SLOTS` of their own or, with
+    ``split_b``, by a kernel of their own beforehand
+    (``gemm_tf32_split_image``) and copied."""
 
     bm: int
     bn: int
     stages: int
-    wgmma: bool = False
     engine: bool = False
+    split_b: bool = False
 
     @property
     def threads(self) -> int:
-        return 384 if self.wgmma else 256
+        return 384 if self.engine else 256
 
     def shared_bytes(self, a_kmajor: bool, b_kmajor: bool, passes: int = 3) -> int:
-        if self.engine:  # a stage: A's tile and B's planes, 16 KiB each
-            return _half_shared_bytes(0, self.stages, ENGINE_PLANE_BYTES * (1 + _planes(passes)))
+        if self.engine:  # a stage: A's tile and B's planes, 16 KiB each; the raw B slots
+            raw = 0 if self.split_b else ENGINE_RAW_SLOTS
+            return _half_shared_bytes(0, self.stages, ENGINE_PLANE_BYTES * (1 + _planes(passes)),
+                                      ENGINE_PLANE_BYTES * raw, 2 * raw)
         a = self.bm * 36 if a_kmajor else 32 * (self.bm + 4)
         b = self.bn * 36 if b_kmajor else 32 * (self.bn + 4)
-        if not self.wgmma:
-            return self.stages * (a + b) * 4
-        planes = (2 if passes == 3 else 1) * self.bn * 32
-        return 128 + self.stages * (a + b + planes) * 4
+        return self.stages * (a + b) * 4
 
 
 # On H100/H200 (compute capability 9.0) every GEMM that fills the GPU with
-# 128x128 tiles and has 16-byte aligned rows runs on wgmma: where
-# :func:`splits_b` says so, B is split once beforehand and the product runs
-# on the engine (4 stages of A's tile and B's planes: 193 KiB of shared
-# memory); elsewhere on the wgmma kernel (one block of 3 warpgroups per SM,
-# 3 stages of raw tiles and B planes: 204 KiB).  Other GPUs: 128x128 on
-# mma.sync (4 stages, 147 KiB).  64x64 for smaller GEMMs and for operands
-# not 16-byte aligned (word-by-word loads).
+# 128x128 tiles and has 16-byte aligned rows runs on the engine (4 stages
+# of A's tile and B's planes, and 2 slots of raw B: 225 KiB of shared
+# memory), B split once beforehand where :func:`splits_b` says so (193
+# KiB).  Other GPUs: 128x128 on mma.sync (4 stages, 147 KiB).  64x64 for
+# smaller GEMMs and for operands not 16-byte aligned (word-by-word loads).
 # scripts/tune_gemm.py and benchmarks/gemm.py compare the candidates (see
 # docs/gemm.md).
-TILES = {"wgmma128x128": Tile(128, 128, 3, wgmma=True),
-         "engine128x128": Tile(128, 128, 4, wgmma=True, engine=True),
+TILES = {"engine128x128": Tile(128, 128, 4, engine=True),
+         "engine128x128_split_b": Tile(128, 128, 4, engine=True, split_b=True),
          "128x128": Tile(128, 128, 4), "64x64": Tile(64, 64, 4)}
-# The engine's tiles of A and of each of B's planes: 128 rows x 32 float32.
+# The engine's tiles of A, of each of B's planes and of raw B: 128 rows x 32
+# float32; the raw tiles' slots where B is split in the kernel
+# (SplittingLoader's kRaw).
 ENGINE_PLANE_BYTES = 128 * 32 * 4
+ENGINE_RAW_SLOTS = 2
 
 
 def _planes(passes: int) -> int:
@@ -130,7 +131,7 @@ SPLIT_B_MIN_ROWS = 4096
 
 
 def splits_b(m: int, n: int, passes: int) -> bool:
-    """Whether a wgmma product with an [m, n] result splits B beforehand:
+    """Whether an engine product with an [m, n] result splits B beforehand:
     from :data:`SPLIT_B_MIN_ROWS` rows of C on, and only where the planes
     image (``passes == 3 ? 2 : 1`` times B's n x k values) is no larger than
     A (m x k), so that the transient buffer never outgrows an operand the
@@ -155,9 +156,7 @@ def _cxx_bool(b: bool) -> str:
 def _expr(t: Tile, passes: int, layout: str, vec: bool) -> str:
     a, b = map(_cxx_bool, LAYOUTS[layout])
     if t.engine:  # 128x128, 16-byte rows (B's layout: its split's and the redo's)
-        return f"cf::gemm_tf32_engine<{t.stages}, {passes}, {a}, {b}>"
-    if t.wgmma:  # 128x128 only, 16-byte loads only
-        return f"cf::gemm_tf32_wgmma<{t.stages}, {passes}, {a}, {b}, cf::LinearEpilogue>"
+        return f"cf::gemm_tf32_engine<{t.stages}, {passes}, {a}, {b}, {_cxx_bool(t.split_b)}>"
     return (f"cf::gemm_tf32<{t.bm}, {t.bn}, {t.stages}, {passes}, {a}, {b}, "
             f"{_cxx_bool(vec)}, cf::LinearEpilogue>")
 
@@ -191,16 +190,16 @@ def has_tf32_tensor_cores(device_index: int) -> bool:
 
 
 def has_wgmma(device_index: int) -> bool:
-    """Whether the GEMMs on this device may use the wgmma kernel: compute
-    capability 9.0, unless the setting :func:`cupy_fused.settings.gemm_wgmma`
-    (``CUPY_FUSED_GEMM_WGMMA=0``) turns it off, e.g. to compare with
-    mma.sync."""
+    """Whether the GEMMs on this device may use the Hopper engine (wgmma):
+    compute capability 9.0, unless the setting
+    :func:`cupy_fused.settings.gemm_wgmma` (``CUPY_FUSED_GEMM_WGMMA=0``)
+    turns it off, e.g. to compare with mma.sync."""
     return get_gemm_wgmma() and _runtime.device_capability(device_index) == (9, 0)
 
 
 def available_tiles(device_index: int) -> Tuple[str, ...]:
     """The tile kernels that can run on this device (with 16-byte loads)."""
-    return tuple(t for t in TILES if not TILES[t].wgmma or has_wgmma(device_index))
+    return tuple(t for t in TILES if not TILES[t].engine or has_wgmma(device_index))
 
 
 def choose_tile(m: int, n: int, vec: bool, device_index: int, passes: int = 3) -> str:
@@ -208,7 +207,7 @@ def choose_tile(m: int, n: int, vec: bool, device_index: int, passes: int = 3) -
     16-byte aligned when ``vec``): see :data:`TILES`."""
     if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
         if has_wgmma(device_index):
-            return "engine128x128" if splits_b(m, n, passes) else "wgmma128x128"
+            return "engine128x128_split_b" if splits_b(m, n, passes) else "engine128x128"
         return "128x128"
     return "64x64"
 
@@ -232,7 +231,7 @@ def _product_shape(a: torch.Tensor, b: torch.Tensor, layout: str) -> Tuple[int, 
 def uses_sgemm(passes: int, k: int) -> bool:
     """Whether a float32 product of ``passes`` (3 or 1) summing ``k``
     products runs on cuBLAS SGEMM instead of the tensor-core kernel.  An
-    empty sum (k = 0) always does: the wgmma kernel's consumers wait for a
+    empty sum (k = 0) always does: the engine's consumers wait for a
     first k-tile that never comes."""
     return k == 0 or (passes == 3 and k < SGEMM_BELOW_INNER)
 
@@ -273,6 +272,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
         return out.relu_() if activation == 1 else out
     vec = _rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])
     tile = choose_tile(m, n, vec, a.device.index, passes)
+    if TILES[tile].engine and max(a.shape + b.shape) >= 2**31:
+        tile = "128x128"  # (the copy engine's coordinates are 32-bit)
     _launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
                  a, b, out, bias, activation, passes)
     return out
@@ -303,8 +304,8 @@ def _gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, ti
 
 def _launch_gemm(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, activation: int = 0, passes: int = 3) -> None:
-    """Launches ``fn``, a ``gemm_tf32`` (or ``gemm_tf32_wgmma``,
-    ``gemm_tf32_engine``) instantiation of ``tile``, ``passes`` and ``layout``, writing ``out``
+    """Launches ``fn``, a ``gemm_tf32`` (or ``gemm_tf32_engine``)
+    instantiation of ``tile``, ``passes`` and ``layout``, writing ``out``
     [M, N] (operands as in :func:`_gemm`)."""
     if tile.engine:
         _launch_engine(fn, tile, layout, a, b, out, bias, activation, passes)
@@ -336,22 +337,28 @@ def _split_image(b: torch.Tensor, n: int, k: int, b_kmajor: bool, passes: int) -
 
 def _launch_engine(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                    bias: Optional[torch.Tensor], activation: int, passes: int) -> None:
-    """:func:`_launch_gemm` for the engine's tile: B split into its image
-    (:func:`_split_image`), then ``fn`` (``gemm_tf32_engine``) reads A
-    through a tensor map and the image by contiguous copies, one block per
-    SM at most (persistent)."""
+    """:func:`_launch_gemm` for the engine's tiles: ``fn``
+    (``gemm_tf32_engine``) reads A through a tensor map, and B through one
+    (split in the kernel) or, with ``split_b``, its image
+    (:func:`_split_image`) by contiguous copies; one block per SM at most
+    (persistent)."""
     a_kmajor, b_kmajor = LAYOUTS[layout]
     m, n = out.shape
     k = _inner_size(a, layout)
     dev = a.device.index
-    planes = _split_image(b, n, k, b_kmajor, passes)
     # A as it lies in memory: [M, K], boxes of 128 rows x 32 values of k; or
     # its transpose [K, M], boxes of 32 rows of k x 32 values of m.
     map_a = _encode_tensor_map(a.data_ptr(), (a.shape[1], a.shape[0]), (a.stride(0),), torch.float32,
                                (32, 128 if a_kmajor else 32))
+    planes = _split_image(b, n, k, b_kmajor, passes) if tile.split_b else None
+    # B as it lies, raw tiles of 128 columns x 32 values of k: [N, K] in
+    # swizzled boxes of 32 x 128, or [K, N] in unswizzled ones of 128 x 32.
+    map_b = (map_a if tile.split_b else
+             _encode_tensor_map(b.data_ptr(), (b.shape[1], b.shape[0]), (b.stride(0),), torch.float32,
+                                (32, 128) if b_kmajor else (128, 32), swizzle=b_kmajor))
     tiles = cdiv(m, tile.bm) * cdiv(n, tile.bn)
     _bridge.launch(fn, (min(tiles, sm_count(dev)), 1, 1), tile.threads, (
-        map_a, planes.data_ptr(), out.data_ptr(), _ptr_or_null(bias), activation, m, n, k, n,
+        map_a, map_b, _ptr_or_null(planes), out.data_ptr(), _ptr_or_null(bias), activation, m, n, k, n,
         a.data_ptr(), a.shape[1], b.data_ptr(), b.shape[1]), dev,
         shared_mem=tile.shared_bytes(a_kmajor, b_kmajor, passes))
 
