@@ -4,7 +4,7 @@ GEMM problems' shapes — time, TFLOP/s, speedup over SGEMM and relative error
 against float64.
 
     python benchmarks/gemm.py [--shapes 1024x8192x8192 32768x1024x4096] [--json F] [--md F]
-    python benchmarks/gemm.py --tiles wgmma128x128 engine128x128   # also each tile kernel
+    python benchmarks/gemm.py --tiles engine128x128 engine128x128_split_b   # also each tile kernel
     python benchmarks/gemm.py --half     # the float16 / bfloat16 engine (Hopper) against cuBLAS
     python benchmarks/gemm.py --half-layouts [--products grad_weight]   # its three products
     python benchmarks/gemm.py --float32-weight   # autocast's product, float32 W (Hopper)

@@ -16,7 +16,8 @@
 // conv_bias_relu.cu's ConvWindowMma: 64 x 256 tiles whose B is read at
 // shifted rows of a window of a convolution's input; gemm_tf32.cuh's
 // Tf32SplitMma: float32 products at float32 accuracy, "3xTF32", A split
-// into its TF32 parts in registers, B's parts split beforehand).
+// into its TF32 parts in registers, B's parts brought as planes by its
+// loaders).
 //
 // Persistent and warp-specialised: one block of three warpgroups per SM
 // (four with a store of its own: StoreExtras) walks the output tiles (128 x

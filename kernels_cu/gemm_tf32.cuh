@@ -167,7 +167,7 @@ __device__ __forceinline__ void grouped_tile(i64 M, i64 N, int BM, int BN, i64& 
   n0 = tn * BN;
 }
 
-// The Hopper products' tile of C (gemm_tf32_engine, below).
+// The Hopper products' tile of C (gemm_tf32_engine in gemm_tf32.cu).
 constexpr int kWgBM = 128, kWgBN = 128;
 
 // ---- non-finite outputs ----
@@ -189,8 +189,8 @@ constexpr int kWgBM = 128, kWgBN = 128;
 // of a warp (the same m and n), returned to every lane: lane l sums k = l,
 // l + 32, ... into 4 partial sums (loads in flight), combined in a fixed
 // order, so the result is the same on every run.  Stops with NaN at the
-// first NaN partial sum (NaN is final).  Reads the raw operands (for the
-// split-B kernel, B itself beside its planes image).  Out of line: it runs
+// first NaN partial sum (NaN is final).  Reads the raw operands (B itself,
+// also where its split image feeds the MMAs).  Out of line: it runs
 // only for NaN sums, and its registers stay out of the kernels'.
 template <bool kAKMajor, bool kBKMajor>
 __device__ __noinline__ float warp_float32_dot(const float* __restrict__ a, const float* __restrict__ b, i64 K,
@@ -466,6 +466,7 @@ struct Tf32SplitMma {
   static constexpr int kBM = kWgBM, kBN = kWgBN, kWgRows = 64;
   static constexpr bool kCooperative = true;
   static constexpr int kTileABytes = kWgBM * kGemmBK * 4, kTileBBytes = 4 * split_tile_floats<kPasses>();
+  static_assert(kGemmBK == 32 && kChunkK == 16, "two chunks of two MMA steps per k-tile");
   // The tile row of a consumer thread's accumulator row h (0: warp row g,
   // 1: g + 8) in its warpgroup's 64 rows (HalfGemmLane::row = 16 warp + g).
   __device__ __forceinline__ static int row_of(const HalfGemmLane& me, int h) {

@@ -124,7 +124,7 @@ __device__ __forceinline__ void tma_store_3d(const TensorMap& map, unsigned src,
                "r"(c0), "r"(c1), "r"(c2), "r"(src)
                : "memory");
 }
-// tma_load_2d for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
+// The same for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
 __device__ __forceinline__ void tma_store_4d(const TensorMap& map, unsigned src, int c0, int c1, int c2,
                                              int c3) {
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(

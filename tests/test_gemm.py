@@ -121,8 +121,6 @@ def test_float32_weight_route(monkeypatch):
 def test_every_kernel_variant_is_declared():
     # one instantiation per key
     assert len(set(G.KERNELS.expressions.values())) == len(G.KERNELS.expressions)
-    engine = {key for key in G.KERNELS.expressions if G.TILES[key[0]].engine}
-    assert len(engine) == 2 * 2 * 3  # B split in the kernel or before x passes x layout (16-byte rows only)
     assert len(set(G.SPLIT_IMAGE_KERNELS.expressions.values())) == 4  # passes x B's layout
     for layout in G.LAYOUTS:
         for passes in (1, 3):
@@ -248,6 +246,32 @@ def test_gemm_takes_the_wgmma_kernel_on_hopper(device, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("layout", list(G.LAYOUTS))
+def test_engine_blocks_that_walk_many_tiles(layout, device, monkeypatch):
+    """The engine's persistent blocks on grids of 1, 2 and 5 (so that each
+    walks several of the 9 tiles), with 7 k-tiles a tile (a multiple of
+    neither the 4 stages nor B's 2 raw slots, so the rings' phases wrap
+    within and across tiles): the same bits as on a full grid, from both
+    loaders (B split in the kernel, or beforehand), 3 passes and 1."""
+    if not G.has_wgmma(device.index):
+        pytest.skip("the engine needs compute capability 9.0")
+    m, k, n = 300, 200, 260
+    gen = torch.Generator(device=device).manual_seed(13)
+    a, b, ref = _operands(layout, m, k, n, device, gen, spread=20)
+    tiles = ("engine128x128", "engine128x128_split_b")
+    for passes in (3, 1):
+        full = {name: _run_tile(name, a, b, layout, passes) for name in tiles}
+        assert torch.equal(full[tiles[0]], full[tiles[1]])
+        bound = max(2.0 ** -20, scaled_gemm_error(ref(a, b), a, b, ref)) if passes == 3 else 2e-3
+        assert scaled_gemm_error(full[tiles[0]], a, b, ref) <= bound
+        for blocks in (1, 2, 5):
+            monkeypatch.setattr(G, "sm_count", lambda device_index, blocks=blocks: blocks)
+            for name in tiles:
+                assert torch.equal(_run_tile(name, a, b, layout, passes), full[name]), (name, blocks)
+        monkeypatch.undo()
+
+
+@gpu
+@pytest.mark.parametrize("layout", list(G.LAYOUTS))
 def test_unaligned_operands_take_the_word_load_kernel(layout, device):
     """An operand whose rows do not start on 16 bytes (an offset view) takes
     the word-by-word loads and gives the same sums as the 16-byte loads."""
@@ -293,8 +317,8 @@ def test_zero_inner_dimension_gives_bias(device):
     x, w, bias = torch.rand(5, 0, device=device), torch.rand(7, 0, device=device), torch.randn(7, device=device)
     torch.testing.assert_close(ops.linear(x, w, bias, activation="relu"),
                                torch.relu(bias).expand(5, 7), rtol=0, atol=0)
-    # Sizes that would take the engine, whose consumers would wait for
-    # a first k-tile forever: every precision, and the GEMM entry point itself.
+    # Sizes that would take the engine with a non-empty sum: every
+    # precision, and the GEMM entry point itself.
     x, w, bias = torch.rand(2048, 0, device=device), torch.rand(2048, 0, device=device), torch.randn(2048, device=device)
     for precision in ("3xtf32", "tf32"):
         torch.testing.assert_close(ops.linear(x, w, bias, precision=precision),

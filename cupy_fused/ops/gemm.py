@@ -231,8 +231,8 @@ def _product_shape(a: torch.Tensor, b: torch.Tensor, layout: str) -> Tuple[int, 
 def uses_sgemm(passes: int, k: int) -> bool:
     """Whether a float32 product of ``passes`` (3 or 1) summing ``k``
     products runs on cuBLAS SGEMM instead of the tensor-core kernel.  An
-    empty sum (k = 0) always does: the engine's consumers wait for a
-    first k-tile that never comes."""
+    empty sum (k = 0) always does: no tensor-core kernel is launched for
+    one."""
     return k == 0 or (passes == 3 and k < SGEMM_BELOW_INNER)
 
 
@@ -348,13 +348,15 @@ def _launch_engine(fn, tile: Tile, layout: str, a: torch.Tensor, b: torch.Tensor
     dev = a.device.index
     # A as it lies in memory: [M, K], boxes of 128 rows x 32 values of k; or
     # its transpose [K, M], boxes of 32 rows of k x 32 values of m.
-    map_a = _encode_tensor_map(a.data_ptr(), (a.shape[1], a.shape[0]), (a.stride(0),), torch.float32,
+    # (Row strides from the shapes: a contiguous tensor of one row may have
+    # any stride(0).)
+    map_a = _encode_tensor_map(a.data_ptr(), (a.shape[1], a.shape[0]), (a.shape[1],), torch.float32,
                                (32, 128 if a_kmajor else 32))
     planes = _split_image(b, n, k, b_kmajor, passes) if tile.split_b else None
     # B as it lies, raw tiles of 128 columns x 32 values of k: [N, K] in
     # swizzled boxes of 32 x 128, or [K, N] in unswizzled ones of 128 x 32.
     map_b = (map_a if tile.split_b else
-             _encode_tensor_map(b.data_ptr(), (b.shape[1], b.shape[0]), (b.stride(0),), torch.float32,
+             _encode_tensor_map(b.data_ptr(), (b.shape[1], b.shape[0]), (b.shape[1],), torch.float32,
                                 (32, 128) if b_kmajor else (128, 32), swizzle=b_kmajor))
     tiles = cdiv(m, tile.bm) * cdiv(n, tile.bn)
     _bridge.launch(fn, (min(tiles, sm_count(dev)), 1, 1), tile.threads, (
