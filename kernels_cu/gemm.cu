@@ -46,16 +46,11 @@ struct TmaStore {
 #pragma unroll
     for (int hm = 0; hm < 2; ++hm)
 #pragma unroll
-      for (int i = 0; i < kHgAccs / 4; i += 2) {
-        unsigned w[2][2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int c = 0; c < 2; ++c)
-            w[h][c] = pack2<T>(epilogue.apply(acc[hm][4 * (i + c) + 2 * h], b[i + c][0]),
-                               epilogue.apply(acc[hm][4 * (i + c) + 2 * h + 1], b[i + c][1]));
-        TmaTileWriter::put4(staging, me, hm, i, w);
-      }
+      for (int i = 0; i < kHgAccs / 4; i += 2)
+        TmaTileWriter::put4_pairs(staging, me, hm, i, [&](int h, int c) {
+          return pack2<T>(epilogue.apply(acc[hm][4 * (i + c) + 2 * h], b[i + c][0]),
+                          epilogue.apply(acc[hm][4 * (i + c) + 2 * h + 1], b[i + c][1]));
+        });
     TmaTileWriter::end(map_c, me, staging, m0, n0);
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }

@@ -140,6 +140,17 @@ struct TmaTileWriter {
     const unsigned swizzle = (((j >> 1) ^ l) << 4) ^ ((i & 7) << 4);
     stmatrix_x4(row + (i >> 3) * (kHgBM * 128) + swizzle, w[0][0], w[1][0], w[0][1], w[1][1]);
   }
+  // put4() of the pairs pair(h, c) (w[h][c] above).
+  template <typename Pair>
+  __device__ __forceinline__ static void put4_pairs(unsigned staging, const HalfGemmLane& me, int hm, int i,
+                                                    const Pair& pair) {
+    unsigned w[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) w[h][c] = pair(h, c);
+    put4(staging, me, hm, i, w);
+  }
   // Makes the warpgroup's writes of its staging area visible to the copy
   // engine; true for the thread that then hands it over.
   __device__ __forceinline__ static bool staged(const HalfGemmLane& me) {

@@ -129,16 +129,11 @@ struct GroupNormTileStore {
 #pragma unroll
       for (int i = 0; i < kBatch; i += 2)
 #pragma unroll
-        for (int hm = 0; hm < 2; ++hm) {
-          unsigned w[2][2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-              w[h][c] = pack2<T>(__fadd_rn(acc[hm][4 * (i0 + i + c) + 2 * h], lb[i + c][0]),
-                                 __fadd_rn(acc[hm][4 * (i0 + i + c) + 2 * h + 1], lb[i + c][1]));
-          TmaTileWriter::put4(staging, me, hm, i0 + i, w);
-        }
+        for (int hm = 0; hm < 2; ++hm)
+          TmaTileWriter::put4_pairs(staging, me, hm, i0 + i, [&](int h, int c) {
+            return pack2<T>(__fadd_rn(acc[hm][4 * (i0 + i + c) + 2 * h], lb[i + c][0]),
+                            __fadd_rn(acc[hm][4 * (i0 + i + c) + 2 * h + 1], lb[i + c][1]));
+          });
     }
     if (save) {  // z leaves as it is; y may overwrite it once the copy has read it
       TmaTileWriter::end(map_z, me, staging, m0, n0);
