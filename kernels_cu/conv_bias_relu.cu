@@ -17,7 +17,7 @@
 // its k in the same (kh, kw, c) order, c padded with zeros to a multiple of
 // a k-tile's channels (Cpad: 64 16-bit values, 32 float32 ones), so that a
 // k-tile is one (kh, kw) and one block of channels.
-#include "gemm.cuh"
+#include "gemm_tf32.cuh"
 
 namespace cf {
 
@@ -624,6 +624,27 @@ struct NchwStoreF32 {
   __device__ __forceinline__ void finish(const HalfGemmLane&) const { bulk_wait(); }
 };
 
+// Word w of relu's mask for a channels-last store's 4 rows (a thread's
+// pixels 64 hm + me.row + 8 h at k = 2 hm + h; bits[k]: channels 32 w ..
+// 32 w + 31 of the tile, this thread's pairs among them): OR-ed over the
+// lane quad, lane t stores row k = t's (if that pixel and those channels
+// exist), then cleared.
+__device__ __forceinline__ void nhwc_mask_words(unsigned (&bits)[4], int w, const HalfGemmLane& me, i64 row,
+                                                i64 ow0, i64 n0, i64 out_cols, i64 cout, unsigned* mask) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    bits[k] |= __shfl_xor_sync(0xffffffffu, bits[k], 1);
+    bits[k] |= __shfl_xor_sync(0xffffffffu, bits[k], 2);
+  }
+  const int t = me.t;
+  const unsigned word = t == 0 ? bits[0] : t == 1 ? bits[1] : t == 2 ? bits[2] : bits[3];
+  const i64 ow = ow0 + 64 * (t >> 1) + me.row + 8 * (t & 1);  // row k = t: hm = t / 2, h = t % 2
+  const i64 c = n0 + 32 * w;
+  if (ow < out_cols && c < cout) mask[((row * out_cols + ow) * cout + c) >> 5] = word;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) bits[k] = 0u;
+}
+
 // y [N, OH, OW, Cout] (channels-last, as the reference returns for a
 // channels-last input), through the copy engine: the tile is rows ow0 ..
 // ow0 + 127 of the (n, oh) plane of y viewed as [N * OH, OW, Cout], clipped
@@ -635,13 +656,19 @@ struct NchwStoreF32 {
 // rounded to T has a nonzero magnitude (relu's input > 0 or NaN, as eager's
 // rounded convolution output decides it).
 constexpr int kConvNhwcStagingBytes = kHgStagingBytes + 2 * kConvBiasBytes;
-template <typename T, bool kMask = false>
-struct NhwcStore {
-  const TensorMap& map_y;  // dims (Cout, OW, N * OH), boxes 64 x 128 x 1, 128-byte swizzle
-  ConvBiases<T> biases;
+// What the channels-last stores hold (biases of B).
+template <typename B>
+struct NhwcStoreFields {
+  const TensorMap& map_y;  // dims (Cout, OW, N * OH), boxes of hg_bk<B>() channels x 128 pixels, 128-byte swizzle
+  ConvBiases<B> biases;
   i64 col_tiles;
   unsigned* mask;  // kMask: Cout * OW * OH * N / 32 words
   i64 out_cols, cout;
+};
+template <typename T, bool kMask = false>
+struct NhwcStore : NhwcStoreFields<T> {
+  using NhwcStoreFields<T>::map_y, NhwcStoreFields<T>::biases, NhwcStoreFields<T>::col_tiles,
+      NhwcStoreFields<T>::mask, NhwcStoreFields<T>::out_cols, NhwcStoreFields<T>::cout;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) {
     const unsigned table = staging + kHgStagingBytes / 2;
@@ -668,27 +695,70 @@ struct NhwcStore {
           }
         }
       if constexpr (kMask) {
-        if ((i & 3) == 3) store_mask_words(bits, i >> 2, me, row, ow0, n0);
+        if ((i & 3) == 3) nhwc_mask_words(bits, i >> 2, me, row, ow0, n0, out_cols, cout, mask);
       }
     }
     TmaTileWriter::end(map_y, me, staging, ow0, n0, static_cast<int>(row));
   }
-  // Word w of the 4 rows' masks: OR-ed over the lane quad, lane t stores
-  // row k = t's (if that pixel and those channels exist), then cleared.
-  __device__ __forceinline__ void store_mask_words(unsigned (&bits)[4], int w, const HalfGemmLane& me, i64 row,
-                                                   i64 ow0, i64 n0) const {
+  __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
+};
+
+// y [N, OH, OW, Cout] of float32, channels-last: relu(acc + conv_bias) +
+// bias from a float32 product; from a 16-bit one (autocast), as NchwStore
+// computes it, relu(acc + conv_bias) rounded to T, then + bias in float32.
+// Through the copy engine in two passes of the tile's channels 64 p .. 64
+// p + 63, each staged as two boxes of 32 channels x 128 pixels (a pixel's
+// 32 values one 128-byte swizzled row: the 32 KiB of a 16-bit tile).  With
+// kMask, relu's mask as NhwcStore writes it (Cout a multiple of 32), the bit
+// set where relu's output (rounded to T) has a nonzero magnitude.
+template <typename T, bool kMask = false>
+struct NhwcStoreF32 : NhwcStoreFields<float> {
+  // Channels c, c + 1 (c even, below 64) of pixel row r: 8 bytes of the
+  // 16-byte chunk (c % 32) / 4 of box c / 32, swizzled.  A warp's 32 lanes
+  // (8 rows, 4 channel pairs) put 2 values into each bank: two wavefronts,
+  // the least 256 bytes take.
+  __device__ __forceinline__ static void put(unsigned staging, int r, int c, float lo, float hi) {
+    const unsigned at =
+        staging + (c >> 5) * (kHgBM * 128) + r * 128 + ((((c & 31) >> 2) ^ (r & 7)) << 4) + 4 * (c & 3);
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(lo), "f"(hi) : "memory");
+  }
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned staging) {
+    const unsigned table = staging + kHgStagingBytes / 2;
+    i64 ow0;
+    const i64 row = conv_tile_row(m0, col_tiles, ow0);
+    unsigned bits[4] = {0u, 0u, 0u, 0u};  // kMask: as in NhwcStore
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      bits[k] |= __shfl_xor_sync(0xffffffffu, bits[k], 1);
-      bits[k] |= __shfl_xor_sync(0xffffffffu, bits[k], 2);
+    for (int pass = 0; pass < 2; ++pass) {
+      TmaTileWriter::begin(me);  // the previous boxes have left the staging area
+      if (pass == 0) biases.refill(table, n0, me);
+#pragma unroll
+      for (int ii = 0; ii < 8; ++ii) {
+        const int i = 8 * pass + ii;
+        const float4 p = ConvBiases<float>::pair(table, i, me.t);
+#pragma unroll
+        for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float lo = to_float(from_float<T>(relu_keep_nan(acc[hm][4 * i + 2 * h] + p.x)));
+            const float hi = to_float(from_float<T>(relu_keep_nan(acc[hm][4 * i + 2 * h + 1] + p.y)));
+            put(staging, 64 * hm + me.row + 8 * h, 8 * ii + 2 * me.t, lo + p.z, hi + p.w);
+            // (NaN != 0: a NaN sets its bit)
+            if constexpr (kMask)
+              bits[2 * hm + h] |= ((lo != 0.0f ? 1u : 0u) | (hi != 0.0f ? 2u : 0u)) << (8 * (i & 3) + 2 * me.t);
+          }
+        if constexpr (kMask) {
+          if ((i & 3) == 3) nhwc_mask_words(bits, i >> 2, me, row, ow0, n0, out_cols, cout, mask);
+        }
+      }
+      if (TmaTileWriter::staged(me)) {
+#pragma unroll
+        for (int box = 0; box < 2; ++box)
+          tma_store_3d(map_y, staging + box * (kHgBM * 128), static_cast<int>(n0) + 64 * pass + 32 * box,
+                       static_cast<int>(ow0), static_cast<int>(row));
+        bulk_commit();
+      }
     }
-    const int t = me.t;
-    const unsigned word = t == 0 ? bits[0] : t == 1 ? bits[1] : t == 2 ? bits[2] : bits[3];
-    const i64 ow = ow0 + 64 * (t >> 1) + me.row + 8 * (t & 1);  // row k = t: hm = t / 2, h = t % 2
-    const i64 c = n0 + 32 * w;
-    if (ow < out_cols && c < cout) mask[((row * out_cols + ow) * cout + c) >> 5] = word;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) bits[k] = 0u;
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
@@ -1276,14 +1346,18 @@ __global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T*
 // caller's channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y
 // NCHW (NchwStore: y and the biases of Out, T or float32 as under
 // autocast; NchwStoreF32 for a float32 T, read as TF32, and y), or
-// channels-last through map_y (kNhwcOut: NhwcStore, Out = T, 16-bit, Cout
-// a multiple of 8).  kMask: also relu's mask into `mask` (NchwStore,
-// NhwcStore with Cout a multiple of 32), for a training step's backward;
-// null otherwise.  map_x: dims (C, W, H, N), boxes hg_bk<T>() x 128 x 1 x
-// 1, 128-byte swizzle; map_w: the weight as B [Cout, KH * KW * Cpad] of T
-// (ops/conv_bias_relu.py), boxes hg_bk<T>() x 128.  Grid: at most one block
-// per SM (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
-// the store's staging (kConvNhwcStagingBytes, kConvNchwStagingBytes or
+// channels-last through map_y (kNhwcOut, Cout a multiple of 8: NhwcStore,
+// Out = T, 16-bit; NhwcStoreF32 for a float32 T, x then the caller's own,
+// not rounded: the consumers round it to TF32 in their registers,
+// Tf32RoundMma, the weight's k packed in the split image's order).  kMask:
+// also relu's mask into `mask` (NchwStore, NchwStoreF32; the channels-last
+// stores with Cout a multiple of 32), for a training step's backward; null
+// otherwise.  map_x: dims (C, W, H, N), boxes hg_bk<T>() x 128 x 1 x 1,
+// 128-byte swizzle; map_w: the weight as B [Cout, KH * KW * Cpad] of T
+// (ops/conv_bias_relu.py), boxes hg_bk<T>() x 128; map_y: boxes of
+// hg_bk<T>() channels x 128 pixels.  Grid: at most one block per SM
+// (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages, the
+// store's staging (kConvNhwcStagingBytes, kConvNchwStagingBytes or
 // kConvF32StagingBytes)>() of dynamic shared memory.
 template <typename T, int kStages, bool kNhwcOut, typename Out, bool kMask>
 __global__ void __launch_bounds__(kHgThreads, 1)
@@ -1297,13 +1371,19 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
   const ConvLoader<T> loader{map_x, map_w, n_images, out_rows, col_tiles, cout, static_cast<int>(kw_size),
                              static_cast<int>(c_blocks), static_cast<int>(k_tiles)};
   const ConvBiases<Out> biases{conv_bias, bias, cout};
-  if constexpr (sizeof(T) == 4) {
-    static_assert(!kNhwcOut && sizeof(Out) == 4, "a float32 product: NCHW y of float32");
+  if constexpr (sizeof(T) == 4 && kNhwcOut) {
+    // x as given (channels-last float32), rounded to TF32 in the consumers' registers
+    static_assert(sizeof(Out) == 4, "a float32 product: y of float32");
+    NhwcStoreF32<T, kMask> store{{map_y, biases, col_tiles, mask, out_cols, cout}};
+    half_gemm_persistent<T, kStages, kConvNhwcStagingBytes, Tf32RoundMma>(reinterpret_cast<char*>(conv_shared),
+                                                                          loader, store);
+  } else if constexpr (sizeof(T) == 4) {
+    static_assert(sizeof(Out) == 4, "a float32 product: y of float32");
     NchwStoreF32<kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
     half_gemm_persistent<T, kStages, kConvF32StagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else if constexpr (kNhwcOut) {
     static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype");
-    NhwcStore<T, kMask> store{map_y, biases, col_tiles, mask, out_cols, cout};
+    NhwcStore<T, kMask> store{{map_y, biases, col_tiles, mask, out_cols, cout}};
     half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else {
     NchwStore<T, Out, kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
