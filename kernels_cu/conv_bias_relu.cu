@@ -1347,9 +1347,10 @@ __global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T*
 // NCHW (NchwStore: y and the biases of Out, T or float32 as under
 // autocast; NchwStoreF32 for a float32 T, read as TF32, and y), or
 // channels-last through map_y (kNhwcOut, Cout a multiple of 8: NhwcStore,
-// Out = T, 16-bit; NhwcStoreF32 for a float32 T, x then the caller's own,
-// not rounded: the consumers round it to TF32 in their registers,
-// Tf32RoundMma, the weight's k packed in the split image's order).  kMask:
+// Out = T, 16-bit; NhwcStoreF32 for a float32 y: a 16-bit product under
+// autocast, or a float32 T, x then the caller's own, not rounded: the
+// consumers round it to TF32 in their registers, Tf32RoundMma, the
+// weight's k packed in the split image's order).  kMask:
 // also relu's mask into `mask` (NchwStore, NchwStoreF32; the channels-last
 // stores with Cout a multiple of 32), for a training step's backward; null
 // otherwise.  map_x: dims (C, W, H, N), boxes hg_bk<T>() x 128 x 1 x 1,
@@ -1381,8 +1382,12 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
     static_assert(sizeof(Out) == 4, "a float32 product: y of float32");
     NchwStoreF32<kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
     half_gemm_persistent<T, kStages, kConvF32StagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
+  } else if constexpr (kNhwcOut && sizeof(Out) == 4) {
+    // (autocast: a 16-bit product, float32 biases and y)
+    NhwcStoreF32<T, kMask> store{{map_y, biases, col_tiles, mask, out_cols, cout}};
+    half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else if constexpr (kNhwcOut) {
-    static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype");
+    static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype or float32");
     NhwcStore<T, kMask> store{{map_y, biases, col_tiles, mask, out_cols, cout}};
     half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else {

@@ -197,13 +197,15 @@ if G.has_wgmma(0):
                 failed += [] if ok else [f"conv_bias_relu {dtype} {fmt} {shape}"]
             if dtype == torch.float32:
                 continue
-            # Under autocast: float32 x and parameters, float32 y.
-            with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-                y = CB._launch_engine(x.float(), wt.float(), cb.float(), b.float(),
-                                      out=torch.full(want.shape, float("nan"), device="cuda"))
-            ok = torch.allclose(y, want, atol=5e-2, rtol=5e-2)
-            print("conv_bias_relu autocast", dtype, shape, "OK" if ok else "ERROR", flush=True)
-            failed += [] if ok else [f"conv_bias_relu autocast {dtype} {shape}"]
+            # Under autocast: float32 x and parameters, float32 y in x's layout.
+            for fmt in (torch.contiguous_format, torch.channels_last):
+                with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+                    out = torch.full(want.shape, float("nan"), device="cuda").contiguous(memory_format=fmt)
+                    y = CB._launch_engine(x.float().contiguous(memory_format=fmt), wt.float(), cb.float(),
+                                          b.float(), out=out)
+                ok = torch.allclose(y, want, atol=5e-2, rtol=5e-2)
+                print("conv_bias_relu autocast", dtype, fmt, shape, "OK" if ok else "ERROR", flush=True)
+                failed += [] if ok else [f"conv_bias_relu autocast {dtype} {fmt} {shape}"]
 # The conv training route's channels-last backward (its size threshold
 # lifted; float32 with TF32 allowed too), taken on a compute capability 9.0
 # GPU only: the transposing copies both ways around cuDNN (two of them a

@@ -411,18 +411,22 @@ def test_engine_float32_route(device, monkeypatch):
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("x_dtype", ["float32", "amp"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("shape", ENGINE_SHAPES[:3] + ENGINE_SHAPES[-1:],
                          ids=lambda s: "x".join(map(str, s)))
-def test_engine_under_autocast(shape, with_bias, x_dtype, amp, device):
-    """A float32 model under torch.autocast, NCHW x (float32, or already in
-    the autocast dtype): the engine computes the product in the autocast
-    dtype, returns the reference's dtype (float32: the biases are float32)
-    into a NaN-poisoned output, within 1.5x eager's error under autocast
-    against float64."""
+def test_engine_under_autocast(shape, fmt, with_bias, x_dtype, amp, device):
+    """A float32 model under torch.autocast, x NCHW or channels-last
+    (float32, or already in the autocast dtype): the engine computes the
+    product in the autocast dtype, returns the reference's dtype and layout
+    (float32: the biases are float32) into a NaN-poisoned output, within
+    1.5x eager's error under autocast against float64."""
     _engine_device(device)
     n, cin, h, w, cout, kh, kw = shape
+    if fmt == torch.channels_last:
+        cout = -(-cout // 8) * 8  # y through the copy engine
     gen = torch.Generator().manual_seed(sum(shape) + 1)
     x = torch.randn(n, cin, h, w, generator=gen).to(device, torch.float32 if x_dtype == "float32" else amp)
+    x = x.contiguous(memory_format=fmt)
     wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device)
     cb = torch.randn(cout, generator=gen).to(device)
     b = torch.randn(cout, 1, 1, generator=gen).to(device) if with_bias else None
@@ -430,10 +434,12 @@ def test_engine_under_autocast(shape, with_bias, x_dtype, amp, device):
     with torch.no_grad(), torch.autocast("cuda", dtype=amp):
         assert CB.route(x, wt, cb, b) == "engine"
         eager = _reference(x, wt, cb, b)
-        out = torch.full(truth.shape, float("nan"), dtype=eager.dtype, device=device)
+        out = torch.full(truth.shape, float("nan"), dtype=eager.dtype, device=device).contiguous(
+            memory_format=fmt)
         ours = CB._launch_engine(x, wt, cb, None if b is None else b.reshape(-1), out=out)
         again = ops.conv_bias_relu(x, wt, cb, b)
     assert ours is out and ours.dtype == eager.dtype == torch.float32
+    assert again.is_contiguous(memory_format=fmt) and eager.is_contiguous(memory_format=fmt)
     assert not ours.isnan().any() and torch.equal(again, ours)
     err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
     assert err <= 1.5 * eager_err + torch.finfo(amp).eps, (err, eager_err)
@@ -520,7 +526,7 @@ def test_engine_is_bitwise_reproducible_and_keeps_nan_and_inf(kind, device):
 @pytest.mark.gpu
 def test_routes(device, monkeypatch):
     """The engine takes inputs with no gradient to record: 16-bit NCHW or
-    channels-last, or NCHW under autocast; every other call takes cuDNN,
+    channels-last, or either under autocast; every other call takes cuDNN,
     with gradients, autocast and layouts as the reference."""
     x = torch.randn(2, 16, 9, 9, device=device)
     wt = torch.randn(8, 16, 3, 3, device=device) / 12
@@ -558,12 +564,12 @@ def test_routes(device, monkeypatch):
     cl = ops.conv_bias_relu(cl_leaf, *half[1:])
     assert CB.route(cl_leaf, *half[1:]) == "cudnn" and cl.is_contiguous(memory_format=torch.channels_last)
     # Under autocast: float32 parameters, the reference's float32 result, on
-    # the engine for an NCHW x without a gradient to record.
+    # the engine for an x without a gradient to record.
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert CB.route(x, wt, cb, b) == ("engine" if hopper else "cudnn")
         assert CB.engine_dtypes(x, wt, cb, b) == (torch.bfloat16, torch.float32)
         assert CB.engine_dtypes(x, wt, *half[2:]) == (torch.bfloat16, torch.bfloat16)
-        assert CB.route(cl_half.float(), wt, cb, b) == "cudnn"  # channels-last: not under autocast
+        assert CB.route(cl_half.float(), wt, cb, b) == ("engine" if hopper else "cudnn")  # channels-last
         assert CB.route(x.double(), wt, cb, b) == "cudnn"
         assert CB.engine_dtypes(x, wt, half[2], b) == (torch.bfloat16, torch.float32)
         assert CB.engine_dtypes(x, half[1], *half[2:]) == (torch.bfloat16, torch.bfloat16)
@@ -1395,22 +1401,27 @@ def test_engine_channels_last_mask(shape, dtype, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "float32", "amp_bf16", "amp_fp16"])
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
                                    (2, 8, 4, 257, 160, 2, 3)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_engine_training_forward_channels_last(shape, dtype, device, monkeypatch):
+def test_engine_training_forward_channels_last(shape, mode, device, monkeypatch):
     """The same step from a channels-last x: in 16-bit the window kernel's
     forward with the mask from its registers (every word's halves),
     bias_relu's channels-last backward, conv_dgrad_wgmma and cuDNN's
     weight gradient on x itself; in float32 the per-tap kernel (x rounded
-    to TF32 in the consumers' registers, the mask gathered over lane quads) and
-    cuDNN's deterministic backward on x itself.  Gradients in x's and the
-    weight's layouts, within 1.5x eager's error; two steps bitwise
-    equal."""
+    to TF32 in the consumers' registers, the mask gathered over lane
+    quads) and cuDNN's deterministic backward on x itself; under autocast
+    the per-tap kernel on x's cast, y float32 (NhwcStoreF32), the 16-bit
+    backward on that cast.  Gradients in x's and the weight's layouts and
+    dtypes, within 1.5x eager's error; two steps bitwise equal."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)
-    y, leaves, _, _ = _engine_training_step_against_float64(shape, dtype, None, torch.channels_last,
-                                                            device)
+    amp = {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(mode)
+    y, leaves, ey, eager = _engine_training_step_against_float64(
+        shape, torch.float32 if amp else getattr(torch, mode), amp, torch.channels_last, device)
+    assert y.dtype == ey.dtype
+    for ours, theirs in zip(leaves, eager):
+        assert ours.grad.dtype == theirs.grad.dtype
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert leaves[0].grad.is_contiguous(memory_format=torch.channels_last)

@@ -10,8 +10,8 @@ Route, decided once per call (:func:`route`):
   accumulators, y written once in x's memory format.  On a compute
   capability 9.0 GPU with no gradient to record, x in one of the layouts
   of :func:`engine_layout`, and the dtypes of :func:`engine_dtypes`: every
-  tensor float16 or every tensor bfloat16, or under ``torch.autocast`` an
-  NCHW x (the product then in the autocast dtype, as the reference's), or
+  tensor float16 or every tensor bfloat16, or under ``torch.autocast``
+  (the product then in the autocast dtype, as the reference's), or
   every tensor float32 while
   ``torch.backends.cudnn.allow_tf32`` is on (PyTorch's default, under which
   the reference's convolution runs in TF32 too) and at least
@@ -177,8 +177,8 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 
 
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
-# and its chain (y float32 from a float32 product, or from an NCHW x under
-# autocast; with the mask of relu for a training step's backward);
+# and its chain (y float32 from a float32 product, or under autocast; with
+# the mask of relu for a training step's backward);
 # ("to_nhwc", x's dtype, copy's dtype): an NCHW tensor's channels-last copy
 # (the engine's x; the training route's dz and x, float32 too);
 # ("to_nhwc_tf32", float32): the same rounded to TF32 (the engine's float32
@@ -195,8 +195,7 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
                                        f"{'true' if layout == CHANNELS_LAST else 'false'}, {cxx_type(out)}, "
                                        f"{'true' if mask else 'false'}>"
        for d in HALF_DTYPES
-       for layout, out, mask in ((NCHW, d, False), (CHANNELS_LAST, d, False), (NCHW, torch.float32, False),
-                                 (NCHW, d, True), (CHANNELS_LAST, d, True), (NCHW, torch.float32, True))},
+       for layout in (NCHW, CHANNELS_LAST) for out in (d, torch.float32) for mask in (False, True)},
     **{("conv", torch.float32, layout, torch.float32, mask):
        f"cf::conv_bias_relu_wgmma<float, {gemm.HALF_STAGES}, "
        f"{'true' if layout == CHANNELS_LAST else 'false'}, float, {'true' if mask else 'false'}>"
@@ -245,7 +244,7 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
     or every tensor bfloat16 (both x's dtype), or every tensor float32 with
     TF32 allowed to cuDNN (:func:`_cudnn_tf32`: a TF32 product, as the
     reference's); under ``torch.autocast`` to
-    d, an NCHW x, and every tensor float32 or d: the product in d, and y in
+    d, every tensor float32 or d: the product in d, and y in
     d, or in float32 where a bias is float32 (torch's promotion, as
     :func:`.bias_relu.bias_relu`; the chain is then computed as
     ``nn.Conv2d`` with its bias computes it under autocast:
@@ -261,7 +260,7 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
             return x.dtype, x.dtype
         return None
     allowed = (torch.float32, amp)
-    if (amp in HALF_DTYPES and x.is_contiguous() and x.dtype in allowed and weight.dtype in allowed
+    if (amp in HALF_DTYPES and x.dtype in allowed and weight.dtype in allowed
             and all(v in allowed for v in vectors)):
         return amp, (torch.float32 if torch.float32 in vectors else amp)
     return None
@@ -466,7 +465,8 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     mask (:func:`_mask_words`: zeroed for an NCHW y; a channels-last y:
     C_out a multiple of 32); ``xc``: an
     NCHW x's channels-last copy in the product's dtype (a float32 one
-    rounded to TF32), if the caller has made it."""
+    rounded to TF32), or a channels-last x's cast to it under autocast, if
+    the caller has made it."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = _out_shape(x, weight)[2:]
@@ -495,17 +495,18 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         _launch_nchw_window(x, weight, conv_bias, bias, out)
         return out
     # An NCHW x: its channels-last copy, in the product's dtype (float32
-    # rounded to TF32).
+    # rounded to TF32); a channels-last one under autocast: its cast.
     if xc is None:
-        xc = _transposed(x, dtype, tf32=dtype == torch.float32) if layout == NCHW else x
-    if layout == CHANNELS_LAST and dtype in HALF_DTYPES and _window_fits(n, cin, h, w, cout, kh, kw):
+        xc = _transposed(x, dtype, tf32=dtype == torch.float32) if layout == NCHW else cast(x, dtype)
+    if (layout == CHANNELS_LAST and dtype in HALF_DTYPES and out_dtype == dtype
+            and _window_fits(n, cin, h, w, cout, kh, kw)):
         _launch_window(xc, weight, conv_bias, bias, out, mask)
         return out
     map_x = _nhwc_map(xc, box_m)
     # y channels-last as [N * OH, OW, C_out]: boxes of a k-tile's channels (64 16-bit, 32
     # float32) x 128 columns.
-    map_y = (gemm._encode_tensor_map(out.data_ptr(), (cout, ow, n * oh), (cout, ow * cout), dtype,
-                                     (box_k, box_m, 1))
+    map_y = (gemm._encode_tensor_map(out.data_ptr(), (cout, ow, n * oh), (cout, ow * cout), out_dtype,
+                                     (gemm._k_tile(out_dtype), box_m, 1))
              if layout == CHANNELS_LAST else map_x)  # (unused by the NCHW stores)
     # (A channels-last float32 x: rounded in the consumers' registers, which
     # hold k in the split image's order: Tf32RoundMma.)
@@ -651,12 +652,17 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                    bias: Optional[torch.Tensor], dtype: torch.dtype,
                    out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (y, relu's mask, x's channels-last copy in the product's dtype: an
-    # NCHW x's; empty for a channels-last x, which the backward reads itself)
+    # NCHW x's, or a channels-last float32 x's cast under autocast; empty
+    # for another channels-last x, which the backward reads itself)
     # (a fresh y: its first element on the 4-element grid the NCHW mask needs)
     mask = _mask_words(x, weight, nchw=x.is_contiguous())
     if x.is_contiguous():
         xc = _transposed(x, dtype, tf32=dtype == torch.float32)
         y = _launch_engine(x, weight, conv_bias, bias, plan=(NCHW, dtype, out_dtype, True),
+                           mask=mask, xc=xc)
+    elif x.dtype != dtype:
+        xc = x.to(dtype)
+        y = _launch_engine(x, weight, conv_bias, bias, plan=(CHANNELS_LAST, dtype, out_dtype, True),
                            mask=mask, xc=xc)
     else:
         xc = x.new_empty((0,), dtype=dtype)
@@ -685,7 +691,7 @@ def _train_forward_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
         return (torch.empty(shape, dtype=out_dtype, device=x.device), mask,
                 torch.empty((n, h, w, cin), dtype=dtype, device=x.device).permute(0, 3, 1, 2))
     return (torch.empty(shape, dtype=out_dtype, device=x.device, memory_format=torch.channels_last),
-            mask, x.new_empty((0,), dtype=dtype))
+            mask, torch.empty_like(x, dtype=dtype) if x.dtype != dtype else x.new_empty((0,), dtype=dtype))
 
 
 def _train_setup_context(ctx, inputs, output):
