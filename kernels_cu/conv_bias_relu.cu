@@ -4,12 +4,12 @@
 // TF32, as one implicit GEMM on the Hopper engine (gemm.cuh): the
 // convolution's operand tiles come from ConvLoader (from x channels-last: as
 // given, or a copy of an NCHW x), and the chain is applied to the float32
-// accumulators in the store (NchwStore, NchwStoreF32, NhwcStore: y in x's
-// layout), which writes y once.  The window kernels below compute the same
-// convolution transposed, a window of the input serving every tap of a
-// kernel row (conv_bias_relu_window, conv_bias_relu_nchw_window: the
-// forward from a channels-last or an NCHW x; conv_dgrad_wgmma: the input
-// gradient).
+// accumulators in the store (NchwStore, NchwStoreF32, NhwcStore,
+// NhwcStoreF32: y in x's layout), which writes y once.  The window kernels
+// below compute the same convolution transposed, a window of the input
+// serving every tap of a kernel row (conv_bias_relu_window,
+// conv_bias_relu_nchw_window: the forward from a channels-last or an NCHW
+// x; conv_dgrad_wgmma: the input gradient).
 //
 // The product: C [M, Cout] = A [M, K] B^T.  A row m of A is an output pixel
 // (n, oh, ow), its column k = (kh, kw, c) the input value x[n, c, oh + kh,
@@ -17,7 +17,7 @@
 // its k in the same (kh, kw, c) order, c padded with zeros to a multiple of
 // a k-tile's channels (Cpad: 64 16-bit values, 32 float32 ones), so that a
 // k-tile is one (kh, kw) and one block of channels.
-#include "gemm_tf32.cuh"
+#include "gemm.cuh"
 
 namespace cf {
 
@@ -703,10 +703,9 @@ struct NhwcStore : NhwcStoreFields<T> {
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
 
-// y [N, OH, OW, Cout] of float32, channels-last: relu(acc + conv_bias) +
-// bias from a float32 product; from a 16-bit one (autocast), as NchwStore
-// computes it, relu(acc + conv_bias) rounded to T, then + bias in float32.
-// Through the copy engine in two passes of the tile's channels 64 p .. 64
+// y [N, OH, OW, Cout] of float32, channels-last, from a 16-bit product
+// (autocast): as NchwStore computes it, relu(acc + conv_bias) rounded to T,
+// then + bias in float32.  Through the copy engine in two passes of the tile's channels 64 p .. 64
 // p + 63, each staged as two boxes of 32 channels x 128 pixels (a pixel's
 // 32 values one 128-byte swizzled row: the 32 KiB of a 16-bit tile).  With
 // kMask, relu's mask as NhwcStore writes it (Cout a multiple of 32), the bit
@@ -1346,17 +1345,14 @@ __global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T*
 // caller's channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y
 // NCHW (NchwStore: y and the biases of Out, T or float32 as under
 // autocast; NchwStoreF32 for a float32 T, read as TF32, and y), or
-// channels-last through map_y (kNhwcOut, Cout a multiple of 8: NhwcStore,
-// Out = T, 16-bit; NhwcStoreF32 for a float32 y: a 16-bit product under
-// autocast, or a float32 T, x then the caller's own, not rounded: the
-// consumers round it to TF32 in their registers, Tf32RoundMma, the
-// weight's k packed in the split image's order).  kMask:
+// channels-last through map_y (kNhwcOut, 16-bit, Cout a multiple of 8:
+// NhwcStore, Out = T; NhwcStoreF32, Out = float32 as under autocast).  kMask:
 // also relu's mask into `mask` (NchwStore, NchwStoreF32; the channels-last
 // stores with Cout a multiple of 32), for a training step's backward; null
 // otherwise.  map_x: dims (C, W, H, N), boxes hg_bk<T>() x 128 x 1 x 1,
 // 128-byte swizzle; map_w: the weight as B [Cout, KH * KW * Cpad] of T
 // (ops/conv_bias_relu.py), boxes hg_bk<T>() x 128; map_y: boxes of
-// hg_bk<T>() channels x 128 pixels.  Grid: at most one block per SM
+// hg_bk<Out>() channels x 128 pixels.  Grid: at most one block per SM
 // (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages, the
 // store's staging (kConvNhwcStagingBytes, kConvNchwStagingBytes or
 // kConvF32StagingBytes)>() of dynamic shared memory.
@@ -1372,18 +1368,11 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
   const ConvLoader<T> loader{map_x, map_w, n_images, out_rows, col_tiles, cout, static_cast<int>(kw_size),
                              static_cast<int>(c_blocks), static_cast<int>(k_tiles)};
   const ConvBiases<Out> biases{conv_bias, bias, cout};
-  if constexpr (sizeof(T) == 4 && kNhwcOut) {
-    // x as given (channels-last float32), rounded to TF32 in the consumers' registers
-    static_assert(sizeof(Out) == 4, "a float32 product: y of float32");
-    NhwcStoreF32<T, kMask> store{{map_y, biases, col_tiles, mask, out_cols, cout}};
-    half_gemm_persistent<T, kStages, kConvNhwcStagingBytes, Tf32RoundMma>(reinterpret_cast<char*>(conv_shared),
-                                                                          loader, store);
-  } else if constexpr (sizeof(T) == 4) {
-    static_assert(sizeof(Out) == 4, "a float32 product: y of float32");
+  if constexpr (sizeof(T) == 4) {
+    static_assert(!kNhwcOut && sizeof(Out) == 4, "a float32 product: NCHW y of float32");
     NchwStoreF32<kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
     half_gemm_persistent<T, kStages, kConvF32StagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
-  } else if constexpr (kNhwcOut && sizeof(Out) == 4) {
-    // (autocast: a 16-bit product, float32 biases and y)
+  } else if constexpr (kNhwcOut && sizeof(Out) == 4) {  // (autocast: float32 biases and y)
     NhwcStoreF32<T, kMask> store{{map_y, biases, col_tiles, mask, out_cols, cout}};
     half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else if constexpr (kNhwcOut) {

@@ -440,37 +440,6 @@ struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
   }
 };
 
-// K-major A fragments from a stage (128-byte swizzled rows of 32 float32
-// values; Tf32SplitMma's and Tf32RoundMma's): where the thread of quad
-// position t (g = row % 8) finds its rows row, row + 8 (see Tf32SplitMma).
-// Step s's values lie in chunk (2 s + t / 2) ^ g; load q's step is q ^ (odd ?
-// 2 : 0) for an odd row.
-__device__ __forceinline__ void kmajor_a_lane(int row, int t, bool odd, unsigned& addr, unsigned& swz) {
-  addr = static_cast<unsigned>(row * 128 + 8 * (t & 1));
-  swz = (odd ? 64u : 0u) ^ (static_cast<unsigned>((t >> 1) ^ (row & 7)) << 4);
-}
-// The k-tile's fragment values in the tile at a: v[step][register], rows
-// g, g + 8 at k 2t, then the same at 2t + 1.
-__device__ __forceinline__ void load_kmajor_a(unsigned a, unsigned addr, unsigned swz, bool odd,
-                                              float (&v)[4][4]) {
-  float2 w[4][2];  // [load q][row, row + 8]
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
-                   : "=f"(w[q][h].x), "=f"(w[q][h].y)
-                   : "r"(a + addr + 1024 * h + ((32u * q) ^ swz)));
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const float2 r0 = odd ? w[s ^ 2][0] : w[s][0], r8 = odd ? w[s ^ 2][1] : w[s][1];
-    v[s][0] = r0.x;
-    v[s][1] = r8.x;
-    v[s][2] = r0.y;
-    v[s][3] = r8.y;
-  }
-}
-
 // The split product's MMAs, cooperative: both consumer warpgroups on every
 // 128 x 128 tile, warpgroup w on its rows 64w .. 64w + 63, one
 // wgmma.m64n128k8 per TF32 pass and step of 8 values of k, A's fragment from
@@ -518,7 +487,9 @@ struct Tf32SplitMma {
       addr = static_cast<unsigned>((row >> 5) * 4096 + 2 * me.t * 128 + 4 * (row & 3));
       swz = static_cast<unsigned>((row & 31) >> 2);  // the chunk, before the XOR with the row's k % 8
     } else {
-      kmajor_a_lane(row, me.t, odd, addr, swz);
+      // Step s's values lie in chunk (2 s + t / 2) ^ g; load q's step is q ^ (odd ? 2 : 0).
+      addr = static_cast<unsigned>(row * 128 + 8 * (me.t & 1));
+      swz = (odd ? 64u : 0u) ^ (static_cast<unsigned>((me.t >> 1) ^ g) << 4);
     }
   }
   __device__ __forceinline__ void begin_tile(i64, i64) {
@@ -587,7 +558,22 @@ struct Tf32SplitMma {
           v[s][2 * e + 1] = w.y;
         }
     } else {
-      load_kmajor_a(a, addr, swz, odd, v);
+      float2 w[4][2];  // [load q][row, row + 8]
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                       : "=f"(w[q][h].x), "=f"(w[q][h].y)
+                       : "r"(a + addr + 1024 * h + ((32u * q) ^ swz)));
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const float2 r0 = odd ? w[s ^ 2][0] : w[s][0], r8 = odd ? w[s ^ 2][1] : w[s][1];
+        v[s][0] = r0.x;
+        v[s][1] = r8.x;
+        v[s][2] = r0.y;
+        v[s][3] = r8.y;
+      }
     }
     split(v, 0);
     split(v, 1);
@@ -602,67 +588,6 @@ struct Tf32SplitMma {
     fold(acc, 1);  // (the engine has waited for it)
 #pragma unroll
     for (int i = 0; i < kHgAccs; ++i) acc[0][i] = acc[1][i];
-  }
-};
-
-// One TF32 pass for ping-pong consumers (each warpgroup a whole 128 x 128
-// tile, as SmemMma) on a K-major float32 A that nothing has rounded (the
-// copy engine's boxes of a caller's tensor): A's fragments are loaded as
-// Tf32SplitMma loads them and rounded in registers (to_tf32_keep_nan: the
-// MMA itself would truncate), B's tile read from the stage.  A register
-// holds k-values 2t and 2t + 1 where the MMA takes t and t + 4, so B's k
-// must lie in the split image's order (image_k_of) within each 8: the
-// caller packs it so.  The two 64-row halves of a k-tile are two commit
-// groups, so that fragments are rewritten only once the MMAs that read them
-// are done: the first half's after the engine's wait for all but the last
-// group (the previous k-tile's second half), the second half's after a
-// wait of its own for that group.  Both halves' values are loaded first,
-// and the second half's are rounded while the MMAs in flight run.
-struct Tf32RoundMma : TilelessMma {
-  static constexpr int kBM = kHgBM, kBN = kHgBN, kWgRows = kHgBM;
-  static constexpr bool kCooperative = false;
-  static constexpr int kTileABytes = kHgBM * 128, kTileBBytes = kHgBN * 128;
-  unsigned addr, swz;
-  bool odd;
-  unsigned frag[2][4][4];  // [half][step][fragment register]
-  __device__ __forceinline__ Tf32RoundMma() {
-    const HalfGemmLane me;
-    odd = (me.row & 1) != 0;
-    kmajor_a_lane(me.row, me.t, odd, addr, swz);
-  }
-  __device__ __forceinline__ static void round(const float (&v)[4][4], unsigned (&r)[4][4]) {
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) r[s][i] = to_tf32_keep_nan(v[s][i]);
-  }
-  __device__ __forceinline__ void half(float (&d)[kHgAccs], int h, const Swizzle128Desc& sb) {
-#pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma_tf32<true>(d, frag[h][s], sb.at(32 * s));
-    wgmma_commit();
-  }
-  __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int) {
-    float v[2][4][4];
-    load_kmajor_a(a, addr, swz, odd, v[0]);
-    load_kmajor_a(a + 64 * 128, addr, swz, odd, v[1]);
-    const Swizzle128Desc sb(b);
-    // (The accumulators start at zero, the engine's: every MMA accumulates.)
-#pragma unroll
-    for (int s = 0; s < 4; ++s) fence_registers(frag[0][s]);  // the engine's wait: free
-    round(v[0], frag[0]);
-    begin_mma_group(acc);
-    half(acc[0], 0, sb);
-    unsigned next[4][4];  // the second half's, rounded while the MMAs in flight read frag[1]
-    round(v[1], next);
-    wgmma_wait<1>();  // the previous k-tile's second half
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      fence_registers(frag[1][s]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) frag[1][s][i] = next[s][i];
-    }
-    wgmma_fence();
-    half(acc[1], 1, sb);
   }
 };
 #endif

@@ -6,7 +6,7 @@ the declared kernels (CPU tier).  The ``linear`` op on top: test_linear.py."""
 import pytest
 import torch
 
-from cupy_fused import _runtime, ops, settings
+from cupy_fused import ops, settings
 from cupy_fused.ops import gemm as G
 from cupy_fused.testing import poison_allocator, rel_error, scaled_gemm_error, worse_than_eager
 
@@ -125,16 +125,6 @@ def test_every_kernel_variant_is_declared():
     for layout in G.LAYOUTS:
         for passes in (1, 3):
             assert ("64x64", passes, layout, False) in G.KERNELS.expressions
-
-
-
-def test_image_k_order_is_the_kernels():
-    """IMAGE_K_ORDER (the packed conv weight's k order for Tf32RoundMma) is
-    gemm_tf32.cuh's image_k_of, position j's k-value."""
-    text = (_runtime.kernel_dir() / "gemm_tf32.cuh").read_text()
-    assert "image_k_of(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }" in text
-    assert G.IMAGE_K_ORDER == tuple(2 * j if j < 4 else 2 * (j - 4) + 1 for j in range(8))
-    assert sorted(G.IMAGE_K_ORDER) == list(range(8))
 
 
 # ---------------------------------------------------------------- GPU tier

@@ -11,18 +11,18 @@ Route, decided once per call (:func:`route`):
   capability 9.0 GPU with no gradient to record, x in one of the layouts
   of :func:`engine_layout`, and the dtypes of :func:`engine_dtypes`: every
   tensor float16 or every tensor bfloat16, or under ``torch.autocast``
-  (the product then in the autocast dtype, as the reference's), or
-  every tensor float32 while
+  (the product then in the autocast dtype, as the reference's; a
+  channels-last x cast to it first), or every tensor float32 with an NCHW
+  x while
   ``torch.backends.cudnn.allow_tf32`` is on (PyTorch's default, under which
   the reference's convolution runs in TF32 too) and at least
   :data:`ENGINE_FLOAT32_MIN_ELEMENTS` output values: the operands rounded
-  to TF32 (an NCHW x in its channels-last copy, a channels-last x in the
-  consumers' registers as they read its tiles), float32 accumulation and
-  output.
-  A channels-last 16-bit x with a kernel up to :data:`WINDOW_MAX_KW` wide
-  takes the window kernel (``conv_bias_relu_window``: tiles of 64 output
-  channels x 256 pixels, each stage a window of x for all the taps of a
-  kernel row; :func:`_window_fits`).  An NCHW 16-bit x with no gradient to
+  to TF32 (x in its channels-last copy), float32 accumulation and output.
+  A channels-last x of the product's dtype (16-bit, y in that dtype too)
+  with a kernel up to :data:`WINDOW_MAX_KW` wide takes the window kernel
+  (``conv_bias_relu_window``: tiles of 64 output channels x 256 pixels,
+  each stage a window of x for all the taps of a kernel row;
+  :func:`_window_fits`).  An NCHW 16-bit x with no gradient to
   record, W a multiple of 8 and a kernel up to :data:`NCHW_WINDOW_MAX_KW`
   wide takes the same kernel's NCHW form, with no copy of x
   (``conv_bias_relu_nchw_window``: x's rows transposed into the windows in
@@ -30,7 +30,8 @@ Route, decided once per call (:func:`route`):
   :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values;
   :func:`_trains_on_engine`), the same forward also writes
   relu's mask, and keeps an NCHW x's channels-last copy (a float32 one
-  rounded to TF32, as the product read it); the backward is
+  rounded to TF32, as the product read it), or a channels-last float32 x's
+  cast under autocast; the backward is
   :func:`.bias_relu.bias_relu`'s (dz written channels-last), the input
   gradient on the engine where :func:`_dgrad_on_engine` takes it
   (``conv_dgrad_wgmma``, 16-bit: the window kernel's structure on dz and
@@ -84,7 +85,7 @@ NCHW_FLOAT32 = "nchw_float32"
 # of 128 + 8 values a row (kConvNchwStagingBytes); channels-last, the TMA
 # store's tile (kConvNhwcStagingBytes); a float32 product's NCHW rows
 # (NchwStoreF32), 64 channels of 4 + 128 float32 values a row and their
-# mask bits (kConvF32StagingBytes).  (A float32 product's channels-last
+# mask bits (kConvF32StagingBytes).  (Autocast's float32 channels-last
 # tile, NhwcStoreF32, takes the 16-bit one's bytes in two passes.)
 SHARED_BYTES = {
     NCHW: gemm._half_shared_bytes(2 * (gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2 + _BIAS_BYTES)),
@@ -177,8 +178,8 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 
 
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
-# and its chain (y float32 from a float32 product, or under autocast; with
-# the mask of relu for a training step's backward);
+# and its chain (y float32 from a float32 product, NCHW, or under autocast;
+# with the mask of relu for a training step's backward);
 # ("to_nhwc", x's dtype, copy's dtype): an NCHW tensor's channels-last copy
 # (the engine's x; the training route's dz and x, float32 too);
 # ("to_nhwc_tf32", float32): the same rounded to TF32 (the engine's float32
@@ -196,10 +197,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
                                        f"{'true' if mask else 'false'}>"
        for d in HALF_DTYPES
        for layout in (NCHW, CHANNELS_LAST) for out in (d, torch.float32) for mask in (False, True)},
-    **{("conv", torch.float32, layout, torch.float32, mask):
-       f"cf::conv_bias_relu_wgmma<float, {gemm.HALF_STAGES}, "
-       f"{'true' if layout == CHANNELS_LAST else 'false'}, float, {'true' if mask else 'false'}>"
-       for layout in (NCHW, CHANNELS_LAST) for mask in (False, True)},
+    **{("conv", torch.float32, NCHW, torch.float32, mask):
+       f"cf::conv_bias_relu_wgmma<float, {gemm.HALF_STAGES}, false, float, {'true' if mask else 'false'}>"
+       for mask in (False, True)},
     ("to_nhwc_tf32", torch.float32): "cf::nchw_to_nhwc<float, float, true>",
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
        for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
@@ -242,8 +242,8 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
     """The engine's (product dtype, y's dtype) for these arguments, or None
     where their dtypes keep it off: outside autocast every tensor float16,
     or every tensor bfloat16 (both x's dtype), or every tensor float32 with
-    TF32 allowed to cuDNN (:func:`_cudnn_tf32`: a TF32 product, as the
-    reference's); under ``torch.autocast`` to
+    an NCHW x (contiguous) and TF32 allowed to cuDNN (:func:`_cudnn_tf32`:
+    a TF32 product, as the reference's); under ``torch.autocast`` to
     d, every tensor float32 or d: the product in d, and y in
     d, or in float32 where a bias is float32 (torch's promotion, as
     :func:`.bias_relu.bias_relu`; the chain is then computed as
@@ -255,7 +255,7 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
     if amp is None:
         if x.dtype in HALF_DTYPES and weight.dtype == x.dtype and all(v == x.dtype for v in vectors):
             return x.dtype, x.dtype
-        if (x.dtype == torch.float32 and weight.dtype == x.dtype
+        if (x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == x.dtype
                 and all(v == x.dtype for v in vectors) and _cudnn_tf32()):
             return x.dtype, x.dtype
         return None
@@ -431,15 +431,12 @@ def _tf32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), torch.full_like(bits, _TF32_NAN), rounded).view(torch.float32)
 
 
-def _packed_weight(weight: torch.Tensor, dtype: torch.dtype,
-                   image_k: bool = False) -> Tuple[torch.Tensor, int]:
+def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
     """The weight [C_out, C_in, KH, KW] as the GEMM's B [C_out, KH * KW *
     Cpad] of ``dtype`` (float32 rounded to TF32): k in (kh, kw, c) order, c
     padded with zeros to Cpad, a multiple of :func:`.gemm._k_tile` (one k-tile per
     (kh, kw) and block of channels); and Cpad / k-tile, the kernels'
-    ``c_blocks``.  ``image_k`` (float32): each 8 values of k in the order of
-    the TF32 split image (:data:`.gemm.IMAGE_K_ORDER`), as the kernels'
-    Tf32RoundMma reads them."""
+    ``c_blocks``."""
     weight = _tf32(weight) if dtype == torch.float32 else weight.to(dtype)
     cout, cin, kh, kw = weight.shape
     box_k = gemm._k_tile(dtype)
@@ -447,8 +444,6 @@ def _packed_weight(weight: torch.Tensor, dtype: torch.dtype,
     packed = weight.permute(0, 2, 3, 1)
     packed = F.pad(packed, (0, cpad - cin)) if cpad != cin else packed.contiguous()
     packed = packed.reshape(cout, kh * kw * cpad)
-    if image_k:  # (k 2p + e of each 8 to position 4e + p: IMAGE_K_ORDER, with no index tensor)
-        packed = packed.view(cout, -1, 4, 2).transpose(2, 3).reshape(cout, -1)
     # A channels-last weight viewed at an odd offset is that view itself.
     return (packed if gemm._tma_compatible(packed) else packed.clone()), cpad // box_k
 
@@ -503,23 +498,19 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         _launch_window(xc, weight, conv_bias, bias, out, mask)
         return out
     map_x = _nhwc_map(xc, box_m)
-    # y channels-last as [N * OH, OW, C_out]: boxes of a k-tile's channels (64 16-bit, 32
-    # float32) x 128 columns.
+    # y channels-last as [N * OH, OW, C_out]: boxes of a k-tile's channels of
+    # y's dtype (64 16-bit, 32 float32: autocast's) x 128 columns.
     map_y = (gemm._encode_tensor_map(out.data_ptr(), (cout, ow, n * oh), (cout, ow * cout), out_dtype,
                                      (gemm._k_tile(out_dtype), box_m, 1))
              if layout == CHANNELS_LAST else map_x)  # (unused by the NCHW stores)
-    # (A channels-last float32 x: rounded in the consumers' registers, which
-    # hold k in the split image's order: Tf32RoundMma.)
-    image_k = layout == CHANNELS_LAST and dtype == torch.float32
-    packed, c_blocks = _packed_weight(weight, dtype, image_k=image_k)
-    store = NCHW_FLOAT32 if layout == NCHW and dtype == torch.float32 else layout
+    packed, c_blocks = _packed_weight(weight, dtype)
     tiles = n * oh * cdiv(ow, box_m) * cdiv(cout, gemm.HALF_TILE[1])
     _bridge.launch(KERNELS.get(("conv", dtype, layout, out_dtype, mask is not None), dev),
                    (min(tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
                    (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), map_y, out.data_ptr(),
                     _ptr_or_null(mask), conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw,
                     c_blocks, kh * kw * c_blocks), dev,
-                   shared_mem=SHARED_BYTES[store])
+                   shared_mem=SHARED_BYTES[NCHW_FLOAT32 if dtype == torch.float32 else layout])
     # xc, packed and cast biases go back to the allocator here: it hands
     # their memory to later work of this stream only, which runs after the
     # launch.

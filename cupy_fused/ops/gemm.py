@@ -174,11 +174,6 @@ SPLIT_IMAGE_KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
     for passes in (1, 3) for b_kmajor in (True, False)
 })
 
-# The k order of the split image within each 8 values of k (gemm_tf32.cuh,
-# image_k_of): position j holds k-value IMAGE_K_ORDER[j], as a consumer's
-# TF32 fragments of A hold them (the MMA's k t, t + 4 <-> k 2t, 2t + 1).
-IMAGE_K_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
 
 # Under "3xtf32", products summing fewer k-values than this run on cuBLAS
 # SGEMM: on short sums the split's own representation error dominates and
