@@ -1083,6 +1083,37 @@ def test_window_forward_launch(with_mask, monkeypatch):
     assert launched[0][0][0] == "conv"
 
 
+def test_channels_last_autocast_launch(monkeypatch):
+    """_launch_engine on a channels-last float32 x under autocast to
+    bfloat16 with float32 biases (CPU tensors, launches recorded): x's cast
+    to bfloat16 read by the per-tap kernel with the float32 channels-last
+    store (not the window kernel, whose y is 16-bit), y float32
+    channels-last through boxes of 32 channels x 128 pixels; in training,
+    the cast is what the forward keeps for the backward."""
+    maps, packed, launched = _record_window_launches(monkeypatch)
+    bf16, f32, cl = torch.bfloat16, torch.float32, torch.channels_last
+    x = torch.randn(2, 72, 9, 140).contiguous(memory_format=cl)
+    wt = torch.randn(64, 72, 3, 5)
+    cb, b = torch.randn(64), torch.randn(64)
+    y = CB._launch_engine(x, wt, cb, b, plan=(CB.CHANNELS_LAST, bf16, f32, False))
+    assert y.shape == (2, 64, 7, 136) and y.dtype == f32 and y.is_contiguous(memory_format=cl)
+    (fn, grid, block, args, shared), = launched
+    assert fn == ("conv", bf16, CB.CHANNELS_LAST, f32, False) and shared == CB.SHARED_BYTES[CB.CHANNELS_LAST]
+    assert grid == (min(2 * 7 * 2 * 1, 132), 1, 1) and block == gemm.HALF_THREADS
+    assert [m[1:] for m in maps] == [
+        ((72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), bf16, (64, 128, 1, 1)),
+        ((64, 136, 14), (64, 136 * 64), f32, (32, 128, 1))]
+    assert maps[0][0] != x.data_ptr() and maps[1][0] == y.data_ptr()  # the cast, then y
+    (a, rows), = packed
+    assert rows == 128 and torch.equal(a, CB._packed_weight(wt, bf16)[0])
+    # Training: the cast kept for the backward, relu's mask filled by the store.
+    launched.clear()
+    y, mask, xc = CB._train_forward(x, wt, cb, b, bf16, f32)
+    assert xc.dtype == bf16 and xc.is_contiguous(memory_format=cl) and torch.equal(xc, x.to(bf16))
+    (fn, _, _, args, _), = launched
+    assert fn == ("conv", bf16, CB.CHANNELS_LAST, f32, True) and args[4] == mask.data_ptr()
+
+
 def test_dgrad_launch(monkeypatch):
     """_launch_dgrad on CPU tensors (launches recorded): the kernel of its
     dtype and KW, dz's map with boxes of WINDOW columns, dx [N, H, W, C_in]
