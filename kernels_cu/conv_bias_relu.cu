@@ -705,11 +705,12 @@ struct NhwcStore : NhwcStoreFields<T> {
 
 // y [N, OH, OW, Cout] of float32, channels-last, from a 16-bit product
 // (autocast): as NchwStore computes it, relu(acc + conv_bias) rounded to T,
-// then + bias in float32.  Through the copy engine in two passes of the tile's channels 64 p .. 64
-// p + 63, each staged as two boxes of 32 channels x 128 pixels (a pixel's
-// 32 values one 128-byte swizzled row: the 32 KiB of a 16-bit tile).  With
-// kMask, relu's mask as NhwcStore writes it (Cout a multiple of 32), the bit
-// set where relu's output (rounded to T) has a nonzero magnitude.
+// then + bias in float32.  Through the copy engine in two passes of the
+// tile's channels 64 p .. 64 p + 63, each staged as two boxes of 32
+// channels x 128 pixels (a pixel's 32 values one 128-byte swizzled row: the
+// 32 KiB of a 16-bit tile).  With kMask, relu's mask as NhwcStore writes it
+// (Cout a multiple of 32), the bit set where relu's output (rounded to T)
+// has a nonzero magnitude.
 template <typename T, bool kMask = false>
 struct NhwcStoreF32 : NhwcStoreFields<float> {
   // Channels c, c + 1 (c even, below 64) of pixel row r: 8 bytes of the
