@@ -46,6 +46,10 @@ def test_tile_choice(monkeypatch, wgmma):
         "engine128x128" if wgmma else "128x128")
     assert G.choose_tile(1024, 8192, False, 0) == "64x64"  # unaligned rows: word loads
     assert G.choose_tile(256, 256, True, 0) == "64x64"  # too few 128x128 tiles to fill the GPU
+    # an extent of 2^31 or more: past the copy engine's 32-bit coordinates
+    assert G.choose_tile(1024, 8192, True, 0, k=2**31 - 1) == ("engine128x128" if wgmma else "128x128")
+    assert G.choose_tile(1024, 8192, True, 0, k=2**31) == "128x128"
+    assert G.choose_tile(2**31, 8192, True, 0) == "128x128"
     assert G.available_tiles(0) == (
         ("engine128x128", "engine128x128_split_b") if wgmma else ()) + ("128x128", "64x64")
 

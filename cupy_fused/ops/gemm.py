@@ -202,11 +202,13 @@ def available_tiles(device_index: int) -> Tuple[str, ...]:
     return tuple(t for t in TILES if not TILES[t].engine or has_wgmma(device_index))
 
 
-def choose_tile(m: int, n: int, vec: bool, device_index: int, passes: int = 3) -> str:
-    """The tile kernel of an [m, n] product of ``passes`` (operand rows
-    16-byte aligned when ``vec``): see :data:`TILES`."""
+def choose_tile(m: int, n: int, vec: bool, device_index: int, passes: int = 3, k: int = 0) -> str:
+    """The tile kernel of an [m, n] product of ``passes`` summing ``k``
+    products (operand rows 16-byte aligned when ``vec``): see :data:`TILES`.
+    The engine's tiles take no extent of 2^31 or more (the copy engine's
+    coordinates are 32-bit): such a product takes ``"128x128"``."""
     if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
-        if has_wgmma(device_index):
+        if has_wgmma(device_index) and max(m, n, k) < 2**31:
             return "engine128x128_split_b" if splits_b(m, n, passes) else "engine128x128"
         return "128x128"
     return "64x64"
@@ -265,15 +267,14 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
         return out
-    if _inner_size(a, layout) == 0:  # an empty sum: no kernel (see uses_sgemm)
+    k = _inner_size(a, layout)
+    if k == 0:  # an empty sum: no kernel (see uses_sgemm)
         out.zero_()
         if bias is not None:
             out += bias
         return out.relu_() if activation == 1 else out
     vec = _rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])
-    tile = choose_tile(m, n, vec, a.device.index, passes)
-    if TILES[tile].engine and max(a.shape + b.shape) >= 2**31:
-        tile = "128x128"  # (the copy engine's coordinates are 32-bit)
+    tile = choose_tile(m, n, vec, a.device.index, passes, k)
     _launch_gemm(KERNELS.get((tile, passes, layout, vec), a.device.index), TILES[tile], layout,
                  a, b, out, bias, activation, passes)
     return out
