@@ -646,20 +646,15 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # NCHW x's, or a channels-last float32 x's cast under autocast; empty
     # for another channels-last x, which the backward reads itself)
     # (a fresh y: its first element on the 4-element grid the NCHW mask needs)
-    mask = _mask_words(x, weight, nchw=x.is_contiguous())
-    if x.is_contiguous():
+    nchw = x.is_contiguous()
+    mask = _mask_words(x, weight, nchw=nchw)
+    if nchw:
         xc = _transposed(x, dtype, tf32=dtype == torch.float32)
-        y = _launch_engine(x, weight, conv_bias, bias, plan=(NCHW, dtype, out_dtype, True),
-                           mask=mask, xc=xc)
-    elif x.dtype != dtype:
-        xc = x.to(dtype)
-        y = _launch_engine(x, weight, conv_bias, bias, plan=(CHANNELS_LAST, dtype, out_dtype, True),
-                           mask=mask, xc=xc)
     else:
-        xc = x.new_empty((0,), dtype=dtype)
-        y = _launch_engine(x, weight, conv_bias, bias, plan=(CHANNELS_LAST, dtype, out_dtype, True),
-                           mask=mask)
-    return y, mask, xc
+        xc = x.to(dtype) if x.dtype != dtype else None
+    plan = (NCHW if nchw else CHANNELS_LAST, dtype, out_dtype, True)
+    y = _launch_engine(x, weight, conv_bias, bias, plan=plan, mask=mask, xc=xc)
+    return y, mask, x.new_empty((0,), dtype=dtype) if xc is None else xc
 
 
 def _mask_words(x: torch.Tensor, weight: torch.Tensor, nchw: bool) -> torch.Tensor:
