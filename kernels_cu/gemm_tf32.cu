@@ -270,21 +270,18 @@ __global__ void gemm_tf32_split_image(const float* __restrict__ b, float* __rest
     const int st = static_cast<int>(item & 3), nl = static_cast<int>((item >> 2) & (kWgBN - 1));
     const i64 tile = item >> 9;  // (tile_n, k-tile) = tile / k_tiles, tile % k_tiles
     const i64 n = (tile / k_tiles) * kWgBN + nl, k0 = (tile % k_tiles) * kGemmBK + 8 * st;
-    Split<kPasses, 8> part;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const i64 k = k0 + image_k_of(j);
-      part.set(j, (n < N && k < K) ? (kBKMajor ? b[n * ldb + k] : b[k * ldb + n]) : 0.0f);
-    }
+    const Split<kPasses, 8> part = split_step<kPasses>([&](int q) {
+      const i64 k = k0 + q;
+      return (n < N && k < K) ? (kBKMajor ? b[n * ldb + k] : b[k * ldb + n]) : 0.0f;
+    });
     float* const row = image + tile * split_tile_floats<kPasses>() + nl * kGemmBK;
-    uint4* const lo = reinterpret_cast<uint4*>(row + 4 * ((2 * st) ^ (nl & 7)));
-    uint4* const hi = reinterpret_cast<uint4*>(row + 4 * ((2 * st + 1) ^ (nl & 7)));
+    uint4* const lo = reinterpret_cast<uint4*>(row + plane_chunk(nl, st, 0) / 4);
+    uint4* const hi = reinterpret_cast<uint4*>(row + plane_chunk(nl, st, 1) / 4);
     *lo = make_uint4(part.big[0], part.big[1], part.big[2], part.big[3]);
     *hi = make_uint4(part.big[4], part.big[5], part.big[6], part.big[7]);
     if constexpr (kPasses == 3) {
-      constexpr int kPlane = kWgBN * kGemmBK;
-      lo[kPlane / 4] = make_uint4(part.small[0], part.small[1], part.small[2], part.small[3]);
-      hi[kPlane / 4] = make_uint4(part.small[4], part.small[5], part.small[6], part.small[7]);
+      lo[kPlaneFloats / 4] = make_uint4(part.small[0], part.small[1], part.small[2], part.small[3]);
+      hi[kPlaneFloats / 4] = make_uint4(part.small[4], part.small[5], part.small[6], part.small[7]);
     }
   }
 }

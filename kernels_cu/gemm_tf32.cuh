@@ -97,19 +97,19 @@ struct OperandTile {
 
   // Global -> shared for the tile at (mn0, k0) of an operand whose element
   // (mn, k) is at g[mn*ld + k] (K-major) or g[k*ld + mn] (MN-major).
-  // `tid` in [0, kThreads): the threads sharing the load.
-  template <bool kVec, int kThreads = kGemmThreads>
+  // `tid` in [0, kGemmThreads): the threads sharing the load.
+  template <bool kVec>
   __device__ __forceinline__ static void load(float* tile, const float* g, i64 ld, i64 extent,
                                               i64 K, i64 mn0, i64 k0, int tid) {
     // 4-float chunks: K-major rows hold 32/4 chunks, MN-major rows kExtent/4.
     constexpr int kChunksPerRow = (kKMajor ? kGemmBK : kExtent) / 4;
     constexpr int kChunks = (kKMajor ? kExtent : kGemmBK) * kChunksPerRow;
-    static_assert(kChunks % kThreads == 0 && kThreads % kChunksPerRow == 0,
+    static_assert(kChunks % kGemmThreads == 0 && kGemmThreads % kChunksPerRow == 0,
                   "tile must split evenly over the loading threads, in whole rows");
     // Pass j covers rows r0 + j * kRowsPerPass: the addresses are computed
     // once and stepped (this runs for every k-tile; the address arithmetic
     // used to cost more issue slots than the copies).
-    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    constexpr int kRowsPerPass = kGemmThreads / kChunksPerRow;
     const int r0 = tid / kChunksPerRow, c4 = (tid % kChunksPerRow) * 4;
     // (row index, contiguous index) in the operand's memory order
     const i64 outer0 = (kKMajor ? mn0 : k0) + r0, inner = (kKMajor ? k0 : mn0) + c4;
@@ -118,7 +118,7 @@ struct OperandTile {
     const i64 pass_stride = kRowsPerPass * ld;
     const unsigned dst0 = shared_addr(tile) + 4u * static_cast<unsigned>(r0 * kStride + c4);
 #pragma unroll
-    for (int j = 0; j < kChunks / kThreads; ++j) {
+    for (int j = 0; j < kChunks / kGemmThreads; ++j) {
       const i64 outer = outer0 + j * kRowsPerPass;
       const unsigned dst = dst0 + 4u * static_cast<unsigned>(j * kRowsPerPass * kStride);
       const float* const p = src + j * pass_stride;
@@ -287,8 +287,24 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4
 // (SplittingLoader), by the producer warpgroup's idle warps, from raw tiles
 // the copy engine brings.
 __host__ __device__ constexpr int image_k_of(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
+// One plane of a split tile: 128 columns x 32 values of k.
+constexpr int kPlaneFloats = kWgBN * kGemmBK;
+// The byte offset, in column n's 128-byte row of a plane, of the 16-byte
+// chunk holding its k-values 8 st + 4 h .. 8 st + 4 h + 3 (h = 0, 1) in the
+// image's order: the 128-byte swizzle the MMAs read.  The in-kernel split
+// and the split image write the same layout through it.
+__host__ __device__ constexpr int plane_chunk(int n, int st, int h) { return ((2 * st + h) ^ (n & 7)) << 4; }
+// The split of a column's k-values 8 st .. 8 st + 7 (value(q): the one at
+// 8 st + q), in the image's order.
+template <int kPasses, typename Value>
+__device__ __forceinline__ Split<kPasses, 8> split_step(const Value& value) {
+  Split<kPasses, 8> part;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) part.set(j, value(image_k_of(j)));
+  return part;
+}
 template <int kPasses>
-__host__ __device__ constexpr int split_tile_floats() { return (kPasses == 3 ? 2 : 1) * kWgBN * kGemmBK; }
+__host__ __device__ constexpr int split_tile_floats() { return (kPasses == 3 ? 2 : 1) * kPlaneFloats; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // What the engine's loaders of a split product share: 128 x 128 tiles of C,
@@ -408,8 +424,8 @@ struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
 #pragma unroll 1
     for (int item = htid; item < kWgBN * 4; item += 32 * kHelperWarps) {
       const int n = kBKMajor ? item >> 2 : item & (kWgBN - 1), st = kBKMajor ? item & 3 : item >> 7;
-      const unsigned lo = static_cast<unsigned>(((2 * st) ^ (n & 7)) << 4);
-      const unsigned hi = static_cast<unsigned>(((2 * st + 1) ^ (n & 7)) << 4);
+      const unsigned lo = static_cast<unsigned>(plane_chunk(n, st, 0));
+      const unsigned hi = static_cast<unsigned>(plane_chunk(n, st, 1));
       float v[8];  // B's k-values 8 st .. 8 st + 7 of column n
       if constexpr (kBKMajor) {
         asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -421,16 +437,14 @@ struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
         for (int q = 0; q < 8; ++q)
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v[q]) : "r"(raw + (8 * st + q) * (kWgBN * 4) + 4 * n));
       }
-      Split<kPasses, 8> part;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) part.set(j, v[image_k_of(j)]);
+      const Split<kPasses, 8> part = split_step<kPasses>([&](int q) { return v[q]; });
       const unsigned row = planes + n * 128;
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + lo), "r"(part.big[0]), "r"(part.big[1]),
                    "r"(part.big[2]), "r"(part.big[3]));
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + hi), "r"(part.big[4]), "r"(part.big[5]),
                    "r"(part.big[6]), "r"(part.big[7]));
       if constexpr (kPasses == 3) {
-        constexpr unsigned kSmall = 4 * kWgBN * kGemmBK;
+        constexpr unsigned kSmall = 4 * kPlaneFloats;
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + kSmall + lo), "r"(part.small[0]),
                      "r"(part.small[1]), "r"(part.small[2]), "r"(part.small[3]));
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + kSmall + hi), "r"(part.small[4]),
@@ -510,7 +524,7 @@ struct Tf32SplitMma {
       if constexpr (kPasses == 3) {
         if (j == 0) wgmma_tf32<false>(acc[0], small[s], big_b);
         else wgmma_tf32<true>(acc[0], small[s], big_b);
-        wgmma_tf32<true>(acc[0], big[s], sb.at(4 * kWgBN * kGemmBK + 32 * s));
+        wgmma_tf32<true>(acc[0], big[s], sb.at(4 * kPlaneFloats + 32 * s));
         wgmma_tf32<true>(acc[0], big[s], big_b);
       } else {
         if (j == 0) wgmma_tf32<false>(acc[0], big[s], big_b);
