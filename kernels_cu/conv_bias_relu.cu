@@ -3,7 +3,8 @@
 // padding, dilation 1, one group), in float16 / bfloat16, or float32 read as
 // TF32, as one implicit GEMM on the Hopper engine (gemm.cuh): the
 // convolution's operand tiles come from ConvLoader (from x channels-last: as
-// given, or a copy of an NCHW x), and the chain is applied to the float32
+// given, or a copy: of an NCHW x, of a float32 x rounded to TF32, or of x
+// cast under autocast), and the chain is applied to the float32
 // accumulators in the store (NchwStore, NchwStoreF32, NhwcStore,
 // NhwcStoreF32: y in x's layout), which writes y once.  The window kernels
 // below compute the same convolution transposed, a window of the input
@@ -703,9 +704,10 @@ struct NhwcStore : NhwcStoreFields<T> {
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
 
-// y [N, OH, OW, Cout] of float32, channels-last, from a 16-bit product
-// (autocast): as NchwStore computes it, relu(acc + conv_bias) rounded to T,
-// then + bias in float32.  Through the copy engine in two passes of the
+// y [N, OH, OW, Cout] of float32, channels-last: relu(acc + conv_bias) +
+// bias from a float32 product (T = float); from a 16-bit one (autocast), as
+// NchwStore computes it, relu(acc + conv_bias) rounded to T, then + bias in
+// float32.  Through the copy engine in two passes of the
 // tile's channels 64 p .. 64 p + 63, each staged as two boxes of 32
 // channels x 128 pixels (a pixel's 32 values one 128-byte swizzled row: the
 // 32 KiB of a 16-bit tile).  With kMask, relu's mask as NhwcStore writes it
@@ -1328,6 +1330,29 @@ __global__ void __launch_bounds__(256) nchw_to_nhwc(const Tin* __restrict__ x, T
   }
 }
 
+// xc = x rounded to TF32 (to_tf32_keep_nan), n4 16-byte vectors of 4
+// float32 values (both 16-byte aligned): a channels-last float32 x as the
+// engine reads it, rounded once here rather than truncated by the MMA (an
+// NCHW x is rounded in its transposing copy instead).  Each thread takes
+// kRoundVecs vectors 256 apart, all loaded before any is stored, for bytes
+// in flight; blockDim.x 256, grid cdiv(n4, 256 kRoundVecs).
+constexpr int kRoundVecs = 4;
+__global__ void __launch_bounds__(256) round_to_tf32(const float4* __restrict__ x, float4* __restrict__ xc,
+                                                     i64 n4) {
+  const i64 first = static_cast<i64>(blockIdx.x) * (256 * kRoundVecs) + threadIdx.x;
+  float4 v[kRoundVecs];
+#pragma unroll
+  for (int j = 0; j < kRoundVecs; ++j)
+    if (first + 256 * j < n4) v[j] = x[first + 256 * j];
+#pragma unroll
+  for (int j = 0; j < kRoundVecs; ++j)
+    if (first + 256 * j < n4)
+      xc[first + 256 * j] = make_float4(__uint_as_float(to_tf32_keep_nan(v[j].x)),
+                                        __uint_as_float(to_tf32_keep_nan(v[j].y)),
+                                        __uint_as_float(to_tf32_keep_nan(v[j].z)),
+                                        __uint_as_float(to_tf32_keep_nan(v[j].w)));
+}
+
 // xc [N, H, W, C] (channels-last) of T -> x [N, C, H, W] (NCHW): the
 // training route's input gradient back in the input's layout.  kVec as for
 // nchw_to_nhwc.
@@ -1343,11 +1368,12 @@ __global__ void __launch_bounds__(256) nhwc_to_nchw(const T* __restrict__ xc, T*
 
 // y = relu(conv2d(x, W) + conv_bias) + bias: the implicit GEMM on the
 // engine, from x channels-last [N, H, W, C] of T (C a multiple of 8: the
-// caller's channels-last input, or nchw_to_nhwc's copy of an NCHW one) to y
-// NCHW (NchwStore: y and the biases of Out, T or float32 as under
-// autocast; NchwStoreF32 for a float32 T, read as TF32, and y), or
-// channels-last through map_y (kNhwcOut, 16-bit, Cout a multiple of 8:
-// NhwcStore, Out = T; NhwcStoreF32, Out = float32 as under autocast).  kMask:
+// caller's channels-last input, or a copy of it: nchw_to_nhwc's of an NCHW
+// one, round_to_tf32's or a cast) to y NCHW (NchwStore: y and the biases
+// of Out, T or float32 as under autocast; NchwStoreF32 for a float32 T,
+// read as TF32, and y), or channels-last through map_y (kNhwcOut, Cout a
+// multiple of 8: NhwcStore, Out = T, 16-bit; NhwcStoreF32, Out = float32:
+// a float32 T, or a 16-bit one under autocast).  kMask:
 // also relu's mask into `mask` (NchwStore, NchwStoreF32; the channels-last
 // stores with Cout a multiple of 32), for a training step's backward; null
 // otherwise.  map_x: dims (C, W, H, N), boxes hg_bk<T>() x 128 x 1 x 1,
@@ -1369,13 +1395,13 @@ conv_bias_relu_wgmma(const __grid_constant__ TensorMap map_x, const __grid_const
   const ConvLoader<T> loader{map_x, map_w, n_images, out_rows, col_tiles, cout, static_cast<int>(kw_size),
                              static_cast<int>(c_blocks), static_cast<int>(k_tiles)};
   const ConvBiases<Out> biases{conv_bias, bias, cout};
-  if constexpr (sizeof(T) == 4) {
-    static_assert(!kNhwcOut && sizeof(Out) == 4, "a float32 product: NCHW y of float32");
-    NchwStoreF32<kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
-    half_gemm_persistent<T, kStages, kConvF32StagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
-  } else if constexpr (kNhwcOut && sizeof(Out) == 4) {  // (autocast: float32 biases and y)
+  if constexpr (kNhwcOut && sizeof(Out) == 4) {  // (a float32 product, or autocast's float32 biases and y)
     NhwcStoreF32<T, kMask> store{{map_y, biases, col_tiles, mask, out_cols, cout}};
     half_gemm_persistent<T, kStages, kConvNhwcStagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
+  } else if constexpr (sizeof(T) == 4) {
+    static_assert(!kNhwcOut && sizeof(Out) == 4, "a float32 product: y of float32");
+    NchwStoreF32<kMask> store{y, mask, biases, cout, out_rows, out_cols, col_tiles};
+    half_gemm_persistent<T, kStages, kConvF32StagingBytes>(reinterpret_cast<char*>(conv_shared), loader, store);
   } else if constexpr (kNhwcOut) {
     static_assert(sizeof(Out) == sizeof(T), "a channels-last y has x's dtype or float32");
     NhwcStore<T, kMask> store{{map_y, biases, col_tiles, mask, out_cols, cout}};

@@ -297,35 +297,44 @@ def test_tf32_rounding():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", INPUTS[:2])
+@pytest.mark.parametrize("kind", INPUTS)
 @pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_engine_float32_against_float64(shape, kind, device, monkeypatch):
-    """A float32 call on the engine (TF32 operands, float32 sums), NCHW x,
-    output poisoned with NaN first: its sums within float32 rounding of the
-    exact product of the TF32-rounded operands, and within 1.5x of that
-    product's own error against float64 (TF32's precision, which
-    torch.backends.cudnn.allow_tf32 grants the reference); two runs equal."""
+    """A float32 call on the engine (TF32 operands, float32 sums), output
+    poisoned with NaN first: its sums within float32 rounding of the exact
+    product of the TF32-rounded operands, and within 1.5x of that product's
+    own error against float64 (TF32's precision, which
+    torch.backends.cudnn.allow_tf32 grants the reference); two runs equal.
+    A channels-last x (its copy rounded by round_to_tf32, y channels-last):
+    bit for bit the NCHW route's y on the same values."""
     _engine_device(device)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
     n, cin, h, w, cout, kh, kw = shape
+    layout = CB.CHANNELS_LAST if kind == "channels_last" else CB.NCHW
+    if layout == CB.CHANNELS_LAST:
+        cout = -(-cout // 8) * 8  # y through the copy engine
     gen = torch.Generator().manual_seed(sum(shape) + 2)
     x = _engine_input(n, cin, h, w, kind, gen, device, torch.float32)
     wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device)
     cb = torch.randn(cout, generator=gen).to(device)
     b = torch.randn(cout, generator=gen).to(device)
     with torch.no_grad():
-        assert CB.engine_layout(x, wt) == CB.NCHW
+        assert CB.engine_layout(x, wt) == layout
         assert CB.engine_dtypes(x, wt, cb, b) == (torch.float32, torch.float32)
         truth = _reference(x.double(), wt.double(), cb.double(), b.double())
         tf32 = _reference(CB._tf32(x).double(), CB._tf32(wt).double(), cb.double(), b.double())
-        out = torch.full(truth.shape, float("nan"), device=device)
+        fmt = torch.channels_last if layout == CB.CHANNELS_LAST else torch.contiguous_format
+        out = torch.full(truth.shape, float("nan"), device=device).contiguous(memory_format=fmt)
         # (below ENGINE_FLOAT32_MIN_ELEMENTS the route is cuDNN's: the plan given)
-        plan = (CB.NCHW, torch.float32, torch.float32, False)
+        plan = (layout, torch.float32, torch.float32, False)
         ours = CB._launch_engine(x, wt, cb, b, out=out, plan=plan)
         assert ours is out and not ours.isnan().any()
         assert rel_error(ours, tf32) <= 1e-5
         assert rel_error(ours, truth) <= 1.5 * rel_error(tf32.float(), truth) + torch.finfo(torch.float32).eps
         assert torch.equal(CB._launch_engine(x, wt, cb, b, plan=plan), ours)
+        if layout == CB.CHANNELS_LAST:
+            nchw = CB._launch_engine(x.contiguous(), wt, cb, b, plan=(CB.NCHW, *plan[1:]))
+            assert torch.equal(ours, nchw)
 
 
 @pytest.mark.gpu
@@ -365,7 +374,9 @@ def test_engine_float32_route(device, monkeypatch):
     """Float32 calls take the engine with TF32 allowed (PyTorch's default)
     and at least ENGINE_FLOAT32_MIN_ELEMENTS output
     values; there the public entry matches eager's error against float64
-    and puts NaN and inf where eager does.  Otherwise cuDNN."""
+    and puts NaN and inf where eager does, from an NCHW or a channels-last
+    x (the same values as NCHW's, y channels-last), and under autocast.
+    Otherwise cuDNN."""
     _engine_device(device)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 16, 130, 1026, generator=gen).to(device)  # 2 x 64 x 128 x 1024 = 2^24 outputs
@@ -383,12 +394,24 @@ def test_engine_float32_route(device, monkeypatch):
         ours = ops.conv_bias_relu(x, wt, cb, b)
         assert rel_error(ours, truth) <= 1.5 * rel_error(tf32.float(), truth) + torch.finfo(torch.float32).eps
         del truth, tf32
+        # A channels-last x: the same values, rounded in a copy, y channels-last.
+        x_cl = x.contiguous(memory_format=torch.channels_last)
+        assert CB.route(x_cl, wt, cb, b) == "engine" and CB.engine_layout(x_cl, wt) == CB.CHANNELS_LAST
+        y_cl = ops.conv_bias_relu(x_cl, wt, cb, b)
+        assert y_cl.is_contiguous(memory_format=torch.channels_last) and torch.equal(y_cl, ours)
+        del x_cl, y_cl
         x[0, 3, 40, 500] = float("nan")
         x[1, 7, 2, 9] = float("inf")
         x[1, 9, 100, 1000] = -float("inf")
-        ours, eager = ops.conv_bias_relu(x, wt, cb, b), _reference(x, wt, cb, b)
-        for test in (torch.isnan, torch.isposinf, torch.isneginf):
-            assert torch.equal(test(ours), test(eager))
+        for xf in (x, x.contiguous(memory_format=torch.channels_last)):
+            for amp in (None, torch.bfloat16):
+                with torch.autocast("cuda", dtype=amp or torch.float16, enabled=amp is not None):
+                    assert CB.route(xf, wt, cb, b) == "engine"
+                    ours, eager = ops.conv_bias_relu(xf, wt, cb, b), _reference(xf, wt, cb, b)
+                assert ours.dtype == eager.dtype == torch.float32
+                for test in (torch.isnan, torch.isposinf, torch.isneginf):
+                    assert torch.equal(test(ours), test(eager))
+                del ours, eager
     assert CB.route(x, wt.detach().requires_grad_(True), cb, b) == "engine"  # the training forward
 
 
@@ -1114,6 +1137,38 @@ def test_channels_last_autocast_launch(monkeypatch):
     assert fn == ("conv", bf16, CB.CHANNELS_LAST, f32, True) and args[4] == mask.data_ptr()
 
 
+def test_channels_last_float32_launch(monkeypatch):
+    """_launch_engine on a channels-last float32 x (CPU tensors, launches
+    recorded): x's copy rounded to TF32 (round_to_tf32, 4 vectors of 4
+    values a thread), then the per-tap kernel on that copy with the float32
+    channels-last store, y through boxes of 32 channels x 128 pixels; in
+    training, nothing kept but x itself (the backward's cuDNN reads x)."""
+    maps, packed, launched = _record_window_launches(monkeypatch)
+    f32, cl = torch.float32, torch.channels_last
+    x = torch.randn(2, 72, 9, 140).contiguous(memory_format=cl)
+    wt = torch.randn(64, 72, 3, 5)
+    cb, b = torch.randn(64), torch.randn(64)
+    y = CB._launch_engine(x, wt, cb, b, plan=(CB.CHANNELS_LAST, f32, f32, False))
+    assert y.shape == (2, 64, 7, 136) and y.dtype == f32 and y.is_contiguous(memory_format=cl)
+    (rfn, rgrid, rblock, rargs, _), (fn, grid, block, args, shared) = launched
+    vecs = x.numel() // 4
+    assert rfn == ("round_tf32",) and rgrid == (-(-vecs // (4 * 256)), 1, 1) and rblock == 256
+    assert rargs[0] == x.data_ptr() and rargs[1] != x.data_ptr() and rargs[2] == vecs
+    assert fn == ("conv", f32, CB.CHANNELS_LAST, f32, False) and shared == CB.SHARED_BYTES[CB.CHANNELS_LAST]
+    assert grid == (min(2 * 7 * 2 * 1, 132), 1, 1) and block == gemm.HALF_THREADS
+    assert [m[1:] for m in maps] == [
+        ((72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), f32, (32, 128, 1, 1)),
+        ((64, 136, 14), (64, 136 * 64), f32, (32, 128, 1))]
+    assert maps[0][0] == rargs[1] and maps[1][0] == y.data_ptr()  # the rounded copy, then y
+    (a, rows), = packed
+    assert rows == 128 and torch.equal(a, CB._packed_weight(wt, f32)[0])
+    launched.clear()
+    y, mask, xc = CB._train_forward(x, wt, cb, b, f32, f32)
+    assert xc.numel() == 0
+    assert [entry[0] for entry in launched] == [("round_tf32",), ("conv", f32, CB.CHANNELS_LAST, f32, True)]
+    assert launched[1][3][4] == mask.data_ptr()
+
+
 def test_dgrad_launch(monkeypatch):
     """_launch_dgrad on CPU tensors (launches recorded): the kernel of its
     dtype and KW, dz's map with boxes of WINDOW columns, dx [N, H, W, C_in]
@@ -1214,8 +1269,8 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels_last, dtype", [(False, torch.bfloat16), (True, torch.bfloat16),
-                                                  (False, torch.float32)],
-                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32"])
+                                                  (False, torch.float32), (True, torch.float32)],
+                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32", "channels_last-float32"])
 def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype, device,
                                                             monkeypatch):
     """The eager node keeps relu's mask for one use: freed once dz exists,
@@ -1269,8 +1324,8 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("channels_last, dtype", [(False, torch.bfloat16), (True, torch.bfloat16),
-                                                  (False, torch.float32)],
-                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32"])
+                                                  (False, torch.float32), (True, torch.float32)],
+                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32", "channels_last-float32"])
 def test_engine_training_refuses_double_backward(channels_last, dtype, device, monkeypatch):
     """The engine's training node (its own eager node, which keeps relu's
     mask) under create_graph=True: a first-order backward gives the plain
@@ -1382,35 +1437,46 @@ def test_channels_last_mask_needs_whole_words():
                           mask=mask)
 
 
+# test_engine_channels_last_mask's modes: x's dtype, the product's, y's.
+_CL_MASK_MODES = {"bfloat16": (torch.bfloat16,) * 3, "float16": (torch.float16,) * 3,
+                  "float32": (torch.float32,) * 3,
+                  "amp_bf16": (torch.float32, torch.bfloat16, torch.float32),
+                  "amp_fp16": (torch.float32, torch.float16, torch.float32)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", list(_CL_MASK_MODES))
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
                                    (2, 8, 4, 257, 160, 2, 3), (3, 64, 6, 130, 96, 3, 2),
                                    (1, 72, 5, 140, 64, 5, 7), (2, 16, 4, 20, 32, 1, 1),
                                    (2, 8, 9, 70, 32, 2, 6),
                                    (4, 16, 40, 140, 128, 3, 4)],  # 304 tiles, more than SMs
                          ids=lambda s: "x".join(map(str, s)))
-def test_engine_channels_last_mask(shape, dtype, device):
+def test_engine_channels_last_mask(shape, mode, device):
     """The channels-last training forward's mask (bit i of word i / 32 for
     y's element i in memory order) is not zeroed first (_mask_words): its
-    store writes every word.  Its memory filled with ones beforehand (the
-    allocator's block of a freed all-ones tensor), it holds the bits of a
-    launch into a zeroed mask, and y is the same.  Every bit is set where
-    relu's input in float64 (conv2d + conv_bias) is positive and clear
+    store writes every word (NhwcStore, the window kernel's, NhwcStoreF32
+    for a float32 y: float32, and under autocast).  Its memory filled with
+    ones beforehand (the allocator's block of a freed all-ones tensor), it
+    holds the bits of a launch into a zeroed mask, and y is the same.
+    Every bit is set where relu's input in float64 (conv2d + conv_bias, on
+    the operands rounded to the product's dtype) is positive and clear
     where it is negative, except within rounding of zero."""
     _engine_device(device)
     n, cin, h, w, cout, kh, kw = shape
-    _, x, wt, cb, b = _conv_operands(shape, 11, device, dtype, torch.channels_last)
+    x_dtype, dtype, out_dtype = _CL_MASK_MODES[mode]
+    _, x, wt, cb, b = _conv_operands(shape, 11, device, x_dtype, torch.channels_last)
     words = math.ceil(n * cout * (h - kh + 1) * (w - kw + 1) / 32)
     ones = torch.full((words,), -1, dtype=torch.int32, device=device)
     poisoned = ones.data_ptr()
     del ones
-    y, mask, _ = CB._train_forward(x, wt, cb, b, dtype, dtype)
+    y, mask, _ = CB._train_forward(x, wt, cb, b, dtype, out_dtype)
     assert mask.data_ptr() == poisoned  # the test's premise: the ones' memory
     again, out = torch.zeros_like(mask), torch.full_like(y, float("nan"))
-    CB._launch_engine(x, wt, cb, b, out=out, plan=(CB.CHANNELS_LAST, dtype, dtype, True), mask=again)
+    CB._launch_engine(x, wt, cb, b, out=out, plan=(CB.CHANNELS_LAST, dtype, out_dtype, True), mask=again)
     assert torch.equal(mask, again) and torch.equal(out, y)
-    z = F.conv2d(x.double(), wt.double(), cb.double()).permute(0, 2, 3, 1).reshape(-1)  # y's memory order
+    xr, wr = (CB._tf32(t) if dtype == torch.float32 else t.to(dtype) for t in (x, wt))
+    z = F.conv2d(xr.double(), wr.double(), cb.double()).permute(0, 2, 3, 1).reshape(-1)  # y's memory order
     bits = _mask_bits(mask)[:z.numel()]
     clear = z.abs() > 1e-2  # (well away from zero at these sizes' rounding)
     assert torch.equal(bits[clear].bool(), z[clear] > 0)
@@ -1418,7 +1484,7 @@ def test_engine_channels_last_mask(shape, dtype, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bfloat16", "float16", "amp_bf16", "amp_fp16"])
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "float32", "amp_bf16", "amp_fp16"])
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
                                    (2, 8, 4, 257, 160, 2, 3)],
                          ids=lambda s: "x".join(map(str, s)))
@@ -1426,9 +1492,11 @@ def test_engine_training_forward_channels_last(shape, mode, device, monkeypatch)
     """The same step from a channels-last x: in 16-bit the window kernel's
     forward with the mask from its registers (every word's halves),
     bias_relu's channels-last backward, conv_dgrad_wgmma and cuDNN's
-    weight gradient on x itself; under autocast the per-tap kernel on x's
-    cast, y float32 (NhwcStoreF32, the mask gathered over lane quads), the
-    16-bit backward on that cast.  Gradients in x's and the weight's layouts and
+    weight gradient on x itself; in float32 the per-tap kernel on x's copy
+    rounded to TF32, y float32 (NhwcStoreF32, the mask gathered over lane
+    quads), and cuDNN's deterministic backward on x itself; under autocast
+    the per-tap kernel on x's cast, y float32 (NhwcStoreF32), the 16-bit
+    backward on that cast.  Gradients in x's and the weight's layouts and
     dtypes, within 1.5x eager's error; two steps bitwise equal."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)

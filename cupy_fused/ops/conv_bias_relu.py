@@ -12,12 +12,12 @@ Route, decided once per call (:func:`route`):
   of :func:`engine_layout`, and the dtypes of :func:`engine_dtypes`: every
   tensor float16 or every tensor bfloat16, or under ``torch.autocast``
   (the product then in the autocast dtype, as the reference's; a
-  channels-last x cast to it first), or every tensor float32 with an NCHW
-  x while
+  channels-last x cast to it first), or every tensor float32 while
   ``torch.backends.cudnn.allow_tf32`` is on (PyTorch's default, under which
   the reference's convolution runs in TF32 too) and at least
   :data:`ENGINE_FLOAT32_MIN_ELEMENTS` output values: the operands rounded
-  to TF32 (x in its channels-last copy), float32 accumulation and output.
+  to TF32 (an NCHW x in its channels-last copy, a channels-last one in a
+  copy of its own: ``round_to_tf32``), float32 accumulation and output.
   A channels-last x of the product's dtype (16-bit, y in that dtype too)
   with a kernel up to :data:`WINDOW_MAX_KW` wide takes the window kernel
   (``conv_bias_relu_window``: tiles of 64 output channels x 256 pixels,
@@ -85,8 +85,8 @@ NCHW_FLOAT32 = "nchw_float32"
 # of 128 + 8 values a row (kConvNchwStagingBytes); channels-last, the TMA
 # store's tile (kConvNhwcStagingBytes); a float32 product's NCHW rows
 # (NchwStoreF32), 64 channels of 4 + 128 float32 values a row and their
-# mask bits (kConvF32StagingBytes).  (Autocast's float32 channels-last
-# tile, NhwcStoreF32, takes the 16-bit one's bytes in two passes.)
+# mask bits (kConvF32StagingBytes).  (A float32 channels-last tile,
+# NhwcStoreF32, takes the 16-bit one's bytes in two passes.)
 SHARED_BYTES = {
     NCHW: gemm._half_shared_bytes(2 * (gemm.HALF_TILE[1] * (gemm.HALF_TILE[0] + 8) * 2 + _BIAS_BYTES)),
     CHANNELS_LAST: gemm._half_shared_bytes(gemm.HALF_STAGING_BYTES + 2 * _BIAS_BYTES),
@@ -183,10 +183,12 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 # ("to_nhwc", x's dtype, copy's dtype): an NCHW tensor's channels-last copy
 # (the engine's x; the training route's dz and x, float32 too);
 # ("to_nhwc_tf32", float32): the same rounded to TF32 (the engine's float32
-# x); ("to_nchw", dtype): a channels-last tensor's NCHW copy (the training
-# route's input gradient); ("dgrad", dtype, KW): the input gradient of the
-# convolution, channels-last (:func:`_launch_dgrad`); ("window", dtype, KW,
-# mask): the channels-last 16-bit forward (:func:`_launch_window`);
+# x); ("round_tf32",): a channels-last float32 x's copy rounded to TF32
+# (:func:`_rounded_tf32`); ("to_nchw", dtype): a channels-last tensor's
+# NCHW copy (the training route's input gradient); ("dgrad", dtype, KW):
+# the input gradient of the convolution, channels-last
+# (:func:`_launch_dgrad`); ("window", dtype, KW, mask): the channels-last
+# 16-bit forward (:func:`_launch_window`);
 # ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
 # (:func:`_launch_nchw_window`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
@@ -197,10 +199,12 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
                                        f"{'true' if mask else 'false'}>"
        for d in HALF_DTYPES
        for layout in (NCHW, CHANNELS_LAST) for out in (d, torch.float32) for mask in (False, True)},
-    **{("conv", torch.float32, NCHW, torch.float32, mask):
-       f"cf::conv_bias_relu_wgmma<float, {gemm.HALF_STAGES}, false, float, {'true' if mask else 'false'}>"
-       for mask in (False, True)},
+    **{("conv", torch.float32, layout, torch.float32, mask):
+       f"cf::conv_bias_relu_wgmma<float, {gemm.HALF_STAGES}, "
+       f"{'true' if layout == CHANNELS_LAST else 'false'}, float, {'true' if mask else 'false'}>"
+       for layout in (NCHW, CHANNELS_LAST) for mask in (False, True)},
     ("to_nhwc_tf32", torch.float32): "cf::nchw_to_nhwc<float, float, true>",
+    ("round_tf32",): "cf::round_to_tf32",
     **{("to_nhwc", src, d): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}>"
        for d in FLOAT_DTYPES for src in dict.fromkeys((d, torch.float32))},
     **{("to_nhwc", src, d, "vec"): f"cf::nchw_to_nhwc<{cxx_type(src)}, {cxx_type(d)}, false, true>"
@@ -242,8 +246,8 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
     """The engine's (product dtype, y's dtype) for these arguments, or None
     where their dtypes keep it off: outside autocast every tensor float16,
     or every tensor bfloat16 (both x's dtype), or every tensor float32 with
-    an NCHW x (contiguous) and TF32 allowed to cuDNN (:func:`_cudnn_tf32`:
-    a TF32 product, as the reference's); under ``torch.autocast`` to
+    TF32 allowed to cuDNN (:func:`_cudnn_tf32`: a TF32 product, as the
+    reference's); under ``torch.autocast`` to
     d, every tensor float32 or d: the product in d, and y in
     d, or in float32 where a bias is float32 (torch's promotion, as
     :func:`.bias_relu.bias_relu`; the chain is then computed as
@@ -255,7 +259,7 @@ def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor
     if amp is None:
         if x.dtype in HALF_DTYPES and weight.dtype == x.dtype and all(v == x.dtype for v in vectors):
             return x.dtype, x.dtype
-        if (x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == x.dtype
+        if (x.dtype == torch.float32 and weight.dtype == x.dtype
                 and all(v == x.dtype for v in vectors) and _cudnn_tf32()):
             return x.dtype, x.dtype
         return None
@@ -431,6 +435,19 @@ def _tf32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), torch.full_like(bits, _TF32_NAN), rounded).view(torch.float32)
 
 
+def _rounded_tf32(x: torch.Tensor) -> torch.Tensor:
+    """A copy of the channels-last float32 ``x`` (16-byte aligned, C a
+    multiple of 4) rounded to TF32 as :func:`_tf32` rounds (the kernel
+    ``round_to_tf32``), channels-last: the engine's A operand."""
+    out = torch.empty_like(x, memory_format=torch.channels_last)
+    vecs = x.numel() // 4
+    if vecs:
+        per_block = BLOCK * 4  # (kRoundVecs vectors a thread)
+        _bridge.launch(KERNELS.get(("round_tf32",), x.device.index), (cdiv(vecs, per_block), 1, 1), BLOCK,
+                       (x.data_ptr(), out.data_ptr(), vecs), x.device.index)
+    return out
+
+
 def _packed_weight(weight: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
     """The weight [C_out, C_in, KH, KW] as the GEMM's B [C_out, KH * KW *
     Cpad] of ``dtype`` (float32 rounded to TF32): k in (kh, kw, c) order, c
@@ -461,7 +478,8 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     C_out a multiple of 32); ``xc``: an
     NCHW x's channels-last copy in the product's dtype (a float32 one
     rounded to TF32), or a channels-last x's cast to it under autocast, if
-    the caller has made it."""
+    the caller has made it (a channels-last float32 x's rounded copy is
+    made here, and freed after the launch)."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = _out_shape(x, weight)[2:]
@@ -490,9 +508,13 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         _launch_nchw_window(x, weight, conv_bias, bias, out)
         return out
     # An NCHW x: its channels-last copy, in the product's dtype (float32
-    # rounded to TF32); a channels-last one under autocast: its cast.
+    # rounded to TF32); a channels-last one: rounded to TF32 (float32), or
+    # its cast under autocast.
     if xc is None:
-        xc = _transposed(x, dtype, tf32=dtype == torch.float32) if layout == NCHW else cast(x, dtype)
+        if layout == NCHW:
+            xc = _transposed(x, dtype, tf32=dtype == torch.float32)
+        else:
+            xc = _rounded_tf32(x) if dtype == torch.float32 else cast(x, dtype)
     if (layout == CHANNELS_LAST and dtype in HALF_DTYPES and out_dtype == dtype
             and _window_fits(n, cin, h, w, cout, kh, kw)):
         _launch_window(xc, weight, conv_bias, bias, out, mask)
@@ -510,7 +532,8 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                    (map_x, gemm._tensor_map(packed, gemm.HALF_TILE[1]), map_y, out.data_ptr(),
                     _ptr_or_null(mask), conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kw,
                     c_blocks, kh * kw * c_blocks), dev,
-                   shared_mem=SHARED_BYTES[NCHW_FLOAT32 if dtype == torch.float32 else layout])
+                   shared_mem=SHARED_BYTES[NCHW_FLOAT32 if layout == NCHW and dtype == torch.float32
+                                           else layout])
     # xc, packed and cast biases go back to the allocator here: it hands
     # their memory to later work of this stream only, which runs after the
     # launch.
