@@ -904,6 +904,48 @@ __device__ __forceinline__ void store_window_tile(const float (&acc)[2][kHgAccs]
   }
 }
 
+// store_window_tile for a float32 output (map_out: boxes 32 x 64 x 1 x 1):
+// each half of the tile in two passes of 64 pixels, each staged as two
+// boxes of 32 channels x 64 pixels (pixel rows of 128 bytes, swizzled: the
+// 16 KiB of a warpgroup's staging), one float32 value a store.  A store
+// instruction's 32 lanes (channels me.row of a warp's 8 rows, pixels 2t + e
+// of 4 rows) land in 32 distinct banks: the swizzle XORs the channel's
+// chunk with the pixel's row.
+template <typename Value>
+__device__ __forceinline__ void store_window_tile_f32(const float (&acc)[2][kHgAccs], const HalfGemmLane& me,
+                                                      unsigned staging, const TensorMap& map_out, i64 m0, int n,
+                                                      int h0, int w0, const Value& value) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      TmaTileWriter::begin(me);
+#pragma unroll
+      for (int ii = 0; ii < 8; ++ii) {
+        const int i = 8 * pass + ii;  // the m64n128 layout's column block of 8
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const int c = me.row + 8 * hi;  // the tile's channel (0 .. 63)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int p = 8 * ii + 2 * me.t + e;  // the pass's pixel
+            const unsigned at = staging + (c >> 5) * (64 * 128) + p * 128 +
+                                (((((c & 31) >> 2) ^ (p & 7)) << 4) | (4 * (c & 3)));
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(value(acc[h][4 * i + 2 * hi + e], hi != 0))
+                         : "memory");
+          }
+        }
+      }
+      if (TmaTileWriter::staged(me)) {
+#pragma unroll
+        for (int box = 0; box < 2; ++box)
+          tma_store_4d(map_out, staging + box * (64 * 128), static_cast<int>(m0) + 32 * box, w0 + 64 * pass,
+                       h0 + h, n);
+        bulk_commit();
+      }
+    }
+}
+
 // dx, the sums themselves.
 template <typename T>
 struct DgradStore {
@@ -934,6 +976,12 @@ struct WindowBiases {
     }
   }
   __device__ __forceinline__ float operator()(float v, bool hi) const { return relu_keep_nan(v + cb[hi]) + b[hi]; }
+  // As nn.Conv2d with its bias computes it under autocast to T:
+  // relu(v + conv_bias) rounded to T, then + bias in float32.
+  template <typename T>
+  __device__ __forceinline__ float autocast(float v, bool hi) const {
+    return to_float(from_float<T>(relu_keep_nan(v + cb[hi]))) + b[hi];
+  }
 };
 
 // What both window stores know of y and its tiles.  begin(): where the
@@ -952,7 +1000,9 @@ struct WindowTile {
   }
 };
 
-// y = relu(acc + conv_bias) + bias, rounded once, channels-last; with
+// y = relu(acc + conv_bias) + bias, rounded once, channels-last; for a
+// float32 Out (autocast's float32 biases and y), relu(acc + conv_bias)
+// rounded to T, then + bias in float32 (WindowBiases::autocast).  With
 // kMask (training) also relu's mask for the backward, bit i of word i / 32
 // for y's element i in memory order (Cout a multiple of 32), set where
 // relu(acc + conv_bias) rounded to T has a nonzero magnitude (as
@@ -960,16 +1010,21 @@ struct WindowTile {
 // mask word, OR-ed over the 8 lanes that hold them; a lane stores the
 // halves of 4 pixels (every half is written: the mask is not zeroed
 // first).
-template <typename T, bool kMask>
+template <typename T, bool kMask, typename Out = T>
 struct WindowNhwcStore {
-  const TensorMap& map_y;  // y [N, OH, OW, Cout] channels-last
+  const TensorMap& map_y;  // y [N, OH, OW, Cout] channels-last, of Out
   unsigned short* mask;    // kMask: the mask's words as 16-bit halves
-  WindowTile<T> tile;
+  WindowTile<Out> tile;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
     int n, h0, w0;
     const WindowBiases chain = tile.begin(me, m0, n0, n, h0, w0);
-    store_window_tile<T>(acc, me, staging, map_y, m0, n, h0, w0, chain);
+    if constexpr (sizeof(Out) == 4) {
+      store_window_tile_f32(acc, me, staging, map_y, m0, n, h0, w0,
+                            [&](float v, bool hi) { return chain.template autocast<T>(v, hi); });
+    } else {
+      store_window_tile<T>(acc, me, staging, map_y, m0, n, h0, w0, chain);
+    }
     if constexpr (kMask) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) store_mask(acc[h], me, chain.cb, m0, n, h0 + h, w0);
@@ -1430,24 +1485,26 @@ __device__ __forceinline__ void run_windows(const Loader& loader, Store& store) 
 // y [N, OH, OW, Cout] (channels-last) of the 16-bit T = relu(conv2d(x, W) +
 // conv_bias) + bias from x [N, H, W, Cin] channels-last (stride 1, no
 // padding, a KH x kKw kernel): the window GEMM above (ConvWindowLoader,
-// ConvWindowMma) and WindowNhwcStore; with kMask, relu's mask into `mask`
-// (Cout a multiple of 32; null otherwise).  map_x: dims (Cin, W, H, N),
-// boxes 64 x kConvWindow x 1 x 1; map_w: the weight as [Cout, KH * kKw *
-// Cpad] (ops/conv_bias_relu.py: _packed_weight), boxes of 64 x 64; map_y:
-// dims (Cout, OW, OH, N), boxes 64 x 128 x 1 x 1; all 128-byte swizzled.
+// ConvWindowMma) and WindowNhwcStore; y and the biases of Out, T or
+// float32 as under autocast; with kMask, relu's mask into `mask` (Cout a
+// multiple of 32; null otherwise).  map_x: dims (Cin, W, H, N), boxes 64 x
+// kConvWindow x 1 x 1; map_w: the weight as [Cout, KH * kKw * Cpad]
+// (ops/conv_bias_relu.py: _packed_weight), boxes of 64 x 64; map_y: dims
+// (Cout, OW, OH, N), boxes 64 x 128 x 1 x 1 (float32: 32 x 64 x 1 x 1);
+// all 128-byte swizzled.
 // Grid: at most one block per SM (persistent), kHgThreads threads,
 // half_gemm_shared_bytes<kStages, kCtStagingBytes, the stage's bytes>() of
 // dynamic shared memory.
-template <typename T, int kKw, int kStages, bool kMask>
+template <typename T, int kKw, int kStages, bool kMask, typename Out = T>
 __global__ void __launch_bounds__(kHgThreads, 1)
 conv_bias_relu_window(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
                       const __grid_constant__ TensorMap map_y, unsigned short* __restrict__ mask,
-                      const T* __restrict__ conv_bias, const T* __restrict__ bias, i64 n_images, i64 cout,
+                      const Out* __restrict__ conv_bias, const Out* __restrict__ bias, i64 n_images, i64 cout,
                       i64 out_rows, i64 out_cols, i64 kh_size, i64 c_blocks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const auto loader =
       window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, c_blocks, 0, 0);
-  WindowNhwcStore<T, kMask> store{
+  WindowNhwcStore<T, kMask, Out> store{
       map_y, mask, {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
   run_windows<T, kKw, kStages, kCtStagingBytes>(loader, store);
 #else

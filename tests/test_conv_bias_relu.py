@@ -420,7 +420,7 @@ def test_engine_float32_route(device, monkeypatch):
 @pytest.mark.parametrize("x_dtype", ["float32", "amp"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
-@pytest.mark.parametrize("shape", ENGINE_SHAPES[:3] + ENGINE_SHAPES[-1:],
+@pytest.mark.parametrize("shape", ENGINE_SHAPES[:3] + ENGINE_SHAPES[-1:] + [(1, 16, 5, 150, 40, 2, 9)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_engine_under_autocast(shape, fmt, with_bias, x_dtype, amp, device):
     """A float32 model under torch.autocast, x NCHW or channels-last
@@ -1109,10 +1109,12 @@ def test_window_forward_launch(with_mask, monkeypatch):
 def test_channels_last_autocast_launch(monkeypatch):
     """_launch_engine on a channels-last float32 x under autocast to
     bfloat16 with float32 biases (CPU tensors, launches recorded): x's cast
-    to bfloat16 read by the per-tap kernel with the float32 channels-last
-    store (not the window kernel, whose y is 16-bit), y float32
-    channels-last through boxes of 32 channels x 128 pixels; in training,
-    the cast is what the forward keeps for the backward."""
+    to bfloat16 read by the window kernel with a float32 y (its
+    instantiation with Out = float), y float32 channels-last through boxes
+    of 32 channels x 64 pixels; in training, relu's mask from the same
+    kernel, and the cast is what the forward keeps for the backward.  A
+    kernel wider than the window takes: the per-tap kernel with the float32
+    channels-last store, boxes of 32 channels x 128 pixels."""
     maps, packed, launched = _record_window_launches(monkeypatch)
     bf16, f32, cl = torch.bfloat16, torch.float32, torch.channels_last
     x = torch.randn(2, 72, 9, 140).contiguous(memory_format=cl)
@@ -1121,20 +1123,33 @@ def test_channels_last_autocast_launch(monkeypatch):
     y = CB._launch_engine(x, wt, cb, b, plan=(CB.CHANNELS_LAST, bf16, f32, False))
     assert y.shape == (2, 64, 7, 136) and y.dtype == f32 and y.is_contiguous(memory_format=cl)
     (fn, grid, block, args, shared), = launched
-    assert fn == ("conv", bf16, CB.CHANNELS_LAST, f32, False) and shared == CB.SHARED_BYTES[CB.CHANNELS_LAST]
-    assert grid == (min(2 * 7 * 2 * 1, 132), 1, 1) and block == gemm.HALF_THREADS
+    assert fn == ("window", bf16, 5, False, f32) and shared == CB._window_shared_bytes(5)
+    assert grid == (1 * 2 * 4 * 2, 1, 1) and block == gemm.HALF_THREADS
     assert [m[1:] for m in maps] == [
-        ((72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), bf16, (64, 128, 1, 1)),
-        ((64, 136, 14), (64, 136 * 64), f32, (32, 128, 1))]
+        ((72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), bf16, (64, CB.WINDOW, 1, 1)),
+        ((64, 136, 7, 2), (64, 136 * 64, 7 * 136 * 64), f32, (32, 64, 1, 1))]
     assert maps[0][0] != x.data_ptr() and maps[1][0] == y.data_ptr()  # the cast, then y
     (a, rows), = packed
-    assert rows == 128 and torch.equal(a, CB._packed_weight(wt, bf16)[0])
+    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)[0])
+    assert args[3:] == (0, cb.data_ptr(), b.data_ptr(), 2, 64, 7, 136, 3, 2)
     # Training: the cast kept for the backward, relu's mask filled by the store.
     launched.clear()
     y, mask, xc = CB._train_forward(x, wt, cb, b, bf16, f32)
     assert xc.dtype == bf16 and xc.is_contiguous(memory_format=cl) and torch.equal(xc, x.to(bf16))
     (fn, _, _, args, _), = launched
-    assert fn == ("conv", bf16, CB.CHANNELS_LAST, f32, True) and args[4] == mask.data_ptr()
+    assert fn == ("window", bf16, 5, True, f32) and args[3] == mask.data_ptr()
+    # Wider than the window takes: the per-tap kernel, y through NhwcStoreF32.
+    maps.clear()
+    packed.clear()
+    launched.clear()
+    wide = torch.randn(64, 72, 3, CB.WINDOW_MAX_KW + 1)
+    y = CB._launch_engine(x, wide, cb, b, plan=(CB.CHANNELS_LAST, bf16, f32, False))
+    (fn, grid, block, args, shared), = launched
+    assert fn == ("conv", bf16, CB.CHANNELS_LAST, f32, False) and shared == CB.SHARED_BYTES[CB.CHANNELS_LAST]
+    ow = 140 - CB.WINDOW_MAX_KW
+    assert [m[1:] for m in maps] == [
+        ((72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), bf16, (64, 128, 1, 1)),
+        ((64, ow, 14), (64, ow * 64), f32, (32, 128, 1))]
 
 
 def test_channels_last_float32_launch(monkeypatch):
@@ -1449,7 +1464,7 @@ _CL_MASK_MODES = {"bfloat16": (torch.bfloat16,) * 3, "float16": (torch.float16,)
 @pytest.mark.parametrize("shape", [(2, 8, 9, 70, 32, 3, 3), (1, 16, 5, 131, 64, 1, 3),
                                    (2, 8, 4, 257, 160, 2, 3), (3, 64, 6, 130, 96, 3, 2),
                                    (1, 72, 5, 140, 64, 5, 7), (2, 16, 4, 20, 32, 1, 1),
-                                   (2, 8, 9, 70, 32, 2, 6),
+                                   (2, 8, 9, 70, 32, 2, 6), (1, 16, 4, 140, 32, 2, 8),
                                    (4, 16, 40, 140, 128, 3, 4)],  # 304 tiles, more than SMs
                          ids=lambda s: "x".join(map(str, s)))
 def test_engine_channels_last_mask(shape, mode, device):

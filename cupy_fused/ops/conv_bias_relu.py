@@ -18,8 +18,9 @@ Route, decided once per call (:func:`route`):
   :data:`ENGINE_FLOAT32_MIN_ELEMENTS` output values: the operands rounded
   to TF32 (an NCHW x in its channels-last copy, a channels-last one in a
   copy of its own: ``round_to_tf32``), float32 accumulation and output.
-  A channels-last x of the product's dtype (16-bit, y in that dtype too)
-  with a kernel up to :data:`WINDOW_MAX_KW` wide takes the window kernel
+  A channels-last x in (or cast to) a 16-bit product's dtype, y in that
+  dtype or in float32 (autocast), with a kernel up to
+  :data:`WINDOW_MAX_KW` wide takes the window kernel
   (``conv_bias_relu_window``: tiles of 64 output channels x 256 pixels,
   each stage a window of x for all the taps of a kernel row;
   :func:`_window_fits`).  An NCHW 16-bit x with no gradient to
@@ -188,7 +189,8 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 # NCHW copy (the training route's input gradient); ("dgrad", dtype, KW):
 # the input gradient of the convolution, channels-last
 # (:func:`_launch_dgrad`); ("window", dtype, KW, mask): the channels-last
-# 16-bit forward (:func:`_launch_window`);
+# 16-bit forward (:func:`_launch_window`), and with a last element float32
+# its float32 y under autocast;
 # ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
 # (:func:`_launch_nchw_window`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
@@ -213,6 +215,10 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
        for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1)},
     **{("window", d, kw, mask): f"cf::conv_bias_relu_window<{cxx_type(d)}, {kw}, {_window_stages(kw)}, "
                                 f"{'true' if mask else 'false'}>"
+       for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1) for mask in (False, True)},
+    **{("window", d, kw, mask, torch.float32):
+       f"cf::conv_bias_relu_window<{cxx_type(d)}, {kw}, {_window_stages(kw)}, {'true' if mask else 'false'}, "
+       f"float>"
        for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1) for mask in (False, True)},
     **{("nchw_window", d, kw): f"cf::conv_bias_relu_nchw_window<{cxx_type(d)}, {kw}, {NCHW_WINDOW_STAGES}, "
                                f"{_nchw_window_raws(kw)}>"
@@ -515,8 +521,7 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
             xc = _transposed(x, dtype, tf32=dtype == torch.float32)
         else:
             xc = _rounded_tf32(x) if dtype == torch.float32 else cast(x, dtype)
-    if (layout == CHANNELS_LAST and dtype in HALF_DTYPES and out_dtype == dtype
-            and _window_fits(n, cin, h, w, cout, kh, kw)):
+    if layout == CHANNELS_LAST and dtype in HALF_DTYPES and _window_fits(n, cin, h, w, cout, kh, kw):
         _launch_window(xc, weight, conv_bias, bias, out, mask)
         return out
     map_x = _nhwc_map(xc, box_m)
@@ -553,14 +558,17 @@ def _launch_windows(key: tuple, inp: torch.Tensor, a: torch.Tensor, out: torch.T
                     scalars: tuple) -> None:
     # A window kernel, KERNELS[key] (key[2]: its KW): the input's windows of
     # WINDOW columns, A [out's channels, KH * KW * Cpad] (_packed_weight's
-    # order), the output's rows of 128 columns; inp and out channels-last
-    # 16-bit, 16-byte aligned.  At most a block per SM (persistent).
+    # order), the output's boxes (a 16-bit out: 64 channels x 128 columns;
+    # float32: 32 x 64, the 16 KiB of a warpgroup's staging); inp 16-bit,
+    # inp and out channels-last and 16-byte aligned.  At most a block per SM
+    # (persistent).
     n, c, h, w = out.shape
     dev = inp.device.index
     _bridge.launch(KERNELS.get(key, dev), (min(_window_tiles(n, c, h, w), sm_count(dev)), 1, 1),
                    gemm.HALF_THREADS,
-                   (_nhwc_map(inp, WINDOW), gemm._tensor_map(a, WINDOW_TILE[0]), _nhwc_map(out, 128),
-                    *scalars), dev, shared_mem=_window_shared_bytes(key[2]))
+                   (_nhwc_map(inp, WINDOW), gemm._tensor_map(a, WINDOW_TILE[0]),
+                    _nhwc_map(out, 64 if out.dtype == torch.float32 else 128), *scalars), dev,
+                   shared_mem=_window_shared_bytes(key[2]))
     # (a goes back to the allocator after this: later work of this stream only.)
 
 
@@ -568,13 +576,15 @@ def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                    bias: Optional[torch.Tensor], out: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
     # The channels-last 16-bit forward on the window kernel
     # (conv_bias_relu_window), for _launch_engine: x [N, C_in, H, W]
-    # channels-last, the weight and the biases (cast) of x's dtype, out
-    # channels-last and 16-byte aligned, mask (C_out a multiple of 32) or
-    # None; the sizes _window_fits takes.
+    # channels-last 16-bit, the weight (cast) of x's dtype, out and the
+    # biases (cast) of x's dtype or of float32 (autocast), out channels-last
+    # and 16-byte aligned, mask (C_out a multiple of 32) or None; the sizes
+    # _window_fits takes.
     cout, _, kh, kw = weight.shape
     n, _, oh, ow = out.shape
     packed, c_blocks = _packed_weight(weight, x.dtype)
-    _launch_windows(("window", x.dtype, kw, mask is not None), x, packed, out,
+    key = ("window", x.dtype, kw, mask is not None) + ((torch.float32,) if out.dtype == torch.float32 else ())
+    _launch_windows(key, x, packed, out,
                     (_ptr_or_null(mask), conv_bias.data_ptr(), _ptr_or_null(bias), n, cout, oh, ow, kh,
                      c_blocks))
 
