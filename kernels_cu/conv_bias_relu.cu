@@ -190,6 +190,16 @@ constexpr int kConvNchwStagingBytes = 2 * (kConvTileBytes + kConvBiasBytes);  //
 __device__ __forceinline__ unsigned nonzero_halves(unsigned pair) {
   return ((pair & 0x7fffu) != 0 ? 1u : 0u) | ((pair & 0x7fff0000u) != 0 ? 2u : 0u);
 }
+// The same bits for relu's outputs lo, hi rounded to T (float32: as they
+// are; NaN != 0 sets its bit).
+template <typename T>
+__device__ __forceinline__ unsigned nonzero_pair(float lo, float hi) {
+  if constexpr (sizeof(T) == 4) {
+    return (lo != 0.0f ? 1u : 0u) | (hi != 0.0f ? 2u : 0u);
+  } else {
+    return nonzero_halves(pack2<T>(lo, hi));
+  }
+}
 
 // y [N, Cout, OH, OW] (NCHW, as the reference returns for an NCHW input) of
 // Out: relu(acc + conv_bias) + bias rounded once to T (Out = T), or, as
@@ -802,9 +812,9 @@ __device__ __forceinline__ void window_tile(i64 tn, i64 row_pairs, i64 col_tiles
   h0 = 2 * static_cast<int>(row - static_cast<unsigned>(n) * pairs);
 }
 
-// The MMAs of a stage: for each tap and step of 16 values of k, one
-// wgmma.m64n128k16 per row r, A from tap kw's tile, B from row kw of
-// window r.
+// The MMAs of a stage: for each tap and step of 32 bytes of k (16 16-bit
+// values, 8 float32 ones read as TF32), one wgmma.m64n128 per row r, A from
+// tap kw's tile, B from row kw of window r.
 template <typename T, int kKw>
 struct ConvWindowMma : TilelessMma {
   static constexpr int kBM = 64, kBN = 256, kWgRows = 64;
@@ -829,8 +839,10 @@ struct ConvWindowMma : TilelessMma {
 
 template <typename T, int kKw>
 struct ConvWindowLoader {
-  const TensorMap& map_in;  // `in` [N, H, W, C] channels-last: dims (C, W, H, N), boxes 64 x kConvWindow x 1 x 1
-  const TensorMap& map_a;   // A [Cout, KH * kKw * Cpad]: boxes of 64 x 64
+  static constexpr int kBK = hg_bk<T>();  // channels of a stage: 64 16-bit, 32 float32
+  // `in` [N, H, W, C] channels-last: dims (C, W, H, N), boxes kBK x kConvWindow x 1 x 1
+  const TensorMap& map_in;
+  const TensorMap& map_a;  // A [Cout, KH * kKw * Cpad]: boxes of kBK x 64
   i64 row_pairs, col_tiles, pixel_tiles, a_rows;
   int kh_size, c_blocks, pad_h, pad_w;
   // The current tile and the next stage's kh and channel block, stepped by
@@ -850,7 +862,7 @@ struct ConvWindowLoader {
   }
   __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int) {
     load_a(tile_a, bar);
-    const int c = cb * 64, w = w0 - pad_w, h = h0 - pad_h + kh;
+    const int c = cb * kBK, w = w0 - pad_w, h = h0 - pad_h + kh;
     tma_load_4d(tile_b, map_in, c, w, h, n, bar);
     tma_load_4d(tile_b + kConvWindowBytes, map_in, c, w, h + 1, n, bar);
     next_stage();
@@ -859,7 +871,7 @@ struct ConvWindowLoader {
   __device__ __forceinline__ void load_a(unsigned tile_a, unsigned bar) const {
 #pragma unroll
     for (int kw = 0; kw < kKw; ++kw)
-      tma_load_2d(tile_a + kw * (64 * 128), map_a, ((kh * kKw + kw) * c_blocks + cb) * 64, m0, bar);
+      tma_load_2d(tile_a + kw * (64 * 128), map_a, ((kh * kKw + kw) * c_blocks + cb) * kBK, m0, bar);
   }
   __device__ __forceinline__ void next_stage() {
     if (++cb == c_blocks) {
@@ -871,7 +883,7 @@ struct ConvWindowLoader {
 
 // The loader of a window kernel whose output has rows x cols pixels in each
 // of n_images images and a_rows channels (A's rows), KH = kh_size, c_blocks
-// blocks of 64 channels of `in`, `in` padded by pad_h and pad_w.
+// blocks of kBK channels of `in`, `in` padded by pad_h and pad_w.
 template <typename T, int kKw>
 __device__ __forceinline__ ConvWindowLoader<T, kKw> window_loader(const TensorMap& map_in, const TensorMap& map_a,
                                                                   i64 n_images, i64 rows, i64 cols, i64 a_rows,
@@ -1001,8 +1013,9 @@ struct WindowTile {
 };
 
 // y = relu(acc + conv_bias) + bias, rounded once, channels-last; for a
-// float32 Out (autocast's float32 biases and y), relu(acc + conv_bias)
-// rounded to T, then + bias in float32 (WindowBiases::autocast).  With
+// float32 Out, from a float32 product (T = float, read as TF32) or under
+// autocast (float32 biases and y), relu(acc + conv_bias) rounded to T, then
+// + bias in float32 (WindowBiases::autocast).  With
 // kMask (training) also relu's mask for the backward, bit i of word i / 32
 // for y's element i in memory order (Cout a multiple of 32), set where
 // relu(acc + conv_bias) rounded to T has a nonzero magnitude (as
@@ -1039,10 +1052,9 @@ struct WindowNhwcStore {
 #pragma unroll
     for (int i = 0; i < kHgAccs / 4; ++i) {
       // Channels 16 warp + g (lo) and + 8 (hi) at pixels 8 i + 2 t (bit 0), + 1 (bit 1).
-      const unsigned lo =
-          nonzero_halves(pack2<T>(relu_keep_nan(a[4 * i] + cb[0]), relu_keep_nan(a[4 * i + 1] + cb[0])));
+      const unsigned lo = nonzero_pair<T>(relu_keep_nan(a[4 * i] + cb[0]), relu_keep_nan(a[4 * i + 1] + cb[0]));
       const unsigned hi =
-          nonzero_halves(pack2<T>(relu_keep_nan(a[4 * i + 2] + cb[1]), relu_keep_nan(a[4 * i + 3] + cb[1])));
+          nonzero_pair<T>(relu_keep_nan(a[4 * i + 2] + cb[1]), relu_keep_nan(a[4 * i + 3] + cb[1]));
       unsigned v = ((lo & 1u) | ((hi & 1u) << 8) | ((lo & 2u) << 15) | ((hi & 2u) << 23)) << g;
       // OR over the 8 lanes of this t (g = 0 .. 7): the pair's 16 channels.
       v |= __shfl_xor_sync(0xffffffffu, v, 4);
@@ -1482,16 +1494,17 @@ __device__ __forceinline__ void run_windows(const Loader& loader, Store& store) 
 }
 #endif
 
-// y [N, OH, OW, Cout] (channels-last) of the 16-bit T = relu(conv2d(x, W) +
-// conv_bias) + bias from x [N, H, W, Cin] channels-last (stride 1, no
-// padding, a KH x kKw kernel): the window GEMM above (ConvWindowLoader,
-// ConvWindowMma) and WindowNhwcStore; y and the biases of Out, T or
-// float32 as under autocast; with kMask, relu's mask into `mask` (Cout a
-// multiple of 32; null otherwise).  map_x: dims (Cin, W, H, N), boxes 64 x
+// y [N, OH, OW, Cout] (channels-last) = relu(conv2d(x, W) + conv_bias) +
+// bias from x [N, H, W, Cin] channels-last of T, 16-bit, or float32 rounded
+// to TF32 (round_to_tf32's copy), read as TF32 (stride 1, no padding, a KH
+// x kKw kernel): the window GEMM above (ConvWindowLoader, ConvWindowMma)
+// and WindowNhwcStore; y and the biases of Out, T or float32 (a float32 T,
+// or autocast's); with kMask, relu's mask into `mask` (Cout a multiple of
+// 32; null otherwise).  map_x: dims (Cin, W, H, N), boxes hg_bk<T>() x
 // kConvWindow x 1 x 1; map_w: the weight as [Cout, KH * kKw * Cpad]
-// (ops/conv_bias_relu.py: _packed_weight), boxes of 64 x 64; map_y: dims
-// (Cout, OW, OH, N), boxes 64 x 128 x 1 x 1 (float32: 32 x 64 x 1 x 1);
-// all 128-byte swizzled.
+// (ops/conv_bias_relu.py: _packed_weight), boxes of hg_bk<T>() x 64;
+// map_y: dims (Cout, OW, OH, N), boxes 64 x 128 x 1 x 1 (float32: 32 x 64
+// x 1 x 1); all 128-byte swizzled.
 // Grid: at most one block per SM (persistent), kHgThreads threads,
 // half_gemm_shared_bytes<kStages, kCtStagingBytes, the stage's bytes>() of
 // dynamic shared memory.

@@ -305,8 +305,10 @@ def test_engine_float32_against_float64(shape, kind, device, monkeypatch):
     product of the TF32-rounded operands, and within 1.5x of that product's
     own error against float64 (TF32's precision, which
     torch.backends.cudnn.allow_tf32 grants the reference); two runs equal.
-    A channels-last x (its copy rounded by round_to_tf32, y channels-last):
-    bit for bit the NCHW route's y on the same values."""
+    A channels-last x (its copy rounded by round_to_tf32, the window
+    kernel, y channels-last): the NCHW route's y on the same values, bit
+    for bit where a stage holds every channel (C_in up to 32: the same sums
+    in the same order)."""
     _engine_device(device)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
     n, cin, h, w, cout, kh, kw = shape
@@ -334,7 +336,7 @@ def test_engine_float32_against_float64(shape, kind, device, monkeypatch):
         assert torch.equal(CB._launch_engine(x, wt, cb, b, plan=plan), ours)
         if layout == CB.CHANNELS_LAST:
             nchw = CB._launch_engine(x.contiguous(), wt, cb, b, plan=(CB.NCHW, *plan[1:]))
-            assert torch.equal(ours, nchw)
+            assert torch.equal(ours, nchw) if cin <= 32 else rel_error(ours, nchw) <= 1e-5
 
 
 @pytest.mark.gpu
@@ -1155,9 +1157,12 @@ def test_channels_last_autocast_launch(monkeypatch):
 def test_channels_last_float32_launch(monkeypatch):
     """_launch_engine on a channels-last float32 x (CPU tensors, launches
     recorded): x's copy rounded to TF32 (round_to_tf32, 4 vectors of 4
-    values a thread), then the per-tap kernel on that copy with the float32
-    channels-last store, y through boxes of 32 channels x 128 pixels; in
-    training, nothing kept but x itself (the backward's cuDNN reads x)."""
+    values a thread), then the window kernel's TF32 form on that copy
+    (windows of 32 channels, A packed with Cpad a multiple of 32), y
+    through boxes of 32 channels x 64 pixels; in training, relu's mask from
+    the same kernel, and nothing kept but x itself (the backward's cuDNN
+    reads x).  A kernel wider than the window takes: the per-tap kernel
+    with the float32 channels-last store."""
     maps, packed, launched = _record_window_launches(monkeypatch)
     f32, cl = torch.float32, torch.channels_last
     x = torch.randn(2, 72, 9, 140).contiguous(memory_format=cl)
@@ -1169,19 +1174,32 @@ def test_channels_last_float32_launch(monkeypatch):
     vecs = x.numel() // 4
     assert rfn == ("round_tf32",) and rgrid == (-(-vecs // (4 * 256)), 1, 1) and rblock == 256
     assert rargs[0] == x.data_ptr() and rargs[1] != x.data_ptr() and rargs[2] == vecs
-    assert fn == ("conv", f32, CB.CHANNELS_LAST, f32, False) and shared == CB.SHARED_BYTES[CB.CHANNELS_LAST]
-    assert grid == (min(2 * 7 * 2 * 1, 132), 1, 1) and block == gemm.HALF_THREADS
+    assert fn == ("window", f32, 5, False, f32) and shared == CB._window_shared_bytes(5)
+    assert grid == (1 * 2 * 4 * 2, 1, 1) and block == gemm.HALF_THREADS
     assert [m[1:] for m in maps] == [
-        ((72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), f32, (32, 128, 1, 1)),
-        ((64, 136, 14), (64, 136 * 64), f32, (32, 128, 1))]
+        ((72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), f32, (32, CB.WINDOW, 1, 1)),
+        ((64, 136, 7, 2), (64, 136 * 64, 7 * 136 * 64), f32, (32, 64, 1, 1))]
     assert maps[0][0] == rargs[1] and maps[1][0] == y.data_ptr()  # the rounded copy, then y
     (a, rows), = packed
-    assert rows == 128 and torch.equal(a, CB._packed_weight(wt, f32)[0])
+    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, f32)[0]) and a.shape == (64, 3 * 5 * 96)
+    assert args[3:] == (0, cb.data_ptr(), b.data_ptr(), 2, 64, 7, 136, 3, 3)  # c_blocks: 96 / 32
     launched.clear()
     y, mask, xc = CB._train_forward(x, wt, cb, b, f32, f32)
     assert xc.numel() == 0
-    assert [entry[0] for entry in launched] == [("round_tf32",), ("conv", f32, CB.CHANNELS_LAST, f32, True)]
-    assert launched[1][3][4] == mask.data_ptr()
+    assert [entry[0] for entry in launched] == [("round_tf32",), ("window", f32, 5, True, f32)]
+    assert launched[1][3][3] == mask.data_ptr()
+    # Wider than the window takes: the per-tap kernel, y through NhwcStoreF32.
+    maps.clear()
+    packed.clear()
+    launched.clear()
+    wide = torch.randn(64, 72, 3, CB.WINDOW_MAX_KW + 1)
+    y = CB._launch_engine(x, wide, cb, b, plan=(CB.CHANNELS_LAST, f32, f32, False))
+    assert [entry[0] for entry in launched] == [("round_tf32",), ("conv", f32, CB.CHANNELS_LAST, f32, False)]
+    assert launched[1][4] == CB.SHARED_BYTES[CB.CHANNELS_LAST]
+    ow = 140 - CB.WINDOW_MAX_KW
+    assert [m[1:] for m in maps] == [
+        ((72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), f32, (32, 128, 1, 1)),
+        ((64, ow, 14), (64, ow * 64), f32, (32, 128, 1))]
 
 
 def test_dgrad_launch(monkeypatch):
@@ -1470,8 +1488,9 @@ _CL_MASK_MODES = {"bfloat16": (torch.bfloat16,) * 3, "float16": (torch.float16,)
 def test_engine_channels_last_mask(shape, mode, device):
     """The channels-last training forward's mask (bit i of word i / 32 for
     y's element i in memory order) is not zeroed first (_mask_words): its
-    store writes every word (NhwcStore, the window kernel's, NhwcStoreF32
-    for a float32 y: float32, and under autocast).  Its memory filled with
+    store writes every word (NhwcStore and NhwcStoreF32, the per-tap
+    kernel's, for kernels wider than the window; the window kernel's, in
+    16-bit, in float32, and under autocast).  Its memory filled with
     ones beforehand (the allocator's block of a freed all-ones tensor), it
     holds the bits of a launch into a zeroed mask, and y is the same.
     Every bit is set where relu's input in float64 (conv2d + conv_bias, on
@@ -1507,9 +1526,9 @@ def test_engine_training_forward_channels_last(shape, mode, device, monkeypatch)
     """The same step from a channels-last x: in 16-bit the window kernel's
     forward with the mask from its registers (every word's halves),
     bias_relu's channels-last backward, conv_dgrad_wgmma and cuDNN's
-    weight gradient on x itself; in float32 the per-tap kernel on x's copy
-    rounded to TF32, y float32 (NhwcStoreF32, the mask gathered over lane
-    quads), and cuDNN's deterministic backward on x itself; under autocast
+    weight gradient on x itself; in float32 the window kernel's TF32 form on
+    x's copy rounded to TF32, y float32, and cuDNN's deterministic backward
+    on x itself; under autocast
     the per-tap kernel on x's cast, y float32 (NhwcStoreF32), the 16-bit
     backward on that cast.  Gradients in x's and the weight's layouts and
     dtypes, within 1.5x eager's error; two steps bitwise equal."""

@@ -19,8 +19,9 @@ Route, decided once per call (:func:`route`):
   to TF32 (an NCHW x in its channels-last copy, a channels-last one in a
   copy of its own: ``round_to_tf32``), float32 accumulation and output.
   A channels-last x in (or cast to) a 16-bit product's dtype, y in that
-  dtype or in float32 (autocast), with a kernel up to
-  :data:`WINDOW_MAX_KW` wide takes the window kernel
+  dtype or in float32 (autocast), or a float32 one (its copy rounded to
+  TF32, a TF32 product), with a kernel up to :data:`WINDOW_MAX_KW` wide
+  takes the window kernel
   (``conv_bias_relu_window``: tiles of 64 output channels x 256 pixels,
   each stage a window of x for all the taps of a kernel row;
   :func:`_window_fits`).  An NCHW 16-bit x with no gradient to
@@ -156,26 +157,28 @@ def _window_tiles(n: int, cout: int, oh: int, ow: int) -> int:
     return cdiv(cout, WINDOW_TILE[0]) * n * cdiv(oh, 2) * cdiv(ow, 128)
 
 
-def _window_fits(n: int, cin: int, h: int, w: int, cout: int, kh: int, kw: int) -> bool:
+def _window_fits(n: int, cin: int, h: int, w: int, cout: int, kh: int, kw: int,
+                 box_k: int = gemm.HALF_BOX_K) -> bool:
     """Whether a window kernel takes a convolution's sizes (its input [n,
     cin, h, w] channels-last, its output's cout channels, a kh x kw kernel;
-    the output at most (h + kh) x (w + kw), as a padded one is): channels
-    multiples of 8 (rows of whole 16 bytes for the copy engine), kw at most
-    :data:`WINDOW_MAX_KW`, every coordinate within 32 bits, and the tiles
-    times their stages too (the NCHW windows' helper warps count a block's
-    stages in an int)."""
+    the output at most (h + kh) x (w + kw), as a padded one is; a stage's
+    box_k channels: 64 16-bit, 32 float32): channels multiples of 8 (rows of
+    whole 16 bytes for the copy engine), kw at most :data:`WINDOW_MAX_KW`,
+    every coordinate within 32 bits, and the tiles times their stages too
+    (the NCHW windows' helper warps count a block's stages in an int)."""
     return (cin % 8 == 0 and cout % 8 == 0 and kw <= WINDOW_MAX_KW
-            and _window_bounds(n, cin, h + kh, w + kw, cout, kh, kw))
+            and _window_bounds(n, cin, h + kh, w + kw, cout, kh, kw, box_k))
 
 
-def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: int) -> bool:
+def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: int,
+                   box_k: int = gemm.HALF_BOX_K) -> bool:
     """A window kernel's 32-bit bounds, for n images of cin input channels
     and outputs of at most oh x ow pixels and cout channels, a kh x kw
-    kernel (kw >= 1): the coordinates, A's k-tile index (stages * kw of 64
-    values) and the tiles times their stages."""
-    stages = kh * cdiv(cin, gemm.HALF_BOX_K)
+    kernel (kw >= 1), box_k channels a stage: the coordinates, A's k-tile
+    index (stages * kw of box_k values) and the tiles times their stages."""
+    stages = kh * cdiv(cin, box_k)
     return (kw >= 1 and _window_tiles(n, cout, oh, ow) * stages < 2**31
-            and max(n, oh, ow, cin, cout) < 2**31 and stages * kw < 2**31 // 64)
+            and max(n, oh, ow, cin, cout) < 2**31 and stages * kw < 2**31 // box_k)
 
 
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
@@ -190,7 +193,7 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 # the input gradient of the convolution, channels-last
 # (:func:`_launch_dgrad`); ("window", dtype, KW, mask): the channels-last
 # 16-bit forward (:func:`_launch_window`), and with a last element float32
-# its float32 y under autocast;
+# its float32 y (under autocast; dtype float32: x rounded to TF32);
 # ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
 # (:func:`_launch_nchw_window`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
@@ -219,7 +222,7 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("window", d, kw, mask, torch.float32):
        f"cf::conv_bias_relu_window<{cxx_type(d)}, {kw}, {_window_stages(kw)}, {'true' if mask else 'false'}, "
        f"float>"
-       for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1) for mask in (False, True)},
+       for d in (*HALF_DTYPES, torch.float32) for kw in range(1, WINDOW_MAX_KW + 1) for mask in (False, True)},
     **{("nchw_window", d, kw): f"cf::conv_bias_relu_nchw_window<{cxx_type(d)}, {kw}, {NCHW_WINDOW_STAGES}, "
                                f"{_nchw_window_raws(kw)}>"
        for d in HALF_DTYPES for kw in range(1, NCHW_WINDOW_MAX_KW + 1)},
@@ -521,7 +524,7 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
             xc = _transposed(x, dtype, tf32=dtype == torch.float32)
         else:
             xc = _rounded_tf32(x) if dtype == torch.float32 else cast(x, dtype)
-    if layout == CHANNELS_LAST and dtype in HALF_DTYPES and _window_fits(n, cin, h, w, cout, kh, kw):
+    if layout == CHANNELS_LAST and _window_fits(n, cin, h, w, cout, kh, kw, box_k):
         _launch_window(xc, weight, conv_bias, bias, out, mask)
         return out
     map_x = _nhwc_map(xc, box_m)
@@ -559,8 +562,8 @@ def _launch_windows(key: tuple, inp: torch.Tensor, a: torch.Tensor, out: torch.T
     # A window kernel, KERNELS[key] (key[2]: its KW): the input's windows of
     # WINDOW columns, A [out's channels, KH * KW * Cpad] (_packed_weight's
     # order), the output's boxes (a 16-bit out: 64 channels x 128 columns;
-    # float32: 32 x 64, the 16 KiB of a warpgroup's staging); inp 16-bit,
-    # inp and out channels-last and 16-byte aligned.  At most a block per SM
+    # float32: 32 x 64, the 16 KiB of a warpgroup's staging); inp 16-bit or
+    # float32 rounded to TF32, inp and out channels-last and 16-byte aligned.  At most a block per SM
     # (persistent).
     n, c, h, w = out.shape
     dev = inp.device.index
@@ -574,12 +577,12 @@ def _launch_windows(key: tuple, inp: torch.Tensor, a: torch.Tensor, out: torch.T
 
 def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                    bias: Optional[torch.Tensor], out: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
-    # The channels-last 16-bit forward on the window kernel
-    # (conv_bias_relu_window), for _launch_engine: x [N, C_in, H, W]
-    # channels-last 16-bit, the weight (cast) of x's dtype, out and the
-    # biases (cast) of x's dtype or of float32 (autocast), out channels-last
-    # and 16-byte aligned, mask (C_out a multiple of 32) or None; the sizes
-    # _window_fits takes.
+    # The channels-last forward on the window kernel (conv_bias_relu_window),
+    # for _launch_engine: x [N, C_in, H, W] channels-last, 16-bit or float32
+    # rounded to TF32, the weight (cast, or rounded to TF32) of x's dtype,
+    # out and the biases (cast) of x's dtype or of float32 (autocast), out
+    # channels-last and 16-byte aligned, mask (C_out a multiple of 32) or
+    # None; the sizes _window_fits takes.
     cout, _, kh, kw = weight.shape
     n, _, oh, ow = out.shape
     packed, c_blocks = _packed_weight(weight, x.dtype)
