@@ -298,7 +298,8 @@ def test_tf32_rounding():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", INPUTS)
-@pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+# (the last shape wider than the window kernel takes: the per-tap kernel)
+@pytest.mark.parametrize("shape", ENGINE_SHAPES + [(1, 16, 5, 150, 40, 2, 9)], ids=lambda s: "x".join(map(str, s)))
 def test_engine_float32_against_float64(shape, kind, device, monkeypatch):
     """A float32 call on the engine (TF32 operands, float32 sums), output
     poisoned with NaN first: its sums within float32 rounding of the exact
@@ -1528,9 +1529,8 @@ def test_engine_training_forward_channels_last(shape, mode, device, monkeypatch)
     bias_relu's channels-last backward, conv_dgrad_wgmma and cuDNN's
     weight gradient on x itself; in float32 the window kernel's TF32 form on
     x's copy rounded to TF32, y float32, and cuDNN's deterministic backward
-    on x itself; under autocast
-    the per-tap kernel on x's cast, y float32 (NhwcStoreF32), the 16-bit
-    backward on that cast.  Gradients in x's and the weight's layouts and
+    on x itself; under autocast the window kernel on x's cast, y float32,
+    the 16-bit backward on that cast.  Gradients in x's and the weight's layouts and
     dtypes, within 1.5x eager's error; two steps bitwise equal."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)

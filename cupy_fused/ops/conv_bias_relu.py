@@ -306,9 +306,11 @@ ENGINE_TRAINING_MIN_ELEMENTS = 2**24
 # A float32 call (TF32 allowed) takes the engine from this many output
 # values.  TF32 is the precision torch.backends.cudnn.allow_tf32 grants the
 # reference, and cuDNN's kernel for it at the benchmark shape runs in TF32
-# (its error against float64 the same as the engine's), but cuDNN runs some
-# small convolutions (and some 1 x 1 ones) in full float32, whose error the
-# engine's TF32 would not match: those, and every smaller call, keep cuDNN.
+# (its error against float64 the same as the engine's, from an NCHW or a
+# channels-last x), but cuDNN runs some small NCHW convolutions (and some
+# 1 x 1 ones) in full float32, whose error the engine's TF32 would not
+# match: those, and every smaller call, keep cuDNN (the same threshold for
+# a channels-last x, whose small calls were not measured apart).
 ENGINE_FLOAT32_MIN_ELEMENTS = 2**24
 
 
