@@ -299,7 +299,8 @@ def test_tf32_rounding():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", INPUTS)
 # (the last shape wider than the window kernel takes: the per-tap kernel)
-@pytest.mark.parametrize("shape", ENGINE_SHAPES + [(1, 16, 5, 150, 40, 2, 9)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", ENGINE_SHAPES + [(1, 16, 5, 150, 40, 2, 9)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_engine_float32_against_float64(shape, kind, device, monkeypatch):
     """A float32 call on the engine (TF32 operands, float32 sums), output
     poisoned with NaN first: its sums within float32 rounding of the exact

@@ -222,7 +222,8 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("window", d, kw, mask, torch.float32):
        f"cf::conv_bias_relu_window<{cxx_type(d)}, {kw}, {_window_stages(kw)}, {'true' if mask else 'false'}, "
        f"float>"
-       for d in (*HALF_DTYPES, torch.float32) for kw in range(1, WINDOW_MAX_KW + 1) for mask in (False, True)},
+       for d in (*HALF_DTYPES, torch.float32) for kw in range(1, WINDOW_MAX_KW + 1)
+       for mask in (False, True)},
     **{("nchw_window", d, kw): f"cf::conv_bias_relu_nchw_window<{cxx_type(d)}, {kw}, {NCHW_WINDOW_STAGES}, "
                                f"{_nchw_window_raws(kw)}>"
        for d in HALF_DTYPES for kw in range(1, NCHW_WINDOW_MAX_KW + 1)},
@@ -565,8 +566,8 @@ def _launch_windows(key: tuple, inp: torch.Tensor, a: torch.Tensor, out: torch.T
     # WINDOW columns, A [out's channels, KH * KW * Cpad] (_packed_weight's
     # order), the output's boxes (a 16-bit out: 64 channels x 128 columns;
     # float32: 32 x 64, the 16 KiB of a warpgroup's staging); inp 16-bit or
-    # float32 rounded to TF32, inp and out channels-last and 16-byte aligned.  At most a block per SM
-    # (persistent).
+    # float32 rounded to TF32, inp and out channels-last and 16-byte
+    # aligned.  At most a block per SM (persistent).
     n, c, h, w = out.shape
     dev = inp.device.index
     _bridge.launch(KERNELS.get(key, dev), (min(_window_tiles(n, c, h, w), sm_count(dev)), 1, 1),
