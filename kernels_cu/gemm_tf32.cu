@@ -267,9 +267,9 @@ __global__ void gemm_tf32_split_image(const float* __restrict__ b, float* __rest
                                       i64 ldb, i64 k_tiles, i64 items) {
   for (i64 item = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; item < items;
        item += static_cast<i64>(gridDim.x) * blockDim.x) {
-    const int st = static_cast<int>(item & 3), nl = static_cast<int>((item >> 2) & (kWgBN - 1));
+    const int st = static_cast<int>(item & 3), nl = static_cast<int>((item >> 2) & (kHgBN - 1));
     const i64 tile = item >> 9;  // (tile_n, k-tile) = tile / k_tiles, tile % k_tiles
-    const i64 n = (tile / k_tiles) * kWgBN + nl, k0 = (tile % k_tiles) * kGemmBK + 8 * st;
+    const i64 n = (tile / k_tiles) * kHgBN + nl, k0 = (tile % k_tiles) * kGemmBK + 8 * st;
     const Split<kPasses, 8> part = split_step<kPasses>([&](int q) {
       const i64 k = k0 + q;
       return (n < N && k < K) ? (kBKMajor ? b[n * ldb + k] : b[k * ldb + n]) : 0.0f;

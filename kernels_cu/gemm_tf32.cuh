@@ -167,9 +167,6 @@ __device__ __forceinline__ void grouped_tile(i64 M, i64 N, int BM, int BN, i64& 
   n0 = tn * BN;
 }
 
-// The Hopper products' tile of C (gemm_tf32_engine in gemm_tf32.cu).
-constexpr int kWgBM = 128, kWgBN = 128;
-
 // ---- non-finite outputs ----
 // The split differs from a float32 product in what it makes of an infinite
 // operand: the correction products pair its infinite big part with the
@@ -288,7 +285,7 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4
 // the copy engine brings.
 __host__ __device__ constexpr int image_k_of(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
 // One plane of a split tile: 128 columns x 32 values of k.
-constexpr int kPlaneFloats = kWgBN * kGemmBK;
+constexpr int kPlaneFloats = kHgBN * kGemmBK;
 // The byte offset, in column n's 128-byte row of a plane, of the 16-byte
 // chunk holding its k-values 8 st + 4 h .. 8 st + 4 h + 3 (h = 0, 1) in the
 // image's order: the 128-byte swizzle the MMAs read.  The in-kernel split
@@ -317,8 +314,8 @@ struct SplitLoaderBase {
   i64 M, N, K;
   int m0 = 0;
   __device__ __forceinline__ SplitLoaderBase(const TensorMap& a, i64 m, i64 n, i64 k) : map_a(a), M(m), N(n), K(k) {}
-  __device__ __forceinline__ i64 tiles_m() const { return (M + kWgBM - 1) / kWgBM; }
-  __device__ __forceinline__ i64 tiles_n() const { return (N + kWgBN - 1) / kWgBN; }
+  __device__ __forceinline__ i64 tiles_m() const { return (M + kHgBM - 1) / kHgBM; }
+  __device__ __forceinline__ i64 tiles_n() const { return (N + kHgBN - 1) / kHgBN; }
   __device__ __forceinline__ int ktiles() const { return static_cast<int>((K + kGemmBK - 1) / kGemmBK); }
   __device__ __forceinline__ void load_a(unsigned tile_a, unsigned bar, int kt) const {
     if constexpr (kAMn) {
@@ -341,7 +338,7 @@ struct PlanesLoader : SplitLoaderBase<kAMn> {
       : SplitLoaderBase<kAMn>(map_a, m, n, k), planes(image) {}
   __device__ __forceinline__ void prefetch() const { tma_prefetch_descriptor(this->map_a); }
   __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
-    this->m0 = static_cast<int>(tm * kWgBM);
+    this->m0 = static_cast<int>(tm * kHgBM);
     tile_planes = reinterpret_cast<const char*>(planes) + tn * this->ktiles() * static_cast<i64>(kPlanesBytes);
   }
   __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int kt) {
@@ -360,7 +357,7 @@ struct PlanesLoader : SplitLoaderBase<kAMn> {
 // alone.  The producer's thread issues a k-tile's raw B with its A tile.
 template <int kPasses, bool kAMn, bool kBKMajor, int kRaw = 2>
 struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
-  static constexpr int kRawBytes = kWgBN * kGemmBK * 4;
+  static constexpr int kRawBytes = kHgBN * kGemmBK * 4;
   static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kRawBytes, kExtraBarriers = 2 * kRaw;
   using Ring = RawRing<kRaw, kHelperWarps>;
   using Ring::raws;
@@ -375,8 +372,8 @@ struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
     tma_prefetch_descriptor(map_b);
   }
   __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
-    this->m0 = static_cast<int>(tm * kWgBM);
-    n0 = static_cast<int>(tn * kWgBN);
+    this->m0 = static_cast<int>(tm * kHgBM);
+    n0 = static_cast<int>(tn * kHgBN);
   }
   // A's tile, then B's raw tile into its slot once the helpers have read the
   // slot's previous one.
@@ -422,8 +419,8 @@ struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
   // the K-major reads do.
   __device__ __forceinline__ static void split_tile(unsigned raw, unsigned planes, int htid) {
 #pragma unroll 1
-    for (int item = htid; item < kWgBN * 4; item += 32 * kHelperWarps) {
-      const int n = kBKMajor ? item >> 2 : item & (kWgBN - 1), st = kBKMajor ? item & 3 : item >> 7;
+    for (int item = htid; item < kHgBN * 4; item += 32 * kHelperWarps) {
+      const int n = kBKMajor ? item >> 2 : item & (kHgBN - 1), st = kBKMajor ? item & 3 : item >> 7;
       const unsigned lo = static_cast<unsigned>(plane_chunk(n, st, 0));
       const unsigned hi = static_cast<unsigned>(plane_chunk(n, st, 1));
       float v[8];  // B's k-values 8 st .. 8 st + 7 of column n
@@ -435,7 +432,7 @@ struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
       } else {
 #pragma unroll
         for (int q = 0; q < 8; ++q)
-          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v[q]) : "r"(raw + (8 * st + q) * (kWgBN * 4) + 4 * n));
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v[q]) : "r"(raw + (8 * st + q) * (kHgBN * 4) + 4 * n));
       }
       const Split<kPasses, 8> part = split_step<kPasses>([&](int q) { return v[q]; });
       const unsigned row = planes + n * 128;
@@ -477,9 +474,9 @@ struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
 // a warp's in 32 distinct banks.
 template <int kPasses, bool kAMn>
 struct Tf32SplitMma {
-  static constexpr int kBM = kWgBM, kBN = kWgBN, kWgRows = 64;
+  static constexpr int kBM = kHgBM, kBN = kHgBN, kWgRows = 64;
   static constexpr bool kCooperative = true;
-  static constexpr int kTileABytes = kWgBM * kGemmBK * 4, kTileBBytes = 4 * split_tile_floats<kPasses>();
+  static constexpr int kTileABytes = kHgBM * kGemmBK * 4, kTileBBytes = 4 * split_tile_floats<kPasses>();
   static_assert(kGemmBK == 32 && kChunkK == 16, "two chunks of two MMA steps per k-tile");
   // The tile row of a consumer thread's accumulator row h (0: warp row g,
   // 1: g + 8) in its warpgroup's 64 rows (HalfGemmLane::row = 16 warp + g).
