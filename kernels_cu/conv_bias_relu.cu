@@ -190,6 +190,13 @@ constexpr int kConvNchwStagingBytes = 2 * (kConvTileBytes + kConvBiasBytes);  //
 __device__ __forceinline__ unsigned nonzero_halves(unsigned pair) {
   return ((pair & 0x7fffu) != 0 ? 1u : 0u) | ((pair & 0x7fff0000u) != 0 ? 2u : 0u);
 }
+// relu(v + conv_bias) rounded to T, as a float (a float32 T: as it is):
+// relu's output as a 16-bit conv2d gives it under autocast, before a float32
+// bias is added (NhwcStoreF32, WindowBiases::autocast).
+template <typename T>
+__device__ __forceinline__ float relu_rounded(float v, float conv_bias) {
+  return to_float(from_float<T>(relu_keep_nan(v + conv_bias)));
+}
 // The same bits for relu's outputs lo, hi rounded to T (float32: as they
 // are; NaN != 0 sets its bit).
 template <typename T>
@@ -752,12 +759,10 @@ struct NhwcStoreF32 : NhwcStoreFields<float> {
         for (int hm = 0; hm < 2; ++hm)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const float lo = to_float(from_float<T>(relu_keep_nan(acc[hm][4 * i + 2 * h] + p.x)));
-            const float hi = to_float(from_float<T>(relu_keep_nan(acc[hm][4 * i + 2 * h + 1] + p.y)));
+            const float lo = relu_rounded<T>(acc[hm][4 * i + 2 * h], p.x);
+            const float hi = relu_rounded<T>(acc[hm][4 * i + 2 * h + 1], p.y);
             put(staging, 64 * hm + me.row + 8 * h, 8 * ii + 2 * me.t, lo + p.z, hi + p.w);
-            // (NaN != 0: a NaN sets its bit)
-            if constexpr (kMask)
-              bits[2 * hm + h] |= ((lo != 0.0f ? 1u : 0u) | (hi != 0.0f ? 2u : 0u)) << (8 * (i & 3) + 2 * me.t);
+            if constexpr (kMask) bits[2 * hm + h] |= nonzero_pair<float>(lo, hi) << (8 * (i & 3) + 2 * me.t);
           }
         if constexpr (kMask) {
           if ((i & 3) == 3) nhwc_mask_words(bits, i >> 2, me, row, ow0, n0, out_cols, cout, mask);
@@ -992,7 +997,7 @@ struct WindowBiases {
   // relu(v + conv_bias) rounded to T, then + bias in float32.
   template <typename T>
   __device__ __forceinline__ float autocast(float v, bool hi) const {
-    return to_float(from_float<T>(relu_keep_nan(v + cb[hi]))) + b[hi];
+    return relu_rounded<T>(v, cb[hi]) + b[hi];
   }
 };
 
