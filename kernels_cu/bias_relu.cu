@@ -101,6 +101,19 @@ __device__ __forceinline__ void store_values(T* p, bool vec, int n, const float 
   }
 }
 
+// dz as the backwards store it: d, or with kTf32Dz (a float32 dz that the
+// convolution's TF32 input gradient reads: conv_bias_relu.cu,
+// conv_dgrad_wgmma) rounded to TF32 as the engine's operands are
+// (to_tf32_keep_nan).  The biases' sums take d itself.
+template <bool kTf32Dz>
+__device__ __forceinline__ float dz_value(float d) {
+  if constexpr (kTf32Dz) {
+    return __uint_as_float(to_tf32_keep_nan(d));
+  } else {
+    return d;
+  }
+}
+
 // n (<= 32) mask bits from element i on, in the low bits.  They cross into
 // the next word only when that word holds some of the n elements, so nothing
 // past the mask is read.
@@ -272,14 +285,16 @@ constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : (kPlainSums ? 4 : 3);
 // PLAIN_SUM_ROWS rows (ops/bias_relu.py, rows_launch): these kernels are
 // bound by the instructions they issue, and in the compensated variant the
 // compensation is most of them.  When C is not a multiple of kV the rows
-// are not vector-aligned: values one at a time (the same sums).
-template <typename T, typename Chain, typename TO = T, bool kPlainSums = false>
+// are not vector-aligned: values one at a time (the same sums).  kTf32Dz:
+// a float32 dz rounded to TF32 (brelu::dz_value).
+template <typename T, typename Chain, typename TO = T, bool kPlainSums = false, bool kTf32Dz = false>
 __global__ void __launch_bounds__(256, kRowsBlocksPerSm<T, kPlainSums>)
 bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
                         const unsigned* __restrict__ mask, T* __restrict__ dz,
                         double* __restrict__ partial, i64 rows, i64 channels,
                         i64 rows_per_chunk, i64 cols) {
   static_assert(!kPlainSums || sizeof(TO) == 2, "plain sums round to a 16-bit gradient");
+  static_assert(!kTf32Dz || sizeof(T) == 4, "a float32 dz rounded to TF32");
   constexpr int kV = 16 / static_cast<int>(sizeof(T));
   // Rows per pass: 64 bytes of dy in flight per thread for float; 32 for
   // a 16-bit z, whose 8 channels' compensated sums already hold 32
@@ -324,7 +339,14 @@ bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
             gv[k] = dy_dense ? packed_value<TO>(g[u], k) : g_all;
             d[k] = (bits[u] >> k) & 1u ? gv[k] : 0.0f;
           }
-          brelu::store_values<T, kV>(dz + row * channels + c0, vec, nc, d);
+          if constexpr (kTf32Dz) {
+            float rounded[kV];
+#pragma unroll
+            for (int k = 0; k < kV; ++k) rounded[k] = brelu::dz_value<true>(d[k]);
+            brelu::store_values<T, kV>(dz + row * channels + c0, vec, nc, rounded);
+          } else {
+            brelu::store_values<T, kV>(dz + row * channels + c0, vec, nc, d);
+          }
           // Channels past C (k >= nc) sum values that are never written out.
 #pragma unroll
           for (int k = 0; k < kV; ++k) {
@@ -468,12 +490,14 @@ constexpr int kToNhwcBlocksPerSm = 3;
 // 8 for kVec 2) then combine in a fixed order into partial[chunk][slot][C],
 // as the other backwards.  So the biases' gradients may differ in their
 // last bits between the two variants; each is bitwise reproducible.
-template <typename T, typename Chain, typename TO = T, int kVec = 1>
+// kTf32Dz: a float32 dz rounded to TF32 (brelu::dz_value).
+template <typename T, typename Chain, typename TO = T, int kVec = 1, bool kTf32Dz = false>
 __global__ void __launch_bounds__(256, kToNhwcBlocksPerSm)
 bias_relu_backward_to_nhwc(const TO* __restrict__ dy, i64 dy_dense, const unsigned* __restrict__ mask,
                            T* __restrict__ dz, double* __restrict__ partial, i64 channels, i64 positions,
                            i64 tiles, i64 tiles_per_chunk) {
   static_assert(kVec == 1 || kVec == 2, "one or two values per access");
+  static_assert(!kTf32Dz || sizeof(T) == 4, "a float32 dz rounded to TF32");
   constexpr int kSlots = Chain::kHasSecondBias ? 2 : 1;
   constexpr int kLanes = 64 / kVec;      // threads along a tile row
   constexpr int kGroups = 256 / kLanes;  // row groups: 4 or 8
@@ -556,9 +580,10 @@ bias_relu_backward_to_nhwc(const TO* __restrict__ dy, i64 dy_dense, const unsign
         float d[kVec];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          d[j] = d_tile[kVec * tx + j][i];
-          sum_dz[j] += static_cast<double>(d[j]);
+          const float v = d_tile[kVec * tx + j][i];
+          sum_dz[j] += static_cast<double>(v);
           if constexpr (Chain::kHasSecondBias) sum_dy[j] += static_cast<double>(g_tile[kVec * tx + j][i]);
+          d[j] = brelu::dz_value<kTf32Dz>(v);
         }
         if constexpr (kVec == 1) {
           *out = from_float<T>(d[0]);

@@ -963,16 +963,24 @@ __device__ __forceinline__ void store_window_tile_f32(const float (&acc)[2][kHgA
     }
 }
 
-// dx, the sums themselves.
-template <typename T>
+// dx, the sums rounded to T (the input gradient of the reference's
+// convolution in T), of Out: T, or float32 (a float32 T, or under autocast
+// the float32 that autocast's cast of x hands back).
+template <typename T, typename Out = T>
 struct DgradStore {
-  const TensorMap& map_dx;  // dx [N, H, W, Cin] channels-last
+  const TensorMap& map_dx;  // dx [N, H, W, Cin] channels-last, of Out
   i64 row_pairs, col_tiles;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
                                              i64 n0, unsigned staging) const {
     int n, h0, w0;
     window_tile(n0 / 256, row_pairs, col_tiles, n, h0, w0);
-    store_window_tile<T>(acc, me, staging, map_dx, m0, n, h0, w0, [](float v, bool) { return v; });
+    if constexpr (sizeof(Out) == 4) {
+      store_window_tile_f32(acc, me, staging, map_dx, m0, n, h0, w0,
+                            [](float v, bool) { return to_float(from_float<T>(v)); });
+    } else {
+      static_assert(sizeof(Out) == sizeof(T), "dx of the product's dtype or float32");
+      store_window_tile<T>(acc, me, staging, map_dx, m0, n, h0, w0, [](float v, bool) { return v; });
+    }
   }
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
@@ -1530,16 +1538,19 @@ conv_bias_relu_window(const __grid_constant__ TensorMap map_x, const __grid_cons
 #endif
 }
 
-// dx [N, H, W, Cin] (channels-last) of the 16-bit T, the input gradient of
-// the convolution (stride 1, no padding, a KH x kKw kernel) whose output
-// gradient is dz [N, OH, OW, Cout] (channels-last): the window GEMM above
-// with A = Wf, padded, and DgradStore; one rounding of float32 sums.
-// map_dz: dims (Cout, OW, OH, N), boxes 64 x kConvWindow x 1 x 1; map_w:
-// Wf as [Cin, KH * kKw * Cpad] (Cout padded with zeros to Cpad, a multiple
-// of 64; ops/conv_bias_relu.py), boxes of 64 x 64; map_dx: dims (Cin, W, H,
-// N), boxes 64 x 128 x 1 x 1; all 128-byte swizzled.  Grid, threads and
-// shared memory as conv_bias_relu_window's.
-template <typename T, int kKw, int kStages>
+// dx [N, H, W, Cin] (channels-last) of Out, the input gradient of the
+// convolution (stride 1, no padding, a KH x kKw kernel) whose output
+// gradient is dz [N, OH, OW, Cout] (channels-last) of T, 16-bit, or
+// float32 rounded to TF32 (bias_relu's backward rounds it so), read as
+// TF32: the window GEMM above with A = Wf, padded, and DgradStore; one
+// rounding of float32 sums to T, dx of T or float32 (Out: a float32 T, or
+// a 16-bit one under autocast).  map_dz: dims (Cout, OW, OH, N), boxes
+// hg_bk<T>() x kConvWindow x 1 x 1; map_w: Wf as [Cin, KH * kKw * Cpad]
+// (Cout padded with zeros to Cpad, a multiple of hg_bk<T>();
+// ops/conv_bias_relu.py), boxes of hg_bk<T>() x 64; map_dx: dims (Cin, W,
+// H, N), boxes 64 x 128 x 1 x 1 (float32: 32 x 64 x 1 x 1); all 128-byte
+// swizzled.  Grid, threads and shared memory as conv_bias_relu_window's.
+template <typename T, int kKw, int kStages, typename Out = T>
 __global__ void __launch_bounds__(kHgThreads, 1)
 conv_dgrad_wgmma(const __grid_constant__ TensorMap map_dz, const __grid_constant__ TensorMap map_w,
                  const __grid_constant__ TensorMap map_dx, i64 n_images, i64 cin, i64 rows, i64 cols,
@@ -1547,7 +1558,7 @@ conv_dgrad_wgmma(const __grid_constant__ TensorMap map_dz, const __grid_constant
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const auto loader = window_loader<T, kKw>(map_dz, map_w, n_images, rows, cols, cin, kh_size, c_blocks,
                                             static_cast<int>(kh_size) - 1, kKw - 1);
-  DgradStore<T> store{map_dx, loader.row_pairs, loader.col_tiles};
+  DgradStore<T, Out> store{map_dx, loader.row_pairs, loader.col_tiles};
   run_windows<T, kKw, kStages, kCtStagingBytes>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used

@@ -563,3 +563,41 @@ def test_backward_to_channels_last(shape, pair, second, grad_mode, chunks, devic
     mask = BR._forward(z.detach(), b1.detach(), None if b2 is None else b2.detach(), True, True)[1]
     torch.library.opcheck(BR._BIAS_RELU.backward_op,
                           (dy.contiguous(), mask, list(shape), False, second, pair[0], True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("second", [False, True], ids=["one-bias", "two-biases"])
+@pytest.mark.parametrize("layout", ["channels_last", "nchw_to_nhwc", "nchw_to_nhwc_pairs"])
+def test_backward_tf32_dz(layout, second, device):
+    """``tf32_dz`` (the float32 dz that the convolution's TF32 input
+    gradient reads): dz bit for bit the plain backward's rounded to TF32
+    (conv_bias_relu's _tf32: NaN kept, infinities kept), laid out the same,
+    the biases' sums bit for bit the plain backward's (of dz unrounded);
+    from a channels-last z (the rows kernel) and from an NCHW z with dz
+    channels-last (one value a lane, and pairs)."""
+    CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+    shape = (2, 40, 7, 9) if layout == "nchw_to_nhwc" else (2, 40, 6, 9)
+    channels_last = layout == "channels_last"
+    z, b1, b2 = _inputs(shape, channels_last, torch.float32, torch.float32, second, device)
+    gen = torch.Generator().manual_seed(3)
+    dy = torch.randn(shape, generator=gen).to(device)
+    flat = dy.view(-1)
+    flat[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    flat[3:100] *= 1e-39  # subnormal
+    dy = dy.contiguous(memory_format=torch.channels_last) if channels_last else dy
+    mask = BR._forward(z.detach(), b1.detach(), None if b2 is None else b2.detach(), True, True)[1]
+    runs = [BR._backward(dy, mask, list(shape), channels_last, second, torch.float32, True,
+                         tf32_dz=tf32) for tf32 in (False, True)]
+    (plain, sums), (rounded, sums_tf32) = runs
+    assert rounded.is_contiguous(memory_format=torch.channels_last) and rounded.stride() == plain.stride()
+    def bits(t):
+        return t.view(torch.int32)
+
+    assert torch.equal(bits(rounded), bits(CB._tf32(plain)))
+    assert not torch.equal(bits(rounded), bits(plain))  # (random values: most change)
+    assert torch.equal(bits(sums_tf32), bits(sums)) and (sums.isnan().any() or not second)  # (NaN too)
+    with pytest.raises(ValueError, match="TF32"):
+        BR._backward(dy.to(torch.bfloat16), mask, list(shape), channels_last, second, torch.bfloat16, True,
+                     tf32_dz=True)
+    with pytest.raises(ValueError, match="TF32"):  # an NCHW dz: no TF32 kernel writes it
+        BR._backward(dy.contiguous(), mask, list(shape), False, second, torch.float32, False, tf32_dz=True)

@@ -763,7 +763,7 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     copies, dgrads = [], []
     transposed, dgrad = CB._transposed, CB._launch_dgrad
     monkeypatch.setattr(CB, "_transposed", lambda *a, **k: copies.append(a[0].shape) or transposed(*a, **k))
-    monkeypatch.setattr(CB, "_launch_dgrad", lambda dz, wt: dgrads.append(dz.dtype) or dgrad(dz, wt))
+    monkeypatch.setattr(CB, "_launch_dgrad", lambda dz, wt, *a: dgrads.append(dz.dtype) or dgrad(dz, wt, *a))
     n, cin, h, w, cout, kh, kw = shape
     dtype = torch.float32 if mode in ("float32", "amp_bf16") else getattr(torch, mode.split("_")[0])
     amp = mode == "amp_bf16"
@@ -859,9 +859,19 @@ def _engine_training_step_against_float64(shape, dtype, amp, memory_format, devi
             ey, eager = eager_step(x.contiguous(memory_format=torch.channels_last))
     eps = torch.finfo(amp or dtype).eps
     assert rel_error(y, want) <= 1.5 * rel_error(ey, want) + eps
-    for name, ours, r, theirs in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager):
+    # A float32 step's gradients hold at least a TF32 product's error: that
+    # of float64 on g rounded to TF32 as well (dz rounded, as the TF32 input
+    # gradient reads it and cuDNN's TF32 weight gradient rounds it).  At
+    # these sizes, far below the engine's thresholds, cuDNN may run the
+    # weight gradient in float32 on the unrounded dz.
+    floor = [0.0] * 4
+    if dtype == torch.float32 and not amp:
+        tf32 = [t.detach().double().requires_grad_(True) for t in (*src, cb, b)]
+        _reference(*tf32).backward(CB._tf32(g).double())
+        floor = [rel_error(t.grad, r.grad) for t, r in zip(tf32, ref)]
+    for name, ours, r, theirs, f in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager, floor):
         err, eager_err = rel_error(ours.grad, r.grad), rel_error(theirs.grad, r.grad)
-        assert err <= 1.5 * eager_err + eps, (name, err, eager_err)
+        assert err <= 1.5 * max(eager_err, f) + eps, (name, err, eager_err, f)
     return y, leaves, ey, eager
 
 
@@ -906,38 +916,53 @@ DGRAD_SHAPES = [(2, 64, 7, 70, 128, 3, 3), (1, 8, 5, 127, 8, 1, 1), (3, 72, 4, 1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", DGRAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_dgrad_against_float64(shape, dtype, device):
+def test_dgrad_against_float64(shape, dtype, device, monkeypatch):
     """The engine's input gradient (conv_dgrad_wgmma) against float64 on
     fresh random operands, into memory filled with NaN first: within 1.5x
-    the error of torch's own (cuDNN's) input gradient in the same dtype,
-    every element written, channels-last, bitwise reproducible; a NaN or an
-    infinity in dz reaches dx where it reaches float64's."""
+    the error of torch's own (cuDNN's) input gradient in the same dtype
+    (float32: dz rounded to TF32 as bias_relu's backward rounds it, against
+    the float64 product of dz's and the weight's TF32 roundings, the best a
+    TF32 product gives), every element written, channels-last, bitwise
+    reproducible; a 16-bit product's float32 dx (autocast's) is its dx
+    bit for bit; a NaN or an infinity in dz reaches dx where it reaches
+    float64's."""
     _engine_device(device)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
     n, cin, oh, ow, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape))
-    dz = torch.randn(n, cout, oh, ow, generator=gen).to(device, dtype).contiguous(
-        memory_format=torch.channels_last)
+    cl = torch.channels_last
+    dz = torch.randn(n, cout, oh, ow, generator=gen).to(device, dtype).contiguous(memory_format=cl)
     wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cout * kh * kw) ** 0.5).to(device, dtype)
     x_shape = (n, cin, oh + kh - 1, ow + kw - 1)
-    assert CB._dgrad_on_engine(dz, wt)
     want = torch.nn.grad.conv2d_input(x_shape, wt.double(), dz.double())
-    theirs = torch.nn.grad.conv2d_input(x_shape, wt, dz)
-    poison_allocator(device, 2 * math.prod(x_shape) * 2)
+    tf32 = dtype == torch.float32
+    if tf32:
+        dz = CB._tf32(dz).contiguous(memory_format=cl)
+        theirs = torch.nn.grad.conv2d_input(x_shape, CB._tf32(wt).double(), dz.double()).float()
+    else:
+        theirs = torch.nn.grad.conv2d_input(x_shape, wt, dz)
+    assert CB._dgrad_on_engine(dz, wt, tf32_dz=True) and CB._dgrad_on_engine(dz, wt) != tf32
+    poison_allocator(device, 2 * math.prod(x_shape) * 4)
     dx = CB._launch_dgrad(dz, wt)
-    assert dx.shape == x_shape and dx.dtype == dtype and dx.is_contiguous(memory_format=torch.channels_last)
+    assert dx.shape == x_shape and dx.dtype == dtype and dx.is_contiguous(memory_format=cl)
     assert rel_error(dx, want) <= 1.5 * rel_error(theirs, want) + torch.finfo(dtype).eps
     assert torch.equal(dx, CB._launch_dgrad(dz, wt))
+    if not tf32:
+        poison_allocator(device, 2 * math.prod(x_shape) * 4)
+        dx32 = CB._launch_dgrad(dz, wt, torch.float32)
+        assert dx32.dtype == torch.float32 and dx32.is_contiguous(memory_format=cl)
+        assert torch.equal(dx32, dx.float())
     # Non-finite dz: a NaN, +inf and -inf at three places.
     bad = dz.clone()
     flat = bad.permute(0, 2, 3, 1).reshape(-1)  # (a view of bad's memory)
     for i, v in zip((0, flat.numel() // 2, flat.numel() - 1), (float("nan"), float("inf"), float("-inf"))):
         flat[i] = v
     want = torch.nn.grad.conv2d_input(x_shape, wt.double(), bad.double())
-    got = CB._launch_dgrad(bad, wt)
-    for check in (torch.isnan, torch.isposinf, torch.isneginf):
-        assert torch.equal(check(got), check(want)), check.__name__
+    for got in (CB._launch_dgrad(bad, wt),) + (() if tf32 else (CB._launch_dgrad(bad, wt, torch.float32),)):
+        for check in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(check(got), check(want)), check.__name__
 
 
 def test_window_launches_fit_their_kernels():
@@ -1037,9 +1062,11 @@ def test_nchw_window_launch(monkeypatch):
 
 def test_dgrad_takes_what_its_kernel_runs(monkeypatch):
     """_dgrad_on_engine on CPU tensors (a Hopper GPU assumed): a 16-bit
-    channels-last dz with C_in and C_out multiples of 8 and KW up to
+    channels-last dz, or a float32 one its caller rounded to TF32 while
+    TF32 is allowed, with C_in and C_out multiples of 8 and KW up to
     WINDOW_MAX_KW, and nothing else."""
     monkeypatch.setattr(gemm, "has_wgmma", lambda index: True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     cl = torch.channels_last
 
     def dz(n=2, c=16, h=5, w=6, dtype=torch.bfloat16, fmt=cl):
@@ -1055,6 +1082,16 @@ def test_dgrad_takes_what_its_kernel_runs(monkeypatch):
                     (dz(c=12), wt(cout=12)), (dz(), wt(cin=12)), (dz(), wt(kw=CB.WINDOW_MAX_KW + 1)),
                     (dz(n=0), wt())):
         assert not CB._dgrad_on_engine(*refused)
+    f32 = torch.float32
+    assert CB._dgrad_on_engine(dz(dtype=f32), wt(dtype=f32), tf32_dz=True)
+    assert CB._dgrad_on_engine(dz(dtype=f32, c=40), wt(dtype=f32, cout=40, cin=24), tf32_dz=True)
+    for refused in ((dz(dtype=f32, fmt=torch.contiguous_format), wt(dtype=f32)),
+                    (dz(dtype=f32, c=12), wt(dtype=f32, cout=12)),
+                    (dz(dtype=f32), wt(dtype=f32, kw=CB.WINDOW_MAX_KW + 1))):
+        assert not CB._dgrad_on_engine(*refused, tf32_dz=True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the reference's dgrad in float32
+    assert not CB._dgrad_on_engine(dz(dtype=f32), wt(dtype=f32), tf32_dz=True)
+    assert CB._dgrad_on_engine(dz(), wt(), tf32_dz=True)  # (16-bit: the flag plays no part)
     monkeypatch.setattr(gemm, "has_wgmma", lambda index: False)
     assert not CB._dgrad_on_engine(dz(), wt())
 
@@ -1230,6 +1267,37 @@ def test_dgrad_launch(monkeypatch):
     assert not a[:, :, :, 24:].any()  # C_out padded with zeros to a k-block
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_dgrad_launch_float32_dx(dtype, monkeypatch):
+    """_launch_dgrad with a float32 dx (launches recorded): from a 16-bit dz
+    (autocast) or a float32 one (TF32), the kernel keyed with float32 last,
+    dx's map with float32 boxes of 32 channels x 64 columns; from float32,
+    dz's boxes of 32 channels, and A rounded to TF32 with C_out padded to
+    a multiple of 32."""
+    maps, packed, launched = _record_window_launches(monkeypatch)
+    f32 = torch.float32
+    dz = torch.randn(2, 24, 7, 136, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(24, 72, 3, 5, dtype=dtype)
+    dx = CB._launch_dgrad(dz, wt, f32)
+    assert dx.dtype == f32 and dx.shape == (2, 72, 9, 140)
+    assert dx.is_contiguous(memory_format=torch.channels_last)
+    (fn, grid, block, args, shared), = launched
+    assert fn == ("dgrad", dtype, 5, f32) and shared == CB._window_shared_bytes(5)
+    box_k = 32 if dtype == f32 else 64
+    assert maps == [
+        (dz.data_ptr(), (24, 136, 7, 2), (24, 136 * 24, 7 * 136 * 24), dtype, (box_k, CB.WINDOW, 1, 1)),
+        (dx.data_ptr(), (72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), f32, (32, 64, 1, 1))]
+    assert args[3:] == (2, 72, 9, 140, 3, 1)
+    (a, rows), = packed
+    assert rows == 64 and a.shape == (72, 3 * 5 * box_k) and a.dtype == dtype
+    if dtype == f32:
+        a = a.reshape(72, 3, 5, 32)
+        assert a[7, 1, 2, 5] == CB._tf32(wt[5, 7, 1, 2].reshape(1))[0]
+        assert not a[:, :, :, 24:].any()
+    with pytest.raises(ValueError, match="dx_dtype"):
+        CB._launch_dgrad(dz, wt, torch.bfloat16 if dtype == torch.float16 else torch.float16)
+
+
 @pytest.mark.gpu
 def test_dgrad_route(device, monkeypatch):
     """The engine's training backward takes conv_dgrad_wgmma for its input
@@ -1239,29 +1307,47 @@ def test_dgrad_route(device, monkeypatch):
     _lift_engine_thresholds(monkeypatch)
     calls = []
     real_dgrad, real_conv = CB._launch_dgrad, CB._conv_backward
-    monkeypatch.setattr(CB, "_launch_dgrad", lambda dz, wt: calls.append("ours") or real_dgrad(dz, wt))
+    monkeypatch.setattr(CB, "_launch_dgrad",
+                        lambda dz, wt, *a: calls.append(("ours", dz.dtype, *a)) or real_dgrad(dz, wt, *a))
     monkeypatch.setattr(CB, "_conv_backward",
                         lambda dz, x, wt, want_x, want_w: calls.append(("cudnn", want_x, want_w))
                         or real_conv(dz, x, wt, want_x, want_w))
-    both, ours = [("cudnn", True, True)], ["ours", ("cudnn", False, True)]
-    for dtype, channels_last, kw, expect in ((torch.bfloat16, True, 3, ours), (torch.float16, False, 3, ours),
-                                             (torch.float32, False, 3, both),
-                                             (torch.bfloat16, True, CB.WINDOW_MAX_KW + 1, both)):
+    both = [("cudnn", True, True)]
+
+    def ours(dz_dtype, dx_dtype):  # (the weight gradient first: x's copy is freed before dx is made)
+        return [("cudnn", False, True), ("ours", dz_dtype, dx_dtype)]
+
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    # (x's dtype, channels-last x, KW, autocast, TF32 allowed in the backward, the calls)
+    for dtype, channels_last, kw, amp, tf32, expect in (
+            (bf16, True, 3, None, True, ours(bf16, bf16)), (f16, False, 3, None, True, ours(f16, f16)),
+            (f32, False, 3, None, True, ours(f32, f32)), (f32, True, 3, None, True, ours(f32, f32)),
+            # TF32 turned off after the forward: cuDNN's float32 backward
+            (f32, True, 3, None, False, both),
+            # Under autocast: a channels-last x's dx float32 from the
+            # kernel, an NCHW one's in the product's dtype (cast after its copy back)
+            (f32, True, 3, bf16, True, ours(bf16, f32)), (f32, False, 3, f16, True, ours(f16, f16)),
+            (bf16, True, CB.WINDOW_MAX_KW + 1, None, True, both)):
         calls.clear()
         gen, x, wt, cb, g = _small_training_operands(channels_last, 5, device, dtype)
         if kw != 3:
             wt = torch.randn(32, 8, 3, kw, generator=gen).to(device, dtype) / 8
             g = g[..., :x.shape[3] - kw + 1].contiguous(memory_format=torch.channels_last)
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb)]
-        assert CB.route(*leaves, None) == "engine"
-        ops.conv_bias_relu(*leaves).backward(g)
-        assert calls == expect, (dtype, kw, calls)
+        with torch.autocast("cuda", dtype=amp or bf16, enabled=amp is not None):
+            assert CB.route(*leaves, None) == "engine"
+            y = ops.conv_bias_relu(*leaves)
+        torch.backends.cudnn.allow_tf32 = tf32  # (restored by monkeypatch)
+        y.backward(g)
+        torch.backends.cudnn.allow_tf32 = True
+        assert calls == expect, (dtype, channels_last, kw, amp, tf32, calls)
+        assert leaves[0].grad.dtype == dtype
     # Without a weight gradient, no cuDNN call at all.
     calls.clear()
     _, x, wt, cb, g = _small_training_operands(False, 6, device)
     xl = x.detach().clone().requires_grad_(True)
     ops.conv_bias_relu(xl, wt, cb.detach().clone().requires_grad_(True)).backward(g)
-    assert calls == ["ours"]
+    assert calls == [("ours", torch.bfloat16, torch.bfloat16)]
 
 
 def _small_training_operands(channels_last, seed, device, dtype=torch.bfloat16):
@@ -1303,16 +1389,21 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("channels_last, dtype", [(False, torch.bfloat16), (True, torch.bfloat16),
-                                                  (False, torch.float32), (True, torch.float32)],
-                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32", "channels_last-float32"])
-def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype, device,
+@pytest.mark.parametrize("channels_last, dtype, amp",
+                         [(False, torch.bfloat16, False), (True, torch.bfloat16, False),
+                          (False, torch.float32, False), (True, torch.float32, False),
+                          (False, torch.float32, True), (True, torch.float32, True)],
+                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32", "channels_last-float32",
+                              "nchw-amp", "channels_last-amp"])
+def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype, amp, device,
                                                             monkeypatch):
     """The eager node keeps relu's mask for one use: freed once dz exists,
-    before cuDNN's backward runs; a second backward through a retained
-    graph recomputes it, with the same gradients, and refuses a bias
-    changed in place since the forward; biases made in inference mode
-    (no version counter) train as the reference's do."""
+    before cuDNN's backward runs; and x's channels-last copy or cast (an
+    NCHW x's, an autocast's) for one use: freed once cuDNN's weight gradient
+    has read it, before our input gradient makes dx.  A second backward
+    through a retained graph makes both again, with the same gradients, and
+    refuses a bias changed in place since the forward; biases made in
+    inference mode (no version counter) train as the reference's do."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)  # small sizes, float32 (TF32) too
     gen, x, wt, cb, g = _small_training_operands(channels_last, 6, device, dtype)
@@ -1320,25 +1411,35 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
 
     def forward(cb=cb, b=b):
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
-        assert CB.route(*leaves) == "engine"
-        return ops.conv_bias_relu(*leaves), leaves
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            assert CB.route(*leaves) == "engine"
+            return ops.conv_bias_relu(*leaves), leaves
 
     y, leaves = forward()
     mask = weakref.ref(y.grad_fn.kept_mask)
-    alive_at_products = []
-    conv_backward = CB._conv_backward
+    # A copy of x where the forward made one (NCHW, or a cast), x itself otherwise.
+    assert (y.grad_fn.kept_xc is None) == (channels_last and not amp)
+    xc = weakref.ref(y.grad_fn.kept_xc) if y.grad_fn.kept_xc is not None else (lambda: None)
+    alive_at_products, alive_at_dgrad = [], []
+    conv_backward, dgrad = CB._conv_backward, CB._launch_dgrad
 
     def watched(*args):
         alive_at_products.append(mask() is not None)
         return conv_backward(*args)
 
+    def watched_dgrad(*args):
+        alive_at_dgrad.append(xc() is not None)
+        return dgrad(*args)
+
     monkeypatch.setattr(CB, "_conv_backward", watched)
+    monkeypatch.setattr(CB, "_launch_dgrad", watched_dgrad)
     y.backward(g, retain_graph=True)
     assert alive_at_products == [False] and y.grad_fn.kept_mask is None
+    assert alive_at_dgrad == [False] and y.grad_fn.kept_xc is None
     first = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
-    y.backward(g)  # recomputes the mask
+    y.backward(g)  # recomputes the mask and the copy
     assert all(torch.equal(t.grad, f) for t, f in zip(leaves, first))
     assert (y == b.view(1, -1, 1, 1)).any() and (y != b.view(1, -1, 1, 1)).any()  # both sides of relu
     for name, i in (("conv_bias", 2), ("bias", 3)):
@@ -1351,7 +1452,8 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
     with torch.inference_mode():
         cb_inf, b_inf = cb.clone(), b.clone()
     x_leaf, w_leaf = (t.detach().clone().requires_grad_(True) for t in (x, wt))
-    y = ops.conv_bias_relu(x_leaf, w_leaf, cb_inf, b_inf)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        y = ops.conv_bias_relu(x_leaf, w_leaf, cb_inf, b_inf)
     y.backward(g)
     assert torch.equal(x_leaf.grad, first[0]) and torch.equal(w_leaf.grad, first[1])
 

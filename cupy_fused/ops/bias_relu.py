@@ -34,9 +34,17 @@ from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, f
 # Kernel names of the keys below that are another kernel's instantiation,
 # with the template arguments they add: bias_relu_backward_to_nhwc moving two
 # values per access (kVec = 2); bias_relu_backward_rows with plain float
-# column sums (kPlainSums, a 16-bit gradient: see rows_launch).
+# column sums (kPlainSums, a 16-bit gradient: see rows_launch); a ``_tf32``
+# name: the same kernel writing a float32 dz rounded to TF32 (kTf32Dz: the
+# operand of the convolution's TF32 input gradient, conv_bias_relu.py).
 _VARIANTS = {"bias_relu_backward_to_nhwc_x2": ("bias_relu_backward_to_nhwc", "2"),
-             "bias_relu_backward_rows_plain": ("bias_relu_backward_rows", "true")}
+             "bias_relu_backward_rows_plain": ("bias_relu_backward_rows", "true"),
+             "bias_relu_backward_rows_tf32": ("bias_relu_backward_rows", "false, true"),
+             "bias_relu_backward_to_nhwc_tf32": ("bias_relu_backward_to_nhwc", "1, true"),
+             "bias_relu_backward_to_nhwc_x2_tf32": ("bias_relu_backward_to_nhwc", "2, true")}
+# The backwards that write a TF32-rounded dz (_TF32_DZ[kernel]), float32 only.
+_TF32_DZ = {k: f"{k}_tf32" for k in ("bias_relu_backward_rows", "bias_relu_backward_to_nhwc",
+                                     "bias_relu_backward_to_nhwc_x2")}
 
 
 def _expr(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype, second_bias: bool) -> str:
@@ -57,6 +65,8 @@ KERNELS = _runtime.KernelFamily("bias_relu.cu", {
        for d, o in DTYPE_PAIRS for b in (False, True)},
     **{("bias_relu_backward_rows_plain", d, o, b): _expr("bias_relu_backward_rows_plain", d, o, b)
        for d, o in DTYPE_PAIRS if o in HALF_DTYPES for b in (False, True)},
+    **{(k, torch.float32, torch.float32, b): _expr(k, torch.float32, torch.float32, b)
+       for k in _TF32_DZ.values() for b in (False, True)},
 })
 
 
@@ -210,14 +220,18 @@ _TO_NHWC_BLOCKS_PER_SM = 3
 def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
               second_bias: bool, z_dtype: torch.dtype,
               dz_channels_last: bool,
-              whole: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              whole: Optional[Sequence[int]] = None,
+              tf32_dz: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz in ``z_dtype``, per-channel sums [slots, C] in dout's
     dtype: the gradient of bias, then of bias2 when there is one).  dz is
     in z's layout (``channels_last``), or channels-last for an NCHW z with
     ``dz_channels_last``.  ``whole``: the rows (0: bias, 1: bias2) whose
     vector is one value for every channel, which then hold the whole sum in
-    column 0 (``_common._whole_sums``); None: none.  The formula takes the
-    rows: outputs of a custom op must not alias each other."""
+    column 0 (``_common._whole_sums``); None: none.  ``tf32_dz``: a float32
+    dz channels-last (z's layout, or ``dz_channels_last``) and rounded to
+    TF32, the operand of the convolution's TF32 input gradient (the sums
+    are of dz unrounded).  The formula takes the rows: outputs of a custom
+    op must not alias each other."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     transpose = dz_channels_last and not channels_last
     dz = _empty_like_layout(sizes, channels_last or transpose, z_dtype, dout)
@@ -252,6 +266,11 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
             kernel = "bias_relu_backward_slabs"
             chunks = total // (channels * inner)  # one per image
             grid, extra = None, (channels, inner)
+        if tf32_dz:
+            if kernel not in _TF32_DZ or z_dtype != torch.float32:
+                raise ValueError(f"a TF32-rounded dz needs a float32 channels-last dz, got {z_dtype} "
+                                 f"({kernel})")
+            kernel = _TF32_DZ[kernel]
         partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
         fn = KERNELS.get((kernel, z_dtype, dout.dtype, second_bias), dev)
         args = (dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), *extra)
@@ -269,7 +288,8 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
 def _backward_fake(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels_last: bool,
                    second_bias: bool, z_dtype: torch.dtype,
                    dz_channels_last: bool,
-                   whole: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   whole: Optional[Sequence[int]] = None,
+                   tf32_dz: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     dz = _empty_like_layout(sizes, channels_last or dz_channels_last, z_dtype, dout)
     return dz, dout.new_empty((2 if second_bias else 1, sizes[1]))
 

@@ -36,11 +36,15 @@ Route, decided once per call (:func:`route`):
   cast under autocast; the backward is
   :func:`.bias_relu.bias_relu`'s (dz written channels-last), the input
   gradient on the engine where :func:`_dgrad_on_engine` takes it
-  (``conv_dgrad_wgmma``, 16-bit: the window kernel's structure on dz and
-  the flipped weight), and cuDNN's deterministic channels-last convolution
-  backward on x channels-last for the weight gradient (and the input
-  gradient elsewhere; as the ``"cudnn"`` route's backward runs on Hopper:
-  :func:`_channels_last_backward`), the input gradient in x's layout.
+  (``conv_dgrad_wgmma``: the window kernel's structure on dz and the
+  flipped weight; 16-bit, or float32 with dz rounded to TF32 by that
+  backward; a channels-last x's gradient written float32 under autocast),
+  and cuDNN's deterministic channels-last convolution backward on x
+  channels-last for the weight gradient, first (and the input gradient
+  elsewhere; as the ``"cudnn"`` route's backward runs on Hopper:
+  :func:`_channels_last_backward`), the input gradient in x's layout.  The
+  eager node keeps relu's mask and x's copy for one use, each freed once
+  read: neither is held when dx is made.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
   layout, autocast's promotions.  Smaller training steps take it, and
@@ -191,7 +195,9 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 # (:func:`_rounded_tf32`); ("to_nchw", dtype): a channels-last tensor's
 # NCHW copy (the training route's input gradient); ("dgrad", dtype, KW):
 # the input gradient of the convolution, channels-last
-# (:func:`_launch_dgrad`); ("window", dtype, KW, mask): the channels-last
+# (:func:`_launch_dgrad`), and with a last element float32 a float32 dx
+# (under autocast; dtype float32: dz rounded to TF32, a TF32 product);
+# ("window", dtype, KW, mask): the channels-last
 # 16-bit forward (:func:`_launch_window`), and with a last element float32
 # its float32 y (under autocast; dtype float32: x rounded to TF32);
 # ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
@@ -216,6 +222,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
        for d in HALF_DTYPES for src in (d, torch.float32)},
     **{("dgrad", d, kw): f"cf::conv_dgrad_wgmma<{cxx_type(d)}, {kw}, {_window_stages(kw)}>"
        for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1)},
+    **{("dgrad", d, kw, torch.float32):
+       f"cf::conv_dgrad_wgmma<{cxx_type(d)}, {kw}, {_window_stages(kw)}, float>"
+       for d in (*HALF_DTYPES, torch.float32) for kw in range(1, WINDOW_MAX_KW + 1)},
     **{("window", d, kw, mask): f"cf::conv_bias_relu_window<{cxx_type(d)}, {kw}, {_window_stages(kw)}, "
                                 f"{'true' if mask else 'false'}>"
        for d in HALF_DTYPES for kw in range(1, WINDOW_MAX_KW + 1) for mask in (False, True)},
@@ -619,60 +628,76 @@ def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
 
 # ---------------------------------------------------------------- the input gradient
 
-def _dgrad_on_engine(dz: torch.Tensor, weight: torch.Tensor) -> bool:
+def _dgrad_on_engine(dz: torch.Tensor, weight: torch.Tensor, tf32_dz: bool = False) -> bool:
     """Whether :func:`_launch_dgrad` computes the input gradient for this dz
     [N, C_out, OH, OW] (the convolution's output gradient) and weight
     [C_out, C_in, KH, KW], in place of cuDNN: a compute capability 9.0 GPU;
-    dz float16 / bfloat16, channels-last, 16-byte aligned, not empty; the
-    sizes :func:`_window_fits` takes (dz as the input, dx's C_in channels as
-    the output)."""
+    dz float16 / bfloat16, or float32 where the caller rounded it to TF32
+    (``tf32_dz``) and TF32 is allowed to cuDNN (:func:`_cudnn_tf32`: the
+    reference's input gradient a TF32 product too); dz channels-last,
+    16-byte aligned, not empty; the sizes :func:`_window_fits` takes (dz as
+    the input, dx's C_in channels as the output)."""
     n, cout, oh, ow = dz.shape
     cin, kh, kw = weight.shape[1:]
-    return (dz.dtype in HALF_DTYPES and dz.numel() > 0
+    return ((dz.dtype in HALF_DTYPES or (dz.dtype == torch.float32 and tf32_dz and _cudnn_tf32()))
+            and dz.numel() > 0
             and dz.is_contiguous(memory_format=torch.channels_last) and dz.data_ptr() % 16 == 0
-            and _window_fits(n, cout, oh, ow, cin, kh, kw)
+            and _window_fits(n, cout, oh, ow, cin, kh, kw, gemm._k_tile(dz.dtype))
             and gemm.has_wgmma(dz.device.index))
 
 
-def _launch_dgrad(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _launch_dgrad(dz: torch.Tensor, weight: torch.Tensor, dx_dtype: Optional[torch.dtype] = None
+                  ) -> torch.Tensor:
     """The input gradient of the convolution (stride 1, no padding) on the
     engine (``conv_dgrad_wgmma``: the convolution of dz with the weight's
     taps flipped and its channels swapped, padded by KH - 1 and KW - 1, one
-    rounding of float32 sums; deterministic).
+    rounding of float32 sums to dz's dtype; deterministic).
 
     Args:
-        dz: [N, C_out, OH, OW], float16 or bfloat16, channels-last, as
-            :func:`_dgrad_on_engine` accepts.
-        weight: [C_out, C_in, KH, KW], cast to dz's dtype.
+        dz: [N, C_out, OH, OW], float16 or bfloat16, or float32 rounded to
+            TF32 (a TF32 product), channels-last, as :func:`_dgrad_on_engine`
+            accepts.
+        weight: [C_out, C_in, KH, KW], cast to dz's dtype (float32: rounded
+            to TF32 here).
+        dx_dtype: dz's dtype (None), or float32 (under autocast: the
+            rounded sums as autocast's cast hands them to a float32 x).
 
     Returns:
-        dx [N, C_in, OH + KH - 1, OW + KW - 1] of dz's dtype, channels-last.
+        dx [N, C_in, OH + KH - 1, OW + KW - 1] of ``dx_dtype``, channels-last.
     """
     n, cout, oh, ow = dz.shape
     cin, kh, kw = weight.shape[1:]
     h, w = oh + kh - 1, ow + kw - 1
-    dx = torch.empty((n, h, w, cin), dtype=dz.dtype, device=dz.device).permute(0, 3, 1, 2)
+    dx_dtype = dx_dtype or dz.dtype
+    if dx_dtype not in (dz.dtype, torch.float32):
+        raise ValueError(f"dx_dtype must be dz's dtype or float32, got {dx_dtype}")
+    dx = torch.empty((n, h, w, cin), dtype=dx_dtype, device=dz.device).permute(0, 3, 1, 2)
     # Wf [C_in, C_out, KH, KW], Wf[ci, co, kh, kw] = W[co, ci, KH-1-kh, KW-1-kw],
     # as the GEMM's A [C_in, KH * KW * Cpad] (_packed_weight's (kh, kw, co) order).
     packed, c_blocks = _packed_weight(weight.transpose(0, 1).flip(2, 3), dz.dtype)
-    _launch_windows(("dgrad", dz.dtype, kw), dz, packed, dx, (n, cin, h, w, kh, c_blocks))
+    key = ("dgrad", dz.dtype, kw) + ((torch.float32,) if dx_dtype == torch.float32 else ())
+    _launch_windows(key, dz, packed, dx, (n, cin, h, w, kh, c_blocks))
     return dx
 
 
 def _input_and_weight_grads(dz: torch.Tensor, weight: torch.Tensor, want_x: bool, want_weight: bool,
-                            engine: bool, cudnn_x: Callable[[], torch.Tensor]
+                            engine: bool, cudnn_x: Callable[[], torch.Tensor], tf32_dz: bool = False,
+                            dx_dtype: Optional[torch.dtype] = None
                             ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(dx, dw) of the convolution (stride 1, no padding), None where not
-    wanted: dx from :func:`_launch_dgrad` where ``engine`` and
-    :func:`_dgrad_on_engine` allow, cuDNN's deterministic backward for dw
-    and any other dx, on ``cudnn_x()`` (x, or what stands for it: called only
-    when cuDNN runs); each in the layout its producer picks for dz and x."""
-    dx = _launch_dgrad(dz, weight) if want_x and engine and _dgrad_on_engine(dz, weight) else None
-    dw = None
-    cudnn_dx = want_x and dx is None
-    if cudnn_dx or want_weight:
-        dx_c, dw = _conv_backward(dz, cudnn_x(), weight, cudnn_dx, want_weight)
-        dx = dx_c if cudnn_dx else dx
+    wanted: dx from :func:`_launch_dgrad` (of ``dx_dtype``, default dz's)
+    where ``engine`` and :func:`_dgrad_on_engine` allow (``tf32_dz``: a
+    float32 dz rounded to TF32), cuDNN's deterministic backward for dw and
+    any other dx (of dz's dtype), on ``cudnn_x()`` (x, or what stands for
+    it: called only when cuDNN runs, before our dx is made, and not held
+    after); each in the layout its producer picks for dz and x."""
+    ours = want_x and engine and _dgrad_on_engine(dz, weight, tf32_dz)
+    dx = dw = None
+    if want_weight or (want_x and not ours):
+        # (first: what cudnn_x() returns is dropped before dx is allocated)
+        dx, dw = _conv_backward(dz, cudnn_x(), weight, want_x and not ours, want_weight)
+    if ours:
+        dx = _launch_dgrad(dz, weight, dx_dtype)
     return dx, dw
 
 
@@ -728,17 +753,21 @@ def _train_setup_context(ctx, inputs, output):
 
 
 def _train_eager_setup_context(ctx, inputs, output):
-    # Eager: relu's mask is kept for one use, not saved, so that the
-    # backward drops it as soon as dz exists, before cuDNN's products
-    # allocate (a saved tensor lives until the backward returns, a bit per
-    # value of y above the reference's peak).  The biases, with their
-    # versions, recompute it for a second backward through a retained
-    # graph (not saved tensors: the reference's backward reads neither, so
+    # Eager: relu's mask and x's channels-last copy (or cast) are kept for
+    # one use, not saved, so that the backward drops the mask as soon as dz
+    # exists, before cuDNN's products allocate, and the copy once cuDNN's
+    # weight gradient has read it, before our input gradient allocates dx
+    # (a saved tensor lives until the backward returns: above the
+    # reference's peak).  x itself is saved (as the reference's convolution
+    # saves it) to make the copy again for a second backward through a
+    # retained graph, and the biases, with their versions, to recompute the
+    # mask (not saved tensors: the reference's backward reads neither, so
     # changing one in place before the first backward is no error there).
     x, weight, conv_bias, bias, dtype, out_dtype = inputs
     _, mask, xc = output
-    ctx.save_for_backward(xc if xc.numel() else x, weight)
+    ctx.save_for_backward(x, weight)
     ctx.kept_mask = mask
+    ctx.kept_xc = xc if xc.numel() else None
     ctx.biases = (conv_bias, bias)
     ctx.bias_versions = tuple(version_of(b) for b in ctx.biases)
     ctx.plan = (NCHW if x.is_contiguous() else CHANNELS_LAST, dtype, out_dtype, True)
@@ -753,6 +782,21 @@ def _train_fields(ctx, x, weight, conv_bias, bias):
     ctx.whole = _one_value_rows((conv_bias, bias), (0, 1), weight.shape[0])
 
 
+def _take_xc(ctx) -> torch.Tensor:
+    """x channels-last in the product's dtype, as the eager setup kept it
+    (its copy or cast, which the node then no longer holds, or x itself);
+    for a second backward through a retained graph, made again from the
+    saved x as the forward made it (the same bits)."""
+    xc, ctx.kept_xc = ctx.kept_xc, None
+    if xc is not None:
+        return xc
+    x = ctx.saved_tensors[0]
+    dtype = ctx.plan[1]
+    if ctx.nchw:
+        return _transposed(x, dtype, tf32=dtype == torch.float32)
+    return x.to(dtype)
+
+
 def _take_mask(ctx) -> torch.Tensor:
     """The mask kept by the eager setup, which the node then no longer
     holds; for a second backward through a retained graph, recomputed by
@@ -762,7 +806,8 @@ def _take_mask(ctx) -> torch.Tensor:
     mask, ctx.kept_mask = ctx.kept_mask, None
     if mask is not None:
         return mask
-    xc, weight = ctx.saved_tensors
+    xc = _take_xc(ctx)
+    weight = ctx.saved_tensors[1]
     conv_bias, bias = ctx.biases
     for name, b, version in zip(("conv_bias", "bias"), ctx.biases, ctx.bias_versions):
         check_unchanged(b, version, f"{name} of cupy_fused::conv_bias_relu_engine_train")
@@ -777,8 +822,8 @@ def _train_backward_formula(ctx, grads, run_backward):
     want = ctx.needs_input_grad
     flags = (b_dtype is not None, x_dtype, want[0], want[1], ctx.nchw, ctx.whole)
     if hasattr(ctx, "kept_mask"):  # eager (see _train_eager_setup_context)
-        xc, weight = ctx.saved_tensors
-        dx, dw, sums = _train_steps(grads[0], xc, weight, lambda: _take_mask(ctx), *flags)
+        dx, dw, sums = _train_steps(grads[0], lambda: _take_xc(ctx), ctx.plan[1], ctx.saved_tensors[1],
+                                    lambda: _take_mask(ctx), *flags)
     else:
         xc, weight, mask = ctx.saved_tensors
         dx, dw, sums = run_backward(grads[0], xc, weight, mask, *flags)
@@ -791,24 +836,30 @@ def _train_backward_formula(ctx, grads, run_backward):
 def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
                     second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
                     nchw: bool, whole: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _train_steps(dy, xc, weight, lambda: mask, second_bias, x_dtype, want_x, want_weight,
-                        nchw, whole)
+    return _train_steps(dy, lambda: xc, xc.dtype, weight, lambda: mask, second_bias, x_dtype, want_x,
+                        want_weight, nchw, whole)
 
 
-def _train_steps(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor,
-                 take_mask: Callable[[], torch.Tensor], second_bias: bool, x_dtype: torch.dtype,
-                 want_x: bool, want_weight: bool, nchw: bool,
+def _train_steps(dy: torch.Tensor, take_xc: Callable[[], torch.Tensor], dtype: torch.dtype,
+                 weight: torch.Tensor, take_mask: Callable[[], torch.Tensor], second_bias: bool,
+                 x_dtype: torch.dtype, want_x: bool, want_weight: bool, nchw: bool,
                  whole: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # dz (channels-last, the product's dtype) and the biases' sums from
-    # bias_relu's backward (the mask from take_mask(), in y's memory order:
-    # NCHW for an NCHW x, channels-last for a channels-last one; the eager
-    # node's is held by that call alone, so it is freed before the
-    # products), then the input gradient on the engine (16-bit) and cuDNN's
-    # channels-last weight gradient (and input gradient elsewhere) on xc (x
-    # channels-last: an NCHW x's copy, or x itself).
+    # dz (channels-last, the product's dtype: float32 rounded to TF32 while
+    # TF32 is allowed) and the biases' sums from bias_relu's backward (the
+    # mask from take_mask(), in y's memory order: NCHW for an NCHW x,
+    # channels-last for a channels-last one; the eager node's is held by
+    # that call alone, so it is freed before the products), then the input
+    # gradient on the engine (a channels-last one in x's dtype: float32
+    # under autocast, with no cast after it) and cuDNN's channels-last
+    # weight gradient (and input gradient elsewhere) on take_xc()'s x
+    # channels-last in the product's dtype ``dtype`` (an NCHW x's copy, a
+    # cast, or x itself), first, so that the eager node's copy is freed
+    # before dx is made.
+    tf32 = dtype == torch.float32 and _cudnn_tf32()
     dz, sums = _bias_relu_backward(dy, take_mask(), list(dy.shape), not nchw, second_bias,
-                                   xc.dtype, nchw, whole)
-    dx, dw = _input_and_weight_grads(dz, weight.to(xc.dtype), want_x, want_weight, True, lambda: xc)
+                                   dtype, nchw, whole, tf32_dz=tf32)
+    dx, dw = _input_and_weight_grads(dz, weight.to(dtype), want_x, want_weight, True, take_xc,
+                                     tf32_dz=tf32, dx_dtype=dtype if nchw else x_dtype)
     del dz
     if want_x:  # in x's layout
         if nchw:
@@ -816,7 +867,7 @@ def _train_steps(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor,
         else:
             dx = dx.contiguous(memory_format=torch.channels_last)
         dx = dx.to(x_dtype)
-    return (dx if want_x else xc.new_empty((0,)),
+    return (dx if want_x else dy.new_empty((0,), dtype=dtype),
             _strided_like(dw.to(weight.dtype), weight) if want_weight else weight.new_empty((0,)),
             sums)
 
