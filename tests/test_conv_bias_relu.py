@@ -859,16 +859,17 @@ def _engine_training_step_against_float64(shape, dtype, amp, memory_format, devi
             ey, eager = eager_step(x.contiguous(memory_format=torch.channels_last))
     eps = torch.finfo(amp or dtype).eps
     assert rel_error(y, want) <= 1.5 * rel_error(ey, want) + eps
-    # A float32 step's gradients hold at least a TF32 product's error: that
-    # of float64 on g rounded to TF32 as well (dz rounded, as the TF32 input
-    # gradient reads it and cuDNN's TF32 weight gradient rounds it).  At
-    # these sizes, far below the engine's thresholds, cuDNN may run the
-    # weight gradient in float32 on the unrounded dz.
+    # A float32 step's input and weight gradients hold at least a TF32
+    # product's error: that of float64 on g rounded to TF32 as well (dz
+    # rounded, as the TF32 input gradient reads it and cuDNN's TF32 weight
+    # gradient rounds it).  At these sizes, far below the engine's
+    # thresholds, cuDNN may run the weight gradient in float32 on the
+    # unrounded dz.  (The biases' sums add dz unrounded.)
     floor = [0.0] * 4
     if dtype == torch.float32 and not amp:
         tf32 = [t.detach().double().requires_grad_(True) for t in (*src, cb, b)]
         _reference(*tf32).backward(CB._tf32(g).double())
-        floor = [rel_error(t.grad, r.grad) for t, r in zip(tf32, ref)]
+        floor[:2] = [rel_error(t.grad, r.grad) for t, r in zip(tf32[:2], ref[:2])]
     for name, ours, r, theirs, f in zip(("x", "weight", "conv_bias", "bias"), leaves, ref, eager, floor):
         err, eager_err = rel_error(ours.grad, r.grad), rel_error(theirs.grad, r.grad)
         assert err <= 1.5 * max(eager_err, f) + eps, (name, err, eager_err, f)
@@ -922,12 +923,12 @@ def test_dgrad_against_float64(shape, dtype, device, monkeypatch):
     """The engine's input gradient (conv_dgrad_wgmma) against float64 on
     fresh random operands, into memory filled with NaN first: within 1.5x
     the error of torch's own (cuDNN's) input gradient in the same dtype
-    (float32: dz rounded to TF32 as bias_relu's backward rounds it, against
-    the float64 product of dz's and the weight's TF32 roundings, the best a
-    TF32 product gives), every element written, channels-last, bitwise
-    reproducible; a 16-bit product's float32 dx (autocast's) is its dx
-    bit for bit; a NaN or an infinity in dz reaches dx where it reaches
-    float64's."""
+    (float32: ours on dz rounded to TF32, as bias_relu's backward rounds it,
+    and the yardstick the float64 product of dz's and the weight's TF32
+    roundings, the best a TF32 product gives), every element written,
+    channels-last, bitwise reproducible; a 16-bit product's float32 dx
+    (autocast's) is its dx bit for bit; a NaN or an infinity in dz reaches
+    dx where it reaches float64's."""
     _engine_device(device)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
     n, cin, oh, ow, cout, kh, kw = shape
@@ -1398,19 +1399,22 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
 def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype, amp, device,
                                                             monkeypatch):
     """The eager node keeps relu's mask for one use: freed once dz exists,
-    before cuDNN's backward runs; and x's channels-last copy or cast (an
-    NCHW x's, an autocast's) for one use: freed once cuDNN's weight gradient
-    has read it, before our input gradient makes dx.  A second backward
-    through a retained graph makes both again, with the same gradients, and
-    refuses a bias changed in place since the forward; biases made in
+    before cuDNN's backward runs; and a leaf x's channels-last copy or cast
+    (an NCHW x's, an autocast's) for one use: freed once cuDNN's weight
+    gradient has read it (at once without a weight gradient), before our
+    input gradient makes dx.  A second backward through a retained graph
+    makes both again, with the same gradients, and refuses a bias or x
+    changed in place since the forward; an intermediate x's copy is saved
+    instead (the node does not keep x alive beside it); biases made in
     inference mode (no version counter) train as the reference's do."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)  # small sizes, float32 (TF32) too
     gen, x, wt, cb, g = _small_training_operands(channels_last, 6, device, dtype)
     b = torch.randn(32, generator=gen).to(device, dtype)
 
-    def forward(cb=cb, b=b):
+    def forward(cb=cb, b=b, weight_grad=True):
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        leaves[1].requires_grad_(weight_grad)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             assert CB.route(*leaves) == "engine"
             return ops.conv_bias_relu(*leaves), leaves
@@ -1418,8 +1422,9 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
     y, leaves = forward()
     mask = weakref.ref(y.grad_fn.kept_mask)
     # A copy of x where the forward made one (NCHW, or a cast), x itself otherwise.
-    assert (y.grad_fn.kept_xc is None) == (channels_last and not amp)
-    xc = weakref.ref(y.grad_fn.kept_xc) if y.grad_fn.kept_xc is not None else (lambda: None)
+    copy = not channels_last or amp
+    assert hasattr(y.grad_fn, "kept_xc") == copy
+    xc = weakref.ref(y.grad_fn.kept_xc) if copy else (lambda: None)
     alive_at_products, alive_at_dgrad = [], []
     conv_backward, dgrad = CB._conv_backward, CB._launch_dgrad
 
@@ -1435,12 +1440,36 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
     monkeypatch.setattr(CB, "_launch_dgrad", watched_dgrad)
     y.backward(g, retain_graph=True)
     assert alive_at_products == [False] and y.grad_fn.kept_mask is None
-    assert alive_at_dgrad == [False] and y.grad_fn.kept_xc is None
+    assert alive_at_dgrad == [False] and getattr(y.grad_fn, "kept_xc", None) is None
     first = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
     y.backward(g)  # recomputes the mask and the copy
     assert all(torch.equal(t.grad, f) for t, f in zip(leaves, first))
+    if copy:  # without a weight gradient the kept copy is dropped before anything runs
+        y, _ = forward(weight_grad=False)
+        xc = weakref.ref(y.grad_fn.kept_xc)
+        alive_at_dgrad.clear()
+        y.backward(g)
+        assert alive_at_dgrad == [False]
+    # An intermediate x: its copy saved, nothing kept; the same gradients.
+    if copy:
+        for t in leaves:
+            t.grad = None
+        xi = leaves[0] * 1.0
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            y = ops.conv_bias_relu(xi, *leaves[1:])
+        assert not hasattr(y.grad_fn, "kept_xc")
+        y.backward(g, retain_graph=True)
+        y.backward(g)
+        assert torch.equal(leaves[0].grad, 2 * first[0])
+    if copy:  # x changed in place: a second backward, which makes the copy again, refuses it
+        y, leaves = forward()
+        y.backward(g, retain_graph=True)
+        with torch.no_grad():
+            leaves[0].add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation: x of"):
+            y.backward(g)
     assert (y == b.view(1, -1, 1, 1)).any() and (y != b.view(1, -1, 1, 1)).any()  # both sides of relu
     for name, i in (("conv_bias", 2), ("bias", 3)):
         y, leaves = forward()

@@ -43,8 +43,9 @@ Route, decided once per call (:func:`route`):
   channels-last for the weight gradient, first (and the input gradient
   elsewhere; as the ``"cudnn"`` route's backward runs on Hopper:
   :func:`_channels_last_backward`), the input gradient in x's layout.  The
-  eager node keeps relu's mask and x's copy for one use, each freed once
-  read: neither is held when dx is made.
+  eager node keeps relu's mask for one use, freed once dz exists, and, for
+  a leaf x (the caller's own tensor), x's copy or cast for one use, freed
+  before dx is made.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
   layout, autocast's promotions.  Smaller training steps take it, and
@@ -753,21 +754,28 @@ def _train_setup_context(ctx, inputs, output):
 
 
 def _train_eager_setup_context(ctx, inputs, output):
-    # Eager: relu's mask and x's channels-last copy (or cast) are kept for
-    # one use, not saved, so that the backward drops the mask as soon as dz
-    # exists, before cuDNN's products allocate, and the copy once cuDNN's
-    # weight gradient has read it, before our input gradient allocates dx
-    # (a saved tensor lives until the backward returns: above the
-    # reference's peak).  x itself is saved (as the reference's convolution
-    # saves it) to make the copy again for a second backward through a
-    # retained graph, and the biases, with their versions, to recompute the
-    # mask (not saved tensors: the reference's backward reads neither, so
-    # changing one in place before the first backward is no error there).
+    # Eager: relu's mask is kept for one use, not saved, so that the backward
+    # drops it as soon as dz exists, before cuDNN's products allocate (a
+    # saved tensor lives until the backward returns: above the reference's
+    # peak).  The biases, with their versions, recompute it for a second
+    # backward through a retained graph (not saved tensors: the reference's
+    # backward reads neither, so changing one in place before the first
+    # backward is no error there).  x's channels-last copy (an NCHW x's, or
+    # autocast's cast) is kept for one use too where x is a leaf (the
+    # caller's own tensor, which the node then keeps, as it keeps the
+    # biases): dropped once cuDNN's weight gradient has read it, before our
+    # input gradient allocates dx, and made again from x for a second
+    # backward.  For an intermediate x, which the node would otherwise keep
+    # alive beside its copy, the copy is saved, as is x where there is no
+    # copy (x itself the backward's operand).
     x, weight, conv_bias, bias, dtype, out_dtype = inputs
     _, mask, xc = output
-    ctx.save_for_backward(x, weight)
     ctx.kept_mask = mask
-    ctx.kept_xc = xc if xc.numel() else None
+    if xc.numel() and x.grad_fn is None:
+        ctx.save_for_backward(weight)
+        ctx.kept_xc, ctx.source_x, ctx.source_version = xc, x, version_of(x)
+    else:
+        ctx.save_for_backward(xc if xc.numel() else x, weight)
     ctx.biases = (conv_bias, bias)
     ctx.bias_versions = tuple(version_of(b) for b in ctx.biases)
     ctx.plan = (NCHW if x.is_contiguous() else CHANNELS_LAST, dtype, out_dtype, True)
@@ -783,15 +791,19 @@ def _train_fields(ctx, x, weight, conv_bias, bias):
 
 
 def _take_xc(ctx) -> torch.Tensor:
-    """x channels-last in the product's dtype, as the eager setup kept it
-    (its copy or cast, which the node then no longer holds, or x itself);
-    for a second backward through a retained graph, made again from the
-    saved x as the forward made it (the same bits)."""
+    """x channels-last in the product's dtype for the eager node's backward:
+    the saved copy, or x itself; or the copy of a leaf x kept for one use
+    (which the node then no longer holds), made again from x, as the
+    forward made it, for a second backward through a retained graph
+    (refused, as autograd refuses, if x changed in place since the
+    forward)."""
+    if not hasattr(ctx, "source_x"):
+        return ctx.saved_tensors[0]
     xc, ctx.kept_xc = ctx.kept_xc, None
     if xc is not None:
         return xc
-    x = ctx.saved_tensors[0]
-    dtype = ctx.plan[1]
+    x, dtype = ctx.source_x, ctx.plan[1]
+    check_unchanged(x, ctx.source_version, "x of cupy_fused::conv_bias_relu_engine_train")
     if ctx.nchw:
         return _transposed(x, dtype, tf32=dtype == torch.float32)
     return x.to(dtype)
@@ -807,7 +819,7 @@ def _take_mask(ctx) -> torch.Tensor:
     if mask is not None:
         return mask
     xc = _take_xc(ctx)
-    weight = ctx.saved_tensors[1]
+    weight = ctx.saved_tensors[-1]
     conv_bias, bias = ctx.biases
     for name, b, version in zip(("conv_bias", "bias"), ctx.biases, ctx.bias_versions):
         check_unchanged(b, version, f"{name} of cupy_fused::conv_bias_relu_engine_train")
@@ -822,7 +834,9 @@ def _train_backward_formula(ctx, grads, run_backward):
     want = ctx.needs_input_grad
     flags = (b_dtype is not None, x_dtype, want[0], want[1], ctx.nchw, ctx.whole)
     if hasattr(ctx, "kept_mask"):  # eager (see _train_eager_setup_context)
-        dx, dw, sums = _train_steps(grads[0], lambda: _take_xc(ctx), ctx.plan[1], ctx.saved_tensors[1],
+        if not want[1]:
+            ctx.kept_xc = None  # no weight gradient reads a kept copy (_take_xc makes it where needed)
+        dx, dw, sums = _train_steps(grads[0], lambda: _take_xc(ctx), ctx.plan[1], ctx.saved_tensors[-1],
                                     lambda: _take_mask(ctx), *flags)
     else:
         xc, weight, mask = ctx.saved_tensors
