@@ -189,10 +189,14 @@ def first_order_only(name: str, result, depends_on: Sequence[Optional[torch.Tens
 
 def _formula_with_graph(name: str, formula: Callable, ctx, grads, run_backward):
     """``formula`` run by a backward with grad mode on (``create_graph=True``):
-    its results refuse to be differentiated (:func:`first_order_only`)."""
+    its results refuse to be differentiated (:func:`first_order_only`), as
+    functions of the incoming gradients, the saved tensors and
+    ``ctx.graph_anchors`` (inputs a node keeps other than as saved tensors,
+    if it sets them)."""
     with torch.no_grad():  # a graph of the formula's torch ops would be cut anyway
         result = formula(ctx, grads, run_backward)
-    return first_order_only(name, result, grads + tuple(ctx.saved_tensors))
+    return first_order_only(name, result,
+                            grads + tuple(ctx.saved_tensors) + tuple(getattr(ctx, "graph_anchors", ())))
 
 
 class FusedOp:

@@ -1242,59 +1242,41 @@ def test_channels_last_float32_launch(monkeypatch):
         ((64, ow, 14), (64, ow * 64), f32, (32, 128, 1))]
 
 
-def test_dgrad_launch(monkeypatch):
+@pytest.mark.parametrize("dtype, dx_dtype", [(torch.float16, None), (torch.float16, torch.float32),
+                                             (torch.float32, torch.float32)], ids=str)
+def test_dgrad_launch(dtype, dx_dtype, monkeypatch):
     """_launch_dgrad on CPU tensors (launches recorded): the kernel of its
-    dtype and KW, dz's map with boxes of WINDOW columns, dx [N, H, W, C_in]
-    channels-last with rows of 128, and A = the weight with its taps
-    flipped and its channels swapped, [C_in, KH * KW * Cpad] with
-    Wf[ci, (kh KW + kw) Cpad + co] = W[co, ci, KH-1-kh, KW-1-kw]."""
+    dtype and KW (keyed with float32 last for a float32 dx: autocast's from
+    a 16-bit dz, or TF32's), dz's map with boxes of a k-tile's channels (64
+    16-bit, 32 float32) x WINDOW columns, dx [N, H, W, C_in] channels-last
+    with boxes of 64 channels x 128 columns (float32: 32 x 64), and A = the
+    weight with its taps flipped and its channels swapped (float32: rounded
+    to TF32), [C_in, KH * KW * Cpad] with Wf[ci, (kh KW + kw) Cpad + co] =
+    W[co, ci, KH-1-kh, KW-1-kw], C_out padded with zeros to a k-tile; a
+    dx_dtype other than dz's or float32 refused."""
     maps, packed, launched = _record_window_launches(monkeypatch)
-    f16 = torch.float16
-    dz = torch.randn(2, 24, 7, 136, dtype=f16).contiguous(memory_format=torch.channels_last)
-    wt = torch.randn(24, 72, 3, 5, dtype=f16)
-    dx = CB._launch_dgrad(dz, wt)
-    assert dx.shape == (2, 72, 9, 140) and dx.is_contiguous(memory_format=torch.channels_last)
-    (fn, grid, block, args, shared), = launched
-    assert fn == ("dgrad", f16, 5) and grid == (2 * 2 * 5 * 2, 1, 1) and shared == CB._window_shared_bytes(5)
-    assert maps == [
-        (dz.data_ptr(), (24, 136, 7, 2), (24, 136 * 24, 7 * 136 * 24), f16, (64, CB.WINDOW, 1, 1)),
-        (dx.data_ptr(), (72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), f16, (64, 128, 1, 1))]
-    assert args == (("map", 0), ("packed", 64), ("map", 1), 2, 72, 9, 140, 3, 1)
-    (a, rows), = packed
-    assert rows == 64 and a.shape == (72, 3 * 5 * 64)
-    a = a.reshape(72, 3, 5, 64)
-    for co, ci, kh, kw in ((0, 0, 0, 0), (23, 71, 2, 4), (5, 40, 1, 3), (17, 3, 2, 0)):
-        assert a[ci, kh, kw, co] == wt[co, ci, 2 - kh, 4 - kw]
-    assert not a[:, :, :, 24:].any()  # C_out padded with zeros to a k-block
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_dgrad_launch_float32_dx(dtype, monkeypatch):
-    """_launch_dgrad with a float32 dx (launches recorded): from a 16-bit dz
-    (autocast) or a float32 one (TF32), the kernel keyed with float32 last,
-    dx's map with float32 boxes of 32 channels x 64 columns; from float32,
-    dz's boxes of 32 channels, and A rounded to TF32 with C_out padded to
-    a multiple of 32."""
-    maps, packed, launched = _record_window_launches(monkeypatch)
-    f32 = torch.float32
     dz = torch.randn(2, 24, 7, 136, dtype=dtype).contiguous(memory_format=torch.channels_last)
     wt = torch.randn(24, 72, 3, 5, dtype=dtype)
-    dx = CB._launch_dgrad(dz, wt, f32)
-    assert dx.dtype == f32 and dx.shape == (2, 72, 9, 140)
+    dx = CB._launch_dgrad(dz, wt, dx_dtype)
+    out = dx_dtype or dtype
+    assert dx.dtype == out and dx.shape == (2, 72, 9, 140)
     assert dx.is_contiguous(memory_format=torch.channels_last)
     (fn, grid, block, args, shared), = launched
-    assert fn == ("dgrad", dtype, 5, f32) and shared == CB._window_shared_bytes(5)
-    box_k = 32 if dtype == f32 else 64
+    assert fn == ("dgrad", dtype, 5) + ((dx_dtype,) if dx_dtype else ())
+    assert grid == (2 * 2 * 5 * 2, 1, 1) and shared == CB._window_shared_bytes(5)
+    box_k = 32 if dtype == torch.float32 else 64
     assert maps == [
         (dz.data_ptr(), (24, 136, 7, 2), (24, 136 * 24, 7 * 136 * 24), dtype, (box_k, CB.WINDOW, 1, 1)),
-        (dx.data_ptr(), (72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), f32, (32, 64, 1, 1))]
-    assert args[3:] == (2, 72, 9, 140, 3, 1)
+        (dx.data_ptr(), (72, 140, 9, 2), (72, 140 * 72, 9 * 140 * 72), out,
+         (32, 64, 1, 1) if out == torch.float32 else (64, 128, 1, 1))]
+    assert args == (("map", 0), ("packed", 64), ("map", 1), 2, 72, 9, 140, 3, 1)
     (a, rows), = packed
     assert rows == 64 and a.shape == (72, 3 * 5 * box_k) and a.dtype == dtype
-    if dtype == f32:
-        a = a.reshape(72, 3, 5, 32)
-        assert a[7, 1, 2, 5] == CB._tf32(wt[5, 7, 1, 2].reshape(1))[0]
-        assert not a[:, :, :, 24:].any()
+    a = a.reshape(72, 3, 5, box_k)
+    want = CB._tf32(wt) if dtype == torch.float32 else wt
+    for co, ci, kh, kw in ((0, 0, 0, 0), (23, 71, 2, 4), (5, 40, 1, 3), (17, 3, 2, 0)):
+        assert a[ci, kh, kw, co] == want[co, ci, 2 - kh, 4 - kw]
+    assert not a[:, :, :, 24:].any()
     with pytest.raises(ValueError, match="dx_dtype"):
         CB._launch_dgrad(dz, wt, torch.bfloat16 if dtype == torch.float16 else torch.float16)
 
@@ -1401,20 +1383,19 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
     """The eager node keeps relu's mask for one use: freed once dz exists,
     before cuDNN's backward runs; and a leaf x's channels-last copy or cast
     (an NCHW x's, an autocast's) for one use: freed once cuDNN's weight
-    gradient has read it (at once without a weight gradient), before our
-    input gradient makes dx.  A second backward through a retained graph
-    makes both again, with the same gradients, and refuses a bias or x
-    changed in place since the forward; an intermediate x's copy is saved
-    instead (the node does not keep x alive beside it); biases made in
-    inference mode (no version counter) train as the reference's do."""
+    gradient has read it, before our input gradient makes dx (the rest of
+    that bookkeeping: test_engine_training_node_keeps_a_leaf_copy_for_one_use).
+    A second backward through a retained graph makes both again, with the
+    same gradients, and refuses a bias changed in place since the forward;
+    biases made in inference mode (no version counter) train as the
+    reference's do."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)  # small sizes, float32 (TF32) too
     gen, x, wt, cb, g = _small_training_operands(channels_last, 6, device, dtype)
     b = torch.randn(32, generator=gen).to(device, dtype)
 
-    def forward(cb=cb, b=b, weight_grad=True):
+    def forward(cb=cb, b=b):
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
-        leaves[1].requires_grad_(weight_grad)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             assert CB.route(*leaves) == "engine"
             return ops.conv_bias_relu(*leaves), leaves
@@ -1446,30 +1427,6 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
         t.grad = None
     y.backward(g)  # recomputes the mask and the copy
     assert all(torch.equal(t.grad, f) for t, f in zip(leaves, first))
-    if copy:  # without a weight gradient the kept copy is dropped before anything runs
-        y, _ = forward(weight_grad=False)
-        xc = weakref.ref(y.grad_fn.kept_xc)
-        alive_at_dgrad.clear()
-        y.backward(g)
-        assert alive_at_dgrad == [False]
-    # An intermediate x: its copy saved, nothing kept; the same gradients.
-    if copy:
-        for t in leaves:
-            t.grad = None
-        xi = leaves[0] * 1.0
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            y = ops.conv_bias_relu(xi, *leaves[1:])
-        assert not hasattr(y.grad_fn, "kept_xc")
-        y.backward(g, retain_graph=True)
-        y.backward(g)
-        assert torch.equal(leaves[0].grad, 2 * first[0])
-    if copy:  # x changed in place: a second backward, which makes the copy again, refuses it
-        y, leaves = forward()
-        y.backward(g, retain_graph=True)
-        with torch.no_grad():
-            leaves[0].add_(1.0)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation: x of"):
-            y.backward(g)
     assert (y == b.view(1, -1, 1, 1)).any() and (y != b.view(1, -1, 1, 1)).any()  # both sides of relu
     for name, i in (("conv_bias", 2), ("bias", 3)):
         y, leaves = forward()
@@ -1485,6 +1442,120 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
         y = ops.conv_bias_relu(x_leaf, w_leaf, cb_inf, b_inf)
     y.backward(g)
     assert torch.equal(x_leaf.grad, first[0]) and torch.equal(w_leaf.grad, first[1])
+
+
+def _cpu_engine_node(monkeypatch):
+    """The engine's training node on CPU tensors, its kernels replaced by
+    torch ops (a forward whose relu passes everything where conv_bias is
+    large, and a backward that ignores the mask): the node's bookkeeping
+    alone.  Returns (the copies of x made so far, a list that the input
+    gradient appends to whether ``kept[0]()``, a weak reference to a kept
+    copy, is alive when it runs, kept)."""
+    monkeypatch.setattr(gemm, "has_wgmma", lambda index: True)
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(CB, "ENGINE_FLOAT32_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    copies, alive, kept = [0], [], [lambda: None]
+    cl = torch.channels_last
+
+    def transposed(t, dtype=None, tf32=False):
+        if t.is_contiguous():  # (an NCHW x's copy for the product)
+            copies[0] += 1
+            return t.to(dtype or t.dtype).contiguous(memory_format=cl)
+        return t.contiguous()
+
+    def launch_engine(x, weight, conv_bias, bias, out=None, plan=None, mask=None, xc=None):
+        src = x if xc is None else xc
+        y = F.relu(F.conv2d(src.float(), weight.float(), conv_bias.float())) + bias.float().reshape(-1, 1, 1)
+        fmt = cl if plan[0] == CB.CHANNELS_LAST else torch.contiguous_format
+        return y.to(plan[2]).contiguous(memory_format=fmt)
+
+    def bias_relu_backward(dy, mask, sizes, channels_last, second_bias, dtype, nchw, whole, tf32_dz=False):
+        return dy.to(dtype).contiguous(memory_format=cl), torch.stack([dy.sum((0, 2, 3))] * 2)
+
+    def dgrad(dz, weight, dx_dtype=None):
+        alive.append(kept[0]() is not None)
+        n, _, oh, ow = dz.shape
+        cin, kh, kw = weight.shape[1:]
+        dx = torch.nn.grad.conv2d_input((n, cin, oh + kh - 1, ow + kw - 1), weight, dz)
+        return dx.to(dx_dtype or dz.dtype).contiguous(memory_format=cl)
+
+    monkeypatch.setattr(CB, "_transposed", transposed)
+    monkeypatch.setattr(CB, "_launch_engine", launch_engine)
+    monkeypatch.setattr(CB, "_bias_relu_backward", bias_relu_backward)
+    monkeypatch.setattr(CB, "_launch_dgrad", dgrad)
+    monkeypatch.setattr(CB, "_dgrad_on_engine", lambda dz, weight, tf32_dz=False: True)
+    return copies, alive, kept
+
+
+def test_engine_training_node_keeps_a_leaf_copy_for_one_use(past_device_check, monkeypatch):
+    """The engine's training node (on CPU, its kernels replaced: the
+    bookkeeping alone).  Where x is a leaf that requires grad, x's
+    channels-last copy is kept for one use: gone when the input gradient
+    runs (at once without a weight gradient), made again, once, for a
+    second backward through a retained graph, with the same gradients, and
+    refused there if x changed in place; x anchors a refused double
+    backward.  An intermediate x's copy is saved, and x itself not kept
+    alive; an x with no gradient, and a channels-last x the product reads
+    as it is, keep nothing for one use."""
+    copies, alive, kept = _cpu_engine_node(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 8, 6, 7, generator=gen)
+    wt = torch.randn(32, 8, 3, 3, generator=gen) / 8  # (C_out 32: a channels-last x trains on the engine)
+    cb, b = torch.full((32,), 100.0), torch.randn(32, generator=gen)  # (relu passes everything)
+    g = torch.randn(2, 32, 4, 5, generator=gen)
+
+    def forward(x=x, weight_grad=True, x_grad=True):
+        leaves = [t.clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        leaves[0].requires_grad_(x_grad)
+        leaves[1].requires_grad_(weight_grad)
+        assert CB.route(*leaves) == "engine"
+        return ops.conv_bias_relu(*leaves), leaves
+
+    ref = [t.clone().requires_grad_(True) for t in (x, wt, cb, b)]
+    (F.relu(F.conv2d(ref[0], ref[1], ref[2])) + ref[3].reshape(-1, 1, 1)).backward(g)
+    y, leaves = forward()
+    assert copies[0] == 1 and not any(hasattr(y.grad_fn, a) for a in ("saved_x", "saved_xc"))
+    kept[0] = weakref.ref(y.grad_fn.kept_xc)
+    y.backward(g, retain_graph=True)
+    assert alive == [False] and y.grad_fn.kept_xc is None
+    first = [t.grad.clone() for t in leaves]
+    assert all(torch.allclose(a, r.grad, rtol=1e-4, atol=1e-4) for a, r in zip(first, ref))
+    for t in leaves:
+        t.grad = None
+    y.backward(g)  # the copy made again, once (for the mask and the weight gradient)
+    assert copies[0] == 2 and all(torch.equal(t.grad, f) for t, f in zip(leaves, first))
+    y, leaves = forward()
+    y.backward(g, retain_graph=True)
+    with torch.no_grad():
+        leaves[0].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: x of"):
+        y.backward(g)
+    # No weight gradient: the kept copy dropped before anything runs.
+    y, leaves = forward(weight_grad=False)
+    kept[0] = weakref.ref(y.grad_fn.kept_xc)
+    alive.clear()
+    y.backward(g)
+    assert alive == [False] and torch.equal(leaves[0].grad, first[0])
+    # A penalty on the weight's gradient, with respect to x alone: refused.
+    y, leaves = forward()
+    (gw,) = torch.autograd.grad((y * g).sum(), leaves[1], create_graph=True)
+    with pytest.raises(RuntimeError, match=r"cupy_fused::\w+ does not support double backward"):
+        torch.autograd.grad(gw.square().sum(), leaves[0], allow_unused=True)
+    # An intermediate x: its copy saved, x not kept alive; two backwards, the gradients summed.
+    _, leaves = forward()
+    xi = leaves[0] * 1.0
+    held = weakref.ref(xi)
+    y = ops.conv_bias_relu(xi, *leaves[1:])
+    del xi
+    assert held() is None and not hasattr(y.grad_fn, "kept_xc")
+    y.backward(g, retain_graph=True)
+    y.backward(g)
+    assert all(torch.equal(t.grad, 2 * f) for t, f in zip(leaves, first))
+    # x with no gradient, and a channels-last x read as it is: nothing kept for one use.
+    for y, _ in (forward(x_grad=False), forward(x.contiguous(memory_format=torch.channels_last))):
+        assert not hasattr(y.grad_fn, "kept_xc")
+        y.backward(g)
 
 
 @pytest.mark.gpu
@@ -1525,6 +1596,12 @@ def test_engine_training_refuses_double_backward(channels_last, dtype, device, m
     (gx,) = torch.autograd.grad(ops.conv_bias_relu(*ts).sum(), ts[0], create_graph=True)
     with pytest.raises(RuntimeError, match=refused):
         torch.autograd.grad(gx.float().square().sum(), ts[1:], allow_unused=True)
+    # A penalty on the weight's gradient with respect to x alone (x not a
+    # saved tensor where the node keeps its copy for one use).
+    ts = leaves()
+    (gw,) = torch.autograd.grad(ops.conv_bias_relu(*ts).sum(), ts[1], create_graph=True)
+    with pytest.raises(RuntimeError, match=refused):
+        torch.autograd.grad(gw.float().square().sum(), ts[0], allow_unused=True)
 
 
 @pytest.mark.gpu

@@ -44,8 +44,8 @@ Route, decided once per call (:func:`route`):
   elsewhere; as the ``"cudnn"`` route's backward runs on Hopper:
   :func:`_channels_last_backward`), the input gradient in x's layout.  The
   eager node keeps relu's mask for one use, freed once dz exists, and, for
-  a leaf x (the caller's own tensor), x's copy or cast for one use, freed
-  before dx is made.
+  a leaf x that requires grad, x's copy or cast for one use, freed before
+  dx is made.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
   layout, autocast's promotions.  Smaller training steps take it, and
@@ -761,19 +761,22 @@ def _train_eager_setup_context(ctx, inputs, output):
     # backward through a retained graph (not saved tensors: the reference's
     # backward reads neither, so changing one in place before the first
     # backward is no error there).  x's channels-last copy (an NCHW x's, or
-    # autocast's cast) is kept for one use too where x is a leaf (the
-    # caller's own tensor, which the node then keeps, as it keeps the
-    # biases): dropped once cuDNN's weight gradient has read it, before our
-    # input gradient allocates dx, and made again from x for a second
-    # backward.  For an intermediate x, which the node would otherwise keep
-    # alive beside its copy, the copy is saved, as is x where there is no
-    # copy (x itself the backward's operand).
+    # autocast's cast) is kept for one use too where x is a leaf that
+    # requires grad (which autograd's AccumulateGrad node holds anyway, and
+    # the node then keeps too): dropped once cuDNN's weight gradient has
+    # read it, before our input gradient allocates dx, and made again from x
+    # for a second backward (x also anchors a refused double backward, as a
+    # saved x would).  Elsewhere (an intermediate x, which the node would
+    # otherwise keep alive beside its copy; an x with no gradient, for which
+    # no dx is made) the copy is saved, as is x where there is no copy (x
+    # itself the backward's operand).
     x, weight, conv_bias, bias, dtype, out_dtype = inputs
     _, mask, xc = output
     ctx.kept_mask = mask
-    if xc.numel() and x.grad_fn is None:
+    if xc.numel() and x.requires_grad and x.grad_fn is None:
         ctx.save_for_backward(weight)
         ctx.kept_xc, ctx.source_x, ctx.source_version = xc, x, version_of(x)
+        ctx.graph_anchors = (x,)
     else:
         ctx.save_for_backward(xc if xc.numel() else x, weight)
     ctx.biases = (conv_bias, bias)
@@ -796,7 +799,8 @@ def _take_xc(ctx) -> torch.Tensor:
     (which the node then no longer holds), made again from x, as the
     forward made it, for a second backward through a retained graph
     (refused, as autograd refuses, if x changed in place since the
-    forward)."""
+    forward; kept by :func:`_take_mask`, which makes it first, for the
+    weight gradient's one use)."""
     if not hasattr(ctx, "source_x"):
         return ctx.saved_tensors[0]
     xc, ctx.kept_xc = ctx.kept_xc, None
@@ -826,6 +830,8 @@ def _take_mask(ctx) -> torch.Tensor:
     mask = _mask_words(xc, weight, ctx.nchw)
     _launch_engine(xc, weight, conv_bias, bias, plan=ctx.plan, mask=mask,
                    xc=xc if ctx.nchw else None)
+    if hasattr(ctx, "source_x") and ctx.needs_input_grad[1]:
+        ctx.kept_xc = xc  # (made again: for the weight gradient, next)
     return mask
 
 
@@ -834,7 +840,7 @@ def _train_backward_formula(ctx, grads, run_backward):
     want = ctx.needs_input_grad
     flags = (b_dtype is not None, x_dtype, want[0], want[1], ctx.nchw, ctx.whole)
     if hasattr(ctx, "kept_mask"):  # eager (see _train_eager_setup_context)
-        if not want[1]:
+        if not want[1] and hasattr(ctx, "source_x"):
             ctx.kept_xc = None  # no weight gradient reads a kept copy (_take_xc makes it where needed)
         dx, dw, sums = _train_steps(grads[0], lambda: _take_xc(ctx), ctx.plan[1], ctx.saved_tensors[-1],
                                     lambda: _take_mask(ctx), *flags)
