@@ -1159,33 +1159,13 @@ struct NchwWindowLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
     }
   }
   // By the producer warpgroup's last kHelperWarps warps: for each stage the
-  // block uses, once the consumers have released it, its two raw rows
-  // transposed into its windows, then one arrive per warp on its "full"
-  // barrier.
+  // block uses, its two raw rows transposed into its windows
+  // (RawRing::help_stages).
   __device__ __forceinline__ void help(const StageRing& ring, i64 tiles, int ktiles) const {
     const int lane = threadIdx.x & 31, helper = (threadIdx.x >> 5) - (4 - kHelperWarps);
-    int it = 0, row = 0;
-    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      for (int kt = 0; kt < ktiles; ++kt, ++it) {
-        const int s = it % ring.stages;
-        if (it >= ring.stages) mbar_wait(ring.empty(s), ((it / ring.stages) - 1) & 1);
-#pragma unroll 1
-        for (int r = 0; r < 2; ++r, ++row) {
-          const int slot = row % kRaw;
-          mbar_wait(raw_full(slot), (row / kRaw) & 1);
-          transpose_row(raws + slot * kConvRawBytes, ring.tile_b(s) + r * kConvWindowBytes, helper, lane);
-          // (The row's reads are done: their values went into the window's
-          // writes.  The copy engine's next write of the slot comes after
-          // the arrive, as a TMA pipeline's consumers release a stage read
-          // by ldmatrix.)
-          __syncwarp();
-          if (lane == 0) mbar_arrive(raw_empty(slot));
-        }
-        fence_proxy_async();  // the windows' writes, before the MMAs read them
-        __syncwarp();
-        if (lane == 0) mbar_arrive(ring.full(s));
-      }
-    }
+    Ring::template help_stages<2, kConvRawBytes>(ring, tiles, ktiles, [&](unsigned raw, int s, int r) {
+      transpose_row(raw, ring.tile_b(s) + r * kConvWindowBytes, helper, lane);
+    });
   }
   // A raw row [64 channels][kConvWindow columns] into a window [kConvWindow
   // pixels][64 channels], 128-byte swizzled, by 8 x 8 blocks (8 channels x 8

@@ -381,6 +381,15 @@ static_assert(128 * (kHgStoreProducerRegs + 2 * kHgStoreConsumerRegs + kHgStoreR
                   kHgThreadsWithStore * (65536 / kHgThreadsWithStore / 8 * 8),
               "register budget");
 
+// The engine's ring of stages, as a loader's helpers see it.
+struct StageRing {
+  unsigned base, bars;
+  int stages, stage_bytes, tile_a_bytes;
+  __device__ __forceinline__ unsigned tile_b(int s) const { return base + s * stage_bytes + tile_a_bytes; }
+  __device__ __forceinline__ unsigned full(int s) const { return bars + 8u * s; }
+  __device__ __forceinline__ unsigned empty(int s) const { return bars + 8u * (stages + s); }
+};
+
 // A loader's own ring of kRaw slots of raw tiles at `raws` (its
 // kExtraBytes) and their barriers (two of its kExtraBarriers a slot),
 // whose tiles the producer's copies bring and its kHelperWarps helper warps
@@ -401,15 +410,39 @@ struct RawRing {
     raws = extra;
     bars = loader_bars;
   }
-};
-
-// The engine's ring of stages, as a loader's helpers see it.
-struct StageRing {
-  unsigned base, bars;
-  int stages, stage_bytes, tile_a_bytes;
-  __device__ __forceinline__ unsigned tile_b(int s) const { return base + s * stage_bytes + tile_a_bytes; }
-  __device__ __forceinline__ unsigned full(int s) const { return bars + 8u * s; }
-  __device__ __forceinline__ unsigned empty(int s) const { return bars + 8u * (stages + s); }
+  // The helpers' loop, for a loader's help() (run by its kHelperWarps
+  // warps): for each stage the block uses (ktiles k-tiles of each of its
+  // tiles in turn), once the consumers have released it, kRowsPerStage raw
+  // slots of kSlotBytes in turn, each handed to work(its address, the
+  // stage, the row of the stage) once the copy has filled it and released
+  // after; then the stage's writes fenced for the MMAs and one arrive per
+  // warp on its "full" barrier.  (A slot's reads are done when work
+  // returns, their values in the stage's writes: the copy engine's next
+  // write of the slot comes after the arrive, as a TMA pipeline's consumers
+  // release a stage read by ldmatrix.)
+  template <int kRowsPerStage, int kSlotBytes, typename Work>
+  __device__ __forceinline__ void help_stages(const StageRing& ring, i64 tiles, int ktiles, const Work& work) const {
+    const int lane = threadIdx.x & 31;
+    int it = 0, row = 0;
+    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        // (with one row a stage, the row count is the stage count it)
+        const int s = it % ring.stages, first_slot = it % kRaw;
+        if (it >= ring.stages) mbar_wait(ring.empty(s), ((it / ring.stages) - 1) & 1);
+#pragma unroll 1
+        for (int r = 0; r < kRowsPerStage; ++r, ++row) {
+          const int at = kRowsPerStage == 1 ? it : row, slot = kRowsPerStage == 1 ? first_slot : row % kRaw;
+          mbar_wait(raw_full(slot), (at / kRaw) & 1);
+          work(raws + slot * kSlotBytes, s, r);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(raw_empty(slot));
+        }
+        fence_proxy_async();  // the stage's writes, before the MMAs read them
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ring.full(s));
+      }
+    }
+  }
 };
 
 // The consumers' MMAs, a policy of the engine (half_gemm_persistent): the

@@ -390,26 +390,11 @@ struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
     ++issued;
   }
   // By the producer warpgroup's last kHelperWarps warps: for each stage the
-  // block uses, once the consumers have released it, its raw B tile split
-  // into its planes, then one arrive per warp on its "full" barrier.
+  // block uses, its raw B tile split into its planes (RawRing::help_stages).
   __device__ __forceinline__ void help(const StageRing& ring, i64 tiles, int ktiles) const {
-    const int lane = threadIdx.x & 31, htid = static_cast<int>(threadIdx.x) - 32 * (4 - kHelperWarps);
-    int it = 0;
-    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      for (int kt = 0; kt < ktiles; ++kt, ++it) {
-        const int s = it % ring.stages, slot = it % kRaw;
-        if (it >= ring.stages) mbar_wait(ring.empty(s), ((it / ring.stages) - 1) & 1);
-        mbar_wait(raw_full(slot), (it / kRaw) & 1);
-        split_tile(raws + slot * kRawBytes, ring.tile_b(s), htid);
-        // (The slot's reads are done: their values went into the planes'
-        // writes, as in NchwWindowLoader.)
-        __syncwarp();
-        if (lane == 0) mbar_arrive(raw_empty(slot));
-        fence_proxy_async();  // the planes' writes, before the MMAs read them
-        __syncwarp();
-        if (lane == 0) mbar_arrive(ring.full(s));
-      }
-    }
+    const int htid = static_cast<int>(threadIdx.x) - 32 * (4 - kHelperWarps);
+    Ring::template help_stages<1, kRawBytes>(
+        ring, tiles, ktiles, [&](unsigned raw, int s, int) { split_tile(raw, ring.tile_b(s), htid); });
   }
   // A raw tile into the planes: item (column n, step st of 8 values of k),
   // 512 of them over the helpers' threads, the steps fastest for a K-major
