@@ -713,13 +713,20 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # (a fresh y: its first element on the 4-element grid the NCHW mask needs)
     nchw = x.is_contiguous()
     mask = _mask_words(x, weight, nchw=nchw)
-    if nchw:
-        xc = _transposed(x, dtype, tf32=dtype == torch.float32)
-    else:
-        xc = x.to(dtype) if x.dtype != dtype else None
+    xc = _training_copy(x, dtype, nchw)
     plan = (NCHW if nchw else CHANNELS_LAST, dtype, out_dtype, True)
     y = _launch_engine(x, weight, conv_bias, bias, plan=plan, mask=mask, xc=xc)
     return y, mask, x.new_empty((0,), dtype=dtype) if xc is None else xc
+
+
+def _training_copy(x: torch.Tensor, dtype: torch.dtype, nchw: bool) -> Optional[torch.Tensor]:
+    """The copy of x that the training forward reads and keeps for the
+    backward, x channels-last in the product's ``dtype``: an NCHW x's
+    (``nchw``; float32 rounded to TF32), a channels-last x's cast; None for
+    a channels-last x already in ``dtype`` (read as it is)."""
+    if nchw:
+        return _transposed(x, dtype, tf32=dtype == torch.float32)
+    return x.to(dtype) if x.dtype != dtype else None
 
 
 def _mask_words(x: torch.Tensor, weight: torch.Tensor, nchw: bool) -> torch.Tensor:
@@ -806,11 +813,8 @@ def _take_xc(ctx) -> torch.Tensor:
     xc, ctx.kept_xc = ctx.kept_xc, None
     if xc is not None:
         return xc
-    x, dtype = ctx.source_x, ctx.plan[1]
-    check_unchanged(x, ctx.source_version, "x of cupy_fused::conv_bias_relu_engine_train")
-    if ctx.nchw:
-        return _transposed(x, dtype, tf32=dtype == torch.float32)
-    return x.to(dtype)
+    check_unchanged(ctx.source_x, ctx.source_version, "x of cupy_fused::conv_bias_relu_engine_train")
+    return _training_copy(ctx.source_x, ctx.plan[1], ctx.nchw)  # (kept only where it is a copy)
 
 
 def _take_mask(ctx) -> torch.Tensor:
