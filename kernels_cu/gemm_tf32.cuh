@@ -357,7 +357,7 @@ struct PlanesLoader : SplitLoaderBase<kAMn> {
 // alone.  The producer's thread issues a k-tile's raw B with its A tile.
 template <int kPasses, bool kAMn, bool kBKMajor, int kRaw = 2>
 struct SplittingLoader : SplitLoaderBase<kAMn>, RawRing<kRaw, 3> {
-  static constexpr int kRawBytes = kHgBN * kGemmBK * 4;
+  static constexpr int kRawBytes = 4 * kPlaneFloats;  // (a raw tile: a plane's 128 x 32, unsplit)
   static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kRawBytes, kExtraBarriers = 2 * kRaw;
   using Ring = RawRing<kRaw, kHelperWarps>;
   using Ring::raws;
