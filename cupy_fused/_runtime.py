@@ -630,6 +630,20 @@ class _Progress:
 _Job = Tuple[str, str]  # (source, name expression)
 
 
+def _check_run_options(progress, workers) -> None:
+    """:func:`precompile`'s and :func:`compile_check`'s ``progress`` (a
+    bool) and ``workers`` (None or an int of at least 1), before anything
+    compiles."""
+    from .settings import check_flag
+
+    check_flag("progress", progress)
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, numbers.Integral):
+            raise TypeError(f"workers must be an int or None, got {type(workers).__name__}")
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1 (or None for default_workers()), got {workers}")
+
+
 def _run_jobs(jobs: Sequence[_Job], build: Callable[[str, str], object], desc: str,
               progress: bool, workers: Optional[int]) -> Dict[_Job, Tuple[object, float]]:
     """Runs ``build(source, expr)`` for every job on a thread pool (NVRTC
@@ -685,6 +699,9 @@ def _selection(families, dtypes) -> List[_Job]:
     else:
         if isinstance(families, (str, KernelFamily)):
             families = [families]
+        elif not isinstance(families, (list, tuple, set, frozenset)):
+            raise TypeError(f"families must be a .cu file name, a KernelFamily, a list of them, or "
+                            f"None, got {type(families).__name__}")
         chosen = []
         for family in families:
             if isinstance(family, KernelFamily):
@@ -753,14 +770,16 @@ def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
         ``{(source, name expression): seconds}`` for each instantiation
         covered (near 0 for one already compiled in this process).  Raises
         :class:`CompileError` listing every failure, once all have run;
-        :class:`NvrtcNotFoundError` when NVRTC is missing; ValueError for
-        a device or dtypes of another kind, before anything compiles.
+        :class:`NvrtcNotFoundError` when NVRTC is missing; TypeError or
+        ValueError for a device, families, dtypes, progress or workers of
+        another kind, before anything compiles.
     """
     if not (device is None or isinstance(device, str)
             or (isinstance(device, numbers.Integral) and not isinstance(device, bool) and device >= 0)
             or getattr(device, "type", None) == "cuda"):
         raise ValueError(f"device must be a CUDA device (an index >= 0 or a torch.device of type "
                          f"'cuda'), an architecture name such as 'sm_90a', or None; got {device!r}")
+    _check_run_options(progress, workers)
     jobs = _selection(families, dtypes)
     if isinstance(device, str):
         arch = device
@@ -806,9 +825,11 @@ def compile_check(arch: str, sources: Optional[Iterable[str]] = None, *,
         with the NVRTC logs when any instantiation fails (after trying all),
         or when a ``.cu`` file has no declared instantiation (every kernel
         must be covered); ``ValueError`` for an architecture NVRTC does not
-        know.
+        know, TypeError or ValueError for progress or workers of another
+        kind.
     """
     _check_arch(arch)
+    _check_run_options(progress, workers)
     table = declared()
     names = list(sources) if sources is not None else source_files()
     jobs: List[_Job] = []

@@ -27,14 +27,29 @@ def cxx_type(dtype: torch.dtype) -> str:
     return CXX_TYPE[dtype]
 
 
+_STRIDED = torch.strided
+
+
+def _check_dense(name: str, value: torch.Tensor) -> None:
+    # The kernels read a tensor's memory through its strides: a sparse or
+    # nested tensor has no such memory (torch's own errors for them come
+    # from deep inside, naming no argument).
+    if value.layout is not _STRIDED:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
+    if value.is_nested:
+        raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
+
+
 def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """A CUDA float tensor (float32, float16 or bfloat16)."""
+    """A dense CUDA float tensor (float32, float16 or bfloat16)."""
     # One expression for the common case (this runs on every call of every op).
     if (isinstance(value, torch.Tensor) and value.is_cuda and value.dtype in FLOAT_DTYPES
+            and value.layout is _STRIDED and not value.is_nested
             and (ndim is None or value.dim() in ndim)):
         return value
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    _check_dense(name, value)
     if value.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}"
@@ -53,9 +68,10 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
 def check_like(name: str, value, like: torch.Tensor, like_name: str,
                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Same dtype (``dtype`` when given) and device as ``like`` (itself
-    already checked)."""
+    already checked), dense."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    _check_dense(name, value)
     if dtype is not None:
         if value.dtype != dtype:
             raise TypeError(f"{name} must have dtype {dtype}, got {value.dtype}")
@@ -163,9 +179,11 @@ def check_finite_scalar(name: str, value) -> float:
 
 
 def check_same(name: str, value, like: torch.Tensor, like_name: str) -> torch.Tensor:
-    """Same dtype, device and shape as ``like`` (itself already checked).
-    One comparison of each on the common path: this runs on every call."""
+    """Same dtype, device and shape as ``like`` (itself already checked),
+    dense.  One comparison of each on the common path: this runs on every
+    call."""
     if (isinstance(value, torch.Tensor) and value.dtype == like.dtype
+            and value.layout is _STRIDED and not value.is_nested
             and value.get_device() == like.get_device() and value.shape == like.shape):
         return value
     check_like(name, value, like, like_name)
@@ -181,6 +199,8 @@ def check_pair(name: str, value, other_name: str, other) -> None:
     the op's host time."""
     if (isinstance(value, torch.Tensor) and value.is_cuda and value.dtype in FLOAT_DTYPES
             and isinstance(other, torch.Tensor) and other.dtype == value.dtype
+            and value.layout is _STRIDED and other.layout is _STRIDED
+            and not (value.is_nested or other.is_nested)
             and other.shape == value.shape and other.get_device() == value.get_device()):
         return
     check_tensor(name, value)

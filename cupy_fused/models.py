@@ -48,12 +48,14 @@ autocast the input must have the parameters' dtype, as in the reference.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn as nn
 
 from . import ops
 from ._amp import autocast_dtype
-from ._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
+from ._validation import FLOAT_DTYPES, check_groups, check_like, check_tensor, check_vector
 from .ops.linear import _linear_prechecked
 from .settings import check_flag, check_precision
 
@@ -76,6 +78,19 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
     if x.shape[1] != features:
         raise ValueError(f"x must have {features} {what}, got shape {tuple(x.shape)}")
     return x
+
+
+def _check_sizes(least: int, **sizes) -> None:
+    # A constructor's sizes, each an int of at least ``least``, refused
+    # under its own name (nn.Linear, nn.Conv2d and nn.GroupNorm fail on
+    # others deep inside, or take them).  A linear layer's may be 0 (an
+    # empty sum, or an empty output); a convolution needs a channel in and
+    # out (ops.conv_bias_relu).
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
 
 
 def _plain(sub: nn.Module, cls: type, owner: nn.Module, name: str) -> nn.Module:
@@ -150,6 +165,7 @@ class ConvReluBiasAdd(nn.Module):
 
     def __init__(self, in_channels, out_channels, kernel_size, bias_shape):
         super().__init__()
+        _check_sizes(1, in_channels=in_channels, out_channels=out_channels)
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
         self.bias = nn.Parameter(torch.randn(bias_shape))
 
@@ -195,6 +211,8 @@ class MatmulSwishSumGroupNorm(nn.Module):
     def __init__(self, in_features, out_features, num_groups, bias_shape, *, precision=None,
                  eager_rounding=False):
         super().__init__()
+        _check_sizes(0, in_features=in_features, out_features=out_features)
+        check_groups(num_groups, out_features)
         self.precision = _gemm_precision(precision)
         self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.matmul = nn.Linear(in_features, out_features)
@@ -237,6 +255,7 @@ class GemmAddRelu(nn.Module):
 
     def __init__(self, in_features, out_features, bias_shape, *, precision=None):
         super().__init__()
+        _check_sizes(0, in_features=in_features, out_features=out_features)
         self.precision = _gemm_precision(precision)
         self.gemm = nn.Linear(in_features, out_features, bias=False)
         self.bias = nn.Parameter(torch.randn(bias_shape))
@@ -290,6 +309,8 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
     def __init__(self, in_features, out_features, num_groups, multiply_weight_shape, *,
                  precision=None, eager_rounding=False):
         super().__init__()
+        _check_sizes(0, in_features=in_features, out_features=out_features)
+        check_groups(num_groups, out_features)
         self.precision = _gemm_precision(precision)
         self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.gemm = nn.Linear(in_features, out_features)
@@ -333,6 +354,8 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
     def __init__(self, in_features, out_features, bias_shape, num_groups, *, precision=None,
                  eager_rounding=False):
         super().__init__()
+        _check_sizes(0, in_features=in_features, out_features=out_features)
+        check_groups(num_groups, out_features)
         self.precision = _gemm_precision(precision)
         self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.gemm = nn.Linear(in_features, out_features)

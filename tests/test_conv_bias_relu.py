@@ -25,7 +25,7 @@ def _reference(x, w, cb, b):
     return y if b is None else y + b.reshape(-1, 1, 1)
 
 
-def test_bad_arguments_are_refused(past_device_check):
+def test_bad_arguments_are_refused(past_device_check, monkeypatch):
     x = torch.rand(2, 8, 6, 6)
     w = torch.rand(4, 8, 3, 3)
     cb, b = torch.rand(4), torch.rand(4, 1, 1)
@@ -57,6 +57,19 @@ def test_bad_arguments_are_refused(past_device_check):
         ops.conv_bias_relu(x, w, torch.rand(2, 2), b)
     with pytest.raises(ValueError, match=r"bias must be on a CUDA device, got device meta"):
         ops.conv_bias_relu(x, w, cb, torch.rand(4, device="meta"))
+    # No channels out or in (torch's own convolution fails, or returns a
+    # wrong shape, deep inside).
+    with pytest.raises(ValueError, match=r"weight must have at least one output and one input channel, "
+                                         r"got shape \(0, 8, 3, 3\)"):
+        ops.conv_bias_relu(x, torch.rand(0, 8, 3, 3), torch.rand(0))
+    with pytest.raises(ValueError, match=r"weight must have at least one output and one input channel"):
+        ops.conv_bias_relu(torch.rand(2, 0, 6, 6), torch.rand(4, 0, 3, 3), cb, b)
+    # Under autocast a weight of any of the three float dtypes is taken (and
+    # cast), no other.
+    monkeypatch.setattr(CB, "autocast_dtype", lambda: torch.float16)
+    for dtype in (torch.int64, torch.bool, torch.float64, torch.complex64):
+        with pytest.raises(TypeError, match=r"weight must have dtype float32, float16 or bfloat16"):
+            ops.conv_bias_relu(x, w.to(dtype), cb, b)
 
 
 def test_training_calls_take_the_engine_only_where_its_backward_applies(past_device_check,

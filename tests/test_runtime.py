@@ -472,6 +472,17 @@ def test_precompile_selection():
     for device in (1.5, -1, True, torch.device("cpu")):
         with pytest.raises(ValueError, match="device must be a CUDA device"):
             cupy_fused.precompile("scale_add.cu", device=device, progress=False)
+    # families, progress and workers of another kind, refused before anything compiles
+    with pytest.raises(TypeError, match="families must be a .cu file name, a KernelFamily, a list of them"):
+        cupy_fused.precompile(5, device="sm_80", progress=False)
+    with pytest.raises(TypeError, match="progress must be True or False, got 'no'"):
+        cupy_fused.precompile("scale_add.cu", device="sm_80", progress="no")
+    for workers, exc in ((0, ValueError), (-1, ValueError), ("2", TypeError), (2.0, TypeError),
+                         (True, TypeError)):
+        with pytest.raises(exc, match="workers must be"):
+            cupy_fused.precompile("scale_add.cu", device="sm_80", progress=False, workers=workers)
+        with pytest.raises(exc, match="workers must be"):
+            _runtime.compile_check("sm_80", ["scale_add.cu"], workers=workers)
 
 
 def test_check_architectures_follow_what_nvrtc_supports(monkeypatch):

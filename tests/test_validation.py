@@ -2,6 +2,7 @@
 launch (CPU tier: validation runs before anything touches the GPU)."""
 import importlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -230,9 +231,66 @@ def test_one_value_vectors_where_the_ops_take_them(past_device_check):
         ops.conv_bias_relu(x, torch.rand(4, 3, 3, 3), torch.rand(4), torch.rand(2))
 
 
+def test_sparse_and_nested_tensors_are_refused(past_device_check):
+    """The kernels read a tensor's strided memory: a sparse or nested
+    tensor is refused with a TypeError naming the argument, by every kind
+    of check (an op's first tensor, a second one of its shape, a
+    per-channel vector, a weight)."""
+    x, b = torch.rand(4, C), torch.rand(C)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the strided nested layout and sparse CSR are prototype / beta)
+        nested = torch.nested.nested_tensor([torch.rand(2, C), torch.rand(3, C)])
+        csr = x.to_sparse_csr()
+    jagged = torch.nested.nested_tensor([torch.rand(2, C), torch.rand(3, C)], layout=torch.jagged)
+    dense = r"must be a dense \(strided\) tensor, got layout "
+    cases = [
+        (lambda: ops.scale_add(x.to_sparse(), x), "x " + dense + "torch.sparse_coo"),
+        (lambda: ops.scale_add(x, x.to_sparse()), "y " + dense + "torch.sparse_coo"),
+        (lambda: ops.scale_add(csr, csr), "x " + dense + "torch.sparse_csr"),
+        (lambda: ops.scale_add(x, nested), "y must be a dense tensor, got a nested tensor"),
+        (lambda: ops.bias_relu(nested, b), "z must be a dense tensor, got a nested tensor"),
+        (lambda: ops.bias_relu(jagged, b), "z " + dense + "torch.jagged"),
+        (lambda: ops.bias_relu(x, b.to_sparse()), "bias " + dense + "torch.sparse_coo"),
+        (lambda: ops.gn_chain(x.to_sparse(), "swish_bias_gn", 4), "z " + dense + "torch.sparse_coo"),
+        (lambda: ops.linear(x, torch.rand(C, C).to_sparse()), "weight " + dense + "torch.sparse_coo"),
+        (lambda: ops.conv_bias_relu(torch.rand(2, 8, 6, 6), torch.rand(4, 8, 3, 3).to_sparse(), b[:4]),
+         "weight " + dense + "torch.sparse_coo"),
+    ]
+    for call, message in cases:
+        with pytest.raises(TypeError, match=message):
+            call()
+
+
 def test_gn_model_rejects_groups_at_construction():
     with pytest.raises(ValueError):
         cupy_fused.MatmulSwishSumGroupNorm(8, 10, 4, (10,))
+
+
+def test_models_check_their_sizes_at_construction():
+    """Sizes and groups of another kind are refused as the model is built,
+    under their own names (torch's layers raise a ZeroDivisionError or a
+    negative-dimension error for some, and take others)."""
+    M = cupy_fused
+    cases = [
+        (lambda: M.MatmulSwishSumGroupNorm(8, 16, 0, (16,)), ValueError, "num_groups must be positive, got"),
+        (lambda: M.MatmulSwishSumGroupNorm(8, 16, 2.0, (16,)), TypeError, "num_groups must be an int"),
+        (lambda: M.GemmGroupNormSwishMultiplySwish(8, 16, 3, (16,)), ValueError,
+         r"num_groups \(3\) must divide the number of channels \(16\)"),
+        (lambda: M.GemmBiasAddHardtanhMishGroupNorm(8, 16, (16,), -2), ValueError, "num_groups must be"),
+        (lambda: M.GemmAddRelu(-1, 16, (16,)), ValueError, "in_features must be at least 0, got -1"),
+        (lambda: M.GemmAddRelu(8.0, 16, (16,)), TypeError, "in_features must be an int, got float"),
+        (lambda: M.MatmulSwishSumGroupNorm(8, -16, 4, (16,)), ValueError, "out_features must be at least 0"),
+        (lambda: M.ConvReluBiasAdd(3, True, 3, (1, 1, 1)), TypeError, "out_channels must be an int, got"),
+        (lambda: M.ConvReluBiasAdd(0, 4, 3, (4, 1, 1)), ValueError, "in_channels must be at least 1, got 0"),
+    ]
+    for make, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            make()
+    # What torch's layers take, these take too: an empty sum, no features out.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's init of an empty weight: "a no-op")
+        assert M.GemmAddRelu(0, 16, (16,)).gemm.weight.shape == (16, 0)
+        assert M.MatmulSwishSumGroupNorm(8, 0, 4, (0,)).matmul.weight.shape == (0, 8)
 
 
 def test_unknown_chain_is_rejected():

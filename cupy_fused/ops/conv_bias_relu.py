@@ -1075,8 +1075,9 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         x: [N, C_in, H, W], float32, float16 or bfloat16, on a CUDA device
             (NCHW or channels-last), or a CuPy array, with CuPy arrays for
             the other tensors: the result is then one too.
-        weight: [C_out, C_in, KH, KW] with KH <= H and KW <= W, on x's
-            device.
+        weight: [C_out, C_in, KH, KW] with KH <= H, KW <= W and C_out,
+            C_in >= 1, of x's dtype (under ``torch.autocast``, any of the
+            three), on x's device.
         conv_bias: the convolution's bias, C_out values.
         bias: the bias added after the ReLU, C_out values (e.g. shape
             (C_out, 1, 1)), or one value for every channel (its gradient
@@ -1098,12 +1099,16 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor [C_out, C_in, KH, KW], got "
                         f"{type(weight).__name__}")
+    check_tensor("weight", weight)  # (a float dtype: x's, or any of them under autocast)
     if weight.dim() != 4:
         raise ValueError(f"weight must be 4-D [C_out, C_in, KH, KW], got shape {tuple(weight.shape)}")
     check_like("weight", weight, x, "x", dtype=weight.dtype if autocast_dtype() else None)
     cout, cin, kh, kw = weight.shape
     if cin != x.shape[1]:
         raise ValueError(f"weight must have x's {x.shape[1]} input channels in dim 1, got "
+                         f"shape {tuple(weight.shape)}")
+    if not (cout and cin):
+        raise ValueError(f"weight must have at least one output and one input channel, got "
                          f"shape {tuple(weight.shape)}")
     if not (1 <= kh <= x.shape[2] and 1 <= kw <= x.shape[3]):
         raise ValueError(f"the kernel ({kh} x {kw}) must fit x's {x.shape[2]} x {x.shape[3]} "
