@@ -35,6 +35,7 @@ launchable function.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import hashlib
 import logging
@@ -699,9 +700,9 @@ def _selection(families, dtypes) -> List[_Job]:
     else:
         if isinstance(families, (str, KernelFamily)):
             families = [families]
-        elif not isinstance(families, (list, tuple, set, frozenset)):
-            raise TypeError(f"families must be a .cu file name, a KernelFamily, a list of them, or "
-                            f"None, got {type(families).__name__}")
+        elif isinstance(families, bytes) or not isinstance(families, collections.abc.Iterable):
+            raise TypeError(f"families must be a .cu file name, a KernelFamily, an iterable of them, "
+                            f"or None, got {type(families).__name__}")
         chosen = []
         for family in families:
             if isinstance(family, KernelFamily):
@@ -816,7 +817,8 @@ def compile_check(arch: str, sources: Optional[Iterable[str]] = None, *,
     Args:
         arch: e.g. ``"sm_90"``, or ``"sm_90a"`` for the Hopper-only kernel
             bodies.
-        sources: ``.cu`` file names; None for every file in the kernel folder.
+        sources: ``.cu`` file names (or one); None for every file in the kernel
+            folder.
         progress: show progress on stderr (see :func:`precompile`).
         workers: compiles in flight at once; None for :func:`default_workers`.
 
@@ -831,6 +833,8 @@ def compile_check(arch: str, sources: Optional[Iterable[str]] = None, *,
     _check_arch(arch)
     _check_run_options(progress, workers)
     table = declared()
+    if isinstance(sources, str):  # one file name, not its characters
+        sources = [sources]
     names = list(sources) if sources is not None else source_files()
     jobs: List[_Job] = []
     for source in names:

@@ -34,10 +34,10 @@ def _check_dense(name: str, value: torch.Tensor) -> None:
     # The kernels read a tensor's memory through its strides: a sparse or
     # nested tensor has no such memory (torch's own errors for them come
     # from deep inside, naming no argument).
-    if value.layout is not _STRIDED:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
     if value.is_nested:
         raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
+    if value.layout is not _STRIDED:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
 def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> torch.Tensor:

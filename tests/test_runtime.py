@@ -420,6 +420,9 @@ def test_compile_check_compiles_each_instantiation_as_its_own_program(monkeypatc
         (s, (e,), "sm_80") for s in ("scale_add.cu", "column_reduce.cu") for e in table[s])
     assert sizes == {"scale_add.cu": 100 * len(table["scale_add.cu"]),
                      "column_reduce.cu": 100 * len(table["column_reduce.cu"])}
+    # One file name alone is that file (not its characters, each "no declared instantiation").
+    one = _runtime.compile_check("sm_80", "scale_add.cu")
+    assert one == {"scale_add.cu": 100 * len(table["scale_add.cu"])}
 
 
 def test_compile_jobs_run_in_parallel_and_report_every_failure():
@@ -473,15 +476,22 @@ def test_precompile_selection():
         with pytest.raises(ValueError, match="device must be a CUDA device"):
             cupy_fused.precompile("scale_add.cu", device=device, progress=False)
     # families, progress and workers of another kind, refused before anything compiles
-    with pytest.raises(TypeError, match="families must be a .cu file name, a KernelFamily, a list of them"):
-        cupy_fused.precompile(5, device="sm_80", progress=False)
+    for families in (5, b"scale_add.cu"):
+        with pytest.raises(TypeError, match="families must be a .cu file name, a KernelFamily, an iterable"):
+            cupy_fused.precompile(families, device="sm_80", progress=False)
+    # (any iterable of names: a generator, a dict's keys)
+    one = _runtime._selection("scale_add.cu", None)
+    assert _runtime._selection((f for f in ["scale_add.cu"]), None) == one
+    assert len(_runtime._selection(_runtime.declared().keys(), None)) == len(every)
     with pytest.raises(TypeError, match="progress must be True or False, got 'no'"):
         cupy_fused.precompile("scale_add.cu", device="sm_80", progress="no")
-    for workers, exc in ((0, ValueError), (-1, ValueError), ("2", TypeError), (2.0, TypeError),
-                         (True, TypeError)):
-        with pytest.raises(exc, match="workers must be"):
+    for workers in (0, -1, "2", 2.0, True):
+        message = ("workers must be at least 1" if isinstance(workers, int) and not isinstance(workers, bool)
+                   else "workers must be an int or None")
+        exc = ValueError if message.endswith("1") else TypeError
+        with pytest.raises(exc, match=message):
             cupy_fused.precompile("scale_add.cu", device="sm_80", progress=False, workers=workers)
-        with pytest.raises(exc, match="workers must be"):
+        with pytest.raises(exc, match=message):
             _runtime.compile_check("sm_80", ["scale_add.cu"], workers=workers)
 
 

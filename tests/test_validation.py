@@ -249,7 +249,7 @@ def test_sparse_and_nested_tensors_are_refused(past_device_check):
         (lambda: ops.scale_add(csr, csr), "x " + dense + "torch.sparse_csr"),
         (lambda: ops.scale_add(x, nested), "y must be a dense tensor, got a nested tensor"),
         (lambda: ops.bias_relu(nested, b), "z must be a dense tensor, got a nested tensor"),
-        (lambda: ops.bias_relu(jagged, b), "z " + dense + "torch.jagged"),
+        (lambda: ops.bias_relu(jagged, b), "z must be a dense tensor, got a nested tensor"),
         (lambda: ops.bias_relu(x, b.to_sparse()), "bias " + dense + "torch.sparse_coo"),
         (lambda: ops.gn_chain(x.to_sparse(), "swish_bias_gn", 4), "z " + dense + "torch.sparse_coo"),
         (lambda: ops.linear(x, torch.rand(C, C).to_sparse()), "weight " + dense + "torch.sparse_coo"),
@@ -259,6 +259,19 @@ def test_sparse_and_nested_tensors_are_refused(past_device_check):
     for call, message in cases:
         with pytest.raises(TypeError, match=message):
             call()
+    # The checks' common paths (CUDA tensors): a sparse or nested tensor
+    # that says it is on the GPU.
+    class OnGpu(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    from cupy_fused import _validation as V
+
+    dense_x = torch.Tensor._make_subclass(OnGpu, x)
+    for t in (torch.Tensor._make_subclass(OnGpu, t) for t in (x.to_sparse(), csr, nested)):
+        for call in (lambda: V.check_tensor("x", t), lambda: V.check_pair("x", t, "y", x),
+                     lambda: V.check_pair("x", dense_x, "y", t), lambda: V.check_same("y", t, dense_x, "x")):
+            with pytest.raises(TypeError, match=r"must be a dense"):
+                call()
 
 
 def test_gn_model_rejects_groups_at_construction():
