@@ -10,6 +10,9 @@
 #                                      and the wheel build (the CPU tier runs both;
 #                                      about 3 of the suite's 5 minutes), then the
 #                                      sanitizer runs, no benchmarks
+#   bash scripts/gpu_check.sh sanitize the sanitizer runs only
+# Before the sanitizer runs every kernel is compiled for this GPU (python -m
+# cupy_fused --precompile), so that they time the kernels, not NVRTC.
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -24,19 +27,26 @@ python -m cupy_fused 2>&1 | tee -a "$OUT/env.log" || status=1
 mode=${1:-full}
 deselect=()
 [ "$mode" = "fast" ] && deselect=(-k "not nvrtc_compile_check and not wheel_ships")
-python -m pytest -q -rs --maxfail=25 --durations=15 ${deselect[@]+"${deselect[@]}"} tests 2>&1 | tee "$OUT/pytest.log" | tail -40
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ "$mode" != "sanitize" ]; then
+  python -m pytest -q -rs --maxfail=25 --durations=15 ${deselect[@]+"${deselect[@]}"} tests 2>&1 \
+    | tee "$OUT/pytest.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 if [ "$mode" != "quick" ] && [ "$mode" != "tests" ]; then
-  # memcheck over all three dtypes; racecheck (slower) over fp32 and bf16.
-  for run in "memcheck fp32 fp16 bf16" "racecheck fp32 bf16"; do
-    set -- $run
-    tool=$1; shift
-    timeout 300 compute-sanitizer --tool "$tool" --print-limit 20 python scripts/sanitize.py "$@" \
-      > "$OUT/sanitizer-$tool.log" 2>&1 || status=1
-    echo "$tool: $(tail -1 "$OUT/sanitizer-$tool.log")"
+  python -m cupy_fused --precompile > "$OUT/precompile.log" 2>&1 || status=1
+  # memcheck over all three dtypes in one run; racecheck (slower) over fp32
+  # and bf16, one section of sanitize.py a run, each with its own time
+  # limit, so that a slow section cannot keep the others unchecked.
+  timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python scripts/sanitize.py fp32 fp16 bf16 \
+    > "$OUT/sanitizer-memcheck.log" 2>&1 || status=1
+  echo "memcheck: $(tail -1 "$OUT/sanitizer-memcheck.log")"
+  for section in $(python -c "import runpy; print(*runpy.run_path('scripts/sanitize.py')['SECTIONS'])"); do
+    timeout 300 compute-sanitizer --tool racecheck --print-limit 20 python scripts/sanitize.py fp32 bf16 \
+      --only "$section" > "$OUT/sanitizer-racecheck-$section.log" 2>&1 || status=1
+    echo "racecheck $section: $(tail -1 "$OUT/sanitizer-racecheck-$section.log")"
   done
 fi
-[ "$mode" = "tests" ] || [ "$mode" = "fast" ] && { echo "gpu_check status: $status"; exit $status; }
+case "$mode" in tests|fast|sanitize) echo "gpu_check status: $status"; exit $status;; esac
 python benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/bench.log"
 python benchmarks/gemm.py --accuracy --accuracy-sizes 256x256 1024x1024 --json "$OUT/gemm.json" --md "$OUT/gemm.md" 2>&1 | tail -30 | tee -a "$OUT/bench.log"
 python benchmarks/run.py --out "$OUT" 2>&1 | tail -25 | tee -a "$OUT/bench.log"
