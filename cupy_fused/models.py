@@ -15,11 +15,13 @@ the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process defau
   (problem 37's shape; see that op).  The
   backward is one fused kernel (the chain rule, the GroupNorm backward and
   every vector's gradient as column sums), then the two GEMMs.
-* Problem 1: ``ops.conv_bias_relu``.  In float16 / bfloat16 (and under
-  autocast) on Hopper with no gradient to record, one implicit-GEMM
-  convolution with relu and both biases in its store; elsewhere cuDNN's
-  convolution (``F.conv2d`` without bias), then relu + both biases as one
-  fused kernel.
+* Problem 1: ``ops.conv_bias_relu``.  On Hopper in float16 / bfloat16
+  (and under autocast), in float32 with TF32 allowed from 2^24 output
+  values, and in training steps from 2^24 output values: one implicit-GEMM
+  convolution with relu and both biases in its store (in training also
+  relu's mask, the backward's input gradient on the same engine);
+  elsewhere cuDNN's convolution (``F.conv2d`` without bias), then relu +
+  both biases as one fused kernel.
 
 The GroupNorm models (37, 88, 94) take a second one, ``eager_rounding``
 (default False): in float16 / bfloat16, round the op chain's intermediates

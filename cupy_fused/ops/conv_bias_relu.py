@@ -1086,8 +1086,7 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     Returns:
         [N, C_out, H - KH + 1, W - KW + 1] in x's memory format, in the dtype
         torch's type promotion gives (as :func:`.bias_relu.bias_relu`);
-        differentiable in every tensor (through the ``"cudnn"`` route,
-        :func:`route`).
+        differentiable in every tensor, on either route (:func:`route`).
 
     Raises:
         TypeError, ValueError: an argument of another type, dtype, device or
