@@ -73,8 +73,15 @@ def _setting(name: str, value: object) -> Iterator[None]:
 
 
 def check_flag(name: str, value: object) -> bool:
-    """``value`` if it is a bool; raises TypeError naming ``name``
-    otherwise (``bool("False")`` would be True)."""
+    """A flag argument checked (``bool("False")`` would be True).
+
+    Args:
+        name: the argument's name, for the error; value: its value.
+
+    Returns:
+        ``value``, if it is True or False; raises TypeError naming ``name``
+        otherwise.
+    """
     if value is True or value is False:
         return value
     raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -83,8 +90,14 @@ def check_flag(name: str, value: object) -> bool:
 # ---------------------------------------------------------------- float32 GEMM precision
 
 def check_precision(precision: object) -> str:
-    """``precision`` if it is one of :data:`PRECISIONS`; raises ValueError
-    otherwise."""
+    """A float32 GEMM precision checked.
+
+    Args:
+        precision: a name of :data:`PRECISIONS`.
+
+    Returns:
+        ``precision``; raises ValueError for anything else.
+    """
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, "
                          f"got {precision!r}")
@@ -131,8 +144,16 @@ def fp32_matmul_precision(precision: str):
 
 
 def resolve_precision(precision: Optional[str]) -> str:
-    """The precision an op runs at: ``precision`` checked, or the default
-    when it is None.  (Called on every op call: one dict lookup.)"""
+    """The precision an op runs at.  (Called on every op call: one dict
+    lookup.)
+
+    Args:
+        precision: the op's ``precision=`` argument, or None.
+
+    Returns:
+        ``precision`` checked (:func:`check_precision`), or the process-wide
+        default (:func:`get_fp32_matmul_precision`) when it is None.
+    """
     if precision is None:
         return _values["fp32_matmul_precision"]
     return check_precision(precision)

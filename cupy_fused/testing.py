@@ -20,7 +20,18 @@ from . import models, reference
 
 
 def build_pair(problem: int, ctor_args: tuple, device, dtype: torch.dtype, seed: int = 0):
-    """(reference module, fused module) built from the same seed, in ``dtype``."""
+    """The reference module and ours for one problem, built from the same
+    seed (so with the same parameter values).
+
+    Args:
+        problem: a KernelBench level-2 problem id (1, 37, 76, 88, 94).
+        ctor_args: the modules' constructor arguments.
+        device, dtype: where and in which dtype both are put.
+        seed: the torch seed each is built under.
+
+    Returns:
+        (reference module, fused module).
+    """
     ref_cls = {p: c for p, (c, _, _) in reference.PROBLEMS.items()}[problem]
     torch.manual_seed(seed)
     ref = ref_cls(*ctor_args)
@@ -32,12 +43,31 @@ def build_pair(problem: int, ctor_args: tuple, device, dtype: torch.dtype, seed:
 def poison_allocator(device, nbytes: int) -> None:
     """Fills the caching allocator's free blocks with NaN so that outputs
     allocated with ``torch.empty`` start as NaN: an element a kernel fails to
-    write then shows up as NaN in the comparison."""
+    write then shows up as NaN in the comparison.
+
+    Args:
+        device: the CUDA device whose allocator is poisoned.
+        nbytes: the bytes of each of the four NaN blocks (allocated, then
+            freed): at least the outputs', so that outputs are carved from
+            them.
+    """
     blocks = [torch.full((nbytes // 4 + 1,), float("nan"), device=device) for _ in range(4)]
     del blocks
 
 
 def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
+    """The error of ``value`` against ``truth``, relative to truth's largest
+    magnitude.
+
+    Args:
+        value: a tensor of any float dtype; truth: one of its shape
+            (float64, say).
+
+    Returns:
+        ``max |value - truth| / max |truth|`` (the absolute error where truth
+        is all zeros); inf where either holds a NaN (an unwritten or broken
+        element).
+    """
     truth = truth.double()
     scale = truth.abs().max().item()
     err = (value.double() - truth).abs().max().item()
@@ -47,9 +77,19 @@ def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
 
 
 def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn) -> float:
-    """max |C - C64| / (|A| |B|) over elements: each element of the product
-    ``c = ref_fn(a, b)`` against its own rounding bound, so rows and columns
-    of any magnitude count equally.  Unwritten (NaN) elements fail."""
+    """The error of a product against float64, each element against its own
+    rounding bound, so that rows and columns of any magnitude count equally.
+
+    Args:
+        c: the product ``ref_fn(a, b)`` to check.
+        a, b: its operands.
+        ref_fn: the product, e.g. ``lambda a, b: a @ b.t()``.
+
+    Returns:
+        ``max |C - C64| / (|A| |B|)`` over the elements (C64 and the bound
+        ``|A| |B|`` from ref_fn in float64).  Raises AssertionError where C
+        holds a NaN (an unwritten element).
+    """
     truth = ref_fn(a.double(), b.double())
     bound = ref_fn(a.double().abs(), b.double().abs()).clamp_min(1e-300)
     err = (c.double() - truth).abs() / bound
@@ -75,11 +115,19 @@ def _run(model, x, dy, grad_mode: str, autocast: Optional[torch.dtype] = None):
 
 def non_finite_masks(model, x: torch.Tensor, g: torch.Tensor,
                      autocast: Optional[torch.dtype] = None) -> Dict[str, tuple]:
-    """The NaN, +inf and -inf masks of ``model``'s output on ``x`` and of the
-    gradients of x and of every parameter after ``y.backward(g)`` (the
-    forward under ``torch.autocast("cuda", dtype=autocast)`` when given),
-    by name: what a check that non-finite values land where the reference
-    puts them compares."""
+    """The non-finite values of a model's output and gradients: what a check
+    that NaN and ±inf land where the reference puts them compares.
+
+    Args:
+        model: the module to run (its parameters' gradients are reset).
+        x: its input; g: the upstream gradient of its output.
+        autocast: the dtype of ``torch.autocast("cuda")`` for the forward,
+            or None.
+
+    Returns:
+        ``{name: (isnan, isposinf, isneginf)}`` for "out", "x.grad" and each
+        parameter's ``"<name>.grad"``, after ``y.backward(g)``.
+    """
     x = x.detach().clone().requires_grad_(True)
     for p in model.parameters():
         p.grad = None
@@ -97,16 +145,27 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
             autocast: Optional[torch.dtype] = None,
             mutate: Optional[Callable[[torch.nn.Module], None]] = None) -> Dict[str, Tuple[float, float]]:
     """Runs ours, eager (both in ``dtype``) and the float64 reference on one
-    fresh random input.  Returns ``{tensor name: (our error, eager error)}``
-    for the output and the gradient of the input and of every parameter.
-    grad_mode: "random" (a random upstream gradient) or "sum" (``out.sum()``).
-    layout of the input: "contiguous", "channels_last" (4-D) or "strided"
-    (a non-contiguous view with the same values).
-    autocast: run both forwards under ``torch.autocast("cuda", dtype=...)``
-    (the backward outside it, as in training); raises when our output or a
-    gradient has another dtype than eager's.
-    mutate: called on the reference and on ours after they are built (a
-    change of a submodule, say), so as to leave the two alike.
+    fresh random input, ours after the allocator's free memory is filled
+    with NaN (:func:`poison_allocator`).
+
+    Args:
+        problem, ctor_args, seed: as :func:`build_pair`.
+        input_shape: the input's shape; dtype, device: the models' and the
+            input's.
+        grad_mode: "random" (a random upstream gradient) or "sum"
+            (``out.sum()``).
+        layout: the input's: "contiguous", "channels_last" (4-D) or
+            "strided" (a non-contiguous view with the same values).
+        autocast: run both forwards under ``torch.autocast("cuda",
+            dtype=...)`` (the backward outside it, as in training).
+        mutate: called on the reference and on ours after they are built (a
+            change of a submodule, say), so as to leave the two alike.
+
+    Returns:
+        ``{tensor name: (our error, eager error)}`` (:func:`rel_error`
+        against float64) for the output and the gradient of the input and
+        of every parameter.  Raises AssertionError when our output or a
+        gradient has another dtype than eager's, or is missing.
     """
     ref, ours = build_pair(problem, ctor_args, device, dtype, seed)
     if mutate is not None:
@@ -147,15 +206,34 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
 
 
 def worse_than_eager(errors: Dict[str, Tuple[float, float]], dtype: torch.dtype, factor: float = 1.5):
-    """Names whose error exceeds ``factor`` x eager's (plus one unit of
-    rounding of ``dtype``, so exact agreement on an exactly-computed value
-    does not fail on a last-bit difference)."""
+    """The tensors on which ours is worse than eager.
+
+    Args:
+        errors: :func:`compare`'s result.
+        dtype: the dtype of the run, whose rounding unit is allowed on top
+            (so that exact agreement on an exactly computed value does not
+            fail on a last-bit difference).
+        factor: how much worse than eager's error ours may be.
+
+    Returns:
+        The names whose error exceeds ``factor`` x eager's plus that unit.
+    """
     ulp = torch.finfo(dtype).eps
     return [n for n, (mine, theirs) in errors.items() if not mine <= factor * theirs + ulp]
 
 
 def model_table(device, dtype: torch.dtype = torch.float32, repeats: int = 20) -> Tuple[list, bool]:
-    """Rows of the ``python -m cupy_fused`` table at the small shapes."""
+    """The ``python -m cupy_fused`` table: each model at its small shape
+    (``reference.SMALL_PROBLEMS``) against the reference.
+
+    Args:
+        device: a CUDA device; dtype: the models' dtype.
+        repeats: forwards timed per model.
+
+    Returns:
+        (the table's text rows, whether every model is within 1.5x eager's
+        error: :func:`worse_than_eager`).
+    """
     rows = [f"{'problem':<8}{'max err ours':>14}{'max err eager':>15}{'fwd ours ms':>13}"
             f"{'fwd eager ms':>14}  status"]
     ok = True

@@ -244,12 +244,18 @@ ROUTES = ("engine", "cudnn")
 
 
 def engine_layout(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
-    """How the engine reads ``x`` [N, C_in, H, W] and writes y, or
-    None where it cannot (then the ``"cudnn"`` route): :data:`NCHW` for a
-    contiguous x with C_in a multiple of 8 (the copy's channels-last rows,
-    a multiple of 16 bytes for the copy engine); :data:`CHANNELS_LAST` for a
-    channels-last x with C_in and C_out multiples of 8 and a 16-byte
-    aligned start."""
+    """How the engine reads x and writes y.
+
+    Args:
+        x: [N, C_in, H, W]; weight: [C_out, C_in, KH, KW].
+
+    Returns:
+        :data:`NCHW` for a contiguous x with C_in a multiple of 8 (the
+        copy's channels-last rows, a multiple of 16 bytes for the copy
+        engine); :data:`CHANNELS_LAST` for a channels-last x with C_in and
+        C_out multiples of 8 and a 16-byte aligned start; None where the
+        engine cannot read x (then the ``"cudnn"`` route).
+    """
     n, cin, h, w = x.shape
     if cin % 8:
         return None
@@ -263,17 +269,25 @@ def engine_layout(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
 
 def engine_dtypes(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                   bias: Optional[torch.Tensor]) -> Optional[Tuple[torch.dtype, torch.dtype]]:
-    """The engine's (product dtype, y's dtype) for these arguments, or None
-    where their dtypes keep it off: outside autocast every tensor float16,
-    or every tensor bfloat16 (both x's dtype), or every tensor float32 with
-    TF32 allowed to cuDNN (:func:`_cudnn_tf32`: a TF32 product, as the
-    reference's); under ``torch.autocast`` to
-    d, every tensor float32 or d: the product in d, and y in
-    d, or in float32 where a bias is float32 (torch's promotion, as
-    :func:`.bias_relu.bias_relu`; the chain is then computed as
-    ``nn.Conv2d`` with its bias computes it under autocast:
-    ``relu(conv + conv_bias)`` rounded to d, then + bias in float32.  The
-    ``"cudnn"`` route rounds the convolution before adding conv_bias)."""
+    """The engine's dtypes for these arguments.
+
+    Args:
+        x, weight, conv_bias, bias: :func:`conv_bias_relu`'s (bias may be
+            None).
+
+    Returns:
+        (product dtype, y's dtype), or None where their dtypes keep the
+        engine off.  Outside autocast: every tensor float16, or every
+        tensor bfloat16 (both x's dtype), or every tensor float32 with TF32
+        allowed to cuDNN (:func:`_cudnn_tf32`: a TF32 product, as the
+        reference's).  Under ``torch.autocast`` to d, every tensor float32
+        or d: the product in d, and y in d, or in float32 where a bias is
+        float32 (torch's promotion, as :func:`.bias_relu.bias_relu`; the
+        chain is then computed as ``nn.Conv2d`` with its bias computes it
+        under autocast: ``relu(conv + conv_bias)`` rounded to d, then +
+        bias in float32.  The ``"cudnn"`` route rounds the convolution
+        before adding conv_bias).
+    """
     vectors = (conv_bias.dtype,) if bias is None else (conv_bias.dtype, bias.dtype)
     amp = autocast_dtype()
     if amp is None:
