@@ -104,7 +104,7 @@ def test_rows_launch_bounds_the_rows_a_thread_sums():
     for vector in (4, 8):
         for channels in (5, 128, 8192):
             for rows in (1, 1024, 2032128, 10**9):
-                for max_rows in (1, 2, 512):
+                for max_rows in (1, 2, BR.PLAIN_SUM_ROWS):
                     cols, grid_x, chunks, per = BR.rows_launch(rows, channels, vector, 396,
                                                                max_rows)
                     groups = BLOCK // cols

@@ -35,7 +35,9 @@ def test_every_declared_instantiation_has_a_signature_of_known_parameters():
 def test_kernel_names_are_unique_across_the_sources():
     """The signature is found by the kernel's plain name: one declaration each."""
     seen = {}
-    for path in sorted(_runtime.kernel_dir().glob("*.cu*")):
+    paths = sorted(_runtime.kernel_dir().glob("*.cu*"))
+    assert {p.name for p in paths if p.suffix == ".cu"} == set(_runtime.declared())  # (the ops' sources)
+    for path in paths:
         for match in _bridge._GLOBAL.finditer(path.read_text()):
             name = match.group(1)
             assert name not in seen, (name, seen.get(name), path.name)

@@ -298,7 +298,7 @@ def test_harness_on_cpu_with_the_reference_modules(tmp_path):
     # The check is not vacuous: training moved the parameters.
     initial = _cpu_params(_build(76, "reference", torch.device("cpu")))
     moved = results[(76, "fp32")]["ddp"]
-    assert all(not torch.equal(moved[n], initial[n]) for n in initial)
+    assert initial and all(not torch.equal(moved[n], initial[n]) for n in initial)
 
 
 # --- benchmarks/scaling.py (CPU tier) ------------------------------------

@@ -74,7 +74,7 @@ def test_plain_submodules_pass_the_check(problem):
     """Past the submodule checks, the input check is the one that speaks
     (a CPU tensor here)."""
     model, x = _model_and_input(problem)
-    with pytest.raises(ValueError, match="CUDA"):
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
         model(x)
 
 

@@ -275,7 +275,7 @@ def test_sparse_and_nested_tensors_are_refused(past_device_check):
 
 
 def test_gn_model_rejects_groups_at_construction():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"num_groups \(4\) must divide the number of channels \(10\)"):
         cupy_fused.MatmulSwishSumGroupNorm(8, 10, 4, (10,))
 
 
