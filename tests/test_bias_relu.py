@@ -601,3 +601,38 @@ def test_backward_tf32_dz(layout, second, device):
                      tf32_dz=True)
     with pytest.raises(ValueError, match="TF32"):  # an NCHW dz: no TF32 kernel writes it
         BR._backward(dy.contiguous(), mask, list(shape), False, second, torch.float32, False, tf32_dz=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["rows", "nchw", "channels-last"])
+def test_backward_past_2_pow_31_elements(layout, device):
+    """64-bit indexing in the backwards (rows, NCHW slabs, a channels-last
+    4-D z) and their column sums, on 2^31 + 2^20 float16 values: dz exact at
+    positions on both sides of element 2^31, both biases' gradients against
+    torch's float32 sums of dz and dy."""
+    shape = {"rows": ((1 << 21) + 1, 1024), "nchw": (2049, 64, 128, 128),
+             "channels-last": (2049, 64, 128, 128)}[layout]
+    gen = torch.Generator(device=device).manual_seed(31)
+    z = torch.randn(shape, device=device, dtype=torch.float16, generator=gen)
+    if layout == "channels-last":
+        z = z.contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(z.shape, device=device, dtype=torch.float16, generator=gen).contiguous(
+        memory_format=torch.channels_last if layout == "channels-last" else torch.contiguous_format)
+    b1, b2 = (torch.randn(shape[1], device=device, dtype=torch.float16, generator=gen).requires_grad_(True)
+              for _ in range(2))
+    assert z.numel() > 2**31
+    z.requires_grad_(True)
+    dz, db1, db2 = torch.autograd.grad(ops.bias_relu(z, b1, b2), [z, b1, b2], dy)
+    flat = [0, 1, 2**31 - 1, 2**31, 2**31 + 1, z.numel() - 1]
+    # (memory-order positions: as the kernels walk the tensor)
+    zm, dym, dzm = (t.detach().permute(0, 2, 3, 1).reshape(-1) if layout == "channels-last"
+                    else t.detach().reshape(-1) for t in (z, dy, dz))
+    channels = [(p % shape[1]) if layout != "nchw" else (p // (128 * 128)) % shape[1] for p in flat]
+    for p, c in zip(flat, channels):
+        alive = zm[p].float() + b1.detach()[c].float() > 0
+        assert dzm[p].item() == (dym[p].item() if alive else 0.0), (layout, p)
+    dims = (0,) if layout == "rows" else (0, 2, 3)
+    for grad, of in ((db1, dz), (db2, dy)):
+        want = of.float().sum(dims).half().float()
+        torch.testing.assert_close(grad.float(), want, rtol=2e-3, atol=1e-2)

@@ -107,6 +107,23 @@ def test_training_calls_take_the_engine_only_where_its_backward_applies(past_dev
     assert CB.route(xg, w, cb, b) == "cudnn"
 
 
+def test_engine_bounds_keep_the_kernels_32_bit_counts():
+    """The engine takes shapes whose coordinates and K stay below 2^31 and
+    whose output tiles' k-tiles stay below 2^32 (a block counts its k-tiles
+    in an unsigned 32-bit counter), and cuDNN the others."""
+    assert CB._engine_bounds((128, 64, 128, 128), (128, 64, 3, 3))  # problem 1
+    assert CB._engine_bounds((528, 64, 256, 256), (64, 64, 3, 3))  # x and y past 2^31 elements
+    assert not CB._engine_bounds((2**23, 1, 512, 128), (8, 1, 1, 1))  # 2^32 tile rows, a k-tile each
+    assert CB._engine_bounds((2**23 - 1, 1, 512, 128), (8, 1, 1, 1))
+    assert not CB._engine_bounds((1, 8, 2**31, 8), (8, 8, 1, 1))  # a coordinate of 2^31
+    assert not CB._engine_bounds((1, 2**20, 1, 2**11), (8, 2**20, 1, 2**11))  # K = 2^31
+    assert CB._engine_bounds((1, 2**20 - 64, 1, 2**11), (8, 2**20 - 64, 1, 2**11))
+    # Every bound but the k-tiles' holds: 170460 tile rows x 16 channel tiles
+    # x 262144 taps x 2 channel blocks.
+    assert not CB._engine_bounds((1, 64, 4735, 4607), (2048, 64, 512, 512))
+    assert CB._engine_bounds((1, 64, 4735, 4607), (2048, 64, 2, 2))
+
+
 def test_deterministic_flag_is_restored_after_errors_and_overlaps():
     """The training route's cuDNN flag: set inside, restored on the way out
     of the outermost entry, also through an exception and across threads."""
@@ -1764,3 +1781,50 @@ def test_engine_training_forward_channels_last(shape, mode, device, monkeypatch)
         assert ours.grad.dtype == theirs.grad.dtype
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert leaves[0].grad.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+def test_training_step_past_2_pow_31_elements(channels_last, device):
+    """64-bit indexing through a float16 training step on the engine with x
+    and y past 2^31 elements (528 x 64 x 256 x 256, a 3 x 3 kernel): an
+    NCHW x's transposing copies, relu's mask and the channels-last dz, or a
+    channels-last x's window kernel, mask and rows backward; the input
+    gradient on the engine.  y and dx on images on both sides of element
+    2^31 (of x: image 512; of y: 520) against float64, within eager's error
+    bound on those images; the second bias's gradient against torch's
+    float32 sum of dy."""
+    _engine_device(device)
+    n, c, hw = 528, 64, 256
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    gen = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(n, c, hw, hw, device=device, dtype=torch.float16, generator=gen)
+    x = x.contiguous(memory_format=fmt)
+    w = (torch.randn(c, c, 3, 3, device=device, generator=gen) / 24).half()
+    cb, b = (torch.randn(c, device=device, dtype=torch.float16, generator=gen) for _ in range(2))
+    dy = torch.randn(n, c, hw - 2, hw - 2, device=device, dtype=torch.float16, generator=gen)
+    dy = dy.contiguous(memory_format=fmt)
+    assert x.numel() > 2**31 and dy.numel() > 2**31
+    leaves = [t.requires_grad_(True) for t in (x, w, cb, b)]
+    assert CB.route(*leaves) == "engine"
+    y = ops.conv_bias_relu(*leaves)
+    images = [0, 511, 512, 519, 520, n - 1]
+    y_images = y.detach()[images]
+    dx, db = torch.autograd.grad(y, [x, b], dy)
+    del y
+
+    def step(*tensors):  # the reference's y and dx on those images
+        leaves = [t.detach().clone().requires_grad_(True) for t in tensors[:4]]
+        out = _reference(*leaves)
+        return out.detach(), torch.autograd.grad(out, [leaves[0]], tensors[4].to(out.dtype))[0]
+
+    on_images = (x.detach()[images], w, cb, b, dy[images])
+    truth = step(*(t.double() for t in on_images))
+    eager = step(*on_images)
+    ulp = torch.finfo(torch.float16).eps
+    for name, ours, theirs, want in zip(["y", "dx"], (y_images, dx[images]), eager, truth):
+        assert rel_error(ours, want) <= 1.5 * rel_error(theirs, want) + ulp, (
+            name, rel_error(ours, want), rel_error(theirs, want))
+    want = dy.float().sum((0, 2, 3)).half().float()
+    torch.testing.assert_close(db.float(), want, rtol=2e-3, atol=1e-2)

@@ -60,6 +60,16 @@ def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():
         G._gemm_on_tile(a, b, "forward", 3, "64x64")
     with pytest.raises(ValueError, match=r"non-empty sum \(K >= 1\)"):
         G._gemm_on_tile(torch.rand(8, 0), torch.rand(8, 0), "forward", 1, "engine128x128")
+    # The engine's tiles take extents below 2^31, as choose_tile gives them
+    # (stride-0 views: no memory); the mma.sync tiles take any (on to the
+    # check of out, which comes after).
+    small, tall, wide = torch.rand(1, 4), torch.rand(1, 4).expand(2**31, 4), torch.rand(1, 1).expand(1, 2**31)
+    for tile in ("engine128x128", "engine128x128_split_b"):
+        for a, b in ((small, tall), (tall, small), (wide, wide)):  # N, M, K of 2^31
+            with pytest.raises(ValueError, match=r"takes M, N and K below 2\^31"):
+                G._gemm_on_tile(a, b, "forward", 1, tile)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[1, 2147483648\]"):
+        G._gemm_on_tile(small, tall, "forward", 1, "128x128", out=torch.empty(1, 1))
 
 
 def test_gemm_kernels_need_compute_capability_8_0(monkeypatch):
@@ -622,3 +632,39 @@ def test_float32_weight_is_bitwise_reproducible_and_refuses_what_it_cannot_run(d
         assert not G._uses_float32_weight_engine(bad_x, bad_w)
         with pytest.raises(ValueError, match="_linear_float32_weight needs"):
             G._linear_float32_weight(bad_x, bad_w)
+
+
+@gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [32776, 32777], ids=["rows-16-byte", "rows-ragged"])
+def test_products_past_2_pow_31_elements(n, device):
+    """64-bit addressing in the stores: an output of 65536 x n values (past
+    2^31), written whole (into NaN), its rows on both sides of element 2^31
+    against float64: float32 through ops.linear (the engine's tiles on
+    compute capability 9.0, bias + ReLU in the store) and, on 9.0, the 16-bit
+    engine (TMA store for rows of whole 16 bytes, stores from registers
+    for the others) against cuBLAS's error."""
+    m, k = 65536, 32
+    gen = torch.Generator(device="cpu").manual_seed(n)
+    x, w, b = (t.to(device) for t in (torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen),
+                                      torch.randn(n, generator=gen)))
+    edge = 2**31 // n  # the row holding element 2^31
+    rows = torch.tensor([0, 1, edge - 1, edge, edge + 1, m - 1], device=device)
+    want = torch.relu(x[rows].double() @ w.double().t() + b.double())
+    poison_allocator(device, 4 * m * n)
+    y = ops.linear(x, w, b, "relu", precision="3xtf32")
+    assert not y.isnan().any()
+    assert rel_error(y[rows], want) <= 1e-5
+    del y
+    if not G.has_wgmma(device.index):
+        return
+    for dtype in HALF:
+        xh, wh, bh = x.to(dtype), w.to(dtype), b.to(dtype)
+        assert G._uses_half_engine(xh, wh)
+        want = torch.relu(xh[rows].double() @ wh.double().t() + bh.double())
+        theirs = torch.relu(xh[rows] @ wh.t() + bh)
+        poison_allocator(device, 2 * m * n)
+        y = G._half_linear(xh, wh, bh, 1)
+        assert not y.isnan().any()
+        assert rel_error(y[rows], want) <= 1.5 * rel_error(theirs, want) + torch.finfo(dtype).eps
+        del y

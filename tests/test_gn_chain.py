@@ -168,6 +168,50 @@ def test_against_float64(chain, shape, mode, device, request):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("chain", sorted(ops.CHAINS))
+def test_past_2_pow_31_elements(chain, device):
+    """64-bit indexing in the forward, the backward and the vectors' column
+    sums, on (2^21 + 1) x 1024 float16 values (8 groups): the output and
+    z's gradient on rows both sides of element 2^31 against float64, every
+    vector's gradient against torch's chain summed in float32 over row
+    chunks; each within eager's error bound (for the vectors: eager's
+    float16 gradients of the chunks, summed)."""
+    rows, channels, groups, chunk = (1 << 21) + 1, 1024, 8, 1 << 18
+    gen = torch.Generator(device=device).manual_seed(7)
+    z, g = (torch.randn(rows, channels, device=device, dtype=torch.float16, generator=gen)
+            for _ in range(2))
+    vectors = [torch.randn(channels, device=device, dtype=torch.float16, generator=gen)
+               for _ in range(4)]
+    leaves = [z.requires_grad_(True)] + [v.clone().requires_grad_(True) for v in vectors]
+    edge = 2**31 // channels  # the row holding element 2^31
+    pick = torch.tensor([0, 1, edge - 1, edge, rows - 1], device=device)
+    y = _ours(chain, groups, *leaves)
+    y_pick = y.detach()[pick]
+    grads = torch.autograd.grad(y, leaves, g)
+    del y
+    z = z.detach()
+    reference = lambda *t: _reference(chain, groups, *t)  # noqa: E731
+    truth = _run(reference, [z[pick].double()] + [v.double() for v in vectors], g[pick].double(), None)
+    eager = _run(reference, [z[pick]] + vectors, g[pick], None)
+    ulp = torch.finfo(torch.float16).eps
+    for name, a, b, t in (("out", y_pick, eager[0], truth[0]), ("z", grads[0][pick], eager[1], truth[1])):
+        assert rel_error(a, t) <= 1.5 * rel_error(b, t) + ulp, (name, rel_error(a, t), rel_error(b, t))
+    sums = {dtype: [torch.zeros(channels, dtype=torch.float64, device=device) for _ in vectors]
+            for dtype in (torch.float32, torch.float16)}
+    for start in range(0, rows, chunk):
+        for dtype, totals in sums.items():
+            part = _run(reference, [t.to(dtype) for t in [z[start:start + chunk]] + vectors],
+                        g[start:start + chunk].to(dtype), None)
+            for total, grad in zip(totals, part[2:]):
+                total += grad
+    for name, ours, want, theirs in zip(["lin_bias", "v", "gn_weight", "gn_bias"], grads[1:],
+                                        sums[torch.float32], sums[torch.float16]):
+        assert rel_error(ours, want) <= 1.5 * rel_error(theirs, want) + ulp, (
+            name, rel_error(ours, want), rel_error(theirs, want))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "amp-bf16"])
 @pytest.mark.parametrize("chain", sorted(ops.CHAINS))
 def test_one_value_vector(chain, mode, device):

@@ -360,16 +360,26 @@ def _out_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int, int, in
     return n, cout, h - kh + 1, w - kw + 1
 
 
+def _engine_bounds(x_shape: Sequence[int], weight_shape: Sequence[int]) -> bool:
+    """Whether the engine's 32-bit counts hold for x [N, C_in, H, W] and the
+    weight [C_out, C_in, KH, KW]: the copy engine's coordinates; K; and the
+    k-tiles of all output tiles (tiles of 128 pixels of a row, n * oh *
+    cdiv(ow, 128) rows of them, fewer than x's, by 128 output channels;
+    k-tiles of at most 32 input channels, float32's), which a block counts
+    in an unsigned 32-bit counter (a bound on the tiles' count too)."""
+    n, cin, h, w = x_shape
+    cout, _, kh, kw = weight_shape
+    box_m, box_n = gemm.HALF_TILE
+    return (max(x_shape) < 2**31 and kh * kw * cdiv(cin, 64) * 64 < 2**31
+            and n * h * cdiv(w, box_m) * cdiv(cout, box_n) * kh * kw * cdiv(cin, 32) < 2**32)
+
+
 def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> Optional[_Plan]:
     """How the engine runs a call (:func:`engine_layout`,
     :func:`engine_dtypes`), or None where the call takes the ``"cudnn"``
     route: the one decision behind :func:`route` and the launch."""
-    if (x.numel() > 0 and weight.shape[0] > 0
-            # the output tiles, n * oh * cdiv(ow, 128) (fewer than x's rows),
-            # and the copy engine's 32-bit coordinates
-            and x.shape[0] * x.shape[2] * cdiv(x.shape[3], 128) < 2**31 and max(x.shape) < 2**31
-            and weight.shape[2] * weight.shape[3] * cdiv(x.shape[1], 64) * 64 < 2**31  # K
+    if (x.numel() > 0 and weight.shape[0] > 0 and _engine_bounds(x.shape, weight.shape)
             and not is_compiling() and gemm.has_wgmma(x.device.index)):
         training = needs_grad(x, weight, conv_bias, bias)
         if training and not _trains_on_engine(x, weight):

@@ -285,13 +285,17 @@ def _gemm_on_tile(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int, ti
     """:func:`_gemm` on the tile kernel ``tile`` (a key of :data:`TILES`, one
     of :func:`available_tiles`) with 16-byte loads, whatever
     :func:`choose_tile` would pick: for tests, sanitizer runs and tuning.
-    The operands' rows must be 16-byte aligned.  ``out``: the [M, N] result
-    to write (e.g. NaN-poisoned), else a new one."""
-    m, n = _product_shape(a, b, layout)
+    The operands' rows must be 16-byte aligned, and an engine tile's
+    extents below 2^31, as :func:`choose_tile` has them.  ``out``: the
+    [M, N] result to write (e.g. NaN-poisoned), else a new one."""
+    (m, n), k = _product_shape(a, b, layout), _inner_size(a, layout)
+    if TILES[tile].engine and max(m, n, k) >= 2**31:
+        raise ValueError(f"_gemm_on_tile: the {tile} tile takes M, N and K below 2^31 (the copy "
+                         f"engine's coordinates are 32-bit), got M={m}, N={n}, K={k}")
     if not (_rows_aligned(a, a.shape[1]) and _rows_aligned(b, b.shape[1])):
         raise ValueError("_gemm_on_tile needs operands whose rows start on 16 bytes "
                          "(aligned pointers, contiguous extents that are multiples of 4)")
-    if _inner_size(a, layout) == 0:
+    if k == 0:
         raise ValueError("_gemm_on_tile needs a non-empty sum (K >= 1)")
     if out is None:
         out = torch.empty((m, n), dtype=torch.float32, device=a.device)
