@@ -208,9 +208,8 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], iters: int, warmup: i
     (timed over three calls after the warm-up) gets more calls, up to
     ``10 * iters`` (:func:`timed_calls`).  A step of well under a
     millisecond is as long as the host takes to issue it, and the host's
-    pace varies: for problem 76's half-precision training step (0.6 ms),
-    30 calls gave ours/eager ratios from 0.75 to 1.03 over four runs,
-    200-300 calls 1.01-1.06 in 12 of 14."""
+    pace varies, so such steps need more calls for a stable ratio
+    (docs/performance.md, Method)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()

@@ -15,10 +15,9 @@ several rounds and each reports its best round.  Variants:
 The ratio of ours to torch is also measured in pairs (``harness.paired_ratios``):
 many short rounds, each timing torch and ours back to back (in alternating
 order), one ratio per round, reported as the median and quartiles over the
-rounds.  Best-of-rounds times of two runs of the same code, minutes apart
-on one machine, differed by a third (torch.add 8.27 and 11.07 us); a ratio
-of two times taken within a few milliseconds of each other is what the
-host's drift leaves alone.
+rounds.  Best-of-rounds times drift between runs of the same code on one
+machine (docs/performance.md, Method); a ratio of two times taken within a
+few milliseconds of each other is what the host's drift leaves alone.
 
 Usage: python benchmarks/host_overhead.py [--calls 20000] [--pairs 101] [--json out.json]
 """

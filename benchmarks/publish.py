@@ -27,7 +27,7 @@ headline:end -->`` in README.md (the paragraph's leading "<GPU>, <date>,
 The history row: the date, run label and device of the published files,
 the commit (``git rev-parse --short HEAD``), torch / CUDA versions and,
 per problem, dtype and mode at the benchmark shape, torch.compile's time
-over ours (``"76 bfloat16 train ours/compile": 1.889``).
+over ours (e.g. ``"76 bfloat16 train ours/compile": <ratio>``).
 
 This module needs no torch: ``markdown`` (the results table that run.py
 also writes beside its JSON) lives here for that reason.

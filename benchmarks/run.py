@@ -63,10 +63,9 @@ step (``--impls`` or ``--full``; not in the default list, it compiles).
 torch.compile compiles in this process (``TORCHINDUCTOR_COMPILE_THREADS=1``
 unless set otherwise): with a pool of compile workers, the pool's
 processes keep busy for tens of seconds after the first compile, and every
-implementation timed meanwhile shares the CPU with them.  On the H100's
-host that took problem 76's half-precision training step (about 0.6 ms,
-and bound by the host's issue time) from 0.62 to 0.74 ms for eager and to
-0.83 ms for ours; in-process compiling only makes compiling slower.
+implementation timed meanwhile shares the CPU with them, which slows the
+host-bound steps (docs/performance.md, Method); in-process compiling only
+makes compiling slower.
 """
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def nvrtc_options() -> Tuple[str, ...]:
     """NVRTC options without the architecture (same for every source).
 
     ``CUPY_FUSED_NVRTC_OPTIONS`` appends options (space-separated), e.g.
-    ``-lineinfo`` for profiling or ``-D`` tuning macros of a kernel file."""
+    ``-lineinfo`` for profiling."""
     global _options_cache
     if _options_cache is None:
         _options_cache = BASE_OPTIONS + (
@@ -533,8 +533,9 @@ def get_function(source: str, name_expression: str, device: int,
         name_expression: a declared instantiation of it (:func:`declare`).
         device: CUDA device index.
         defines: extra preprocessor definitions (``"NAME=VALUE"``) for a
-            separate build, e.g. the tuning knobs a kernel file reads
-            (``scripts/tune_gn.py``); the library itself passes none.
+            separate build, e.g. one that keeps kernels compiled from
+            another folder of sources apart in the in-memory cache
+            (``benchmarks/ab.py``); the library itself passes none.
 
     Returns:
         The kernel.  Raises ``KeyError`` for an undeclared instantiation,

@@ -165,8 +165,9 @@ def set_gemm_wgmma(enabled: bool) -> None:
     """Switches the Hopper ``wgmma`` kernels on or off, process-wide: the
     float32 GEMM's and the 16-bit engine's (its one-launch GroupNorm forward
     and problem 1's convolution).  Off, compute capability 9.0 runs what 8.x
-    runs (the ``mma.sync`` float32 GEMM, cuBLAS, cuDNN), e.g. to compare the
-    two.  Default: on, unless ``CUPY_FUSED_GEMM_WGMMA=0``.
+    runs (the ``mma.sync`` float32 GEMM, cuBLAS, cuDNN): the fallback route
+    should the Hopper kernels fail on a machine, slower than they are
+    (docs/gemm.md).  Default: on, unless ``CUPY_FUSED_GEMM_WGMMA=0``.
 
     Args:
         enabled: True or False.

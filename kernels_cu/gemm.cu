@@ -1,7 +1,7 @@
 // Kernel family "gemm": the plain 16-bit product act(x W^T + bias) on the
 // Hopper GEMM engine (gemm.cuh), the bias and the activation applied to the
-// float32 accumulators in the store (ops.gemm._half_linear; measured against
-// cuBLAS by benchmarks/gemm.py --half), and the same product with a float32
+// float32 accumulators in the store (ops.gemm._half_linear; against cuBLAS
+// in benchmarks/gemm.py --half), and the same product with a float32
 // W rounded to 16 bits inside the engine (ops.gemm._linear_float32_weight;
 // benchmarks/gemm.py --float32-weight).
 #include "gemm.cuh"

@@ -256,9 +256,8 @@ using DenseLoader = TiledLoader<kHgBM, kHgBN>;
 // below 2^18, so the 14-bit address field (address / 16) takes the offset
 // without carrying into the leading-byte field, and the high word (the
 // stride-byte offset and the swizzle mode) is a constant.  (Building each
-// descriptor whole, mask, shifts and ors, was about a quarter of the
-// consumers' main-loop instructions: docs/gemm.md, "Fewer instructions in
-// the main loop".)
+// descriptor whole would take a mask, shifts and ors per MMA step:
+// docs/gemm.md, "Fewer instructions in the main loop".)
 struct Swizzle128Desc {
   unsigned lo;
   __device__ __forceinline__ explicit Swizzle128Desc(unsigned addr, unsigned leading_bytes = 16)

@@ -13,9 +13,9 @@
 // of kChunkK k-values (3 * kChunkK / 8 truncating MMA accumulations); after
 // each chunk they are added into a separate float32 sum with ordinary
 // round-to-nearest adds and restarted from zero (Ootomo & Yokota, 2022).  The
-// fold costs 4 adds per fragment per chunk.  Chunk 16 (default): the longer
-// chunks are 1-8 % faster but lose the accuracy lead over SGEMM on sums of a
-// few hundred products (GEMM_NOTES.md has the measurements).
+// fold costs 4 adds per fragment per chunk.  Chunk 16: the longest that keeps
+// the models within eager's error (docs/gemm.md, "Chunk length: accuracy
+// against speed").
 //
 // Operand layouts (template parameters), for the three products of a linear
 // layer y = x W^T:
@@ -50,10 +50,7 @@ namespace cf {
 
 constexpr int kGemmThreads = 256;
 constexpr int kGemmBK = 32;
-#ifndef CF_GEMM_CHUNK_K
-#define CF_GEMM_CHUNK_K 16
-#endif
-constexpr int kChunkK = CF_GEMM_CHUNK_K;  // k-values per MMA accumulator chunk
+constexpr int kChunkK = 16;  // k-values per MMA accumulator chunk
 static_assert(kChunkK % 8 == 0 && (kChunkK <= kGemmBK ? kGemmBK % kChunkK == 0 : kChunkK % kGemmBK == 0),
               "a chunk is whole MMA steps and divides (or is a multiple of) the k-tile");
 
@@ -107,8 +104,8 @@ struct OperandTile {
     static_assert(kChunks % kGemmThreads == 0 && kGemmThreads % kChunksPerRow == 0,
                   "tile must split evenly over the loading threads, in whole rows");
     // Pass j covers rows r0 + j * kRowsPerPass: the addresses are computed
-    // once and stepped (this runs for every k-tile; the address arithmetic
-    // used to cost more issue slots than the copies).
+    // once and stepped (this runs for every k-tile, and address arithmetic
+    // per copy would outnumber the copies' issue slots).
     constexpr int kRowsPerPass = kGemmThreads / kChunksPerRow;
     const int r0 = tid / kChunksPerRow, c4 = (tid % kChunksPerRow) * 4;
     // (row index, contiguous index) in the operand's memory order

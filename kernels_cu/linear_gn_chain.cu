@@ -36,8 +36,8 @@ namespace cf {
 // warp covers whole rows (a lane 4 adjacent columns: 512 contiguous bytes
 // per row and store): the row phase then only computes the statistics
 // (kept in shared memory), and the second pass recomputes Pre, bit for bit
-// the same, from z.  That store outlasted the other warpgroup's main loop;
-// so with a float32 y (and fewer than 128 channels per group) the block
+// the same, from z.  That store would outlast the other warpgroup's main
+// loop; so with a float32 y (and fewer than 128 channels per group) the block
 // has a fourth warpgroup (the engine's StoreExtras), which takes the groups
 // of the tile's second 64 columns, both passes, while the consumer does
 // those of the first 64.
@@ -83,7 +83,7 @@ struct GroupNormTileStore {
   // other 64, each while the other consumer's MMAs run.  A 16-bit y, and a
   // group of 128 channels (one per tile: the store's warpgroup's registers
   // would not hold it), stay with the consumer, and the block has no store
-  // warpgroup (docs/gemm.md: measured).
+  // warpgroup (docs/gemm.md).
   static constexpr bool kOwnWarpgroup = sizeof(TO) == 4 && kCpg < kHgBN;
   static constexpr int kMine = kOwnWarpgroup ? kGroups / 2 : kGroups;  // the consumer's groups: 0 .. kMine - 1
 
@@ -299,7 +299,7 @@ linear_gn_chain_wgmma(const __grid_constant__ TensorMap map_x, const __grid_cons
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char gemm_shared[];
   // eps as float, converted once: left to the compiler, the conversion
-  // (and its test for a value below float's range) was redone in every
+  // (and its test for a value below float's range) would be redone in every
   // tile's store, on the store's critical path.
   float feps;
   asm volatile("mov.b32 %0, %1;" : "=f"(feps) : "f"(static_cast<float>(eps)));

@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh quick    the test suite, then the benchmarks (no sanitizer)
 #   bash scripts/gpu_check.sh fast     the test suite without the NVRTC compile check
 #                                      and the wheel build (the CPU tier runs both;
-#                                      about 3 of the suite's 5 minutes), then the
+#                                      much of the suite's time), then the
 #                                      sanitizer runs, no benchmarks
 #   bash scripts/gpu_check.sh sanitize the sanitizer runs only
 # Before the sanitizer runs every kernel is compiled for this GPU (python -m

@@ -324,8 +324,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
 _Plan = Tuple[str, torch.dtype, torch.dtype, bool]
 
 # The engine's training forward takes calls of this many output values and
-# more: the size from which the channels-last backward it leads to was
-# measured to pay (CL_BACKWARD_MIN_ELEMENTS, below).
+# more: the size from which the channels-last backward it leads to pays
+# (CL_BACKWARD_MIN_ELEMENTS, below).
 ENGINE_TRAINING_MIN_ELEMENTS = 2**24
 
 # A float32 call (TF32 allowed) takes the engine from this many output
@@ -335,7 +335,7 @@ ENGINE_TRAINING_MIN_ELEMENTS = 2**24
 # channels-last x), but cuDNN runs some small NCHW convolutions (and some
 # 1 x 1 ones) in full float32, whose error the engine's TF32 would not
 # match: those, and every smaller call, keep cuDNN (the same threshold for
-# a channels-last x, whose small calls were not measured apart).
+# a channels-last x).
 ENGINE_FLOAT32_MIN_ELEMENTS = 2**24
 
 
@@ -1006,11 +1006,8 @@ def _strided_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return grad if grad.stride() == t.stride() else torch.empty_like(t).copy_(grad)
 
 
-# The channels-last backward's smallest dz, in elements.  On the H100 (C_in
-# 64 to 256, C_out 128 or 256, 3 x 3 kernels) it took 0.77-0.92x the time
-# of cuDNN's NCHW backward from 30 M values of dz up, 0.91-0.93x at 16 M,
-# and 1.05-1.61x at 7-8 M (the copies' cost not repaid); with 3 input
-# channels (not a multiple of 8) it lost at 190 M too.
+# The channels-last backward's smallest dz, in elements: below it the
+# transposing copies cost more than they save (docs/design.md).
 CL_BACKWARD_MIN_ELEMENTS = 2**24
 
 
@@ -1021,9 +1018,9 @@ def _channels_last_backward(dz: torch.Tensor, x: torch.Tensor) -> bool:
     and at least :data:`CL_BACKWARD_MIN_ELEMENTS` values of dz (NCHW, or
     channels-last already: :func:`conv_bias_relu` asks bias_relu's backward
     for it so, with this test on the convolution's output).  cuDNN's
-    NCHW backward works channels-last inside, at about twice the time of its
-    channels-last one at such sizes; our transposing copies of dz and x, and
-    of dx back, cost less than the difference."""
+    NCHW backward works channels-last inside, slower than its channels-last
+    one at such sizes (docs/design.md); our transposing copies of dz and x,
+    and of dx back, cost less than the difference."""
     return (dz.numel() >= CL_BACKWARD_MIN_ELEMENTS and x.shape[1] % 8 == 0 and dz.shape[1] % 8 == 0
             and x.is_cuda and x.is_contiguous()
             and (dz.is_contiguous() or dz.is_contiguous(memory_format=torch.channels_last))

@@ -193,7 +193,7 @@ def has_wgmma(device_index: int) -> bool:
     """Whether the GEMMs on this device may use the Hopper engine (wgmma):
     compute capability 9.0, unless the setting
     :func:`cupy_fused.settings.gemm_wgmma` (``CUPY_FUSED_GEMM_WGMMA=0``)
-    turns it off, e.g. to compare with mma.sync."""
+    turns it off (the fallback route)."""
     return get_gemm_wgmma() and _runtime.device_capability(device_index) == (9, 0)
 
 
@@ -384,7 +384,7 @@ HALF_TILE = (128, 128)   # rows x columns of C per tile
 HALF_BOX_K = 64          # k-values per tile (one 128-byte swizzle row)
 HALF_THREADS = 384
 # Pipeline stages (32 KiB each) beside the TMA store's staging (a tile per
-# consumer warpgroup, 64 KiB): 5 measured no faster (docs/gemm.md).
+# consumer warpgroup, 64 KiB).
 HALF_STAGES = 4
 
 
@@ -629,9 +629,8 @@ CONVERT_STAGE_BYTES = CONVERT_TILE[0] * 64 * 4 + CONVERT_TILE[1] * 64 * 2
 # kCtStagingBytes: half of a warpgroup's 64 x 256 part of z, per warpgroup
 CONVERT_STAGING_BYTES = 2 * (CONVERT_TILE[1] // 2) * (CONVERT_TILE[0] // 2) * 2
 # Where the product runs here rather than as W's cast then cuBLAS: rows of
-# x in the measured range (faster at 512 and 1024 rows, slower at 2048;
-# fewer rows not measured at enough tiles), in at least half as many tiles
-# as the GPU has SMs (128 tiles faster, 32 slower) (H200; docs/gemm.md).
+# x in the range where it wins, in at least half as many tiles as the GPU
+# has SMs (docs/gemm.md, "A float32 weight rounded in the engine").
 CONVERT_MIN_ROWS, CONVERT_MAX_ROWS = 512, 1024
 
 CONVERT_KERNELS = _runtime.KernelFamily("gemm.cu", {

@@ -91,8 +91,9 @@ VALS_PER_LANE = (4, 8)
 
 @dataclass(frozen=True)
 class LaunchShapes:
-    """Launch shapes of the gn_chain kernels: data, tuned on H100 with
-    ``scripts/tune_gn.py``; :func:`launch_shapes` swaps them for a block.
+    """Launch shapes of the gn_chain kernels: data, chosen with
+    ``scripts/tune_gn.py`` (docs/performance.md); :func:`launch_shapes`
+    swaps them for a block.
 
     The ``*_min_blocks`` are each kernel's template parameter ``kMinBlocks``:
     the minimum resident 256-thread blocks per SM the compiler must allow,
@@ -108,7 +109,7 @@ class LaunchShapes:
         backward_vec_min_blocks_half: the vectorised backward on a float16 /
             bfloat16 z (two rows of loads and a vector's column sums per
             lane, its columns' vectors in shared memory: nothing spills at
-            2 blocks per SM; at 3 it spilled, and measured far slower).
+            2 blocks per SM).
         backward_vec_min_blocks_float: the same on a float32 z.
         backward_vec_bytes: the vectorised backward's accesses of z, 8 or
             16 bytes (its values per lane, and so its registers).

@@ -91,12 +91,11 @@ HALF_KERNELS = _runtime.KernelFamily("linear_gn_chain.cu", {
 })
 
 
-# Where one launch pays (measured on H100 against cuBLAS followed by the
-# gn_chain kernel, docs/gemm.md): the launch saves the round trip of z
-# through memory, while the engine's GEMM runs at 0.82-0.93x cuBLAS.  So it
-# wins where the product is short (K up to 2048) and fills the GPU many
-# times over (from 8 tiles per SM); at K = 8192, or with 4 tiles per SM, it
-# loses.
+# Where one launch pays against cuBLAS followed by the gn_chain kernel
+# (docs/gemm.md): the launch saves the round trip of z through memory,
+# while the engine's main loop is slower than cuBLAS's.  So it wins where
+# the product is short (K up to 2048) and fills the GPU many times over
+# (from 8 tiles per SM).
 HALF_FUSE_MAX_K = 2048
 HALF_FUSE_MIN_TILES_PER_SM = 8
 

@@ -1,6 +1,6 @@
 """``scale_add``: out = alpha * x + y.  The smallest fused op, used to check
-an installation (``python -m cupy_fused``), the runtime and the bridge, and to
-measure per-call host overhead."""
+an installation (``python -m cupy_fused``), the runtime and the bridge, and
+the op whose per-call host cost ``benchmarks/host_overhead.py`` times."""
 from __future__ import annotations
 
 from typing import Tuple
