@@ -11,8 +11,10 @@
 #                                      much of the suite's time), then the
 #                                      sanitizer runs, no benchmarks
 #   bash scripts/gpu_check.sh sanitize the sanitizer runs only
-# Before the sanitizer runs every kernel is compiled for this GPU (python -m
-# cupy_fused --precompile), so that they time the kernels, not NVRTC.
+# The suite runs in SHARDS processes at once (default 4), its slow tests
+# after them.  Before the sanitizer runs every kernel is compiled for this
+# GPU (python -m cupy_fused --precompile), so that they time the kernels,
+# not NVRTC.
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -28,9 +30,31 @@ mode=${1:-full}
 deselect=()
 [ "$mode" = "fast" ] && deselect=(-k "not nvrtc_compile_check and not wheel_ships")
 if [ "$mode" != "sanitize" ]; then
-  python -m pytest -q -rs --maxfail=25 --durations=15 ${deselect[@]+"${deselect[@]}"} tests 2>&1 \
-    | tee "$OUT/pytest.log" | tail -40
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # The suite in $SHARDS processes at once (every n-th test each:
+  # CUPY_FUSED_TEST_SHARD, tests/conftest.py; the small tests wait on
+  # launches and compiles more than on the GPU), then the slow tests
+  # (tensors of several GiB) in one process of their own, so that their
+  # memory meets no other process's.  pytest's exit code 5: no test to run.
+  shards=${SHARDS:-4}
+  pids=()
+  for ((k = 0; k < shards; k++)); do
+    CUPY_FUSED_TEST_SHARD=$k/$shards python -m pytest -q -rs -m "not slow" --maxfail=25 --durations=10 \
+      ${deselect[@]+"${deselect[@]}"} tests > "$OUT/pytest-$k.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do
+    wait "$pid"; rc=$?
+    [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1
+  done
+  python -m pytest -q -rs -m slow --maxfail=25 --durations=10 ${deselect[@]+"${deselect[@]}"} tests \
+    > "$OUT/pytest-slow.log" 2>&1
+  rc=$?
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1
+  for log in "$OUT"/pytest-*.log; do
+    echo "== $log"
+    grep -E "^(FAILED|ERROR) " "$log" | head -20
+    tail -1 "$log"
+  done
 fi
 if [ "$mode" != "quick" ] && [ "$mode" != "tests" ]; then
   python -m cupy_fused --precompile > "$OUT/precompile.log" 2>&1 || status=1

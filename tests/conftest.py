@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -18,7 +20,24 @@ def _gpu_reason():
 GPU_SKIP_REASON = _gpu_reason()
 
 
+def shard_spec(spec):
+    """(k, n) of ``CUPY_FUSED_TEST_SHARD=k/n`` (this process runs every
+    n-th collected test from the k-th: scripts/gpu_check.sh runs n such
+    processes at once), or None for an empty value."""
+    if not spec:
+        return None
+    k, _, n = spec.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        raise pytest.UsageError(f"CUPY_FUSED_TEST_SHARD must be k/n with 0 <= k < n, got {spec!r}")
+    return int(k), int(n)
+
+
 def pytest_collection_modifyitems(config, items):
+    shard = shard_spec(os.environ.get("CUPY_FUSED_TEST_SHARD", ""))
+    if shard is not None:
+        k, n = shard
+        config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % n != k])
+        items[:] = [t for i, t in enumerate(items) if i % n == k]
     if GPU_SKIP_REASON is None:
         return
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)

@@ -137,3 +137,22 @@ def test_cuda_extras_take_a_cupy_that_finds_pip_nvrtc():
         (cupy,) = [r for r in _extras()[extra] if r.name.startswith("cupy") and _applies(r, "3.10")]
         assert not cupy.specifier.contains("13.6.0") and cupy.specifier.contains("14.0.0"), cupy
 
+
+
+def test_test_shards_partition_the_suite():
+    """CUPY_FUSED_TEST_SHARD=k/n (tests/conftest.py: the shards
+    scripts/gpu_check.sh runs at once): the n shards' tests are the
+    suite's, each test in one shard; a malformed value is refused."""
+    def collected(shard):
+        env = dict(os.environ, CUPY_FUSED_TEST_SHARD=shard)
+        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                              "no:cacheprovider", "tests/test_formulas.py"],
+                             cwd=REPO, env=env, capture_output=True, text=True)
+        return run, [line for line in run.stdout.splitlines() if "::" in line]
+
+    _, whole = collected("")
+    parts = [collected(f"{k}/3")[1] for k in range(3)]
+    assert len(whole) > 3 and all(parts)
+    assert sorted(sum(parts, [])) == sorted(whole)
+    run, _ = collected("3/3")
+    assert run.returncode != 0 and "CUPY_FUSED_TEST_SHARD must be k/n" in run.stdout + run.stderr
