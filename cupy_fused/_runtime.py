@@ -636,14 +636,12 @@ def _check_run_options(progress, workers) -> None:
     """:func:`precompile`'s and :func:`compile_check`'s ``progress`` (a
     bool) and ``workers`` (None or an int of at least 1), before anything
     compiles."""
+    from ._validation import check_int
     from .settings import check_flag
 
     check_flag("progress", progress)
     if workers is not None:
-        if isinstance(workers, bool) or not isinstance(workers, numbers.Integral):
-            raise TypeError(f"workers must be an int or None, got {type(workers).__name__}")
-        if workers < 1:
-            raise ValueError(f"workers must be at least 1 (or None for default_workers()), got {workers}")
+        check_int("workers", workers, 1, expected="an int or None")
 
 
 def _run_jobs(jobs: Sequence[_Job], build: Callable[[str, str], object], desc: str,

@@ -128,6 +128,26 @@ _REAL_TYPES = (numbers.Real, torch.SymInt, torch.SymFloat)
 _INF = math.inf
 
 
+def check_int(name: str, value, least: int, *, expected: str = "an int") -> int:
+    """An int (a NumPy integer too, not a bool) of at least ``least``.
+
+    Args:
+        name: the argument's name, for the errors.
+        value: the argument.
+        least: the smallest value taken.
+        expected: what the TypeError says was expected.
+
+    Returns:
+        ``value`` as an int.  Raises TypeError for another type, ValueError
+        for a smaller value.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    if value < least:
+        raise ValueError(f"{name} must be at least {least}, got {value}")
+    return int(value)
+
+
 def check_groups(num_groups, channels: int) -> int:
     if type(num_groups) is not int:  # (the common case first: this runs on every call)
         if isinstance(num_groups, bool) or not isinstance(num_groups, _INT_TYPES):

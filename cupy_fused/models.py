@@ -50,14 +50,13 @@ autocast the input must have the parameters' dtype, as in the reference.
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.nn as nn
 
 from . import ops
 from ._amp import autocast_dtype
-from ._validation import FLOAT_DTYPES, check_groups, check_like, check_tensor, check_vector
+from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
+                          check_vector)
 from .ops.linear import _linear_prechecked
 from .settings import check_flag, check_precision
 
@@ -89,10 +88,7 @@ def _check_sizes(least: int, **sizes) -> None:
     # empty sum, or an empty output); a convolution needs a channel in and
     # out (ops.conv_bias_relu).
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < least:
-            raise ValueError(f"{name} must be at least {least}, got {value}")
+        check_int(name, value, least)
 
 
 def _plain(sub: nn.Module, cls: type, owner: nn.Module, name: str) -> nn.Module:
