@@ -290,9 +290,13 @@ struct CompensatedSum {
     sum = t;
   }
   // The compensated total in double, so that it loses nothing when partial
-  // sums are combined (see reduce_column_partials).
+  // sums are combined (see reduce_column_partials).  An infinite term (or an
+  // overflow) leaves the running sum infinite and comp the NaN of inf - inf:
+  // the total is then the running sum alone, +-inf (or NaN for infinities of
+  // both signs), as torch's sum gives it.  A finite running sum means every
+  // term and partial sum was finite, and comp with them.
   __device__ __forceinline__ double total() const {
-    return static_cast<double>(sum) + static_cast<double>(comp);
+    return isfinite(sum) ? static_cast<double>(sum) + static_cast<double>(comp) : static_cast<double>(sum);
   }
 };
 

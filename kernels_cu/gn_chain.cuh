@@ -187,12 +187,12 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, 
   }
 }
 
-// Per-element part of the backward shared by both paths below: recomputes
-// x^ and y^ from z and the saved statistics, returns dy^ * gn_weight (= dx^).
-// P, C: ColumnVectors and a column, or LaneVectors and a lane's column
-// index.
-// From Pre's value v (the vectorised backward computes it with its derivative).
-template <typename Chain, typename P, typename C>
+// Per-element part of the backward shared by every path below: recomputes
+// x^ and y^ from Pre's value v and the saved statistics, returns
+// dy^ * gn_weight (= dx^).  P, C: ColumnVectors and a column, or
+// LaneVectors and a lane's column index.  kExact: in an exact row (below),
+// Post's backward as autograd computes it where it differs.
+template <typename Chain, bool kExact = false, typename P, typename C>
 __device__ __forceinline__ float element_backward_from_pre(float v, float dy, float mean, float rstd,
                                                            C col, const P& p, float& xhat,
                                                            float& dyhat, float& mul_grad) {
@@ -200,22 +200,33 @@ __device__ __forceinline__ float element_backward_from_pre(float v, float dy, fl
   xhat = (v - mean) * rstd;
   const float yh = xhat * w + p.beta(col);
   mul_grad = 0.0f;
-  dyhat = Chain::post_backward(yh, dy, p, col, mul_grad);
+  dyhat = kExact ? Chain::post_backward_exact(yh, dy, p, col, mul_grad)
+                 : Chain::post_backward(yh, dy, p, col, mul_grad);
   return dyhat * w;
 }
 
-template <typename Chain, typename P, typename C>
-__device__ __forceinline__ float element_backward(float z, float dy, float mean, float rstd, C col,
-                                                  const P& p, float& xhat,
-                                                  float& dyhat, float& mul_grad) {
-  const float w = p.gamma(col);
-  xhat = (Chain::pre(z, p, col) - mean) * rstd;
-  const float yh = xhat * w + p.beta(col);
-  mul_grad = 0.0f;
-  dyhat = Chain::post_backward(yh, dy, p, col, mul_grad);
-  return dyhat * w;
+// The GroupNorm's input gradient.  A group whose sums s1 = mean dx^ and
+// s2 = mean dx^ x^ are finite takes the centred form,
+// dv = rstd (dx^ - s1 - x^ s2), the accurate one.  A NaN or +-inf from the
+// upstream gradient makes a group's sums non-finite; the row is then done
+// again as an exact row, where such a group takes torch's own uncentred form
+// (its GroupNorm backward): dv = rstd dx^ + c2 v + c3 with
+// c2 = (sd mean - sdv) rstd^3 / D, c3 = -c2 mean - sd rstd / D, sd = sum dx^
+// and sdv = sum dx^ v.  Every dv of such a group is NaN or +-inf, and the
+// two forms put NaN and +-inf in different places: the uncentred one where
+// torch does.
+__device__ __forceinline__ bool group_sums_finite(float s1, float s2) {
+  return isfinite(s1) && isfinite(s2);
 }
-
+struct UncentredGroup {
+  float c1, c2, c3;
+  __device__ __forceinline__ float dv(float dxh, float v) const { return c1 * dxh + c2 * v + c3; }
+};
+__device__ __forceinline__ UncentredGroup uncentred_group(float sd, float sdv, float mean,
+                                                          float rstd, float inv_cpg) {
+  const float c2 = (sd * mean - sdv) * rstd * rstd * rstd * inv_cpg;
+  return UncentredGroup{rstd, c2, -c2 * mean - sd * rstd * inv_cpg};
+}
 template <typename Chain>
 __device__ __forceinline__ void slot_values(float (&out)[Chain::kSlots], float dz, float dv,
                                             float xhat, float dyhat, float mul_grad) {
@@ -225,20 +236,58 @@ __device__ __forceinline__ void slot_values(float (&out)[Chain::kSlots], float d
   if (Chain::kSlotBeta >= 0) out[Chain::kSlotBeta] = dyhat;
   if (Chain::kSlotMul >= 0) out[Chain::kSlotMul] = mul_grad;
 }
+// slot_values in a row that may be exact: in a group in the uncentred form,
+// where dy^ is not finite, gn_weight's term is torch's
+// (dy^ v - dy^ mean) rstd (it sums dy^ v and dy^ per channel and applies the
+// statistics afterwards), whose NaN and +-inf differ from dy^ x^'s.
+template <typename Chain>
+__device__ __forceinline__ void slot_values_exact(float (&out)[Chain::kSlots], float dz, float dv,
+                                                  float xhat, float dyhat, float mul_grad,
+                                                  bool uncentred, float v, float mean,
+                                                  float rstd) {
+  slot_values<Chain>(out, dz, dv, xhat, dyhat, mul_grad);
+  if (Chain::kSlotGamma >= 0 && uncentred && !isfinite(dyhat))
+    out[Chain::kSlotGamma] = (dyhat * v - dyhat * mean) * rstd;
+}
+
+// The backward kernels' parameters (gn_chain_backward, gn_chain_backward_vec,
+// whose own signatures spell them out: the launch reads a kernel's
+// parameters from its source) and their names, for the functions that do a
+// kernel's work.
+#define CF_GN_BACKWARD_PARAMS                                                              \
+  const T *__restrict__ z, const TO *__restrict__ dy, i64 dy_dense,                        \
+      const float *__restrict__ mean, const float *__restrict__ rstd,                      \
+      const TO *__restrict__ lin_bias, const TO *__restrict__ extra_bias,                  \
+      const TO *__restrict__ gn_weight, const TO *__restrict__ gn_bias,                    \
+      const TO *__restrict__ mul_weight, T *__restrict__ dz_out, double *__restrict__ partial, \
+      i64 rows, i64 channels, i64 groups, i64 team, i64 rows_per_chunk
+#define CF_GN_BACKWARD_ARGS                                                                \
+  z, dy, dy_dense, mean, rstd, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, dz_out, \
+      partial, rows, channels, groups, team, rows_per_chunk
+
+// Rows whose GroupNorm sums are not finite (a NaN or +-inf from the upstream
+// gradient, as a rule).  Such a group's sums leave a term that is not finite
+// in the column sums of its lanes: dy^ (gn_bias's), dy^ x^ (gn_weight's),
+// or dv and dz (a gn_weight that is not finite; where every dz of such a
+// group is gated to 0, the two forms below agree).  So a kernel walks its
+// rows as always, and where a warp's sums then show one (an overflow of
+// finite sums only costs time), the warp walks its rows again as exact
+// rows (see UncentredGroup), with autograd's forms where they differ, and
+// what the first walk stored and summed is replaced.  The walks are one
+// function with kExact a constant: the first is inlined into the kernel,
+// holding none of the exact rows' work, and the second is a call
+// (__noinline__), so that it takes none of the first's registers.
 
 // Backward.  grid = (ceil(groups / teams_per_block), chunks); block y-index
 // is a chunk of rows_per_chunk rows.  Writes dz and, per chunk, the column sums
 // partial[chunk][slot][channels] (double) that reduce_column_partials folds
 // in order.
 // dy_dense == 0: dy is a single value broadcast to every element.
-template <typename T, typename Chain, int kMaxVals, typename TO, int kMinBlocks>
-__global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
-                                  const float* __restrict__ mean, const float* __restrict__ rstd,
-                                  const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
-                                  const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
-                                  const TO* __restrict__ mul_weight, T* __restrict__ dz_out,
-                                  double* __restrict__ partial, i64 rows, i64 channels, i64 groups,
-                                  i64 team, i64 rows_per_chunk) {
+// The kernel's walk (kExact: see above).  Returns false where the warp's
+// sums show a group that is not finite; the walk has then not written its
+// column sums (or wrote sums that the exact walk replaces).
+template <bool kExact, typename T, typename Chain, int kMaxVals, typename TO>
+__device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
   constexpr int S = Chain::kSlots;
   constexpr bool kFast = fast_math<T, Chain>();
   const ColumnVectors<TO, kFast> p =
@@ -261,42 +310,65 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(const T* __
   if (nslices == 1) {
     // The group fits in registers: one read of z and dy per element.
     CompensatedSum acc[S][kMaxVals];
-    for (i64 r = row0; r < row1; ++r) {
+    auto do_row = [&](i64 r) {
       const float mu = valid ? mean[r * groups + g] : 0.0f;
       const float rs = valid ? rstd[r * groups + g] : 0.0f;
       const i64 row_start = r * channels;
-      float zs[kMaxVals], xh[kMaxVals], dxh[kMaxVals], dyh[kMaxVals], mg[kMaxVals];
-      float s1 = 0.0f, s2 = 0.0f;
+      float zs[kMaxVals], vs[kMaxVals], xh[kMaxVals], dxh[kMaxVals], dyh[kMaxVals],
+          mg[kMaxVals];
+      float s1 = 0.0f, s2 = 0.0f, sdv = 0.0f;
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) {
         const int c = team_lane + j * t;
-        xh[j] = dxh[j] = dyh[j] = mg[j] = zs[j] = 0.0f;
+        xh[j] = dxh[j] = dyh[j] = mg[j] = zs[j] = vs[j] = 0.0f;
         if (valid && c < cpg) {
           const int col = col0 + c;
           const i64 i = row_start + col;
           zs[j] = to_float(z[i]);
-          dxh[j] = element_backward<Chain>(zs[j], to_float(dy[dy_dense ? i : 0]), mu, rs, col,
-                                              p, xh[j], dyh[j], mg[j]);
+          vs[j] = Chain::pre(zs[j], p, col);
+          const float dyf = to_float(dy[dy_dense ? i : 0]);
+          dxh[j] = kExact ? element_backward_from_pre<Chain, true>(vs[j], dyf, mu, rs, col, p,
+                                                                   xh[j], dyh[j], mg[j])
+                         : element_backward_from_pre<Chain>(vs[j], dyf, mu, rs, col, p, xh[j],
+                                                            dyh[j], mg[j]);
           s1 += dxh[j];
           s2 += dxh[j] * xh[j];
+          if (kExact) sdv += dxh[j] * vs[j];
         }
       }
-      s1 = team_sum(s1, t) * inv_cpg;
+      const float sd = team_sum(s1, t);
+      s1 = sd * inv_cpg;
       s2 = team_sum(s2, t) * inv_cpg;
+      UncentredGroup u = {};
+      bool uncentred = false;
+      if (kExact) {
+        u = uncentred_group(sd, team_sum(sdv, t), mu, rs, inv_cpg);
+        uncentred = !group_sums_finite(s1, s2);
+      }
 #pragma unroll
       for (int j = 0; j < kMaxVals; ++j) {
         const int c = team_lane + j * t;
         if (valid && c < cpg) {
           const int col = col0 + c;
-          const float dv = rs * (dxh[j] - s1 - xh[j] * s2);
-          const float d = times_pre_grad<Chain>(dv, Chain::pre_grad(zs[j], p, col));
+          const float dv = uncentred ? u.dv(dxh[j], vs[j]) : rs * (dxh[j] - s1 - xh[j] * s2);
+          const float d =
+              pre_backward<Chain>(dv, Chain::pre_grad(zs[j], p, col), zs[j], p, col, uncentred);
           dz_out[row_start + col] = from_float<T>(d);
           float vals[S];
-          slot_values<Chain>(vals, d, dv, xh[j], dyh[j], mg[j]);
+          slot_values_exact<Chain>(vals, d, dv, xh[j], dyh[j], mg[j], uncentred, vs[j], mu, rs);
 #pragma unroll
           for (int s = 0; s < S; ++s) acc[s][j].add(vals[s]);
         }
       }
+    };
+    for (i64 r = row0; r < row1; ++r) do_row(r);
+    if (!kExact) {
+      bool finite = true;
+#pragma unroll
+      for (int s = 0; s < S; ++s)
+#pragma unroll
+        for (int j = 0; j < kMaxVals; ++j) finite = finite && isfinite(acc[s][j].sum);
+      if (!__all_sync(0xffffffffu, finite)) return false;
     }
 #pragma unroll
     for (int j = 0; j < kMaxVals; ++j) {
@@ -305,47 +377,82 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(const T* __
 #pragma unroll
         for (int s = 0; s < S; ++s) part[s * channels + col0 + c] = acc[s][j].total();
     }
-    return;
+    return true;
   }
 
   // Wide groups: two sweeps per row (group sums, then dz).  The column sums
   // accumulate in double directly in this chunk's partial rows, which no
-  // other thread touches, in row order.
-  for (i64 r = row0; r < row1; ++r) {
+  // other thread touches, in row order (an exact walk starts them afresh).
+  // Sums that are not finite show in s1 * s2, added up over the rows.
+  float non_finite = 0.0f;
+  auto wide_row = [&](i64 r) {
     const float mu = valid ? mean[r * groups + g] : 0.0f;
     const float rs = valid ? rstd[r * groups + g] : 0.0f;
     const i64 row_start = r * channels;
-    float s1 = 0.0f, s2 = 0.0f;
+    // dx^ of a channel, and x^, dy^, Post's parameter term and v.
+    auto element = [&](int col, float zf, float& xh, float& dyh, float& mg, float& v) {
+      const i64 i = row_start + col;
+      v = Chain::pre(zf, p, col);
+      const float dyf = to_float(dy[dy_dense ? i : 0]);
+      return kExact ? element_backward_from_pre<Chain, true>(v, dyf, mu, rs, col, p, xh, dyh, mg)
+                   : element_backward_from_pre<Chain>(v, dyf, mu, rs, col, p, xh, dyh, mg);
+    };
+    float s1 = 0.0f, s2 = 0.0f, sdv = 0.0f;
     for (int c = team_lane; c < cpg; c += t) {
       if (!valid) break;
       const int col = col0 + c;
-      const i64 i = row_start + col;
-      float xh, dyh, mg;
-      const float dxh = element_backward<Chain>(to_float(z[i]), to_float(dy[dy_dense ? i : 0]),
-                                                   mu, rs, col, p, xh, dyh, mg);
+      float xh, dyh, mg, v;
+      const float dxh = element(col, to_float(z[row_start + col]), xh, dyh, mg, v);
       s1 += dxh;
       s2 += dxh * xh;
+      if (kExact) sdv += dxh * v;
     }
-    s1 = team_sum(s1, t) * inv_cpg;
+    const float sd = team_sum(s1, t);
+    s1 = sd * inv_cpg;
     s2 = team_sum(s2, t) * inv_cpg;
+    non_finite += s1 * s2;
+    UncentredGroup u = {};
+    bool uncentred = false;
+    if (kExact) {
+      u = uncentred_group(sd, team_sum(sdv, t), mu, rs, inv_cpg);
+      uncentred = !group_sums_finite(s1, s2);
+    }
     for (int c = team_lane; c < cpg; c += t) {
       if (!valid) break;
       const int col = col0 + c;
       const i64 i = row_start + col;
       const float zf = to_float(z[i]);
-      float xh, dyh, mg;
-      const float dxh = element_backward<Chain>(zf, to_float(dy[dy_dense ? i : 0]), mu, rs, col,
-                                                   p, xh, dyh, mg);
-      const float dv = rs * (dxh - s1 - xh * s2);
-      const float d = times_pre_grad<Chain>(dv, Chain::pre_grad(zf, p, col));
+      float xh, dyh, mg, v;
+      const float dxh = element(col, zf, xh, dyh, mg, v);
+      const float dv = uncentred ? u.dv(dxh, v) : rs * (dxh - s1 - xh * s2);
+      const float d = pre_backward<Chain>(dv, Chain::pre_grad(zf, p, col), zf, p, col, uncentred);
       dz_out[i] = from_float<T>(d);
       float vals[S];
-      slot_values<Chain>(vals, d, dv, xh, dyh, mg);
+      slot_values_exact<Chain>(vals, d, dv, xh, dyh, mg, uncentred, v, mu, rs);
 #pragma unroll
       for (int s = 0; s < S; ++s)
         part[s * channels + col] = (r == row0 ? 0.0 : part[s * channels + col]) + vals[s];
     }
-  }
+  };
+  for (i64 r = row0; r < row1; ++r) wide_row(r);
+  return kExact || __all_sync(0xffffffffu, isfinite(non_finite));
+}
+
+template <typename T, typename Chain, int kMaxVals, typename TO>
+__device__ __noinline__ void gn_chain_backward_exact(CF_GN_BACKWARD_PARAMS) {
+  gn_chain_backward_rows<true, T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS);
+}
+
+template <typename T, typename Chain, int kMaxVals, typename TO, int kMinBlocks>
+__global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(
+    const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
+    const float* __restrict__ mean, const float* __restrict__ rstd,
+    const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
+    const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
+    const TO* __restrict__ mul_weight, T* __restrict__ dz_out, double* __restrict__ partial,
+    i64 rows, i64 channels, i64 groups, i64 team, i64 rows_per_chunk) {
+  if (!gn_chain_backward_rows<false, T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS))
+    gn_chain_backward_exact<T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS);
 }
 
 
@@ -611,19 +718,12 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
   walk_row_pairs(first, row1, at, step, pair_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
 }
 
-// Backward: grid = (slices, chunks).  Writes dz and, per chunk, the column
-// sums partial[chunk][slot][channels] (double) that reduce_column_partials
-// folds in order.  A lane sums its columns over its rows in float
-// (ops/gn_chain.py bounds the rows per warp); the block's warps are then
-// combined in double, in warp order, through shared memory.
-template <typename T, typename Chain, int kE, typename TO, int kMinBlocks>
-__global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec(
-    const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
-    const float* __restrict__ mean, const float* __restrict__ rstd,
-    const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
-    const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
-    const TO* __restrict__ mul_weight, T* __restrict__ dz_out, double* __restrict__ partial,
-    i64 rows, i64 channels, i64 groups, i64 team, i64 rows_per_chunk) {
+// The vectorised backward's walk over the warp's rows (kExact: see
+// gn_chain_backward_rows): stores dz and adds each row's terms to acc.  lv:
+// the kernel's column vectors (BackwardVectors).
+template <bool kExact, typename T, typename Chain, int kE, typename TO, typename LV>
+__device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS, const LV& lv,
+                                                           float (&acc)[Chain::kSlots][kE]) {
   constexpr int S = Chain::kSlots;
   constexpr bool kFast = fast_math<T, Chain>();
   const ColumnVectors<TO, kFast> p =
@@ -637,13 +737,6 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
   chunk_rows(rows, rows_per_chunk, row0, row1);
 
   using Vectors = BackwardVectors<sizeof(T) == 2, TO, kE, kFast>;
-  __shared__ __align__(16) float vector_smem[Vectors::kSlots];  // 16-byte loads (quad)
-  const typename Vectors::type lv = Vectors::make(p, l, vector_smem);
-  float acc[S][kE];
-#pragma unroll
-  for (int s = 0; s < S; ++s)
-#pragma unroll
-    for (int k = 0; k < kE; ++k) acc[s][k] = 0.0f;
 
   const float dy_one = dy_dense ? 0.0f : to_float(dy[0]);
   struct Row {
@@ -693,8 +786,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     const float mu = real ? b.mu : 0.0f;
     const float rs = real ? b.rs : 0.0f;
     load_row(b, r + 2 * kWarps, at.ahead(2 * step, 2 * stats_step));
-    float xh[kE], dxh[kE], dyh[kE], mg[kE], pg[kE];
-    float s1 = 0.0f, s2 = 0.0f;
+    float xh[kE], dxh[kE], dyh[kE], mg[kE], pg[kE], vs[kE];
+    float s1 = 0.0f, s2 = 0.0f, sdv = 0.0f;
     // Every lane computes (an idle lane on zeros) and an idle lane's terms
     // are zeroed: a branch per value would cost more than the arithmetic.
     // (`active` is the constant true in whole warps: no selects there.)
@@ -705,27 +798,53 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
       for (int kk = 0; kk < Vectors::kQ; ++kk) {
         const int k = Vectors::kQ * q + kk;
         const float v = Chain::pre_with_grad(zs[k], qv, kk, pg[k]);
-        const float d =
-            element_backward_from_pre<Chain>(v, dys[k], mu, rs, kk, qv, xh[k], dyh[k], mg[k]);
+        const float d = element_backward_from_pre<Chain, kExact>(v, dys[k], mu, rs, kk, qv, xh[k],
+                                                                 dyh[k], mg[k]);
         dxh[k] = active ? d : 0.0f;
         xh[k] = active ? xh[k] : 0.0f;
         s1 += dxh[k];
         s2 += dxh[k] * xh[k];
+        if (kExact) {
+          vs[k] = v;
+          sdv += dxh[k] * v;
+        }
       }
     }
     team_sum2(s1, s2, t);
+    UncentredGroup u = {};
+    if (kExact) u = uncentred_group(s1, team_sum(sdv, t), mu, rs, inv_cpg);
     s1 *= inv_cpg;
     s2 *= inv_cpg;
     if (active) {
       float d[kE];
+      if constexpr (kExact) {
+        const bool uncentred = !group_sums_finite(s1, s2);
 #pragma unroll
-      for (int k = 0; k < kE; ++k) {
-        const float dv = rs * (dxh[k] - s1 - xh[k] * s2);
-        d[k] = times_pre_grad<Chain>(dv, pg[k]);
-        float vals[S];
-        slot_values<Chain>(vals, d[k], dv, xh[k], dyh[k], mg[k]);
+        for (int q = 0; q < kE / Vectors::kQ; ++q) {
+          const LaneVectors<TO, Vectors::kQ, kFast> qv = Vectors::quad(lv, q);
 #pragma unroll
-        for (int s = 0; s < S; ++s) acc[s][k] += vals[s];
+          for (int kk = 0; kk < Vectors::kQ; ++kk) {
+            const int k = Vectors::kQ * q + kk;
+            const float dv =
+                uncentred ? u.dv(dxh[k], vs[k]) : rs * (dxh[k] - s1 - xh[k] * s2);
+            d[k] = pre_backward<Chain>(dv, pg[k], zs[k], qv, kk, uncentred);
+            float vals[S];
+            slot_values_exact<Chain>(vals, d[k], dv, xh[k], dyh[k], mg[k], uncentred, vs[k], mu,
+                                     rs);
+#pragma unroll
+            for (int s = 0; s < S; ++s) acc[s][k] += vals[s];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kE; ++k) {
+          const float dv = rs * (dxh[k] - s1 - xh[k] * s2);
+          d[k] = times_pre_grad<Chain>(dv, pg[k]);
+          float vals[S];
+          slot_values<Chain>(vals, d[k], dv, xh[k], dyh[k], mg[k]);
+#pragma unroll
+          for (int s = 0; s < S; ++s) acc[s][k] += vals[s];
+        }
       }
       store_vec<T, kE>(at.dz, d);
     }
@@ -738,10 +857,70 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
   load_row(even, first, at);
   load_row(odd, first + kWarps, at.ahead(step, stats_step));
   walk_row_pairs(first, row1, at, step, stats_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
+}
+
+// The exact walk: the warp's column sums afresh, into fresh[slot * kE + k].
+template <typename T, typename Chain, int kE, typename TO, typename LV>
+__device__ __noinline__ void gn_chain_backward_vec_exact(CF_GN_BACKWARD_PARAMS, LV lv,
+                                                         float* fresh) {
+  float acc[Chain::kSlots][kE];
+#pragma unroll
+  for (int s = 0; s < Chain::kSlots; ++s)
+#pragma unroll
+    for (int k = 0; k < kE; ++k) acc[s][k] = 0.0f;
+  gn_chain_backward_vec_rows<true, T, Chain, kE, TO>(CF_GN_BACKWARD_ARGS, lv, acc);
+#pragma unroll
+  for (int s = 0; s < Chain::kSlots; ++s)
+#pragma unroll
+    for (int k = 0; k < kE; ++k) fresh[s * kE + k] = acc[s][k];
+}
+
+// Backward: grid = (slices, chunks).  Writes dz and, per chunk, the column
+// sums partial[chunk][slot][channels] (double) that reduce_column_partials
+// folds in order.  A lane sums its columns over its rows in float
+// (ops/gn_chain.py bounds the rows per warp); the block's warps are then
+// combined in double, in warp order, through shared memory.
+template <typename T, typename Chain, int kE, typename TO, int kMinBlocks>
+__global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec(
+    const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
+    const float* __restrict__ mean, const float* __restrict__ rstd,
+    const TO* __restrict__ lin_bias, const TO* __restrict__ extra_bias,
+    const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
+    const TO* __restrict__ mul_weight, T* __restrict__ dz_out, double* __restrict__ partial,
+    i64 rows, i64 channels, i64 groups, i64 team, i64 rows_per_chunk) {
+  constexpr int S = Chain::kSlots;
+  constexpr bool kFast = fast_math<T, Chain>();
+  const ColumnVectors<TO, kFast> p =
+      column_vectors<TO, kFast>(lin_bias, extra_bias, gn_weight, gn_bias, mul_weight);
+  const int t = static_cast<int>(team);
+  const int cpg = static_cast<int>(channels / groups);
+  const VecLane l = vec_lane<kE>(cpg, groups, t);
+  using Vectors = BackwardVectors<sizeof(T) == 2, TO, kE, kFast>;
+  __shared__ __align__(16) float vector_smem[Vectors::kSlots];  // 16-byte loads (quad)
+  const typename Vectors::type lv = Vectors::make(p, l, vector_smem);
+  float acc[S][kE];
+#pragma unroll
+  for (int s = 0; s < S; ++s)
+#pragma unroll
+    for (int k = 0; k < kE; ++k) acc[s][k] = 0.0f;
+  gn_chain_backward_vec_rows<false, T, Chain, kE, TO>(CF_GN_BACKWARD_ARGS, lv, acc);
+  bool finite = true;
+#pragma unroll
+  for (int s = 0; s < S; ++s)
+#pragma unroll
+    for (int k = 0; k < kE; ++k) finite = finite && isfinite(acc[s][k]);
+  if (!__all_sync(0xffffffffu, finite)) {
+    float fresh[S * kE];
+    gn_chain_backward_vec_exact<T, Chain, kE, TO>(CF_GN_BACKWARD_ARGS, lv, fresh);
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int k = 0; k < kE; ++k) acc[s][k] = fresh[s * kE + k];
+  }
 
   // The warps' sums of each column, added in warp order.
   __shared__ float sums[kWarps][32 * kE];
-  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   double* part = partial + static_cast<i64>(blockIdx.y) * S * channels;
 #pragma unroll
   for (int s = 0; s < S; ++s) {
@@ -761,5 +940,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec
     }
   }
 }
+
+#undef CF_GN_BACKWARD_PARAMS
+#undef CF_GN_BACKWARD_ARGS
 
 }  // namespace cf

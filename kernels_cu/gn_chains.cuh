@@ -121,6 +121,10 @@ struct PostIdentity {
   __device__ static float post_backward(float, float dy, const P&, C, float&) {
     return dy;
   }
+  template <typename P, typename C>
+  __device__ static float post_backward_exact(float, float dy, const P&, C, float&) {
+    return dy;
+  }
 };
 
 // Pre and its derivative alone, for a chain that computes both in one
@@ -149,12 +153,27 @@ __device__ __forceinline__ float times_pre_grad(float dv, float grad) {
   else return dv * grad;
 }
 
+// dz from dv in a group that meets a NaN or +-inf from the upstream gradient
+// (`exact`, gn_chain.cuh's exact rows): where dv is not finite, a chain
+// whose Pre autograd differentiates as a product of separate ops
+// (kDecomposedPre) takes autograd's decomposition, whose NaN and +-inf
+// differ from those of dv times the fused derivative.
+template <typename Chain, typename P, typename C>
+__device__ __forceinline__ float pre_backward(float dv, float grad, float z, const P& p, C c,
+                                              bool exact) {
+  if constexpr (Chain::kDecomposedPre) {
+    if (exact && !isfinite(dv)) return Chain::pre_backward_decomposed(dv, z, p, c);
+  }
+  return times_pre_grad<Chain>(dv, grad);
+}
+
 // Problem 37: v = swish(z + lin_bias) + bias; Post = identity.
 // (Eager: s = sigmoid(z); u = s * z; v = u + bias, each rounded.)
 template <bool kEagerRounding>
 struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEagerRounding>> {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr bool kGatedPreGrad = false;
+  static constexpr bool kDecomposedPre = true;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = 1, kSlotGamma = 2, kSlotBeta = 3,
                        kSlotMul = -1;
   // Pre and its derivative from one sigmoid (grad: d Pre / dz).
@@ -171,6 +190,15 @@ struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEag
     return eager_round<T, kEagerRounding>(
         __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), p.extra(c)));
   }
+  // Autograd's swish: MulBackward's dv s plus SigmoidBackward's
+  // ((dv zb)(1 - s)) s (see pre_backward).
+  template <typename P, typename C>
+  __device__ static float pre_backward_decomposed(float dv, float z, const P& p, C c) {
+    using T = typename P::value_type;
+    const float zb = __fadd_rn(z, p.lin(c));
+    const float s = eager_round<T, kEagerRounding>(sigmoid_of<P::kFast>(zb));
+    return dv * s + ((dv * zb) * (1.0f - s)) * s;
+  }
 };
 
 // Problem 88: v = z + lin_bias; y = swish(swish(y^) * mul_weight).
@@ -180,6 +208,7 @@ template <bool kEagerRounding>
 struct ChainGNSwishMulSwish {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr bool kGatedPreGrad = false;
+  static constexpr bool kDecomposedPre = false;
   static constexpr bool kGroupNormIsLast = false;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = 3;
@@ -215,6 +244,27 @@ struct ChainGNSwishMulSwish {
     mul_grad = dm * a;
     return dm * w * da;
   }
+  // post_backward in a group that meets a NaN or +-inf (gn_chain.cuh's
+  // exact rows): where dy is not finite, autograd's decomposition of each
+  // swish, MulBackward's dy s plus SigmoidBackward's ((dy m)(1 - s)) s,
+  // whose NaN and +-inf differ from those of the fused derivatives; on the
+  // values the forward rounded.
+  template <typename P, typename C>
+  __device__ static float post_backward_exact(float yh, float dy, const P& p, C c,
+                                              float& mul_grad) {
+    if (isfinite(dy)) return post_backward(yh, dy, p, c, mul_grad);
+    using T = typename P::value_type;
+    const float w = p.mul(c);
+    const float g = eager_round<T, kEagerRounding>(yh);
+    const float sg = eager_round<T, kEagerRounding>(sigmoid_of<P::kFast>(g));
+    const float a = eager_round<T, kEagerRounding>(__fmul_rn(g, sg));
+    const float m = eager_round<T, kEagerRounding>(a * w);
+    const float sm = eager_round<T, kEagerRounding>(sigmoid_of<P::kFast>(m));
+    const float dm = dy * sm + ((dy * m) * (1.0f - sm)) * sm;
+    mul_grad = dm * a;
+    const float da = dm * w;
+    return da * sg + ((da * g) * (1.0f - sg)) * sg;
+  }
 };
 
 // Problem 94: v = mish(hardtanh(z + lin_bias + bias)); Post = identity.
@@ -227,6 +277,7 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
   // Pre's derivative is 0 exactly where hardtanh saturates (mish' > 0 on
   // [-1, 1]): a gate (see times_pre_grad).
   static constexpr bool kGatedPreGrad = true;
+  static constexpr bool kDecomposedPre = false;  // mish's backward is one op
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
   // Pre and its derivative sharing mish's tanh(softplus) (mish's

@@ -127,6 +127,36 @@ def eager_rounding(dtypes):
                 failed.extend([] if ok else [f"eager_rounding {chain} {dtype} {(rows, channels, groups)}"])
 
 
+def non_finite_gradient(dtypes):
+    """The GroupNorm chains' backward with NaN and +-inf in the upstream
+    gradient: the exact walks (gn_chain.cuh) of the vectorised, in-register
+    and wide-group kernels, which no finite run reaches."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for dtype in dtypes:
+        for rows, channels, groups in ((9, 256, 4), (7, 60, 6), (5, 600, 1)):
+            z = torch.randn(rows, channels, device="cuda", generator=gen).to(dtype)
+            bias, w, b, mw = (torch.randn(channels, device="cuda", generator=gen).to(dtype)
+                              for _ in range(4))
+            for chain in ops.CHAINS:
+                kw = {"gn_weight": w, "gn_bias": b, "linear_bias_in_z": True}
+                if chain == "gn_swish_mul_swish":
+                    kw["mul_weight"] = mw
+                else:
+                    kw["extra_bias"] = bias
+                zz = z.clone().requires_grad_(True)
+                out = ops.gn_chain(zz, chain, groups, **kw)
+                g = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
+                g[1, 3], g[2, 5], g[4, 7] = float("nan"), float("inf"), -float("inf")
+                out.backward(g)
+                # rows 1, 2 and 4 of the input gradient: NaN or +-inf in the
+                # groups of those channels; every other row finite
+                bad = ~torch.isfinite(zz.grad)
+                ok = bool(bad[[1, 2, 4]].any(dim=1).all()) and not bad[[0, 3]].any()
+                what = f"non_finite_gradient {chain} {dtype} {(rows, channels, groups)}"
+                print(what, "OK" if ok else "ERROR", flush=True)
+                failed.extend([] if ok else [what])
+
+
 def half_engine(dtypes):
     """The Hopper 16-bit GEMM engine directly (16-bit dtypes only)."""
     if G.has_wgmma(0):
@@ -376,7 +406,8 @@ def autocast(dtypes):
             failed.extend(bad)
 
 
-SECTIONS = {"models": models, "gemm": gemm, "eager_rounding": eager_rounding, "half_engine": half_engine,
+SECTIONS = {"models": models, "gemm": gemm, "eager_rounding": eager_rounding,
+            "non_finite_gradient": non_finite_gradient, "half_engine": half_engine,
             "conv": conv, "conv_training": conv_training, "autocast": autocast}
 
 

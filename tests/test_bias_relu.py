@@ -281,11 +281,13 @@ def _per_channel(v, z):
     return v.view(-1, *[1] * (z.dim() - 2))
 
 
-def _check(z, b1, b2, *, grad_mode="dense", dy_offset=0, seed=1):
+def _check(z, b1, b2, *, grad_mode="dense", dy_offset=0, seed=1, dy_nonfinite=False):
     """Output and the gradients of z and both biases against torch's float64
     run of relu(z + b1) + b2.  The mask decisions match exactly (float's
     z + b1 has the sign of the exact sum), so the output is checked bit for
-    bit against the same sums in float, and dz bit for bit."""
+    bit against the same sums in float, and dz bit for bit.  With
+    ``dy_nonfinite``, NaN and +-inf in a few values of dy: the gradients'
+    NaN and +-inf where float64's are."""
     out_dtype = b1.dtype
     channels_last = z.dim() == 4 and not z.is_contiguous()
     sources = [t for t in (z, b1, b2) if t is not None]
@@ -318,7 +320,11 @@ def _check(z, b1, b2, *, grad_mode="dense", dy_offset=0, seed=1):
         terms = torch.ones_like(ref, dtype=torch.float64)
     else:
         gen = torch.Generator().manual_seed(seed)
-        dy = torch.randn(z.numel() + dy_offset, generator=gen).to(z.device, out_dtype)
+        dy = torch.randn(z.numel() + dy_offset, generator=gen)
+        if dy_nonfinite and z.numel():
+            pick = torch.randint(0, dy.numel(), (8,), generator=gen)
+            dy[pick] = torch.tensor([float("nan"), float("inf"), -float("inf")])[pick % 3]
+        dy = dy.to(z.device, out_dtype)
         dy = _in_layout(dy[dy_offset:], z.shape, channels_last)
         _poison_allocator(z.device, nbytes)
         grads = torch.autograd.grad(out, sources, dy)
@@ -326,7 +332,7 @@ def _check(z, b1, b2, *, grad_mode="dense", dy_offset=0, seed=1):
         terms = dy.double()
     assert grads[0].dtype == z.dtype and grads[0].stride() == z.stride()
     # dz = dy or 0 where the mask says: exact in z's dtype.
-    torch.testing.assert_close(grads[0], ref_grads[0].to(z.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(grads[0], ref_grads[0].to(z.dtype), rtol=0, atol=0, equal_nan=True)
     # Bias gradients: compensated float sums, then float64 partials: at most
     # the rounding of the result to its dtype plus a few float ulps of the
     # terms' magnitude; for a 16-bit gradient, plain float sums of at most
@@ -336,9 +342,12 @@ def _check(z, b1, b2, *, grad_mode="dense", dy_offset=0, seed=1):
     scales = [passed.sum(dims), terms.abs().sum(dims)]
     ulps = BR.PLAIN_SUM_ROWS * 2.0**-24 if out_dtype in (torch.float16, torch.bfloat16) else 1e-6
     for got, want, scale in zip(grads[1:], ref_grads[1:], scales):
-        assert got.dtype == out_dtype and not got.isnan().any()
+        assert got.dtype == out_dtype
+        for where in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(where(got), where(want)), (where.__name__, got, want)
+        finite = torch.isfinite(want)
         bound = eps * want.abs() + ulps * scale
-        assert ((got.double() - want).abs() <= bound).all(), (got, want)
+        assert ((got.double() - want).abs() <= bound)[finite].all(), (got, want)
 
 
 @pytest.mark.gpu
@@ -400,11 +409,14 @@ def test_views_starting_mid_vector(case, pair, device):
                                   ((2, 8, 13, 11), True)], ids=_shape_id)
 def test_non_finite_values_and_the_sum_backward(case, pair, device):
     """NaN, +-inf and +-0 in z (NaN passes the gradient, as torch's ReLU
-    does); out.sum()'s broadcast gradient reaches the kernels as one value."""
+    does); out.sum()'s broadcast gradient reaches the kernels as one value;
+    NaN and +-inf in dy reach the biases' gradients as they reach torch's
+    (no compensated sum's inf - inf)."""
     shape, cl = case
     z, b1, b2 = _inputs(shape, cl, *pair, True, device, nonfinite=True)
     _check(z, b1, b2)
     _check(z, b1, b2, grad_mode="sum")
+    _check(*_inputs(shape, cl, *pair, True, device), dy_nonfinite=True)
 
 
 @pytest.mark.gpu

@@ -188,3 +188,122 @@ def test_eager_rounding_points_reproduce_half_precision_eager(chain, dtype):
     diff = (ours.double() - eager.double()).abs()
     assert (diff > 0).double().mean().item() < 1e-3
     torch.testing.assert_close(ours, eager, atol=1e-2, rtol=1e-2)
+
+
+# ---- a non-finite upstream gradient: where NaN and +-inf land ----
+# The kernels' backward with the rare paths a NaN or +-inf in dy calls for
+# (the GroupNorm's input gradient in torch's uncentred form for a group whose
+# sums are not finite, and the gamma terms for a non-finite dy; the swish
+# derivatives as autograd decomposes x * sigmoid(x)), written out in torch
+# float32, against autograd on the reference chains: the same NaN / +-inf
+# masks in every gradient.  (float32 here: the masks, not the values.)
+
+R, C, G = 6, 16, 4
+D = C // G
+sig = torch.sigmoid
+
+
+def gn_hybrid(v, dyh, gam):
+    """The GroupNorm backward with the rare path: dv, the gamma terms, x^."""
+    vg = v.view(R, G, D)
+    mu = vg.mean(-1, keepdim=True)
+    rs = 1 / torch.sqrt(((vg - mu) ** 2).mean(-1, keepdim=True) + 1e-5)
+    xh = (vg - mu) * rs
+    dxh = (dyh * gam).view(R, G, D)
+    s1 = dxh.mean(-1, keepdim=True)
+    s2 = (dxh * xh).mean(-1, keepdim=True)
+    centred = rs * (dxh - s1 - xh * s2)
+    sdv = (dxh * vg).sum(-1, keepdim=True)
+    sd = s1 * D
+    c2 = (sd * mu - sdv) * rs * rs * rs / D
+    c3 = -c2 * mu - sd * rs / D
+    torch_dx = rs * dxh + c2 * vg + c3
+    rare = ~(torch.isfinite(s1) & torch.isfinite(s2))
+    dv = torch.where(rare, torch_dx, centred).view(R, C)
+    dyg = dyh.view(R, G, D)
+    gterm = torch.where(torch.isfinite(dyg), dyg * xh, (dyg * vg - dyg * mu) * rs).view(R, C)
+    return dv, gterm, xh.view(R, C)
+
+
+def ours(chain, z, lin, ext, gam, bet, mul, dy):
+    if chain == 37:
+        zb = z + lin
+        s0 = sig(zb)
+        v = zb * s0 + ext
+        grad = s0 + zb * s0 * (1 - s0)
+        dv, gterm, _ = gn_hybrid(v, dy, gam)
+        dz = torch.where(torch.isfinite(dv), dv * grad, dv * s0 + ((dv * zb) * (1 - s0)) * s0)
+        return {"z": dz, "lin": dz.sum(0), "ext": dv.sum(0), "gam": gterm.sum(0), "bet": dy.sum(0)}
+    if chain == 88:
+        v = z + lin
+        vg = v.view(R, G, D)
+        mu = vg.mean(-1, keepdim=True)
+        rs = 1 / torch.sqrt(((vg - mu) ** 2).mean(-1, keepdim=True) + 1e-5)
+        yh = ((vg - mu) * rs).view(R, C) * gam + bet
+        a = yh * sig(yh)
+        m = a * mul
+        # fused (finite dy)
+        da_f = sig(yh) + yh * sig(yh) * (1 - sig(yh))
+        dmm = sig(m) + m * sig(m) * (1 - sig(m))
+        dm_f = dy * dmm
+        # decomposed (non-finite dy)
+        dm_d = dy * sig(m) + ((dy * m) * (1 - sig(m))) * sig(m)
+        fin = torch.isfinite(dy)
+        dm = torch.where(fin, dm_f, dm_d)
+        mulg = dm * a
+        da = dm * mul
+        dyh = torch.where(fin, dm_f * mul * da_f,
+                          da * sig(yh) + ((da * yh) * (1 - sig(yh))) * sig(yh))
+        dv, gterm, _ = gn_hybrid(v, dyh, gam)
+        return {"z": dv, "lin": dv.sum(0), "gam": gterm.sum(0), "bet": dyh.sum(0), "mul": mulg.sum(0)}
+    u = z + lin + ext
+    h = u.clamp(-1, 1)
+    t = torch.tanh(F.softplus(h))
+    mg = t + h * sig(h) * (1 - t * t)
+    hg = ((u > -1) & (u < 1)).float()
+    grad = hg * mg
+    v = h * t
+    dv, gterm, _ = gn_hybrid(v, dy, gam)
+    dz = torch.where(grad == 0, torch.zeros_like(dv), dv * grad)
+    return {"z": dz, "lin": dz.sum(0), "ext": dz.sum(0), "gam": gterm.sum(0), "bet": dy.sum(0)}
+
+
+def reference_chain(chain, z, lin, ext, gam, bet, mul, dy):
+    named = dict(z=z, lin=lin, ext=ext, gam=gam, bet=bet, mul=mul)
+    leaves = {k: t.clone().requires_grad_(True) for k, t in named.items()}
+    L = leaves
+    x = L["z"] + L["lin"]
+    if chain == 37:
+        x = torch.sigmoid(x) * x
+        x = x + L["ext"]
+        y = F.group_norm(x, G, L["gam"], L["bet"])
+    elif chain == 88:
+        x = F.group_norm(x, G, L["gam"], L["bet"])
+        x = x * torch.sigmoid(x)
+        x = x * L["mul"]
+        y = x * torch.sigmoid(x)
+    else:
+        x = x + L["ext"]
+        x = F.hardtanh(x)
+        x = F.mish(x)
+        y = F.group_norm(x, G, L["gam"], L["bet"])
+    y.backward(dy)
+    return {k: t.grad for k, t in L.items() if t.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("chain", [37, 88, 94])
+def test_non_finite_upstream_gradient_masks(chain, kind):
+    gen = torch.Generator().manual_seed(chain)
+    value = {"inf": float("inf"), "-inf": -float("inf"), "nan": float("nan")}[kind]
+    for _ in range(100):
+        z = torch.randn(R, C, generator=gen, dtype=torch.float32) * 2
+        lin, ext, gam, bet, mul = (torch.randn(C, generator=gen, dtype=torch.float32)
+                                   for _ in range(5))
+        dy = torch.randn(R, C, generator=gen, dtype=torch.float32)
+        dy.view(-1)[torch.randint(0, R * C, (1,), generator=gen)] = value
+        want = reference_chain(chain, z, lin, ext, gam, bet, mul, dy)
+        got = ours(chain, z, lin, ext, gam, bet, mul, dy)
+        for name, g in got.items():
+            for where in (torch.isnan, torch.isposinf, torch.isneginf):
+                assert torch.equal(where(g), where(want[name])), (chain, kind, name, where.__name__)

@@ -167,6 +167,43 @@ def test_against_float64(chain, shape, mode, device, request):
                                                                rel_error(b, t))
 
 
+def _models_chain(chain, groups, z, lin_bias, v, gw, gb):
+    """The chain as the reference models write it, op by op (autograd's
+    derivatives of sigmoid(x) * x are those of a product and a sigmoid)."""
+    bias, mul_weight = (None, v) if chain == "gn_swish_mul_swish" else (v, None)
+    return _eager_chain(chain, z + lin_bias, groups, bias, gw, gb, mul_weight)
+
+
+# The vectorised kernels; the in-register ones (a z off the 16-byte grid, a
+# group of 10 channels); the wide-group ones (600 channels).
+NON_FINITE_SHAPES = [(9, 256, 4, 0), (9, 256, 4, 1), (7, 60, 6, 0), (5, 1200, 2, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "amp-bf16"])
+@pytest.mark.parametrize("shape", NON_FINITE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chain", sorted(ops.CHAINS))
+def test_non_finite_upstream_gradient_lands_where_eagers_does(chain, shape, mode, device):
+    """NaN, +inf and -inf in three values of the upstream gradient: every
+    gradient (z's and each vector's) holds NaN, +inf and -inf exactly where
+    autograd's does on the models' chain, through each backward kernel (the
+    exact walks of gn_chain.cuh)."""
+    rows, channels, groups, offset = shape
+    amp = torch.bfloat16 if mode == "amp-bf16" else None
+    gen = torch.Generator().manual_seed(rows * channels + offset)
+    z = (torch.randn(rows, channels, generator=gen) * 2).to(device, amp or torch.float32)
+    vectors = [torch.randn(channels, generator=gen).to(device) for _ in range(4)]
+    g = torch.randn(rows, channels, generator=gen)
+    g[1, 3], g[2, channels - 1], g[4, channels // 2] = float("nan"), float("inf"), -float("inf")
+    g = g.to(device)
+    want = _run(lambda *t: _models_chain(chain, groups, *t), [z] + vectors, g, amp)
+    got = _run(lambda *t: _ours(chain, groups, *t), [z] + vectors, g, amp, offset)
+    for name, a, b in zip(["out", "z", "lin_bias", "v", "gn_weight", "gn_bias"], got, want):
+        for where in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(where(a), where(b)), (name, where.__name__, where(a).sum().item(),
+                                                     where(b).sum().item())
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("chain", sorted(ops.CHAINS))
