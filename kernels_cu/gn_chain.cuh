@@ -278,12 +278,7 @@ __device__ __forceinline__ void slot_values_exact(float (&out)[Chain::kSlots], f
 // holding none of the exact rows' work, and the second is a call
 // (__noinline__), so that it takes none of the first's registers.
 
-// Backward.  grid = (ceil(groups / teams_per_block), chunks); block y-index
-// is a chunk of rows_per_chunk rows.  Writes dz and, per chunk, the column sums
-// partial[chunk][slot][channels] (double) that reduce_column_partials folds
-// in order.
-// dy_dense == 0: dy is a single value broadcast to every element.
-// The kernel's walk (kExact: see above).  Returns false where the warp's
+// The scalar backward's walk (kExact: see above).  Returns false where the warp's
 // sums show a group that is not finite; the walk has then not written its
 // column sums (or wrote sums that the exact walk replaces).
 template <bool kExact, typename T, typename Chain, int kMaxVals, typename TO>
@@ -443,6 +438,11 @@ __device__ __noinline__ void gn_chain_backward_exact(CF_GN_BACKWARD_PARAMS) {
   gn_chain_backward_rows<true, T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS);
 }
 
+// Backward.  grid = (ceil(groups / teams_per_block), chunks); block y-index
+// is a chunk of rows_per_chunk rows.  Writes dz and, per chunk, the column sums
+// partial[chunk][slot][channels] (double) that reduce_column_partials folds
+// in order.
+// dy_dense == 0: dy is a single value broadcast to every element.
 template <typename T, typename Chain, int kMaxVals, typename TO, int kMinBlocks>
 __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(
     const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
