@@ -214,7 +214,10 @@ __device__ __forceinline__ float element_backward_from_pre(float v, float dy, fl
 // c2 = (sd mean - sdv) rstd^3 / D, c3 = -c2 mean - sd rstd / D, sd = sum dx^
 // and sdv = sum dx^ v.  Every dv of such a group is NaN or +-inf, and the
 // two forms put NaN and +-inf in different places: the uncentred one where
-// torch does.
+// torch does.  Which of NaN and +-inf c2 v + c3 gives depends on v's sign
+// and on whether it is 0, so v there is the chain's pre_reference: v as the
+// reference holds it (rounded to 16 bits where the reference's tensor is),
+// not our float32 v.
 __device__ __forceinline__ bool group_sums_finite(float s1, float s2) {
   return isfinite(s1) && isfinite(s2);
 }
@@ -328,7 +331,10 @@ __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
                                                             dyh[j], mg[j]);
           s1 += dxh[j];
           s2 += dxh[j] * xh[j];
-          if (kExact) sdv += dxh[j] * vs[j];
+          if (kExact) {
+            vs[j] = Chain::template pre_reference<T>(vs[j], zs[j], p, col, lin_bias == nullptr);
+            sdv += dxh[j] * vs[j];
+          }
         }
       }
       const float sd = team_sum(s1, t);
@@ -347,7 +353,8 @@ __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
           const int col = col0 + c;
           const float dv = uncentred ? u.dv(dxh[j], vs[j]) : rs * (dxh[j] - s1 - xh[j] * s2);
           const float d =
-              pre_backward<Chain>(dv, Chain::pre_grad(zs[j], p, col), zs[j], p, col, uncentred);
+              pre_backward<Chain, T>(dv, Chain::pre_grad(zs[j], p, col), zs[j], p, col,
+                                     uncentred, lin_bias == nullptr);
           dz_out[row_start + col] = from_float<T>(d);
           float vals[S];
           slot_values_exact<Chain>(vals, d, dv, xh[j], dyh[j], mg[j], uncentred, vs[j], mu, rs);
@@ -389,8 +396,11 @@ __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
       const i64 i = row_start + col;
       v = Chain::pre(zf, p, col);
       const float dyf = to_float(dy[dy_dense ? i : 0]);
-      return kExact ? element_backward_from_pre<Chain, true>(v, dyf, mu, rs, col, p, xh, dyh, mg)
-                   : element_backward_from_pre<Chain>(v, dyf, mu, rs, col, p, xh, dyh, mg);
+      const float dxh =
+          kExact ? element_backward_from_pre<Chain, true>(v, dyf, mu, rs, col, p, xh, dyh, mg)
+                 : element_backward_from_pre<Chain>(v, dyf, mu, rs, col, p, xh, dyh, mg);
+      if (kExact) v = Chain::template pre_reference<T>(v, zf, p, col, lin_bias == nullptr);
+      return dxh;
     };
     float s1 = 0.0f, s2 = 0.0f, sdv = 0.0f;
     for (int c = team_lane; c < cpg; c += t) {
@@ -420,7 +430,8 @@ __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
       float xh, dyh, mg, v;
       const float dxh = element(col, zf, xh, dyh, mg, v);
       const float dv = uncentred ? u.dv(dxh, v) : rs * (dxh - s1 - xh * s2);
-      const float d = pre_backward<Chain>(dv, Chain::pre_grad(zf, p, col), zf, p, col, uncentred);
+      const float d = pre_backward<Chain, T>(dv, Chain::pre_grad(zf, p, col), zf, p, col,
+                                            uncentred, lin_bias == nullptr);
       dz_out[i] = from_float<T>(d);
       float vals[S];
       slot_values_exact<Chain>(vals, d, dv, xh, dyh, mg, uncentred, v, mu, rs);
@@ -805,8 +816,8 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
         s1 += dxh[k];
         s2 += dxh[k] * xh[k];
         if (kExact) {
-          vs[k] = v;
-          sdv += dxh[k] * v;
+          vs[k] = Chain::template pre_reference<T>(v, zs[k], qv, kk, lin_bias == nullptr);
+          sdv += dxh[k] * vs[k];
         }
       }
     }
@@ -827,7 +838,7 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
             const int k = Vectors::kQ * q + kk;
             const float dv =
                 uncentred ? u.dv(dxh[k], vs[k]) : rs * (dxh[k] - s1 - xh[k] * s2);
-            d[k] = pre_backward<Chain>(dv, pg[k], zs[k], qv, kk, uncentred);
+            d[k] = pre_backward<Chain, T>(dv, pg[k], zs[k], qv, kk, uncentred, lin_bias == nullptr);
             float vals[S];
             slot_values_exact<Chain>(vals, d[k], dv, xh[k], dyh[k], mg[k], uncentred, vs[k], mu,
                                      rs);

@@ -157,12 +157,14 @@ __device__ __forceinline__ float times_pre_grad(float dv, float grad) {
 // (`exact`, gn_chain.cuh's exact rows): where dv is not finite, a chain
 // whose Pre autograd differentiates as a product of separate ops
 // (kDecomposedPre) takes autograd's decomposition, whose NaN and +-inf
-// differ from those of dv times the fused derivative.
-template <typename Chain, typename P, typename C>
+// differ from those of dv times the fused derivative.  TZ: z's dtype;
+// x_in_z: no linear bias reaches the kernel (none, or the GEMM added it).
+template <typename Chain, typename TZ, typename P, typename C>
 __device__ __forceinline__ float pre_backward(float dv, float grad, float z, const P& p, C c,
-                                              bool exact) {
+                                              bool exact, bool x_in_z) {
   if constexpr (Chain::kDecomposedPre) {
-    if (exact && !isfinite(dv)) return Chain::pre_backward_decomposed(dv, z, p, c);
+    if (exact && !isfinite(dv))
+      return Chain::template pre_backward_decomposed<TZ>(dv, z, p, c, x_in_z);
   }
   return times_pre_grad<Chain>(dv, grad);
 }
@@ -190,14 +192,42 @@ struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEag
     return eager_round<T, kEagerRounding>(
         __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), p.extra(c)));
   }
+  // x = z + lin_bias and s = sigmoid(x) as the reference holds them: in z's
+  // dtype TZ where x is z itself (x_in_z) or z plus a 16-bit linear bias,
+  // in float32 where a float32 bias (autocast's) promoted the sum.  A 16-bit
+  // s is 1 where the float one is not (x above about 6.2 in bfloat16, 8.3 in
+  // float16).
+  template <typename TZ, typename P, typename C>
+  __device__ static void reference_x_s(float z, const P& p, C c, bool x_in_z, float& x,
+                                       float& s) {
+    constexpr bool kHalfVectors = sizeof(typename P::value_type) == 2;
+    x = x_in_z ? z : __fadd_rn(z, p.lin(c));
+    s = sigmoid_of<P::kFast>(x);
+    if (x_in_z || kHalfVectors) {
+      x = eager_round<TZ, true>(x);
+      s = eager_round<TZ, true>(s);
+    }
+  }
   // Autograd's swish: MulBackward's dv s plus SigmoidBackward's
-  // ((dv zb)(1 - s)) s (see pre_backward).
-  template <typename P, typename C>
-  __device__ static float pre_backward_decomposed(float dv, float z, const P& p, C c) {
-    using T = typename P::value_type;
-    const float zb = __fadd_rn(z, p.lin(c));
-    const float s = eager_round<T, kEagerRounding>(sigmoid_of<P::kFast>(zb));
-    return dv * s + ((dv * zb) * (1.0f - s)) * s;
+  // ((dv x)(1 - s)) s (see pre_backward), on x and s as the reference holds
+  // them: a 16-bit s of 1 makes an infinite dv's second term NaN.
+  template <typename TZ, typename P, typename C>
+  __device__ static float pre_backward_decomposed(float dv, float z, const P& p, C c,
+                                                  bool x_in_z) {
+    float x, s;
+    reference_x_s<TZ>(z, p, c, x_in_z, x, s);
+    return dv * s + ((dv * x) * (1.0f - s)) * s;
+  }
+  // v as the reference holds it (see pre_reference in gn_chain.cuh): the
+  // swish in TZ where reference_x_s holds x in it, plus bias in the
+  // vectors' dtype.
+  template <typename TZ, typename P, typename C>
+  __device__ static float pre_reference(float v, float z, const P& p, C c, bool x_in_z) {
+    using TO = typename P::value_type;
+    if (!x_in_z && sizeof(TO) == 4) return v;
+    float x, s;
+    reference_x_s<TZ>(z, p, c, x_in_z, x, s);
+    return eager_round<TO, true>(__fadd_rn(eager_round<TZ, true>(__fmul_rn(x, s)), p.extra(c)));
   }
 };
 
@@ -223,6 +253,11 @@ struct ChainGNSwishMulSwish {
   }
   template <typename P, typename C>
   __device__ static float pre_grad(float, const P&, C) { return 1.0f; }
+  // v as the reference holds it: z + lin_bias in the vectors' dtype.
+  template <typename TZ, typename P, typename C>
+  __device__ static float pre_reference(float v, float, const P&, C, bool) {
+    return eager_round<typename P::value_type, true>(v);
+  }
   template <typename P, typename C>
   __device__ static float post(float yh, const P& p, C c) {
     using T = typename P::value_type;
@@ -248,18 +283,20 @@ struct ChainGNSwishMulSwish {
   // exact rows): where dy is not finite, autograd's decomposition of each
   // swish, MulBackward's dy s plus SigmoidBackward's ((dy m)(1 - s)) s,
   // whose NaN and +-inf differ from those of the fused derivatives; on the
-  // values the forward rounded.
+  // values as the reference holds them, each rounded to the output's dtype
+  // (a 16-bit sigmoid is 1 where the float one is not: see
+  // ChainSwishBiasGN::pre_backward_decomposed).
   template <typename P, typename C>
   __device__ static float post_backward_exact(float yh, float dy, const P& p, C c,
                                               float& mul_grad) {
     if (isfinite(dy)) return post_backward(yh, dy, p, c, mul_grad);
     using T = typename P::value_type;
     const float w = p.mul(c);
-    const float g = eager_round<T, kEagerRounding>(yh);
-    const float sg = eager_round<T, kEagerRounding>(sigmoid_of<P::kFast>(g));
-    const float a = eager_round<T, kEagerRounding>(__fmul_rn(g, sg));
-    const float m = eager_round<T, kEagerRounding>(a * w);
-    const float sm = eager_round<T, kEagerRounding>(sigmoid_of<P::kFast>(m));
+    const float g = eager_round<T, true>(yh);
+    const float sg = eager_round<T, true>(sigmoid_of<P::kFast>(g));
+    const float a = eager_round<T, true>(__fmul_rn(g, sg));
+    const float m = eager_round<T, true>(a * w);
+    const float sm = eager_round<T, true>(sigmoid_of<P::kFast>(m));
     const float dm = dy * sm + ((dy * m) * (1.0f - sm)) * sm;
     mul_grad = dm * a;
     const float da = dm * w;
@@ -302,6 +339,17 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
         eager_round<T, true>(__fadd_rn(eager_round<T, true>(__fadd_rn(z, lin)), extra));
     grad = hardtanh_grad(eager_sum) * mg;
     return eager_round<T, kEagerRounding>(m);
+  }
+  // v as the reference holds it: with 16-bit vectors, mish of hardtanh of
+  // eager's sum, rounded (autocast's float32 vectors: v itself).
+  template <typename TZ, typename P, typename C>
+  __device__ static float pre_reference(float v, float z, const P& p, C c, bool) {
+    using T = typename P::value_type;
+    if (sizeof(T) == 4) return v;
+    const float eager_sum =
+        eager_round<T, true>(__fadd_rn(eager_round<T, true>(__fadd_rn(z, p.lin(c))), p.extra(c)));
+    float mg;
+    return eager_round<T, true>(mish_and_grad<P::kFast>(hardtanhf(eager_sum), mg));
   }
 };
 

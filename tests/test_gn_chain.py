@@ -169,9 +169,11 @@ def test_against_float64(chain, shape, mode, device, request):
 
 def _models_chain(chain, groups, z, lin_bias, v, gw, gb):
     """The chain as the reference models write it, op by op (autograd's
-    derivatives of sigmoid(x) * x are those of a product and a sigmoid)."""
+    derivatives of sigmoid(x) * x are those of a product and a sigmoid);
+    lin_bias None: z holds it."""
     bias, mul_weight = (None, v) if chain == "gn_swish_mul_swish" else (v, None)
-    return _eager_chain(chain, z + lin_bias, groups, bias, gw, gb, mul_weight)
+    x = z if lin_bias is None else z + lin_bias
+    return _eager_chain(chain, x, groups, bias, gw, gb, mul_weight)
 
 
 # The vectorised kernels; the in-register ones (a z off the 16-byte grid, a
@@ -180,31 +182,49 @@ NON_FINITE_SHAPES = [(9, 256, 4, 0), (9, 256, 4, 1), (7, 60, 6, 0), (5, 1200, 2,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fp32", "amp-bf16"])
+@pytest.mark.parametrize("lin_in_z", [False, True], ids=["lin-bias-apart", "lin-bias-in-z"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16", "amp-bf16"])
 @pytest.mark.parametrize("shape", NON_FINITE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("chain", sorted(ops.CHAINS))
-def test_non_finite_upstream_gradient_lands_where_eagers_does(chain, shape, mode, device):
+def test_non_finite_upstream_gradient_lands_where_eagers_does(chain, shape, mode, lin_in_z,
+                                                              device):
     """NaN, +inf and -inf in three values of the upstream gradient: every
     gradient (z's and each vector's) holds NaN, +inf and -inf exactly where
     autograd's does on the models' chain, through each backward kernel (the
     exact walks of gn_chain.cuh), and its finite values (the groups an exact
     walk did again in the centred form among them) are as close to a
-    float64 run as test_against_float64 asks."""
+    float64 run as test_against_float64 asks.  z's spread (4) takes 37's and
+    88's sigmoids past where a 16-bit one rounds to 1; ``lin_in_z``: the
+    linear bias already in z (the models' 16-bit GEMM adds it), so that the
+    reference's sigmoid of z runs in z's dtype under autocast too."""
     rows, channels, groups, offset = shape
     amp = torch.bfloat16 if mode == "amp-bf16" else None
+    dtype = amp or dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)[mode]
     gen = torch.Generator().manual_seed(rows * channels + offset)
-    z = (torch.randn(rows, channels, generator=gen) * 2).to(device, amp or torch.float32)
-    vectors = [torch.randn(channels, generator=gen).to(device) for _ in range(4)]
+    z = (torch.randn(rows, channels, generator=gen) * 4).to(device, dtype)
+    vectors = [torch.randn(channels, generator=gen).to(device, torch.float32 if amp else dtype)
+               for _ in range(4)]
+    if lin_in_z:
+        z = (z.float() + vectors[0].float()).to(dtype)
     g = torch.randn(rows, channels, generator=gen)
     g[1, 3], g[2, channels - 1], g[4, channels // 2] = float("nan"), float("inf"), -float("inf")
     g = g.to(device)
-    truth = _run(lambda *t: _models_chain(chain, groups, *t),
-                 [z.double()] + [v.double() for v in vectors], g.double(), None)
-    want = _run(lambda *t: _models_chain(chain, groups, *t), [z] + vectors, g, amp)
-    got = _run(lambda *t: _ours(chain, groups, *t), [z] + vectors, g, amp, offset)
-    ulp = torch.finfo(z.dtype).eps
+
+    def bias_apart(fn):  # fn given lin_bias, or None where z holds it
+        if lin_in_z:
+            return lambda z, lin, *rest: fn(chain, groups, z, None, *rest)
+        return lambda *t: fn(chain, groups, *t)
+
+    truth = _run(bias_apart(_models_chain), [z.double()] + [v.double() for v in vectors],
+                 g.double(), None)
+    want = _run(bias_apart(_models_chain), [z] + vectors, g, amp)
+    got = _run(bias_apart(_ours), [z] + vectors, g, amp, offset)
+    ulp = torch.finfo(dtype).eps
     names = ["out", "z", "lin_bias", "v", "gn_weight", "gn_bias"]
     for name, a, b, t in zip(names, got, want, truth):
+        if lin_in_z and name == "lin_bias":
+            assert a is None and b is None
+            continue
         for where in (torch.isnan, torch.isposinf, torch.isneginf):
             assert torch.equal(where(a), where(b)), (name, where.__name__, where(a).sum().item(),
                                                      where(b).sum().item())
