@@ -566,6 +566,35 @@ def test_engine_is_bitwise_reproducible_and_keeps_nan_and_inf(kind, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nchw", "channels_last"])
+def test_tf32_input_at_the_float32_range_end_overflows_where_cudnns_does(kind, device, monkeypatch):
+    """The float32 engine route (TF32, from ENGINE_FLOAT32_MIN_ELEMENTS
+    outputs): FLT_MAX in x (every mantissa bit set, which TF32's rounding
+    to nearest takes to inf) gives +-inf exactly where cuDNN's own TF32
+    convolution (allow_tf32) gives it; FLT_MAX (1 - 2^-12), which rounds
+    down, gives none in either."""
+    _engine_device(device)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    gen = torch.Generator().manual_seed(17)
+    top = torch.finfo(torch.float32).max
+    wt = (torch.rand(128, 64, 3, 3, generator=gen) / 64).to(device)
+    cb = torch.rand(128, generator=gen).to(device)
+    for big, overflows in [(top, True), (top * (1 - 2**-12), False)]:
+        x = torch.rand(8, 64, 130, 130, generator=gen)
+        x[0, 3, 40, 40], x[5, 60, 2, 129] = big, big
+        x = x.to(device)
+        if kind == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            assert CB.route(x, wt, cb, None) == "engine"
+            ours = ops.conv_bias_relu(x, wt, cb)
+            ref = _reference(x, wt, cb, None)
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(ours), test(ref)), (big, test.__name__)
+        assert bool(torch.isinf(ref).any()) == overflows
+
+
+@pytest.mark.gpu
 def test_routes(device, monkeypatch):
     """The engine takes inputs with no gradient to record: 16-bit NCHW or
     channels-last, or either under autocast; every other call takes cuDNN,

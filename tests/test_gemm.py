@@ -432,6 +432,29 @@ def test_operands_at_the_float32_range_end_stay_finite(route, layout, device):
     torch.testing.assert_close(got.cpu().double()[finite], want[finite], rtol=1e-5, atol=1e-3)
 
 
+@gpu
+@pytest.mark.parametrize("layout", list(G.LAYOUTS))
+@pytest.mark.parametrize("route", ROUTES)
+def test_tf32_operands_at_the_float32_range_end_overflow_where_cublas_tf32_does(
+        route, layout, device, monkeypatch):
+    """One TF32 pass: FLT_MAX (every mantissa bit set, which TF32's rounding
+    to nearest takes to inf) in each operand gives +-inf exactly where
+    cuBLAS's own TF32 product (allow_tf32) gives it; FLT_MAX (1 - 2^-12),
+    which rounds down, gives none in either."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    m, k, n = _route_shape(route, device)
+    gen = torch.Generator(device="cpu").manual_seed(13)
+    top = torch.finfo(torch.float32).max
+    for big, overflows in [(top, True), (top * (1 - 2**-12), False)]:
+        a_log, b_log = torch.rand(m, k, generator=gen), torch.rand(k, n, generator=gen) / 64
+        a_log[3, 5], a_log[8, 1], b_log[7, 9] = big, -big, big
+        got = _product_on_route(route, layout, a_log, b_log, 1, device)
+        want = a_log.to(device) @ b_log.to(device)
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(got), test(want)), (big, test.__name__)
+        assert bool(torch.isinf(want).any()) == overflows
+
+
 # ---------------------------------------------------------------- 16-bit engine (Hopper)
 
 HALF = [torch.float16, torch.bfloat16]
