@@ -193,20 +193,19 @@ struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEag
         __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), p.extra(c)));
   }
   // x = z + lin_bias and s = sigmoid(x) as the reference holds them: in z's
-  // dtype TZ where x is z itself (x_in_z) or z plus a 16-bit linear bias,
-  // in float32 where a float32 bias (autocast's) promoted the sum.  A 16-bit
-  // s is 1 where the float one is not (x above about 6.2 in bfloat16, 8.3 in
-  // float16).
+  // dtype TZ where x is z itself (x_in_z) or z plus a 16-bit linear bias
+  // (x rounded, then its sigmoid rounded), in float32 where a float32 bias
+  // (autocast's) promoted the sum.  A 16-bit s is 1 where the float one is
+  // not (x above about 6.2 in bfloat16, 8.3 in float16).  The accurate
+  // sigmoid, as the reference's (the exact walk alone calls this).
   template <typename TZ, typename P, typename C>
   __device__ static void reference_x_s(float z, const P& p, C c, bool x_in_z, float& x,
                                        float& s) {
-    constexpr bool kHalfVectors = sizeof(typename P::value_type) == 2;
+    const bool rounds = x_in_z || sizeof(typename P::value_type) == 2;
     x = x_in_z ? z : __fadd_rn(z, p.lin(c));
-    s = sigmoid_of<P::kFast>(x);
-    if (x_in_z || kHalfVectors) {
-      x = eager_round<TZ, true>(x);
-      s = eager_round<TZ, true>(s);
-    }
+    if (rounds) x = eager_round<TZ, true>(x);
+    s = sigmoid_of<false>(x);
+    if (rounds) s = eager_round<TZ, true>(s);
   }
   // Autograd's swish: MulBackward's dv s plus SigmoidBackward's
   // ((dv x)(1 - s)) s (see pre_backward), on x and s as the reference holds
@@ -285,7 +284,7 @@ struct ChainGNSwishMulSwish {
   // whose NaN and +-inf differ from those of the fused derivatives; on the
   // values as the reference holds them, each rounded to the output's dtype
   // (a 16-bit sigmoid is 1 where the float one is not: see
-  // ChainSwishBiasGN::pre_backward_decomposed).
+  // ChainSwishBiasGN::reference_x_s), with the accurate sigmoid.
   template <typename P, typename C>
   __device__ static float post_backward_exact(float yh, float dy, const P& p, C c,
                                               float& mul_grad) {
@@ -293,10 +292,10 @@ struct ChainGNSwishMulSwish {
     using T = typename P::value_type;
     const float w = p.mul(c);
     const float g = eager_round<T, true>(yh);
-    const float sg = eager_round<T, true>(sigmoid_of<P::kFast>(g));
+    const float sg = eager_round<T, true>(sigmoid_of<false>(g));
     const float a = eager_round<T, true>(__fmul_rn(g, sg));
     const float m = eager_round<T, true>(a * w);
-    const float sm = eager_round<T, true>(sigmoid_of<P::kFast>(m));
+    const float sm = eager_round<T, true>(sigmoid_of<false>(m));
     const float dm = dy * sm + ((dy * m) * (1.0f - sm)) * sm;
     mul_grad = dm * a;
     const float da = dm * w;
@@ -340,8 +339,8 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
     grad = hardtanh_grad(eager_sum) * mg;
     return eager_round<T, kEagerRounding>(m);
   }
-  // v as the reference holds it: with 16-bit vectors, mish of hardtanh of
-  // eager's sum, rounded (autocast's float32 vectors: v itself).
+  // v as the reference holds it: with 16-bit vectors, the accurate mish of
+  // hardtanh of eager's sum, rounded (autocast's float32 vectors: v itself).
   template <typename TZ, typename P, typename C>
   __device__ static float pre_reference(float v, float z, const P& p, C c, bool) {
     using T = typename P::value_type;
@@ -349,7 +348,7 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
     const float eager_sum =
         eager_round<T, true>(__fadd_rn(eager_round<T, true>(__fadd_rn(z, p.lin(c))), p.extra(c)));
     float mg;
-    return eager_round<T, true>(mish_and_grad<P::kFast>(hardtanhf(eager_sum), mg));
+    return eager_round<T, true>(mish_and_grad<false>(hardtanhf(eager_sum), mg));
   }
 };
 

@@ -235,6 +235,33 @@ def test_non_finite_upstream_gradient_lands_where_eagers_does(chain, shape, mode
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1], ids=["vectorised", "in-register"])
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_infinite_gradient_at_the_16_bit_sigmoid_threshold(mode, offset, device):
+    """37's swish where z + lin_bias rounds, in 16 bits, across the point
+    where a 16-bit sigmoid becomes 1 (the unrounded sum lies below it): a
+    +inf in the group's upstream gradient makes that column's z gradient
+    NaN, as the reference's (the sigmoid of the rounded sum is 1 there),
+    and every gradient's NaN and +-inf lie where the reference's do."""
+    dtype = dict(bf16=torch.bfloat16, fp16=torch.float16)[mode]
+    z_at, lin_at = dict(bf16=(6.21875, 17 / 1024), fp16=(8.3125, 0.0041))[mode]
+    rows, channels, groups = 4, 256, 4
+    gen = torch.Generator().manual_seed(23)
+    z = torch.randn(rows, channels, generator=gen).to(device, dtype)
+    vectors = [torch.randn(channels, generator=gen).to(device, dtype) for _ in range(4)]
+    z[1, 5], vectors[0][5] = z_at, lin_at
+    g = torch.randn(rows, channels, generator=gen)
+    g[1, 7] = float("inf")
+    g = g.to(device)
+    want = _run(lambda *t: _models_chain("swish_bias_gn", groups, *t), [z] + vectors, g, None)
+    got = _run(lambda *t: _ours("swish_bias_gn", groups, *t), [z] + vectors, g, None, offset)
+    assert torch.isnan(want[1][1, 5])  # (the case is the one meant)
+    for name, a, b in zip(["out", "z", "lin_bias", "v", "gn_weight", "gn_bias"], got, want):
+        for where in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(where(a), where(b)), (name, where.__name__)
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("chain", sorted(ops.CHAINS))
 def test_past_2_pow_31_elements(chain, device):
