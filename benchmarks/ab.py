@@ -6,6 +6,7 @@ outputs compared bit for bit.
     python benchmarks/ab.py --against HEAD~1 --cases gemm-37 model-37 --dtypes bf16 fp16
     python benchmarks/ab.py --against /tmp/kernels_cu --cases model-1 --modes train
     python benchmarks/ab.py --against HEAD~1 --sustained 2         # also held at the power cap
+    python benchmarks/ab.py --against HEAD~1 --cases kernel-gn_swish_mul_swish_88 --control
 
 Each case runs twice per round: once with every kernel compiled from the
 other copy ("against"), once with this tree's ("tree").  Everything else,
@@ -25,8 +26,15 @@ kernel's clock depends on the power it draws.
 Cases: ``gemm-37`` and ``gemm-76`` are the 16-bit engine's plain product
 at problems 37's and 76's shapes; ``model-P`` is problem P's fused module
 (forward and / or training step, as ``benchmarks/run.py`` times them;
-``model-1-cl`` on a channels-last input).  Dtypes as ``run.py``'s
+``model-1-cl`` on a channels-last input); ``kernel-NAME`` is a
+memory-bound op of ``benchmarks/kernels.py`` (forward and / or backward,
+as it times them: inputs rotated past the L2, the calls queued behind a
+sleep kernel, so that each time is the GPU's).  Dtypes as ``run.py``'s
 (the plain products take fp16 and bf16 only).
+
+``--control`` also times a second copy of the other kernels, compiled
+apart, as a third side: its ratio to the first says how far two runs of
+the same kernels differ in the same process.
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ import datetime
 import importlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,8 +60,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import (DTYPES, autocast_dtype, dtype_label, fixed_grad, model_dtype,  # noqa: E402
-                     step_fns, time_interleaved)
+import kernels as bench_kernels  # noqa: E402
+from harness import (DTYPES, autocast_dtype, dtype_label, fixed_grad, l2_bytes,  # noqa: E402
+                     model_dtype, rotation_count, step_fns, time_interleaved)
 
 
 def against_define(folder: str) -> str:
@@ -191,11 +201,14 @@ class Case(NamedTuple):
     """One thing to time, in the dtypes and modes it takes: ``make(dtype,
     mode)`` builds its inputs and returns (run, result): run() launches it,
     result() gives what the last run computed (the output, and in training
-    the gradients of the input and of every parameter)."""
+    the gradients of the input and of every parameter) or computes it
+    again on fixed inputs (it runs with the same side's kernels as run()).
+    ``queued``: timed with the calls queued (``time_interleaved``)."""
 
     dtypes: tuple
     modes: tuple
     make: Callable
+    queued: bool = False
 
 
 def _plain_product(m: int, k: int, n: int):
@@ -239,6 +252,41 @@ def _model(problem: int, channels_last: bool = False):
     return make
 
 
+def _kernel(name: str):
+    """``benchmarks/kernels.py``'s op ``name`` (a key of its CASES): its
+    forward (grad off) or its backward (kernel and column reduce) on inputs
+    rotated past the L2, as kernels.py times them; the result is that of
+    the first input (output, or z's and every vector's gradients)."""
+    def make(dtype: str, mode: str):
+        case = bench_kernels.CASES[name]
+        z_dtype, v_dtype = DTYPES[dtype].compute, DTYPES[dtype].model
+        gen = torch.Generator(device="cuda").manual_seed(0)
+
+        def randn(shape, dt):
+            t = torch.randn(shape, generator=gen, device="cuda").to(dt)
+            if case.channels_last and len(shape) == 4:
+                return t.contiguous(memory_format=torch.channels_last)
+            return t
+
+        z = randn(case.shape, z_dtype)
+        vectors = {k: randn(shape, v_dtype) for k, shape in case.vectors}
+        copies = rotation_count(2 * z.numel() * z.element_size(), l2_bytes())
+        if mode == "forward":
+            run = bench_kernels._forward_fn(case, z, vectors, copies, randn)
+
+            def result():
+                with torch.no_grad():
+                    return bench_kernels._call(case, z, vectors)
+            return run, result
+        params = [v.detach().requires_grad_(True) for v in vectors.values()]
+        zg = z.detach().requires_grad_(True)
+        y = bench_kernels._call(case, zg, dict(zip(vectors, params)))
+        g = randn(y.shape, y.dtype)
+        run = bench_kernels._backward_fn(case, z, vectors, copies, randn)
+        return run, lambda: torch.autograd.grad(y, [zg, *params], g, retain_graph=True)
+    return make
+
+
 HALF = ("fp16", "bf16")
 ALL = tuple(DTYPES)
 CASES: Dict[str, Case] = {
@@ -250,7 +298,12 @@ CASES: Dict[str, Case] = {
     "model-94": Case(ALL, ("forward", "train"), _model(94)),
     "model-1": Case(ALL, ("forward", "train"), _model(1)),
     "model-1-cl": Case(ALL, ("forward", "train"), _model(1, channels_last=True)),
+    **{f"kernel-{name}": Case(ALL, ("forward", "backward"), _kernel(name), queued=True)
+       for name in bench_kernels.CASES},
 }
+
+
+MODES = ("forward", "train", "backward")
 
 
 def jobs(cases: List[str], dtypes: List[str], modes: List[str]) -> List[tuple]:
@@ -279,7 +332,7 @@ def sustained_ms(fn, seconds: float, batch: int = 40) -> float:
 
 
 def run_jobs(todo: List[tuple], folder: str, iters: int, rounds: int,
-             sustained: float = 0.0) -> List[dict]:
+             sustained: float = 0.0, control: Optional[str] = None) -> List[dict]:
     """Times each job against the other copy and with the tree's kernels.
 
     Args:
@@ -287,23 +340,37 @@ def run_jobs(todo: List[tuple], folder: str, iters: int, rounds: int,
         folder: the other copy's kernel sources (:func:`kernel_copy`).
         iters, rounds: calls of each, and rounds they are split into.
         sustained: seconds of back-to-back calls of each (0: none).
+        control: a second copy of ``folder``'s sources, timed as a third
+            side (None: none).
 
     Returns:
         One row per job: its times (ms), tree / against, and whether both
-        computed the same bits.
+        computed the same bits; with ``control``, its time and control /
+        against.
     """
-    fns, results = {}, {}
+    folders = {"against": folder, "tree": None}
+    if control is not None:
+        folders["control"] = control
+    fns, results, queued = {}, {}, set()
     for case, dtype, mode in todo:
         run, result = CASES[case].make(dtype, mode)
-        for side in ("against", "tree"):
-            def call(run=run, side=side):
-                with kernels_from(folder if side == "against" else None):
+        for side, where in folders.items():
+            def call(run=run, where=where):
+                with kernels_from(where):
                     return run()
-            fns[(case, dtype, mode, side)] = call
+            key = (case, dtype, mode, side)
+            fns[key] = call
             call()
-            results[(case, dtype, mode, side)] = result()
-    times = time_interleaved({" ".join(k): f for k, f in fns.items()}, iters, warmup=3,
-                             rounds=rounds)
+            with kernels_from(where):
+                results[key] = result()
+            if CASES[case].queued:
+                queued.add(key)
+    times = {}
+    for is_queued in (False, True):  # each kind of timing in one run of turns
+        group = {" ".join(k): f for k, f in fns.items() if (k in queued) == is_queued}
+        if group:
+            times.update(time_interleaved(group, iters, warmup=3, rounds=rounds,
+                                          queued=is_queued))
     rows = []
     for case, dtype, mode in todo:
         key = (case, dtype, mode)
@@ -311,6 +378,9 @@ def run_jobs(todo: List[tuple], folder: str, iters: int, rounds: int,
         row = dict(case=case, dtype=dtype_label(dtype), mode=mode, against_ms=t_against,
                    tree_ms=t_tree, ratio=t_tree / t_against,
                    same_bits=same_bits(results[key + ("against",)], results[key + ("tree",)]))
+        if control is not None:
+            row["control_ms"] = t_control = times[" ".join(key + ("control",))][0]
+            row["control_ratio"] = t_control / t_against
         if sustained > 0:
             row["against_sustained_ms"] = sustained_ms(fns[key + ("against",)], sustained)
             row["tree_sustained_ms"] = sustained_ms(fns[key + ("tree",)], sustained)
@@ -321,12 +391,16 @@ def run_jobs(todo: List[tuple], folder: str, iters: int, rounds: int,
 def markdown(rows: List[dict], against: str) -> str:
     """The rows as a Markdown table (times in ms; ratio: tree / against)."""
     held = any("tree_sustained_ms" in r for r in rows)
+    control = any("control_ratio" in r for r in rows)
     head = ["case", "dtype", "mode", f"against ({against}) ms", "tree ms", "tree / against",
-            "same bits"] + (["held: against / tree ms"] if held else [])
+            "same bits"] + (["control / against"] if control else []) + (
+                ["held: against / tree ms"] if held else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["case"], r["dtype"], r["mode"], f"{r['against_ms']:.4f}", f"{r['tree_ms']:.4f}",
                  f"{r['ratio']:.3f}", "yes" if r["same_bits"] else "NO"]
+        if control:
+            cells.append(f"{r['control_ratio']:.3f}" if "control_ratio" in r else "-")
         if held:
             cells.append(f"{r['against_sustained_ms']:.4f} / {r['tree_sustained_ms']:.4f}"
                          if "tree_sustained_ms" in r else "-")
@@ -340,12 +414,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a git revision of this repository, or a folder of kernel sources")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", default=["forward", "train"],
-                        choices=["forward", "train"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                        help="forward and train for the products and models, forward and "
+                             "backward for the kernels")
     parser.add_argument("--iters", type=int, default=140, help="calls of each, over all rounds")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                         help="also time each back to back for this long (power cap)")
+    parser.add_argument("--control", action="store_true",
+                        help="also time a second copy of the other kernels, compiled apart")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON")
     args = parser.parse_args(argv)
     if not jobs(args.cases, args.dtypes, args.modes):
@@ -364,7 +441,10 @@ def main(argv=None):
         if changed:
             print(f"warning: parameters differ from {args.against}'s (launching them from there "
                   f"would pass wrong arguments): {', '.join(changed)}", file=sys.stderr)
-        rows = run_jobs(todo, folder, args.iters, args.rounds, args.sustained)
+        control = None
+        if args.control:  # the same sources in a folder of their own: compiled apart
+            control = shutil.copytree(folder, os.path.join(tmp, "control", "kernels_cu"))
+        rows = run_jobs(todo, folder, args.iters, args.rounds, args.sustained, control)
     print(markdown(rows, args.against), flush=True)
     if args.json:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -196,7 +196,8 @@ def timed_calls(estimate_ms: float, iters: int, min_ms: float, most: int) -> int
 
 
 def time_interleaved(fns: Dict[str, Callable[[], object]], iters: int, warmup: int,
-                     rounds: int = 5, min_ms: float = 0.0) -> Dict[str, Tuple[float, float]]:
+                     rounds: int = 5, min_ms: float = 0.0, queued: bool = False,
+                     clock=time.perf_counter) -> Dict[str, Tuple[float, float]]:
     """(median, min) milliseconds of each of ``fns`` over ``iters`` calls, as
     :func:`time_ms`, but taken in turns: ``rounds`` rounds, each running a
     share of every function's iterations (after one untimed call, so that
@@ -209,11 +210,26 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], iters: int, warmup: i
     ``10 * iters`` (:func:`timed_calls`).  A step of well under a
     millisecond is as long as the host takes to issue it, and the host's
     pace varies, so such steps need more calls for a stable ratio
-    (docs/performance.md, Method)."""
+    (docs/performance.md, Method).
+
+    ``queued``: each round's timed calls of a function are queued behind a
+    sleep kernel that outlasts their issue, as :func:`time_queued` queues
+    them, so that each event pair times the GPU's work alone (kernels of
+    a few microseconds, whose calls the host issues more slowly than the
+    GPU runs them); ``clock`` times their issue."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     calls = {name: iters for name in fns}
+    issue_ms = {}
+    if queued:
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = clock()
+            for _ in range(3):
+                fn()
+            issue_ms[name] = (clock() - t0) * 1e3 / 3
+        torch.cuda.synchronize()
     if min_ms > 0:
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -232,6 +248,8 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], iters: int, warmup: i
             fn()
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(share)]
+            if queued:
+                hold_gpu_ms(1.5 * issue_ms[name] * share + 1.0)
             for start, end in events:
                 start.record()
                 fn()

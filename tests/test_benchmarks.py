@@ -150,11 +150,9 @@ def test_short_steps_get_more_timed_calls_up_to_ten_times():
     assert timed_calls(0.0, 30, 150.0, 300) == 30       # no estimate
 
 
-def test_time_interleaved_times_each_function_its_own_count(monkeypatch):
-    """With fake CUDA events (CPU tier): the calls each function gets, in
-    turns, after its warm-up and the three calls of the estimate."""
-    clock = [0.0]
-
+def _fake_event_on(clock, ms_per_tick):
+    """A stand-in for torch.cuda.Event: recording reads ``clock[0]``, and
+    elapsed_time gives the ticks between two records in milliseconds."""
     class FakeEvent:
         def __init__(self, enable_timing=False):
             self.t = None
@@ -163,9 +161,15 @@ def test_time_interleaved_times_each_function_its_own_count(monkeypatch):
             self.t = clock[0]
 
         def elapsed_time(self, other):
-            return other.t - self.t
+            return (other.t - self.t) * ms_per_tick
+    return FakeEvent
 
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+
+def test_time_interleaved_times_each_function_its_own_count(monkeypatch):
+    """With fake CUDA events (CPU tier): the calls each function gets, in
+    turns, after its warm-up and the three calls of the estimate."""
+    clock = [0.0]
+    monkeypatch.setattr(torch.cuda, "Event", _fake_event_on(clock, 1.0))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     calls = {"short": 0, "long": 0}
 
@@ -1028,6 +1032,75 @@ def test_ab_same_bits_tells_apart_what_equality_does_not():
     assert not ab.same_bits((a,), (a, a))
 
 
+def _kernels_from_recording(inside):
+    """A stand-in for ab.kernels_from: ``inside`` holds the folders of the
+    contexts entered and not yet left."""
+    @contextlib.contextmanager
+    def fake_kernels_from(folder):
+        inside.append(folder)
+        try:
+            yield
+        finally:
+            inside.pop()
+    return fake_kernels_from
+
+
+def test_ab_times_queued_cases_apart_and_a_control_copy(monkeypatch):
+    """Cases timed queued (the kernels) and the others in timings of their
+    own; with a control folder, a third side per job and its ratio to the
+    other copy's; every side's result is computed inside that side's
+    kernels_from."""
+    ab = _bench_ab()
+    inside = []
+    fake_kernels_from = _kernels_from_recording(inside)
+
+    def make(dtype, mode):
+        return (lambda: None), (lambda: torch.tensor([float(len(inside))]))
+
+    timed = []
+
+    def fake_interleaved(fns, iters, warmup, rounds, queued=False):
+        timed.append((sorted(fns), queued))
+        ms = {"against": 2.0, "tree": 1.0, "control": 2.2}
+        return {name: (ms[name.rsplit(" ", 1)[1]], 0.5) for name in fns}
+
+    monkeypatch.setattr(ab, "kernels_from", fake_kernels_from)
+    monkeypatch.setattr(ab, "time_interleaved", fake_interleaved)
+    monkeypatch.setitem(ab.CASES, "plain", ab.Case(("bf16",), ("forward",), make))
+    monkeypatch.setitem(ab.CASES, "small", ab.Case(("bf16",), ("backward",), make, queued=True))
+    rows = ab.run_jobs([("plain", "bf16", "forward"), ("small", "bf16", "backward")], "/k", 10, 5,
+                       control="/c")
+    assert timed == [(["plain bf16 forward against", "plain bf16 forward control",
+                       "plain bf16 forward tree"], False),
+                     (["small bf16 backward against", "small bf16 backward control",
+                       "small bf16 backward tree"], True)]
+    assert [(r["ratio"], round(r["control_ratio"], 3), r["same_bits"]) for r in rows] == [
+        (0.5, 1.1, True), (0.5, 1.1, True)]
+    assert "| control / against |" in ab.markdown(rows, "HEAD").splitlines()[0] + " |"
+    assert "kernel-gn_swish_mul_swish_88" in ab.CASES
+    assert ab.CASES["kernel-bias_relu_76"].queued and ab.CASES["kernel-bias_relu_76"].modes == (
+        "forward", "backward")
+
+
+def test_time_interleaved_queues_each_rounds_calls_behind_a_hold(monkeypatch):
+    """queued=True (CPU tier, fake events and clock): before each round's
+    timed calls of a function, one hold that outlasts their issue (1.5 x
+    the issue time per call x the calls, plus 1 ms)."""
+    clock = [0.0]
+    holds = []
+    monkeypatch.setattr(torch.cuda, "Event", _fake_event_on(clock, 1e3))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bench_harness, "hold_gpu_ms", holds.append)
+
+    def fn():  # 2 ms of issue a call
+        clock[0] += 0.002
+
+    times = bench_harness.time_interleaved({"k": fn}, iters=10, warmup=1, rounds=2, queued=True,
+                                           clock=lambda: clock[0])
+    assert [round(h, 6) for h in holds] == [1.5 * 2.0 * 5 + 1.0] * 2
+    assert times["k"] == pytest.approx((2.0, 2.0))
+
+
 def test_ab_jobs_and_arguments():
     ab = _bench_ab()
     assert ab.jobs(["gemm-37", "model-37"], ["fp32", "bf16"], ["forward", "train"]) == [
@@ -1035,6 +1108,10 @@ def test_ab_jobs_and_arguments():
         ("model-37", "bf16", "forward"), ("model-37", "bf16", "train")]
     args = ab.parse_args(["--against", "HEAD~1"])
     assert args.cases == list(ab.CASES) and args.dtypes == ["bf16"] and args.sustained == 0
+    assert args.modes == ["forward", "train", "backward"] and not args.control
+    assert ab.jobs(["kernel-bias_relu_76", "model-76"], ["bf16"], ["train", "backward"]) == [
+        ("kernel-bias_relu_76", "bf16", "backward"), ("model-76", "bf16", "train")]
+    assert ab.parse_args(["--against", "HEAD~1", "--control"]).control
     with pytest.raises(SystemExit):  # the plain products take 16-bit dtypes only
         ab.parse_args(["--against", "HEAD~1", "--cases", "gemm-37", "--dtypes", "fp32"])
     with pytest.raises(SystemExit):
@@ -1047,14 +1124,7 @@ def test_ab_runs_both_sides_in_turns_and_reports_the_ratio(monkeypatch):
     carries tree / against and whether the two computed the same bits."""
     ab = _bench_ab()
     inside = []
-
-    @contextlib.contextmanager
-    def fake_kernels_from(folder):
-        inside.append(folder)
-        try:
-            yield
-        finally:
-            inside.pop()
+    fake_kernels_from = _kernels_from_recording(inside)
 
     def against():
         return bool(inside) and inside[-1] is not None
@@ -1068,8 +1138,8 @@ def test_ab_runs_both_sides_in_turns_and_reports_the_ratio(monkeypatch):
 
     timed = []
 
-    def fake_interleaved(fns, iters, warmup, rounds):
-        timed.append((sorted(fns), iters, rounds))
+    def fake_interleaved(fns, iters, warmup, rounds, queued=False):
+        timed.append((sorted(fns), iters, rounds, queued))
         for fn in fns.values():
             fn()
         return {name: (3.0 if name.endswith("against") else 2.4, 1.0) for name in fns}
@@ -1079,7 +1149,7 @@ def test_ab_runs_both_sides_in_turns_and_reports_the_ratio(monkeypatch):
     monkeypatch.setitem(ab.CASES, "fake", ab.Case(("bf16",), ("forward", "train"), make))
     rows = ab.run_jobs([("fake", "bf16", "forward"), ("fake", "bf16", "train")], "/k", 70, 7)
     assert timed == [(["fake bf16 forward against", "fake bf16 forward tree",
-                       "fake bf16 train against", "fake bf16 train tree"], 70, 7)]
+                       "fake bf16 train against", "fake bf16 train tree"], 70, 7, False)]
     assert [(r["mode"], r["against_ms"], r["tree_ms"], round(r["ratio"], 3), r["same_bits"])
             for r in rows] == [("forward", 3.0, 2.4, 0.8, True), ("train", 3.0, 2.4, 0.8, False)]
     assert rows[0]["dtype"] == "bfloat16" and inside == []
