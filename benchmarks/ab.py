@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernels as bench_kernels  # noqa: E402
 from harness import (DTYPES, autocast_dtype, dtype_label, fixed_grad, l2_bytes,  # noqa: E402
-                     model_dtype, rotation_count, step_fns, time_interleaved)
+                     model_dtype, step_fns, time_interleaved)
 
 
 def against_define(folder: str) -> str:
@@ -259,18 +259,10 @@ def _kernel(name: str):
     the first input (output, or z's and every vector's gradients)."""
     def make(dtype: str, mode: str):
         case = bench_kernels.CASES[name]
-        z_dtype, v_dtype = DTYPES[dtype].compute, DTYPES[dtype].model
-        gen = torch.Generator(device="cuda").manual_seed(0)
-
-        def randn(shape, dt):
-            t = torch.randn(shape, generator=gen, device="cuda").to(dt)
-            if case.channels_last and len(shape) == 4:
-                return t.contiguous(memory_format=torch.channels_last)
-            return t
-
-        z = randn(case.shape, z_dtype)
-        vectors = {k: randn(shape, v_dtype) for k, shape in case.vectors}
-        copies = rotation_count(2 * z.numel() * z.element_size(), l2_bytes())
+        z, vectors, randn = bench_kernels.case_inputs(case, dtype)
+        with torch.no_grad():
+            y_dtype = bench_kernels._call(case, z, vectors).dtype
+        _, copies = bench_kernels.traffic(case, mode, z.dtype, y_dtype, l2_bytes())
         if mode == "forward":
             run = bench_kernels._forward_fn(case, z, vectors, copies, randn)
 

@@ -277,6 +277,36 @@ def _backward_fn(case: Case, z: torch.Tensor, vectors: dict, copies: int, randn)
     return fn
 
 
+def case_inputs(case: Case, dtype: str):
+    """z and the per-channel vectors of ``case`` in ``dtype`` (a key of
+    ``harness.DTYPES``: z in its compute dtype, the vectors in its model
+    dtype), random from a fixed seed, and the ``randn(shape, dtype)`` that
+    made them, for further tensors of z's layout (y, dy, more inputs)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(shape, dt):  # z, y and dy in the case's layout; the vectors as they are
+        t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dt)
+        if case.channels_last and len(shape) == 4:
+            return t.contiguous(memory_format=torch.channels_last)
+        return t
+
+    z = randn(case.shape, DTYPES[dtype].compute)
+    vectors = {k: randn(shape, DTYPES[dtype].model) for k, shape in case.vectors}
+    return z, vectors, randn
+
+
+def traffic(case: Case, direction: str, z_dtype: torch.dtype, y_dtype: torch.dtype,
+            l2: int) -> Tuple[int, int]:
+    """(bytes one call moves, :func:`moved_bytes`; copies of its inputs to
+    rotate over, so that each call reads them from memory, not from an L2
+    of ``l2`` bytes)."""
+    numel = math.prod(case.shape)
+    moved = moved_bytes(case.op, direction, numel, z_dtype, y_dtype,
+                        row_groups=case.shape[0] * case.groups)
+    read = moved - numel * (y_dtype if direction == "forward" else z_dtype).itemsize
+    return moved, rotation_count(read, l2)
+
+
 def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup: int,
                ceiling: float) -> list:
     """Times one kernel in one dtype.
@@ -301,22 +331,11 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
         ``status`` "unsupported" / "error" and the message, and no times.
     """
     z_dtype, v_dtype = DTYPES[dtype].compute, DTYPES[dtype].model
-    numel = math.prod(case.shape)
-    row_groups = case.shape[0] * case.groups
     base = dict(kernel=name, op=case.op, problem=case.problem, chain=case.chain,
                 shape=list(case.shape), channels_last=case.channels_last,
                 dtype=dtype, z_dtype=str(z_dtype).replace("torch.", ""),
                 vector_dtype=str(v_dtype).replace("torch.", ""))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(shape, dt):  # z, y and dy in the case's layout; the vectors as they are
-        t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dt)
-        if case.channels_last and len(shape) == 4:
-            return t.contiguous(memory_format=torch.channels_last)
-        return t
-
-    z = randn(case.shape, z_dtype)
-    vectors = {k: randn(shape, v_dtype) for k, shape in case.vectors}
+    z, vectors, randn = case_inputs(case, dtype)
     try:
         with torch.no_grad():
             y_dtype = _call(case, z, vectors).dtype
@@ -330,9 +349,7 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
     l2 = l2_bytes()
     rows = []
     for direction in directions:
-        moved = moved_bytes(case.op, direction, numel, z_dtype, y_dtype, row_groups=row_groups)
-        read = moved - numel * (y_dtype if direction == "forward" else z_dtype).itemsize
-        copies = rotation_count(read, l2)
+        moved, copies = traffic(case, direction, z_dtype, y_dtype, l2)
         try:
             make = _forward_fn if direction == "forward" else _backward_fn
             med, best = time_queued(make(case, z, vectors, copies, randn), iters, warmup)

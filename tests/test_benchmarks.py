@@ -793,6 +793,19 @@ def test_kernel_timing_queues_the_calls_behind_a_sleep(monkeypatch):
     assert slept == [pytest.approx(1.5 * 0.08 * 50 + 1.0)]
 
 
+def test_kernel_traffic_is_the_least_bytes_and_the_copies_of_what_is_read():
+    """A case's bytes a call moves (moved_bytes) and its input copies: the
+    rotation rule over what the call reads (everything moved but the one
+    tensor it writes)."""
+    case = bench_kernels.CASES["gn_swish_mul_swish_88"]
+    numel = 1024 * 8192
+    for direction, written in (("forward", torch.float32), ("backward", torch.bfloat16)):
+        moved, copies = bench_kernels.traffic(case, direction, torch.bfloat16, torch.float32, MiB)
+        assert moved == bench_kernels.moved_bytes("gn_chain", direction, numel, torch.bfloat16,
+                                                  torch.float32, row_groups=1024 * 256)
+        assert copies == bench_kernels.rotation_count(moved - numel * written.itemsize, MiB)
+
+
 def test_kernel_tables_show_both_yardsticks_and_unsupported_and_low_rows():
     base = dict(kernel="gn_swish_mul_swish_88", op="gn_chain", problem=88,
                 chain="gn_swish_mul_swish", shape=[1024, 8192])
