@@ -10,7 +10,9 @@
 // below compute the same convolution transposed, a window of the input
 // serving every tap of a kernel row (conv_bias_relu_window,
 // conv_bias_relu_nchw_window: the forward from a channels-last or an NCHW
-// x; conv_dgrad_wgmma: the input gradient).
+// x; conv_dgrad_wgmma: the input gradient).  conv_wgrad_wgmma computes the
+// weight gradient on the same engine (dz^T times x seen from each tap, k the
+// output pixels), in runs that conv_wgrad_reduce adds in a fixed order.
 //
 // The product: C [M, Cout] = A [M, K] B^T.  A row m of A is an output pixel
 // (n, oh, ow), its column k = (kh, kw, c) the input value x[n, c, oh + kh,
@@ -1569,6 +1571,199 @@ conv_bias_relu_nchw_window(const __grid_constant__ TensorMap map_x, const __grid
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
+}
+
+
+// ---- The weight gradient (conv_wgrad_wgmma, conv_wgrad_reduce) ----
+// dW[co, ci, kh, kw] = the sum over output pixels (n, oh, ow) of dz[n, oh,
+// ow, co] x[n, oh + kh, ow + kw, ci]: for each tap a product dz^T x_tap, k
+// the output pixels, both operands MN-major (channels contiguous), as a
+// linear layer's dZ^T x.  x_tap is x seen from its column kw on through a
+// tensor map of its own, OW columns wide, so that its boxes clip where dz's
+// do: a k-tile's columns past an output row are zeros in both operands.
+// (One window of x shared by a row's taps, as the forward's, would meet
+// dz's zeros there with values of x, and 0 x inf is a NaN where the
+// reference adds nothing.)
+// C [Cout, cols]: cols = KH * KW * c_blocks blocks of 64 input channels,
+// col = (kh KW + kw) c_blocks + cb.  An output tile is 128 channels of dz by
+// kTb such blocks (B's kTb boxes; past the last block, the last again, whose
+// columns the reduction drops), both consumer warpgroups on it, each on 64
+// of the channels (WgradMma).  A k-tile is 64 columns of one output row, the
+// k-tiles in (n, oh, column block) order, cut into `splits` runs of ksplit
+// (the last run's tail past the last image: zeros): the engine's tile (tm,
+// tn) is run tn / col_tiles of output tile (tm, tn % col_tiles), its float32
+// sums stored into partials[run], which conv_wgrad_reduce adds in run order
+// (no atomics: the same bits every call).
+constexpr int kWgradMaxKw = 7;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+struct WgradTaps {
+  const TensorMap* x[kWgradMaxKw];
+};
+
+template <typename T, int kTb>
+struct WgradLoader {
+  const TensorMap& map_dz;  // dz [N, OH, OW, Cout]: dims (Cout, OW, OH, N), boxes 64 x 64 x 1 x 1
+  WgradTaps taps;           // x [N, H, W, Cin] from column kw on: dims (Cin, OW, H, N), boxes 64 x 64 x 1 x 1
+  i64 cout, col_tiles, splits;
+  int cols, kw_size, c_blocks, out_rows, col_blocks, ksplit;
+  int co0 = 0, n = 0, oh = 0, cb_ow = 0;  // the tile's first channel of dz; the next k-tile's place
+  // The tile's boxes of x: their map (tap kw), first channel and row offset (kh).
+  const TensorMap* box_map[kTb];
+  int box_c[kTb], box_kh[kTb];
+  __device__ __forceinline__ i64 tiles_m() const { return (cout + 127) / 128; }
+  __device__ __forceinline__ i64 tiles_n() const { return col_tiles * splits; }
+  __device__ __forceinline__ int ktiles() const { return ksplit; }
+  __device__ __forceinline__ void prefetch() const {
+    tma_prefetch_descriptor(map_dz);
+    for (int kw = 0; kw < kw_size; ++kw) tma_prefetch_descriptor(*taps.x[kw]);
+  }
+  // (The boxes' taps decoded here, once a tile: the producer's one thread
+  // issues every copy, and a division per box and k-tile would set its pace.)
+  __device__ __forceinline__ void begin_tile(i64 tm, i64 tn) {
+    co0 = static_cast<int>(tm) * 128;
+    const i64 run = tn / col_tiles;
+    const int col0 = kTb * static_cast<int>(tn - run * col_tiles);
+#pragma unroll
+    for (int box = 0; box < kTb; ++box) {
+      const int col = min(col0 + box, cols - 1), tap = col / c_blocks, cb = col - tap * c_blocks;
+      const int kh = tap / kw_size;
+      box_map[box] = taps.x[tap - kh * kw_size];
+      box_c[box] = 64 * cb;
+      box_kh[box] = kh;
+    }
+    const i64 first = run * ksplit, row = first / col_blocks;  // row: n * OH + oh
+    cb_ow = static_cast<int>(first - row * col_blocks);
+    n = static_cast<int>(row / out_rows);
+    oh = static_cast<int>(row - static_cast<i64>(n) * out_rows);
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned tile_b, unsigned bar, int) {
+    const int ow0 = 64 * cb_ow;
+    tma_load_4d(tile_a, map_dz, co0, ow0, oh, n, bar);
+    tma_load_4d(tile_a + kMnBoxBytes, map_dz, co0 + 64, ow0, oh, n, bar);
+#pragma unroll
+    for (int box = 0; box < kTb; ++box)
+      tma_load_4d(tile_b + box * kMnBoxBytes, *box_map[box], box_c[box], ow0, oh + box_kh[box], n, bar);
+    if (++cb_ow == col_blocks) {
+      cb_ow = 0;
+      if (++oh == out_rows) {
+        oh = 0;
+        ++n;
+      }
+    }
+  }
+};
+
+// Both consumer warpgroups on each tile, warpgroup w on dz's channels 64 w
+// .. + 63 (its A box): per step of 16 values of k, the tile's kTb blocks of
+// 64 columns as wgmma.m64n128 pairs into acc[0] (blocks 0, 1) and acc[1]
+// (2, 3), an odd last block as an m64n64 (acc[h]'s first 32 values).
+template <typename T, int kTb>
+struct WgradMma : TilelessMma {
+  static_assert(kTb >= 1 && kTb <= 4, "up to four 64-column blocks a tile");
+  static constexpr int kBM = 128, kBN = 64 * kTb, kWgRows = 64;
+  static constexpr bool kCooperative = true;
+  static constexpr int kTileABytes = 2 * kMnBoxBytes, kTileBBytes = kTb * kMnBoxBytes;
+  __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) const {
+    const int wg = (static_cast<int>(threadIdx.x) >> 7) - 1;
+    const Swizzle128Desc sa(a + wg * kMnBoxBytes, kMnBoxBytes), sb(b, kMnBoxBytes);
+    begin_mma_group(acc);
+#pragma unroll
+    for (int kk = 0; kk < kHgSteps; ++kk) {
+      const unsigned long long da = sa.at(2048 * kk);
+#pragma unroll
+      for (int h = 0; h < (kTb + 1) / 2; ++h) {
+        const unsigned long long db = sb.at(2 * h * kMnBoxBytes + 2048 * kk);
+        if (2 * h + 1 < kTb) {
+          wgmma_m64n128_step<T, 1, 1>(acc[h], da, db, kt > 0 || kk > 0);
+        } else {
+          wgmma_m64n64_step<T, 1, 1>(acc[h], da, db, kt > 0 || kk > 0);
+        }
+      }
+    }
+    wgmma_commit();
+  }
+};
+
+// A consumer warpgroup's float32 sums into partials [splits * mpad, npad]
+// (mpad = 128 tiles_m, npad = 64 kTb col_tiles): run tn / col_tiles's rows
+// m0 .. m0 + 63, output tile tn % col_tiles's columns.
+template <int kTb>
+struct WgradPartialStore {
+  float* partials;
+  i64 col_tiles, mpad, npad;
+  __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
+                                             i64 n0, unsigned) const {
+    const i64 tn = n0 / (64 * kTb), run = tn / col_tiles;
+    float* const base = partials + (run * mpad + m0) * npad + (tn - run * col_tiles) * (64 * kTb) + 2 * me.t;
+#pragma unroll
+    for (int h = 0; h < (kTb + 1) / 2; ++h)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float* const row = base + (me.row + 8 * hh) * npad + 128 * h;
+#pragma unroll
+        for (int i = 0; i < (2 * h + 1 < kTb ? 16 : 8); ++i)
+          *reinterpret_cast<float2*>(row + 8 * i) = make_float2(acc[h][4 * i + 2 * hh], acc[h][4 * i + 2 * hh + 1]);
+      }
+  }
+  __device__ __forceinline__ void finish(const HalfGemmLane&) const {}
+};
+#endif
+
+// The runs' float32 sums of the weight gradient (above) of the convolution
+// whose output gradient is dz [N, OH, OW, Cout] and input x [N, H, W, Cin],
+// both channels-last of the 16-bit T (stride 1, no padding, a KH x KW
+// kernel, KW <= kWgradMaxKw): map_dz as WgradLoader's, map_x0 ..
+// map_x{KW-1} x seen from column kw on (the others any valid map), into
+// partials [splits * 128 ceil(Cout / 128), 64 kTb ceil(cols / kTb)] of
+// float32.  Grid: at most one block per SM (persistent), kHgThreads
+// threads, half_gemm_shared_bytes<kStages, 0, (2 + kTb) 8 KiB>() of
+// dynamic shared memory.
+template <typename T, int kTb, int kStages>
+__global__ void __launch_bounds__(kHgThreads, 1)
+conv_wgrad_wgmma(const __grid_constant__ TensorMap map_dz, const __grid_constant__ TensorMap map_x0,
+                 const __grid_constant__ TensorMap map_x1, const __grid_constant__ TensorMap map_x2,
+                 const __grid_constant__ TensorMap map_x3, const __grid_constant__ TensorMap map_x4,
+                 const __grid_constant__ TensorMap map_x5, const __grid_constant__ TensorMap map_x6,
+                 float* __restrict__ partials, i64 cout, i64 cols, i64 kw_size, i64 c_blocks, i64 out_rows,
+                 i64 col_blocks, i64 splits, i64 ksplit) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char conv_shared[];
+  const i64 col_tiles = (cols + kTb - 1) / kTb;
+  const WgradLoader<T, kTb> loader{map_dz,
+                                   {{&map_x0, &map_x1, &map_x2, &map_x3, &map_x4, &map_x5, &map_x6}},
+                                   cout,
+                                   col_tiles,
+                                   splits,
+                                   static_cast<int>(cols),
+                                   static_cast<int>(kw_size),
+                                   static_cast<int>(c_blocks),
+                                   static_cast<int>(out_rows),
+                                   static_cast<int>(col_blocks),
+                                   static_cast<int>(ksplit)};
+  WgradPartialStore<kTb> store{partials, col_tiles, 128 * loader.tiles_m(), 64 * kTb * col_tiles};
+  half_gemm_persistent<T, kStages, 0, WgradMma<T, kTb>>(reinterpret_cast<char*>(conv_shared), loader, store);
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
+
+// dw [Cout, Cin, KH, KW] of T: conv_wgrad_wgmma's runs added in run order
+// (float32), rounded once.  Thread i takes partials' column c = i % npad
+// of row co = i / npad in every run (the runs' reads coalesced); a column
+// past the last block or Cin writes nothing.  Grid: ceil(Cout npad / 256)
+// blocks of 256 threads.
+template <typename T>
+__global__ void __launch_bounds__(256) conv_wgrad_reduce(const float* __restrict__ partials, T* __restrict__ dw,
+                                                         i64 splits, i64 mpad, i64 npad, i64 cout, i64 cin,
+                                                         i64 kh_size, i64 kw_size, i64 c_blocks) {
+  const i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const i64 co = i / npad, c = i - co * npad;
+  const i64 col = c / 64, tap = col / c_blocks, ci = (col - tap * c_blocks) * 64 + c % 64;
+  if (co >= cout || tap >= kh_size * kw_size || ci >= cin) return;
+  float sum = 0.0f;
+  for (i64 s = 0; s < splits; ++s) sum += partials[(s * mpad + co) * npad + c];
+  const i64 kh = tap / kw_size;
+  dw[((co * cin + ci) * kh_size + kh) * kw_size + (tap - kh * kw_size)] = from_float<T>(sum);
 }
 
 }  // namespace cf

@@ -314,6 +314,28 @@ __device__ __forceinline__ void wgmma_m64n128_step(float (&d)[64], unsigned long
     CF_WGMMA_M64N128("k16.f32.f16.f16", ", %67, %68");
   }
 }
+#define CF_WGMMA_M64N64(SHAPE_TYPES, TRANSPOSES)                                                     \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                    \
+      "wgmma.mma_async.sync.aligned.m64n64" SHAPE_TYPES " "                                           \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1" TRANSPOSES ";\n}\n" \
+      : CF_D32(0)                                                                                      \
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB))
+// wgmma_m64n128_step's half: a 64 x 16 slice of B (16-bit T), into the 32
+// accumulators of d's m64n64 layout (d[4 i + 2 h + e]: row me.row + 8 h,
+// column 8 i + 2 t + e).
+template <typename T, int kTransA = 0, int kTransB = 0>
+__device__ __forceinline__ void wgmma_m64n64_step(float* d, unsigned long long desc_a, unsigned long long desc_b,
+                                                  int accumulate) {
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  if constexpr (WgmmaType<T>::kBf16) {
+    CF_WGMMA_M64N64("k16.f32.bf16.bf16", ", %35, %36");
+  } else {
+    CF_WGMMA_M64N64("k16.f32.f16.f16", ", %35, %36");
+  }
+}
+#undef CF_WGMMA_M64N64
 #undef CF_WGMMA_M64N128
 
 // The start of a consumer's group of MMAs into acc: the accumulators' reads

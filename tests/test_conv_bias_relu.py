@@ -809,7 +809,8 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     """The training route's backward of an NCHW input on a compute
     capability 9.0 GPU (here at small sizes too): dz written channels-last
     by bias_relu's backward, x copied so, cuDNN's channels-last backward
-    (the input gradient of 16-bit dtypes on the engine, conv_dgrad_wgmma),
+    (the input and weight gradients of 16-bit dtypes on the engine,
+    conv_dgrad_wgmma and conv_wgrad_wgmma),
     the input gradient copied back to NCHW.  Every gradient within 1.5x the
     error against float64 of
     eager on a channels-last x (cuDNN's same layout, its algorithms held to
@@ -819,10 +820,11 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     already."""
     _engine_device(device)
     monkeypatch.setattr(CB, "CL_BACKWARD_MIN_ELEMENTS", 0)
-    copies, dgrads = [], []
-    transposed, dgrad = CB._transposed, CB._launch_dgrad
+    copies, dgrads, wgrads = [], [], []
+    transposed, dgrad, wgrad = CB._transposed, CB._launch_dgrad, CB._launch_wgrad
     monkeypatch.setattr(CB, "_transposed", lambda *a, **k: copies.append(a[0].shape) or transposed(*a, **k))
     monkeypatch.setattr(CB, "_launch_dgrad", lambda dz, wt, *a: dgrads.append(dz.dtype) or dgrad(dz, wt, *a))
+    monkeypatch.setattr(CB, "_launch_wgrad", lambda dz, *a: wgrads.append(dz.dtype) or wgrad(dz, *a))
     n, cin, h, w, cout, kh, kw = shape
     dtype = torch.float32 if mode in ("float32", "amp_bf16") else getattr(torch, mode.split("_")[0])
     amp = mode == "amp_bf16"
@@ -840,6 +842,7 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     y.backward(g)
     assert len(copies) == 2  # x channels-last, dx back (dz comes channels-last from bias_relu)
     assert dgrads == ([] if mode == "float32" else [dz.dtype])  # the input gradient ours in 16 bits
+    assert wgrads == dgrads  # and the weight gradient
     assert leaves[0].grad.is_contiguous()
     ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb, b)]
     _reference(*ref).backward(g.double())
@@ -1025,6 +1028,59 @@ def test_dgrad_against_float64(shape, dtype, device, monkeypatch):
             assert torch.equal(check(got), check(want)), check.__name__
 
 
+# (n, C_in, OH, OW, C_out, KH, KW) of dz [n, C_out, OH, OW] and x [n, C_in,
+# OH + KH - 1, OW + KW - 1]: kernels 1 to 7 wide and tall, OW under, at and
+# past one 64-column k-tile and ragged, C_in and C_out over one tile and not
+# multiples of 64, an odd count of 64-channel column blocks (a tile's second
+# block past the last), batch 1, a 1 x 1 output; problem 1's shape at a
+# quarter of its batch (a run per SM, hundreds of k-tiles a run).
+WGRAD_SHAPES = [(2, 64, 7, 70, 128, 3, 3), (1, 8, 5, 127, 8, 1, 1), (3, 72, 4, 131, 24, 2, 2),
+                (1, 16, 9, 9, 136, 5, 5), (2, 200, 3, 126, 40, 7, 7), (1, 8, 1, 1, 8, 3, 5),
+                (2, 64, 6, 64, 64, 7, 3), (4, 72, 18, 130, 40, 2, 6), (32, 64, 126, 126, 128, 3, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", WGRAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_wgrad_against_float64(shape, dtype, device):
+    """The engine's weight gradient (conv_wgrad_wgmma, conv_wgrad_reduce)
+    against float64 on fresh random operands, into memory filled with NaN
+    first: within 1.5x the error of torch's own (cuDNN's) weight gradient
+    in the same dtype, every element written, bitwise reproducible; a NaN
+    or an infinity in x or dz reaches dw where it reaches float64's, the
+    values of x past the last output column included (which no tap of the
+    last columns reads)."""
+    _engine_device(device)
+    n, cin, oh, ow, cout, kh, kw = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    cl = torch.channels_last
+    dz = torch.randn(n, cout, oh, ow, generator=gen).to(device, dtype).contiguous(memory_format=cl)
+    x = torch.randn(n, cin, oh + kh - 1, ow + kw - 1, generator=gen).to(device, dtype)
+    x = x.contiguous(memory_format=cl)
+    w_shape = (cout, cin, kh, kw)
+    want = torch.nn.grad.conv2d_weight(x.double(), w_shape, dz.double())
+    theirs = torch.nn.grad.conv2d_weight(x, w_shape, dz)
+    assert CB._wgrad_on_engine(dz, x, torch.empty(w_shape, dtype=dtype))
+    poison_allocator(device, 4 * math.prod(w_shape) * 4)
+    dw = CB._launch_wgrad(dz, x, kh, kw)
+    assert dw.shape == w_shape and dw.dtype == dtype and dw.is_contiguous()
+    assert rel_error(dw, want) <= 1.5 * rel_error(theirs, want) + torch.finfo(dtype).eps
+    assert torch.equal(dw, CB._launch_wgrad(dz, x, kh, kw))
+    # Non-finite values: in dz at three places, in x at the last column of
+    # a row (read by the widest tap alone) and at the first.
+    bad_dz, bad_x = dz.clone(), x.clone()
+    flat = bad_dz.permute(0, 2, 3, 1).reshape(-1)  # (a view of bad_dz's memory)
+    for i, v in zip((0, flat.numel() // 2, flat.numel() - 1), (float("nan"), float("inf"), float("-inf"))):
+        flat[i] = v
+    bad_x[0, 0, 0, -1] = float("inf")
+    bad_x[-1, -1, -1, 0] = float("-inf")
+    for xs, dzs in ((x, bad_dz), (bad_x, dz)):
+        want = torch.nn.grad.conv2d_weight(xs.double(), w_shape, dzs.double())
+        got = CB._launch_wgrad(dzs, xs, kh, kw)
+        for check in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(check(got), check(want)), check.__name__
+
+
 def test_window_launches_fit_their_kernels():
     """Each instantiation of the window kernels (conv_bias_relu_window and
     conv_dgrad_wgmma, KW 1 to WINDOW_MAX_KW) gets two stages or more within
@@ -1048,6 +1104,16 @@ def test_window_launches_fit_their_kernels():
             for mask in (False, True):
                 expr = CB.KERNELS.expressions[("window", dtype, kw, mask)]
                 assert f", {kw}, {CB._window_stages(kw)}, " in expr
+    # The weight gradient's (WgradMma: two boxes of dz, tb of x, 8 KiB each): at least 4 stages.
+    assert "kTileABytes = 2 * kMnBoxBytes, kTileBBytes = kTb * kMnBoxBytes;" in text
+    assert int(re.search(r"constexpr int kWgradMaxKw = (\d+);", text).group(1)) == CB.WGRAD_MAX_KW
+    for tb in range(1, 5):
+        assert CB._wgrad_stage_bytes(tb) == (2 + tb) * 64 * 128
+        assert CB._wgrad_stages(tb) >= 4
+        assert gemm._half_shared_bytes(0, CB._wgrad_stages(tb), CB._wgrad_stage_bytes(tb)) \
+            <= CB._OPT_IN_SHARED_BYTES
+        for dtype in (torch.float16, torch.bfloat16):
+            assert CB.KERNELS.expressions[("wgrad", dtype, tb)].endswith(f", {tb}, {CB._wgrad_stages(tb)}>")
 
 
 def test_nchw_window_launches_fit_their_kernel():
@@ -1340,24 +1406,113 @@ def test_dgrad_launch(dtype, dx_dtype, monkeypatch):
         CB._launch_dgrad(dz, wt, torch.bfloat16 if dtype == torch.float16 else torch.float16)
 
 
+def test_wgrad_launch(monkeypatch):
+    """_launch_wgrad on CPU tensors (launches recorded): the kernel of its
+    dtype and blocks a tile (_wgrad_blocks), at most a block per SM, its
+    stages' shared memory; dz's map [N, OH, OW, C_out] with boxes of 64
+    channels x 64 columns, and one map of x per tap kw, from x's column kw
+    on (its pointer kw C_in values on), OW columns wide, the unused taps'
+    parameters the first map again; the float32 partials as the runs and
+    tiles need them; then the reduction, a thread per column of the
+    partials' rows of C_out, into dw [C_out, C_in, KH, KW] of dz's dtype."""
+    maps, _, launched = _record_window_launches(monkeypatch)
+    n, cin, oh, ow, cout, kh, kw = 2, 72, 7, 130, 24, 3, 5
+    dz = torch.randn(n, cout, oh, ow, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(n, cin, oh + kh - 1, ow + kw - 1,
+                    dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    dw = CB._launch_wgrad(dz, x, kh, kw)
+    assert dw.shape == (cout, cin, kh, kw) and dw.dtype == torch.bfloat16 and dw.is_contiguous()
+    (fn, grid, block, args, shared), (rfn, rgrid, rblock, rargs, rshared) = launched
+    cols = kh * kw * 2  # two blocks of 64 input channels a tap
+    tb = CB._wgrad_blocks(cols)
+    col_tiles = -(-cols // tb)
+    runs, per_run = CB._wgrad_runs(col_tiles, n * oh * 3, 132)
+    assert fn == ("wgrad", torch.bfloat16, tb) and block == 384
+    assert grid == (min(col_tiles * runs, 132), 1, 1)
+    assert shared == gemm._half_shared_bytes(0, CB._wgrad_stages(tb), CB._wgrad_stage_bytes(tb))
+    h, w = oh + kh - 1, ow + kw - 1
+    assert maps[0] == (dz.data_ptr(), (cout, ow, oh, n), (cout, ow * cout, oh * ow * cout), torch.bfloat16,
+                       (64, 64, 1, 1))
+    assert maps[1:] == [(x.data_ptr() + 2 * j * cin, (cin, ow, h, n), (cin, w * cin, h * w * cin),
+                         torch.bfloat16, (64, 64, 1, 1)) for j in range(kw)]
+    assert args[:8] == (("map", 0), *[("map", j) for j in range(1, kw + 1)], ("map", 1), ("map", 1))
+    assert args[9:] == (cout, cols, kw, 2, oh, 3, runs, per_run)
+    npad = 64 * tb * col_tiles
+    assert rfn == ("wgrad_reduce", torch.bfloat16) and rblock == CB.BLOCK and rshared == 0
+    assert rgrid == (-(-cout * npad // CB.BLOCK), 1, 1)
+    assert rargs[0] == args[8] and rargs[1:] == (dw.data_ptr(), runs, 128, npad, cout, cin, kh, kw, 2)
+
+
+def test_wgrad_tiles():
+    """The weight gradient's tiles: _wgrad_blocks takes the fewest boxes a
+    k-tile over all tiles, then the fewest blocks past the last;
+    _wgrad_runs fills the SMs once with runs of at least WGRAD_MIN_RUN
+    k-tiles (where there are that many), none empty, every k-tile in one."""
+    assert [CB._wgrad_blocks(c) for c in (1, 2, 3, 4, 5, 9, 25, 196)] == [1, 2, 3, 4, 3, 3, 4, 4]
+    for cols in range(1, 40):
+        tb = CB._wgrad_blocks(cols)
+        boxes = -(-cols // tb) * (2 + tb)
+        assert all(boxes <= -(-cols // other) * (2 + other) for other in range(1, 5))
+    for out_tiles, k_tiles, sms in ((3, 32256, 132), (1, 1, 132), (5, 40, 132), (200, 10**6, 132),
+                                    (7, 17, 16), (2, 10**5, 1)):
+        runs, per_run = CB._wgrad_runs(out_tiles, k_tiles, sms)
+        assert runs >= 1 and runs * per_run >= k_tiles > (runs - 1) * per_run
+        assert runs * out_tiles <= max(sms, out_tiles)
+        assert per_run >= min(k_tiles, CB.WGRAD_MIN_RUN)
+    assert CB._wgrad_runs(3, 32256, 132) == (44, 734)
+
+
+def test_wgrad_takes_what_its_kernel_runs(monkeypatch):
+    """_wgrad_on_engine on CPU tensors (a Hopper GPU assumed): dz and x of
+    one 16-bit dtype, channels-last and 16-byte aligned, x the convolution's
+    input for dz's size and the weight's, C_in and C_out multiples of 8, KW
+    up to WGRAD_MAX_KW, nothing empty; nothing else."""
+    monkeypatch.setattr(gemm, "has_wgmma", lambda index: True)
+    cl = torch.channels_last
+
+    def case(n=2, cin=8, cout=16, oh=5, ow=6, kh=3, kw=3, dtype=torch.bfloat16, x_dtype=None, fmt=cl,
+             x_fmt=cl, x_w=None, offset=0):
+        dz = torch.empty(n, cout, oh, ow, dtype=dtype).contiguous(memory_format=fmt)
+        h, w = oh + kh - 1, x_w or ow + kw - 1
+        base = torch.empty(n * cin * h * w + 8, dtype=x_dtype or dtype)[offset:offset + n * cin * h * w]
+        x = base.view(n, h, w, cin).permute(0, 3, 1, 2)
+        if x_fmt != cl:
+            x = x.contiguous()
+        return dz, x, torch.empty(cout, cin, kh, kw, dtype=dtype)
+
+    assert CB._wgrad_on_engine(*case())
+    assert CB._wgrad_on_engine(*case(dtype=torch.float16, kw=CB.WGRAD_MAX_KW, kh=1))
+    assert CB._wgrad_on_engine(*case(oh=1, ow=1))
+    for refused in (case(dtype=torch.float32), case(x_dtype=torch.float16), case(fmt=torch.contiguous_format),
+                    case(x_fmt=torch.contiguous_format), case(cout=12), case(cin=12),
+                    case(kw=CB.WGRAD_MAX_KW + 1), case(n=0), case(x_w=9), case(offset=1)):
+        assert not CB._wgrad_on_engine(*refused)
+    monkeypatch.setattr(gemm, "has_wgmma", lambda index: False)
+    assert not CB._wgrad_on_engine(*case())
+
+
 @pytest.mark.gpu
 def test_dgrad_route(device, monkeypatch):
     """The engine's training backward takes conv_dgrad_wgmma for its input
-    gradient where _dgrad_on_engine holds (and cuDNN for the weight
-    gradient alone), cuDNN for both elsewhere."""
+    gradient where _dgrad_on_engine holds and conv_wgrad_wgmma for its
+    weight gradient where _wgrad_on_engine holds (16-bit: cuDNN for a
+    float32 weight gradient), cuDNN for both elsewhere."""
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)
     calls = []
-    real_dgrad, real_conv = CB._launch_dgrad, CB._conv_backward
+    real_dgrad, real_wgrad, real_conv = CB._launch_dgrad, CB._launch_wgrad, CB._conv_backward
     monkeypatch.setattr(CB, "_launch_dgrad",
                         lambda dz, wt, *a: calls.append(("ours", dz.dtype, *a)) or real_dgrad(dz, wt, *a))
+    monkeypatch.setattr(CB, "_launch_wgrad",
+                        lambda dz, x, *a: calls.append(("wgrad", dz.dtype, x.dtype)) or real_wgrad(dz, x, *a))
     monkeypatch.setattr(CB, "_conv_backward",
                         lambda dz, x, wt, want_x, want_w: calls.append(("cudnn", want_x, want_w))
                         or real_conv(dz, x, wt, want_x, want_w))
     both = [("cudnn", True, True)]
 
     def ours(dz_dtype, dx_dtype):  # (the weight gradient first: x's copy is freed before dx is made)
-        return [("cudnn", False, True), ("ours", dz_dtype, dx_dtype)]
+        w = ("cudnn", False, True) if dz_dtype == torch.float32 else ("wgrad", dz_dtype, dz_dtype)
+        return [w, ("ours", dz_dtype, dx_dtype)]
 
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     # (x's dtype, channels-last x, KW, autocast, TF32 allowed in the backward, the calls)
@@ -1466,17 +1621,20 @@ def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype
     assert hasattr(y.grad_fn, "kept_xc") == copy
     xc = weakref.ref(y.grad_fn.kept_xc) if copy else (lambda: None)
     alive_at_products, alive_at_dgrad = [], []
-    conv_backward, dgrad = CB._conv_backward, CB._launch_dgrad
+    conv_backward, dgrad, wgrad = CB._conv_backward, CB._launch_dgrad, CB._launch_wgrad
 
-    def watched(*args):
-        alive_at_products.append(mask() is not None)
-        return conv_backward(*args)
+    def watched(product):
+        def run(*args):
+            alive_at_products.append(mask() is not None)
+            return product(*args)
+        return run
 
     def watched_dgrad(*args):
         alive_at_dgrad.append(xc() is not None)
         return dgrad(*args)
 
-    monkeypatch.setattr(CB, "_conv_backward", watched)
+    monkeypatch.setattr(CB, "_conv_backward", watched(conv_backward))
+    monkeypatch.setattr(CB, "_launch_wgrad", watched(wgrad))
     monkeypatch.setattr(CB, "_launch_dgrad", watched_dgrad)
     y.backward(g, retain_graph=True)
     assert alive_at_products == [False] and y.grad_fn.kept_mask is None

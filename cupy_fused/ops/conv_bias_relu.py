@@ -39,10 +39,14 @@ Route, decided once per call (:func:`route`):
   (``conv_dgrad_wgmma``: the window kernel's structure on dz and the
   flipped weight; 16-bit, or float32 with dz rounded to TF32 by that
   backward; a channels-last x's gradient written float32 under autocast),
-  and cuDNN's deterministic channels-last convolution backward on x
-  channels-last for the weight gradient, first (and the input gradient
-  elsewhere; as the ``"cudnn"`` route's backward runs on Hopper:
-  :func:`_channels_last_backward`), the input gradient in x's layout.  The
+  and the weight gradient, first, on x channels-last: on the engine where
+  :func:`_wgrad_on_engine` takes it (``conv_wgrad_wgmma``: 16-bit, dz^T
+  times x seen from each tap, the output pixels split into runs whose
+  float32 sums ``conv_wgrad_reduce`` adds in a fixed order), else
+  cuDNN's deterministic channels-last convolution backward (which also
+  gives the input gradient elsewhere; as the ``"cudnn"`` route's backward
+  runs on Hopper: :func:`_channels_last_backward`), the input gradient in
+  x's layout.  The
   eager node keeps relu's mask for one use, freed once dz exists, and, for
   a leaf x that requires grad, x's copy or cast for one use, freed before
   dx is made.
@@ -51,14 +55,15 @@ Route, decided once per call (:func:`route`):
   layout, autocast's promotions.  Smaller training steps take it, and
   float32 ones with TF32 off.  Its convolution is one autograd
   node of its own whose backward runs deterministic algorithms (cuDNN's,
-  or the engine's for the input gradient, as below) whatever
+  or the engine's for the input and weight gradients, as below) whatever
   ``torch.backends.cudnn.deterministic`` says, so that a training
   step is bitwise reproducible (with ``torch.backends.cudnn.benchmark`` on,
   the fastest weight-gradient algorithm at some shapes sums in a varying
   order).  On Hopper, a large NCHW backward runs channels-last
   (:func:`_channels_last_backward`): cuDNN's native layout there, reached
   through our transposing copies, with the input gradient on the engine
-  where :func:`_dgrad_on_engine` takes it.
+  where :func:`_dgrad_on_engine` takes it and the weight gradient where
+  :func:`_wgrad_on_engine` does.
 """
 from __future__ import annotations
 
@@ -186,6 +191,25 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
             and max(n, oh, ow, cin, cout) < 2**31 and stages * kw < 2**31 // box_k)
 
 
+# The weight gradient on the engine (conv_wgrad_wgmma, then
+# conv_wgrad_reduce): kernels up to WGRAD_MAX_KW wide (a tensor map
+# parameter per tap); each output tile of 128 x 64 tb (tb blocks of 64
+# input channels of a tap, 1 to 4: WgradMma) sums runs of at least
+# WGRAD_MIN_RUN k-tiles (64 output columns of one row each), with as many
+# stages (at most 6) as shared memory holds.
+WGRAD_MAX_KW = 7
+WGRAD_MIN_RUN = 16
+
+
+def _wgrad_stage_bytes(tb: int) -> int:
+    return (2 + tb) * 64 * gemm.HALF_BOX_K * 2
+
+
+def _wgrad_stages(tb: int) -> int:
+    return max(stages for stages in range(1, 7)
+               if gemm._half_shared_bytes(0, stages, _wgrad_stage_bytes(tb)) <= _OPT_IN_SHARED_BYTES)
+
+
 # Keyed by ("conv", product dtype, layout, y's dtype, mask): the convolution
 # and its chain (y float32 from a float32 product, NCHW, or under autocast;
 # with the mask of relu for a training step's backward);
@@ -202,7 +226,9 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 # 16-bit forward (:func:`_launch_window`), and with a last element float32
 # its float32 y (under autocast; dtype float32: x rounded to TF32);
 # ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
-# (:func:`_launch_nchw_window`).  A key
+# (:func:`_launch_nchw_window`); ("wgrad", dtype, tb) and
+# ("wgrad_reduce", dtype): the 16-bit weight gradient, tiles of tb blocks
+# of 64 columns (:func:`_launch_wgrad`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
 # :func:`_vector_transposes` accepts).
 KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
@@ -237,6 +263,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("nchw_window", d, kw): f"cf::conv_bias_relu_nchw_window<{cxx_type(d)}, {kw}, {NCHW_WINDOW_STAGES}, "
                                f"{_nchw_window_raws(kw)}>"
        for d in HALF_DTYPES for kw in range(1, NCHW_WINDOW_MAX_KW + 1)},
+    **{("wgrad", d, tb): f"cf::conv_wgrad_wgmma<{cxx_type(d)}, {tb}, {_wgrad_stages(tb)}>"
+       for d in HALF_DTYPES for tb in range(1, 5)},
+    **{("wgrad_reduce", d): f"cf::conv_wgrad_reduce<{cxx_type(d)}>" for d in HALF_DTYPES},
     **{("to_nchw", d): f"cf::nhwc_to_nchw<{cxx_type(d)}>" for d in FLOAT_DTYPES},
     **{("to_nchw", d, "vec"): f"cf::nhwc_to_nchw<{cxx_type(d)}, true>" for d in HALF_DTYPES}})
 
@@ -705,6 +734,91 @@ def _launch_dgrad(dz: torch.Tensor, weight: torch.Tensor, dx_dtype: Optional[tor
     return dx
 
 
+def _wgrad_on_engine(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`_launch_wgrad` computes the weight gradient for this
+    dz [N, C_out, OH, OW] and x [N, C_in, H, W] (stride 1, no padding, the
+    weight [C_out, C_in, KH, KW]) in place of cuDNN: a compute capability
+    9.0 GPU; dz and x of one 16-bit dtype, channels-last, 16-byte aligned,
+    not empty; channels multiples of 8 (rows of whole 16 bytes, and each
+    tap's view of x 16-byte aligned), KW at most :data:`WGRAD_MAX_KW`,
+    coordinates and k-tile counts within 32 bits."""
+    n, cout, oh, ow = dz.shape
+    cin, h, w = x.shape[1:]
+    kh, kw = weight.shape[2:]
+    return (dz.dtype in HALF_DTYPES and x.dtype == dz.dtype and dz.numel() > 0 and x.numel() > 0
+            and cin % 8 == 0 and cout % 8 == 0 and kw <= WGRAD_MAX_KW
+            and (h, w) == (oh + kh - 1, ow + kw - 1)
+            and all(t.is_contiguous(memory_format=torch.channels_last) and t.data_ptr() % 16 == 0
+                    for t in (dz, x))
+            and max(n, h, w, cin, cout) < 2**31 and n * oh * cdiv(ow, 64) < 2**31
+            and gemm.has_wgmma(dz.device.index))
+
+
+def _wgrad_blocks(cols: int) -> int:
+    """The blocks of 64 columns (input channels of a tap) of a weight
+    gradient's output tile, 1 to 4, for ``cols`` such blocks in all: the
+    fewest boxes a k-tile over all tiles (each tile's two of dz and its tb
+    of x; a block past the last costs a box whose sums are dropped), then
+    the fewest blocks past the last."""
+    return min(range(1, 5), key=lambda tb: (cdiv(cols, tb) * (2 + tb), cdiv(cols, tb) * tb - cols))
+
+
+def _wgrad_runs(out_tiles: int, k_tiles: int, sms: int) -> Tuple[int, int]:
+    """(runs, k-tiles a run) of the weight gradient's k-tiles: enough runs
+    that the output tiles' runs fill the SMs once (each run an engine tile),
+    none shorter than WGRAD_MIN_RUN k-tiles where there are that many, and
+    no empty run."""
+    runs = max(1, min(sms // out_tiles, k_tiles // WGRAD_MIN_RUN))
+    per_run = cdiv(k_tiles, runs)
+    return cdiv(k_tiles, per_run), per_run
+
+
+def _launch_wgrad(dz: torch.Tensor, x: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
+    """The weight gradient of the convolution (stride 1, no padding) on the
+    engine (``conv_wgrad_wgmma``: for each tap, dz^T times x seen from that
+    tap, the output pixels as k, in runs whose float32 sums
+    ``conv_wgrad_reduce`` adds in a fixed order and rounds once to dz's
+    dtype; deterministic).
+
+    Args:
+        dz: [N, C_out, OH, OW], float16 or bfloat16, channels-last, as
+            :func:`_wgrad_on_engine` accepts.
+        x: [N, C_in, OH + kh - 1, OW + kw - 1] of dz's dtype, channels-last.
+        kh, kw: the kernel's height and width.
+
+    Returns:
+        dw [C_out, C_in, kh, kw] of dz's dtype, contiguous.
+    """
+    n, cout, oh, ow = dz.shape
+    cin, h, w = x.shape[1:]
+    dev, box = dz.device.index, gemm.HALF_BOX_K
+    c_blocks = cdiv(cin, box)
+    cols = kh * kw * c_blocks
+    tb = _wgrad_blocks(cols)
+    col_tiles, tiles_m, col_blocks = cdiv(cols, tb), cdiv(cout, 128), cdiv(ow, box)
+    sms = sm_count(dev)
+    runs, per_run = _wgrad_runs(tiles_m * col_tiles, n * oh * col_blocks, sms)
+    mpad, npad = 128 * tiles_m, box * tb * col_tiles
+    partials = torch.empty((runs * mpad, npad), dtype=torch.float32, device=dz.device)
+    size = dz.element_size()
+    map_dz = gemm._encode_tensor_map(dz.data_ptr(), (cout, ow, oh, n), (cout, ow * cout, oh * ow * cout),
+                                     dz.dtype, (box, box, 1, 1))
+    # x from column j on, OW columns wide: its boxes clip where dz's do.
+    taps = [gemm._encode_tensor_map(x.data_ptr() + j * cin * size, (cin, ow, h, n),
+                                    (cin, w * cin, h * w * cin), x.dtype, (box, box, 1, 1))
+            for j in range(kw)]
+    taps += [taps[0]] * (WGRAD_MAX_KW - kw)
+    scalars = (cout, cols, kw, c_blocks, oh, col_blocks, runs, per_run)
+    _bridge.launch(KERNELS.get(("wgrad", dz.dtype, tb), dev), (min(tiles_m * col_tiles * runs, sms), 1, 1),
+                   gemm.HALF_THREADS, (map_dz, *taps, partials.data_ptr(), *scalars), dev,
+                   shared_mem=gemm._half_shared_bytes(0, _wgrad_stages(tb), _wgrad_stage_bytes(tb)))
+    dw = torch.empty((cout, cin, kh, kw), dtype=dz.dtype, device=dz.device)
+    _bridge.launch(KERNELS.get(("wgrad_reduce", dz.dtype), dev), (cdiv(cout * npad, BLOCK), 1, 1), BLOCK,
+                   (partials.data_ptr(), dw.data_ptr(), runs, mpad, npad, cout, cin, kh, kw, c_blocks), dev)
+    # (partials go back to the allocator after this: later work of this stream only.)
+    return dw
+
+
 def _input_and_weight_grads(dz: torch.Tensor, weight: torch.Tensor, want_x: bool, want_weight: bool,
                             engine: bool, cudnn_x: Callable[[], torch.Tensor], tf32_dz: bool = False,
                             dx_dtype: Optional[torch.dtype] = None
@@ -712,15 +826,24 @@ def _input_and_weight_grads(dz: torch.Tensor, weight: torch.Tensor, want_x: bool
     """(dx, dw) of the convolution (stride 1, no padding), None where not
     wanted: dx from :func:`_launch_dgrad` (of ``dx_dtype``, default dz's)
     where ``engine`` and :func:`_dgrad_on_engine` allow (``tf32_dz``: a
-    float32 dz rounded to TF32), cuDNN's deterministic backward for dw and
-    any other dx (of dz's dtype), on ``cudnn_x()`` (x, or what stands for
-    it: called only when cuDNN runs, before our dx is made, and not held
-    after); each in the layout its producer picks for dz and x."""
+    float32 dz rounded to TF32), dw from :func:`_launch_wgrad` where
+    ``engine`` and :func:`_wgrad_on_engine` allow, cuDNN's deterministic
+    backward for any other dw and dx (of dz's dtype); dw and cuDNN's
+    products on ``cudnn_x()`` (x, or what stands for it: called only when
+    one of them runs, before our dx is made, and not held after); each in
+    the layout its producer picks for dz and x."""
     ours = want_x and engine and _dgrad_on_engine(dz, weight, tf32_dz)
     dx = dw = None
     if want_weight or (want_x and not ours):
         # (first: what cudnn_x() returns is dropped before dx is allocated)
-        dx, dw = _conv_backward(dz, cudnn_x(), weight, want_x and not ours, want_weight)
+        x = cudnn_x()
+        ours_w = want_weight and engine and _wgrad_on_engine(dz, x, weight)
+        if ours_w:
+            dw = _launch_wgrad(dz, x, *weight.shape[2:])
+        if (want_weight and not ours_w) or (want_x and not ours):
+            dx, dw_cudnn = _conv_backward(dz, x, weight, want_x and not ours, want_weight and not ours_w)
+            dw = dw if ours_w else dw_cudnn
+        del x
     if ours:
         dx = _launch_dgrad(dz, weight, dx_dtype)
     return dx, dw
