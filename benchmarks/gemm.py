@@ -8,6 +8,7 @@ against float64.
     python benchmarks/gemm.py --half     # the float16 / bfloat16 engine (Hopper) against cuBLAS
     python benchmarks/gemm.py --half-layouts [--products grad_weight]   # its three products
     python benchmarks/gemm.py --float32-weight   # autocast's product, float32 W (Hopper)
+    python benchmarks/gemm.py --conv-wgrad [--conv-shapes 128x64x128x128-128x3]   # problem 1's dW
 
 A shape MxKxN is batch x in_features x out_features: forward y = x W^T with
 x [M, K], W [N, K]; grad_input dx = dy W; grad_weight dW = dy^T x.  Error:
@@ -33,6 +34,9 @@ from cupy_fused.testing import scaled_gemm_error  # noqa: E402
 from harness import time_interleaved  # noqa: E402
 
 DEFAULT_SHAPES = ("1024x8192x8192", "32768x1024x4096")
+# NxC_inxHxW-C_outxK: problem 1's convolution, its kernel 5 wide, and one
+# with more channels.
+DEFAULT_CONV_SHAPES = ("128x64x128x128-128x3", "128x64x128x128-128x5", "32x128x64x64-256x3")
 
 # (result rows, inner size, result columns) of each product of a linear
 # layer with batch M, in_features K, out_features N.
@@ -238,6 +242,50 @@ def float32_weight_run(shapes, iters: int):
     return rows
 
 
+def conv_wgrad_run(shapes, iters: int):
+    """The weight gradient of problem 1's convolution (stride 1, no padding)
+    in float16 and bfloat16, dz and x channels-last: our Hopper engine
+    (``conv_wgrad_wgmma`` through ``_launch_wgrad``) against cuDNN's
+    deterministic channels-last weight gradient (the training route's
+    fallback), timed in turns; error: relative (Frobenius) against float64."""
+    import importlib
+    conv = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+    rows = []
+    for shape in shapes:
+        (n, cin, h, w), (cout, k) = (tuple(map(int, part.split("x"))) for part in shape.split("-"))
+        flops = 2.0 * n * cout * cin * k * k * (h - k + 1) * (w - k + 1)
+        for dtype in (torch.float16, torch.bfloat16):
+            g = torch.Generator(device="cuda").manual_seed(n + cin + h + w + cout + k)
+            cl = torch.channels_last
+            x = torch.randn(n, cin, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=cl)
+            dz = torch.randn(n, cout, h - k + 1, w - k + 1, device="cuda", generator=g).to(dtype)
+            dz = dz.contiguous(memory_format=cl)
+            weight = torch.empty(cout, cin, k, k, device="cuda", dtype=dtype)
+            want = torch.nn.grad.conv2d_weight(x.double(), weight.shape, dz.double())
+            impls = {"ours": lambda: conv._launch_wgrad(dz, x, k, k),
+                     "cudnn": lambda: conv._conv_backward(dz, x, weight, False, True)[1]}
+            row = {"shape": shape, "dtype": str(dtype).replace("torch.", "")}
+            row.update(_timed_entries(impls, iters, flops,
+                                      lambda c: float((c.double() - want).norm() / want.norm())))
+            row["ours vs cudnn"] = row["cudnn"]["median_ms"] / row["ours"]["median_ms"]
+            print(f"{shape} {row['dtype']:9s} ours {row['ours']['median_ms']:.3f} ms "
+                  f"{row['ours']['tflops']:.0f} TF/s  cuDNN {row['cudnn']['median_ms']:.3f} ms "
+                  f"{row['cudnn']['tflops']:.0f} TF/s  x{row['ours vs cudnn']:.3f}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def conv_wgrad_markdown(rows) -> str:
+    lines = ["| shape (NxC_inxHxW-C_outxK) | dtype | ours ms | TFLOP/s | cuDNN ms | TFLOP/s | "
+             "ours vs cuDNN | error ours | error cuDNN |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        o, c = r["ours"], r["cudnn"]
+        lines.append(f"| {r['shape']} | {r['dtype']} | {o['median_ms']:.3f} | {o['tflops']:.0f} | "
+                     f"{c['median_ms']:.3f} | {c['tflops']:.0f} | {r['ours vs cudnn']:.3f}x | "
+                     f"{o['error']:.1e} | {c['error']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def float32_weight_markdown(rows) -> str:
     names = ("cast + cublas", "ours", "cublas on a cast")
     lines = ["| shape (MxKxN) | dtype | " + " | ".join(f"{n} ms" for n in names)
@@ -307,16 +355,23 @@ def main(argv=None):
     p.add_argument("--float32-weight", action="store_true",
                    help="the autocast forward x_d W^T with a float32 W: our converting kernel "
                         "against W's cast then cuBLAS (Hopper)")
+    p.add_argument("--conv-wgrad", action="store_true",
+                   help="problem 1's 16-bit weight gradient on our Hopper engine against cuDNN's")
+    p.add_argument("--conv-shapes", nargs="+", default=list(DEFAULT_CONV_SHAPES),
+                   help="with --conv-wgrad: convolutions NxC_inxHxW-C_outxK")
     args = p.parse_args(argv)
-    if args.half or args.float32_weight or args.half_layouts:
-        if args.float32_weight:
+    if args.half or args.float32_weight or args.half_layouts or args.conv_wgrad:
+        if args.conv_wgrad:
+            key, markdown_ = "conv_wgrad", conv_wgrad_markdown
+            run_ = functools.partial(conv_wgrad_run, args.conv_shapes)
+        elif args.float32_weight:
             key, run_, markdown_ = "float32_weight", float32_weight_run, float32_weight_markdown
         elif args.half_layouts:
             key, markdown_ = "half_layouts", half_markdown
             run_ = functools.partial(half_layouts_run, products=args.products)
         else:
             key, run_, markdown_ = "half", half_run, half_markdown
-        rows = run_(args.shapes, args.iters)
+        rows = run_(args.iters) if args.conv_wgrad else run_(args.shapes, args.iters)
         md = markdown_(rows)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if args.json:

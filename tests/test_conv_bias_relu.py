@@ -1033,10 +1033,12 @@ def test_dgrad_against_float64(shape, dtype, device, monkeypatch):
 # past one 64-column k-tile and ragged, C_in and C_out over one tile and not
 # multiples of 64, an odd count of 64-channel column blocks (a tile's second
 # block past the last), batch 1, a 1 x 1 output; problem 1's shape at a
-# quarter of its batch (a run per SM, hundreds of k-tiles a run).
+# quarter of its batch (a run per SM, hundreds of k-tiles a run); more
+# output tiles than SMs (180 of 128 x 256: blocks on a second tile).
 WGRAD_SHAPES = [(2, 64, 7, 70, 128, 3, 3), (1, 8, 5, 127, 8, 1, 1), (3, 72, 4, 131, 24, 2, 2),
                 (1, 16, 9, 9, 136, 5, 5), (2, 200, 3, 126, 40, 7, 7), (1, 8, 1, 1, 8, 3, 5),
-                (2, 64, 6, 64, 64, 7, 3), (4, 72, 18, 130, 40, 2, 6), (32, 64, 126, 126, 128, 3, 3)]
+                (2, 64, 6, 64, 64, 7, 3), (4, 72, 18, 130, 40, 2, 6), (32, 64, 126, 126, 128, 3, 3),
+                (1, 1024, 2, 3, 640, 3, 3)]
 
 
 @pytest.mark.gpu
