@@ -820,6 +820,7 @@ def test_channels_last_backward(shape, mode, device, monkeypatch):
     already."""
     _engine_device(device)
     monkeypatch.setattr(CB, "CL_BACKWARD_MIN_ELEMENTS", 0)
+    _lift_wgrad_rule(monkeypatch)
     copies, dgrads, wgrads = [], [], []
     transposed, dgrad, wgrad = CB._transposed, CB._launch_dgrad, CB._launch_wgrad
     monkeypatch.setattr(CB, "_transposed", lambda *a, **k: copies.append(a[0].shape) or transposed(*a, **k))
@@ -939,10 +940,17 @@ def _engine_training_step_against_float64(shape, dtype, amp, memory_format, devi
 
 
 def _lift_engine_thresholds(monkeypatch):
-    # The engine's training forward at small sizes, float32 (TF32) included.
+    # The engine's training forward at small sizes, float32 (TF32) included,
+    # and its 16-bit weight gradient wherever the kernel takes it.
     monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
     monkeypatch.setattr(CB, "ENGINE_FLOAT32_MIN_ELEMENTS", 0)
+    _lift_wgrad_rule(monkeypatch)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
+
+
+def _lift_wgrad_rule(monkeypatch):
+    monkeypatch.setattr(CB, "WGRAD_COUT_MULTIPLE", 8)
+    monkeypatch.setattr(CB, "WGRAD_MIN_ROW_SHARE", 0.0)
 
 
 @pytest.mark.gpu
@@ -1034,11 +1042,12 @@ def test_dgrad_against_float64(shape, dtype, device, monkeypatch):
 # multiples of 64, an odd count of 64-channel column blocks (a tile's second
 # block past the last), batch 1, a 1 x 1 output; problem 1's shape at a
 # quarter of its batch (a run per SM, hundreds of k-tiles a run); more
-# output tiles than SMs (180 of 128 x 256: blocks on a second tile).
+# output tiles than SMs (180 of 128 x 256: blocks on a second tile); tiles
+# of 1, 2, 3 and 4 blocks of 64 input channels.
 WGRAD_SHAPES = [(2, 64, 7, 70, 128, 3, 3), (1, 8, 5, 127, 8, 1, 1), (3, 72, 4, 131, 24, 2, 2),
                 (1, 16, 9, 9, 136, 5, 5), (2, 200, 3, 126, 40, 7, 7), (1, 8, 1, 1, 8, 3, 5),
                 (2, 64, 6, 64, 64, 7, 3), (4, 72, 18, 130, 40, 2, 6), (32, 64, 126, 126, 128, 3, 3),
-                (1, 1024, 2, 3, 640, 3, 3)]
+                (1, 1024, 2, 3, 640, 3, 3), (2, 128, 5, 70, 64, 1, 1)]
 
 
 @pytest.mark.gpu
@@ -1062,8 +1071,8 @@ def test_wgrad_against_float64(shape, dtype, device):
     w_shape = (cout, cin, kh, kw)
     want = torch.nn.grad.conv2d_weight(x.double(), w_shape, dz.double())
     theirs = torch.nn.grad.conv2d_weight(x, w_shape, dz)
-    assert CB._wgrad_on_engine(dz, x, torch.empty(w_shape, dtype=dtype))
-    poison_allocator(device, 4 * math.prod(w_shape) * 4)
+    assert CB._wgrad_fits(dz, x, torch.empty(w_shape, dtype=dtype))
+    poison_allocator(device, math.prod(w_shape) * dz.element_size())  # (dw's own size)
     dw = CB._launch_wgrad(dz, x, kh, kw)
     assert dw.shape == w_shape and dw.dtype == dtype and dw.is_contiguous()
     assert rel_error(dw, want) <= 1.5 * rel_error(theirs, want) + torch.finfo(dtype).eps
@@ -1465,10 +1474,12 @@ def test_wgrad_tiles():
 
 
 def test_wgrad_takes_what_its_kernel_runs(monkeypatch):
-    """_wgrad_on_engine on CPU tensors (a Hopper GPU assumed): dz and x of
-    one 16-bit dtype, channels-last and 16-byte aligned, x the convolution's
+    """_wgrad_fits on CPU tensors (a Hopper GPU assumed): dz and x of one
+    16-bit dtype, channels-last and 16-byte aligned, x the convolution's
     input for dz's size and the weight's, C_in and C_out multiples of 8, KW
-    up to WGRAD_MAX_KW, nothing empty; nothing else."""
+    up to WGRAD_MAX_KW, nothing empty; nothing else.  _wgrad_on_engine:
+    that, where _wgrad_pays (C_out a multiple of 128, output rows filling
+    85% of their 64-column k-tiles)."""
     monkeypatch.setattr(gemm, "has_wgmma", lambda index: True)
     cl = torch.channels_last
 
@@ -1482,15 +1493,30 @@ def test_wgrad_takes_what_its_kernel_runs(monkeypatch):
             x = x.contiguous()
         return dz, x, torch.empty(cout, cin, kh, kw, dtype=dtype)
 
-    assert CB._wgrad_on_engine(*case())
-    assert CB._wgrad_on_engine(*case(dtype=torch.float16, kw=CB.WGRAD_MAX_KW, kh=1))
-    assert CB._wgrad_on_engine(*case(oh=1, ow=1))
+    assert CB._wgrad_fits(*case())
+    assert CB._wgrad_fits(*case(dtype=torch.float16, kw=CB.WGRAD_MAX_KW, kh=1))
+    assert CB._wgrad_fits(*case(oh=1, ow=1))
     for refused in (case(dtype=torch.float32), case(x_dtype=torch.float16), case(fmt=torch.contiguous_format),
                     case(x_fmt=torch.contiguous_format), case(cout=12), case(cin=12),
                     case(kw=CB.WGRAD_MAX_KW + 1), case(n=0), case(x_w=9), case(offset=1)):
-        assert not CB._wgrad_on_engine(*refused)
+        assert not CB._wgrad_fits(*refused)
+    assert not CB._wgrad_on_engine(*case())  # (16 channels, rows of 6 columns)
+    assert CB._wgrad_on_engine(*case(cout=128, ow=126, oh=1))
+    for pays, cout, ow in ((True, 256, 56), (True, 128, 64), (True, 384, 120), (False, 64, 126),
+                           (False, 136, 126), (False, 128, 96), (False, 128, 7), (False, 128, 48)):
+        assert CB._wgrad_pays(cout, ow) == pays, (cout, ow)
+        assert CB._wgrad_on_engine(*case(cout=cout, ow=ow, oh=1)) == pays
+    # 32-bit counts: a block's k-tiles (out tiles x k-tiles), the images past the last.
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    dz = torch.empty(150264, 10240, 16, 1, **meta).contiguous(memory_format=cl)
+    x = torch.empty(150264, 8, 16 + 6143, 3, **meta).contiguous(memory_format=cl)
+    assert not CB._wgrad_fits(dz, x, torch.empty(10240, 8, 6144, 3, **meta))
+    dz = torch.empty(2**30, 8, 1, 1, **meta).contiguous(memory_format=cl)
+    x = torch.empty(2**30, 8, 1, 1, **meta).contiguous(memory_format=cl)
+    assert not CB._wgrad_fits(dz, x, torch.empty(8, 8, 1, 1, **meta))
+    assert CB._wgrad_fits(dz[: 2**29], x[: 2**29], torch.empty(8, 8, 1, 1, **meta))
     monkeypatch.setattr(gemm, "has_wgmma", lambda index: False)
-    assert not CB._wgrad_on_engine(*case())
+    assert not CB._wgrad_fits(*case())
 
 
 @pytest.mark.gpu

@@ -199,6 +199,13 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 # stages (at most 6) as shared memory holds.
 WGRAD_MAX_KW = 7
 WGRAD_MIN_RUN = 16
+# Where it runs in place of cuDNN's (_wgrad_pays), by benchmarks/gemm.py
+# --conv-wgrad on the H200 (docs/gemm.md): 64 or 32 output channels took
+# 1.8x cuDNN's time (tiles half empty or less), output rows 7, 14 or 98
+# columns wide 13.6x, 3.7x and 1.3x (64-column k-tiles a ninth to three
+# quarters full).
+WGRAD_COUT_MULTIPLE = 128
+WGRAD_MIN_ROW_SHARE = 0.85
 
 
 def _wgrad_stage_bytes(tb: int) -> int:
@@ -734,24 +741,47 @@ def _launch_dgrad(dz: torch.Tensor, weight: torch.Tensor, dx_dtype: Optional[tor
     return dx
 
 
-def _wgrad_on_engine(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`_launch_wgrad` computes the weight gradient for this
-    dz [N, C_out, OH, OW] and x [N, C_in, H, W] (stride 1, no padding, the
-    weight [C_out, C_in, KH, KW]) in place of cuDNN: a compute capability
-    9.0 GPU; dz and x of one 16-bit dtype, channels-last, 16-byte aligned,
-    not empty; channels multiples of 8 (rows of whole 16 bytes, and each
-    tap's view of x 16-byte aligned), KW at most :data:`WGRAD_MAX_KW`,
-    coordinates and k-tile counts within 32 bits."""
+def _wgrad_fits(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`_launch_wgrad` can compute the weight gradient for
+    this dz [N, C_out, OH, OW] and x [N, C_in, H, W] (stride 1, no padding,
+    the weight [C_out, C_in, KH, KW]): a compute capability 9.0 GPU; dz and
+    x of one 16-bit dtype, channels-last, 16-byte aligned, not empty;
+    channels multiples of 8 (rows of whole 16 bytes, and each tap's view of
+    x 16-byte aligned), KW at most :data:`WGRAD_MAX_KW`, coordinates and
+    k-tile counts within 32 bits (a block's k-tiles, counted in 32 bits by
+    the engine, at most every tile's k-tiles and one run more; the images
+    the last run's tail steps past, at most as many again)."""
     n, cout, oh, ow = dz.shape
     cin, h, w = x.shape[1:]
     kh, kw = weight.shape[2:]
+    cols = kh * kw * cdiv(cin, gemm.HALF_BOX_K)
+    k_tiles = n * oh * cdiv(ow, gemm.HALF_BOX_K)
+    out_tiles = cdiv(cout, 128) * cdiv(cols, _wgrad_blocks(cols))
     return (dz.dtype in HALF_DTYPES and x.dtype == dz.dtype and dz.numel() > 0 and x.numel() > 0
             and cin % 8 == 0 and cout % 8 == 0 and kw <= WGRAD_MAX_KW
             and (h, w) == (oh + kh - 1, ow + kw - 1)
             and all(t.is_contiguous(memory_format=torch.channels_last) and t.data_ptr() % 16 == 0
                     for t in (dz, x))
-            and max(n, h, w, cin, cout) < 2**31 and n * oh * cdiv(ow, 64) < 2**31
+            and max(n, h, w, cin, cout) < 2**31 and (out_tiles + 1) * k_tiles < 2**31 and 2 * n < 2**31
             and gemm.has_wgmma(dz.device.index))
+
+
+def _wgrad_pays(cout: int, ow: int) -> bool:
+    """Whether the weight gradient of a convolution with ``cout`` output
+    channels and output rows ``ow`` wide is one where ours measured no
+    slower than cuDNN's deterministic one (H200, bf16 and fp16, ``python
+    benchmarks/gemm.py --conv-wgrad``): C_out a multiple of
+    :data:`WGRAD_COUT_MULTIPLE` (whole 128-channel tiles) and output rows
+    filling at least :data:`WGRAD_MIN_ROW_SHARE` of their 64-column
+    k-tiles."""
+    return cout % WGRAD_COUT_MULTIPLE == 0 and ow >= WGRAD_MIN_ROW_SHARE * 64 * cdiv(ow, 64)
+
+
+def _wgrad_on_engine(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the weight gradient of dz and x (as :func:`_wgrad_fits`
+    takes them) runs on the engine, in place of cuDNN: where the kernel
+    fits (:func:`_wgrad_fits`) and pays (:func:`_wgrad_pays`)."""
+    return _wgrad_pays(dz.shape[1], dz.shape[3]) and _wgrad_fits(dz, x, weight)
 
 
 def _wgrad_blocks(cols: int) -> int:
@@ -782,7 +812,7 @@ def _launch_wgrad(dz: torch.Tensor, x: torch.Tensor, kh: int, kw: int) -> torch.
 
     Args:
         dz: [N, C_out, OH, OW], float16 or bfloat16, channels-last, as
-            :func:`_wgrad_on_engine` accepts.
+            :func:`_wgrad_fits` accepts.
         x: [N, C_in, OH + kh - 1, OW + kw - 1] of dz's dtype, channels-last.
         kh, kw: the kernel's height and width.
 
@@ -1021,8 +1051,9 @@ def _train_steps(dy: torch.Tensor, take_xc: Callable[[], torch.Tensor], dtype: t
     # channels-last for a channels-last one; the eager node's is held by
     # that call alone, so it is freed before the products), then the input
     # gradient on the engine (a channels-last one in x's dtype: float32
-    # under autocast, with no cast after it) and cuDNN's channels-last
-    # weight gradient (and input gradient elsewhere) on take_xc()'s x
+    # under autocast, with no cast after it) and the weight gradient (ours
+    # where _wgrad_on_engine holds, else cuDNN's channels-last one, which
+    # also gives the input gradient elsewhere) on take_xc()'s x
     # channels-last in the product's dtype ``dtype`` (an NCHW x's copy, a
     # cast, or x itself), first, so that the eager node's copy is freed
     # before dx is made.
@@ -1173,7 +1204,8 @@ def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, wan
         # (A dx of cuDNN's needs x's shape and layout only.)
         x_in = lambda: (_transposed(x) if want_weight  # noqa: E731
                         else torch.empty_like(x, memory_format=torch.channels_last))
-    # The input gradient on the engine at the channels-last route's sizes.
+    # The input and weight gradients on the engine at the channels-last
+    # route's sizes, where they take them.
     dx, dw = _input_and_weight_grads(dz_in, weight, want_x, want_weight, channels_last, x_in)
     del dz_in
     if channels_last and want_x and _strictly_channels_last(dx):
