@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cupy_fused.ops import gemm as G  # noqa: E402
 from cupy_fused.testing import scaled_gemm_error  # noqa: E402
-from harness import time_interleaved  # noqa: E402
+from harness import time_interleaved, time_ms  # noqa: E402
 
 DEFAULT_SHAPES = ("1024x8192x8192", "32768x1024x4096")
 # NxC_inxHxW-C_outxK: problem 1's convolution, its kernel 5 wide, and one
@@ -242,14 +242,26 @@ def float32_weight_run(shapes, iters: int):
     return rows
 
 
+def tensor_ceiling(dtype, iters: int = 10, n: int = 8192) -> float:
+    """The TFLOP/s of cuBLAS's ``dtype`` product at n^3 (best of ``iters``
+    calls): the tensor cores' rate that a 16-bit kernel's is judged against,
+    measured in the same run (as ``benchmarks/run.py``'s ceilings)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+    _, best = time_ms(lambda: a @ b, iters, 3)
+    return 2.0 * n ** 3 / best / 1e9
+
+
 def conv_wgrad_run(shapes, iters: int):
     """The weight gradient of problem 1's convolution (stride 1, no padding)
     in float16 and bfloat16, dz and x channels-last: our Hopper engine
     (``conv_wgrad_wgmma`` through ``_launch_wgrad``) against cuDNN's
     deterministic channels-last weight gradient (the training route's
-    fallback), timed in turns; error: relative (Frobenius) against float64."""
+    fallback), timed in turns, each row's TFLOP/s also as a share of
+    ``tensor_ceiling`` in its dtype (``ceiling``); error: relative
+    (Frobenius) against float64."""
     import importlib
     conv = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+    peaks = {dtype: tensor_ceiling(dtype) for dtype in (torch.float16, torch.bfloat16)}
     rows = []
     for shape in shapes:
         (n, cin, h, w), (cout, k) = (tuple(map(int, part.split("x"))) for part in shape.split("-"))
@@ -264,7 +276,7 @@ def conv_wgrad_run(shapes, iters: int):
             want = torch.nn.grad.conv2d_weight(x.double(), weight.shape, dz.double())
             impls = {"ours": lambda: conv._launch_wgrad(dz, x, k, k),
                      "cudnn": lambda: conv._conv_backward(dz, x, weight, False, True)[1]}
-            row = {"shape": shape, "dtype": str(dtype).replace("torch.", "")}
+            row = {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "ceiling": peaks[dtype]}
             row.update(_timed_entries(impls, iters, flops,
                                       lambda c: float((c.double() - want).norm() / want.norm())))
             row["ours vs cudnn"] = row["cudnn"]["median_ms"] / row["ours"]["median_ms"]
@@ -276,14 +288,15 @@ def conv_wgrad_run(shapes, iters: int):
 
 
 def conv_wgrad_markdown(rows) -> str:
-    lines = ["| shape (NxC_inxHxW-C_outxK) | dtype | ours ms | TFLOP/s | cuDNN ms | TFLOP/s | "
+    lines = ["| shape (NxC_inxHxW-C_outxK) | dtype | ours ms | TFLOP/s (of ceiling) | cuDNN ms | TFLOP/s | "
              "ours vs cuDNN | error ours | error cuDNN |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         o, c = r["ours"], r["cudnn"]
-        lines.append(f"| {r['shape']} | {r['dtype']} | {o['median_ms']:.3f} | {o['tflops']:.0f} | "
-                     f"{c['median_ms']:.3f} | {c['tflops']:.0f} | {r['ours vs cudnn']:.3f}x | "
-                     f"{o['error']:.1e} | {c['error']:.1e} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {r['shape']} | {r['dtype']} | {o['median_ms']:.3f} | {o['tflops']:.0f} "
+                     f"({o['tflops'] / r['ceiling']:.0%}) | {c['median_ms']:.3f} | {c['tflops']:.0f} | "
+                     f"{r['ours vs cudnn']:.3f}x | {o['error']:.1e} | {c['error']:.1e} |")
+    ceilings = ", ".join(dict.fromkeys(f"{r['dtype']} {r['ceiling']:.0f}" for r in rows))
+    return "\n".join(lines) + f"\n\nCeiling: cuBLAS's product at 8192^3 in this run, TFLOP/s: {ceilings}.\n"
 
 
 def float32_weight_markdown(rows) -> str:

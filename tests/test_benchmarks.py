@@ -957,17 +957,20 @@ def test_gemm_timed_entries(monkeypatch):
 
 def test_gemm_conv_wgrad_markdown():
     """benchmarks/gemm.py --conv-wgrad's table: one line per shape and dtype,
-    ours and cuDNN's times and rates, the ratio and both errors; its
-    default shapes name a convolution as NxC_inxHxW-C_outxK."""
+    ours and cuDNN's times and rates (ours also as a share of the run's
+    ceiling), the ratio and both errors, then the ceilings; its default
+    shapes name a convolution as NxC_inxHxW-C_outxK."""
     spec = importlib.util.spec_from_file_location("bench_gemm", REPO / "benchmarks/gemm.py")
     bench_gemm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_gemm)
-    row = {"shape": "128x64x128x128-128x3", "dtype": "bfloat16", "ours vs cudnn": 1.25,
+    row = {"shape": "128x64x128x128-128x3", "dtype": "bfloat16", "ours vs cudnn": 1.25, "ceiling": 800.0,
            "ours": {"median_ms": 0.4, "tflops": 700.4, "error": 1.66e-3},
            "cudnn": {"median_ms": 0.5, "tflops": 600.0, "error": 1.67e-3}}
-    lines = bench_gemm.conv_wgrad_markdown([row]).splitlines()
-    assert len(lines) == 3 and lines[0].count("|") == lines[2].count("|") == 10
-    assert lines[2] == "| 128x64x128x128-128x3 | bfloat16 | 0.400 | 700 | 0.500 | 600 | 1.250x | 1.7e-03 | 1.7e-03 |"
+    lines = bench_gemm.conv_wgrad_markdown([row, dict(row, shape="x")]).splitlines()
+    assert len(lines) == 6 and lines[0].count("|") == lines[2].count("|") == 10
+    assert lines[2] == ("| 128x64x128x128-128x3 | bfloat16 | 0.400 | 700 (88%) | 0.500 | 600 | 1.250x | "
+                        "1.7e-03 | 1.7e-03 |")
+    assert lines[5] == "Ceiling: cuBLAS's product at 8192^3 in this run, TFLOP/s: bfloat16 800."
     for shape in bench_gemm.DEFAULT_CONV_SHAPES:
         image, kernel = shape.split("-")
         assert len(image.split("x")) == 4 and len(kernel.split("x")) == 2
