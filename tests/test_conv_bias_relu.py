@@ -1039,8 +1039,8 @@ def test_dgrad_against_float64(shape, dtype, device, monkeypatch):
 # (n, C_in, OH, OW, C_out, KH, KW) of dz [n, C_out, OH, OW] and x [n, C_in,
 # OH + KH - 1, OW + KW - 1]: kernels 1 to 7 wide and tall, OW under, at and
 # past one 64-column k-tile and ragged, C_in and C_out over one tile and not
-# multiples of 64, an odd count of 64-channel column blocks (a tile's second
-# block past the last), batch 1, a 1 x 1 output; problem 1's shape at a
+# multiples of 64, counts of 64-channel column blocks that leave blocks
+# past the last in a tile, batch 1, a 1 x 1 output; problem 1's shape at a
 # quarter of its batch (a run per SM, hundreds of k-tiles a run); more
 # output tiles than SMs (180 of 128 x 256: blocks on a second tile); tiles
 # of 1, 2, 3 and 4 blocks of 64 input channels.
@@ -1503,7 +1503,8 @@ def test_wgrad_takes_what_its_kernel_runs(monkeypatch):
     assert not CB._wgrad_on_engine(*case())  # (16 channels, rows of 6 columns)
     assert CB._wgrad_on_engine(*case(cout=128, ow=126, oh=1))
     for pays, cout, ow in ((True, 256, 56), (True, 128, 64), (True, 384, 120), (False, 64, 126),
-                           (False, 136, 126), (False, 128, 96), (False, 128, 7), (False, 128, 48)):
+                           (False, 136, 126), (False, 128, 96), (False, 128, 7), (False, 128, 48),
+                           (True, 128, 55), (False, 128, 54), (True, 128, 109), (False, 128, 108)):
         assert CB._wgrad_pays(cout, ow) == pays, (cout, ow)
         assert CB._wgrad_on_engine(*case(cout=cout, ow=ow, oh=1)) == pays
     # 32-bit counts: a block's k-tiles (out tiles x k-tiles), the images past the last.
@@ -1511,10 +1512,10 @@ def test_wgrad_takes_what_its_kernel_runs(monkeypatch):
     dz = torch.empty(150264, 10240, 16, 1, **meta).contiguous(memory_format=cl)
     x = torch.empty(150264, 8, 16 + 6143, 3, **meta).contiguous(memory_format=cl)
     assert not CB._wgrad_fits(dz, x, torch.empty(10240, 8, 6144, 3, **meta))
-    dz = torch.empty(2**30, 8, 1, 1, **meta).contiguous(memory_format=cl)
+    dz = torch.empty(2**30, 8, 1, 1, **meta).contiguous(memory_format=cl)  # one tile, 2^30 k-tiles
     x = torch.empty(2**30, 8, 1, 1, **meta).contiguous(memory_format=cl)
-    assert not CB._wgrad_fits(dz, x, torch.empty(8, 8, 1, 1, **meta))
-    assert CB._wgrad_fits(dz[: 2**29], x[: 2**29], torch.empty(8, 8, 1, 1, **meta))
+    assert not CB._wgrad_fits(dz, x, torch.empty(8, 8, 1, 1, **meta))  # (1 + 1) 2^30: at the bound
+    assert CB._wgrad_fits(dz[1:], x[1:], torch.empty(8, 8, 1, 1, **meta))
     monkeypatch.setattr(gemm, "has_wgmma", lambda index: False)
     assert not CB._wgrad_fits(*case())
 
@@ -1623,9 +1624,10 @@ def test_engine_training_one_value_bias(channels_last, device, monkeypatch):
 def test_engine_training_frees_the_mask_before_the_products(channels_last, dtype, amp, device,
                                                             monkeypatch):
     """The eager node keeps relu's mask for one use: freed once dz exists,
-    before cuDNN's backward runs; and a leaf x's channels-last copy or cast
-    (an NCHW x's, an autocast's) for one use: freed once cuDNN's weight
-    gradient has read it, before our input gradient makes dx (the rest of
+    before the weight gradient (cuDNN's or ours) runs; and a leaf x's
+    channels-last copy or cast (an NCHW x's, an autocast's) for one use:
+    freed once the weight gradient has read it, before our input gradient
+    makes dx (the rest of
     that bookkeeping: test_engine_training_node_keeps_a_leaf_copy_for_one_use).
     A second backward through a retained graph makes both again, with the
     same gradients, and refuses a bias changed in place since the forward;

@@ -200,8 +200,8 @@ def _window_bounds(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: i
 WGRAD_MAX_KW = 7
 WGRAD_MIN_RUN = 16
 # Where it runs in place of cuDNN's (_wgrad_pays), by benchmarks/gemm.py
-# --conv-wgrad on the H200 (docs/gemm.md): 64 or 32 output channels took
-# 1.8x cuDNN's time (tiles half empty or less), output rows 7, 14 or 98
+# --conv-wgrad on the H200 (docs/gemm.md; bfloat16): 64 output channels
+# took 1.8x cuDNN's time (tiles half empty), output rows 7, 14 or 98
 # columns wide 13.6x, 3.7x and 1.3x (64-column k-tiles a ninth to three
 # quarters full).
 WGRAD_COUT_MULTIPLE = 128
@@ -749,8 +749,8 @@ def _wgrad_fits(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool
     channels multiples of 8 (rows of whole 16 bytes, and each tap's view of
     x 16-byte aligned), KW at most :data:`WGRAD_MAX_KW`, coordinates and
     k-tile counts within 32 bits (a block's k-tiles, counted in 32 bits by
-    the engine, at most every tile's k-tiles and one run more; the images
-    the last run's tail steps past, at most as many again)."""
+    the engine, at most every tile's k-tiles and one run more; with them
+    the images the last run's tail steps past, fewer than N again)."""
     n, cout, oh, ow = dz.shape
     cin, h, w = x.shape[1:]
     kh, kw = weight.shape[2:]
@@ -762,7 +762,7 @@ def _wgrad_fits(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool
             and (h, w) == (oh + kh - 1, ow + kw - 1)
             and all(t.is_contiguous(memory_format=torch.channels_last) and t.data_ptr() % 16 == 0
                     for t in (dz, x))
-            and max(n, h, w, cin, cout) < 2**31 and (out_tiles + 1) * k_tiles < 2**31 and 2 * n < 2**31
+            and max(n, h, w, cin, cout) < 2**31 and (out_tiles + 1) * k_tiles < 2**31
             and gemm.has_wgmma(dz.device.index))
 
 
@@ -939,7 +939,7 @@ def _train_setup_context(ctx, inputs, output):
 
 def _train_eager_setup_context(ctx, inputs, output):
     # Eager: relu's mask is kept for one use, not saved, so that the backward
-    # drops it as soon as dz exists, before cuDNN's products allocate (a
+    # drops it as soon as dz exists, before the products allocate (a
     # saved tensor lives until the backward returns: above the reference's
     # peak).  The biases, with their versions, recompute it for a second
     # backward through a retained graph (not saved tensors: the reference's
@@ -947,7 +947,7 @@ def _train_eager_setup_context(ctx, inputs, output):
     # backward is no error there).  x's channels-last copy (an NCHW x's, or
     # autocast's cast) is kept for one use too where x is a leaf that
     # requires grad (which autograd's AccumulateGrad node holds anyway, and
-    # the node then keeps too): dropped once cuDNN's weight gradient has
+    # the node then keeps too): dropped once the weight gradient has
     # read it, before our input gradient allocates dx, and made again from x
     # for a second backward (x also anchors a refused double backward, as a
     # saved x would).  Elsewhere (an intermediate x, which the node would
