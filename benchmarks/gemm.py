@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cupy_fused.ops import gemm as G  # noqa: E402
 from cupy_fused.testing import scaled_gemm_error  # noqa: E402
-from harness import time_interleaved, time_ms  # noqa: E402
+from harness import product_tflops, time_interleaved  # noqa: E402
 
 DEFAULT_SHAPES = ("1024x8192x8192", "32768x1024x4096")
 # NxC_inxHxW-C_outxK: problem 1's convolution, its kernel 5 wide, and one
@@ -242,26 +242,18 @@ def float32_weight_run(shapes, iters: int):
     return rows
 
 
-def tensor_ceiling(dtype, iters: int = 10, n: int = 8192) -> float:
-    """The TFLOP/s of cuBLAS's ``dtype`` product at n^3 (best of ``iters``
-    calls): the tensor cores' rate that a 16-bit kernel's is judged against,
-    measured in the same run (as ``benchmarks/run.py``'s ceilings)."""
-    a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
-    _, best = time_ms(lambda: a @ b, iters, 3)
-    return 2.0 * n ** 3 / best / 1e9
-
-
 def conv_wgrad_run(shapes, iters: int):
     """The weight gradient of problem 1's convolution (stride 1, no padding)
     in float16 and bfloat16, dz and x channels-last: our Hopper engine
     (``conv_wgrad_wgmma`` through ``_launch_wgrad``) against cuDNN's
     deterministic channels-last weight gradient (the training route's
     fallback), timed in turns, each row's TFLOP/s also as a share of
-    ``tensor_ceiling`` in its dtype (``ceiling``); error: relative
+    cuBLAS's product at 8192^3 in its dtype (``ceiling``:
+    ``harness.product_tflops``, this run's); error: relative
     (Frobenius) against float64."""
     import importlib
     conv = importlib.import_module("cupy_fused.ops.conv_bias_relu")
-    peaks = {dtype: tensor_ceiling(dtype) for dtype in (torch.float16, torch.bfloat16)}
+    peaks = {dtype: product_tflops(dtype) for dtype in (torch.float16, torch.bfloat16)}
     rows = []
     for shape in shapes:
         (n, cin, h, w), (cout, k) = (tuple(map(int, part.split("x"))) for part in shape.split("-"))

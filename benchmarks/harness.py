@@ -186,6 +186,21 @@ def time_ms(fn, iters: int, warmup: int) -> Tuple[float, float]:
     return time_interleaved({"fn": fn}, iters, warmup, rounds=1)["fn"]
 
 
+def product_tflops(dtype: torch.dtype, tf32: bool = False, n: int = 8192, iters: int = 10,
+                   device: str = "cuda") -> float:
+    """TFLOP/s of torch's (cuBLAS's) ``dtype`` product of two random n x n
+    matrices, from its best of ``iters`` calls (:func:`time_ms`), with
+    TF32 allowed to it or not (``tf32``; the flag is off again after): a
+    ceiling a kernel's rate is judged against, measured in the same run."""
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        _, best = time_ms(lambda: a @ b, iters, 3)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return 2 * n ** 3 / best / 1e9
+
+
 def timed_calls(estimate_ms: float, iters: int, min_ms: float, most: int) -> int:
     """How many calls to time of a function that takes ``estimate_ms`` per
     call: ``iters``, or more, up to ``most``, so that together they take

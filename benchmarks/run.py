@@ -90,7 +90,8 @@ from cupy_fused import reference  # noqa: E402
 from cupy_fused.testing import build_pair  # noqa: E402
 from harness import (DTYPES, Progress, autocast_context, autocast_dtype, dtype_label,  # noqa: E402
                      fixed_grad, gpu_state, host_and_gpu_ms, l2_bytes, model_dtype,
-                     peak_extra_gib, rotation_count, say, step_fns, time_interleaved, time_ms)
+                     peak_extra_gib, product_tflops, rotation_count, say, step_fns, time_interleaved,
+                     time_ms)
 from publish import markdown  # noqa: E402 -- the table beside the JSON
 
 ALL_DTYPES = tuple(DTYPES)
@@ -120,17 +121,10 @@ def model_flops(problem: int, args: tuple, shape: tuple) -> float:
 def ceilings(iters: int = 10) -> dict:
     """Measured in this run: SGEMM, TF32 and bf16 matmul TFLOP/s at 8192^3,
     and device copy bandwidth (GB/s, read + write) of a 1 GiB copy."""
-    out = {}
-    n = 8192
-    for name, dtype, tf32 in (("sgemm_tflops", torch.float32, False),
-                              ("tf32_tflops", torch.float32, True),
-                              ("bf16_tflops", torch.bfloat16, False)):
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        a = torch.randn(n, n, device="cuda", dtype=dtype)
-        b = torch.randn(n, n, device="cuda", dtype=dtype)
-        _, best = time_ms(lambda: a @ b, iters, 3)
-        out[name] = 2 * n ** 3 / best / 1e9
-    torch.backends.cuda.matmul.allow_tf32 = False
+    out = {name: product_tflops(dtype, tf32, iters=iters)
+           for name, dtype, tf32 in (("sgemm_tflops", torch.float32, False),
+                                     ("tf32_tflops", torch.float32, True),
+                                     ("bf16_tflops", torch.bfloat16, False))}
     src = torch.empty(2 ** 28, device="cuda")
     dst = torch.empty_like(src)
     _, best = time_ms(lambda: dst.copy_(src), iters, 3)

@@ -165,6 +165,30 @@ def _fake_event_on(clock, ms_per_tick):
     return FakeEvent
 
 
+def test_product_tflops(monkeypatch):
+    """harness.product_tflops (CPU tier, timing faked): 2 n^3 FLOP over the
+    best time, the product of two n x n matrices of the dtype, TF32 allowed
+    to it only when asked, and the flag off again after."""
+    seen = []
+
+    def fake_time_ms(fn, iters, warmup):
+        c = fn()
+        seen.append((c.shape, c.dtype, iters, torch.backends.cuda.matmul.allow_tf32))
+        return 3.0, 2.0
+
+    monkeypatch.setattr(bench_harness, "time_ms", fake_time_ms)
+    before = torch.backends.cuda.matmul.allow_tf32  # (a flag monkeypatch cannot delete at teardown)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert bench_harness.product_tflops(torch.float32, True, n=4, iters=7, device="cpu") \
+            == 2 * 4 ** 3 / 2e9
+        assert bench_harness.product_tflops(torch.bfloat16, n=8, device="cpu") == 2 * 8 ** 3 / 2e9
+        assert seen == [((4, 4), torch.float32, 7, True), ((8, 8), torch.bfloat16, 10, False)]
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def test_time_interleaved_times_each_function_its_own_count(monkeypatch):
     """With fake CUDA events (CPU tier): the calls each function gets, in
     turns, after its warm-up and the three calls of the estimate."""
