@@ -70,7 +70,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -754,15 +754,13 @@ def _wgrad_fits(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool
     n, cout, oh, ow = dz.shape
     cin, h, w = x.shape[1:]
     kh, kw = weight.shape[2:]
-    cols = kh * kw * cdiv(cin, gemm.HALF_BOX_K)
-    k_tiles = n * oh * cdiv(ow, gemm.HALF_BOX_K)
-    out_tiles = cdiv(cout, 128) * cdiv(cols, _wgrad_blocks(cols))
+    g = _wgrad_geometry(n, cin, oh, ow, cout, kh, kw)
     return (dz.dtype in HALF_DTYPES and x.dtype == dz.dtype and dz.numel() > 0 and x.numel() > 0
             and cin % 8 == 0 and cout % 8 == 0 and kw <= WGRAD_MAX_KW
             and (h, w) == (oh + kh - 1, ow + kw - 1)
             and all(t.is_contiguous(memory_format=torch.channels_last) and t.data_ptr() % 16 == 0
                     for t in (dz, x))
-            and max(n, h, w, cin, cout) < 2**31 and (out_tiles + 1) * k_tiles < 2**31
+            and max(n, h, w, cin, cout) < 2**31 and (g.tiles_m * g.col_tiles + 1) * g.k_tiles < 2**31
             and gemm.has_wgmma(dz.device.index))
 
 
@@ -782,6 +780,30 @@ def _wgrad_on_engine(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
     takes them) runs on the engine, in place of cuDNN: where the kernel
     fits (:func:`_wgrad_fits`) and pays (:func:`_wgrad_pays`)."""
     return _wgrad_pays(dz.shape[1], dz.shape[3]) and _wgrad_fits(dz, x, weight)
+
+
+class _WgradGeometry(NamedTuple):
+    """A weight gradient's tiling (:func:`_wgrad_geometry`)."""
+    c_blocks: int   # blocks of 64 input channels
+    cols: int       # (tap, block) columns of 64: KH KW c_blocks
+    tb: int         # blocks a tile (_wgrad_blocks)
+    col_tiles: int  # tiles across the columns
+    tiles_m: int    # tiles of 128 output channels
+    col_blocks: int  # 64-column k-tiles an output row
+    k_tiles: int    # k-tiles in all: N OH col_blocks
+
+
+def _wgrad_geometry(n: int, cin: int, oh: int, ow: int, cout: int, kh: int, kw: int) -> _WgradGeometry:
+    """The tiling of the weight gradient of a convolution whose output is
+    [n, cout, oh, ow] and input has cin channels, a kh x kw kernel, as
+    :func:`_launch_wgrad` launches it and :func:`_wgrad_fits` bounds it."""
+    box = gemm.HALF_BOX_K
+    c_blocks = cdiv(cin, box)
+    cols = kh * kw * c_blocks
+    tb = _wgrad_blocks(cols)
+    col_blocks = cdiv(ow, box)
+    return _WgradGeometry(c_blocks, cols, tb, cdiv(cols, tb), cdiv(cout, 128), col_blocks,
+                          n * oh * col_blocks)
 
 
 def _wgrad_blocks(cols: int) -> int:
@@ -822,12 +844,10 @@ def _launch_wgrad(dz: torch.Tensor, x: torch.Tensor, kh: int, kw: int) -> torch.
     n, cout, oh, ow = dz.shape
     cin, h, w = x.shape[1:]
     dev, box = dz.device.index, gemm.HALF_BOX_K
-    c_blocks = cdiv(cin, box)
-    cols = kh * kw * c_blocks
-    tb = _wgrad_blocks(cols)
-    col_tiles, tiles_m, col_blocks = cdiv(cols, tb), cdiv(cout, 128), cdiv(ow, box)
+    c_blocks, cols, tb, col_tiles, tiles_m, col_blocks, k_tiles = _wgrad_geometry(n, cin, oh, ow, cout,
+                                                                                  kh, kw)
     sms = sm_count(dev)
-    runs, per_run = _wgrad_runs(tiles_m * col_tiles, n * oh * col_blocks, sms)
+    runs, per_run = _wgrad_runs(tiles_m * col_tiles, k_tiles, sms)
     mpad, npad = 128 * tiles_m, box * tb * col_tiles
     partials = torch.empty((runs * mpad, npad), dtype=torch.float32, device=dz.device)
     size = dz.element_size()
