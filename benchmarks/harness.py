@@ -236,15 +236,7 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], iters: int, warmup: i
         for _ in range(warmup):
             fn()
     calls = {name: iters for name in fns}
-    issue_ms = {}
-    if queued:
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            t0 = clock()
-            for _ in range(3):
-                fn()
-            issue_ms[name] = (clock() - t0) * 1e3 / 3
-        torch.cuda.synchronize()
+    issue_ms = {name: _issue_ms(fn, clock) for name, fn in fns.items()} if queued else {}
     if min_ms > 0:
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -297,6 +289,20 @@ def hold_gpu_ms(ms: float) -> None:
     torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[0]))
 
 
+def _issue_ms(fn, clock) -> float:
+    """The host's time to issue one call of ``fn`` (ms, ``clock`` in
+    seconds), over three calls after the warm-up (a first call may compile
+    its kernel), the GPU idle before and after: what sizes the sleep that
+    queued calls wait behind."""
+    torch.cuda.synchronize()
+    t0 = clock()
+    for _ in range(3):
+        fn()
+    per_call_ms = (clock() - t0) * 1e3 / 3
+    torch.cuda.synchronize()
+    return per_call_ms
+
+
 def time_queued(fn, iters: int, warmup: int, clock=time.perf_counter) -> Tuple[float, float]:
     """(median, min) milliseconds of ``fn`` from CUDA events around each of
     ``iters`` calls, as :func:`time_ms`, but with the calls queued behind a
@@ -316,14 +322,7 @@ def time_queued(fn, iters: int, warmup: int, clock=time.perf_counter) -> Tuple[f
     """
     for _ in range(warmup):
         fn()
-    # The host's issue time per call sizes the sleep (three more calls,
-    # after the warm-up: a first call may compile its kernel).
-    torch.cuda.synchronize()
-    t0 = clock()
-    for _ in range(3):
-        fn()
-    per_call_ms = (clock() - t0) * 1e3 / 3
-    torch.cuda.synchronize()
+    per_call_ms = _issue_ms(fn, clock)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(iters)]
     hold_gpu_ms(1.5 * per_call_ms * iters + 1.0)
