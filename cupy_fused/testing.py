@@ -113,6 +113,15 @@ def _run(model, x, dy, grad_mode: str, autocast: Optional[torch.dtype] = None):
     return out.detach(), grads
 
 
+def assert_non_finite_where(got: torch.Tensor, want: torch.Tensor, *what) -> None:
+    """Asserts that ``got`` holds NaN, +inf and -inf exactly where ``want``
+    does (tensors of one shape and device); a failure names ``what``, the
+    kind and both counts."""
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        a, b = test(got), test(want)
+        assert torch.equal(a, b), (*what, test.__name__, int(a.sum()), int(b.sum()))
+
+
 def non_finite_masks(model, x: torch.Tensor, g: torch.Tensor,
                      autocast: Optional[torch.dtype] = None) -> Dict[str, tuple]:
     """The non-finite values of a model's output and gradients: what a check

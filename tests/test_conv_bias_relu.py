@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cupy_fused import _runtime, ops
 from cupy_fused.ops import gemm
-from cupy_fused.testing import poison_allocator, rel_error
+from cupy_fused.testing import assert_non_finite_where, poison_allocator, rel_error
 
 CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")  # the module, not the op
 
@@ -443,8 +443,7 @@ def test_engine_float32_route(device, monkeypatch):
                     assert CB.route(xf, wt, cb, b) == "engine"
                     ours, eager = ops.conv_bias_relu(xf, wt, cb, b), _reference(xf, wt, cb, b)
                 assert ours.dtype == eager.dtype == torch.float32
-                for test in (torch.isnan, torch.isposinf, torch.isneginf):
-                    assert torch.equal(test(ours), test(eager))
+                assert_non_finite_where(ours, eager)
                 del ours, eager
     assert CB.route(x, wt.detach().requires_grad_(True), cb, b) == "engine"  # the training forward
 
@@ -589,8 +588,7 @@ def test_tf32_input_at_the_float32_range_end_overflows_where_cudnns_does(kind, d
             assert CB.route(x, wt, cb, None) == "engine"
             ours = ops.conv_bias_relu(x, wt, cb)
             ref = _reference(x, wt, cb, None)
-        for test in (torch.isnan, torch.isposinf, torch.isneginf):
-            assert torch.equal(test(ours), test(ref)), (big, test.__name__)
+        assert_non_finite_where(ours, ref, big)
         assert bool(torch.isinf(ref).any()) == overflows
 
 
@@ -1032,8 +1030,7 @@ def test_dgrad_against_float64(shape, dtype, device, monkeypatch):
         flat[i] = v
     want = torch.nn.grad.conv2d_input(x_shape, wt.double(), bad.double())
     for got in (CB._launch_dgrad(bad, wt),) + (() if tf32 else (CB._launch_dgrad(bad, wt, torch.float32),)):
-        for check in (torch.isnan, torch.isposinf, torch.isneginf):
-            assert torch.equal(check(got), check(want)), check.__name__
+        assert_non_finite_where(got, want)
 
 
 # (n, C_in, OH, OW, C_out, KH, KW) of dz [n, C_out, OH, OW] and x [n, C_in,
@@ -1088,8 +1085,7 @@ def test_wgrad_against_float64(shape, dtype, device):
     for xs, dzs in ((x, bad_dz), (bad_x, dz)):
         want = torch.nn.grad.conv2d_weight(xs.double(), w_shape, dzs.double())
         got = CB._launch_wgrad(dzs, xs, kh, kw)
-        for check in (torch.isnan, torch.isposinf, torch.isneginf):
-            assert torch.equal(check(got), check(want)), check.__name__
+        assert_non_finite_where(got, want)
 
 
 def test_window_launches_fit_their_kernels():

@@ -8,7 +8,8 @@ import torch
 
 from cupy_fused import ops, settings
 from cupy_fused.ops import gemm as G
-from cupy_fused.testing import poison_allocator, rel_error, scaled_gemm_error, worse_than_eager
+from cupy_fused.testing import (assert_non_finite_where, poison_allocator, rel_error, scaled_gemm_error,
+                                worse_than_eager)
 
 gpu = pytest.mark.gpu
 
@@ -400,8 +401,7 @@ def test_non_finite_operands_land_where_sgemm_puts_them(route, layout, passes, d
 
     got = _product_on_route(route, layout, a_log, b_log, passes, device)
     want = a_log.double() @ b_log.double()
-    for test in (torch.isnan, torch.isposinf, torch.isneginf):
-        assert torch.equal(test(got).cpu(), test(want)), test.__name__
+    assert_non_finite_where(got.cpu(), want)
     assert int(torch.isinf(want).sum()) > 500 and int(torch.isnan(want).sum()) > 500  # the test bites
     finite = torch.isfinite(want)
     clean = _product_on_route(route, layout, torch.nan_to_num(a_log, 0, 0, 0),
@@ -451,8 +451,7 @@ def test_tf32_operands_at_the_float32_range_end_overflow_where_cublas_tf32_does(
         a_log[3, 7] = 0.0  # (row 3 meets column 9 through one of them only: finite in exact sums)
         got = _product_on_route(route, layout, a_log, b_log, 1, device)
         want = a_log.to(device) @ b_log.to(device)
-        for test in (torch.isnan, torch.isposinf, torch.isneginf):
-            assert torch.equal(test(got), test(want)), (big, test.__name__)
+        assert_non_finite_where(got, want, big)
         assert bool(torch.isinf(want).any()) == overflows
 
 
@@ -518,8 +517,7 @@ def test_half_engine_non_finite_lands_where_cublas_puts_it(value, dtype, device)
         want = torch.addmm(b, x, w.t())
         want = want.relu() if activation else want
         got = G._half_linear(x, w, b, activation)
-        for test in (torch.isnan, torch.isposinf, torch.isneginf):
-            assert torch.equal(test(got), test(want)), (test.__name__, activation)
+        assert_non_finite_where(got, want, activation)
 
 
 # The engine's operand layouts (_half_matmul): a [M, K] contiguous (K-major)
@@ -641,8 +639,7 @@ def test_float32_weight_non_finite_lands_where_the_cast_puts_it(value, dtype, de
     x[17, 5] = value if value != 1e38 else 1.0
     want = torch.mm(x, w.to(dtype).t())
     got = G._linear_float32_weight(x, w)
-    for test in (torch.isnan, torch.isposinf, torch.isneginf):
-        assert torch.equal(test(got), test(want)), test.__name__
+    assert_non_finite_where(got, want)
 
 
 @gpu

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from cupy_fused import ops
 from cupy_fused.ops import _common
-from cupy_fused.testing import rel_error
+from cupy_fused.testing import assert_non_finite_where, rel_error
 
 # The module (``cupy_fused.ops.gn_chain`` as an attribute is the op itself).
 G = importlib.import_module("cupy_fused.ops.gn_chain")
@@ -167,6 +167,22 @@ def test_against_float64(chain, shape, mode, device, request):
                                                                rel_error(b, t))
 
 
+def test_assert_non_finite_where():
+    """The tests' NaN / +inf / -inf check (CPU tier): it passes where each
+    kind lies in the same places, and fails naming the kind and both counts
+    where NaN stands for +inf, where -inf stands for +inf, or where a
+    non-finite value is missing."""
+    want = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])
+    assert_non_finite_where(want.clone(), want, "same")
+    for i, value, kind in ((2, float("nan"), "isnan"), (2, -float("inf"), "isposinf"),
+                           (3, 5.0, "isneginf")):
+        got = want.clone()
+        got[i] = value
+        with pytest.raises(AssertionError) as failed:
+            assert_non_finite_where(got, want, "named")
+        assert failed.value.args[0][:2] == ("named", kind)
+
+
 def _models_chain(chain, groups, z, lin_bias, v, gw, gb):
     """The chain as the reference models write it, op by op (autograd's
     derivatives of sigmoid(x) * x are those of a product and a sigmoid);
@@ -225,9 +241,7 @@ def test_non_finite_upstream_gradient_lands_where_eagers_does(chain, shape, mode
         if lin_in_z and name == "lin_bias":
             assert a is None and b is None
             continue
-        for where in (torch.isnan, torch.isposinf, torch.isneginf):
-            assert torch.equal(where(a), where(b)), (name, where.__name__, where(a).sum().item(),
-                                                     where(b).sum().item())
+        assert_non_finite_where(a, b, name)
         finite = torch.isfinite(b) & torch.isfinite(t)
         if finite.any():  # (a vector's every column may take a non-finite term)
             assert (rel_error(a[finite], t[finite])
@@ -257,8 +271,7 @@ def test_infinite_gradient_at_the_16_bit_sigmoid_threshold(mode, offset, device)
     got = _run(lambda *t: _ours("swish_bias_gn", groups, *t), [z] + vectors, g, None, offset)
     assert torch.isnan(want[1][1, 5])  # (the case is the one meant)
     for name, a, b in zip(["out", "z", "lin_bias", "v", "gn_weight", "gn_bias"], got, want):
-        for where in (torch.isnan, torch.isposinf, torch.isneginf):
-            assert torch.equal(where(a), where(b)), (name, where.__name__)
+        assert_non_finite_where(a, b, name)
 
 
 @pytest.mark.gpu
