@@ -821,26 +821,34 @@ __device__ __forceinline__ void window_tile(i64 tn, i64 row_pairs, i64 col_tiles
 
 // The MMAs of a stage: for each tap and step of 32 bytes of k (16 16-bit
 // values, 8 float32 ones read as TF32), one wgmma.m64n128 per row r, A from
-// tap kw's tile, B from row kw of window r.
+// tap kw's tile at shared address a, B from row kw of window r
+// (window_b(r, offset): the descriptor of window r's byte offset).
+template <typename T, int kKw, typename WindowB>
+__device__ __forceinline__ void window_mma_group(float (&acc)[2][kHgAccs], unsigned a, int kt,
+                                                 const WindowB& window_b) {
+  const Swizzle128Desc sa(a);
+  begin_mma_group(acc);
+#pragma unroll
+  for (int kw = 0; kw < kKw; ++kw)
+#pragma unroll
+    for (int kk = 0; kk < kHgSteps; ++kk) {
+      const unsigned long long da = sa.at(kw * (64 * 128) + 32 * kk);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        wgmma_m64n128_step<T>(acc[r], da, window_b(r, kw * 128 + 32 * kk), kt > 0 || kw > 0 || kk > 0);
+    }
+  wgmma_commit();
+}
+
+// window_mma_group on a stage's A tiles and its two windows.
 template <typename T, int kKw>
 struct ConvWindowMma : TilelessMma {
   static constexpr int kBM = 64, kBN = 256, kWgRows = 64;
   static constexpr bool kCooperative = false;
   static constexpr int kTileABytes = kKw * 64 * 128, kTileBBytes = 2 * kConvWindowBytes;
   __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) const {
-    const Swizzle128Desc sa(a), sb(b);
-    begin_mma_group(acc);
-#pragma unroll
-    for (int kw = 0; kw < kKw; ++kw)
-#pragma unroll
-      for (int kk = 0; kk < kHgSteps; ++kk) {
-        const unsigned long long da = sa.at(kw * (64 * 128) + 32 * kk);
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          wgmma_m64n128_step<T>(acc[r], da, sb.at(r * kConvWindowBytes + kw * 128 + 32 * kk),
-                                kt > 0 || kw > 0 || kk > 0);
-      }
-    wgmma_commit();
+    const Swizzle128Desc sb(b);
+    window_mma_group<T, kKw>(acc, a, kt, [&](int r, int offset) { return sb.at(r * kConvWindowBytes + offset); });
   }
 };
 
@@ -1092,6 +1100,30 @@ struct WindowNhwcStore {
   __device__ __forceinline__ void finish(const HalfGemmLane& me) const { TmaTileWriter::finish(me); }
 };
 
+// A raw row [64 channels][kConvWindow columns] into a window [kConvWindow
+// pixels][64 channels], 128-byte swizzled, by 8 x 8 blocks (8 channels x 8
+// columns), by kHelperWarps warps: warp `helper` takes column chunks q =
+// helper, + kHelperWarps, ..., each as two groups of four blocks, channel
+// chunks j = 4 h + m (h = 0, 1), both groups' reads in flight before their
+// writes.  Lane 8 m + l reads row l of block m (channel 8 j + l) and
+// writes its row l transposed (pixel 8 q + l: 16 bytes at chunk j ^ l of
+// the swizzle).  The reads' 8 rows of 272 bytes fall in distinct banks, as
+// do the writes' 8 swizzled rows.
+template <int kHelperWarps>
+__device__ __forceinline__ void transpose_raw_row(unsigned raw, unsigned window, int helper, int lane) {
+  const int m = lane >> 3, l = lane & 7;
+  const unsigned src = raw + (8 * m + l) * (kConvWindow * 2), dst = window + l * 128;
+  const unsigned chunk0 = (m ^ l) << 4, chunk1 = ((4 + m) ^ l) << 4;
+#pragma unroll 2
+  for (int q = helper; q < kConvWindow / 8; q += kHelperWarps) {
+    unsigned lo[4], hi[4];
+    ldmatrix_x4(src + 16 * q, lo);
+    ldmatrix_x4(src + 32 * (kConvWindow * 2) + 16 * q, hi);
+    stmatrix_x4_trans(dst + q * 1024 + chunk0, lo[0], lo[1], lo[2], lo[3]);
+    stmatrix_x4_trans(dst + q * 1024 + chunk1, hi[0], hi[1], hi[2], hi[3]);
+  }
+}
+
 // The windows from an NCHW `in` [N, C, H, W] (conv_bias_relu_nchw_window):
 // the copy engine cannot shift a box of NCHW rows by one value (a box's
 // first element must lie on the 16-byte grid), nor lay channels out
@@ -1166,30 +1198,215 @@ struct NchwWindowLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   __device__ __forceinline__ void help(const StageRing& ring, i64 tiles, int ktiles) const {
     const int lane = threadIdx.x & 31, helper = (threadIdx.x >> 5) - (4 - kHelperWarps);
     Ring::template help_stages<2, kConvRawBytes>(ring, tiles, ktiles, [&](unsigned raw, int s, int r) {
-      transpose_row(raw, ring.tile_b(s) + r * kConvWindowBytes, helper, lane);
+      transpose_raw_row<kHelperWarps>(raw, ring.tile_b(s) + r * kConvWindowBytes, helper, lane);
     });
   }
-  // A raw row [64 channels][kConvWindow columns] into a window [kConvWindow
-  // pixels][64 channels], 128-byte swizzled, by 8 x 8 blocks (8 channels x 8
-  // columns): warp `helper` takes column chunks q = helper, + kHelperWarps,
-  // ..., each as two groups of four blocks, channel chunks j = 4 h + m (h =
-  // 0, 1), both groups' reads in flight before their writes.  Lane 8 m + l
-  // reads row l of block m (channel 8 j + l) and writes its row l
-  // transposed (pixel 8 q + l: 16 bytes at chunk j ^ l of the swizzle).
-  // The reads' 8 rows of 272 bytes fall in distinct banks, as do the
-  // writes' 8 swizzled rows.
-  __device__ __forceinline__ static void transpose_row(unsigned raw, unsigned window, int helper, int lane) {
-    const int m = lane >> 3, l = lane & 7;
-    const unsigned src = raw + (8 * m + l) * (kConvWindow * 2), dst = window + l * 128;
-    const unsigned chunk0 = (m ^ l) << 4, chunk1 = ((4 + m) ^ l) << 4;
-#pragma unroll 2
-    for (int q = helper; q < kConvWindow / 8; q += kHelperWarps) {
-      unsigned lo[4], hi[4];
-      ldmatrix_x4(src + 16 * q, lo);
-      ldmatrix_x4(src + 32 * (kConvWindow * 2) + 16 * q, hi);
-      stmatrix_x4_trans(dst + q * 1024 + chunk0, lo[0], lo[1], lo[2], lo[3]);
-      stmatrix_x4_trans(dst + q * 1024 + chunk1, hi[0], hi[1], hi[2], hi[3]);
+};
+
+// The NCHW forward with each input row transposed about once
+// (conv_bias_relu_nchw_band; x of at most 64 channels, KH + 1 <= kWin).
+// The NCHW window kernel above transposes each input row 1.5 times per
+// tile (both rows of every stage) and again for every tile of 64 output
+// channels.  Here a block takes a band of consecutive pixel tiles
+// (band_of_block), each with all its tiles of output channels in turn (the
+// engine's tiles (tm, tn), tm fastest: NchwBandLoader's schedule), and the
+// windows live in a ring of kWin slots of the loader's own, not in the
+// stages, which carry A alone: a pixel tile's KH + 1 input rows are
+// transposed once for all its tiles and stages, and the next pixel tile of
+// the band, two output rows further down the same image and columns, keeps
+// KH - 1 of them.
+
+// Pixel tiles first .. first + count - 1 of pixel_tiles: this block's band,
+// the tiles shared out in order as evenly as the grid allows.
+__device__ __forceinline__ void band_of_block(i64 pixel_tiles, i64& first, i64& count) {
+  const i64 per = pixel_tiles / gridDim.x, extra = pixel_tiles % gridDim.x, b = blockIdx.x;
+  first = b * per + min(b, extra);
+  count = per + (b < extra ? 1 : 0);
+}
+
+// The input rows of a band's pixel tiles, numbered in the order they are
+// first needed: pixel tile p's rows h0 .. h0 + KH (row i of the tile: its
+// stage kh reads rows kh and kh + 1) are numbers first .. first + KH, row
+// number q in window slot q % kWin.  Where the next pixel tile lies two
+// rows below in the same image and columns (KH >= 2: `shares`), its rows 0
+// .. KH - 2 are this tile's 2 .. KH, and its new rows KH - 1 and KH come
+// next; otherwise all its KH + 1 rows are new.
+struct BandRows {
+  i64 row_pairs, col_tiles;
+  int kh_size;
+  i64 p = 0;
+  int n = 0, h0 = 0, w0 = 0;
+  unsigned first = 0;
+  bool shares = false;
+  __device__ __forceinline__ void start(i64 tile) {
+    p = tile;
+    first = 0;
+    locate();
+  }
+  __device__ __forceinline__ void next() {
+    first += shares ? 2u : static_cast<unsigned>(kh_size) + 1u;
+    ++p;
+    locate();
+  }
+  __device__ __forceinline__ void advance_to(i64 tile) {
+    while (p < tile) next();
+  }
+  __device__ __forceinline__ void locate() {
+    window_tile(p, row_pairs, col_tiles, n, h0, w0);
+    int n1, h1, w1;
+    window_tile(p + 1, row_pairs, col_tiles, n1, h1, w1);
+    shares = kh_size >= 2 && n1 == n && w1 == w0 && h1 == h0 + 2;
+  }
+};
+
+// The producer's copies, the helpers' transpositions and the windows' ring.
+// The producer's thread, after a stage's A tiles, issues the raw rows (as
+// NchwWindowLoader's: 64 channels x kConvWindow columns, into a ring of
+// kRaw slots) of every row first read by the stage after it (at most two:
+// kRaw >= 2).  The helpers walk the block's stages in order: at each stage
+// of a pixel tile's first tile of output channels they transpose the rows
+// that stage reads first into their window slots, once the consumers have
+// released the slot's previous row (win_empty: an arrive by every consumer
+// warp of each tile of output channels that read that row last), then
+// arrive on the stage's "full" barrier (after its previous phase, so that
+// their arrive counts towards this one).
+template <typename T, int kKw, int kRaw, int kWin>
+struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
+  static_assert(kRaw >= 2, "a stage's new rows issued with the stage before it");
+  static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kConvRawBytes + kWin * kConvWindowBytes,
+                       kExtraBarriers = 2 * kRaw + kWin;
+  static constexpr bool kOwnSchedule = true;
+  using Ring = RawRing<kRaw, kHelperWarps>;
+  using Ring::raws;
+  using Ring::raw_full;
+  using Ring::raw_empty;
+  // The base's A side as it is (one block of 64 input channels); its
+  // map_in: `in` [N, C, H, W] as dims (W, H, C, N), boxes kConvWindow x 1 x
+  // 64 x 1, no swizzle.  The block's band; the windows' slots and their
+  // barriers; the producer's raw-row cursor (the stages loaded, the next
+  // row: number raw_q, row raw_i of the cursor's pixel tile, whose first
+  // stage is the block's raw_base-th).
+  i64 band_first = 0, band_count = 0;
+  unsigned windows = 0, win_bars = 0;
+  unsigned loaded = 0, raw_q = 0, raw_base = 0;
+  int raw_i = 0;
+  BandRows raw_rows{0, 0, 0};
+  __device__ __forceinline__ i64 block_tiles() const { return band_count * this->tiles_m(); }
+  __device__ __forceinline__ void block_tile(i64 j, i64& tm, i64& tn) const {
+    const unsigned tms = static_cast<unsigned>(this->tiles_m()), jj = static_cast<unsigned>(j);
+    const unsigned p = jj / tms;
+    tn = band_first + p;
+    tm = jj - p * tms;
+  }
+  __device__ __forceinline__ BandRows band_rows() const {
+    BandRows rows{this->row_pairs, this->col_tiles, this->kh_size};
+    rows.start(band_first);
+    return rows;
+  }
+  __device__ __forceinline__ void init_barriers(unsigned at) const {
+    Ring::init_barriers(at);
+    for (int slot = 0; slot < kWin; ++slot)
+      mbar_init(at + 8u * (2 * kRaw + slot), 4 * static_cast<unsigned>(this->tiles_m()));
+  }
+  __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
+    Ring::attach(extra, loader_bars);
+    windows = extra + kRaw * kConvRawBytes;
+    win_bars = loader_bars + 8u * (2 * kRaw);
+    raw_rows = band_rows();
+  }
+  __device__ __forceinline__ unsigned window(unsigned q) const { return windows + (q % kWin) * kConvWindowBytes; }
+  __device__ __forceinline__ unsigned win_empty(unsigned q) const { return win_bars + 8u * (q % kWin); }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned, unsigned bar, int) {
+    this->load_a(tile_a, bar);
+    this->next_stage();
+    const unsigned upto = ++loaded;  // rows first read by stages up to this one's next
+    const unsigned tms = static_cast<unsigned>(this->tiles_m()), kh_size = static_cast<unsigned>(this->kh_size);
+    while (raw_rows.p < band_first + band_count && raw_base + (raw_i > 1 ? raw_i - 1 : 0) <= upto) {
+      const int slot = static_cast<int>(raw_q % kRaw);
+      if (raw_q >= kRaw) mbar_wait(raw_empty(slot), ((raw_q / kRaw) - 1) & 1);
+      mbar_arrive_expect_tx(raw_full(slot), kConvRawBytes);
+      tma_load_4d(raws + slot * kConvRawBytes, this->map_in, raw_rows.w0, raw_rows.h0 + raw_i, 0, raw_rows.n,
+                  raw_full(slot));
+      ++raw_q;
+      if (++raw_i > this->kh_size) {
+        const bool kept = raw_rows.shares;
+        raw_rows.next();
+        raw_base += tms * kh_size;
+        raw_i = kept ? this->kh_size - 1 : 0;
+      }
     }
+  }
+  // By the producer warpgroup's last kHelperWarps warps (above).
+  __device__ __forceinline__ void help(const StageRing& ring, i64, int) const {
+    const int lane = threadIdx.x & 31, helper = (threadIdx.x >> 5) - (4 - kHelperWarps);
+    const i64 tms = this->tiles_m();
+    const int kh_size = this->kh_size;
+    BandRows rows = band_rows();
+    bool kept = false;  // whether this pixel tile kept rows of the one before
+    unsigned it = 0;
+    for (i64 pt = 0; pt < band_count; ++pt) {
+      for (i64 m = 0; m < tms; ++m)
+        for (int kh = 0; kh < kh_size; ++kh, ++it) {
+          if (m == 0) {
+            // The rows stage kh reads first: 0 and 1 at kh 0, kh + 1 after;
+            // new ones from row KH - 1 on where the tile kept rows.
+#pragma unroll 1
+            for (int i = kh == 0 ? 0 : kh + 1; i <= kh + 1; ++i) {
+              if (kept && i < kh_size - 1) continue;
+              const unsigned q = rows.first + i;
+              const int slot = static_cast<int>(q % kRaw);
+              mbar_wait(raw_full(slot), (q / kRaw) & 1);
+              if (q >= kWin) mbar_wait(win_empty(q), ((q / kWin) - 1) & 1);
+              transpose_raw_row<kHelperWarps>(raws + slot * kConvRawBytes, window(q), helper, lane);
+              __syncwarp();
+              if (lane == 0) mbar_arrive(raw_empty(slot));
+            }
+          }
+          const int s = static_cast<int>(it % ring.stages);
+          if (it >= static_cast<unsigned>(ring.stages)) mbar_wait(ring.full(s), ((it / ring.stages) - 1) & 1);
+          fence_proxy_async();  // the windows' writes, before the MMAs read them
+          __syncwarp();
+          if (lane == 0) mbar_arrive(ring.full(s));
+        }
+      kept = rows.shares;
+      rows.next();
+    }
+  }
+};
+
+// window_mma_group with B from the window ring: stage kh of a tile reads
+// the windows of its pixel tile's rows kh and kh + 1.  Once a warp's
+// MMAs of stage kh have completed (stage_done), its leader releases the
+// rows it read for the last time in this tile: row kh, and at the last
+// stage row KH too, but for rows 2 .. KH where the next pixel tile keeps
+// them (its own stages release them).
+template <typename T, int kKw, int kRaw, int kWin>
+struct BandWindowMma {
+  static constexpr int kBM = 64, kBN = 256, kWgRows = 64;
+  static constexpr bool kCooperative = false, kReadsLoaderExtras = true;
+  static constexpr int kTileABytes = kKw * 64 * 128, kTileBBytes = 0;
+  BandRows rows;
+  i64 band_first;
+  unsigned windows = 0, win_bars = 0;
+  __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
+    windows = extra + kRaw * kConvRawBytes;
+    win_bars = loader_bars + 8u * (2 * kRaw);
+    rows.start(band_first);
+  }
+  __device__ __forceinline__ void begin_tile(i64, i64 tn) { rows.advance_to(tn); }
+  __device__ __forceinline__ void end_tile(float (&)[2][kHgAccs]) {}
+  __device__ __forceinline__ unsigned window(int i) const {
+    return windows + ((rows.first + static_cast<unsigned>(i)) % kWin) * kConvWindowBytes;
+  }
+  __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned, int kt) const {
+    const Swizzle128Desc sb0(window(kt)), sb1(window(kt + 1));
+    window_mma_group<T, kKw>(acc, a, kt, [&](int r, int offset) { return (r ? sb1 : sb0).at(offset); });
+  }
+  __device__ __forceinline__ void stage_done(int kh) const {
+    const int kh_size = rows.kh_size;
+    if (kh < 2 || !rows.shares) mbar_arrive(win_bars + 8u * ((rows.first + kh) % kWin));
+    if (kh == kh_size - 1 && (kh_size < 2 || !rows.shares))
+      mbar_arrive(win_bars + 8u * ((rows.first + kh_size) % kWin));
   }
 };
 
@@ -1573,6 +1790,35 @@ conv_bias_relu_nchw_window(const __grid_constant__ TensorMap map_x, const __grid
 #endif
 }
 
+
+// conv_bias_relu_nchw_window's y from x [N, Cin, H, W] NCHW with Cin <= 64
+// and KH + 1 <= kWin, each input row transposed about once (above:
+// NchwBandLoader, BandWindowMma, kRaw raw rows and kWin windows), the same
+// sums in the same order.  Arguments as conv_bias_relu_nchw_window's (one
+// block of input channels).  Grid: at most one block per SM and per pixel
+// tile (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
+// kWindowNchwStagingBytes, A's tiles, the raw rows' and windows' bytes, 2
+// kRaw + kWin>() of dynamic shared memory.
+template <typename T, int kKw, int kStages, int kRaw, int kWin>
+__global__ void __launch_bounds__(kHgThreads, 1)
+conv_bias_relu_nchw_band(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
+                         T* __restrict__ y, const T* __restrict__ conv_bias, const T* __restrict__ bias,
+                         i64 n_images, i64 cout, i64 out_rows, i64 out_cols, i64 kh_size) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  NchwBandLoader<T, kKw, kRaw, kWin> loader{
+      window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, 1, 0, 0)};
+  band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
+  WindowNchwStore<T> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, loader.col_tiles},
+                           {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
+  const BandWindowMma<T, kKw, kRaw, kWin> mma{
+      {loader.row_pairs, loader.col_tiles, static_cast<int>(kh_size)}, loader.band_first};
+  extern __shared__ __align__(128) unsigned char conv_shared[];
+  half_gemm_persistent<T, kStages, kWindowNchwStagingBytes, BandWindowMma<T, kKw, kRaw, kWin>>(
+      reinterpret_cast<char*>(conv_shared), loader, store, mma);
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
 
 // ---- The weight gradient (conv_wgrad_wgmma, conv_wgrad_reduce) ----
 // dW[co, ci, kh, kw] = the sum over output pixels (n, oh, ow) of dz[n, oh,

@@ -22,6 +22,7 @@
 // Persistent and warp-specialised: one block of three warpgroups per SM
 // (four with a store of its own: StoreExtras) walks the output tiles (128 x
 // 128 with SmemMma) in a fixed grouped order, blockIdx.x, + gridDim.x, ...
+// (or in the loader's own order: EngineSchedule)
 //  * the producer warpgroup (one thread of it) streams the tiles of A and B
 //    (128 rows x 128 bytes each: 64 16-bit values, or 32 float32 ones, of
 //    k) with the bulk tensor copy engine (TMA) into a kStages
@@ -367,6 +368,45 @@ struct LoaderExtras {
 template <typename L>
 struct LoaderExtras<L, decltype(L::kHelperWarps, 0)> {
   static constexpr int kHelperWarps = L::kHelperWarps, kBytes = L::kExtraBytes, kBarriers = L::kExtraBarriers;
+};
+
+// Which tiles a block takes, and in which order, as a cursor c: the
+// block's j-th tile is first(j), the one k tiles further c + step(k),
+// valid(c) while it exists, at (tm, tn) = at(c).  By default tiles
+// blockIdx.x, + gridDim.x, ... of the grouped order (grouped_tile_of); a
+// loader that declares kOwnSchedule gives its own (block_tiles() of them,
+// the j-th at block_tile(j, tm, tn)), read by every warpgroup alike.
+template <typename L, typename = int>
+struct EngineSchedule {
+  const L& loader;
+  i64 tiles, tiles_m, tiles_n;
+  __device__ __forceinline__ i64 first(i64 j) const { return blockIdx.x + j * gridDim.x; }
+  __device__ __forceinline__ unsigned step(int k) const { return k * gridDim.x; }
+  __device__ __forceinline__ bool valid(i64 c) const { return c < tiles; }
+  __device__ __forceinline__ void at(i64 c, i64& tm, i64& tn) const { grouped_tile_of(c, tiles_m, tiles_n, tm, tn); }
+};
+template <typename L>
+struct EngineSchedule<L, decltype(L::kOwnSchedule, 0)> {
+  const L& loader;
+  i64 tiles, tiles_m, tiles_n;
+  __device__ __forceinline__ i64 first(i64 j) const { return j; }
+  __device__ __forceinline__ unsigned step(int k) const { return k; }
+  __device__ __forceinline__ bool valid(i64 c) const { return c < loader.block_tiles(); }
+  __device__ __forceinline__ void at(i64 c, i64& tm, i64& tn) const { loader.block_tile(c, tm, tn); }
+};
+
+// What an Mma policy reads of the loader's own shared memory: nothing,
+// unless it declares kReadsLoaderExtras; then each consumer's copy is
+// attach()-ed to the loader's bytes and barriers (LoaderExtras) before its
+// first tile, and each warp's leader calls stage_done(kt) right after its
+// release of the tile's k-tile kt (its MMAs have completed).
+template <typename M, typename = int>
+struct MmaExtras {
+  static constexpr bool kReadsLoader = false;
+};
+template <typename M>
+struct MmaExtras<M, decltype(M::kReadsLoaderExtras, 0)> {
+  static constexpr bool kReadsLoader = M::kReadsLoaderExtras;
 };
 
 // What a store adds to the engine: none, unless it declares
@@ -738,6 +778,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   const i64 tiles_m = loader.tiles_m(), tiles_n = loader.tiles_n();
   const i64 tiles = tiles_m * tiles_n;
   const int ktiles = loader.ktiles();
+  const EngineSchedule<Loader> schedule{loader, tiles, tiles_m, tiles_n};
 
   if (tid == 0) {
     loader.prefetch();
@@ -753,7 +794,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   }
   __syncthreads();
 
-  // The block's j-th tile is blockIdx.x + j * gridDim.x, consumed by
+  // The block's j-th tile (schedule.first(j)) is consumed by
   // warpgroup j % 2 (ping-pong) or by both (cooperative); its k-tile kt is
   // the pipeline's it = j * ktiles + kt-th use of a stage (stage it %
   // kStages, phase it / kStages).  Ping-pong, the consumers' main loops take
@@ -780,9 +821,9 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     Loader producer = loader;
     if constexpr (Extras::kHelperWarps > 0) producer.attach(extra, loader_bars);
     unsigned it = 0;  // (unsigned: no signed remainder and quotient for the stage and phase)
-    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (i64 tile = schedule.first(0); schedule.valid(tile); tile += schedule.step(1)) {
       i64 tm, tn;
-      grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
+      schedule.at(tile, tm, tn);
       producer.begin_tile(tm, tn);
       for (int kt = 0; kt < ktiles; ++kt, ++it) {
         const int s = static_cast<int>(it % kStages);
@@ -800,15 +841,15 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
       static_assert(kHgStoreRowRegs >= 65536 / kHgThreadsWithStore, "more than the launch's: inc");
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHgStoreRowRegs) : "memory");
       const HalfGemmLane me;  // (wg 2: its barrier is named 3)
-      for (i64 j = 0, tile = blockIdx.x; tile < tiles; ++j, tile += gridDim.x) {
+      for (i64 j = 0, tile = schedule.first(0); schedule.valid(tile); ++j, tile += schedule.step(1)) {
         i64 tm, tn;
-        grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
+        schedule.at(tile, tm, tn);
         const int w = static_cast<int>(j & 1);
         store.rows(me, tm * Mma::kBM, tn * Mma::kBN, staging + w * (kStagingBytes / 2),
                    [&] { named_barrier(kHgStagedBarrier + w, 256); });
         // The consumer's next tile, if any, waits for the area (a barrier
         // left with arrivals nobody waits for would outlive the block).
-        if (tile + 2 * gridDim.x < tiles) named_barrier_arrive(kHgFreedBarrier + w, 256);
+        if (schedule.valid(tile + schedule.step(2))) named_barrier_arrive(kHgFreedBarrier + w, 256);
       }
       store.finish(me);
       return;
@@ -825,10 +866,11 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   constexpr int kStride = Mma::kCooperative ? 1 : 2;
   const i64 my_rows = Mma::kCooperative ? me.wg * Mma::kWgRows : 0;
   float acc[2][kHgAccs];
-  for (i64 j = Mma::kCooperative ? 0 : me.wg, tile = blockIdx.x + j * gridDim.x; tile < tiles;
-       j += kStride, tile += kStride * gridDim.x) {
+  if constexpr (MmaExtras<Mma>::kReadsLoader) mma.attach(extra, loader_bars);
+  for (i64 j = Mma::kCooperative ? 0 : me.wg, tile = schedule.first(j); schedule.valid(tile);
+       j += kStride, tile += schedule.step(kStride)) {
     i64 tm, tn;
-    grouped_tile_of(tile, tiles_m, tiles_n, tm, tn);
+    schedule.at(tile, tm, tn);
     // The first MMA of a tile ignores the accumulators; zeroing them here
     // ends the previous tile's values at its store, so that the store has
     // the registers they held.
@@ -847,7 +889,10 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
       mma.issue(acc, tile_a(s), tile_b(s), kt);
       if (kt > 0) {
         wgmma_wait<1>();  // the previous k-tile's MMAs are done: release its stage
-        if (warp_leader) mbar_arrive(empty((it - 1) % kStages));
+        if (warp_leader) {
+          mbar_arrive(empty((it - 1) % kStages));
+          if constexpr (MmaExtras<Mma>::kReadsLoader) mma.stage_done(kt - 1);
+        }
       }
     }
     if (!Mma::kCooperative && warp_leader) mbar_arrive(turn(1 - me.wg));  // every MMA of tile j is issued
@@ -855,7 +900,10 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
     fence_registers(acc[0]);
     fence_registers(acc[1]);
     mma.end_tile(acc);
-    if (warp_leader) mbar_arrive(empty((it - 1) % kStages));
+    if (warp_leader) {
+      mbar_arrive(empty((it - 1) % kStages));
+      if constexpr (MmaExtras<Mma>::kReadsLoader) mma.stage_done(ktiles - 1);
+    }
     if constexpr (kStoreWg) {
       // The store's warpgroup is done with this warpgroup's previous tile.
       if (j >= 2) named_barrier(kHgFreedBarrier + me.wg, 256);

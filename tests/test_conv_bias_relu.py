@@ -255,6 +255,10 @@ def test_engine_against_float64(shape, kind, dtype, device):
 # rows of 1 and of more than 128 columns (3 column tiles), an odd number of
 # output rows, problem 1's rows (126 of 128), batch 1, and more tiles than
 # SMs.  (The engine's route takes C_in a multiple of 8: engine_layout.)
+# Those with C_in up to 64 and KH up to 3 take the band kernel: the last
+# four with bands of several pixel tiles that keep rows from one to the
+# next (KH 2 and 3), that start in one image and end in another, of 1 and 3
+# tiles of output channels, and one of 2 column tiles with KH 1.
 NCHW_WINDOW_SHAPES = [
     (2, 64, 20, 16, 128, 3, 3),
     (1, 8, 9, 8, 5, 1, 1),
@@ -264,6 +268,10 @@ NCHW_WINDOW_SHAPES = [
     (1, 64, 3, 304, 40, 3, 3),
     (2, 64, 7, 128, 128, 3, 3),
     (8, 64, 34, 40, 200, 3, 3),
+    (64, 16, 34, 16, 64, 3, 3),
+    (40, 8, 21, 8, 72, 2, 1),
+    (30, 40, 15, 24, 192, 3, 2),
+    (20, 64, 10, 136, 64, 1, 5),
 ]
 
 
@@ -271,11 +279,13 @@ NCHW_WINDOW_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", NCHW_WINDOW_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
-    """The NCHW 16-bit forward with no copy of x (conv_bias_relu_nchw_window):
-    every value of a NaN-poisoned y written, within 1.5x eager's error
-    against float64, the public entry bitwise the same, two runs equal;
-    with one block of 64 input channels (the same order of k-tiles),
-    bitwise the output of the copy and the per-tap kernel."""
+    """The NCHW 16-bit forward with no copy of x (conv_bias_relu_nchw_band
+    where _band_fits, else conv_bias_relu_nchw_window): every value of a
+    NaN-poisoned y written, within 1.5x eager's error against float64, the
+    public entry bitwise the same, two runs equal; the band kernel's y
+    bitwise the window kernel's; with one block of 64 input channels (the
+    same order of k-tiles), bitwise the output of the copy and the per-tap
+    kernel."""
     _engine_device(device)
     n, cin, h, w, cout, kh, kw = shape
     gen = torch.Generator().manual_seed(sum(shape))
@@ -292,13 +302,18 @@ def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
         eager = _reference(x, wt, cb, b)
         out = torch.full(truth.shape, float("nan"), dtype=dtype, device=device)
         ours = CB._launch_engine(x, wt, cb, b.reshape(-1), out=out)
-        assert taken == ["nchw_window"]
+        band = CB._band_fits(cin, kh, kw)
+        assert taken == ["nchw_band" if band else "nchw_window"]
         assert ours is out and not ours.isnan().any()
         err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
         assert err <= 1.5 * eager_err + torch.finfo(dtype).eps, (err, eager_err)
         again = ops.conv_bias_relu(x, wt, cb, b)
         assert torch.equal(again, ours) and again.is_contiguous()
         assert torch.equal(ops.conv_bias_relu(x, wt, cb, b), again)
+        if band:
+            monkeypatch.setattr(CB, "_band_fits", lambda *a: False)
+            assert torch.equal(CB._launch_engine(x, wt, cb, b.reshape(-1)), ours)
+            assert taken[-1] == "nchw_window"
         if cin <= 64:
             monkeypatch.setattr(CB, "_nchw_window_fits", lambda *a: False)
             assert torch.equal(CB._launch_engine(x, wt, cb, b.reshape(-1)), ours)
@@ -1125,24 +1140,35 @@ def test_window_launches_fit_their_kernels():
 
 def test_nchw_window_launches_fit_their_kernel():
     """Each NCHW window kernel (KW 1 to NCHW_WINDOW_MAX_KW) gets two raw
-    rows or more in flight (kRaw >= 2, which its loader asserts), as many
-    (up to 4) as the opt-in shared memory holds; the raw row and the
-    staging are sized as the kernel sizes them; no wider kernel fits."""
+    rows or more in flight (kRaw >= 2, which its loader asserts), and each
+    band kernel (KW 1 to BAND_MAX_KW) two stages or more beside BAND_RAWS
+    raw rows and BAND_WINDOWS windows, as many (up to 4) as the opt-in
+    shared memory holds; the raw row, the window and the staging are sized
+    as the kernel sizes them; no wider kernel fits."""
     text = (_runtime.kernel_dir() / "conv_bias_relu.cu").read_text()
     assert "constexpr int kConvRawBytes = 64 * kConvWindow * 2;" in text
     assert CB._RAW_BYTES == 64 * CB.WINDOW * 2
+    # (the band kernel's windows are sized as raw rows: _band_shared_bytes)
+    assert "constexpr int kConvWindowBytes = kConvWindow * 128;" in text and CB.WINDOW * 128 == CB._RAW_BYTES
+    assert CB.BAND_RAWS >= 2  # (the band loader's static_assert)
     staging = re.search(r"constexpr int kWindowNchwStagingBytes = 2 \* (\d+) \* 1024;", text).group(1)
     assert CB._NCHW_WINDOW_STAGING_BYTES == 2 * int(staging) * 1024
     # 64 staging rows of kConvStageRow (136) values, and the last chunk's reads past the last row.
     assert CB._NCHW_WINDOW_STAGING_BYTES // 2 >= 64 * 136 * 2 + 16
-    for kw in range(1, CB.NCHW_WINDOW_MAX_KW + 1):
-        raws = CB._nchw_window_raws(kw)
-        assert 2 <= raws <= 4 and CB._nchw_window_shared_bytes(kw, raws) <= CB._OPT_IN_SHARED_BYTES
-        assert raws == 4 or CB._nchw_window_shared_bytes(kw, raws + 1) > CB._OPT_IN_SHARED_BYTES
-        for dtype in (torch.float16, torch.bfloat16):
-            assert CB.KERNELS.expressions[("nchw_window", dtype, kw)].endswith(
-                f", {kw}, {CB.NCHW_WINDOW_STAGES}, {raws}>")
-    assert CB._nchw_window_raws(CB.NCHW_WINDOW_MAX_KW + 1) < 2
+    # (key, widest kernel, count of its raw rows or stages, shared bytes, expression's end)
+    kernels = (("nchw_window", CB.NCHW_WINDOW_MAX_KW, CB._nchw_window_raws, CB._nchw_window_shared_bytes,
+                lambda kw, k: f", {kw}, {CB.NCHW_WINDOW_STAGES}, {k}>"),
+               ("nchw_band", CB.BAND_MAX_KW, CB._band_stages, CB._band_shared_bytes,
+                lambda kw, k: f", {kw}, {k}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}>"))
+    for key, max_kw, count, shared, end in kernels:
+        for kw in range(1, max_kw + 1):
+            k = count(kw)
+            assert 2 <= k <= 4 and shared(kw, k) <= CB._OPT_IN_SHARED_BYTES
+            assert k == 4 or shared(kw, k + 1) > CB._OPT_IN_SHARED_BYTES
+            for dtype in (torch.float16, torch.bfloat16):
+                assert CB.KERNELS.expressions[(key, dtype, kw)].endswith(end(kw, k))
+        assert count(max_kw + 1) < 2
+    assert CB.BAND_MAX_KW <= CB.NCHW_WINDOW_MAX_KW
 
 
 def test_nchw_window_takes_what_its_kernel_runs():
@@ -1166,31 +1192,58 @@ def test_nchw_window_takes_what_its_kernel_runs():
 
 def test_nchw_window_launch(monkeypatch):
     """_launch_engine on an NCHW 16-bit x with no mask (CPU tensors,
-    launches recorded): the NCHW window kernel of its KW, no copy of x,
-    x's map as dims (W, H, C_in, N) with boxes of one row of WINDOW columns
-    x 64 channels, unswizzled; the packed weight; y NCHW; the scalars in
-    the kernel's order.  With a mask (training) or KW past the kernel's,
+    launches recorded): with C_in up to 64 and KH up to 3 the band kernel of
+    its KW, a block per pixel tile up to the SM count, its stages' shared
+    memory, the scalars in its order; with KH 4 (or C_in past 64) the NCHW
+    window kernel; both with no copy of x, x's map as dims (W, H, C_in, N)
+    with boxes of one row of WINDOW columns x 64 channels, unswizzled; the
+    packed weight; y NCHW.  With a mask (training) or KW past the kernels',
     the copy and the per-tap kernel."""
     maps, packed, launched = _record_window_launches(monkeypatch)
     bf16 = torch.bfloat16
     x = torch.randn(2, 5, 9, 136, dtype=bf16)
-    wt = torch.randn(33, 5, 3, 4, dtype=bf16)
     cb, b = torch.randn(33, dtype=bf16), torch.randn(33, dtype=bf16)
-    y = CB._launch_engine(x, wt, cb, b, plan=(CB.NCHW, bf16, bf16, False))
-    assert y.shape == (2, 33, 7, 133) and y.is_contiguous()
-    (fn, grid, block, args, shared), = launched
-    assert fn == ("nchw_window", bf16, 4) and block == gemm.HALF_THREADS
-    assert grid == (1 * 2 * 4 * 2, 1, 1) and shared == CB._nchw_window_shared_bytes(4, CB._nchw_window_raws(4))
-    assert maps == [(x.data_ptr(), (136, 9, 5, 2), (136, 9 * 136, 5 * 9 * 136), bf16, (CB.WINDOW, 1, 64, 1),
-                     {"swizzle": False})]
-    (a, rows), = packed
-    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)[0]) and a.shape == (33, 3 * 4 * 64)
-    assert args == (("map", 0), ("packed", 64), y.data_ptr(), cb.data_ptr(), b.data_ptr(), 2, 33, 7, 133, 3, 1)
+    for kh in (3, 4):
+        maps.clear(), packed.clear(), launched.clear()
+        wt = torch.randn(33, 5, kh, 4, dtype=bf16)
+        y = CB._launch_engine(x, wt, cb, b, plan=(CB.NCHW, bf16, bf16, False))
+        oh = 10 - kh
+        assert y.shape == (2, 33, oh, 133) and y.is_contiguous()
+        (fn, grid, block, args, shared), = launched
+        assert block == gemm.HALF_THREADS
+        assert maps == [(x.data_ptr(), (136, 9, 5, 2), (136, 9 * 136, 5 * 9 * 136), bf16,
+                         (CB.WINDOW, 1, 64, 1), {"swizzle": False})]
+        (a, rows), = packed
+        assert rows == 64 and torch.equal(a, CB._packed_weight(wt, bf16)[0]) and a.shape == (33, kh * 4 * 64)
+        scalars = (("map", 0), ("packed", 64), y.data_ptr(), cb.data_ptr(), b.data_ptr(), 2, 33, oh, 133, kh)
+        pixel_tiles = 2 * ((oh + 1) // 2) * 2  # images x row pairs x column tiles
+        if kh == 3:
+            assert fn == ("nchw_band", bf16, 4) and grid == (pixel_tiles, 1, 1)
+            assert shared == CB._band_shared_bytes(4, CB._band_stages(4)) and args == scalars
+        else:
+            # (one tile of C_out: as many tiles as pixel tiles)
+            assert fn == ("nchw_window", bf16, 4) and grid == (pixel_tiles, 1, 1)
+            assert shared == CB._nchw_window_shared_bytes(4, CB._nchw_window_raws(4))
+            assert args == scalars + (1,)  # (and one block of input channels)
+    # At most a block per SM where the pixel tiles outnumber the SMs.
+    launched.clear()
+    CB._launch_engine(torch.randn(200, 5, 9, 136, dtype=bf16), torch.randn(33, 5, 3, 4, dtype=bf16), cb, b,
+                      plan=(CB.NCHW, bf16, bf16, False))
+    assert launched[0][0][0] == "nchw_band" and launched[0][1] == (132, 1, 1)
     for wide, mask in ((False, torch.zeros(2 * 33 * 7 * 133 // 32 + 1, dtype=torch.int32)), (True, None)):
         launched.clear()
-        weight = torch.randn(33, 5, 3, CB.NCHW_WINDOW_MAX_KW + 1, dtype=bf16) if wide else wt
+        weight = torch.randn(33, 5, 3, CB.NCHW_WINDOW_MAX_KW + 1 if wide else 4, dtype=bf16)
         CB._launch_engine(x, weight, cb, b, plan=(CB.NCHW, bf16, bf16, mask is not None), mask=mask)
         assert [launch[0][0] for launch in launched] == ["to_nhwc", "conv"]
+
+
+def test_band_fits():
+    """The band kernel takes one block of 64 input channels, a pixel tile's
+    KH + 1 rows within BAND_WINDOWS, KW up to BAND_MAX_KW; nothing else."""
+    assert CB._band_fits(64, CB.BAND_WINDOWS - 1, CB.BAND_MAX_KW) and CB._band_fits(8, 1, 1)
+    assert not CB._band_fits(72, 3, 3)
+    assert not CB._band_fits(64, CB.BAND_WINDOWS, 3)
+    assert not CB._band_fits(64, 3, CB.BAND_MAX_KW + 1)
 
 
 def test_dgrad_takes_what_its_kernel_runs(monkeypatch):

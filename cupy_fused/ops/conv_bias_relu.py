@@ -28,7 +28,11 @@ Route, decided once per call (:func:`route`):
   record, W a multiple of 8 and a kernel up to :data:`NCHW_WINDOW_MAX_KW`
   wide takes the same kernel's NCHW form, with no copy of x
   (``conv_bias_relu_nchw_window``: x's rows transposed into the windows in
-  shared memory; :func:`_nchw_window_fits`).  With a gradient to record (at least
+  shared memory; :func:`_nchw_window_fits`), and with at most 64 input
+  channels and 3 kernel rows its band form (``conv_bias_relu_nchw_band``:
+  each block on consecutive pixel tiles, each transposed row kept for
+  every tile of output channels and the next pixel tile; :func:`_band_fits`).
+  With a gradient to record (at least
   :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values;
   :func:`_trains_on_engine`), the same forward also writes
   relu's mask, and keeps an NCHW x's channels-last copy (a float32 one
@@ -161,6 +165,37 @@ def _nchw_window_raws(kw: int) -> int:
 
 NCHW_WINDOW_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _nchw_window_raws(kw) >= 2)
 
+# The NCHW band kernel (conv_bias_relu_nchw_band): the NCHW window kernel
+# for x of at most 64 channels, each block on a band of consecutive pixel
+# tiles with all their tiles of output channels in turn, the windows in a
+# ring of BAND_WINDOWS of their own (so that a pixel tile's KH + 1 input
+# rows, at most BAND_WINDOWS, are transposed once for all its tiles, and
+# the next pixel tile keeps KH - 1 of them), stages of A alone (as many,
+# 2 to 4, as shared memory holds), BAND_RAWS raw rows.
+BAND_WINDOWS = 4
+BAND_RAWS = 2
+
+
+def _band_stage_bytes(kw: int) -> int:
+    return kw * WINDOW_TILE[0] * gemm.HALF_BOX_K * 2
+
+
+def _band_shared_bytes(kw: int, stages: int) -> int:
+    # (the loader's extras: raw rows and windows, an mbarrier pair a raw row
+    # and one a window)
+    return gemm._half_shared_bytes(_NCHW_WINDOW_STAGING_BYTES, stages, _band_stage_bytes(kw),
+                                   (BAND_RAWS + BAND_WINDOWS) * _RAW_BYTES, 2 * BAND_RAWS + BAND_WINDOWS)
+
+
+def _band_stages(kw: int) -> int:
+    """The band kernel's stages at kernel width ``kw``: the most (up to 4)
+    that fit; fewer than 2 (wider kernels) is no kernel."""
+    return max([stages for stages in range(2, 5) if _band_shared_bytes(kw, stages) <= _OPT_IN_SHARED_BYTES],
+               default=0)
+
+
+BAND_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _band_stages(kw) >= 2)
+
 
 def _window_tiles(n: int, cout: int, oh: int, ow: int) -> int:
     """A window kernel's tiles for an output [n, cout, oh, ow]."""
@@ -233,7 +268,8 @@ def _wgrad_stages(tb: int) -> int:
 # 16-bit forward (:func:`_launch_window`), and with a last element float32
 # its float32 y (under autocast; dtype float32: x rounded to TF32);
 # ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
-# (:func:`_launch_nchw_window`); ("wgrad", dtype, tb) and
+# (:func:`_launch_nchw_window`), and ("nchw_band", dtype, KW) its band
+# form; ("wgrad", dtype, tb) and
 # ("wgrad_reduce", dtype): the 16-bit weight gradient, tiles of tb blocks
 # of 64 columns (:func:`_launch_wgrad`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
@@ -270,6 +306,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("nchw_window", d, kw): f"cf::conv_bias_relu_nchw_window<{cxx_type(d)}, {kw}, {NCHW_WINDOW_STAGES}, "
                                f"{_nchw_window_raws(kw)}>"
        for d in HALF_DTYPES for kw in range(1, NCHW_WINDOW_MAX_KW + 1)},
+    **{("nchw_band", d, kw): f"cf::conv_bias_relu_nchw_band<{cxx_type(d)}, {kw}, {_band_stages(kw)}, "
+                             f"{BAND_RAWS}, {BAND_WINDOWS}>"
+       for d in HALF_DTYPES for kw in range(1, BAND_MAX_KW + 1)},
     **{("wgrad", d, tb): f"cf::conv_wgrad_wgmma<{cxx_type(d)}, {tb}, {_wgrad_stages(tb)}>"
        for d in HALF_DTYPES for tb in range(1, 5)},
     **{("wgrad_reduce", d): f"cf::conv_wgrad_reduce<{cxx_type(d)}>" for d in HALF_DTYPES},
@@ -386,6 +425,14 @@ def _nchw_window_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     cout, _, kh, kw = weight.shape
     return (x.dtype in HALF_DTYPES and x.is_contiguous() and w % 8 == 0 and x.data_ptr() % 16 == 0
             and kw <= NCHW_WINDOW_MAX_KW and _window_bounds(n, cin, h, w, cout, kh, kw))
+
+
+def _band_fits(cin: int, kh: int, kw: int) -> bool:
+    """Whether the NCHW band kernel takes a convolution that
+    :func:`_nchw_window_fits` takes (C_in input channels, a KH x KW
+    kernel): one block of 64 input channels, and a pixel tile's KH + 1
+    input rows in its :data:`BAND_WINDOWS` windows."""
+    return cin <= gemm.HALF_BOX_K and kh + 1 <= BAND_WINDOWS and kw <= BAND_MAX_KW
 
 
 def _out_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int, int, int]:
@@ -667,18 +714,29 @@ def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
 
 def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                         bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
-    # The NCHW 16-bit forward with no copy of x (conv_bias_relu_nchw_window),
-    # for _launch_engine: x [N, C_in, H, W] as _nchw_window_fits takes it,
-    # the weight and the biases (cast) of x's dtype, out NCHW.
+    # The NCHW 16-bit forward with no copy of x (conv_bias_relu_nchw_band
+    # where _band_fits, else conv_bias_relu_nchw_window), for
+    # _launch_engine: x [N, C_in, H, W] as _nchw_window_fits takes it, the
+    # weight and the biases (cast) of x's dtype, out NCHW.  The band kernel:
+    # a block per pixel tile up to the SM count (each block's band whole
+    # pixel tiles).
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = out.shape[2:]
     packed, c_blocks = _packed_weight(weight, x.dtype)
-    raws = _nchw_window_raws(kw)
     # x as dims (W, H, C, N): boxes of one row of WINDOW columns x 64 channels.
     map_x = gemm._encode_tensor_map(x.data_ptr(), (w, h, cin, n), (w, h * w, cin * h * w), x.dtype,
                                     (WINDOW, 1, gemm.HALF_BOX_K, 1), swizzle=False)
     dev = x.device.index
+    if _band_fits(cin, kh, kw):
+        pixel_tiles = n * cdiv(oh, 2) * cdiv(ow, 128)
+        _bridge.launch(KERNELS.get(("nchw_band", x.dtype, kw), dev), (min(pixel_tiles, sm_count(dev)), 1, 1),
+                       gemm.HALF_THREADS,
+                       (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), out.data_ptr(), conv_bias.data_ptr(),
+                        _ptr_or_null(bias), n, cout, oh, ow, kh), dev,
+                       shared_mem=_band_shared_bytes(kw, _band_stages(kw)))
+        return
+    raws = _nchw_window_raws(kw)
     _bridge.launch(KERNELS.get(("nchw_window", x.dtype, kw), dev),
                    (min(_window_tiles(n, cout, oh, ow), sm_count(dev)), 1, 1), gemm.HALF_THREADS,
                    (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), out.data_ptr(), conv_bias.data_ptr(),
