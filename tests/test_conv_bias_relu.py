@@ -509,7 +509,7 @@ def test_engine_nchw_rows_at_every_alignment(ow, amp, device, monkeypatch):
     (16-bit y, and float32 y under autocast), rows wider than one 128-column
     tile and rows of 3 values: every value of y written and right, nothing
     around y touched.  (W = OW + 2 a multiple of 8: a 16-bit x takes the
-    NCHW window kernel and its store.)"""
+    NCHW band kernel, with the NCHW window kernel's store.)"""
     _engine_device(device)
     n, cin, h, cout = 2, 8, 4, 9
     gen = torch.Generator().manual_seed(ow)
@@ -530,7 +530,7 @@ def test_engine_nchw_rows_at_every_alignment(ow, amp, device, monkeypatch):
             assert CB.route(x, wt, cb, b) == "engine"
             eager = _reference(x, wt, cb, b)
             CB._launch_engine(x, wt, cb, b, out=out)
-        assert ("nchw_window" in taken) == (amp is None and (ow + 2) % 8 == 0)
+        assert ("nchw_band" in taken) == (amp is None and (ow + 2) % 8 == 0)
         assert not out.isnan().any()
         assert (guard[:offset] == 7).all() and (guard[offset + numel:] == 7).all()
         err, eager_err = rel_error(out, truth), rel_error(eager, truth)
