@@ -1124,6 +1124,34 @@ __device__ __forceinline__ void transpose_raw_row(unsigned raw, unsigned window,
   }
 }
 
+// The same from half a raw row of float32 values, channels 32 half .. + 31
+// ([32 channels][kConvWindow columns], rows of 544 bytes), each value
+// rounded to T to nearest as it is transposed (autocast's cast of x): lane
+// i of a warp loads the two values of its fragment of each 8 x 8 block
+// (channel 8 m + i / 4 of the half, columns 8 q + 2 (i % 4), + 1; a warp's
+// 64 words in two wavefronts), packs them rounded, and the half's four
+// blocks of a column chunk go out as one of transpose_raw_row's groups.
+template <int kHelperWarps, typename T>
+__device__ __forceinline__ void convert_raw_half(unsigned raw, unsigned window, int half, int helper, int lane) {
+  const int m = lane >> 3, l = lane & 7;
+  const unsigned src = raw + ((lane >> 2) * kConvWindow + 2 * (lane & 3)) * 4, dst = window + l * 128;
+  const unsigned chunk = ((4 * half + m) ^ l) << 4;
+#pragma unroll 2
+  for (int q = helper; q < kConvWindow / 8; q += kHelperWarps) {
+    unsigned w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float lo, hi;
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                   : "=f"(lo), "=f"(hi)
+                   : "r"(src + (8 * j * kConvWindow + 8 * q) * 4)
+                   : "memory");
+      w[j] = pack2<T>(lo, hi);
+    }
+    stmatrix_x4_trans(dst + q * 1024 + chunk, w[0], w[1], w[2], w[3]);
+  }
+}
+
 // The windows from an NCHW `in` [N, C, H, W] (conv_bias_relu_nchw_window):
 // the copy engine cannot shift a box of NCHW rows by one value (a box's
 // first element must lie on the 16-byte grid), nor lay channels out
@@ -1262,18 +1290,26 @@ struct BandRows {
 // The producer's copies, the helpers' transpositions and the windows' ring.
 // The producer's thread, after a stage's A tiles, issues the raw rows (as
 // NchwWindowLoader's: 64 channels x kConvWindow columns, into a ring of
-// kRaw slots) of every row first read by the stage after it (at most two:
-// kRaw >= 2).  The helpers walk the block's stages in order: at each stage
+// kRaw slots; a float32 row as two slots of 32 channels) of every row
+// first read by the stage after it (at most two), waiting for a slot only
+// on the helpers, who wait on nothing that needs later copies (the stage
+// whose reads free their window slot has its A tiles).  The helpers walk the block's stages in order: at each stage
 // of a pixel tile's first tile of output channels they transpose the rows
 // that stage reads first into their window slots, once the consumers have
 // released the slot's previous row (win_empty: an arrive by every consumer
 // warp of each tile of output channels that read that row last), then
 // arrive on the stage's "full" barrier (after its previous phase, so that
 // their arrive counts towards this one).
-template <typename T, int kKw, int kRaw, int kWin>
+template <typename T, int kKw, int kRaw, int kWin, typename Tin = T>
 struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   static_assert(kRaw >= 2, "a stage's new rows issued with the stage before it");
-  static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kConvRawBytes + kWin * kConvWindowBytes,
+  static_assert(sizeof(Tin) == sizeof(T) || sizeof(Tin) == 4, "x of the product's dtype, or float32");
+  // A raw slot holds a row's 64 channels of a 16-bit x, or half of them
+  // (kRowUnits slots a row) of a float32 one: kConvRawBytes either way.
+  static constexpr int kRowUnits = static_cast<int>(sizeof(Tin) / sizeof(T)), kUnitChannels = 64 / kRowUnits;
+  static constexpr int kRawBytes = kUnitChannels * kConvWindow * static_cast<int>(sizeof(Tin));
+  static_assert(kRawBytes == kConvRawBytes, "a raw slot's bytes");
+  static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kRawBytes + kWin * kConvWindowBytes,
                        kExtraBarriers = 2 * kRaw + kWin;
   static constexpr bool kOwnSchedule = true;
   using Ring = RawRing<kRaw, kHelperWarps>;
@@ -1281,11 +1317,13 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   using Ring::raw_full;
   using Ring::raw_empty;
   // The base's A side as it is (one block of 64 input channels); its
-  // map_in: `in` [N, C, H, W] as dims (W, H, C, N), boxes kConvWindow x 1 x
-  // 64 x 1, no swizzle.  The block's band; the windows' slots and their
-  // barriers; the producer's raw-row cursor (the stages loaded, the next
-  // row: number raw_q, row raw_i of the cursor's pixel tile, whose first
-  // stage is the block's raw_base-th).
+  // map_in: `in` [N, C, H, W] of Tin as dims (W, H, C, N), boxes
+  // kConvWindow x 1 x kUnitChannels x 1, no swizzle (a float32 `in`
+  // rounded to T as its rows are transposed: convert_raw_half).  The
+  // block's band; the windows' slots and their barriers; the producer's
+  // raw-row cursor (the stages loaded, the raw slots' uses so far raw_q,
+  // the next row: row raw_i of the cursor's pixel tile, whose first stage
+  // is the block's raw_base-th).
   i64 band_first = 0, band_count = 0;
   unsigned windows = 0, win_bars = 0;
   unsigned loaded = 0, raw_q = 0, raw_base = 0;
@@ -1310,7 +1348,7 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   }
   __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
     Ring::attach(extra, loader_bars);
-    windows = extra + kRaw * kConvRawBytes;
+    windows = extra + kRaw * kRawBytes;
     win_bars = loader_bars + 8u * (2 * kRaw);
     raw_rows = band_rows();
   }
@@ -1322,12 +1360,14 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
     const unsigned upto = ++loaded;  // rows first read by stages up to this one's next
     const unsigned tms = static_cast<unsigned>(this->tiles_m()), kh_size = static_cast<unsigned>(this->kh_size);
     while (raw_rows.p < band_first + band_count && raw_base + (raw_i > 1 ? raw_i - 1 : 0) <= upto) {
-      const int slot = static_cast<int>(raw_q % kRaw);
-      if (raw_q >= kRaw) mbar_wait(raw_empty(slot), ((raw_q / kRaw) - 1) & 1);
-      mbar_arrive_expect_tx(raw_full(slot), kConvRawBytes);
-      tma_load_4d(raws + slot * kConvRawBytes, this->map_in, raw_rows.w0, raw_rows.h0 + raw_i, 0, raw_rows.n,
-                  raw_full(slot));
-      ++raw_q;
+#pragma unroll
+      for (int u = 0; u < kRowUnits; ++u, ++raw_q) {  // (raw_q: the raw slots' uses, kRowUnits a row)
+        const int slot = static_cast<int>(raw_q % kRaw);
+        if (raw_q >= kRaw) mbar_wait(raw_empty(slot), ((raw_q / kRaw) - 1) & 1);
+        mbar_arrive_expect_tx(raw_full(slot), kRawBytes);
+        tma_load_4d(raws + slot * kRawBytes, this->map_in, raw_rows.w0, raw_rows.h0 + raw_i, u * kUnitChannels,
+                    raw_rows.n, raw_full(slot));
+      }
       if (++raw_i > this->kh_size) {
         const bool kept = raw_rows.shares;
         raw_rows.next();
@@ -1354,12 +1394,20 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
             for (int i = kh == 0 ? 0 : kh + 1; i <= kh + 1; ++i) {
               if (kept && i < kh_size - 1) continue;
               const unsigned q = rows.first + i;
-              const int slot = static_cast<int>(q % kRaw);
-              mbar_wait(raw_full(slot), (q / kRaw) & 1);
               if (q >= kWin) mbar_wait(win_empty(q), ((q / kWin) - 1) & 1);
-              transpose_raw_row<kHelperWarps>(raws + slot * kConvRawBytes, window(q), helper, lane);
-              __syncwarp();
-              if (lane == 0) mbar_arrive(raw_empty(slot));
+#pragma unroll
+              for (int u = 0; u < kRowUnits; ++u) {
+                const unsigned use = q * kRowUnits + u;  // the raw slots' use that brought it
+                const int slot = static_cast<int>(use % kRaw);
+                mbar_wait(raw_full(slot), (use / kRaw) & 1);
+                if constexpr (kRowUnits == 2) {
+                  convert_raw_half<kHelperWarps, T>(raws + slot * kRawBytes, window(q), u, helper, lane);
+                } else {
+                  transpose_raw_row<kHelperWarps>(raws + slot * kRawBytes, window(q), helper, lane);
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(raw_empty(slot));
+              }
             }
           }
           const int s = static_cast<int>(it % ring.stages);
@@ -1380,7 +1428,7 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
 // rows it read for the last time in this tile: row kh, and at the last
 // stage row KH too, but for rows 2 .. KH where the next pixel tile keeps
 // them (its own stages release them).
-template <typename T, int kKw, int kRaw, int kWin>
+template <typename T, int kKw, int kRaw, int kRawBytes, int kWin>
 struct BandWindowMma {
   static constexpr int kBM = 64, kBN = 256, kWgRows = 64;
   static constexpr bool kCooperative = false, kReadsLoaderExtras = true;
@@ -1389,7 +1437,7 @@ struct BandWindowMma {
   i64 band_first;
   unsigned windows = 0, win_bars = 0;
   __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
-    windows = extra + kRaw * kConvRawBytes;
+    windows = extra + kRaw * kRawBytes;
     win_bars = loader_bars + 8u * (2 * kRaw);
     rows.start(band_first);
   }
@@ -1410,48 +1458,62 @@ struct BandWindowMma {
   }
 };
 
-// y [N, Cout, OH, OW] (NCHW) of the 16-bit T = relu(acc + conv_bias) +
-// bias rounded once: each half of a warpgroup's tile (64 channels x one
-// output row of 128 columns) staged channel-major as NchwStore stages its
-// tile (stmatrix: rows of kConvStageRow values), then written row by row by
-// NchwStore's writer (`rows`: y, no mask).
-// (The staging: 64 rows of kConvStageRow values a warpgroup, and the last
-// chunk's reads past the last row.)
+// y [N, Cout, OH, OW] (NCHW) of Out: the 16-bit T = relu(acc + conv_bias)
+// + bias rounded once, or under autocast float32, relu(acc + conv_bias)
+// rounded to T, then + bias in float32: each half of a warpgroup's tile (64
+// channels x one output row of 128 columns) staged channel-major as
+// NchwStore stages its tile (stmatrix: rows of kConvStageRow values; for a
+// float32 y relu's output, the bias from the table after the rows, added as
+// NchwStore adds it), then written row by row by NchwStore's writer
+// (`rows`: y, no mask).
+// (The staging: 64 rows of kConvStageRow values a warpgroup, the last
+// chunk's reads past the last row, and the bias table of a float32 y.)
 constexpr int kWindowNchwStagingBytes = 2 * 18 * 1024;
-template <typename T>
+static_assert(64 * kConvStageRow * 2 + kConvBiasBytes <= kWindowNchwStagingBytes / 2, "the rows and the table");
+template <typename T, typename Out = T>
 struct WindowNchwStore {
-  NchwStore<T, T, false> rows;
-  WindowTile<T> tile;
+  NchwStore<T, Out, false> rows;
+  WindowTile<Out> tile;
   __device__ __forceinline__ void operator()(const float (&acc)[2][kHgAccs], const HalfGemmLane& me, i64 m0,
-                                             i64 n0, unsigned staging) const {
+                                             i64 n0, unsigned staging) {
     int n, h0, w0;
     const WindowBiases chain = tile.begin(me, m0, n0, n, h0, w0);
+    constexpr bool kBiasLater = NchwStore<T, Out, false>::kBiasLater;
+    const unsigned table = kBiasLater ? staging + 64 * kConvStageRow * 2 : 0u;
+    if constexpr (kBiasLater) rows.biases.begin(table, m0, me);
     const i64 cout = tile.cout, out_rows = tile.out_rows, out_cols = tile.out_cols;
     const int lane = threadIdx.x & 31, warp = me.row >> 4;
     const int tile_rows = static_cast<int>(min(static_cast<i64>(64), cout - m0));
     const int cols = static_cast<int>(min(static_cast<i64>(kHgBM), out_cols - w0));
     const i64 plane = out_rows * out_cols;
-    const bool pairs = out_cols % 2 == 0 && (reinterpret_cast<unsigned long long>(rows.y) & (2 * sizeof(T) - 1)) == 0;
+    const bool pairs =
+        out_cols % 2 == 0 && (reinterpret_cast<unsigned long long>(rows.y) & (2 * sizeof(Out) - 1)) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       named_barrier(1 + me.wg, 128);  // every warp has written the previous half's rows
-      stage_rows(acc[h], me, staging, chain);
+      if constexpr (kBiasLater) {
+        stage_rows(acc[h], me, staging, [&](float v, bool hi) { return relu_keep_nan(v + chain.cb[hi]); });
+      } else {
+        stage_rows(acc[h], me, staging, chain);
+      }
       named_barrier(1 + me.wg, 128);
       if (h0 + h >= out_rows) continue;
-      T* const row0 = rows.y + ((n * cout + m0) * out_rows + h0 + h) * out_cols + w0;
+      Out* const row0 = rows.y + ((n * cout + m0) * out_rows + h0 + h) * out_cols + w0;
       if (pairs) {
-        rows.template store_rows<true>(row0 + warp * plane, plane, lane, warp, tile_rows, cols, staging, 0);
+        rows.template store_rows<true>(row0 + warp * plane, plane, lane, warp, tile_rows, cols, staging, table);
       } else {
-        rows.template store_rows<false>(row0 + warp * plane, plane, lane, warp, tile_rows, cols, staging, 0);
+        rows.template store_rows<false>(row0 + warp * plane, plane, lane, warp, tile_rows, cols, staging, table);
       }
-      rows.store_last_chunk(row0, plane, tile_rows, cols, staging, 0);
+      rows.store_last_chunk(row0, plane, tile_rows, cols, staging, table);
     }
   }
-  // acc's 64 x 128 values, with the chain, into the staging rows (channel
-  // me.row's at row me.row): lane 8 m + l addresses row l of matrix m, rows
-  // 16 warp + 8 (m % 2) + l, columns 16 p + 8 (m / 2) of pair p.
+  // acc's 64 x 128 values, with the chain (value(v, hi): of the channel
+  // me.row, + 8 where hi), into the staging rows (channel me.row's at row
+  // me.row): lane 8 m + l addresses row l of matrix m, rows 16 warp + 8 (m
+  // % 2) + l, columns 16 p + 8 (m / 2) of pair p.
+  template <typename Value>
   __device__ __forceinline__ static void stage_rows(const float (&a)[kHgAccs], const HalfGemmLane& me,
-                                                    unsigned staging, const WindowBiases& v) {
+                                                    unsigned staging, const Value& v) {
     const int lane = threadIdx.x & 31, warp = me.row >> 4, m = lane >> 3, l = lane & 7;
     const unsigned lane_addr =
         staging + 2 * ((16 * warp + 8 * (m & 1) + l) * kConvStageRow + kConvStageLead + 8 * (m >> 1));
@@ -1794,27 +1856,33 @@ conv_bias_relu_nchw_window(const __grid_constant__ TensorMap map_x, const __grid
 // conv_bias_relu_nchw_window's y from x [N, Cin, H, W] NCHW with Cin <= 64
 // and KH + 1 <= kWin, each input row transposed about once (above:
 // NchwBandLoader, BandWindowMma, kRaw raw rows and kWin windows), the same
-// sums in the same order.  Arguments as conv_bias_relu_nchw_window's (one
-// block of input channels).  Grid: at most one block per SM and per pixel
-// tile (persistent), kHgThreads threads, half_gemm_shared_bytes<kStages,
+// sums in the same order; or under autocast (Tin and Out float32) from a
+// float32 x, each value rounded to T as it is transposed (as autocast's
+// cast of x rounds it), y = relu(conv2d + conv_bias) rounded to T, then +
+// bias in float32 (float32 biases and y).  Arguments as
+// conv_bias_relu_nchw_window's (one block of input channels; map_x of
+// Tin).  Grid: at most one block per SM and per pixel tile (persistent),
+// kHgThreads threads, half_gemm_shared_bytes<kStages,
 // kWindowNchwStagingBytes, A's tiles, the raw rows' and windows' bytes, 2
 // kRaw + kWin>() of dynamic shared memory.
-template <typename T, int kKw, int kStages, int kRaw, int kWin>
+template <typename T, int kKw, int kStages, int kRaw, int kWin, typename Tin = T, typename Out = T>
 __global__ void __launch_bounds__(kHgThreads, 1)
 conv_bias_relu_nchw_band(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
-                         T* __restrict__ y, const T* __restrict__ conv_bias, const T* __restrict__ bias,
+                         Out* __restrict__ y, const Out* __restrict__ conv_bias, const Out* __restrict__ bias,
                          i64 n_images, i64 cout, i64 out_rows, i64 out_cols, i64 kh_size) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  NchwBandLoader<T, kKw, kRaw, kWin> loader{
-      window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, 1, 0, 0)};
+  static_assert(sizeof(Tin) == sizeof(Out), "x and y of T, or both float32 (autocast)");
+  using Loader = NchwBandLoader<T, kKw, kRaw, kWin, Tin>;
+  using Mma = BandWindowMma<T, kKw, kRaw, Loader::kRawBytes, kWin>;
+  Loader loader{window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, 1, 0, 0)};
   band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
-  WindowNchwStore<T> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, loader.col_tiles},
-                           {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
-  const BandWindowMma<T, kKw, kRaw, kWin> mma{
-      {loader.row_pairs, loader.col_tiles, static_cast<int>(kh_size)}, loader.band_first};
+  const WindowTile<Out> tile{conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles};
+  const Mma mma{{loader.row_pairs, loader.col_tiles, static_cast<int>(kh_size)}, loader.band_first};
   extern __shared__ __align__(128) unsigned char conv_shared[];
-  half_gemm_persistent<T, kStages, kWindowNchwStagingBytes, BandWindowMma<T, kKw, kRaw, kWin>>(
-      reinterpret_cast<char*>(conv_shared), loader, store, mma);
+  WindowNchwStore<T, Out> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, loader.col_tiles},
+                                tile};
+  half_gemm_persistent<T, kStages, kWindowNchwStagingBytes, Mma>(reinterpret_cast<char*>(conv_shared), loader,
+                                                                 store, mma);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

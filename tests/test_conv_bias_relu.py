@@ -181,6 +181,17 @@ def test_cudnn_conv_custom_ops_match_their_fakes(layout):
         torch.library.opcheck(CB._CUDNN_CONV.backward_op, (dz, x.detach(), w.detach(), *want))
 
 
+def _kernel_names(monkeypatch, whole=False):
+    """A list that records the key of every kernel CB.KERNELS hands out from
+    now on (its first element, the kernel's name; the whole key with
+    ``whole``)."""
+    taken = []
+    get = CB.KERNELS.get
+    monkeypatch.setattr(CB.KERNELS, "get",
+                        lambda key, dev: taken.append(key if whole else key[0]) or get(key, dev))
+    return taken
+
+
 def _engine_device(device):
     if not gemm.has_wgmma(device.index):
         pytest.skip("the engine route needs a compute capability 9.0 GPU")
@@ -293,9 +304,7 @@ def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
     wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
     cb = torch.randn(cout, generator=gen).to(device, dtype)
     b = torch.randn(cout, 1, 1, generator=gen).to(device, dtype)
-    taken = []
-    get = CB.KERNELS.get
-    monkeypatch.setattr(CB.KERNELS, "get", lambda key, dev: taken.append(key[0]) or get(key, dev))
+    taken = _kernel_names(monkeypatch)
     with torch.no_grad():
         assert CB.route(x, wt, cb, b) == "engine" and CB._nchw_window_fits(x, wt)
         truth = _reference(x.double(), wt.double(), cb.double(), b.double())
@@ -318,6 +327,56 @@ def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
             monkeypatch.setattr(CB, "_nchw_window_fits", lambda *a: False)
             assert torch.equal(CB._launch_engine(x, wt, cb, b.reshape(-1)), ours)
             assert taken[-2:] == ["to_nhwc", "conv"]
+
+
+# (N, C_in, H, W, C_out, KH, KW) with W a multiple of 4, each the band
+# kernel's from a float32 x under autocast: bands of several pixel tiles
+# that keep rows (KH 2 and 3) and that cross images, 1 to 3 tiles of output
+# channels, C_out not a multiple of 8, 2 column tiles with KH 1, KW 1 to
+# 5.
+AMP_BAND_SHAPES = [
+    (2, 64, 20, 16, 128, 3, 3),
+    (3, 16, 11, 24, 33, 2, 5),
+    (64, 16, 34, 16, 64, 3, 3),
+    (40, 8, 21, 12, 72, 2, 1),
+    (30, 40, 15, 24, 192, 3, 2),
+    (20, 64, 10, 132, 68, 1, 3),
+    (1, 8, 9, 12, 5, 1, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", AMP_BAND_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_amp_band_against_float64(shape, amp, device, monkeypatch):
+    """A float32 NCHW x under autocast on the band kernel (x rounded to the
+    autocast dtype as its rows are transposed, y float32): every value of
+    a NaN-poisoned y written, within 1.5x eager's error against float64;
+    with NaN and +-inf in x, bitwise the output of the cast copy and the
+    per-tap kernel, its NaN and infinities where eager's are."""
+    _engine_device(device)
+    kw = shape[-1]
+    _, x, wt, cb, b = _conv_operands(shape, 3, device, torch.float32)
+    taken = _kernel_names(monkeypatch, whole=True)
+    truth = _reference(x.double(), wt.double(), cb.double(), b.double().view(-1, 1, 1))
+    with torch.no_grad(), torch.autocast("cuda", dtype=amp):
+        assert CB.route(x, wt, cb, b) == "engine" and CB._amp_band_fits(x, wt)
+        eager = _reference(x, wt, cb, b.view(-1, 1, 1))
+        out = torch.full(truth.shape, float("nan"), device=device)
+        ours = CB._launch_engine(x, wt, cb, b, out=out)
+        assert taken == [("nchw_band", amp, kw, torch.float32)]
+        assert ours is out and not ours.isnan().any()
+        err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
+        assert err <= 1.5 * eager_err + torch.finfo(amp).eps, (err, eager_err)
+        x[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        x[-1, -1, -1, -1] = float("inf")
+        ours, eager = CB._launch_engine(x, wt, cb, b), _reference(x, wt, cb, b.view(-1, 1, 1))
+        assert_non_finite_where(ours, eager)
+        monkeypatch.setattr(CB, "_amp_band_fits", lambda *a: False)
+        copied = CB._launch_engine(x, wt, cb, b)
+        assert taken[-2][0] == "to_nhwc" and taken[-1][0] == "conv"
+    assert torch.equal(ours.nan_to_num(0.5), copied.nan_to_num(0.5))
+    assert torch.equal(ours.isnan(), copied.isnan())
 
 
 def test_tf32_rounding():
@@ -508,8 +567,9 @@ def test_engine_nchw_rows_at_every_alignment(ow, amp, device, monkeypatch):
     """The NCHW store into y placed 0 to 3 values off the 8- / 16-byte grid
     (16-bit y, and float32 y under autocast), rows wider than one 128-column
     tile and rows of 3 values: every value of y written and right, nothing
-    around y touched.  (W = OW + 2 a multiple of 8: a 16-bit x takes the
-    NCHW band kernel, with the NCHW window kernel's store.)"""
+    around y touched.  (W = OW + 2 a multiple of 8, or of 4 for a float32
+    x under autocast: x takes the NCHW band kernel, with the NCHW window
+    kernel's store.)"""
     _engine_device(device)
     n, cin, h, cout = 2, 8, 4, 9
     gen = torch.Generator().manual_seed(ow)
@@ -519,9 +579,7 @@ def test_engine_nchw_rows_at_every_alignment(ow, amp, device, monkeypatch):
     cb, b = (torch.randn(cout, generator=gen).to(device, model_dtype) for _ in range(2))
     truth = _reference(x.double(), wt.double(), cb.double(), b.double())
     numel = truth.numel()
-    taken = []
-    get = CB.KERNELS.get
-    monkeypatch.setattr(CB.KERNELS, "get", lambda key, dev: taken.append(key[0]) or get(key, dev))
+    taken = _kernel_names(monkeypatch)
     for offset in range(4):
         guard = torch.full((numel + 8,), 7.0, device=device, dtype=torch.float32 if amp else torch.bfloat16)
         out = guard[offset:offset + numel].view(truth.shape)
@@ -530,7 +588,8 @@ def test_engine_nchw_rows_at_every_alignment(ow, amp, device, monkeypatch):
             assert CB.route(x, wt, cb, b) == "engine"
             eager = _reference(x, wt, cb, b)
             CB._launch_engine(x, wt, cb, b, out=out)
-        assert ("nchw_band" in taken) == (amp is None and (ow + 2) % 8 == 0)
+        # (x's rows whole 16-byte vectors: W a multiple of 8 in bf16, of 4 in float32)
+        assert ("nchw_band" in taken) == ((ow + 2) % (8 if amp is None else 4) == 0)
         assert not out.isnan().any()
         assert (guard[:offset] == 7).all() and (guard[offset + numel:] == 7).all()
         err, eager_err = rel_error(out, truth), rel_error(eager, truth)
@@ -1141,8 +1200,9 @@ def test_window_launches_fit_their_kernels():
 def test_nchw_window_launches_fit_their_kernel():
     """Each NCHW window kernel (KW 1 to NCHW_WINDOW_MAX_KW) gets two raw
     rows or more in flight (kRaw >= 2, which its loader asserts), and each
-    band kernel (KW 1 to BAND_MAX_KW) two stages or more beside BAND_RAWS
-    raw rows and BAND_WINDOWS windows, as many (up to 4) as the opt-in
+    band kernel (KW 1 to BAND_MAX_KW; 16-bit x, or float32 under autocast)
+    two stages or more beside BAND_RAWS raw slots and BAND_WINDOWS
+    windows, as many (up to 4) as the opt-in
     shared memory holds; the raw row, the window and the staging are sized
     as the kernel sizes them; no wider kernel fits."""
     text = (_runtime.kernel_dir() / "conv_bias_relu.cu").read_text()
@@ -1156,19 +1216,26 @@ def test_nchw_window_launches_fit_their_kernel():
     # 64 staging rows of kConvStageRow (136) values, and the last chunk's reads past the last row.
     assert CB._NCHW_WINDOW_STAGING_BYTES // 2 >= 64 * 136 * 2 + 16
     # (key, widest kernel, count of its raw rows or stages, shared bytes, expression's end)
-    kernels = (("nchw_window", CB.NCHW_WINDOW_MAX_KW, CB._nchw_window_raws, CB._nchw_window_shared_bytes,
+    # (key's tail, widest kernel, count of its raw rows or stages, shared bytes, expression's end)
+    f32 = torch.float32
+    kernels = (("nchw_window", (), CB.NCHW_WINDOW_MAX_KW, CB._nchw_window_raws, CB._nchw_window_shared_bytes,
                 lambda kw, k: f", {kw}, {CB.NCHW_WINDOW_STAGES}, {k}>"),
-               ("nchw_band", CB.BAND_MAX_KW, CB._band_stages, CB._band_shared_bytes,
-                lambda kw, k: f", {kw}, {k}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}>"))
-    for key, max_kw, count, shared, end in kernels:
+               ("nchw_band", (), CB.BAND_MAX_KW, CB._band_stages, CB._band_shared_bytes,
+                lambda kw, k: f", {kw}, {k}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}>"),
+               ("nchw_band", (f32,), CB.BAND_MAX_KW, CB._band_stages, CB._band_shared_bytes,
+                lambda kw, k: f", {kw}, {k}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}, float, float>"))
+    for key, tail, max_kw, count, shared, end in kernels:
         for kw in range(1, max_kw + 1):
             k = count(kw)
             assert 2 <= k <= 4 and shared(kw, k) <= CB._OPT_IN_SHARED_BYTES
             assert k == 4 or shared(kw, k + 1) > CB._OPT_IN_SHARED_BYTES
             for dtype in (torch.float16, torch.bfloat16):
-                assert CB.KERNELS.expressions[(key, dtype, kw)].endswith(end(kw, k))
+                assert CB.KERNELS.expressions[(key, dtype, kw) + tail].endswith(end(kw, k))
         assert count(max_kw + 1) < 2
     assert CB.BAND_MAX_KW <= CB.NCHW_WINDOW_MAX_KW
+    # (a raw slot of the band kernel: a row of 64 16-bit channels, or half a
+    # row of float32 ones under autocast)
+    assert "static_assert(kRawBytes == kConvRawBytes" in text
 
 
 def test_nchw_window_takes_what_its_kernel_runs():
@@ -1225,6 +1292,21 @@ def test_nchw_window_launch(monkeypatch):
             assert fn == ("nchw_window", bf16, 4) and grid == (pixel_tiles, 1, 1)
             assert shared == CB._nchw_window_shared_bytes(4, CB._nchw_window_raws(4))
             assert args == scalars + (1,)  # (and one block of input channels)
+    # Under autocast: a float32 x (its map of float32) to a float32 y, the
+    # weight packed in the autocast dtype.
+    maps.clear(), packed.clear(), launched.clear()
+    xf, cbf, bf = x.float(), cb.float(), b.float()
+    wt = torch.randn(33, 5, 3, 3)
+    y = CB._launch_engine(xf, wt, cbf, bf, plan=(CB.NCHW, bf16, torch.float32, False))
+    assert y.dtype == torch.float32 and y.shape == (2, 33, 7, 134)
+    (fn, grid, block, args, shared), = launched
+    assert fn == ("nchw_band", bf16, 3, torch.float32) and grid == (16, 1, 1)
+    assert shared == CB._band_shared_bytes(3, CB._band_stages(3))
+    # (boxes of half a row: 32 float32 channels)
+    assert maps == [(xf.data_ptr(), (136, 9, 5, 2), (136, 9 * 136, 5 * 9 * 136), torch.float32,
+                     (CB.WINDOW, 1, 32, 1), {"swizzle": False})]
+    assert torch.equal(packed[0][0], CB._packed_weight(wt, bf16)[0])
+    assert args[2:] == (y.data_ptr(), cbf.data_ptr(), bf.data_ptr(), 2, 33, 7, 134, 3)
     # At most a block per SM where the pixel tiles outnumber the SMs.
     launched.clear()
     CB._launch_engine(torch.randn(200, 5, 9, 136, dtype=bf16), torch.randn(33, 5, 3, 4, dtype=bf16), cb, b,
@@ -1235,6 +1317,25 @@ def test_nchw_window_launch(monkeypatch):
         weight = torch.randn(33, 5, 3, CB.NCHW_WINDOW_MAX_KW + 1 if wide else 4, dtype=bf16)
         CB._launch_engine(x, weight, cb, b, plan=(CB.NCHW, bf16, bf16, mask is not None), mask=mask)
         assert [launch[0][0] for launch in launched] == ["to_nhwc", "conv"]
+
+
+def test_amp_band_fits():
+    """_amp_band_fits on CPU tensors: a contiguous float32 x with W a
+    multiple of 4, 16-byte aligned, C_in up to 64, KH up to 3 and KW up to
+    BAND_MAX_KW; nothing else."""
+    def x(n=2, c=8, h=5, w=12, dtype=torch.float32):
+        return torch.empty(n, c, h, w, dtype=dtype)
+
+    def wt(cout=5, cin=8, kh=3, kw=3):
+        return torch.empty(cout, cin, kh, kw)
+
+    assert CB._amp_band_fits(x(), wt()) and CB._amp_band_fits(x(c=64, w=4), wt(cin=64, kh=1, kw=1))
+    assert CB._amp_band_fits(x(), wt(kw=CB.BAND_MAX_KW))
+    off_grid = torch.empty(1 + 2 * 8 * 5 * 12)[1:].view(2, 8, 5, 12)
+    for refused in ((x(dtype=torch.bfloat16), wt()), (x(w=10), wt()), (off_grid, wt()),
+                    (x().contiguous(memory_format=torch.channels_last), wt()),
+                    (x(c=72), wt(cin=72)), (x(), wt(kh=4)), (x(w=16), wt(kw=CB.BAND_MAX_KW + 1))):
+        assert not CB._amp_band_fits(*refused)
 
 
 def test_band_fits():

@@ -31,7 +31,10 @@ Route, decided once per call (:func:`route`):
   shared memory; :func:`_nchw_window_fits`), and with at most 64 input
   channels and 3 kernel rows its band form (``conv_bias_relu_nchw_band``:
   each block on consecutive pixel tiles, each transposed row kept for
-  every tile of output channels and the next pixel tile; :func:`_band_fits`).
+  every tile of output channels and the next pixel tile; :func:`_band_fits`),
+  which under autocast also takes a float32 x (W a multiple of 4), rounded
+  to the autocast dtype as its rows are transposed, and writes the float32
+  y (:func:`_amp_band_fits`).
   With a gradient to record (at least
   :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values;
   :func:`_trains_on_engine`), the same forward also writes
@@ -171,7 +174,9 @@ NCHW_WINDOW_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _nchw_windo
 # ring of BAND_WINDOWS of their own (so that a pixel tile's KH + 1 input
 # rows, at most BAND_WINDOWS, are transposed once for all its tiles, and
 # the next pixel tile keeps KH - 1 of them), stages of A alone (as many,
-# 2 to 4, as shared memory holds), BAND_RAWS raw rows.
+# 2 to 4, as shared memory holds), BAND_RAWS raw slots of a row of x's
+# 16-bit dtype, or under autocast of half a row of float32 (rounded to the
+# autocast dtype as they are transposed; y float32).
 BAND_WINDOWS = 4
 BAND_RAWS = 2
 
@@ -181,8 +186,8 @@ def _band_stage_bytes(kw: int) -> int:
 
 
 def _band_shared_bytes(kw: int, stages: int) -> int:
-    # (the loader's extras: raw rows and windows, an mbarrier pair a raw row
-    # and one a window)
+    # (the loader's extras: raw slots and windows, an mbarrier pair a raw
+    # slot and one a window)
     return gemm._half_shared_bytes(_NCHW_WINDOW_STAGING_BYTES, stages, _band_stage_bytes(kw),
                                    (BAND_RAWS + BAND_WINDOWS) * _RAW_BYTES, 2 * BAND_RAWS + BAND_WINDOWS)
 
@@ -269,7 +274,8 @@ def _wgrad_stages(tb: int) -> int:
 # its float32 y (under autocast; dtype float32: x rounded to TF32);
 # ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
 # (:func:`_launch_nchw_window`), and ("nchw_band", dtype, KW) its band
-# form; ("wgrad", dtype, tb) and
+# form, with a last element float32 from a float32 x to a float32 y (under
+# autocast); ("wgrad", dtype, tb) and
 # ("wgrad_reduce", dtype): the 16-bit weight gradient, tiles of tb blocks
 # of 64 columns (:func:`_launch_wgrad`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
@@ -308,6 +314,10 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
        for d in HALF_DTYPES for kw in range(1, NCHW_WINDOW_MAX_KW + 1)},
     **{("nchw_band", d, kw): f"cf::conv_bias_relu_nchw_band<{cxx_type(d)}, {kw}, {_band_stages(kw)}, "
                              f"{BAND_RAWS}, {BAND_WINDOWS}>"
+       for d in HALF_DTYPES for kw in range(1, BAND_MAX_KW + 1)},
+    **{("nchw_band", d, kw, torch.float32):
+       f"cf::conv_bias_relu_nchw_band<{cxx_type(d)}, {kw}, {_band_stages(kw)}, {BAND_RAWS}, "
+       f"{BAND_WINDOWS}, float, float>"
        for d in HALF_DTYPES for kw in range(1, BAND_MAX_KW + 1)},
     **{("wgrad", d, tb): f"cf::conv_wgrad_wgmma<{cxx_type(d)}, {tb}, {_wgrad_stages(tb)}>"
        for d in HALF_DTYPES for tb in range(1, 5)},
@@ -425,6 +435,18 @@ def _nchw_window_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     cout, _, kh, kw = weight.shape
     return (x.dtype in HALF_DTYPES and x.is_contiguous() and w % 8 == 0 and x.data_ptr() % 16 == 0
             and kw <= NCHW_WINDOW_MAX_KW and _window_bounds(n, cin, h, w, cout, kh, kw))
+
+
+def _amp_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the band kernel takes x [N, C_in, H, W] (float32, contiguous)
+    under autocast, with the weight [C_out, C_in, KH, KW]: rows of x of
+    whole 16-byte vectors (W a multiple of 4, x 16-byte aligned: the copy
+    engine's strides and base), :func:`_band_fits` and the bounds of
+    :func:`_window_bounds`."""
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    return (x.dtype == torch.float32 and x.is_contiguous() and w % 4 == 0 and x.data_ptr() % 16 == 0
+            and _band_fits(cin, kh, kw) and _window_bounds(n, cin, h, w, cout, kh, kw))
 
 
 def _band_fits(cin: int, kh: int, kw: int) -> bool:
@@ -632,9 +654,10 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     bias = None if bias is None else bias.to(out_dtype)
     dev = x.device.index
     box_k, box_m = gemm._k_tile(dtype), gemm.HALF_TILE[0]
-    if (layout == NCHW and mask is None and xc is None and x.dtype == dtype == out_dtype
-            and _nchw_window_fits(x, weight)):
-        _launch_nchw_window(x, weight, conv_bias, bias, out)
+    if (layout == NCHW and mask is None and xc is None
+            and (x.dtype == dtype == out_dtype and _nchw_window_fits(x, weight)
+                 or x.dtype == out_dtype == torch.float32 != dtype and _amp_band_fits(x, weight))):
+        _launch_nchw_window(x, weight, conv_bias, bias, out, dtype)
         return out
     # An NCHW x: its channels-last copy, in the product's dtype (float32
     # rounded to TF32); a channels-last one: rounded to TF32 (float32), or
@@ -713,25 +736,28 @@ def _launch_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
 
 
 def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
-                        bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+                        bias: Optional[torch.Tensor], out: torch.Tensor, dtype: torch.dtype) -> None:
     # The NCHW 16-bit forward with no copy of x (conv_bias_relu_nchw_band
     # where _band_fits, else conv_bias_relu_nchw_window), for
     # _launch_engine: x [N, C_in, H, W] as _nchw_window_fits takes it, the
-    # weight and the biases (cast) of x's dtype, out NCHW.  The band kernel:
-    # a block per pixel tile up to the SM count (each block's band whole
-    # pixel tiles).
+    # biases (cast) of x's dtype, the product in x's dtype (``dtype``), out
+    # NCHW; or under autocast x float32 as _amp_band_fits takes it, the
+    # product in the autocast dtype, the biases and out float32 (the band
+    # kernel).  The band kernel: a block per pixel tile up to the SM count
+    # (each block's band whole pixel tiles).
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = out.shape[2:]
-    packed, c_blocks = _packed_weight(weight, x.dtype)
-    # x as dims (W, H, C, N): boxes of one row of WINDOW columns x 64 channels.
+    packed, c_blocks = _packed_weight(weight, dtype)
+    # x as dims (W, H, C, N): boxes of one row of WINDOW columns x 64 channels
+    # (float32: 32, half a row).
     map_x = gemm._encode_tensor_map(x.data_ptr(), (w, h, cin, n), (w, h * w, cin * h * w), x.dtype,
-                                    (WINDOW, 1, gemm.HALF_BOX_K, 1), swizzle=False)
+                                    (WINDOW, 1, gemm.HALF_BOX_K * 2 // x.element_size(), 1), swizzle=False)
     dev = x.device.index
     if _band_fits(cin, kh, kw):
         pixel_tiles = n * cdiv(oh, 2) * cdiv(ow, 128)
-        _bridge.launch(KERNELS.get(("nchw_band", x.dtype, kw), dev), (min(pixel_tiles, sm_count(dev)), 1, 1),
-                       gemm.HALF_THREADS,
+        key = ("nchw_band", dtype, kw) + ((torch.float32,) if x.dtype == torch.float32 else ())
+        _bridge.launch(KERNELS.get(key, dev), (min(pixel_tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
                        (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), out.data_ptr(), conv_bias.data_ptr(),
                         _ptr_or_null(bias), n, cout, oh, ow, kh), dev,
                        shared_mem=_band_shared_bytes(kw, _band_stages(kw)))
