@@ -1152,6 +1152,35 @@ __device__ __forceinline__ void convert_raw_half(unsigned raw, unsigned window, 
   }
 }
 
+// The same for a channels-last x: half a raw row of float32 values as x
+// holds them, [kConvWindow columns][32 channels] (channels 32 half .. + 31),
+// into the window's pixel rows, no transposition: each helper thread takes
+// 8 channels of a column at a time (two 16-byte loads), rounds them to T
+// and stores their 16 bytes at the column's chunk 4 half + g of the
+// 128-byte swizzle.
+template <int kHelperWarps, typename T>
+__device__ __forceinline__ void convert_raw_half_nhwc(unsigned raw, unsigned window, int half, int helper,
+                                                      int lane) {
+  for (int item = 32 * helper + lane; item < kConvWindow * 4; item += 32 * kHelperWarps) {
+    const int col = item >> 2, g = item & 3;
+    const unsigned src = raw + col * 128 + g * 32;
+    float v[8];
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                 : "r"(src)
+                 : "memory");
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v[4]), "=f"(v[5]), "=f"(v[6]), "=f"(v[7])
+                 : "r"(src + 16)
+                 : "memory");
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     window + col * 128 + (((4 * half + g) ^ (col & 7)) << 4)),
+                 "r"(pack2<T>(v[0], v[1])), "r"(pack2<T>(v[2], v[3])), "r"(pack2<T>(v[4], v[5])),
+                 "r"(pack2<T>(v[6], v[7]))
+                 : "memory");
+  }
+}
+
 // The windows from an NCHW `in` [N, C, H, W] (conv_bias_relu_nchw_window):
 // the copy engine cannot shift a box of NCHW rows by one value (a box's
 // first element must lie on the 16-byte grid), nor lay channels out
@@ -1300,10 +1329,11 @@ struct BandRows {
 // warp of each tile of output channels that read that row last), then
 // arrive on the stage's "full" barrier (after its previous phase, so that
 // their arrive counts towards this one).
-template <typename T, int kKw, int kRaw, int kWin, typename Tin = T>
+template <typename T, int kKw, int kRaw, int kWin, typename Tin = T, bool kNhwcIn = false>
 struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   static_assert(kRaw >= 2, "a stage's new rows issued with the stage before it");
   static_assert(sizeof(Tin) == sizeof(T) || sizeof(Tin) == 4, "x of the product's dtype, or float32");
+  static_assert(!kNhwcIn || sizeof(Tin) == 4, "a channels-last x of float32 (a 16-bit one: the window kernel)");
   // A raw slot holds a row's 64 channels of a 16-bit x, or half of them
   // (kRowUnits slots a row) of a float32 one: kConvRawBytes either way.
   static constexpr int kRowUnits = static_cast<int>(sizeof(Tin) / sizeof(T)), kUnitChannels = 64 / kRowUnits;
@@ -1319,8 +1349,10 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   // The base's A side as it is (one block of 64 input channels); its
   // map_in: `in` [N, C, H, W] of Tin as dims (W, H, C, N), boxes
   // kConvWindow x 1 x kUnitChannels x 1, no swizzle (a float32 `in`
-  // rounded to T as its rows are transposed: convert_raw_half).  The
-  // block's band; the windows' slots and their barriers; the producer's
+  // rounded to T as its rows are transposed: convert_raw_half); with
+  // kNhwcIn `in` channels-last of float32, dims (C, W, H, N), boxes 32 x
+  // kConvWindow x 1 x 1, no swizzle (convert_raw_half_nhwc).  The block's
+  // band; the windows' slots and their barriers; the producer's
   // raw-row cursor (the stages loaded, the raw slots' uses so far raw_q,
   // the next row: row raw_i of the cursor's pixel tile, whose first stage
   // is the block's raw_base-th).
@@ -1365,8 +1397,13 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
         const int slot = static_cast<int>(raw_q % kRaw);
         if (raw_q >= kRaw) mbar_wait(raw_empty(slot), ((raw_q / kRaw) - 1) & 1);
         mbar_arrive_expect_tx(raw_full(slot), kRawBytes);
-        tma_load_4d(raws + slot * kRawBytes, this->map_in, raw_rows.w0, raw_rows.h0 + raw_i, u * kUnitChannels,
-                    raw_rows.n, raw_full(slot));
+        if constexpr (kNhwcIn) {
+          tma_load_4d(raws + slot * kRawBytes, this->map_in, u * kUnitChannels, raw_rows.w0, raw_rows.h0 + raw_i,
+                      raw_rows.n, raw_full(slot));
+        } else {
+          tma_load_4d(raws + slot * kRawBytes, this->map_in, raw_rows.w0, raw_rows.h0 + raw_i, u * kUnitChannels,
+                      raw_rows.n, raw_full(slot));
+        }
       }
       if (++raw_i > this->kh_size) {
         const bool kept = raw_rows.shares;
@@ -1400,7 +1437,9 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
                 const unsigned use = q * kRowUnits + u;  // the raw slots' use that brought it
                 const int slot = static_cast<int>(use % kRaw);
                 mbar_wait(raw_full(slot), (use / kRaw) & 1);
-                if constexpr (kRowUnits == 2) {
+                if constexpr (kNhwcIn) {
+                  convert_raw_half_nhwc<kHelperWarps, T>(raws + slot * kRawBytes, window(q), u, helper, lane);
+                } else if constexpr (kRowUnits == 2) {
                   convert_raw_half<kHelperWarps, T>(raws + slot * kRawBytes, window(q), u, helper, lane);
                 } else {
                   transpose_raw_row<kHelperWarps>(raws + slot * kRawBytes, window(q), helper, lane);
@@ -1883,6 +1922,38 @@ conv_bias_relu_nchw_band(const __grid_constant__ TensorMap map_x, const __grid_c
                                 tile};
   half_gemm_persistent<T, kStages, kWindowNchwStagingBytes, Mma>(reinterpret_cast<char*>(conv_shared), loader,
                                                                  store, mma);
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
+
+// conv_bias_relu_window's y under autocast (float32 x, biases and y: Out =
+// float) from a channels-last x of at most 64 channels with KH + 1 <= kWin,
+// read as it is: the band kernel above with the raw rows of x converted to
+// T once per row (NchwBandLoader<..., kNhwcIn>), and WindowNhwcStore's
+// float32 y, bitwise that of x's cast and the window kernel.  Arguments as
+// conv_bias_relu_window's without the mask (map_x: float32 x, boxes of 32
+// channels x kConvWindow columns, no swizzle).  Grid and threads as
+// conv_bias_relu_nchw_band's; half_gemm_shared_bytes<kStages,
+// kCtStagingBytes, A's tiles, the raw rows' and windows' bytes, 2 kRaw +
+// kWin>() of dynamic shared memory.
+template <typename T, int kKw, int kStages, int kRaw, int kWin>
+__global__ void __launch_bounds__(kHgThreads, 1)
+conv_bias_relu_nhwc_band(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
+                         const __grid_constant__ TensorMap map_y, const float* __restrict__ conv_bias,
+                         const float* __restrict__ bias, i64 n_images, i64 cout, i64 out_rows, i64 out_cols,
+                         i64 kh_size) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Loader = NchwBandLoader<T, kKw, kRaw, kWin, float, true>;
+  using Mma = BandWindowMma<T, kKw, kRaw, Loader::kRawBytes, kWin>;
+  Loader loader{window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, 1, 0, 0)};
+  band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
+  WindowNhwcStore<T, false, float> store{
+      map_y, nullptr, {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
+  const Mma mma{{loader.row_pairs, loader.col_tiles, static_cast<int>(kh_size)}, loader.band_first};
+  extern __shared__ __align__(128) unsigned char conv_shared[];
+  half_gemm_persistent<T, kStages, kCtStagingBytes, Mma>(reinterpret_cast<char*>(conv_shared), loader, store,
+                                                         mma);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

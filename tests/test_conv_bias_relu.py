@@ -332,8 +332,8 @@ def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
 # (N, C_in, H, W, C_out, KH, KW) with W a multiple of 4, each the band
 # kernel's from a float32 x under autocast: bands of several pixel tiles
 # that keep rows (KH 2 and 3) and that cross images, 1 to 3 tiles of output
-# channels, C_out not a multiple of 8, 2 column tiles with KH 1, KW 1 to
-# 5.
+# channels, C_out not a multiple of 8 (NCHW; channels-last rounds it up), 2
+# column tiles with KH 1, KW 1 to 5.
 AMP_BAND_SHAPES = [
     (2, 64, 20, 16, 128, 3, 3),
     (3, 16, 11, 24, 33, 2, 5),
@@ -347,34 +347,40 @@ AMP_BAND_SHAPES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("shape", AMP_BAND_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_amp_band_against_float64(shape, amp, device, monkeypatch):
-    """A float32 NCHW x under autocast on the band kernel (x rounded to the
-    autocast dtype as its rows are transposed, y float32): every value of
-    a NaN-poisoned y written, within 1.5x eager's error against float64;
-    with NaN and +-inf in x, bitwise the output of the cast copy and the
-    per-tap kernel, its NaN and infinities where eager's are."""
+def test_amp_band_against_float64(shape, fmt, amp, device, monkeypatch):
+    """A float32 x under autocast on the band kernel, NCHW or channels-last
+    (x rounded to the autocast dtype as its rows are transposed or
+    converted, y float32 in x's layout): every value of a NaN-poisoned y
+    written, within 1.5x eager's error against float64; with NaN and +-inf
+    in x, bitwise the output of x's cast and the per-tap (NCHW) or window
+    (channels-last) kernel, its NaN and infinities where eager's are."""
     _engine_device(device)
-    kw = shape[-1]
-    _, x, wt, cb, b = _conv_operands(shape, 3, device, torch.float32)
+    if fmt == torch.channels_last:
+        shape = shape[:4] + (-(-shape[4] // 8) * 8,) + shape[5:]  # (C_out: y through the copy engine)
+    kw, cl = shape[-1], fmt == torch.channels_last
+    _, x, wt, cb, b = _conv_operands(shape, 3, device, torch.float32, fmt)
     taken = _kernel_names(monkeypatch, whole=True)
     truth = _reference(x.double(), wt.double(), cb.double(), b.double().view(-1, 1, 1))
     with torch.no_grad(), torch.autocast("cuda", dtype=amp):
-        assert CB.route(x, wt, cb, b) == "engine" and CB._amp_band_fits(x, wt)
+        assert CB.route(x, wt, cb, b) == "engine"
+        assert CB._nhwc_band_fits(x, wt) if cl else CB._amp_band_fits(x, wt)
         eager = _reference(x, wt, cb, b.view(-1, 1, 1))
-        out = torch.full(truth.shape, float("nan"), device=device)
+        out = torch.full(truth.shape, float("nan"), device=device).contiguous(memory_format=fmt)
         ours = CB._launch_engine(x, wt, cb, b, out=out)
-        assert taken == [("nchw_band", amp, kw, torch.float32)]
+        assert taken == [("nhwc_band", amp, kw) if cl else ("nchw_band", amp, kw, torch.float32)]
         assert ours is out and not ours.isnan().any()
         err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
         assert err <= 1.5 * eager_err + torch.finfo(amp).eps, (err, eager_err)
         x[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
         x[-1, -1, -1, -1] = float("inf")
         ours, eager = CB._launch_engine(x, wt, cb, b), _reference(x, wt, cb, b.view(-1, 1, 1))
+        assert ours.is_contiguous(memory_format=fmt)
         assert_non_finite_where(ours, eager)
-        monkeypatch.setattr(CB, "_amp_band_fits", lambda *a: False)
+        monkeypatch.setattr(CB, "_nhwc_band_fits" if cl else "_amp_band_fits", lambda *a: False)
         copied = CB._launch_engine(x, wt, cb, b)
-        assert taken[-2][0] == "to_nhwc" and taken[-1][0] == "conv"
+        assert [k[0] for k in taken[-1 if cl else -2:]] == (["window"] if cl else ["to_nhwc", "conv"])
     assert torch.equal(ours.nan_to_num(0.5), copied.nan_to_num(0.5))
     assert torch.equal(ours.isnan(), copied.isnan())
 
@@ -1319,6 +1325,18 @@ def test_nchw_window_launch(monkeypatch):
         assert [launch[0][0] for launch in launched] == ["to_nhwc", "conv"]
 
 
+def test_nhwc_band_fits():
+    """_nhwc_band_fits on CPU tensors (a channels-last x that engine_layout
+    takes): float32, C_in up to 64, KH up to 3, KW up to BAND_MAX_KW."""
+    def x(c=8, dtype=torch.float32):
+        return torch.empty(2, c, 5, 13, dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+    assert CB._nhwc_band_fits(x(), torch.empty(8, 8, 3, CB.BAND_MAX_KW))
+    for refused in ((x(dtype=torch.bfloat16), torch.empty(8, 8, 3, 3)), (x(c=72), torch.empty(8, 72, 3, 3)),
+                    (x(), torch.empty(8, 8, 4, 3)), (x(), torch.empty(8, 8, 3, CB.BAND_MAX_KW + 1))):
+        assert not CB._nhwc_band_fits(*refused)
+
+
 def test_amp_band_fits():
     """_amp_band_fits on CPU tensors: a contiguous float32 x with W a
     multiple of 4, 16-byte aligned, C_in up to 64, KH up to 3 and KW up to
@@ -1336,6 +1354,36 @@ def test_amp_band_fits():
                     (x().contiguous(memory_format=torch.channels_last), wt()),
                     (x(c=72), wt(cin=72)), (x(), wt(kh=4)), (x(w=16), wt(kw=CB.BAND_MAX_KW + 1))):
         assert not CB._amp_band_fits(*refused)
+
+
+def test_nhwc_band_launch(monkeypatch):
+    """_launch_engine on a channels-last float32 x under autocast's plan
+    (CPU tensors, launches recorded): the channels-last band kernel of its
+    KW, a block per pixel tile up to the SM count, its stages beside the
+    window kernel's staging; x's map as dims (C_in, W, H, N) with boxes of
+    32 channels x WINDOW columns, unswizzled; the weight packed in the
+    autocast dtype; y's map as the window kernel's float32 y; the scalars in
+    the kernel's order.  With KH 4, x's cast and the window kernel."""
+    maps, packed, launched = _record_window_launches(monkeypatch)
+    bf16, f32, cl = torch.bfloat16, torch.float32, torch.channels_last
+    x = torch.randn(2, 8, 9, 136).contiguous(memory_format=cl)
+    wt = torch.randn(40, 8, 3, 5)
+    cb, b = torch.randn(40), torch.randn(40)
+    y = CB._launch_engine(x, wt, cb, b, plan=(CB.CHANNELS_LAST, bf16, f32, False))
+    assert y.dtype == f32 and y.shape == (2, 40, 7, 132) and y.is_contiguous(memory_format=cl)
+    (fn, grid, block, args, shared), = launched
+    stages = CB._band_stages(5, gemm.CONVERT_STAGING_BYTES)
+    assert fn == ("nhwc_band", bf16, 5) and grid == (2 * 4 * 2, 1, 1) and block == gemm.HALF_THREADS
+    assert shared == CB._band_shared_bytes(5, stages, gemm.CONVERT_STAGING_BYTES)
+    assert CB.KERNELS.expressions[fn].endswith(f", 5, {stages}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}>")
+    assert maps[0] == (x.data_ptr(), (8, 136, 9, 2), (8, 136 * 8, 9 * 136 * 8), f32, (32, CB.WINDOW, 1, 1),
+                       {"swizzle": False})
+    assert maps[1][0] == y.data_ptr() and maps[1][3] == f32 and maps[1][4] == (32, 64, 1, 1)
+    assert torch.equal(packed[0][0], CB._packed_weight(wt, bf16)[0])
+    assert args == (("map", 0), ("packed", 64), ("map", 1), cb.data_ptr(), b.data_ptr(), 2, 40, 7, 132, 3)
+    launched.clear()
+    CB._launch_engine(x, torch.randn(40, 8, 4, 5), cb, b, plan=(CB.CHANNELS_LAST, bf16, f32, False))
+    assert [launch[0][0] for launch in launched] == ["window"]
 
 
 def test_band_fits():

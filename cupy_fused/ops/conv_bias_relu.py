@@ -34,7 +34,10 @@ Route, decided once per call (:func:`route`):
   every tile of output channels and the next pixel tile; :func:`_band_fits`),
   which under autocast also takes a float32 x (W a multiple of 4), rounded
   to the autocast dtype as its rows are transposed, and writes the float32
-  y (:func:`_amp_band_fits`).
+  y (:func:`_amp_band_fits`); a channels-last float32 x under autocast
+  takes the band kernel's channels-last form (``conv_bias_relu_nhwc_band``:
+  x's rows converted as they lie; :func:`_nhwc_band_fits`) in place of its
+  cast and the window kernel.
   With a gradient to record (at least
   :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values;
   :func:`_trains_on_engine`), the same forward also writes
@@ -176,7 +179,10 @@ NCHW_WINDOW_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _nchw_windo
 # the next pixel tile keeps KH - 1 of them), stages of A alone (as many,
 # 2 to 4, as shared memory holds), BAND_RAWS raw slots of a row of x's
 # 16-bit dtype, or under autocast of half a row of float32 (rounded to the
-# autocast dtype as they are transposed; y float32).
+# autocast dtype as they are transposed; y float32).  Its channels-last
+# form (conv_bias_relu_nhwc_band) takes a channels-last float32 x under
+# autocast the same way (its rows converted, not transposed), y written as
+# the window kernel writes it (the staging of _launch_windows).
 BAND_WINDOWS = 4
 BAND_RAWS = 2
 
@@ -185,18 +191,20 @@ def _band_stage_bytes(kw: int) -> int:
     return kw * WINDOW_TILE[0] * gemm.HALF_BOX_K * 2
 
 
-def _band_shared_bytes(kw: int, stages: int) -> int:
+def _band_shared_bytes(kw: int, stages: int, staging: int = _NCHW_WINDOW_STAGING_BYTES) -> int:
     # (the loader's extras: raw slots and windows, an mbarrier pair a raw
-    # slot and one a window)
-    return gemm._half_shared_bytes(_NCHW_WINDOW_STAGING_BYTES, stages, _band_stage_bytes(kw),
+    # slot and one a window; the store's staging: the NCHW one, or
+    # channels-last gemm.CONVERT_STAGING_BYTES)
+    return gemm._half_shared_bytes(staging, stages, _band_stage_bytes(kw),
                                    (BAND_RAWS + BAND_WINDOWS) * _RAW_BYTES, 2 * BAND_RAWS + BAND_WINDOWS)
 
 
-def _band_stages(kw: int) -> int:
-    """The band kernel's stages at kernel width ``kw``: the most (up to 4)
-    that fit; fewer than 2 (wider kernels) is no kernel."""
-    return max([stages for stages in range(2, 5) if _band_shared_bytes(kw, stages) <= _OPT_IN_SHARED_BYTES],
-               default=0)
+def _band_stages(kw: int, staging: int = _NCHW_WINDOW_STAGING_BYTES) -> int:
+    """The band kernel's stages at kernel width ``kw`` beside ``staging``
+    bytes of the store's: the most (up to 4) that fit; fewer than 2 (wider
+    kernels) is no kernel."""
+    return max([stages for stages in range(2, 5)
+                if _band_shared_bytes(kw, stages, staging) <= _OPT_IN_SHARED_BYTES], default=0)
 
 
 BAND_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _band_stages(kw) >= 2)
@@ -275,7 +283,9 @@ def _wgrad_stages(tb: int) -> int:
 # ("nchw_window", dtype, KW): the NCHW 16-bit forward with no copy of x
 # (:func:`_launch_nchw_window`), and ("nchw_band", dtype, KW) its band
 # form, with a last element float32 from a float32 x to a float32 y (under
-# autocast); ("wgrad", dtype, tb) and
+# autocast); ("nhwc_band", dtype, KW): the channels-last band kernel (a
+# float32 x and y under autocast: :func:`_launch_nhwc_band`); ("wgrad",
+# dtype, tb) and
 # ("wgrad_reduce", dtype): the 16-bit weight gradient, tiles of tb blocks
 # of 64 columns (:func:`_launch_wgrad`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
@@ -318,6 +328,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("nchw_band", d, kw, torch.float32):
        f"cf::conv_bias_relu_nchw_band<{cxx_type(d)}, {kw}, {_band_stages(kw)}, {BAND_RAWS}, "
        f"{BAND_WINDOWS}, float, float>"
+       for d in HALF_DTYPES for kw in range(1, BAND_MAX_KW + 1)},
+    **{("nhwc_band", d, kw): f"cf::conv_bias_relu_nhwc_band<{cxx_type(d)}, {kw}, "
+                             f"{_band_stages(kw, gemm.CONVERT_STAGING_BYTES)}, {BAND_RAWS}, {BAND_WINDOWS}>"
        for d in HALF_DTYPES for kw in range(1, BAND_MAX_KW + 1)},
     **{("wgrad", d, tb): f"cf::conv_wgrad_wgmma<{cxx_type(d)}, {tb}, {_wgrad_stages(tb)}>"
        for d in HALF_DTYPES for tb in range(1, 5)},
@@ -447,6 +460,17 @@ def _amp_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     cout, _, kh, kw = weight.shape
     return (x.dtype == torch.float32 and x.is_contiguous() and w % 4 == 0 and x.data_ptr() % 16 == 0
             and _band_fits(cin, kh, kw) and _window_bounds(n, cin, h, w, cout, kh, kw))
+
+
+def _nhwc_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the channels-last band kernel takes x [N, C_in, H, W]
+    (float32, channels-last as :func:`engine_layout` takes it) under
+    autocast, with the weight [C_out, C_in, KH, KW]: :func:`_band_fits` and
+    the bounds of :func:`_window_bounds`."""
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    return (x.dtype == torch.float32 and _band_fits(cin, kh, kw)
+            and _window_bounds(n, cin, h, w, cout, kh, kw))
 
 
 def _band_fits(cin: int, kh: int, kw: int) -> bool:
@@ -659,6 +683,10 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
                  or x.dtype == out_dtype == torch.float32 != dtype and _amp_band_fits(x, weight))):
         _launch_nchw_window(x, weight, conv_bias, bias, out, dtype)
         return out
+    if (layout == CHANNELS_LAST and mask is None and xc is None
+            and x.dtype == out_dtype == torch.float32 != dtype and _nhwc_band_fits(x, weight)):
+        _launch_nhwc_band(x, weight, conv_bias, bias, out, dtype)
+        return out
     # An NCHW x: its channels-last copy, in the product's dtype (float32
     # rounded to TF32); a channels-last one: rounded to TF32 (float32), or
     # its cast under autocast.
@@ -743,8 +771,7 @@ def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
     # biases (cast) of x's dtype, the product in x's dtype (``dtype``), out
     # NCHW; or under autocast x float32 as _amp_band_fits takes it, the
     # product in the autocast dtype, the biases and out float32 (the band
-    # kernel).  The band kernel: a block per pixel tile up to the SM count
-    # (each block's band whole pixel tiles).
+    # kernel).
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = out.shape[2:]
@@ -755,12 +782,8 @@ def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
                                     (WINDOW, 1, gemm.HALF_BOX_K * 2 // x.element_size(), 1), swizzle=False)
     dev = x.device.index
     if _band_fits(cin, kh, kw):
-        pixel_tiles = n * cdiv(oh, 2) * cdiv(ow, 128)
         key = ("nchw_band", dtype, kw) + ((torch.float32,) if x.dtype == torch.float32 else ())
-        _bridge.launch(KERNELS.get(key, dev), (min(pixel_tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
-                       (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), out.data_ptr(), conv_bias.data_ptr(),
-                        _ptr_or_null(bias), n, cout, oh, ow, kh), dev,
-                       shared_mem=_band_shared_bytes(kw, _band_stages(kw)))
+        _launch_band(key, map_x, packed, out.data_ptr(), conv_bias, bias, out.shape, kh)
         return
     raws = _nchw_window_raws(kw)
     _bridge.launch(KERNELS.get(("nchw_window", x.dtype, kw), dev),
@@ -769,6 +792,39 @@ def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
                     _ptr_or_null(bias), n, cout, oh, ow, kh, c_blocks), dev,
                    shared_mem=_nchw_window_shared_bytes(kw, raws))
     # (packed goes back to the allocator after this: later work of this stream only.)
+
+
+def _launch_nhwc_band(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                      bias: Optional[torch.Tensor], out: torch.Tensor, dtype: torch.dtype) -> None:
+    # The channels-last forward under autocast with no cast of x
+    # (conv_bias_relu_nhwc_band), for _launch_engine: x [N, C_in, H, W]
+    # float32 as _nhwc_band_fits takes it, the product in ``dtype``, the
+    # biases and out float32, out channels-last and 16-byte aligned.
+    n, cin, h, w = x.shape
+    kh, kw = weight.shape[2:]
+    packed, _ = _packed_weight(weight, dtype)
+    # x as dims (C, W, H, N): boxes of 32 float32 channels (half a row) x WINDOW columns.
+    map_x = gemm._encode_tensor_map(x.data_ptr(), (cin, w, h, n), (cin, w * cin, h * w * cin), x.dtype,
+                                    (32, WINDOW, 1, 1), swizzle=False)
+    _launch_band(("nhwc_band", dtype, kw), map_x, packed, _nhwc_map(out, 64), conv_bias, bias, out.shape, kh,
+                 gemm.CONVERT_STAGING_BYTES)
+    # (packed goes back to the allocator after this: later work of this stream only.)
+
+
+def _launch_band(key: tuple, map_x: bytes, packed: torch.Tensor, y, conv_bias: torch.Tensor,
+                 bias: Optional[torch.Tensor], out_shape: Sequence[int], kh: int,
+                 staging: int = _NCHW_WINDOW_STAGING_BYTES) -> None:
+    # A band kernel, KERNELS[key] (key[2]: its KW), on x's map, the packed
+    # weight, y (its pointer, or its tensor map) and the biases, for an
+    # output [N, C_out, OH, OW] and KH kernel rows: a block per pixel tile
+    # up to the SM count, its stages beside `staging` bytes of the store's.
+    n, cout, oh, ow = out_shape
+    dev, kw = conv_bias.device.index, key[2]
+    pixel_tiles = n * cdiv(oh, 2) * cdiv(ow, 128)
+    _bridge.launch(KERNELS.get(key, dev), (min(pixel_tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
+                   (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), y, conv_bias.data_ptr(),
+                    _ptr_or_null(bias), n, cout, oh, ow, kh), dev,
+                   shared_mem=_band_shared_bytes(kw, _band_stages(kw, staging), staging))
 
 
 # ---------------------------------------------------------------- the input gradient
