@@ -1270,8 +1270,8 @@ struct NchwWindowLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
 // windows live in a ring of kWin slots of the loader's own, not in the
 // stages, which carry A alone: a pixel tile's KH + 1 input rows are
 // transposed once for all its tiles and stages, and the next pixel tile of
-// the band, two output rows further down the same image and columns, keeps
-// KH - 1 of them.
+// the band, two output rows further down the same image and columns (an
+// output of at most 128 columns), keeps KH - 1 of them.
 
 // Pixel tiles first .. first + count - 1 of pixel_tiles: this block's band,
 // the tiles shared out in order as evenly as the grid allows.
@@ -1316,19 +1316,37 @@ struct BandRows {
   }
 };
 
+// The ring of kWin windows after kRaw raw slots of kRawBytes in a band
+// loader's shared memory, and their "empty" barriers after the raw slots'
+// barrier pairs: row number q's window and barrier.
+template <int kRaw, int kRawBytes, int kWin>
+struct BandWindows {
+  unsigned windows = 0, bars = 0;
+  __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
+    windows = extra + kRaw * kRawBytes;
+    bars = loader_bars + 8u * (2 * kRaw);
+  }
+  __device__ __forceinline__ unsigned window(unsigned q) const { return windows + (q % kWin) * kConvWindowBytes; }
+  __device__ __forceinline__ unsigned empty(unsigned q) const { return bars + 8u * (q % kWin); }
+};
+
 // The producer's copies, the helpers' transpositions and the windows' ring.
 // The producer's thread, after a stage's A tiles, issues the raw rows (as
 // NchwWindowLoader's: 64 channels x kConvWindow columns, into a ring of
 // kRaw slots; a float32 row as two slots of 32 channels) of every row
 // first read by the stage after it (at most two), waiting for a slot only
 // on the helpers, who wait on nothing that needs later copies (the stage
-// whose reads free their window slot has its A tiles).  The helpers walk the block's stages in order: at each stage
-// of a pixel tile's first tile of output channels they transpose the rows
-// that stage reads first into their window slots, once the consumers have
-// released the slot's previous row (win_empty: an arrive by every consumer
-// warp of each tile of output channels that read that row last), then
-// arrive on the stage's "full" barrier (after its previous phase, so that
-// their arrive counts towards this one).
+// whose reads free their window slot has its A tiles).  The helpers walk
+// the block's stages in order: at each stage of a pixel tile's first tile
+// of output channels they transpose the rows that stage reads first into
+// their window slots, once the consumers have released the slot's
+// previous row (BandWindows::empty: an arrive by every consumer warp of
+// each tile of output channels that read that row last), then arrive on
+// the stage's "full" barrier (after its previous phase, so that their
+// arrive counts towards this one).  Rows are kept from one pixel tile to
+// the next only where the next lies two rows below (BandRows: one column
+// tile, OW <= 128); with wider outputs the next pixel tile of a band is
+// the next columns, and each pixel tile brings its KH + 1 rows.
 template <typename T, int kKw, int kRaw, int kWin, typename Tin = T, bool kNhwcIn = false>
 struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   static_assert(kRaw >= 2, "a stage's new rows issued with the stage before it");
@@ -1357,7 +1375,7 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   // the next row: row raw_i of the cursor's pixel tile, whose first stage
   // is the block's raw_base-th).
   i64 band_first = 0, band_count = 0;
-  unsigned windows = 0, win_bars = 0;
+  BandWindows<kRaw, kRawBytes, kWin> wins;
   unsigned loaded = 0, raw_q = 0, raw_base = 0;
   int raw_i = 0;
   BandRows raw_rows{0, 0, 0};
@@ -1380,12 +1398,9 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   }
   __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
     Ring::attach(extra, loader_bars);
-    windows = extra + kRaw * kRawBytes;
-    win_bars = loader_bars + 8u * (2 * kRaw);
+    wins.attach(extra, loader_bars);
     raw_rows = band_rows();
   }
-  __device__ __forceinline__ unsigned window(unsigned q) const { return windows + (q % kWin) * kConvWindowBytes; }
-  __device__ __forceinline__ unsigned win_empty(unsigned q) const { return win_bars + 8u * (q % kWin); }
   __device__ __forceinline__ void load(unsigned tile_a, unsigned, unsigned bar, int) {
     this->load_a(tile_a, bar);
     this->next_stage();
@@ -1431,18 +1446,18 @@ struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
             for (int i = kh == 0 ? 0 : kh + 1; i <= kh + 1; ++i) {
               if (kept && i < kh_size - 1) continue;
               const unsigned q = rows.first + i;
-              if (q >= kWin) mbar_wait(win_empty(q), ((q / kWin) - 1) & 1);
+              if (q >= kWin) mbar_wait(wins.empty(q), ((q / kWin) - 1) & 1);
 #pragma unroll
               for (int u = 0; u < kRowUnits; ++u) {
                 const unsigned use = q * kRowUnits + u;  // the raw slots' use that brought it
                 const int slot = static_cast<int>(use % kRaw);
                 mbar_wait(raw_full(slot), (use / kRaw) & 1);
                 if constexpr (kNhwcIn) {
-                  convert_raw_half_nhwc<kHelperWarps, T>(raws + slot * kRawBytes, window(q), u, helper, lane);
+                  convert_raw_half_nhwc<kHelperWarps, T>(raws + slot * kRawBytes, wins.window(q), u, helper, lane);
                 } else if constexpr (kRowUnits == 2) {
-                  convert_raw_half<kHelperWarps, T>(raws + slot * kRawBytes, window(q), u, helper, lane);
+                  convert_raw_half<kHelperWarps, T>(raws + slot * kRawBytes, wins.window(q), u, helper, lane);
                 } else {
-                  transpose_raw_row<kHelperWarps>(raws + slot * kRawBytes, window(q), helper, lane);
+                  transpose_raw_row<kHelperWarps>(raws + slot * kRawBytes, wins.window(q), helper, lane);
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(raw_empty(slot));
@@ -1474,26 +1489,21 @@ struct BandWindowMma {
   static constexpr int kTileABytes = kKw * 64 * 128, kTileBBytes = 0;
   BandRows rows;
   i64 band_first;
-  unsigned windows = 0, win_bars = 0;
+  BandWindows<kRaw, kRawBytes, kWin> wins;
   __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
-    windows = extra + kRaw * kRawBytes;
-    win_bars = loader_bars + 8u * (2 * kRaw);
+    wins.attach(extra, loader_bars);
     rows.start(band_first);
   }
   __device__ __forceinline__ void begin_tile(i64, i64 tn) { rows.advance_to(tn); }
   __device__ __forceinline__ void end_tile(float (&)[2][kHgAccs]) {}
-  __device__ __forceinline__ unsigned window(int i) const {
-    return windows + ((rows.first + static_cast<unsigned>(i)) % kWin) * kConvWindowBytes;
-  }
   __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned, int kt) const {
-    const Swizzle128Desc sb0(window(kt)), sb1(window(kt + 1));
+    const Swizzle128Desc sb0(wins.window(rows.first + kt)), sb1(wins.window(rows.first + kt + 1));
     window_mma_group<T, kKw>(acc, a, kt, [&](int r, int offset) { return (r ? sb1 : sb0).at(offset); });
   }
   __device__ __forceinline__ void stage_done(int kh) const {
     const int kh_size = rows.kh_size;
-    if (kh < 2 || !rows.shares) mbar_arrive(win_bars + 8u * ((rows.first + kh) % kWin));
-    if (kh == kh_size - 1 && (kh_size < 2 || !rows.shares))
-      mbar_arrive(win_bars + 8u * ((rows.first + kh_size) % kWin));
+    if (kh < 2 || !rows.shares) mbar_arrive(wins.empty(rows.first + kh));
+    if (kh == kh_size - 1 && (kh_size < 2 || !rows.shares)) mbar_arrive(wins.empty(rows.first + kh_size));
   }
 };
 

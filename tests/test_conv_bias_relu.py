@@ -266,10 +266,10 @@ def test_engine_against_float64(shape, kind, dtype, device):
 # rows of 1 and of more than 128 columns (3 column tiles), an odd number of
 # output rows, problem 1's rows (126 of 128), batch 1, and more tiles than
 # SMs.  (The engine's route takes C_in a multiple of 8: engine_layout.)
-# Those with C_in up to 64 and KH up to 3 take the band kernel: the last
-# four with bands of several pixel tiles that keep rows from one to the
-# next (KH 2 and 3), that start in one image and end in another, of 1 and 3
-# tiles of output channels, and one of 2 column tiles with KH 1.
+# Those with C_in up to 64 and KH up to 3 take the band kernel; the last
+# five have bands of several pixel tiles: keeping rows from one to the next
+# (KH 2 and 3), across images, with 1 and 3 tiles of output channels, and
+# of 2 column tiles (KH 1 and 3), where no rows are kept.
 NCHW_WINDOW_SHAPES = [
     (2, 64, 20, 16, 128, 3, 3),
     (1, 8, 9, 8, 5, 1, 1),
@@ -283,6 +283,7 @@ NCHW_WINDOW_SHAPES = [
     (40, 8, 21, 8, 72, 2, 1),
     (30, 40, 15, 24, 192, 3, 2),
     (20, 64, 10, 136, 64, 1, 5),
+    (40, 16, 12, 136, 64, 3, 3),
 ]
 
 
@@ -311,7 +312,7 @@ def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
         eager = _reference(x, wt, cb, b)
         out = torch.full(truth.shape, float("nan"), dtype=dtype, device=device)
         ours = CB._launch_engine(x, wt, cb, b.reshape(-1), out=out)
-        band = CB._band_fits(cin, kh, kw)
+        band = CB._band_fits(cin, cout, kh, kw)
         assert taken == ["nchw_band" if band else "nchw_window"]
         assert ours is out and not ours.isnan().any()
         err, eager_err = rel_error(ours, truth), rel_error(eager, truth)
@@ -1206,9 +1207,10 @@ def test_window_launches_fit_their_kernels():
 def test_nchw_window_launches_fit_their_kernel():
     """Each NCHW window kernel (KW 1 to NCHW_WINDOW_MAX_KW) gets two raw
     rows or more in flight (kRaw >= 2, which its loader asserts), and each
-    band kernel (KW 1 to BAND_MAX_KW; 16-bit x, or float32 under autocast)
-    two stages or more beside BAND_RAWS raw slots and BAND_WINDOWS
-    windows, as many (up to 4) as the opt-in
+    band kernel (KW 1 to BAND_MAX_KW; 16-bit x, or float32 under autocast,
+    NCHW or channels-last, beside its store's staging) two stages or more
+    beside BAND_RAWS raw slots and BAND_WINDOWS windows, as many (up to 4)
+    as the opt-in
     shared memory holds; the raw row, the window and the staging are sized
     as the kernel sizes them; no wider kernel fits."""
     text = (_runtime.kernel_dir() / "conv_bias_relu.cu").read_text()
@@ -1221,15 +1223,17 @@ def test_nchw_window_launches_fit_their_kernel():
     assert CB._NCHW_WINDOW_STAGING_BYTES == 2 * int(staging) * 1024
     # 64 staging rows of kConvStageRow (136) values, and the last chunk's reads past the last row.
     assert CB._NCHW_WINDOW_STAGING_BYTES // 2 >= 64 * 136 * 2 + 16
-    # (key, widest kernel, count of its raw rows or stages, shared bytes, expression's end)
-    # (key's tail, widest kernel, count of its raw rows or stages, shared bytes, expression's end)
-    f32 = torch.float32
+    # (key, key's tail, widest kernel, count of its raw rows or stages, shared bytes, expression's end)
+    f32, cl_staging = torch.float32, gemm.CONVERT_STAGING_BYTES
     kernels = (("nchw_window", (), CB.NCHW_WINDOW_MAX_KW, CB._nchw_window_raws, CB._nchw_window_shared_bytes,
                 lambda kw, k: f", {kw}, {CB.NCHW_WINDOW_STAGES}, {k}>"),
                ("nchw_band", (), CB.BAND_MAX_KW, CB._band_stages, CB._band_shared_bytes,
                 lambda kw, k: f", {kw}, {k}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}>"),
                ("nchw_band", (f32,), CB.BAND_MAX_KW, CB._band_stages, CB._band_shared_bytes,
-                lambda kw, k: f", {kw}, {k}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}, float, float>"))
+                lambda kw, k: f", {kw}, {k}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}, float, float>"),
+               ("nhwc_band", (), CB.BAND_MAX_KW, lambda kw: CB._band_stages(kw, cl_staging),
+                lambda kw, k: CB._band_shared_bytes(kw, k, cl_staging),
+                lambda kw, k: f", {kw}, {k}, {CB.BAND_RAWS}, {CB.BAND_WINDOWS}>"))
     for key, tail, max_kw, count, shared, end in kernels:
         for kw in range(1, max_kw + 1):
             k = count(kw)
@@ -1318,6 +1322,11 @@ def test_nchw_window_launch(monkeypatch):
     CB._launch_engine(torch.randn(200, 5, 9, 136, dtype=bf16), torch.randn(33, 5, 3, 4, dtype=bf16), cb, b,
                       plan=(CB.NCHW, bf16, bf16, False))
     assert launched[0][0][0] == "nchw_band" and launched[0][1] == (132, 1, 1)
+    # More than 64 input channels: the NCHW window kernel.
+    launched.clear()
+    CB._launch_engine(torch.randn(2, 72, 9, 136, dtype=bf16), torch.randn(33, 72, 3, 4, dtype=bf16), cb, b,
+                      plan=(CB.NCHW, bf16, bf16, False))
+    assert launched[0][0] == ("nchw_window", bf16, 4) and launched[0][3][-1] == 2  # (two channel blocks)
     for wide, mask in ((False, torch.zeros(2 * 33 * 7 * 133 // 32 + 1, dtype=torch.int32)), (True, None)):
         launched.clear()
         weight = torch.randn(33, 5, 3, CB.NCHW_WINDOW_MAX_KW + 1 if wide else 4, dtype=bf16)
@@ -1384,15 +1393,23 @@ def test_nhwc_band_launch(monkeypatch):
     launched.clear()
     CB._launch_engine(x, torch.randn(40, 8, 4, 5), cb, b, plan=(CB.CHANNELS_LAST, bf16, f32, False))
     assert [launch[0][0] for launch in launched] == ["window"]
+    launched.clear()  # at most a block per SM where the pixel tiles outnumber the SMs
+    CB._launch_engine(torch.randn(100, 8, 9, 136).contiguous(memory_format=cl), wt, cb, b,
+                      plan=(CB.CHANNELS_LAST, bf16, f32, False))
+    assert launched[0][0][0] == "nhwc_band" and launched[0][1] == (132, 1, 1)
 
 
 def test_band_fits():
     """The band kernel takes one block of 64 input channels, a pixel tile's
-    KH + 1 rows within BAND_WINDOWS, KW up to BAND_MAX_KW; nothing else."""
-    assert CB._band_fits(64, CB.BAND_WINDOWS - 1, CB.BAND_MAX_KW) and CB._band_fits(8, 1, 1)
-    assert not CB._band_fits(72, 3, 3)
-    assert not CB._band_fits(64, CB.BAND_WINDOWS, 3)
-    assert not CB._band_fits(64, 3, CB.BAND_MAX_KW + 1)
+    KH + 1 rows within BAND_WINDOWS, KW up to BAND_MAX_KW, and output
+    channels whose window barriers' count (4 arrives per tile of 64) stays
+    below an mbarrier's 2^20; nothing else."""
+    assert CB._band_fits(64, 128, CB.BAND_WINDOWS - 1, CB.BAND_MAX_KW) and CB._band_fits(8, 5, 1, 1)
+    assert CB._band_fits(8, 64 * (2**18 - 1), 3, 3)
+    assert not CB._band_fits(8, 64 * 2**18, 3, 3)
+    assert not CB._band_fits(72, 128, 3, 3)
+    assert not CB._band_fits(64, 128, CB.BAND_WINDOWS, 3)
+    assert not CB._band_fits(64, 128, 3, CB.BAND_MAX_KW + 1)
 
 
 def test_dgrad_takes_what_its_kernel_runs(monkeypatch):

@@ -31,7 +31,8 @@ Route, decided once per call (:func:`route`):
   shared memory; :func:`_nchw_window_fits`), and with at most 64 input
   channels and 3 kernel rows its band form (``conv_bias_relu_nchw_band``:
   each block on consecutive pixel tiles, each transposed row kept for
-  every tile of output channels and the next pixel tile; :func:`_band_fits`),
+  every tile of output channels and, where the output is at most 128
+  columns wide, the next pixel tile; :func:`_band_fits`),
   which under autocast also takes a float32 x (W a multiple of 4), rounded
   to the autocast dtype as its rows are transposed, and writes the float32
   y (:func:`_amp_band_fits`); a channels-last float32 x under autocast
@@ -459,7 +460,7 @@ def _amp_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     return (x.dtype == torch.float32 and x.is_contiguous() and w % 4 == 0 and x.data_ptr() % 16 == 0
-            and _band_fits(cin, kh, kw) and _window_bounds(n, cin, h, w, cout, kh, kw))
+            and _band_fits(cin, cout, kh, kw) and _window_bounds(n, cin, h, w, cout, kh, kw))
 
 
 def _nhwc_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -469,16 +470,19 @@ def _nhwc_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     the bounds of :func:`_window_bounds`."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
-    return (x.dtype == torch.float32 and _band_fits(cin, kh, kw)
+    return (x.dtype == torch.float32 and _band_fits(cin, cout, kh, kw)
             and _window_bounds(n, cin, h, w, cout, kh, kw))
 
 
-def _band_fits(cin: int, kh: int, kw: int) -> bool:
-    """Whether the NCHW band kernel takes a convolution that
-    :func:`_nchw_window_fits` takes (C_in input channels, a KH x KW
-    kernel): one block of 64 input channels, and a pixel tile's KH + 1
-    input rows in its :data:`BAND_WINDOWS` windows."""
-    return cin <= gemm.HALF_BOX_K and kh + 1 <= BAND_WINDOWS and kw <= BAND_MAX_KW
+def _band_fits(cin: int, cout: int, kh: int, kw: int) -> bool:
+    """Whether the band kernel takes a convolution that a window kernel
+    takes (C_in input channels, C_out output channels, a KH x KW kernel):
+    one block of 64 input channels, a pixel tile's KH + 1 input rows in its
+    :data:`BAND_WINDOWS` windows, and each window's barrier a count (an
+    arrive by 4 warps of every tile of 64 output channels) an mbarrier
+    holds (below 2^20)."""
+    return (cin <= gemm.HALF_BOX_K and kh + 1 <= BAND_WINDOWS and kw <= BAND_MAX_KW
+            and 4 * cdiv(cout, WINDOW_TILE[0]) < 2**20)
 
 
 def _out_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int, int, int]:
@@ -781,7 +785,7 @@ def _launch_nchw_window(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
     map_x = gemm._encode_tensor_map(x.data_ptr(), (w, h, cin, n), (w, h * w, cin * h * w), x.dtype,
                                     (WINDOW, 1, gemm.HALF_BOX_K * 2 // x.element_size(), 1), swizzle=False)
     dev = x.device.index
-    if _band_fits(cin, kh, kw):
+    if _band_fits(cin, cout, kh, kw):
         key = ("nchw_band", dtype, kw) + ((torch.float32,) if x.dtype == torch.float32 else ())
         _launch_band(key, map_x, packed, out.data_ptr(), conv_bias, bias, out.shape, kh)
         return
