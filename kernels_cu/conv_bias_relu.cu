@@ -1266,7 +1266,7 @@ struct NchwWindowLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
 // tile (both rows of every stage) and again for every tile of 64 output
 // channels.  Here a block takes a band of consecutive pixel tiles
 // (band_of_block), each with all its tiles of output channels in turn (the
-// engine's tiles (tm, tn), tm fastest: NchwBandLoader's schedule), and the
+// engine's tiles (tm, tn), tm fastest: BandLoader's schedule), and the
 // windows live in a ring of kWin slots of the loader's own, not in the
 // stages, which carry A alone: a pixel tile's KH + 1 input rows are
 // transposed once for all its tiles and stages, and the next pixel tile of
@@ -1348,7 +1348,7 @@ struct BandWindows {
 // tile, OW <= 128); with wider outputs the next pixel tile of a band is
 // the next columns, and each pixel tile brings its KH + 1 rows.
 template <typename T, int kKw, int kRaw, int kWin, typename Tin = T, bool kNhwcIn = false>
-struct NchwBandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
+struct BandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   static_assert(kRaw >= 2, "a stage's new rows issued with the stage before it");
   static_assert(sizeof(Tin) == sizeof(T) || sizeof(Tin) == 4, "x of the product's dtype, or float32");
   static_assert(!kNhwcIn || sizeof(Tin) == 4, "a channels-last x of float32 (a 16-bit one: the window kernel)");
@@ -1904,7 +1904,7 @@ conv_bias_relu_nchw_window(const __grid_constant__ TensorMap map_x, const __grid
 
 // conv_bias_relu_nchw_window's y from x [N, Cin, H, W] NCHW with Cin <= 64
 // and KH + 1 <= kWin, each input row transposed about once (above:
-// NchwBandLoader, BandWindowMma, kRaw raw rows and kWin windows), the same
+// BandLoader, BandWindowMma, kRaw raw rows and kWin windows), the same
 // sums in the same order; or under autocast (Tin and Out float32) from a
 // float32 x, each value rounded to T as it is transposed (as autocast's
 // cast of x rounds it), y = relu(conv2d + conv_bias) rounded to T, then +
@@ -1921,7 +1921,7 @@ conv_bias_relu_nchw_band(const __grid_constant__ TensorMap map_x, const __grid_c
                          i64 n_images, i64 cout, i64 out_rows, i64 out_cols, i64 kh_size) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(Tin) == sizeof(Out), "x and y of T, or both float32 (autocast)");
-  using Loader = NchwBandLoader<T, kKw, kRaw, kWin, Tin>;
+  using Loader = BandLoader<T, kKw, kRaw, kWin, Tin>;
   using Mma = BandWindowMma<T, kKw, kRaw, Loader::kRawBytes, kWin>;
   Loader loader{window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, 1, 0, 0)};
   band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
@@ -1940,7 +1940,7 @@ conv_bias_relu_nchw_band(const __grid_constant__ TensorMap map_x, const __grid_c
 // conv_bias_relu_window's y under autocast (float32 x, biases and y: Out =
 // float) from a channels-last x of at most 64 channels with KH + 1 <= kWin,
 // read as it is: the band kernel above with the raw rows of x converted to
-// T once per row (NchwBandLoader<..., kNhwcIn>), and WindowNhwcStore's
+// T once per row (BandLoader<..., kNhwcIn>), and WindowNhwcStore's
 // float32 y, bitwise that of x's cast and the window kernel.  Arguments as
 // conv_bias_relu_window's without the mask (map_x: float32 x, boxes of 32
 // channels x kConvWindow columns, no swizzle).  Grid and threads as
@@ -1954,7 +1954,7 @@ conv_bias_relu_nhwc_band(const __grid_constant__ TensorMap map_x, const __grid_c
                          const float* __restrict__ bias, i64 n_images, i64 cout, i64 out_rows, i64 out_cols,
                          i64 kh_size) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Loader = NchwBandLoader<T, kKw, kRaw, kWin, float, true>;
+  using Loader = BandLoader<T, kKw, kRaw, kWin, float, true>;
   using Mma = BandWindowMma<T, kKw, kRaw, Loader::kRawBytes, kWin>;
   Loader loader{window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, 1, 0, 0)};
   band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
