@@ -1507,6 +1507,27 @@ struct BandWindowMma {
   }
 };
 
+// A band kernel's loader: the window kernels' A side (one block of 64
+// input channels, no padding) and this block's band.
+template <typename T, int kKw, int kRaw, int kWin, typename Tin, bool kNhwcIn = false>
+__device__ __forceinline__ BandLoader<T, kKw, kRaw, kWin, Tin, kNhwcIn> band_loader(
+    const TensorMap& map_x, const TensorMap& map_w, i64 n_images, i64 rows, i64 cols, i64 cout, i64 kh_size) {
+  BandLoader<T, kKw, kRaw, kWin, Tin, kNhwcIn> loader{
+      window_loader<T, kKw>(map_x, map_w, n_images, rows, cols, cout, kh_size, 1, 0, 0)};
+  band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
+  return loader;
+}
+
+// A band kernel's body: the engine with BandWindowMma on `loader`'s band,
+// kStagingBytes of staging for `store`.
+template <typename T, int kKw, int kStages, int kStagingBytes, int kRaw, int kWin, typename Loader, typename Store>
+__device__ __forceinline__ void run_bands(const Loader& loader, Store& store) {
+  using Mma = BandWindowMma<T, kKw, kRaw, Loader::kRawBytes, kWin>;
+  const Mma mma{{loader.row_pairs, loader.col_tiles, loader.kh_size}, loader.band_first};
+  extern __shared__ __align__(128) unsigned char conv_shared[];
+  half_gemm_persistent<T, kStages, kStagingBytes, Mma>(reinterpret_cast<char*>(conv_shared), loader, store, mma);
+}
+
 // y [N, Cout, OH, OW] (NCHW) of Out: the 16-bit T = relu(acc + conv_bias)
 // + bias rounded once, or under autocast float32, relu(acc + conv_bias)
 // rounded to T, then + bias in float32: each half of a warpgroup's tile (64
@@ -1921,17 +1942,10 @@ conv_bias_relu_nchw_band(const __grid_constant__ TensorMap map_x, const __grid_c
                          i64 n_images, i64 cout, i64 out_rows, i64 out_cols, i64 kh_size) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(Tin) == sizeof(Out), "x and y of T, or both float32 (autocast)");
-  using Loader = BandLoader<T, kKw, kRaw, kWin, Tin>;
-  using Mma = BandWindowMma<T, kKw, kRaw, Loader::kRawBytes, kWin>;
-  Loader loader{window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, 1, 0, 0)};
-  band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
-  const WindowTile<Out> tile{conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles};
-  const Mma mma{{loader.row_pairs, loader.col_tiles, static_cast<int>(kh_size)}, loader.band_first};
-  extern __shared__ __align__(128) unsigned char conv_shared[];
+  const auto loader = band_loader<T, kKw, kRaw, kWin, Tin>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size);
   WindowNchwStore<T, Out> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, loader.col_tiles},
-                                tile};
-  half_gemm_persistent<T, kStages, kWindowNchwStagingBytes, Mma>(reinterpret_cast<char*>(conv_shared), loader,
-                                                                 store, mma);
+                                {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
+  run_bands<T, kKw, kStages, kWindowNchwStagingBytes, kRaw, kWin>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
@@ -1954,16 +1968,11 @@ conv_bias_relu_nhwc_band(const __grid_constant__ TensorMap map_x, const __grid_c
                          const float* __restrict__ bias, i64 n_images, i64 cout, i64 out_rows, i64 out_cols,
                          i64 kh_size) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Loader = BandLoader<T, kKw, kRaw, kWin, float, true>;
-  using Mma = BandWindowMma<T, kKw, kRaw, Loader::kRawBytes, kWin>;
-  Loader loader{window_loader<T, kKw>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size, 1, 0, 0)};
-  band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
+  const auto loader =
+      band_loader<T, kKw, kRaw, kWin, float, true>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size);
   WindowNhwcStore<T, false, float> store{
       map_y, nullptr, {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
-  const Mma mma{{loader.row_pairs, loader.col_tiles, static_cast<int>(kh_size)}, loader.band_first};
-  extern __shared__ __align__(128) unsigned char conv_shared[];
-  half_gemm_persistent<T, kStages, kCtStagingBytes, Mma>(reinterpret_cast<char*>(conv_shared), loader, store,
-                                                         mma);
+  run_bands<T, kKw, kStages, kCtStagingBytes, kRaw, kWin>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
