@@ -300,11 +300,8 @@ def test_nchw_window_against_float64(shape, dtype, device, monkeypatch):
     kernel."""
     _engine_device(device)
     n, cin, h, w, cout, kh, kw = shape
-    gen = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype)
-    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
-    cb = torch.randn(cout, generator=gen).to(device, dtype)
-    b = torch.randn(cout, 1, 1, generator=gen).to(device, dtype)
+    _, x, wt, cb, b = _conv_operands(shape, 0, device, dtype)
+    b = b.view(-1, 1, 1)
     taken = _kernel_names(monkeypatch)
     with torch.no_grad():
         assert CB.route(x, wt, cb, b) == "engine" and CB._nchw_window_fits(x, wt)
@@ -803,9 +800,7 @@ def test_transposing_copies_are_exact(shape, dtype, device, monkeypatch):
     take the vector kernels in 16 bits, with partial tiles both ways):
     torch's own copies, bitwise.  A float32 x copied to a 16-bit
     channels-last one is its cast."""
-    launched = []
-    get = CB.KERNELS.get
-    monkeypatch.setattr(CB.KERNELS, "get", lambda key, dev: launched.append(key) or get(key, dev))
+    launched = _kernel_names(monkeypatch, whole=True)
     x = torch.randn(shape, device=device).to(dtype)
     cl = CB._transposed(x)
     assert cl.is_contiguous(memory_format=torch.channels_last) and cl.dtype == dtype

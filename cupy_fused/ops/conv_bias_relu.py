@@ -438,29 +438,31 @@ ENGINE_TRAINING_MIN_ELEMENTS = 2**24
 ENGINE_FLOAT32_MIN_ELEMENTS = 2**24
 
 
+def _nchw_rows_whole(x: torch.Tensor) -> bool:
+    """Whether the copy engine can bring x [N, C, H, W]'s rows as they lie
+    (the NCHW window and band kernels' raw rows): x contiguous, its rows
+    whole 16-byte vectors (W a multiple of 8 in 16 bits, of 4 in float32)
+    and x 16-byte aligned (the copy engine's strides and base)."""
+    return x.is_contiguous() and x.shape[3] * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0
+
+
 def _nchw_window_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the NCHW window kernel takes x [N, C_in, H, W] (16-bit,
-    contiguous) and the weight [C_out, C_in, KH, KW]: rows of x of whole
-    16-byte vectors (W a multiple of 8, x 16-byte aligned: the copy engine's
-    strides and base), KW at most :data:`NCHW_WINDOW_MAX_KW`, and the bounds
-    of :func:`_window_bounds` (any C_in and C_out: the copy engine reads x's
-    channels as an outer dimension, zeros past C_in)."""
+    contiguous) and the weight [C_out, C_in, KH, KW]: x's rows as they lie
+    (:func:`_nchw_rows_whole`), KW at most :data:`NCHW_WINDOW_MAX_KW`, and
+    the bounds of :func:`_window_bounds` (any C_in and C_out: the copy
+    engine reads x's channels as an outer dimension, zeros past C_in)."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
-    return (x.dtype in HALF_DTYPES and x.is_contiguous() and w % 8 == 0 and x.data_ptr() % 16 == 0
-            and kw <= NCHW_WINDOW_MAX_KW and _window_bounds(n, cin, h, w, cout, kh, kw))
+    return (x.dtype in HALF_DTYPES and _nchw_rows_whole(x) and kw <= NCHW_WINDOW_MAX_KW
+            and _window_bounds(n, cin, h, w, cout, kh, kw))
 
 
 def _amp_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the band kernel takes x [N, C_in, H, W] (float32, contiguous)
-    under autocast, with the weight [C_out, C_in, KH, KW]: rows of x of
-    whole 16-byte vectors (W a multiple of 4, x 16-byte aligned: the copy
-    engine's strides and base), :func:`_band_fits` and the bounds of
-    :func:`_window_bounds`."""
-    n, cin, h, w = x.shape
-    cout, _, kh, kw = weight.shape
-    return (x.dtype == torch.float32 and x.is_contiguous() and w % 4 == 0 and x.data_ptr() % 16 == 0
-            and _band_fits(cin, cout, kh, kw) and _window_bounds(n, cin, h, w, cout, kh, kw))
+    under autocast, with the weight [C_out, C_in, KH, KW]: x's rows as they
+    lie (:func:`_nchw_rows_whole`) and :func:`_nhwc_band_fits`'s sizes."""
+    return _nchw_rows_whole(x) and _nhwc_band_fits(x, weight)
 
 
 def _nhwc_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
