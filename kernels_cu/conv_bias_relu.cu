@@ -931,32 +931,33 @@ __device__ __forceinline__ void store_window_tile(const float (&acc)[2][kHgAccs]
   }
 }
 
-// store_window_tile for a float32 output (map_out: boxes 32 x 64 x 1 x 1):
-// each half of the tile in two passes of 64 pixels, each staged as two
-// boxes of 32 channels x 64 pixels (pixel rows of 128 bytes, swizzled: the
-// 16 KiB of a warpgroup's staging), one float32 value a store.  A store
-// instruction's 32 lanes (channels me.row of a warp's 8 rows, pixels 2t + e
-// of 4 rows) land in 32 distinct banks: the swizzle XORs the channel's
-// chunk with the pixel's row.
-template <typename Value>
+// store_window_tile for a float32 output (map_out: boxes 32 x kPass x 1 x
+// 1): each half of the tile in 128 / kPass passes of kPass pixels, each
+// staged as two boxes of 32 channels x kPass pixels (pixel rows of 128
+// bytes, swizzled: 256 kPass bytes of a warpgroup's staging, 16 KiB for
+// kPass 64), one float32 value a store.  A store instruction's 32 lanes
+// (channels me.row of a warp's 8 rows, pixels 2t + e of 4 rows) land in 32
+// distinct banks: the swizzle XORs the channel's chunk with the pixel's row.
+template <int kPass = 64, typename Value>
 __device__ __forceinline__ void store_window_tile_f32(const float (&acc)[2][kHgAccs], const HalfGemmLane& me,
                                                       unsigned staging, const TensorMap& map_out, i64 m0, int n,
                                                       int h0, int w0, const Value& value) {
+  static_assert(kPass == 32 || kPass == 64, "passes of whole column blocks of the m64n128 layout");
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
+    for (int pass = 0; pass < 128 / kPass; ++pass) {
       TmaTileWriter::begin(me);
 #pragma unroll
-      for (int ii = 0; ii < 8; ++ii) {
-        const int i = 8 * pass + ii;  // the m64n128 layout's column block of 8
+      for (int ii = 0; ii < kPass / 8; ++ii) {
+        const int i = (kPass / 8) * pass + ii;  // the m64n128 layout's column block of 8
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
           const int c = me.row + 8 * hi;  // the tile's channel (0 .. 63)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int p = 8 * ii + 2 * me.t + e;  // the pass's pixel
-            const unsigned at = staging + (c >> 5) * (64 * 128) + p * 128 +
+            const unsigned at = staging + (c >> 5) * (kPass * 128) + p * 128 +
                                 (((((c & 31) >> 2) ^ (p & 7)) << 4) | (4 * (c & 3)));
             asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(value(acc[h][4 * i + 2 * hi + e], hi != 0))
                          : "memory");
@@ -966,7 +967,7 @@ __device__ __forceinline__ void store_window_tile_f32(const float (&acc)[2][kHgA
       if (TmaTileWriter::staged(me)) {
 #pragma unroll
         for (int box = 0; box < 2; ++box)
-          tma_store_4d(map_out, staging + box * (64 * 128), static_cast<int>(m0) + 32 * box, w0 + 64 * pass,
+          tma_store_4d(map_out, staging + box * (kPass * 128), static_cast<int>(m0) + 32 * box, w0 + kPass * pass,
                        h0 + h, n);
         bulk_commit();
       }
@@ -1046,7 +1047,7 @@ struct WindowTile {
 // mask word, OR-ed over the 8 lanes that hold them; a lane stores the
 // halves of 4 pixels (every half is written: the mask is not zeroed
 // first).
-template <typename T, bool kMask, typename Out = T>
+template <typename T, bool kMask, typename Out = T, int kF32Pass = 64>
 struct WindowNhwcStore {
   const TensorMap& map_y;  // y [N, OH, OW, Cout] channels-last, of Out
   unsigned short* mask;    // kMask: the mask's words as 16-bit halves
@@ -1056,7 +1057,7 @@ struct WindowNhwcStore {
     int n, h0, w0;
     const WindowBiases chain = tile.begin(me, m0, n0, n, h0, w0);
     if constexpr (sizeof(Out) == 4) {
-      store_window_tile_f32(acc, me, staging, map_y, m0, n, h0, w0,
+      store_window_tile_f32<kF32Pass>(acc, me, staging, map_y, m0, n, h0, w0,
                             [&](float v, bool hi) { return chain.template autocast<T>(v, hi); });
     } else {
       store_window_tile<T>(acc, me, staging, map_y, m0, n, h0, w0, chain);
@@ -1316,69 +1317,58 @@ struct BandRows {
   }
 };
 
-// The ring of kWin windows after kRaw raw slots of kRawBytes in a band
-// loader's shared memory, and their "empty" barriers after the raw slots'
-// barrier pairs: row number q's window and barrier.
-template <int kRaw, int kRawBytes, int kWin>
+// The ring of kWin slots of kRowWindows windows each (an input row's blocks
+// of channels: one 16-bit block of 64, or kRowWindows float32 ones of 32)
+// after kRaw raw slots of kRawBytes in a band loader's shared memory, and
+// their "empty" barriers after the raw slots' barrier pairs, then, for a
+// loader whose copies fill the windows themselves (no raw slots), their
+// "full" ones: row number q's window of channel block cb and its barriers.
+template <int kRaw, int kRawBytes, int kWin, int kRowWindows_ = 1>
 struct BandWindows {
+  static constexpr int kRowWindows = kRowWindows_, kRowBytes = kRowWindows * kConvWindowBytes;
   unsigned windows = 0, bars = 0;
   __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
     windows = extra + kRaw * kRawBytes;
     bars = loader_bars + 8u * (2 * kRaw);
   }
-  __device__ __forceinline__ unsigned window(unsigned q) const { return windows + (q % kWin) * kConvWindowBytes; }
+  __device__ __forceinline__ unsigned window(unsigned q, int cb = 0) const {
+    return windows + (q % kWin) * kRowBytes + cb * kConvWindowBytes;
+  }
   __device__ __forceinline__ unsigned empty(unsigned q) const { return bars + 8u * (q % kWin); }
+  __device__ __forceinline__ unsigned full(unsigned q) const { return bars + 8u * (kWin + q % kWin); }
 };
 
-// The producer's copies, the helpers' transpositions and the windows' ring.
-// The producer's thread, after a stage's A tiles, issues the raw rows (as
-// NchwWindowLoader's: 64 channels x kConvWindow columns, into a ring of
-// kRaw slots; a float32 row as two slots of 32 channels) of every row
-// first read by the stage after it (at most two), waiting for a slot only
-// on the helpers, who wait on nothing that needs later copies (the stage
-// whose reads free their window slot has its A tiles).  The helpers walk
-// the block's stages in order: at each stage of a pixel tile's first tile
-// of output channels they transpose the rows that stage reads first into
-// their window slots, once the consumers have released the slot's
-// previous row (BandWindows::empty: an arrive by every consumer warp of
-// each tile of output channels that read that row last), then arrive on
-// the stage's "full" barrier (after its previous phase, so that their
-// arrive counts towards this one).  Rows are kept from one pixel tile to
-// the next only where the next lies two rows below (BandRows: one column
-// tile, OW <= 128); with wider outputs the next pixel tile of a band is
-// the next columns, and each pixel tile brings its KH + 1 rows.
-template <typename T, int kKw, int kRaw, int kWin, typename Tin = T, bool kNhwcIn = false>
-struct BandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
-  static_assert(kRaw >= 2, "a stage's new rows issued with the stage before it");
-  static_assert(sizeof(Tin) == sizeof(T) || sizeof(Tin) == 4, "x of the product's dtype, or float32");
-  static_assert(!kNhwcIn || sizeof(Tin) == 4, "a channels-last x of float32 (a 16-bit one: the window kernel)");
-  // A raw slot holds a row's 64 channels of a 16-bit x, or half of them
-  // (kRowUnits slots a row) of a float32 one: kConvRawBytes either way.
-  static constexpr int kRowUnits = static_cast<int>(sizeof(Tin) / sizeof(T)), kUnitChannels = 64 / kRowUnits;
-  static constexpr int kRawBytes = kUnitChannels * kConvWindow * static_cast<int>(sizeof(Tin));
-  static_assert(kRawBytes == kConvRawBytes, "a raw slot's bytes");
-  static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kRawBytes + kWin * kConvWindowBytes,
-                       kExtraBarriers = 2 * kRaw + kWin;
+// What every band loader adds to the window kernels' A side (one block of
+// 64 input channels, no padding): the block's band of pixel tiles, each
+// with all its tiles of output channels in turn (the engine's tiles (tm,
+// tn), tm fastest: kOwnSchedule), and the two walks over the band's input
+// rows (BandRows) that feed its windows.  A stage is one (kh, block of
+// channels) as the window kernels' (kRowWindows blocks: k-tile kt is kh =
+// kt >> shift(), block kt & (kRowWindows - 1), shift() 0 for one block).
+// * The producer's (issue_rows, after each stage's A tiles): every row
+//   first read by the stage after it, issue(q, rows, i) for row number q,
+//   row i of the pixel tile `rows`, and the rows after those while early(q)
+//   (the row's slot is free now).
+// * The helpers' (help_band): the block's stages in order; at each stage of
+//   a pixel tile's first tile of output channels that begins a kh, the rows
+//   that stage reads first made ready (ready(q)), then an arrive on the
+//   stage's "full" barrier (after its previous phase, so that it counts
+//   towards this one).  Rows are kept from one pixel tile to the next only
+//   where the next lies two rows below (BandRows: one column tile, OW <=
+//   128); with wider outputs the next pixel tile of a band is the next
+//   columns, and each pixel tile brings its KH + 1 rows.
+template <typename T, int kKw, int kRowWindows = 1>
+struct BandBase : ConvWindowLoader<T, kKw> {
+  static_assert(kRowWindows == 1 || kRowWindows == 2, "one or two blocks of channels a row");
   static constexpr bool kOwnSchedule = true;
-  using Ring = RawRing<kRaw, kHelperWarps>;
-  using Ring::raws;
-  using Ring::raw_full;
-  using Ring::raw_empty;
-  // The base's A side as it is (one block of 64 input channels); its
-  // map_in: `in` [N, C, H, W] of Tin as dims (W, H, C, N), boxes
-  // kConvWindow x 1 x kUnitChannels x 1, no swizzle (a float32 `in`
-  // rounded to T as its rows are transposed: convert_raw_half); with
-  // kNhwcIn `in` channels-last of float32, dims (C, W, H, N), boxes 32 x
-  // kConvWindow x 1 x 1, no swizzle (convert_raw_half_nhwc).  The block's
-  // band; the windows' slots and their barriers; the producer's
-  // raw-row cursor (the stages loaded, the raw slots' uses so far raw_q,
-  // the next row: row raw_i of the cursor's pixel tile, whose first stage
-  // is the block's raw_base-th).
+  // The block's band; the producer's cursor (the stages loaded, the next
+  // row: row raw_i of the pixel tile raw_rows, whose first stage is the
+  // block's raw_base-th).
   i64 band_first = 0, band_count = 0;
-  BandWindows<kRaw, kRawBytes, kWin> wins;
-  unsigned loaded = 0, raw_q = 0, raw_base = 0;
+  unsigned loaded = 0, raw_base = 0;
   int raw_i = 0;
   BandRows raw_rows{0, 0, 0};
+  __device__ __forceinline__ int shift() const { return kRowWindows == 1 ? 0 : this->c_blocks - 1; }
   __device__ __forceinline__ i64 block_tiles() const { return band_count * this->tiles_m(); }
   __device__ __forceinline__ void block_tile(i64 j, i64& tm, i64& tn) const {
     const unsigned tms = static_cast<unsigned>(this->tiles_m()), jj = static_cast<unsigned>(j);
@@ -1391,77 +1381,41 @@ struct BandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
     rows.start(band_first);
     return rows;
   }
-  __device__ __forceinline__ void init_barriers(unsigned at) const {
-    Ring::init_barriers(at);
-    for (int slot = 0; slot < kWin; ++slot)
-      mbar_init(at + 8u * (2 * kRaw + slot), 4 * static_cast<unsigned>(this->tiles_m()));
-  }
-  __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
-    Ring::attach(extra, loader_bars);
-    wins.attach(extra, loader_bars);
-    raw_rows = band_rows();
-  }
-  __device__ __forceinline__ void load(unsigned tile_a, unsigned, unsigned bar, int) {
-    this->load_a(tile_a, bar);
-    this->next_stage();
+  template <typename Issue, typename Early>
+  __device__ __forceinline__ void issue_rows(const Issue& issue, const Early& early) {
     const unsigned upto = ++loaded;  // rows first read by stages up to this one's next
+    const int sh = shift();
     const unsigned tms = static_cast<unsigned>(this->tiles_m()), kh_size = static_cast<unsigned>(this->kh_size);
-    while (raw_rows.p < band_first + band_count && raw_base + (raw_i > 1 ? raw_i - 1 : 0) <= upto) {
-#pragma unroll
-      for (int u = 0; u < kRowUnits; ++u, ++raw_q) {  // (raw_q: the raw slots' uses, kRowUnits a row)
-        const int slot = static_cast<int>(raw_q % kRaw);
-        if (raw_q >= kRaw) mbar_wait(raw_empty(slot), ((raw_q / kRaw) - 1) & 1);
-        mbar_arrive_expect_tx(raw_full(slot), kRawBytes);
-        if constexpr (kNhwcIn) {
-          tma_load_4d(raws + slot * kRawBytes, this->map_in, u * kUnitChannels, raw_rows.w0, raw_rows.h0 + raw_i,
-                      raw_rows.n, raw_full(slot));
-        } else {
-          tma_load_4d(raws + slot * kRawBytes, this->map_in, raw_rows.w0, raw_rows.h0 + raw_i, u * kUnitChannels,
-                      raw_rows.n, raw_full(slot));
-        }
-      }
+    while (raw_rows.p < band_first + band_count) {
+      const unsigned q = raw_rows.first + raw_i;
+      if (raw_base + (static_cast<unsigned>(raw_i > 1 ? raw_i - 1 : 0) << sh) > upto && !early(q)) break;
+      issue(q, raw_rows, raw_i);
       if (++raw_i > this->kh_size) {
         const bool kept = raw_rows.shares;
         raw_rows.next();
-        raw_base += tms * kh_size;
+        raw_base += (tms * kh_size) << sh;
         raw_i = kept ? this->kh_size - 1 : 0;
       }
     }
   }
-  // By the producer warpgroup's last kHelperWarps warps (above).
-  __device__ __forceinline__ void help(const StageRing& ring, i64, int) const {
-    const int lane = threadIdx.x & 31, helper = (threadIdx.x >> 5) - (4 - kHelperWarps);
+  template <typename Ready>
+  __device__ __forceinline__ void help_band(const StageRing& ring, const Ready& ready) const {
+    const int lane = threadIdx.x & 31, sh = shift(), ktiles = this->kh_size << sh;
     const i64 tms = this->tiles_m();
-    const int kh_size = this->kh_size;
     BandRows rows = band_rows();
     bool kept = false;  // whether this pixel tile kept rows of the one before
     unsigned it = 0;
     for (i64 pt = 0; pt < band_count; ++pt) {
       for (i64 m = 0; m < tms; ++m)
-        for (int kh = 0; kh < kh_size; ++kh, ++it) {
-          if (m == 0) {
+        for (int kt = 0; kt < ktiles; ++kt, ++it) {
+          const int kh = kt >> sh;
+          if (m == 0 && (kt & ((1 << sh) - 1)) == 0) {
             // The rows stage kh reads first: 0 and 1 at kh 0, kh + 1 after;
             // new ones from row KH - 1 on where the tile kept rows.
 #pragma unroll 1
             for (int i = kh == 0 ? 0 : kh + 1; i <= kh + 1; ++i) {
-              if (kept && i < kh_size - 1) continue;
-              const unsigned q = rows.first + i;
-              if (q >= kWin) mbar_wait(wins.empty(q), ((q / kWin) - 1) & 1);
-#pragma unroll
-              for (int u = 0; u < kRowUnits; ++u) {
-                const unsigned use = q * kRowUnits + u;  // the raw slots' use that brought it
-                const int slot = static_cast<int>(use % kRaw);
-                mbar_wait(raw_full(slot), (use / kRaw) & 1);
-                if constexpr (kNhwcIn) {
-                  convert_raw_half_nhwc<kHelperWarps, T>(raws + slot * kRawBytes, wins.window(q), u, helper, lane);
-                } else if constexpr (kRowUnits == 2) {
-                  convert_raw_half<kHelperWarps, T>(raws + slot * kRawBytes, wins.window(q), u, helper, lane);
-                } else {
-                  transpose_raw_row<kHelperWarps>(raws + slot * kRawBytes, wins.window(q), helper, lane);
-                }
-                __syncwarp();
-                if (lane == 0) mbar_arrive(raw_empty(slot));
-              }
+              if (kept && i < this->kh_size - 1) continue;
+              ready(rows.first + i);
             }
           }
           const int s = static_cast<int>(it % ring.stages);
@@ -1476,54 +1430,221 @@ struct BandLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
   }
 };
 
-// window_mma_group with B from the window ring: stage kh of a tile reads
-// the windows of its pixel tile's rows kh and kh + 1.  Once a warp's
-// MMAs of stage kh have completed (stage_done), its leader releases the
-// rows it read for the last time in this tile: row kh, and at the last
-// stage row KH too, but for rows 2 .. KH where the next pixel tile keeps
-// them (its own stages release them).
-template <typename T, int kKw, int kRaw, int kRawBytes, int kWin>
+// The producer's copies, the helpers' transpositions and the windows' ring.
+// The producer's thread, after a stage's A tiles, issues the raw rows (as
+// NchwWindowLoader's: 64 channels x kConvWindow columns, into a ring of
+// kRaw slots; a float32 row as two slots of 32 channels) of every row
+// first read by the stage after it (at most two), waiting for a slot only
+// on the helpers, who wait on nothing that needs later copies (the stage
+// whose reads free their window slot has its A tiles).  The helpers
+// (BandBase::help_band) transpose each row into its window slot once the
+// consumers have released the slot's previous row (BandWindows::empty: an
+// arrive by every consumer warp of each tile of output channels that read
+// that row last).
+template <typename T, int kKw, int kRaw, int kWin, typename Tin = T, bool kNhwcIn = false>
+struct BandLoader : BandBase<T, kKw>, RawRing<kRaw, 3> {
+  static_assert(kRaw >= 2, "a stage's new rows issued with the stage before it");
+  static_assert(sizeof(Tin) == sizeof(T) || sizeof(Tin) == 4, "x of the product's dtype, or float32");
+  static_assert(!kNhwcIn || sizeof(Tin) == 4, "a channels-last x of float32 (a 16-bit one: the window kernel)");
+  // A raw slot holds a row's 64 channels of a 16-bit x, or half of them
+  // (kRowUnits slots a row) of a float32 one: kConvRawBytes either way.
+  static constexpr int kRowUnits = static_cast<int>(sizeof(Tin) / sizeof(T)), kUnitChannels = 64 / kRowUnits;
+  static constexpr int kRawBytes = kUnitChannels * kConvWindow * static_cast<int>(sizeof(Tin));
+  static_assert(kRawBytes == kConvRawBytes, "a raw slot's bytes");
+  static constexpr int kHelperWarps = 3, kExtraBytes = kRaw * kRawBytes + kWin * kConvWindowBytes,
+                       kExtraBarriers = 2 * kRaw + kWin;
+  using Ring = RawRing<kRaw, kHelperWarps>;
+  using Windows = BandWindows<kRaw, kRawBytes, kWin>;
+  using Ring::raws;
+  using Ring::raw_full;
+  using Ring::raw_empty;
+  // The base's A side as it is (one block of 64 input channels); its
+  // map_in: `in` [N, C, H, W] of Tin as dims (W, H, C, N), boxes
+  // kConvWindow x 1 x kUnitChannels x 1, no swizzle (a float32 `in`
+  // rounded to T as its rows are transposed: convert_raw_half); with
+  // kNhwcIn `in` channels-last of float32, dims (C, W, H, N), boxes 32 x
+  // kConvWindow x 1 x 1, no swizzle (convert_raw_half_nhwc).  The windows'
+  // slots and their barriers; the raw slots' uses so far.
+  Windows wins;
+  unsigned raw_q = 0;
+  __device__ __forceinline__ void init_barriers(unsigned at) const {
+    Ring::init_barriers(at);
+    for (int slot = 0; slot < kWin; ++slot)
+      mbar_init(at + 8u * (2 * kRaw + slot), 4 * static_cast<unsigned>(this->tiles_m()));
+  }
+  __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
+    Ring::attach(extra, loader_bars);
+    wins.attach(extra, loader_bars);
+    this->raw_rows = this->band_rows();
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned, unsigned bar, int) {
+    this->load_a(tile_a, bar);
+    this->next_stage();
+    this->issue_rows([&](unsigned, const BandRows& rows, int i) {
+#pragma unroll
+      for (int u = 0; u < kRowUnits; ++u, ++raw_q) {  // (raw_q: the raw slots' uses, kRowUnits a row)
+        const int slot = static_cast<int>(raw_q % kRaw);
+        if (raw_q >= kRaw) mbar_wait(raw_empty(slot), ((raw_q / kRaw) - 1) & 1);
+        mbar_arrive_expect_tx(raw_full(slot), kRawBytes);
+        if constexpr (kNhwcIn) {
+          tma_load_4d(raws + slot * kRawBytes, this->map_in, u * kUnitChannels, rows.w0, rows.h0 + i, rows.n,
+                      raw_full(slot));
+        } else {
+          tma_load_4d(raws + slot * kRawBytes, this->map_in, rows.w0, rows.h0 + i, u * kUnitChannels, rows.n,
+                      raw_full(slot));
+        }
+      }
+    }, [](unsigned) { return false; });
+  }
+  // By the producer warpgroup's last kHelperWarps warps (above).
+  __device__ __forceinline__ void help(const StageRing& ring, i64, int) const {
+    const int lane = threadIdx.x & 31, helper = (threadIdx.x >> 5) - (4 - kHelperWarps);
+    this->help_band(ring, [&](unsigned q) {
+      if (q >= kWin) mbar_wait(wins.empty(q), ((q / kWin) - 1) & 1);
+#pragma unroll
+      for (int u = 0; u < kRowUnits; ++u) {
+        const unsigned use = q * kRowUnits + u;  // the raw slots' use that brought it
+        const int slot = static_cast<int>(use % kRaw);
+        mbar_wait(raw_full(slot), (use / kRaw) & 1);
+        if constexpr (kNhwcIn) {
+          convert_raw_half_nhwc<kHelperWarps, T>(raws + slot * kRawBytes, wins.window(q), u, helper, lane);
+        } else if constexpr (kRowUnits == 2) {
+          convert_raw_half<kHelperWarps, T>(raws + slot * kRawBytes, wins.window(q), u, helper, lane);
+        } else {
+          transpose_raw_row<kHelperWarps>(raws + slot * kRawBytes, wins.window(q), helper, lane);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(raw_empty(slot));
+      }
+    });
+  }
+};
+
+// A window of float32 values rounded to TF32 in place (to_tf32_keep_nan),
+// by kHelperWarps warps: 16-byte vectors, four of a thread loaded before
+// any is stored.
+template <int kHelperWarps>
+__device__ __forceinline__ void round_window_tf32(unsigned window, int helper, int lane) {
+  constexpr int kVecs = kConvWindowBytes / 16, kThreads = 32 * kHelperWarps;
+  for (int v0 = 32 * helper + lane; v0 < kVecs; v0 += 4 * kThreads) {
+    unsigned w[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (v0 + j * kThreads < kVecs)
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w[j][0]), "=r"(w[j][1]), "=r"(w[j][2]), "=r"(w[j][3])
+                     : "r"(window + 16 * (v0 + j * kThreads))
+                     : "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (v0 + j * kThreads < kVecs)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(window + 16 * (v0 + j * kThreads)),
+                     "r"(to_tf32_keep_nan(__uint_as_float(w[j][0]))),
+                     "r"(to_tf32_keep_nan(__uint_as_float(w[j][1]))),
+                     "r"(to_tf32_keep_nan(__uint_as_float(w[j][2]))),
+                     "r"(to_tf32_keep_nan(__uint_as_float(w[j][3])))
+                     : "memory");
+  }
+}
+
+// The band loader of a channels-last float32 x read as TF32
+// (conv_bias_relu_tf32_band): a row's c_blocks blocks of 32 channels come
+// from the copy engine straight into its window slot (boxes as the window
+// kernel's, 128-byte swizzled), the producer waiting for the slot's
+// release by the consumers first (BandWindows::empty; the stage that last
+// reads the slot's previous row lies before the one the producer has just
+// loaded, so that wait needs no later copy); the helpers round each row to
+// TF32 in place once its copies have landed (BandWindows::full), as x's
+// rounded copy rounds it, before the stages that read it.
+template <int kKw, int kWin>
+struct Tf32BandLoader : BandBase<float, kKw, 2> {
+  static constexpr int kHelperWarps = 3, kExtraBytes = kWin * 2 * kConvWindowBytes, kExtraBarriers = 2 * kWin;
+  static constexpr int kRawBytes = 0;
+  using Windows = BandWindows<0, 0, kWin, 2>;
+  Windows wins;
+  __device__ __forceinline__ void init_barriers(unsigned at) const {
+    for (int slot = 0; slot < kWin; ++slot) {
+      mbar_init(at + 8u * slot, 4 * static_cast<unsigned>(this->tiles_m()));
+      mbar_init(at + 8u * (kWin + slot), 1);
+    }
+  }
+  __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
+    wins.attach(extra, loader_bars);
+    this->raw_rows = this->band_rows();
+  }
+  __device__ __forceinline__ void load(unsigned tile_a, unsigned, unsigned bar, int) {
+    this->load_a(tile_a, bar);
+    this->next_stage();
+    this->issue_rows(
+        [&](unsigned q, const BandRows& rows, int i) {
+          if (q >= kWin) mbar_wait(wins.empty(q), ((q / kWin) - 1) & 1);
+          mbar_arrive_expect_tx(wins.full(q), this->c_blocks * kConvWindowBytes);
+          for (int cb = 0; cb < this->c_blocks; ++cb)
+            tma_load_4d(wins.window(q, cb), this->map_in, cb * 32, rows.w0, rows.h0 + i, rows.n, wins.full(q));
+        },
+        [&](unsigned q) { return q < kWin || mbar_test(wins.empty(q), ((q / kWin) - 1) & 1); });
+  }
+  __device__ __forceinline__ void help(const StageRing& ring, i64, int) const {
+    const int lane = threadIdx.x & 31, helper = (threadIdx.x >> 5) - (4 - kHelperWarps);
+    this->help_band(ring, [&](unsigned q) {
+      mbar_wait(wins.full(q), (q / kWin) & 1);
+      for (int cb = 0; cb < this->c_blocks; ++cb) round_window_tf32<kHelperWarps>(wins.window(q, cb), helper, lane);
+    });
+  }
+};
+
+// window_mma_group with B from the window ring: stage kt of a tile (kh =
+// kt >> shift, block cb of channels) reads the windows of block cb of its
+// pixel tile's rows kh and kh + 1.  Once a warp's MMAs of a kh's last
+// stage have completed (stage_done), its leader releases the rows it read
+// for the last time in this tile: row kh, and at the last kh row KH too,
+// but for rows 2 .. KH where the next pixel tile keeps them (its own
+// stages release them).
+template <typename T, int kKw, typename Windows>
 struct BandWindowMma {
   static constexpr int kBM = 64, kBN = 256, kWgRows = 64;
   static constexpr bool kCooperative = false, kReadsLoaderExtras = true;
   static constexpr int kTileABytes = kKw * 64 * 128, kTileBBytes = 0;
   BandRows rows;
   i64 band_first;
-  BandWindows<kRaw, kRawBytes, kWin> wins;
+  int shift;  // (0 where a row is one block of channels)
+  Windows wins;
   __device__ __forceinline__ void attach(unsigned extra, unsigned loader_bars) {
     wins.attach(extra, loader_bars);
     rows.start(band_first);
   }
   __device__ __forceinline__ void begin_tile(i64, i64 tn) { rows.advance_to(tn); }
   __device__ __forceinline__ void end_tile(float (&)[2][kHgAccs]) {}
+  __device__ __forceinline__ int sh() const { return Windows::kRowWindows == 1 ? 0 : shift; }
   __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned, int kt) const {
-    const Swizzle128Desc sb0(wins.window(rows.first + kt)), sb1(wins.window(rows.first + kt + 1));
+    const int kh = kt >> sh(), cb = kt & ((1 << sh()) - 1);
+    const Swizzle128Desc sb0(wins.window(rows.first + kh, cb)), sb1(wins.window(rows.first + kh + 1, cb));
     window_mma_group<T, kKw>(acc, a, kt, [&](int r, int offset) { return (r ? sb1 : sb0).at(offset); });
   }
-  __device__ __forceinline__ void stage_done(int kh) const {
-    const int kh_size = rows.kh_size;
+  __device__ __forceinline__ void stage_done(int kt) const {
+    if ((kt & ((1 << sh()) - 1)) != (1 << sh()) - 1) return;  // not the kh's last block
+    const int kh = kt >> sh(), kh_size = rows.kh_size;
     if (kh < 2 || !rows.shares) mbar_arrive(wins.empty(rows.first + kh));
     if (kh == kh_size - 1 && (kh_size < 2 || !rows.shares)) mbar_arrive(wins.empty(rows.first + kh_size));
   }
 };
 
-// A band kernel's loader: the window kernels' A side (one block of 64
-// input channels, no padding) and this block's band.
-template <typename T, int kKw, int kRaw, int kWin, typename Tin, bool kNhwcIn = false>
-__device__ __forceinline__ BandLoader<T, kKw, kRaw, kWin, Tin, kNhwcIn> band_loader(
-    const TensorMap& map_x, const TensorMap& map_w, i64 n_images, i64 rows, i64 cols, i64 cout, i64 kh_size) {
-  BandLoader<T, kKw, kRaw, kWin, Tin, kNhwcIn> loader{
-      window_loader<T, kKw>(map_x, map_w, n_images, rows, cols, cout, kh_size, 1, 0, 0)};
+// A band kernel's loader (BandLoader or Tf32BandLoader, with its A side
+// and this block's band).
+template <typename Loader, typename T, int kKw>
+__device__ __forceinline__ Loader band_loader(const TensorMap& map_x, const TensorMap& map_w, i64 n_images, i64 rows,
+                                              i64 cols, i64 cout, i64 kh_size, i64 c_blocks = 1) {
+  Loader loader{{window_loader<T, kKw>(map_x, map_w, n_images, rows, cols, cout, kh_size, c_blocks, 0, 0)}};
   band_of_block(loader.pixel_tiles, loader.band_first, loader.band_count);
   return loader;
 }
 
 // A band kernel's body: the engine with BandWindowMma on `loader`'s band,
 // kStagingBytes of staging for `store`.
-template <typename T, int kKw, int kStages, int kStagingBytes, int kRaw, int kWin, typename Loader, typename Store>
+template <typename T, int kKw, int kStages, int kStagingBytes, typename Loader, typename Store>
 __device__ __forceinline__ void run_bands(const Loader& loader, Store& store) {
-  using Mma = BandWindowMma<T, kKw, kRaw, Loader::kRawBytes, kWin>;
-  const Mma mma{{loader.row_pairs, loader.col_tiles, loader.kh_size}, loader.band_first};
+  using Mma = BandWindowMma<T, kKw, typename Loader::Windows>;
+  const Mma mma{{loader.row_pairs, loader.col_tiles, loader.kh_size}, loader.band_first, loader.shift()};
   extern __shared__ __align__(128) unsigned char conv_shared[];
   half_gemm_persistent<T, kStages, kStagingBytes, Mma>(reinterpret_cast<char*>(conv_shared), loader, store, mma);
 }
@@ -1942,10 +2063,11 @@ conv_bias_relu_nchw_band(const __grid_constant__ TensorMap map_x, const __grid_c
                          i64 n_images, i64 cout, i64 out_rows, i64 out_cols, i64 kh_size) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(Tin) == sizeof(Out), "x and y of T, or both float32 (autocast)");
-  const auto loader = band_loader<T, kKw, kRaw, kWin, Tin>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size);
+  const auto loader = band_loader<BandLoader<T, kKw, kRaw, kWin, Tin>, T, kKw>(map_x, map_w, n_images, out_rows,
+                                                                                out_cols, cout, kh_size);
   WindowNchwStore<T, Out> store{{y, nullptr, {conv_bias, bias, cout}, cout, out_rows, out_cols, loader.col_tiles},
                                 {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
-  run_bands<T, kKw, kStages, kWindowNchwStagingBytes, kRaw, kWin>(loader, store);
+  run_bands<T, kKw, kStages, kWindowNchwStagingBytes>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif
@@ -1969,10 +2091,41 @@ conv_bias_relu_nhwc_band(const __grid_constant__ TensorMap map_x, const __grid_c
                          i64 kh_size) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const auto loader =
-      band_loader<T, kKw, kRaw, kWin, float, true>(map_x, map_w, n_images, out_rows, out_cols, cout, kh_size);
+      band_loader<BandLoader<T, kKw, kRaw, kWin, float, true>, T, kKw>(map_x, map_w, n_images, out_rows, out_cols,
+                                                                       cout, kh_size);
   WindowNhwcStore<T, false, float> store{
       map_y, nullptr, {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
-  run_bands<T, kKw, kStages, kCtStagingBytes, kRaw, kWin>(loader, store);
+  run_bands<T, kKw, kStages, kCtStagingBytes>(loader, store);
+#else
+  __trap();  // launched only on sm_90 devices, where the sm_90a build is used
+#endif
+}
+
+// conv_bias_relu_window's float32 y (and, with kMask, relu's mask) from a
+// channels-last float32 x of at most 64 channels with KH + 1 <= kWin, read
+// as TF32 with no rounded copy of it: the band kernel's bands and windows,
+// each row's windows brought by the copy engine and rounded to TF32 in
+// place once (Tf32BandLoader), the same sums in the same order as the
+// window kernel's on x's rounded copy, y staged in passes of 32 columns
+// (half the window kernel's staging, so that three stages fit at KW 3).
+// Arguments as conv_bias_relu_window's (map_x: x itself, boxes of 32
+// channels x kConvWindow columns, 128-byte swizzled; map_y: boxes of 32
+// channels x 32 columns; c_blocks 1 or 2).  Grid and threads as
+// conv_bias_relu_nchw_band's; half_gemm_shared_bytes<kStages,
+// kCtStagingBytes / 2, A's tiles, the windows' bytes, 2 kWin>() of dynamic
+// shared memory.
+template <int kKw, int kStages, int kWin, bool kMask>
+__global__ void __launch_bounds__(kHgThreads, 1)
+conv_bias_relu_tf32_band(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
+                         const __grid_constant__ TensorMap map_y, unsigned short* __restrict__ mask,
+                         const float* __restrict__ conv_bias, const float* __restrict__ bias, i64 n_images,
+                         i64 cout, i64 out_rows, i64 out_cols, i64 kh_size, i64 c_blocks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const auto loader = band_loader<Tf32BandLoader<kKw, kWin>, float, kKw>(map_x, map_w, n_images, out_rows,
+                                                                          out_cols, cout, kh_size, c_blocks);
+  WindowNhwcStore<float, kMask, float, 32> store{
+      map_y, mask, {conv_bias, bias, cout, out_rows, out_cols, loader.row_pairs, loader.col_tiles}};
+  run_bands<float, kKw, kStages, kCtStagingBytes / 2>(loader, store);
 #else
   __trap();  // launched only on sm_90 devices, where the sm_90a build is used
 #endif

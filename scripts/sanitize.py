@@ -239,8 +239,9 @@ def conv(dtypes):
     # Problem 1's implicit-GEMM convolution (conv_bias_relu), inference: an
     # NCHW input (read as it is where W is a multiple of 8, else through its
     # channels-last copy; y NCHW through the staging rows) and a
-    # channels-last one (y through the copy engine; float32: x's copy
-    # rounded to TF32 first).
+    # channels-last one (y through the copy engine; float32: x's rows
+    # rounded to TF32 in shared memory by the TF32 band kernel where C_in is
+    # at most 64 and KH 3, else x's copy rounded to TF32 first).
     for dtype in dtypes:
         for shape in CONV_SHAPES:
             x, wt, cb, b = conv_inputs(shape, dtype)

@@ -383,6 +383,62 @@ def test_amp_band_against_float64(shape, fmt, amp, device, monkeypatch):
     assert torch.equal(ours.isnan(), copied.isnan())
 
 
+# (N, C_in, H, W, C_out, KH, KW) for the TF32 band kernel: one and two
+# blocks of 32 input channels, KW 1 to TF32_BAND_MAX_KW, rows kept from one
+# pixel tile to the next (outputs up to 128 columns) and not (wider ones),
+# bands across images, C_out of one to five tiles of 64 (not all multiples
+# of 32: no mask there), batch 1.
+TF32_BAND_SHAPES = [
+    (2, 64, 20, 300, 128, 3, 3),
+    (1, 8, 9, 17, 32, 2, 3),
+    (3, 40, 33, 70, 64, 3, 1),
+    (2, 32, 12, 140, 192, 1, 2),
+    (4, 64, 66, 66, 64, 3, 3),
+    (1, 24, 5, 9, 8, 3, 3),
+    (5, 64, 9, 60, 320, 3, 3),
+    (2, 48, 10, 90, 64, 2, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", TF32_BAND_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tf32_band_against_the_rounded_copy(shape, device, monkeypatch):
+    """A channels-last float32 x on the TF32 band kernel (its rows rounded
+    to TF32 in shared memory, no copy of x): every value of a NaN-poisoned
+    y written; with NaN, +-inf and ties of the TF32 grid in x, y and relu's
+    mask bit for bit those of x's rounded copy and the window kernel (the
+    same sums in the same order), y's NaN and infinities where eager's are."""
+    _engine_device(device)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
+    _, x, wt, cb, b = _conv_operands(shape, 5, device, torch.float32, torch.channels_last)
+    flat = x.permute(0, 2, 3, 1).view(-1)  # (x's memory, in order)
+    flat[::997], flat[5::1331], flat[9::1777] = float("nan"), float("inf"), -float("inf")
+    flat[11::513] = 1.0 + 2.0 ** -11  # halfway between two TF32 values: rounded up
+    taken = _kernel_names(monkeypatch, whole=True)
+    masked = shape[4] % 32 == 0  # (a channels-last mask: whole words of 32 channels)
+    with torch.no_grad():
+        assert CB._tf32_band_fits(x, wt)
+        ys, masks = [], []
+        for band in (True, False):
+            if not band:
+                monkeypatch.setattr(CB, "_tf32_band_fits", lambda *a: False)
+            out = torch.full(CB._out_shape(x, wt), float("nan"), device=device)
+            out = out.contiguous(memory_format=torch.channels_last)
+            mask = CB._mask_words(x, wt, nchw=False) if masked else None
+            # (below ENGINE_FLOAT32_MIN_ELEMENTS the route is cuDNN's: the plan given)
+            plan = (CB.CHANNELS_LAST, torch.float32, torch.float32, masked)
+            ys.append(CB._launch_engine(x, wt, cb, b, out=out, plan=plan, mask=mask))
+            masks.append(mask)
+        eager = _reference(x, wt, cb, b.view(-1, 1, 1))
+    kw = shape[-1]
+    assert taken == [("tf32_band", kw, masked), ("round_tf32",),
+                     ("window", torch.float32, kw, masked, torch.float32)]
+    ours, copied = ys
+    assert torch.equal(ours.view(torch.int32), copied.view(torch.int32))
+    assert not masked or torch.equal(masks[0], masks[1])
+    assert_non_finite_where(ours, eager)  # (so no poisoned value is left)
+
+
 def test_tf32_rounding():
     """The float32 product's operands rounded to TF32 as the kernels round
     them (to_tf32_keep_nan): to nearest, ties away from zero, NaN and inf
@@ -415,10 +471,10 @@ def test_engine_float32_against_float64(shape, kind, device, monkeypatch):
     product of the TF32-rounded operands, and within 1.5x of that product's
     own error against float64 (TF32's precision, which
     torch.backends.cudnn.allow_tf32 grants the reference); two runs equal.
-    A channels-last x (its copy rounded by round_to_tf32, the window
-    kernel, y channels-last): the NCHW route's y on the same values, bit
-    for bit where a stage holds every channel (C_in up to 32: the same sums
-    in the same order)."""
+    A channels-last x (read by the TF32 band kernel where it fits, else its
+    copy rounded by round_to_tf32 and the window kernel; y channels-last):
+    the NCHW route's y on the same values, bit for bit where a stage holds
+    every channel (C_in up to 32: the same sums in the same order)."""
     _engine_device(device)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
     n, cin, h, w, cout, kh, kw = shape
@@ -1392,6 +1448,63 @@ def test_nhwc_band_launch(monkeypatch):
     CB._launch_engine(torch.randn(100, 8, 9, 136).contiguous(memory_format=cl), wt, cb, b,
                       plan=(CB.CHANNELS_LAST, bf16, f32, False))
     assert launched[0][0][0] == "nhwc_band" and launched[0][1] == (132, 1, 1)
+
+
+def test_tf32_band_fits():
+    """_tf32_band_fits on CPU tensors (a channels-last x that engine_layout
+    takes): float32, C_in up to 64, KH up to 3, KW up to TF32_BAND_MAX_KW,
+    C_out within _band_fits's bound; nothing else."""
+    def x(c=8, dtype=torch.float32):
+        return torch.empty(2, c, 5, 13, dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+    assert CB.TF32_BAND_MAX_KW >= 3  # (problem 1's kernel)
+    assert CB._tf32_band_fits(x(), torch.empty(8, 8, 3, CB.TF32_BAND_MAX_KW))
+    assert CB._tf32_band_fits(x(c=64), torch.empty(8, 64, 1, 1))
+    for refused in ((x(dtype=torch.bfloat16), torch.empty(8, 8, 3, 3)), (x(c=72), torch.empty(8, 72, 3, 3)),
+                    (x(), torch.empty(8, 8, 4, 3)), (x(), torch.empty(8, 8, 3, CB.TF32_BAND_MAX_KW + 1)),
+                    (x(), torch.empty(64 * 2**18, 8, 1, 1))):
+        assert not CB._tf32_band_fits(*refused)
+
+
+def test_tf32_band_launch(monkeypatch):
+    """_launch_engine on a channels-last float32 x the TF32 band kernel takes
+    (CPU tensors, launches recorded): that kernel alone, no rounded copy,
+    for its KW and mask, a block per pixel tile up to the SM count, its
+    stages beside its staging (which fits the opt-in shared memory); x's map
+    as the window kernel's (boxes of 32 channels x WINDOW columns), the
+    weight packed as the TF32 window kernel's (Cpad a multiple of 32), y's
+    map with boxes of 32 channels x TF32_BAND_STORE_COLUMNS; the scalars in
+    the kernel's order.  In training, relu's mask from the same kernel, and
+    nothing kept but x itself."""
+    maps, packed, launched = _record_window_launches(monkeypatch)
+    f32, cl = torch.float32, torch.channels_last
+    x = torch.randn(2, 40, 9, 140).contiguous(memory_format=cl)
+    wt = torch.randn(64, 40, 3, 3)
+    cb, b = torch.randn(64), torch.randn(64)
+    y = CB._launch_engine(x, wt, cb, b, plan=(CB.CHANNELS_LAST, f32, f32, False))
+    assert y.shape == (2, 64, 7, 138) and y.dtype == f32 and y.is_contiguous(memory_format=cl)
+    (fn, grid, block, args, shared), = launched
+    stages = CB._tf32_band_stages(3)
+    assert fn == ("tf32_band", 3, False) and grid == (2 * 4 * 2, 1, 1) and block == gemm.HALF_THREADS
+    assert stages == 3 and shared == CB._tf32_band_shared_bytes(3, stages) <= CB._OPT_IN_SHARED_BYTES
+    assert CB.KERNELS.expressions[fn] == (f"cf::conv_bias_relu_tf32_band<3, {stages}, {CB.BAND_WINDOWS}, "
+                                          "false>")
+    assert [m[1:] for m in maps] == [
+        ((40, 140, 9, 2), (40, 140 * 40, 9 * 140 * 40), f32, (32, CB.WINDOW, 1, 1)),
+        ((64, 138, 7, 2), (64, 138 * 64, 7 * 138 * 64), f32, (32, CB.TF32_BAND_STORE_COLUMNS, 1, 1))]
+    assert maps[0][0] == x.data_ptr() and maps[1][0] == y.data_ptr()
+    (a, rows), = packed
+    assert rows == 64 and torch.equal(a, CB._packed_weight(wt, f32)[0]) and a.shape == (64, 3 * 3 * 64)
+    assert args == (("map", 0), ("packed", 64), ("map", 1), 0, cb.data_ptr(), b.data_ptr(), 2, 64, 7, 138, 3,
+                    2)  # c_blocks: 64 / 32
+    launched.clear()
+    y, mask, xc = CB._train_forward(x, wt, cb, b, f32, f32)
+    assert xc.numel() == 0 and [entry[0] for entry in launched] == [("tf32_band", 3, True)]
+    assert launched[0][3][3] == mask.data_ptr()
+    launched.clear()  # at most a block per SM where the pixel tiles outnumber the SMs
+    CB._launch_engine(torch.randn(100, 40, 9, 140).contiguous(memory_format=cl), wt, cb, b,
+                      plan=(CB.CHANNELS_LAST, f32, f32, False))
+    assert launched[0][0] == ("tf32_band", 3, False) and launched[0][1] == (132, 1, 1)
 
 
 def test_band_fits():

@@ -38,7 +38,10 @@ Route, decided once per call (:func:`route`):
   y (:func:`_amp_band_fits`); a channels-last float32 x under autocast
   takes the band kernel's channels-last form (``conv_bias_relu_nhwc_band``:
   x's rows converted as they lie; :func:`_nhwc_band_fits`) in place of its
-  cast and the window kernel.
+  cast and the window kernel, and a channels-last float32 x (TF32) its
+  TF32 form (``conv_bias_relu_tf32_band``: x's rows rounded to TF32 in
+  shared memory, once each; :func:`_tf32_band_fits`) in place of its
+  rounded copy and the window kernel.
   With a gradient to record (at least
   :data:`ENGINE_TRAINING_MIN_ELEMENTS` output values;
   :func:`_trains_on_engine`), the same forward also writes
@@ -210,6 +213,31 @@ def _band_stages(kw: int, staging: int = _NCHW_WINDOW_STAGING_BYTES) -> int:
 
 BAND_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _band_stages(kw) >= 2)
 
+# The band kernel of a channels-last float32 x read as TF32
+# (conv_bias_relu_tf32_band): the same bands, stages of A alone, and
+# BAND_WINDOWS slots of an input row's two windows of 32 float32 channels,
+# which the copy engine fills and the helpers round to TF32 in place (no
+# raw slots, no rounded copy of x), beside the window kernels' float32
+# staging in passes of 32 columns (half the window kernels'), so that three
+# stages fit at KW 3: an empty and a full mbarrier a slot.
+TF32_BAND_STAGING_BYTES = gemm.CONVERT_STAGING_BYTES // 2
+TF32_BAND_STORE_COLUMNS = 32
+
+
+def _tf32_band_shared_bytes(kw: int, stages: int) -> int:
+    return gemm._half_shared_bytes(TF32_BAND_STAGING_BYTES, stages, _band_stage_bytes(kw),
+                                   2 * BAND_WINDOWS * _RAW_BYTES, 2 * BAND_WINDOWS)
+
+
+def _tf32_band_stages(kw: int) -> int:
+    """The TF32 band kernel's stages at kernel width ``kw``: the most (up to
+    4) that fit; fewer than 2 (wider kernels) is no kernel."""
+    return max([stages for stages in range(2, 5)
+                if _tf32_band_shared_bytes(kw, stages) <= _OPT_IN_SHARED_BYTES], default=0)
+
+
+TF32_BAND_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _tf32_band_stages(kw) >= 2)
+
 
 def _window_tiles(n: int, cout: int, oh: int, ow: int) -> int:
     """A window kernel's tiles for an output [n, cout, oh, ow]."""
@@ -285,7 +313,9 @@ def _wgrad_stages(tb: int) -> int:
 # (:func:`_launch_nchw_window`), and ("nchw_band", dtype, KW) its band
 # form, with a last element float32 from a float32 x to a float32 y (under
 # autocast); ("nhwc_band", dtype, KW): the channels-last band kernel (a
-# float32 x and y under autocast: :func:`_launch_nhwc_band`); ("wgrad",
+# float32 x and y under autocast: :func:`_launch_nhwc_band`);
+# ("tf32_band", KW, mask): the channels-last float32 forward on a float32 x
+# read as TF32, with relu's mask where ``mask`` (:func:`_launch_tf32_band`); ("wgrad",
 # dtype, tb) and
 # ("wgrad_reduce", dtype): the 16-bit weight gradient, tiles of tb blocks
 # of 64 columns (:func:`_launch_wgrad`).  A key
@@ -333,6 +363,9 @@ KERNELS = _runtime.KernelFamily("conv_bias_relu.cu", {
     **{("nhwc_band", d, kw): f"cf::conv_bias_relu_nhwc_band<{cxx_type(d)}, {kw}, "
                              f"{_band_stages(kw, gemm.CONVERT_STAGING_BYTES)}, {BAND_RAWS}, {BAND_WINDOWS}>"
        for d in HALF_DTYPES for kw in range(1, BAND_MAX_KW + 1)},
+    **{("tf32_band", kw, mask): f"cf::conv_bias_relu_tf32_band<{kw}, {_tf32_band_stages(kw)}, "
+                                f"{BAND_WINDOWS}, {'true' if mask else 'false'}>"
+       for kw in range(1, TF32_BAND_MAX_KW + 1) for mask in (False, True)},
     **{("wgrad", d, tb): f"cf::conv_wgrad_wgmma<{cxx_type(d)}, {tb}, {_wgrad_stages(tb)}>"
        for d in HALF_DTYPES for tb in range(1, 5)},
     **{("wgrad_reduce", d): f"cf::conv_wgrad_reduce<{cxx_type(d)}>" for d in HALF_DTYPES},
@@ -474,6 +507,17 @@ def _nhwc_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     cout, _, kh, kw = weight.shape
     return (x.dtype == torch.float32 and _band_fits(cin, cout, kh, kw)
             and _window_bounds(n, cin, h, w, cout, kh, kw))
+
+
+def _tf32_band_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the TF32 band kernel takes x [N, C_in, H, W] (float32,
+    channels-last as :func:`engine_layout` takes it) with the weight [C_out,
+    C_in, KH, KW]: :func:`_band_fits`, KW at most :data:`TF32_BAND_MAX_KW`,
+    and the bounds of :func:`_window_bounds` for stages of 32 channels."""
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    return (x.dtype == torch.float32 and kw <= TF32_BAND_MAX_KW and _band_fits(cin, cout, kh, kw)
+            and _window_bounds(n, cin, h, w, cout, kh, kw, gemm._k_tile(torch.float32)))
 
 
 def _band_fits(cin: int, cout: int, kh: int, kw: int) -> bool:
@@ -693,6 +737,10 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
             and x.dtype == out_dtype == torch.float32 != dtype and _nhwc_band_fits(x, weight)):
         _launch_nhwc_band(x, weight, conv_bias, bias, out, dtype)
         return out
+    if (layout == CHANNELS_LAST and xc is None and x.dtype == dtype == torch.float32
+            and _tf32_band_fits(x, weight)):
+        _launch_tf32_band(x, weight, conv_bias, bias, out, mask)
+        return out
     # An NCHW x: its channels-last copy, in the product's dtype (float32
     # rounded to TF32); a channels-last one: rounded to TF32 (float32), or
     # its cast under autocast.
@@ -817,6 +865,32 @@ def _launch_nhwc_band(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Te
     # (packed goes back to the allocator after this: later work of this stream only.)
 
 
+def _launch_tf32_band(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                      bias: Optional[torch.Tensor], out: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+    # The channels-last float32 forward with no rounded copy of x
+    # (conv_bias_relu_tf32_band), for _launch_engine: x [N, C_in, H, W]
+    # float32 as _tf32_band_fits takes it, the biases float32, out
+    # channels-last and 16-byte aligned, mask (C_out a multiple of 32) or None.
+    cout, _, kh, kw = weight.shape
+    n, _, oh, ow = out.shape
+    packed, c_blocks = _packed_weight(weight, torch.float32)
+    dev = x.device.index
+    _bridge.launch(KERNELS.get(("tf32_band", kw, mask is not None), dev), _band_grid(out.shape, dev),
+                   gemm.HALF_THREADS,
+                   (_nhwc_map(x, WINDOW), gemm._tensor_map(packed, WINDOW_TILE[0]),
+                    _nhwc_map(out, TF32_BAND_STORE_COLUMNS), _ptr_or_null(mask), conv_bias.data_ptr(),
+                    _ptr_or_null(bias), n, cout, oh, ow, kh, c_blocks),
+                   dev, shared_mem=_tf32_band_shared_bytes(kw, _tf32_band_stages(kw)))
+    # (packed goes back to the allocator after this: later work of this stream only.)
+
+
+def _band_grid(out_shape: Sequence[int], dev: int) -> Tuple[int, int, int]:
+    # A band kernel's grid for an output [N, C_out, OH, OW]: a block per
+    # pixel tile (two output rows of 128 columns) up to the SM count.
+    n, _, oh, ow = out_shape
+    return (min(n * cdiv(oh, 2) * cdiv(ow, 128), sm_count(dev)), 1, 1)
+
+
 def _launch_band(key: tuple, map_x: bytes, packed: torch.Tensor, y, conv_bias: torch.Tensor,
                  bias: Optional[torch.Tensor], out_shape: Sequence[int], kh: int,
                  staging: int = _NCHW_WINDOW_STAGING_BYTES) -> None:
@@ -826,8 +900,7 @@ def _launch_band(key: tuple, map_x: bytes, packed: torch.Tensor, y, conv_bias: t
     # up to the SM count, its stages beside `staging` bytes of the store's.
     n, cout, oh, ow = out_shape
     dev, kw = conv_bias.device.index, key[2]
-    pixel_tiles = n * cdiv(oh, 2) * cdiv(ow, 128)
-    _bridge.launch(KERNELS.get(key, dev), (min(pixel_tiles, sm_count(dev)), 1, 1), gemm.HALF_THREADS,
+    _bridge.launch(KERNELS.get(key, dev), _band_grid(out_shape, dev), gemm.HALF_THREADS,
                    (map_x, gemm._tensor_map(packed, WINDOW_TILE[0]), y, conv_bias.data_ptr(),
                     _ptr_or_null(bias), n, cout, oh, ow, kh), dev,
                    shared_mem=_band_shared_bytes(kw, _band_stages(kw, staging), staging))
