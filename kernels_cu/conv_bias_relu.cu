@@ -1266,13 +1266,13 @@ struct NchwWindowLoader : ConvWindowLoader<T, kKw>, RawRing<kRaw, 3> {
 // The NCHW window kernel above transposes each input row 1.5 times per
 // tile (both rows of every stage) and again for every tile of 64 output
 // channels.  Here a block takes a band of consecutive pixel tiles
-// (band_of_block), each with all its tiles of output channels in turn (the
-// engine's tiles (tm, tn), tm fastest: BandLoader's schedule), and the
-// windows live in a ring of kWin slots of the loader's own, not in the
-// stages, which carry A alone: a pixel tile's KH + 1 input rows are
-// transposed once for all its tiles and stages, and the next pixel tile of
-// the band, two output rows further down the same image and columns (an
-// output of at most 128 columns), keeps KH - 1 of them.
+// (band_of_block, in band_tile's order), each with all its tiles of output
+// channels in turn (the engine's tiles (tm, tn), tm fastest: BandLoader's
+// schedule), and the windows live in a ring of kWin slots of the loader's
+// own, not in the stages, which carry A alone: a pixel tile's KH + 1 input
+// rows are transposed once for all its tiles and stages, and the next
+// pixel tile of the band, two output rows further down the same image and
+// columns (but at a column strip's end), keeps KH - 1 of them.
 
 // Pixel tiles first .. first + count - 1 of pixel_tiles: this block's band,
 // the tiles shared out in order as evenly as the grid allows.
@@ -1282,13 +1282,32 @@ __device__ __forceinline__ void band_of_block(i64 pixel_tiles, i64& first, i64& 
   count = per + (b < extra ? 1 : 0);
 }
 
-// The input rows of a band's pixel tiles, numbered in the order they are
-// first needed: pixel tile p's rows h0 .. h0 + KH (row i of the tile: its
-// stage kh reads rows kh and kh + 1) are numbers first .. first + KH, row
-// number q in window slot q % kWin.  Where the next pixel tile lies two
-// rows below in the same image and columns (KH >= 2: `shares`), its rows 0
-// .. KH - 2 are this tile's 2 .. KH, and its new rows KH - 1 and KH come
-// next; otherwise all its KH + 1 rows are new.
+// The band kernels' order of the pixel tiles: pixel tile p is image n,
+// column strip w0 / 128 and row pair h0 / 2, the row pair fastest, so that
+// the next pixel tile of a band lies two rows below in the same columns
+// but at a strip's end, however wide the output (32-bit divisions, as
+// window_tile's; the window kernels' order, which the stores decode, takes
+// the columns fastest: window_index).
+__device__ __forceinline__ void band_tile(i64 p, i64 row_pairs, i64 col_tiles, int& n, int& h0, int& w0) {
+  const unsigned t = static_cast<unsigned>(p), pairs = static_cast<unsigned>(row_pairs);
+  const unsigned strip = t / pairs, ct = static_cast<unsigned>(col_tiles);  // strip: n * col_tiles + w0 / 128
+  h0 = 2 * static_cast<int>(t - strip * pairs);
+  n = static_cast<int>(strip / ct);
+  w0 = static_cast<int>(strip - static_cast<unsigned>(n) * ct) * 128;
+}
+// The window kernels' index (window_tile's tn) of the pixel tile at image
+// n, rows h0, h0 + 1 and columns from w0.
+__device__ __forceinline__ i64 window_index(int n, int h0, int w0, i64 row_pairs, i64 col_tiles) {
+  return (static_cast<i64>(n) * row_pairs + h0 / 2) * col_tiles + w0 / 128;
+}
+
+// The input rows of a band's pixel tiles (band_tile's order), numbered in
+// the order they are first needed: pixel tile p's rows h0 .. h0 + KH (row
+// i of the tile: its stage kh reads rows kh and kh + 1) are numbers first
+// .. first + KH, row number q in window slot q % kWin.  Where the next
+// pixel tile lies two rows below in the same image and columns (KH >= 2:
+// `shares`), its rows 0 .. KH - 2 are this tile's 2 .. KH, and its new
+// rows KH - 1 and KH come next; otherwise all its KH + 1 rows are new.
 struct BandRows {
   i64 row_pairs, col_tiles;
   int kh_size;
@@ -1306,13 +1325,14 @@ struct BandRows {
     ++p;
     locate();
   }
-  __device__ __forceinline__ void advance_to(i64 tile) {
-    while (p < tile) next();
+  // On to the pixel tile whose window index is tn (this one or a later one).
+  __device__ __forceinline__ void advance_to(i64 tn) {
+    while (window_index(n, h0, w0, row_pairs, col_tiles) != tn) next();
   }
   __device__ __forceinline__ void locate() {
-    window_tile(p, row_pairs, col_tiles, n, h0, w0);
+    band_tile(p, row_pairs, col_tiles, n, h0, w0);
     int n1, h1, w1;
-    window_tile(p + 1, row_pairs, col_tiles, n1, h1, w1);
+    band_tile(p + 1, row_pairs, col_tiles, n1, h1, w1);
     shares = kh_size >= 2 && n1 == n && w1 == w0 && h1 == h0 + 2;
   }
 };
@@ -1353,10 +1373,9 @@ struct BandWindows {
 //   a pixel tile's first tile of output channels that begins a kh, the rows
 //   that stage reads first made ready (ready(q)), then an arrive on the
 //   stage's "full" barrier (after its previous phase, so that it counts
-//   towards this one).  Rows are kept from one pixel tile to the next only
-//   where the next lies two rows below (BandRows: one column tile, OW <=
-//   128); with wider outputs the next pixel tile of a band is the next
-//   columns, and each pixel tile brings its KH + 1 rows.
+//   towards this one).  Rows are kept from one pixel tile to the next
+//   where the next lies two rows below (BandRows: within a column strip of
+//   an image); a pixel tile that starts a strip brings its KH + 1 rows.
 template <typename T, int kKw, int kRowWindows = 1>
 struct BandBase : ConvWindowLoader<T, kKw> {
   static_assert(kRowWindows == 1 || kRowWindows == 2, "one or two blocks of channels a row");
@@ -1370,10 +1389,15 @@ struct BandBase : ConvWindowLoader<T, kKw> {
   BandRows raw_rows{0, 0, 0};
   __device__ __forceinline__ int shift() const { return kRowWindows == 1 ? 0 : this->c_blocks - 1; }
   __device__ __forceinline__ i64 block_tiles() const { return band_count * this->tiles_m(); }
+  // The block's j-th tile: tile tm of output channels of its band's
+  // (j / tiles_m)-th pixel tile, whose window index (the engine's tn, which
+  // the stores decode with window_tile) tn.
   __device__ __forceinline__ void block_tile(i64 j, i64& tm, i64& tn) const {
     const unsigned tms = static_cast<unsigned>(this->tiles_m()), jj = static_cast<unsigned>(j);
     const unsigned p = jj / tms;
-    tn = band_first + p;
+    int n, h0, w0;
+    band_tile(band_first + p, this->row_pairs, this->col_tiles, n, h0, w0);
+    tn = window_index(n, h0, w0, this->row_pairs, this->col_tiles);
     tm = jj - p * tms;
   }
   __device__ __forceinline__ BandRows band_rows() const {

@@ -23,11 +23,12 @@ CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
 # output channels past one tile, an odd output width; W a multiple of 8 (an
 # NCHW x read with no copy: the NCHW band kernel, and where its bands are
 # longer than one pixel tile, rows kept from one pixel tile to the next, 3
-# tiles of output channels), KW 3 and 5, and KW 9 (wider than the window
-# kernels: the per-tap kernel).
+# tiles of output channels, and with 2 column tiles, within each column
+# strip), KW 3 and 5, and KW 9 (wider than the window kernels: the per-tap
+# kernel).
 CONV_SHAPES = ((2, 64, 9, 10, 40, 3, 3), (1, 8, 5, 140, 136, 5, 3), (3, 16, 11, 14, 24, 2, 2),
                (2, 16, 7, 24, 72, 3, 3), (1, 8, 6, 16, 24, 2, 5), (1, 8, 4, 40, 16, 2, 9),
-               (30, 16, 15, 24, 136, 3, 3))
+               (30, 16, 15, 24, 136, 3, 3), (40, 16, 12, 136, 64, 3, 3))
 
 
 def conv_inputs(shape, dtype):

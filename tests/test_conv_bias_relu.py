@@ -269,7 +269,7 @@ def test_engine_against_float64(shape, kind, dtype, device):
 # Those with C_in up to 64 and KH up to 3 take the band kernel; the last
 # five have bands of several pixel tiles: keeping rows from one to the next
 # (KH 2 and 3), across images, with 1 and 3 tiles of output channels, and
-# of 2 column tiles (KH 1 and 3), where no rows are kept.
+# of 2 column tiles (KH 1 and 3: rows kept within each column strip).
 NCHW_WINDOW_SHAPES = [
     (2, 64, 20, 16, 128, 3, 3),
     (1, 8, 9, 8, 5, 1, 1),
@@ -384,11 +384,14 @@ def test_amp_band_against_float64(shape, fmt, amp, device, monkeypatch):
 
 
 # (N, C_in, H, W, C_out, KH, KW) for the TF32 band kernel: one and two
-# blocks of 32 input channels, KW 1 to TF32_BAND_MAX_KW, rows kept from one
-# pixel tile to the next (outputs up to 128 columns) and not (wider ones),
-# bands across images, C_out of one to five tiles of 64 (not all multiples
-# of 32: no mask there), batch 1.
+# blocks of 32 input channels, KW 1 to TF32_BAND_MAX_KW, bands of one pixel
+# tile and of several (more pixel tiles than SMs), keeping rows from one to
+# the next, across images and, with 2 column tiles, across column strips,
+# C_out of one to five tiles of 64 (not all multiples of 32: no mask there),
+# batch 1.
 TF32_BAND_SHAPES = [
+    (40, 16, 12, 136, 64, 3, 3),
+    (24, 40, 12, 140, 64, 3, 3),
     (2, 64, 20, 300, 128, 3, 3),
     (1, 8, 9, 17, 32, 2, 3),
     (3, 40, 33, 70, 64, 3, 1),

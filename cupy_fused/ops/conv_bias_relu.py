@@ -30,9 +30,9 @@ Route, decided once per call (:func:`route`):
   (``conv_bias_relu_nchw_window``: x's rows transposed into the windows in
   shared memory; :func:`_nchw_window_fits`), and with at most 64 input
   channels and 3 kernel rows its band form (``conv_bias_relu_nchw_band``:
-  each block on consecutive pixel tiles, each transposed row kept for
-  every tile of output channels and, where the output is at most 128
-  columns wide, the next pixel tile; :func:`_band_fits`),
+  each block on consecutive pixel tiles down a strip of 128 output
+  columns, each transposed row kept for every tile of output channels and
+  the next pixel tile; :func:`_band_fits`),
   which under autocast also takes a float32 x (W a multiple of 4), rounded
   to the autocast dtype as its rows are transposed, and writes the float32
   y (:func:`_amp_band_fits`); a channels-last float32 x under autocast
