@@ -1465,7 +1465,7 @@ def test_tf32_band_fits():
     assert CB._tf32_band_fits(x(c=64), torch.empty(8, 64, 1, 1))
     for refused in ((x(dtype=torch.bfloat16), torch.empty(8, 8, 3, 3)), (x(c=72), torch.empty(8, 72, 3, 3)),
                     (x(), torch.empty(8, 8, 4, 3)), (x(), torch.empty(8, 8, 3, CB.TF32_BAND_MAX_KW + 1)),
-                    (x(), torch.empty(64 * 2**18, 8, 1, 1))):
+                    (x(), torch.empty(64 * 2**18, 8, 1, 1, device="meta"))):
         assert not CB._tf32_band_fits(*refused)
 
 

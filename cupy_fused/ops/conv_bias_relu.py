@@ -315,8 +315,8 @@ def _wgrad_stages(tb: int) -> int:
 # autocast); ("nhwc_band", dtype, KW): the channels-last band kernel (a
 # float32 x and y under autocast: :func:`_launch_nhwc_band`);
 # ("tf32_band", KW, mask): the channels-last float32 forward on a float32 x
-# read as TF32, with relu's mask where ``mask`` (:func:`_launch_tf32_band`); ("wgrad",
-# dtype, tb) and
+# read as TF32, with relu's mask where ``mask`` (:func:`_launch_tf32_band`);
+# ("wgrad", dtype, tb) and
 # ("wgrad_reduce", dtype): the 16-bit weight gradient, tiles of tb blocks
 # of 64 columns (:func:`_launch_wgrad`).  A key
 # with a last element "vec": the same copy in vectors (16-bit copies that
