@@ -1460,7 +1460,8 @@ struct BandBase : ConvWindowLoader<T, kKw> {
 // kRaw slots; a float32 row as two slots of 32 channels) of every row
 // first read by the stage after it (at most two), waiting for a slot only
 // on the helpers, who wait on nothing that needs later copies (the stage
-// whose reads free their window slot has its A tiles).  The helpers
+// whose reads free their window slot has its A tiles), and the rows after
+// those while their slots are free already.  The helpers
 // (BandBase::help_band) transpose each row into its window slot once the
 // consumers have released the slot's previous row (BandWindows::empty: an
 // arrive by every consumer warp of each tile of output channels that read
@@ -1518,7 +1519,15 @@ struct BandLoader : BandBase<T, kKw>, RawRing<kRaw, 3> {
                       raw_full(slot));
         }
       }
-    }, [](unsigned) { return false; });
+    }, [&](unsigned) {
+      // (a row's raw slots free now: the helpers have read their previous rows)
+#pragma unroll
+      for (int u = 0; u < kRowUnits; ++u) {
+        const unsigned use = raw_q + u;
+        if (use >= kRaw && !mbar_test(raw_empty(static_cast<int>(use % kRaw)), ((use / kRaw) - 1) & 1)) return false;
+      }
+      return true;
+    });
   }
   // By the producer warpgroup's last kHelperWarps warps (above).
   __device__ __forceinline__ void help(const StageRing& ring, i64, int) const {
