@@ -1592,7 +1592,6 @@ __device__ __forceinline__ void round_window_tf32(unsigned window, int helper, i
 template <int kKw, int kWin>
 struct Tf32BandLoader : BandBase<float, kKw, 2> {
   static constexpr int kHelperWarps = 3, kExtraBytes = kWin * 2 * kConvWindowBytes, kExtraBarriers = 2 * kWin;
-  static constexpr int kRawBytes = 0;
   using Windows = BandWindows<0, 0, kWin, 2>;
   Windows wins;
   __device__ __forceinline__ void init_barriers(unsigned at) const {

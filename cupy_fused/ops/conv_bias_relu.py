@@ -160,6 +160,12 @@ _RAW_BYTES = 64 * WINDOW * 2
 _NCHW_WINDOW_STAGING_BYTES = 2 * 18 * 1024
 
 
+def _most_that_fit(shared_bytes: Callable[[int], int]) -> int:
+    """The most of 2 to 4 (stages, or raw rows) whose ``shared_bytes`` fit a
+    block's opt-in shared memory; 0 (no kernel) where 2 do not."""
+    return max([count for count in range(2, 5) if shared_bytes(count) <= _OPT_IN_SHARED_BYTES], default=0)
+
+
 def _nchw_window_shared_bytes(kw: int, raws: int) -> int:
     # (the loader's extras: the raw rows and their 2 raws mbarriers)
     return gemm._half_shared_bytes(_NCHW_WINDOW_STAGING_BYTES, NCHW_WINDOW_STAGES, _window_stage_bytes(kw),
@@ -169,8 +175,7 @@ def _nchw_window_shared_bytes(kw: int, raws: int) -> int:
 def _nchw_window_raws(kw: int) -> int:
     """The raw rows in flight of the NCHW window kernel of width ``kw``: the
     most (up to 4) that fit; fewer than 2 (wider kernels) is no kernel."""
-    return max([raws for raws in range(2, 5) if _nchw_window_shared_bytes(kw, raws) <= _OPT_IN_SHARED_BYTES],
-               default=0)
+    return _most_that_fit(lambda raws: _nchw_window_shared_bytes(kw, raws))
 
 
 NCHW_WINDOW_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _nchw_window_raws(kw) >= 2)
@@ -207,8 +212,7 @@ def _band_stages(kw: int, staging: int = _NCHW_WINDOW_STAGING_BYTES) -> int:
     """The band kernel's stages at kernel width ``kw`` beside ``staging``
     bytes of the store's: the most (up to 4) that fit; fewer than 2 (wider
     kernels) is no kernel."""
-    return max([stages for stages in range(2, 5)
-                if _band_shared_bytes(kw, stages, staging) <= _OPT_IN_SHARED_BYTES], default=0)
+    return _most_that_fit(lambda stages: _band_shared_bytes(kw, stages, staging))
 
 
 BAND_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _band_stages(kw) >= 2)
@@ -232,8 +236,7 @@ def _tf32_band_shared_bytes(kw: int, stages: int) -> int:
 def _tf32_band_stages(kw: int) -> int:
     """The TF32 band kernel's stages at kernel width ``kw``: the most (up to
     4) that fit; fewer than 2 (wider kernels) is no kernel."""
-    return max([stages for stages in range(2, 5)
-                if _tf32_band_shared_bytes(kw, stages) <= _OPT_IN_SHARED_BYTES], default=0)
+    return _most_that_fit(lambda stages: _tf32_band_shared_bytes(kw, stages))
 
 
 TF32_BAND_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _tf32_band_stages(kw) >= 2)
