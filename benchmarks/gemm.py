@@ -79,7 +79,8 @@ def run(shapes, iters: int, tiles=()):
             row = {"shape": shape, "layout": layout}
             row.update(_timed_entries(impls, iters, flops,
                                       lambda c: scaled_gemm_error(c, a, b, ref)))
-            row["speedup 3xtf32 vs sgemm"] = row["cublas sgemm"]["median_ms"] / row["ours 3xtf32"]["median_ms"]
+            row["speedup 3xtf32 vs sgemm"] = (row["cublas sgemm"]["median_ms"]
+                                              / row["ours 3xtf32"]["median_ms"])
             row["tile"] = G.choose_tile(*G._product_shape(a, b, layout), True, device.index)
             rows.append(row)
             print(f"{shape} {layout:12s} " + "  ".join(

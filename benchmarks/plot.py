@@ -30,7 +30,8 @@ def main(path):
             ax = axes[i][j]
             xs = range(len(problems))
             for k, base in enumerate(("eager", "compile")):
-                vals = [by.get((p, dtype, mode, base), float("nan")) / by.get((p, dtype, mode, "ours"), float("nan"))
+                vals = [by.get((p, dtype, mode, base), float("nan"))
+                        / by.get((p, dtype, mode, "ours"), float("nan"))
                         for p in problems]
                 ax.bar([x + 0.4 * k for x in xs], vals, width=0.4, label=f"ours vs {base}")
             ax.axhline(1.0, color="k", lw=0.8)

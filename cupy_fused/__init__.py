@@ -32,4 +32,5 @@ __all__ = [
     "precompile",
     "set_fp32_matmul_precision",
     "settings",
+    "__version__",
 ]

@@ -711,7 +711,10 @@ def _selection(families, dtypes) -> List[_Job]:
             else:
                 raise ValueError(f"no declared kernel source {family!r}; declared: "
                                  + ", ".join(sorted(table)))
-    keep: Callable[[str, str], bool] = lambda source, expr: True
+
+    def keep(source: str, expr: str) -> bool:  # (every kernel, unless dtypes narrows it below)
+        return True
+
     if dtypes is not None:
         import torch
 

@@ -97,8 +97,8 @@ __device__ __forceinline__ bool mbar_test(unsigned bar, unsigned parity) {
 __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, int inner, int outer,
                                             unsigned bar) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(inner), "r"(outer), "r"(bar)
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(inner), "r"(outer), "r"(bar)
       : "memory");
 }
 // `bytes` contiguous bytes of global memory at `src` into shared memory at

@@ -559,7 +559,8 @@ def test_engine_float32_route(device, monkeypatch):
         assert CB.route(x, wt, cb, b) == "cudnn" and CB.engine_dtypes(x, wt, cb, b) is None
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # (PyTorch's default)
         assert CB.route(x, wt, cb, b) == "engine"
-        assert CB.route(x[:, :, 1:].contiguous(), wt, cb, b) == "cudnn"  # one output row fewer: below the size
+        # One output row fewer: below the size.
+        assert CB.route(x[:, :, 1:].contiguous(), wt, cb, b) == "cudnn"
         truth = _reference(x.double(), wt.double(), cb.double(), b.double())
         tf32 = _reference(CB._tf32(x).double(), CB._tf32(wt).double(), cb.double(), b.double())
         ours = ops.conv_bias_relu(x, wt, cb, b)
@@ -1313,7 +1314,8 @@ def test_nchw_window_takes_what_its_kernel_runs():
         return torch.empty(cout, cin, kh, kw, dtype=dtype)
 
     assert CB._nchw_window_fits(x(), wt())
-    assert CB._nchw_window_fits(x(dtype=torch.float16, w=8), wt(dtype=torch.float16, kw=CB.NCHW_WINDOW_MAX_KW))
+    assert CB._nchw_window_fits(x(dtype=torch.float16, w=8),
+                                wt(dtype=torch.float16, kw=CB.NCHW_WINDOW_MAX_KW))
     off_grid = torch.empty(1 + 2 * 3 * 5 * 16, dtype=torch.bfloat16)[1:].view(2, 3, 5, 16)
     for refused in ((x(dtype=torch.float32), wt()), (x(w=12), wt()), (off_grid, wt()),
                     (x().contiguous(memory_format=torch.channels_last), wt()),

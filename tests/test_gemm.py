@@ -329,12 +329,14 @@ def test_short_sums_run_on_sgemm_per_product(device):
 
 @gpu
 def test_zero_inner_dimension_gives_bias(device):
-    x, w, bias = torch.rand(5, 0, device=device), torch.rand(7, 0, device=device), torch.randn(7, device=device)
+    x, w = torch.rand(5, 0, device=device), torch.rand(7, 0, device=device)
+    bias = torch.randn(7, device=device)
     torch.testing.assert_close(ops.linear(x, w, bias, activation="relu"),
                                torch.relu(bias).expand(5, 7), rtol=0, atol=0)
     # Sizes that would take the engine with a non-empty sum: every
     # precision, and the GEMM entry point itself.
-    x, w, bias = torch.rand(2048, 0, device=device), torch.rand(2048, 0, device=device), torch.randn(2048, device=device)
+    x, w = torch.rand(2048, 0, device=device), torch.rand(2048, 0, device=device)
+    bias = torch.randn(2048, device=device)
     for precision in ("3xtf32", "tf32"):
         torch.testing.assert_close(ops.linear(x, w, bias, precision=precision),
                                    bias.expand(2048, 2048), rtol=0, atol=0)

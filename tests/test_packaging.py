@@ -111,7 +111,8 @@ def _applies(req, python="3.11", system="Linux"):
 @pytest.mark.parametrize("python", ["3.9", "3.11"])
 def test_each_cuda_extra_brings_its_own_nvrtc(python):
     extras = _extras()
-    nvrtc = {extra: [r for r in extras[extra] if r.name.startswith("nvidia-cuda-nvrtc") and _applies(r, python)]
+    nvrtc = {extra: [r for r in extras[extra]
+                     if r.name.startswith("nvidia-cuda-nvrtc") and _applies(r, python)]
              for extra in ("cuda12", "cuda13")}
     (cu12,) = nvrtc["cuda12"]
     assert cu12.name == "nvidia-cuda-nvrtc-cu12"

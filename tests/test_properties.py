@@ -68,8 +68,8 @@ pytestmark = pytest.mark.gpu
 # examples is safe.
 # CUPY_FUSED_PROPERTY_EXAMPLES: examples per test (more for a longer search).
 PROPERTY_SETTINGS = settings(
-    max_examples=int(os.environ.get("CUPY_FUSED_PROPERTY_EXAMPLES", "12")), deadline=None, derandomize=True, database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    max_examples=int(os.environ.get("CUPY_FUSED_PROPERTY_EXAMPLES", "12")), deadline=None, derandomize=True,
+    database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 AMP = torch.bfloat16
 MODES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "amp": None}

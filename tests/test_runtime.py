@@ -55,7 +55,8 @@ def test_nvrtc_compile_check(arch):
 def test_compile_check_reports_the_compiler_log(tmp_path, monkeypatch):
     (tmp_path / "cf_common.cuh").write_text((_runtime.kernel_dir() / "cf_common.cuh").read_text())
     (tmp_path / "broken.cu").write_text(
-        '#include "cf_common.cuh"\ntemplate <typename T> __global__ void k(T* p) { p[0] = undefined_name; }\n')
+        '#include "cf_common.cuh"\n'
+        'template <typename T> __global__ void k(T* p) { p[0] = undefined_name; }\n')
     monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", str(tmp_path))
     monkeypatch.setattr(_runtime, "_options_cache", None)
     monkeypatch.setitem(_runtime._declared, "broken.cu", ["k<float>"])
