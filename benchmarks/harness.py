@@ -88,9 +88,12 @@ def autocast_dtype(dtype: str) -> Optional[torch.dtype]:
 
 # --- the training step ---------------------------------------------------
 
-def autocast_context(amp, device_type: str = "cuda"):
-    """The context of one forward: autocast to ``amp``, or none."""
-    return torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
+def autocast_context(amp, device_type: str = "cuda", cache: bool = True):
+    """The context of one forward: autocast to ``amp`` (with its cast cache,
+    or without: ``cache``), or none."""
+    if amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=amp, cache_enabled=cache)
 
 
 def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
@@ -120,7 +123,7 @@ def fixed_grad(model, x: torch.Tensor, amp=None, seed: int = 0,
 
 
 def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs: bool = False,
-             device_type: str = "cuda", keep: Optional[dict] = None):
+             device_type: str = "cuda", keep: Optional[dict] = None, amp_cache: bool = True):
     """(step, reset) of one timed iteration: a forward under ``no_grad``, or
     forward and ``y.backward(grad)`` after dropping earlier gradients.
 
@@ -141,6 +144,8 @@ def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs
             ``keep["y"]``), for a caller that checks what the steps compute
             (``benchmarks/ab.py``); None keeps nothing, so that a timed
             step holds no earlier output.
+        amp_cache: autocast's cast cache on (its default) or off (what
+            ``torch.cuda.make_graphed_callables`` asks for).
 
     Returns:
         (step, reset), functions of no arguments.
@@ -158,7 +163,7 @@ def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs
         def step():
             if begin is not None:
                 begin()
-            with torch.no_grad(), autocast_context(amp, device_type):
+            with torch.no_grad(), autocast_context(amp, device_type, amp_cache):
                 y = model(next(rotation))
             if keep is not None:
                 keep["y"] = y
@@ -170,12 +175,38 @@ def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs
             reset()
             if begin is not None:
                 begin()
-            with autocast_context(amp, device_type):
+            with autocast_context(amp, device_type, amp_cache):
                 y = model(next(rotation))
             y.backward(grad)  # outside autocast, as training code runs it
             if keep is not None:
                 keep["y"] = y.detach()
     return step, reset
+
+
+def graphed_step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None,
+                     device_type: str = "cuda"):
+    """(step, reset) of :func:`step_fns` with the model's forward and
+    backward captured as CUDA graphs by
+    ``torch.cuda.make_graphed_callables(model, (sample,))``, which replaces
+    ``model.forward`` (pass a copy of a model timed otherwise too): each
+    step copies its input into the graphs' own and replays them, so that
+    the host issues a few replays instead of every kernel.  The sample is an
+    input's copy of its own (requiring grad in a training step); under
+    autocast its cast cache is off, at the capture and in every step, as
+    make_graphed_callables asks.
+
+    Args:
+        model, mode, inputs, train_inputs, grad, amp, device_type: as
+            :func:`step_fns`'s (a CUDA model and inputs).
+
+    Returns:
+        (step, reset), functions of no arguments.
+    """
+    pool = inputs if mode == "forward" else train_inputs
+    sample = pool[0].detach().clone().requires_grad_(mode == "train")
+    with autocast_context(amp, device_type, cache=False):
+        torch.cuda.make_graphed_callables(model, (sample,))
+    return step_fns(model, mode, inputs, train_inputs, grad, amp, device_type=device_type, amp_cache=False)
 
 
 # --- CUDA-event timing ---------------------------------------------------

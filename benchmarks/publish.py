@@ -55,13 +55,13 @@ def _ms(value) -> str:
 
 def markdown(rows) -> str:
     """The Markdown table of the rows at the benchmark shapes: one line per
-    problem, dtype and mode.  The ours+graphs column and the host columns
-    (ours's host issue / GPU time per step, which implementations are
-    host-bound, and torch.compile's GPU time per step over ours's) appear
-    when the rows have them; implementations that failed are listed under
-    the table.  Where a step is host-bound, its "ours/compile speedup" (of
-    event times) compares the implementations' host issue times; the
-    GPU-time ratio says what their kernels do.
+    problem, dtype and mode.  The ours+graphs and ours+graphed columns and
+    the host columns (ours's host issue / GPU time per step, which
+    implementations are host-bound, and torch.compile's GPU time per step
+    over ours's) appear when the rows have them; implementations that
+    failed are listed under the table.  Where a step is host-bound, its
+    "ours/compile speedup" (of event times) compares the implementations'
+    host issue times; the GPU-time ratio says what their kernels do.
 
     Args:
         rows: result rows of ``run.bench_problem``.
@@ -73,10 +73,10 @@ def markdown(rows) -> str:
     groups = {}
     for r in rows:
         groups.setdefault(key(r), {})[r["impl"]] = r
-    graphs = any(r["impl"] == "ours+graphs" for r in rows)
+    graphs = [i for i in ("ours+graphs", "ours+graphed") if any(r["impl"] == i for r in rows)]
     host = any(r.get("host_ms") is not None for r in rows)
     head = ["problem", "dtype", "mode", "eager ms", "compile ms", "ours ms", "ours+compile ms"]
-    head += ["ours+graphs ms"] * graphs
+    head += [f"{i} ms" for i in graphs]
     head += ["GEMM/conv alone ms", "ours/eager speedup", "ours/compile speedup",
              "peak extra GiB (eager / compile / ours)", "ours TFLOP/s (of ceiling)"]
     head += ["ours host / GPU ms per step", "host-bound", "ours/compile on GPU time"] * host
@@ -90,7 +90,7 @@ def markdown(rows) -> str:
 
         mem = " / ".join(f"{get(i, 'peak_extra_gib'):.3f}" for i in ("eager", "compile", "ours"))
         cells = [p, d, m] + [f"{get(i):.3f}" for i in ("eager", "compile", "ours", "ours+compile")]
-        cells += [f"{get('ours+graphs'):.3f}"] * graphs
+        cells += [f"{get(i):.3f}" for i in graphs]
         cells += [f"{get('gemm'):.3f}", f"{get('eager') / get('ours'):.2f}x",
                   f"{get('compile') / get('ours'):.2f}x", mem if m == "train" else "-",
                   f"{get('ours', 'tflops'):.1f} ({100 * get('ours', 'ceiling_fraction'):.0f}%)"]

@@ -59,6 +59,10 @@ kernel).  A row is ``host_bound`` where the first is the longer.
 ``ours+graphs`` is ``torch.compile(ours, mode="reduce-overhead")``: CUDA
 graphs over our modules, which take the host's per-kernel work out of the
 step (``--impls`` or ``--full``; not in the default list, it compiles).
+``ours+graphed`` is a copy of our module under
+``torch.cuda.make_graphed_callables`` (its forward and backward captured as
+two CUDA graphs, replayed each step: ``harness.graphed_step_fns``;
+``--impls`` or ``--full``).
 
 torch.compile compiles in this process (``TORCHINDUCTOR_COMPILE_THREADS=1``
 unless set otherwise): with a pool of compile workers, the pool's
@@ -70,6 +74,7 @@ makes compiling slower.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -89,7 +94,7 @@ import publish  # noqa: E402
 from cupy_fused import reference  # noqa: E402
 from cupy_fused.testing import build_pair  # noqa: E402
 from harness import (DTYPES, Progress, autocast_context, autocast_dtype, dtype_label,  # noqa: E402
-                     fixed_grad, gpu_state, host_and_gpu_ms, l2_bytes, model_dtype,
+                     fixed_grad, gpu_state, graphed_step_fns, host_and_gpu_ms, l2_bytes, model_dtype,
                      peak_extra_gib, product_tflops, rotation_count, say, step_fns, time_interleaved,
                      time_ms)
 from publish import markdown  # noqa: E402 -- the table beside the JSON
@@ -98,8 +103,9 @@ ALL_DTYPES = tuple(DTYPES)
 IMPLS = ("eager", "compile", "ours", "ours+compile")
 # "gemm": the GEMM (or conv) alone, as our modules call it, forward only:
 # ours minus this is the cost of the fused epilogue.  "ours+graphs": ours
-# under torch.compile(mode="reduce-overhead") (CUDA graphs).
-EXTRA_IMPLS = ("gemm", "ours+graphs")
+# under torch.compile(mode="reduce-overhead") (CUDA graphs); "ours+graphed":
+# a copy of ours under torch.cuda.make_graphed_callables (CUDA graphs).
+EXTRA_IMPLS = ("gemm", "ours+graphs", "ours+graphed")
 # Implementations that compile (one compile per size in a sweep: left out of
 # the sweep unless --sweep-compile).
 COMPILED = ("compile", "ours+compile", "ours+graphs")
@@ -252,10 +258,12 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
     inputs = [x] + [torch.rand_like(x) for _ in range(copies - 1)]
     train_inputs = [t.clone().requires_grad_(True) for t in inputs]
     models, bases = {}, {}
-    for impl in (i for i in impls if i in IMPLS + ("ours+graphs",)):
+    for impl in (i for i in impls if i in IMPLS + ("ours+graphs", "ours+graphed")):
         bases[impl] = base = ref if impl in ("eager", "compile") else ours
         if impl == "ours+graphs":
             models[impl] = torch.compile(base, mode="reduce-overhead")
+        elif impl == "ours+graphed":
+            models[impl] = base  # (a copy of it per mode, captured below)
         else:
             models[impl] = torch.compile(base) if impl.endswith("compile") else base
     if "gemm" in impls:
@@ -277,8 +285,12 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
                 if mode == "train":
                     probe = fixed_grad(bases[impl], x, amp, device_type=x.device.type)
                     g = grads.setdefault(probe.dtype, probe)
-                step, reset = step_fns(model, mode, inputs, train_inputs, g, amp,
-                                    graphs=impl == "ours+graphs", device_type=x.device.type)
+                if impl == "ours+graphed":
+                    step, reset = graphed_step_fns(copy.deepcopy(model), mode, inputs, train_inputs, g, amp,
+                                                   device_type=x.device.type)
+                else:
+                    step, reset = step_fns(model, mode, inputs, train_inputs, g, amp,
+                                           graphs=impl == "ours+graphs", device_type=x.device.type)
                 step()  # the first call compiles, and fails here if it fails
             except Exception as exc:  # noqa: BLE001 -- one implementation, not the run
                 say(f"  {problem:>3} {label:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
@@ -352,8 +364,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "per size)")
     parser.add_argument("--full", action="store_true",
                         help="every dtype (autocast modes included), both modes, every "
-                             "implementation (ours+graphs included), and the size sweep in every "
-                             "dtype: the whole benchmark page in one command")
+                             "implementation (ours+graphs and ours+graphed included), and the size "
+                             "sweep in every dtype: the whole benchmark page in one command")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-publish", action="store_true",
                         help="do not publish the finished run (benchmarks/publish.py: "

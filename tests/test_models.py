@@ -1,5 +1,6 @@
 """The five fused models against the PyTorch reference (GPU tier): output
 and every gradient vs a float64 run, next to eager's own error."""
+import contextlib
 import copy
 
 import pytest
@@ -321,6 +322,48 @@ def test_cuda_graph_capture_and_replay(problem, device):
     got = [static_out, static_x.grad] + [p.grad for p in ours.parameters()]
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "amp_bf16"])
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_make_graphed_callables(problem, mode, device):
+    """A module under ``torch.cuda.make_graphed_callables`` (its forward
+    and backward captured as CUDA graphs: the host issues two replays a
+    step instead of every kernel; under autocast with autocast's cast cache
+    off, as make_graphed_callables asks): each replay, on a new input and
+    output gradient, gives bit for bit the output and every gradient of the
+    same module run without graphs."""
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    amp = torch.bfloat16 if mode == "amp_bf16" else None
+    dtype = torch.float32 if amp else getattr(torch, mode)
+    _, ours = build_pair(problem, args, device, dtype)
+    graphed = copy.deepcopy(ours)
+
+    def forward_context():
+        return torch.autocast("cuda", dtype=amp, cache_enabled=False) if amp else contextlib.nullcontext()
+
+    def step(model, x, dy):
+        for p in model.parameters():
+            p.grad = None
+        x = x.detach().clone().requires_grad_(True)
+        with forward_context():
+            out = model(x)
+        out.backward(dy)
+        return [out.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+    with forward_context():
+        torch.cuda.make_graphed_callables(graphed, (torch.rand(shape, device=device, dtype=dtype,
+                                                               requires_grad=True),))
+    for seed in range(2):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        x = torch.rand(shape, device=device, dtype=dtype, generator=gen)
+        with torch.no_grad(), forward_context():
+            y = ours(x)
+        dy = torch.randn(y.shape, device=device, generator=gen).to(y.dtype)
+        expected, got = step(ours, x, dy), step(graphed, x, dy)
+        assert len(got) == len(expected) and all(g is not None for g in got)
+        for a, b in zip(expected, got):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.slow
