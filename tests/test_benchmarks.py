@@ -1,5 +1,6 @@
 """The benchmark runner's pure-Python parts (CPU tier)."""
 import contextlib
+import copy
 import importlib
 import importlib.util
 import json
@@ -429,6 +430,39 @@ def test_steps_keep_their_output_for_a_caller_that_asks():
         step()
         want = model.linear(inputs[0])
         assert torch.allclose(kept["y"], want) and kept["y"].grad_fn is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["float32", "amp_bf16"])
+def test_graphed_steps_compute_the_module_s_step(amp, device):
+    """ours+graphed's steps (harness.graphed_step_fns: the module's forward
+    and backward as CUDA graphs) on rotated inputs: each step's output,
+    input gradient and parameter gradients bit for bit those of the module
+    itself on that input, in a training step; the forward's output too."""
+    import cupy_fused
+
+    torch.manual_seed(0)
+    model = cupy_fused.GemmAddRelu(64, 256, (256,)).to(device)
+    graphed = copy.deepcopy(model)
+    inputs = [torch.rand(96, 64, device=device) for _ in range(2)]
+    train_inputs = [t.clone().requires_grad_(True) for t in inputs]
+    g = bench_harness.fixed_grad(model, inputs[0], amp)
+    step, _ = bench_harness.graphed_step_fns(graphed, "train", inputs, train_inputs, g, amp)
+    for i in (0, 1, 0):
+        step()
+        for p in model.parameters():
+            p.grad = None
+        x = inputs[i].clone().requires_grad_(True)
+        with bench_harness.autocast_context(amp, cache=False):
+            y = model(x)
+        y.backward(g)
+        assert torch.equal(train_inputs[i].grad, x.grad)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(graphed.parameters(), model.parameters()))
+    forward = copy.deepcopy(model)
+    step, _ = bench_harness.graphed_step_fns(forward, "forward", inputs, train_inputs, amp=amp)
+    step()
+    with torch.no_grad(), bench_harness.autocast_context(amp, cache=False):
+        assert torch.equal(forward(inputs[1]), model(inputs[1]))  # (a replay)
 
 
 def test_cuda_graph_steps_begin_a_new_generation_each(monkeypatch):
