@@ -55,11 +55,11 @@ def _ms(value) -> str:
 
 def markdown(rows) -> str:
     """The Markdown table of the rows at the benchmark shapes: one line per
-    problem, dtype and mode.  The ours+graphs and ours+graphed columns and
-    the host columns (ours's host issue / GPU time per step, which
-    implementations are host-bound, and torch.compile's GPU time per step
-    over ours's) appear when the rows have them; implementations that
-    failed are listed under the table.  Where a step is host-bound, its
+    problem, dtype and mode.  The columns of CUDA graphs (ours+graphs,
+    ours+graphed, compile+graphs) and the host columns (ours's host issue /
+    GPU time per step, which implementations are host-bound, and
+    torch.compile's GPU time per step over ours's) appear when the rows
+    have them; implementations that failed are listed under the table.  Where a step is host-bound, its
     "ours/compile speedup" (of event times) compares the implementations'
     host issue times; the GPU-time ratio says what their kernels do.
 
@@ -73,7 +73,8 @@ def markdown(rows) -> str:
     groups = {}
     for r in rows:
         groups.setdefault(key(r), {})[r["impl"]] = r
-    graphs = [i for i in ("ours+graphs", "ours+graphed") if any(r["impl"] == i for r in rows)]
+    graphs = [i for i in ("ours+graphs", "ours+graphed", "compile+graphs")
+              if any(r["impl"] == i for r in rows)]
     host = any(r.get("host_ms") is not None for r in rows)
     head = ["problem", "dtype", "mode", "eager ms", "compile ms", "ours ms", "ours+compile ms"]
     head += [f"{i} ms" for i in graphs]

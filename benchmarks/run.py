@@ -62,7 +62,9 @@ step (``--impls`` or ``--full``; not in the default list, it compiles).
 ``ours+graphed`` is a copy of our module under
 ``torch.cuda.make_graphed_callables`` (its forward and backward captured as
 two CUDA graphs, replayed each step: ``harness.graphed_step_fns``;
-``--impls`` or ``--full``).
+``--impls`` or ``--full``).  ``compile+graphs`` is the reference under
+``torch.compile(mode="reduce-overhead")``: torch.compile's own CUDA graphs,
+what graphs over our modules are set against.
 
 torch.compile compiles in this process (``TORCHINDUCTOR_COMPILE_THREADS=1``
 unless set otherwise): with a pool of compile workers, the pool's
@@ -104,11 +106,14 @@ IMPLS = ("eager", "compile", "ours", "ours+compile")
 # "gemm": the GEMM (or conv) alone, as our modules call it, forward only:
 # ours minus this is the cost of the fused epilogue.  "ours+graphs": ours
 # under torch.compile(mode="reduce-overhead") (CUDA graphs); "ours+graphed":
-# a copy of ours under torch.cuda.make_graphed_callables (CUDA graphs).
-EXTRA_IMPLS = ("gemm", "ours+graphs", "ours+graphed")
+# a copy of ours under torch.cuda.make_graphed_callables (CUDA graphs);
+# "compile+graphs": the reference under torch.compile(mode="reduce-overhead").
+EXTRA_IMPLS = ("gemm", "ours+graphs", "ours+graphed", "compile+graphs")
 # Implementations that compile (one compile per size in a sweep: left out of
 # the sweep unless --sweep-compile).
-COMPILED = ("compile", "ours+compile", "ours+graphs")
+COMPILED = ("compile", "ours+compile", "ours+graphs", "compile+graphs")
+# Implementations compiled with mode="reduce-overhead" (CUDA graphs).
+REDUCE_OVERHEAD = ("ours+graphs", "compile+graphs")
 # Batch sizes of the size sweep (1: a point dominated by per-call host cost).
 SWEEP_GEMM = (1, 64, 256, 1024, 4096, 16384, 32768)
 SWEEP_CONV = (1, 8, 32, 64, 128)
@@ -258,9 +263,9 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
     inputs = [x] + [torch.rand_like(x) for _ in range(copies - 1)]
     train_inputs = [t.clone().requires_grad_(True) for t in inputs]
     models, bases = {}, {}
-    for impl in (i for i in impls if i in IMPLS + ("ours+graphs", "ours+graphed")):
-        bases[impl] = base = ref if impl in ("eager", "compile") else ours
-        if impl == "ours+graphs":
+    for impl in (i for i in impls if i in IMPLS + ("ours+graphs", "ours+graphed", "compile+graphs")):
+        bases[impl] = base = ref if impl in ("eager", "compile", "compile+graphs") else ours
+        if impl in REDUCE_OVERHEAD:
             models[impl] = torch.compile(base, mode="reduce-overhead")
         elif impl == "ours+graphed":
             models[impl] = base  # (a copy of it per mode, captured below)
@@ -290,7 +295,7 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
                                                    device_type=x.device.type)
                 else:
                     step, reset = step_fns(model, mode, inputs, train_inputs, g, amp,
-                                           graphs=impl == "ours+graphs", device_type=x.device.type)
+                                           graphs=impl in REDUCE_OVERHEAD, device_type=x.device.type)
                 step()  # the first call compiles, and fails here if it fails
             except Exception as exc:  # noqa: BLE001 -- one implementation, not the run
                 say(f"  {problem:>3} {label:<9} b{shape[0]:<6} {mode:<8} {impl:<13} "
@@ -364,7 +369,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "per size)")
     parser.add_argument("--full", action="store_true",
                         help="every dtype (autocast modes included), both modes, every "
-                             "implementation (ours+graphs and ours+graphed included), and the size "
+                             "implementation (the graphs' ones included), and the size "
                              "sweep in every dtype: the whole benchmark page in one command")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-publish", action="store_true",

@@ -42,11 +42,12 @@ def test_full_runs_every_dtype_mode_and_sweep():
     assert args.dtypes == args.sweep_dtypes == ["fp32", "fp16", "bf16", "amp-bf16", "amp-fp16"]
     assert args.modes == ["forward", "train"] and args.sweep
     assert set(args.impls) == {"eager", "compile", "ours", "ours+compile", "gemm", "ours+graphs",
-                               "ours+graphed"}
+                               "ours+graphed", "compile+graphs"}
     plain = bench_run.parse_args([])
     assert plain.dtypes == ["fp32"] and not plain.sweep
     assert "ours+graphs" not in plain.impls  # it compiles: asked for, or --full
     assert "ours+graphed" not in plain.impls  # (its graphs: asked for, or --full)
+    assert "compile+graphs" not in plain.impls
     assert bench_run.parse_args(["--full", "--impls", "eager", "ours"]).impls == ["eager", "ours"]
 
 
@@ -595,14 +596,16 @@ def test_markdown_shows_amp_rows_host_times_and_failures():
             _row("amp-bf16", "train", "compile", 0.70, 0.20, 0.65),
             _row("amp-bf16", "train", "ours+graphs", None, error="RuntimeError('capture')"),
             _row("amp-bf16", "train", "ours+graphed", 0.36, 0.30, 0.36),
+            _row("amp-bf16", "train", "compile+graphs", 0.40, 0.30, 0.39),
             _row("float32", "forward", "ours", 1.0, 0.1, 0.95)]
     table = bench_run.markdown(rows).splitlines()
     head = table[0]
-    assert "ours+graphs ms | ours+graphed ms" in head and "ours host / GPU ms per step" in head
+    assert "ours+graphs ms | ours+graphed ms | compile+graphs ms" in head
+    assert "ours host / GPU ms per step" in head
     assert "host-bound" in head
     amp = next(line for line in table if "| amp-bf16 |" in line)
     cells = [c.strip() for c in amp.strip("|").split("|")]
-    assert cells[:4] == ["76", "amp-bf16", "train", "0.620"] and cells[7:9] == ["nan", "0.360"]
+    assert cells[:4] == ["76", "amp-bf16", "train", "0.620"] and cells[7:10] == ["nan", "0.360", "0.400"]
     assert "0.550 / 0.350" in cells and "eager, ours" in cells and "nan" in cells
     assert "ours/compile on GPU time" in head and "1.86x" in cells  # 0.65 / 0.35, not 0.70 / 0.50
     fp32 = next(line for line in table if "| float32 |" in line)
