@@ -244,7 +244,13 @@ TF32_BAND_MAX_KW = max(kw for kw in range(1, WINDOW_MAX_KW + 1) if _tf32_band_st
 
 def _window_tiles(n: int, cout: int, oh: int, ow: int) -> int:
     """A window kernel's tiles for an output [n, cout, oh, ow]."""
-    return cdiv(cout, WINDOW_TILE[0]) * n * cdiv(oh, 2) * cdiv(ow, 128)
+    return cdiv(cout, WINDOW_TILE[0]) * _pixel_tiles(n, oh, ow)
+
+
+def _pixel_tiles(n: int, oh: int, ow: int) -> int:
+    """The window and band kernels' pixel tiles (two output rows of 128
+    columns) of an output of n images of oh x ow."""
+    return n * cdiv(oh, 2) * cdiv(ow, 128)
 
 
 def _window_fits(n: int, cin: int, h: int, w: int, cout: int, kh: int, kw: int,
@@ -891,7 +897,7 @@ def _band_grid(out_shape: Sequence[int], dev: int) -> Tuple[int, int, int]:
     # A band kernel's grid for an output [N, C_out, OH, OW]: a block per
     # pixel tile (two output rows of 128 columns) up to the SM count.
     n, _, oh, ow = out_shape
-    return (min(n * cdiv(oh, 2) * cdiv(ow, 128), sm_count(dev)), 1, 1)
+    return (min(_pixel_tiles(n, oh, ow), sm_count(dev)), 1, 1)
 
 
 def _launch_band(key: tuple, map_x: bytes, packed: torch.Tensor, y, conv_bias: torch.Tensor,
