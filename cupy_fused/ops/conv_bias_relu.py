@@ -66,8 +66,9 @@ Route, decided once per call (:func:`route`):
   dx is made.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
-  layout, autocast's promotions.  Smaller training steps take it, and
-  float32 ones with TF32 off.  Its convolution is one autograd
+  layout, autocast's promotions.  Smaller training steps take it,
+  float32 ones with TF32 off, and those whose C_out is not a multiple of 32
+  (channels-last x) or 8 (NCHW x).  Its convolution is one autograd
   node of its own whose backward runs deterministic algorithms (cuDNN's,
   or the engine's for the input and weight gradients, as below) whatever
   ``torch.backends.cudnn.deterministic`` says, so that a training
@@ -492,8 +493,9 @@ def _nchw_window_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the NCHW window kernel takes x [N, C_in, H, W] (16-bit,
     contiguous) and the weight [C_out, C_in, KH, KW]: x's rows as they lie
     (:func:`_nchw_rows_whole`), KW at most :data:`NCHW_WINDOW_MAX_KW`, and
-    the bounds of :func:`_window_bounds` (any C_in and C_out: the copy
-    engine reads x's channels as an outer dimension, zeros past C_in)."""
+    the bounds of :func:`_window_bounds` (the kernel takes any C_in and
+    C_out: the copy engine reads x's channels as an outer dimension, zeros
+    past C_in; :func:`engine_layout` sends it C_in multiples of 8 only)."""
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     return (x.dtype in HALF_DTYPES and _nchw_rows_whole(x) and kw <= NCHW_WINDOW_MAX_KW
