@@ -60,7 +60,28 @@ is_compiling = _compiler_is_compiling()
 _functorch = getattr(torch._C, "_functorch", None)
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _unwrap_if_dead = getattr(_functorch, "unwrap_if_dead", None)
+_is_functional_tensor = getattr(_functorch, "is_functionaltensor", None)
 _FunctionBase = getattr(torch._C, "_FunctionBase", None)
+
+
+def launches_directly() -> bool:
+    """Whether an op may launch its kernels from Python on the tensors it
+    was given: not while torch.compile traces (fake tensors), nor under a
+    torch.func transform (functorch's wrappers; functionalize's have no
+    memory of their own, data_ptr() 0).  Where not, the op goes through
+    :meth:`FusedOp.run`, which records its custom op or refuses."""
+    return not is_compiling() and not (_transforms_active is not None and _transforms_active())
+
+
+def _functionalized(inputs) -> bool:
+    """Whether any of ``inputs`` is a tensor of torch.func.functionalize,
+    whose memory the kernels cannot see (only its custom op, which
+    functionalization unwraps, can run on it)."""
+    if _transforms_active is None or not _transforms_active():
+        return False
+    if _is_functional_tensor is None:  # this torch cannot tell: assume the worst
+        return True
+    return any(isinstance(t, torch.Tensor) and _is_functional_tensor(t) for t in inputs)
 
 
 def _direct_apply(function: type) -> Optional[Callable]:
@@ -96,12 +117,31 @@ def _tensor_positions(forward: Callable) -> Tuple[int, ...]:
 
 
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    """True when autograd will record a graph for these inputs."""
+    """True when autograd will record a graph for these inputs.  Raises
+    RuntimeError under torch.func.functionalize where it would record one
+    that the op cannot see (:func:`_refuse_hidden_grad`)."""
     if torch.is_grad_enabled():
         for t in tensors:  # a loop, not any(<generator>): no generator per call
             if t is not None and t.requires_grad:
                 return True
+        if _transforms_active is not None and _transforms_active():
+            _refuse_hidden_grad(tensors)
     return False
+
+
+def _refuse_hidden_grad(tensors) -> None:
+    """torch.func.functionalize's tensors say they require no gradient while
+    the tensors they wrap do, and autograd records the op all the same: an
+    op would take its inference route (a fused activation with no backward,
+    no saved statistics) under a node that expects its training one.
+    Refused, before anything runs."""
+    for t in tensors:
+        if (isinstance(t, torch.Tensor) and _is_functional_tensor is not None
+                and _is_functional_tensor(t) and torch._from_functional_tensor(t).requires_grad):
+            raise RuntimeError(
+                "cupy_fused ops record no gradient under torch.func.functionalize (its tensors "
+                "hide requires_grad from them): call it under torch.no_grad(), or use "
+                "torch.compile, which functionalizes the graph itself")
 
 
 def keep_output(ctx, output: torch.Tensor) -> None:
@@ -311,6 +351,12 @@ class FusedOp:
         nothing is tracing (``not requires_grad and not is_compiling()``),
         which is what this method would do one Python call later."""
         if self.op is not None and is_compiling():
+            return self.op(*inputs)
+        if _functionalized(inputs):
+            if self.op is None:
+                raise RuntimeError(f"{self.name} cannot run under torch.func.functionalize with "
+                                   f"torch {torch.__version__}: it needs torch.library.custom_op "
+                                   f"(torch >= 2.4)")
             return self.op(*inputs)
         if not requires_grad:
             return self.forward(*inputs)

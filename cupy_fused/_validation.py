@@ -187,14 +187,25 @@ def check_eps(eps) -> float:
     return eps
 
 
-def check_finite_scalar(name: str, value) -> float:
-    if type(value) is float and -_INF < value < _INF:
+# float32's largest finite value: a scalar that a kernel takes as a float
+# must not round to an infinity there.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_finite_scalar(name: str, value, largest: float = _INF) -> float:
+    """A real number (a Python or NumPy scalar, not a bool), as a float:
+    finite, and with ``largest`` (e.g. :data:`FLOAT32_MAX` for a kernel's
+    float argument) at most that in magnitude."""
+    if type(value) is float and -largest <= value <= largest and -_INF < value < _INF:
         return value
     if isinstance(value, bool) or not isinstance(value, _REAL_TYPES):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     value = _as_float(value)
     if not -_INF < value < _INF:  # False for NaN too
         raise ValueError(f"{name} must be finite, got {value}")
+    if not -largest <= value <= largest:
+        raise ValueError(f"{name} must be at most {largest:g} in magnitude (it is taken as a "
+                         f"float32), got {value:g}")
     return value
 
 
@@ -203,7 +214,7 @@ def check_same(name: str, value, like: torch.Tensor, like_name: str) -> torch.Te
     dense.  One comparison of each on the common path: this runs on every
     call."""
     if (isinstance(value, torch.Tensor) and value.dtype == like.dtype
-            and value.layout is _STRIDED and not value.is_nested
+            and value.layout is _STRIDED and not value.is_nested and value.is_cuda
             and value.get_device() == like.get_device() and value.shape == like.shape):
         return value
     check_like(name, value, like, like_name)
@@ -221,7 +232,8 @@ def check_pair(name: str, value, other_name: str, other) -> None:
             and isinstance(other, torch.Tensor) and other.dtype == value.dtype
             and value.layout is _STRIDED and other.layout is _STRIDED
             and not (value.is_nested or other.is_nested)
-            and other.shape == value.shape and other.get_device() == value.get_device()):
+            and other.shape == value.shape and other.is_cuda
+            and other.get_device() == value.get_device()):
         return
     check_tensor(name, value)
     check_same(other_name, other, value, name)

@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import ops
+from . import _validation, ops
 from ._amp import autocast_dtype
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
@@ -68,17 +68,53 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
     # The common case in one expression: this runs on every forward, and a
     # half-precision step of problem 76 is as long as its host work.
     if (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == weight.dtype
-            and x.dtype in FLOAT_DTYPES and x.dim() == ndim and x.shape[1] == features
-            and x.get_device() == weight.get_device()):
+            and x.dtype in FLOAT_DTYPES and x.layout is torch.strided and not x.is_nested
+            and x.dim() == ndim and x.shape[1] == features
+            and weight.is_cuda and x.get_device() == weight.get_device()):
         return x
     check_tensor("x", x, ndim=(ndim,))
-    if x.dtype != weight.dtype and autocast_dtype() is None:
-        check_like("x", x, weight, "the model's parameters")
+    if weight.device.type not in _validation.DEVICE_TYPES:
+        raise ValueError(f"the model's parameters must be on a CUDA device, got {weight.device}; "
+                         f"move the model there (model.cuda() or model.to(device))")
+    if x.dtype != weight.dtype:
+        if autocast_dtype() is None:
+            check_like("x", x, weight, "the model's parameters")
+        elif weight.dtype not in FLOAT_DTYPES:  # autocast casts only these, as the reference
+            raise TypeError(f"the model's parameters must be float32, float16 or bfloat16 under "
+                            f"autocast, got {weight.dtype}")
     if x.device != weight.device:
         raise ValueError(f"x must be on the model's device ({weight.device}), got {x.device}")
     if x.shape[1] != features:
         raise ValueError(f"x must have {features} {what}, got shape {tuple(x.shape)}")
     return x
+
+
+def _float_dtype(name: str, value: torch.Tensor) -> torch.dtype:
+    """The dtype of the parameter ``value`` where any of float32, float16
+    and bfloat16 is taken (autocast casts them, and the adds after a
+    product promote them alike): TypeError for another, before anything
+    launches."""
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}")
+    return value.dtype
+
+
+def _check_kernel_size(kernel_size) -> None:
+    """nn.Conv2d's kernel_size: an int, or a pair of ints, each at least 1
+    (nn.Conv2d fails on others deep inside, naming no argument, or takes 0)."""
+    sizes = tuple(kernel_size) if isinstance(kernel_size, (tuple, list)) else (kernel_size,)
+    if not 1 <= len(sizes) <= 2:
+        raise ValueError(f"kernel_size must be an int or a pair of ints, got {kernel_size!r}")
+    for size in sizes:
+        check_int("kernel_size", size, 1, expected="an int or a pair of ints")
+
+
+def _check_shape(name: str, shape) -> None:
+    """A parameter's shape given to a constructor (torch.randn's size): an
+    int or a sequence of ints, each at least 0."""
+    dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+    for dim in dims:
+        check_int(name, dim, 0, expected="an int or a tuple of ints")
 
 
 def _check_sizes(least: int, **sizes) -> None:
@@ -155,19 +191,27 @@ class ConvReluBiasAdd(nn.Module):
     Args:
         in_channels, out_channels, kernel_size: ``nn.Conv2d``'s.
         bias_shape: shape of ``bias``, e.g. (out_channels, 1, 1).
-
-    Forward: x [N, C_in, H, W] (NCHW or channels-last) → [N, C_out,
-    H - k + 1, W - k + 1], in x's memory format and dtype (float32 under
-    autocast, as the reference's).
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, bias_shape):
         super().__init__()
         _check_sizes(1, in_channels=in_channels, out_channels=out_channels)
+        _check_kernel_size(kernel_size)
+        _check_shape("bias_shape", bias_shape)
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
         self.bias = nn.Parameter(torch.randn(bias_shape))
 
     def forward(self, x):
+        """Args:
+            x: [N, in_channels, H, W] (NCHW or channels-last), in the
+                parameters' dtype (under autocast any of float32, float16
+                and bfloat16), on their CUDA device.
+
+        Returns:
+            y [N, out_channels, OH, OW] (the convolution's output size: H -
+            KH + 1, W - KW + 1 for nn.Conv2d's defaults), in x's memory
+            format and dtype; float32 under autocast, as the reference's.
+        """
         conv = _plain(self.conv, nn.Conv2d, self, "conv")
         weight = conv.weight
         _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)")
@@ -176,7 +220,12 @@ class ConvReluBiasAdd(nn.Module):
                 and conv.groups == 1 and conv.bias is not None):  # (no padding: its mode is moot)
             return ops.conv_bias_relu(x, weight, conv.bias, bias)
         # Another convolution (stride, padding and its mode, ...: Conv2d's
-        # own forward without its bias), then relu(z + conv bias) + bias.
+        # own forward without its bias), then relu(z + conv bias) + bias,
+        # whose vectors are checked first (bias_relu would check them after
+        # the convolution has run).
+        for name, vector in (("conv.bias", conv.bias), ("bias", bias)):
+            if vector is not None:
+                check_like(name, vector, x, "x", _float_dtype(name, vector))
         z = conv._conv_forward(x, weight, None)
         # Under autocast z is in the autocast dtype and the biases float32:
         # bias_relu promotes, as the reference's add does.
@@ -201,9 +250,6 @@ class MatmulSwishSumGroupNorm(nn.Module):
         precision: the float32 GEMM's (see the module docstring).
         eager_rounding: round as eager PyTorch does in half precision (see
             the module docstring).
-
-    Forward: x [M, in_features] → [M, out_features], in x's dtype (float32
-    under autocast).
     """
 
     def __init__(self, in_features, out_features, num_groups, bias_shape, *, precision=None,
@@ -214,10 +260,19 @@ class MatmulSwishSumGroupNorm(nn.Module):
         self.precision = _gemm_precision(precision)
         self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.matmul = nn.Linear(in_features, out_features)
+        _check_shape("bias_shape", bias_shape)
         self.bias = nn.Parameter(torch.randn(bias_shape))
         self.group_norm = nn.GroupNorm(num_groups, out_features)
 
     def forward(self, x):
+        """Args:
+            x: [M, in_features], in the parameters' dtype (under autocast
+                any of float32, float16 and bfloat16), on their CUDA device.
+
+        Returns:
+            y [M, out_features], in x's dtype; float32 under autocast, as the
+            reference's.
+        """
         # (each submodule attribute is a Module.__getattr__ call: read once)
         linear = _plain(self.matmul, nn.Linear, self, "matmul")
         gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")
@@ -246,9 +301,6 @@ class GemmAddRelu(nn.Module):
             its own).
         bias_shape: shape of ``bias``, e.g. (out_features,).
         precision: the float32 GEMM's (see the module docstring).
-
-    Forward: x [M, in_features] → [M, out_features], in x's dtype (float32
-    under autocast).
     """
 
     def __init__(self, in_features, out_features, bias_shape, *, precision=None):
@@ -256,9 +308,18 @@ class GemmAddRelu(nn.Module):
         _check_sizes(0, in_features=in_features, out_features=out_features)
         self.precision = _gemm_precision(precision)
         self.gemm = nn.Linear(in_features, out_features, bias=False)
+        _check_shape("bias_shape", bias_shape)
         self.bias = nn.Parameter(torch.randn(bias_shape))
 
     def forward(self, x):
+        """Args:
+            x: [M, in_features], in the parameters' dtype (under autocast
+                any of float32, float16 and bfloat16), on their CUDA device.
+
+        Returns:
+            y [M, out_features], in x's dtype; float32 under autocast, as the
+            reference's.
+        """
         linear = _plain(self.gemm, nn.Linear, self, "gemm")
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
@@ -277,8 +338,14 @@ class GemmAddRelu(nn.Module):
             # first would be rounded to x's dtype and move ReLU's mask where
             # the sum is near 0); a one-value bias, whose gradient
             # bias_relu sums whole.
-            gemm_bias = linear.bias if linear.bias is None or amp is not None else check_vector(
-                "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False)
+            if amp is None:
+                gemm_bias = linear.bias if linear.bias is None else check_vector(
+                    "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False)
+            else:  # checked here: the product would cast them, and bias_relu runs after it
+                gemm_bias = linear.bias if linear.bias is None else check_vector(
+                    "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False,
+                    dtype=_float_dtype("gemm.bias", linear.bias))
+                check_like("bias", bias, x, "x", _float_dtype("bias", bias))
             return ops.bias_relu(_linear_prechecked(x, weight, gemm_bias, None, self.precision), bias)
         bias = check_vector("bias", bias, weight.shape[0], x, "x", optional=False)
         return _linear_prechecked(x, weight, bias, "relu", self.precision)
@@ -299,9 +366,6 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
         multiply_weight_shape: shape of ``multiply_weight``, e.g.
             (out_features,).
         precision, eager_rounding: as for :class:`MatmulSwishSumGroupNorm`.
-
-    Forward: x [M, in_features] → [M, out_features], in x's dtype (float32
-    under autocast).
     """
 
     def __init__(self, in_features, out_features, num_groups, multiply_weight_shape, *,
@@ -313,9 +377,18 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
         self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.gemm = nn.Linear(in_features, out_features)
         self.group_norm = nn.GroupNorm(num_groups, out_features)
+        _check_shape("multiply_weight_shape", multiply_weight_shape)
         self.multiply_weight = nn.Parameter(torch.randn(multiply_weight_shape))
 
     def forward(self, x):
+        """Args:
+            x: [M, in_features], in the parameters' dtype (under autocast
+                any of float32, float16 and bfloat16), on their CUDA device.
+
+        Returns:
+            y [M, out_features], in x's dtype; float32 under autocast, as the
+            reference's.
+        """
         linear = _plain(self.gemm, nn.Linear, self, "gemm")
         gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")
         weight = linear.weight
@@ -344,9 +417,6 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
         bias_shape: shape of ``bias``, e.g. (out_features,).
         num_groups: the GroupNorm's groups; divides out_features.
         precision, eager_rounding: as for :class:`MatmulSwishSumGroupNorm`.
-
-    Forward: x [M, in_features] → [M, out_features], in x's dtype (float32
-    under autocast).
     """
 
     def __init__(self, in_features, out_features, bias_shape, num_groups, *, precision=None,
@@ -357,12 +427,21 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
         self.precision = _gemm_precision(precision)
         self.eager_rounding = check_flag("eager_rounding", eager_rounding)
         self.gemm = nn.Linear(in_features, out_features)
+        _check_shape("bias_shape", bias_shape)
         self.bias = nn.Parameter(torch.randn(bias_shape))
         self.hardtanh = nn.Hardtanh()
         self.mish = nn.Mish()
         self.groupnorm = nn.GroupNorm(num_groups=num_groups, num_channels=out_features)
 
     def forward(self, x):
+        """Args:
+            x: [M, in_features], in the parameters' dtype (under autocast
+                any of float32, float16 and bfloat16), on their CUDA device.
+
+        Returns:
+            y [M, out_features], in x's dtype; float32 under autocast, as the
+            reference's.
+        """
         linear = _plain(self.gemm, nn.Linear, self, "gemm")
         gn = _plain(self.groupnorm, nn.GroupNorm, self, "groupnorm")
         hardtanh = _plain(self.hardtanh, nn.Hardtanh, self, "hardtanh")

@@ -163,6 +163,34 @@ def test_run_gives_the_same_results_with_or_without_the_direct_apply(path, monke
         torch.func.grad(lambda t: _SCALE.run(True, t, 3.0).sum())(x.detach())
 
 
+def test_functionalize_hands_the_forward_real_tensors():
+    """Under torch.func.functionalize a tensor has no memory of its own
+    (data_ptr() 0, a null pointer to a kernel): run() records the custom op,
+    whose functionalization hands the forward the real tensors, with or
+    without a gradient to record."""
+    seen = []
+
+    def forward(x: torch.Tensor, scale: float) -> torch.Tensor:
+        seen.append((torch._C._functorch.is_functionaltensor(x), x.data_ptr()))
+        return x * scale
+
+    op = FusedOp("test_autograd_functionalize", forward, _scale_fake, _scale_setup_context,
+                 _scale_formula)
+    x = torch.rand(3, 4, dtype=torch.float64)
+    y = torch.func.functionalize(lambda t: op.run(False, t, 2.0))(x)
+    assert torch.equal(y, 2.0 * x)
+    xg = x.clone().requires_grad_(True)
+    y = torch.func.functionalize(lambda t: op.run(True, t, 2.0))(xg)
+    assert torch.equal(y.detach(), 2.0 * x)
+    y.sum().backward()
+    assert torch.equal(xg.grad, torch.full_like(x, 2.0))
+    assert len(seen) == 2 and all(not functional and ptr != 0 for functional, ptr in seen)
+    # Outside the transform the forward still gets the caller's tensors.
+    seen.clear()
+    op.run(False, x, 2.0)
+    assert seen == [(False, x.data_ptr())]
+
+
 # ---------------------------------------------------------------- double backward
 # Torch ops stand in for the kernels; the backward's results are detached, as
 # a kernel's are (they record no graph).

@@ -312,8 +312,11 @@ def test_linear_under_autocast_keeps_half_operands_and_their_dtypes(past_device_
     y.backward(torch.ones_like(y))
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
     torch.testing.assert_close(w.grad, (torch.ones(6, 8).bfloat16().t() @ x.detach()).float())
-    with pytest.raises(TypeError, match="bias must have dtype torch.bfloat16, got torch.int64"):
-        ops.linear(x, w, torch.ones(8, dtype=torch.int64))
+    # Autocast's F.linear takes a bias of any of the three, and no other.
+    for dtype in (torch.int64, torch.float64):
+        with pytest.raises(TypeError, match=f"bias must have dtype float32, float16 or bfloat16, "
+                                            f"got {dtype}"):
+            ops.linear(x, w, torch.ones(8, dtype=dtype))
 
 
 def test_autocast_linear_retained_graph_recasts_the_weight(past_device_check, monkeypatch):

@@ -140,6 +140,20 @@ def test_non_finite_alpha_is_rejected():
     assert check_finite_scalar("alpha", 2) == 2.0 and type(check_finite_scalar("alpha", 2)) is float
 
 
+def test_scale_add_alpha_must_be_a_float32(past_device_check):
+    """The kernel takes alpha as a float32: past float32's range it would be
+    an infinity there (x * inf, and 0 * inf = NaN), so it is refused."""
+    from cupy_fused._validation import FLOAT32_MAX, check_finite_scalar
+
+    x = torch.rand(4)
+    for alpha in (1e39, -1e39, 3.5e38, 10**39):
+        with pytest.raises(ValueError, match="alpha must be at most 3.40282e\\+38 in magnitude"):
+            ops.scale_add(x, x, alpha)
+    assert check_finite_scalar("alpha", FLOAT32_MAX, FLOAT32_MAX) == FLOAT32_MAX
+    assert check_finite_scalar("alpha", -FLOAT32_MAX, FLOAT32_MAX) == -FLOAT32_MAX
+    assert check_finite_scalar("alpha", 1e39) == 1e39  # no bound asked
+
+
 def test_scalar_checks_take_symbolic_values():
     """Where Python runs on symbolic values (torch.export's non-strict
     tracing), a SymInt num_groups and a SymFloat eps pass, the SymFloat kept
@@ -295,6 +309,19 @@ def test_models_check_their_sizes_at_construction():
         (lambda: M.MatmulSwishSumGroupNorm(8, -16, 4, (16,)), ValueError, "out_features must be at least 0"),
         (lambda: M.ConvReluBiasAdd(3, True, 3, (1, 1, 1)), TypeError, "out_channels must be an int, got"),
         (lambda: M.ConvReluBiasAdd(0, 4, 3, (4, 1, 1)), ValueError, "in_channels must be at least 1, got 0"),
+        (lambda: M.ConvReluBiasAdd(3, 4, 0, (4, 1, 1)), ValueError, "kernel_size must be at least 1, got 0"),
+        (lambda: M.ConvReluBiasAdd(3, 4, (3, -1), (4, 1, 1)), ValueError, "kernel_size must be at least 1"),
+        (lambda: M.ConvReluBiasAdd(3, 4, "3", (4, 1, 1)), TypeError,
+         "kernel_size must be an int or a pair of ints, got str"),
+        (lambda: M.ConvReluBiasAdd(3, 4, (3, 3, 3), (4, 1, 1)), ValueError,
+         r"kernel_size must be an int or a pair of ints, got \(3, 3, 3\)"),
+        (lambda: M.ConvReluBiasAdd(3, 4, 3, (4, -1, 1)), ValueError, "bias_shape must be at least 0, got -1"),
+        (lambda: M.GemmAddRelu(8, 16, (16.0,)), TypeError, "bias_shape must be an int or a tuple of ints"),
+        (lambda: M.MatmulSwishSumGroupNorm(8, 16, 4, None), TypeError, "bias_shape must be an int or"),
+        (lambda: M.GemmGroupNormSwishMultiplySwish(8, 16, 4, (-16,)), ValueError,
+         "multiply_weight_shape must be at least 0, got -16"),
+        (lambda: M.GemmBiasAddHardtanhMishGroupNorm(8, 16, [16, "1"], 4), TypeError,
+         "bias_shape must be an int or a tuple of ints, got str"),
     ]
     for make, exc, message in cases:
         with pytest.raises(exc, match=message):
@@ -304,6 +331,61 @@ def test_models_check_their_sizes_at_construction():
         warnings.simplefilter("ignore")  # (torch's init of an empty weight: "a no-op")
         assert M.GemmAddRelu(0, 16, (16,)).gemm.weight.shape == (16, 0)
         assert M.MatmulSwishSumGroupNorm(8, 0, 4, (0,)).matmul.weight.shape == (0, 8)
+
+
+def test_models_check_inputs_and_parameters_before_anything_runs(past_device_check):
+    """The models' common-path check takes only dense tensors; a model left
+    on the CPU is named as the thing to move; under autocast (which casts
+    float32, float16 and bfloat16 alike) 76's weight and biases of another
+    dtype are refused before its product runs."""
+    from cupy_fused import _validation as V
+
+    class OnGpu(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    model = cupy_fused.GemmAddRelu(8, C, (C,))
+    sparse = torch.Tensor._make_subclass(OnGpu, torch.rand(2, 8).to_sparse())
+    with pytest.raises(TypeError, match=r"x must be a dense \(strided\) tensor"):
+        model(sparse)
+    with pytest.raises(ValueError, match=r"the model's parameters must be on a CUDA device, got cpu; "
+                                         r"move the model there"):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(V, "DEVICE_TYPES", ("cuda",))
+            model(torch.Tensor._make_subclass(OnGpu, torch.rand(2, 8, dtype=torch.float16)))
+
+    M = importlib.import_module("cupy_fused.models")
+    launched = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(M, "autocast_dtype", lambda: torch.bfloat16)
+        m.setattr(M, "_linear_prechecked", lambda *a: launched.append(a))
+        x = torch.rand(2, 8)
+        for name, dtype, message in [
+                ("gemm.weight", torch.float64, "the model's parameters must be float32, float16 or "
+                                               "bfloat16 under autocast, got torch.float64"),
+                ("gemm.bias", torch.float64, "gemm.bias must have dtype float32, float16 or bfloat16"),
+                ("bias", torch.float64, "bias must have dtype float32, float16 or bfloat16")]:
+            model = cupy_fused.GemmAddRelu(8, C, (C,))
+            if name == "gemm.bias":
+                model.gemm.bias = torch.nn.Parameter(torch.rand(C))
+            module, attr = (model.gemm, name[5:]) if name.startswith("gemm.") else (model, name)
+            setattr(module, attr, torch.nn.Parameter(getattr(module, attr).detach().to(dtype)))
+            with pytest.raises(TypeError, match=message):
+                model(x)
+        model = cupy_fused.GemmAddRelu(8, C, (C,))
+        model.gemm.bias = torch.nn.Parameter(torch.rand(C + 1))
+        with pytest.raises(ValueError, match="gemm.bias must hold one value per channel"):
+            model(x)
+    assert launched == []
+    # Problem 1's other convolutions (here a stride of 2): Conv2d's own
+    # forward, then bias_relu, whose vectors are checked before the former.
+    conv = cupy_fused.ConvReluBiasAdd(3, 4, 3, (4, 1, 1))
+    conv.conv.stride = (2, 2)
+    conv.bias = torch.nn.Parameter(conv.bias.detach().double())
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(conv.conv, "_conv_forward", lambda *a: launched.append(a))
+        with pytest.raises(TypeError, match="bias must have dtype float32, float16 or bfloat16"):
+            conv(torch.rand(2, 3, 8, 8))
+    assert launched == []
 
 
 def test_unknown_chain_is_rejected():
@@ -320,3 +402,65 @@ def test_dense_layout_policy():
     assert dense_layout(cl) is cl
     c = torch.rand(2, 3)
     assert dense_layout(c) is c
+
+
+@pytest.mark.parametrize("op", ["scale_add", "bias_relu", "gn_chain"])
+def test_ops_under_functionalize_launch_on_real_memory(op, past_device_check, monkeypatch):
+    """torch.func.functionalize's tensors have no memory of their own
+    (data_ptr() 0): an op that launched its kernel straight from Python on
+    them would hand it null pointers.  The ops go through their custom ops
+    there, which hand the forward the real tensors: the launch's tensor
+    pointers are the inputs' own (the launch is stubbed)."""
+    from cupy_fused import _bridge, _runtime
+    from cupy_fused.ops import _common
+
+    class Launched(Exception):
+        pass
+
+    def launch(fn, grid, block, args, dev, shared_mem=0):
+        raise Launched(args)
+
+    monkeypatch.setattr(_bridge, "launch", launch)
+    monkeypatch.setattr(_runtime.KernelFamily, "get", lambda self, key, dev: key)
+    monkeypatch.setattr(_common, "sm_count", lambda dev: 132)
+    a, b = torch.rand(4, 16), torch.rand(16)
+    call = {"scale_add": lambda t: ops.scale_add(t, t, 2.0),
+            "bias_relu": lambda t: ops.bias_relu(t, b),
+            "gn_chain": lambda t: ops.gn_chain(t, "swish_bias_gn", 4)}[op]
+    for fn in (call, torch.func.functionalize(call)):
+        with pytest.raises(Launched) as caught:
+            fn(a)
+        assert caught.value.args[0][0] != 0, "a null pointer reached the launch"
+    # An input that requires grad: functionalize's wrapper says it does
+    # not, and autograd records the op all the same.  scale_add's forward
+    # is the same either way (its backward is torch's); the others would
+    # take their inference route under a training node: refused first.
+    leaf = a.clone().requires_grad_(True)
+    if op == "scale_add":
+        with pytest.raises(Launched):
+            torch.func.functionalize(call)(leaf)
+    else:
+        with pytest.raises(RuntimeError, match="record no gradient under torch.func.functionalize"):
+            torch.func.functionalize(call)(leaf)
+        with torch.no_grad():
+            with pytest.raises(Launched):
+                torch.func.functionalize(call)(leaf)
+
+
+def test_a_second_tensor_is_compared_by_device_not_by_index(past_device_check):
+    """The common-path checks compare a second tensor's device index with
+    the first's: a tensor of another device type with the same index (here
+    a meta tensor beside one that says it is on the GPU, both index -1)
+    must not pass for one on the same GPU."""
+    class OnGpu(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    x = torch.Tensor._make_subclass(OnGpu, torch.rand(4, C))
+    meta = torch.empty(4, C, device="meta")
+    assert x.get_device() == meta.get_device()
+    with pytest.raises(ValueError, match="y must be on"):
+        ops.scale_add(x, meta)
+    from cupy_fused._validation import check_same
+
+    with pytest.raises(ValueError, match="y must be on"):
+        check_same("y", meta, x, "x")

@@ -25,7 +25,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, cast, promoted
-from .._autograd import FusedOp, is_compiling, needs_grad
+from .._autograd import FusedOp, launches_directly, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, fast_divisor,
                       _ptr_or_null, _one_value_rows, _reduce_partials, _spread, _vector_grads,
@@ -364,6 +364,6 @@ def _bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor
                          one=True)
     z = dense_layout(z)
     grad = needs_grad(z, bias, bias2)
-    if grad or is_compiling():
+    if grad or not launches_directly():
         return _BIAS_RELU.run(grad, z, bias, bias2, grad, dz_channels_last)[0]
     return _forward(z, bias, bias2, False, False)[0]  # nothing to record: straight to the launch

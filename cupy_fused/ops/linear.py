@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from .._amp import autocast_dtype
-from .._autograd import (FusedOp, check_unchanged, is_compiling, keep_output, needs_grad,
-                         take_output, version_of)
-from .._validation import check_like, check_tensor, check_vector
+from .._autograd import (FusedOp, check_unchanged, is_compiling, keep_output, launches_directly,
+                         needs_grad, take_output, version_of)
+from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
 from .bias_relu import bias_relu
@@ -295,7 +295,7 @@ def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[
     if not bias_grad:
         bias = None
     grad = needs_grad(x2, weight, bias)
-    if not grad and not is_compiling() and _routes_float32_weight(x_d, weight):
+    if not grad and launches_directly() and _routes_float32_weight(x_d, weight):
         return _run_float32_weight(x_d, weight, bias_d)  # (the route checked the operands)
     w_d = weight.detach().to(dtype)
     return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x_d, w_d, bias_d)
@@ -349,9 +349,11 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     if x.shape[-1] != k:
         raise ValueError(f"x must have {k} features (weight is [{n}, {k}]) in its last "
                          f"dimension, got shape {tuple(x.shape)}")
-    if amp is not None:  # any float dtype (cast to amp by the op)
-        bias = check_vector("bias", bias, n, x, "x", dtype=(
-            bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else amp))
+    if amp is not None:  # any of the three (cast to amp by the op), as autocast's F.linear takes
+        if isinstance(bias, torch.Tensor) and bias.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"bias must have dtype float32, float16 or bfloat16, got {bias.dtype}")
+        bias = check_vector("bias", bias, n, x, "x",
+                            dtype=bias.dtype if isinstance(bias, torch.Tensor) else amp)
     else:
         bias = check_vector("bias", bias, n, x, "x")
     act = _activation_code(activation)

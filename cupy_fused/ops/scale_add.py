@@ -8,8 +8,8 @@ from typing import Tuple
 import torch
 
 from .. import _bridge, _runtime
-from .._autograd import FusedOp, is_compiling
-from .._validation import FLOAT_DTYPES, check_finite_scalar, check_pair, cxx_type
+from .._autograd import FusedOp, launches_directly
+from .._validation import FLOAT32_MAX, FLOAT_DTYPES, check_finite_scalar, check_pair, cxx_type
 from ._common import BLOCK, call_with_cupy_arrays, elementwise_grid
 
 KERNELS = _runtime.KernelFamily("scale_add.cu", {d: f"cf::scale_add<{cxx_type(d)}>" for d in FLOAT_DTYPES})
@@ -49,22 +49,24 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
         x: any shape, float32, float16 or bfloat16 on a CUDA device; or a
             CuPy array (y one too: the result is then a CuPy array).
         y: x's shape, dtype and device.
-        alpha: a finite real number.
+        alpha: a finite real number, at most float32's largest value
+            (about 3.4e38) in magnitude: the kernel takes it as a float32.
 
     Returns:
         A new contiguous tensor of x's shape and dtype.
 
     Raises:
         TypeError, ValueError: an argument of another type, dtype, device or
-            shape, or a non-finite alpha, before anything runs.
+            shape, or an alpha that is not finite or past float32's
+            range, before anything runs.
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(scale_add, "x", x, y, alpha)
     check_pair("x", x, "y", y)
-    alpha = check_finite_scalar("alpha", alpha)
+    alpha = check_finite_scalar("alpha", alpha, FLOAT32_MAX)
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
     grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
-    if grad or is_compiling():
+    if grad or not launches_directly():
         return _SCALE_ADD.run(grad, x, y, alpha)[0]
     return _forward(x, y, alpha)[0]  # nothing to record: straight to the launch
