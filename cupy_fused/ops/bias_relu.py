@@ -337,6 +337,11 @@ def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor]
         ``relu(z + bias) + bias2`` (z's dtype when all three share it;
         float32 for a float16 / bfloat16 z with float32 biases, as under
         autocast).  The biases' gradients come back in their own dtypes.
+
+    Raises:
+        TypeError, ValueError: an argument of another type, dtype (the
+            biases: float32, float16 or bfloat16), device or shape, before
+            anything runs.
     """
     if not isinstance(z, torch.Tensor):
         return call_with_cupy_arrays(bias_relu, "z", z, bias, bias2)

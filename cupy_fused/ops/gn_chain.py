@@ -677,7 +677,8 @@ def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: 
                           eager_rounding: bool = False):
     """Problem 37's epilogue: ``group_norm(swish(z + linear_bias) + bias)``,
     :func:`gn_chain` with ``chain="swish_bias_gn"``; the vectors in z's
-    dtype, on its device.
+    dtype, on its device: the linear bias C values, the others C values or
+    one for every channel.
 
     Args:
         z: [M, C], float32, float16 or bfloat16 on a CUDA device.
@@ -689,6 +690,9 @@ def swish_bias_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_groups: 
 
     Returns:
         [M, C] in z's dtype (float32 under autocast).
+
+    Raises:
+        TypeError, ValueError: as :func:`gn_chain`, before anything runs.
     """
     return _gn_chain_entry(z, "swish_bias_gn", num_groups, linear_bias, bias, gn_weight, gn_bias, None,
                            eps, linear_bias_in_z, eager_rounding, _WRAPPER_NAMES)
@@ -699,7 +703,8 @@ def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply
                                     linear_bias_in_z: bool = False, eager_rounding: bool = False):
     """Problem 88's epilogue: ``g = group_norm(z + linear_bias);
     m = swish(g) * multiply_weight; swish(m)``, :func:`gn_chain` with
-    ``chain="gn_swish_mul_swish"``; the vectors in z's dtype, on its device.
+    ``chain="gn_swish_mul_swish"``; the vectors in z's dtype, on its device:
+    the linear bias C values, the others C values or one for every channel.
 
     Args:
         z: [M, C], float32, float16 or bfloat16 on a CUDA device.
@@ -711,6 +716,9 @@ def group_norm_swish_multiply_swish(z, linear_bias, gn_weight, gn_bias, multiply
 
     Returns:
         [M, C] in z's dtype (float32 under autocast).
+
+    Raises:
+        TypeError, ValueError: as :func:`gn_chain`, before anything runs.
     """
     return _gn_chain_entry(z, "gn_swish_mul_swish", num_groups, linear_bias, None, gn_weight, gn_bias,
                            multiply_weight, eps, linear_bias_in_z, eager_rounding, _WRAPPER_NAMES)
@@ -722,7 +730,8 @@ def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_
     """Problem 94's epilogue:
     ``group_norm(mish(hardtanh(z + linear_bias + bias)))``, :func:`gn_chain`
     with ``chain="bias_hardtanh_mish_gn"``; the vectors in z's dtype, on
-    its device.
+    its device: the linear bias C values, the others C values or one for
+    every channel.
 
     Args:
         z: [M, C], float32, float16 or bfloat16 on a CUDA device.
@@ -734,6 +743,9 @@ def bias_hardtanh_mish_group_norm(z, linear_bias, bias, gn_weight, gn_bias, num_
 
     Returns:
         [M, C] in z's dtype (float32 under autocast).
+
+    Raises:
+        TypeError, ValueError: as :func:`gn_chain`, before anything runs.
     """
     return _gn_chain_entry(z, "bias_hardtanh_mish_gn", num_groups, linear_bias, bias, gn_weight,
                            gn_bias, None, eps, linear_bias_in_z, eager_rounding, _WRAPPER_NAMES)

@@ -312,7 +312,8 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
             device.  A CuPy array instead (then weight and bias are CuPy
             arrays too) gives a CuPy result.
         weight: [N, K], x's dtype and device.
-        bias: (N,), x's dtype and device, or None.
+        bias: N values (shape (N,), or one with N elements along one
+            dimension, such as (N, 1)), x's dtype and device, or None.
         activation: None or ``"relu"``.
         precision: of float32 products: ``"3xtf32"``, ``"tf32"``, ``"ieee"``,
             or None for the process default
@@ -323,7 +324,8 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
         [..., N] in x's dtype.
 
     Under ``torch.autocast("cuda", dtype=d)``, as ``F.linear`` there: x,
-    weight and bias may have any float dtypes; they are cast to d, the
+    weight and bias may each be float32, float16 or bfloat16; they are cast
+    to d, the
     product runs in d (cuBLAS, or without autograd on Hopper our engine
     reading a float32 weight itself: :func:`.gemm._routes_float32_weight`;
     the ReLU after it) and the result is in d;
