@@ -74,11 +74,9 @@ def launches_directly() -> bool:
 
 
 def _functionalized(inputs) -> bool:
-    """Whether any of ``inputs`` is a tensor of torch.func.functionalize,
-    whose memory the kernels cannot see (only its custom op, which
-    functionalization unwraps, can run on it)."""
-    if _transforms_active is None or not _transforms_active():
-        return False
+    """Whether any of ``inputs`` (under an active torch.func transform) is a
+    tensor of torch.func.functionalize, whose memory the kernels cannot see
+    (only its custom op, which functionalization unwraps, can run on it)."""
     if _is_functional_tensor is None:  # this torch cannot tell: assume the worst
         return True
     return any(isinstance(t, torch.Tensor) and _is_functional_tensor(t) for t in inputs)
@@ -352,7 +350,9 @@ class FusedOp:
         which is what this method would do one Python call later."""
         if self.op is not None and is_compiling():
             return self.op(*inputs)
-        if _functionalized(inputs):
+        # (one query of the transforms per call: this runs on every op call)
+        transforms = _transforms_active is not None and _transforms_active()
+        if transforms and _functionalized(inputs):
             if self.op is None:
                 raise RuntimeError(f"{self.name} cannot run under torch.func.functionalize with "
                                    f"torch {torch.__version__}: it needs torch.library.custom_op "
@@ -360,7 +360,7 @@ class FusedOp:
             return self.op(*inputs)
         if not requires_grad:
             return self.forward(*inputs)
-        if self._c_apply is None or _transforms_active():
+        if self._c_apply is None or transforms:
             return self._function.apply(*inputs)
         args = list(inputs)
         for i in self._tensor_args:

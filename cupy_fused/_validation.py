@@ -50,10 +50,7 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     _check_dense(name, value)
-    if value.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}"
-        )
+    check_float_dtype(name, value)
     if not value.is_cuda and value.device.type not in DEVICE_TYPES:
         raise ValueError(
             f"{name} must be on a CUDA device, got device {value.device}; cupy-fused kernels "
@@ -63,6 +60,15 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
         want = " or ".join(str(n) for n in ndim)
         raise ValueError(f"{name} must be {want}-D, got shape {tuple(value.shape)}")
     return value
+
+
+def check_float_dtype(name: str, value: torch.Tensor) -> torch.dtype:
+    """``value``'s dtype, one of float32, float16 and bfloat16 (where any of
+    the three is taken: e.g. a parameter that autocast casts); TypeError for
+    another."""
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}")
+    return value.dtype
 
 
 def check_like(name: str, value, like: torch.Tensor, like_name: str,

@@ -55,8 +55,8 @@ import torch.nn as nn
 
 from . import _validation, ops
 from ._amp import autocast_dtype
-from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
-                          check_vector)
+from ._validation import (FLOAT_DTYPES, check_float_dtype, check_groups, check_int, check_like,
+                          check_tensor, check_vector)
 from .ops.linear import _linear_prechecked
 from .settings import check_flag, check_precision
 
@@ -87,16 +87,6 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
     if x.shape[1] != features:
         raise ValueError(f"x must have {features} {what}, got shape {tuple(x.shape)}")
     return x
-
-
-def _float_dtype(name: str, value: torch.Tensor) -> torch.dtype:
-    """The dtype of the parameter ``value`` where any of float32, float16
-    and bfloat16 is taken (autocast casts them, and the adds after a
-    product promote them alike): TypeError for another, before anything
-    launches."""
-    if value.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}")
-    return value.dtype
 
 
 def _check_kernel_size(kernel_size) -> None:
@@ -225,7 +215,7 @@ class ConvReluBiasAdd(nn.Module):
         # the convolution has run).
         for name, vector in (("conv.bias", conv.bias), ("bias", bias)):
             if vector is not None:
-                check_like(name, vector, x, "x", _float_dtype(name, vector))
+                check_like(name, vector, x, "x", check_float_dtype(name, vector))
         z = conv._conv_forward(x, weight, None)
         # Under autocast z is in the autocast dtype and the biases float32:
         # bias_relu promotes, as the reference's add does.
@@ -338,14 +328,13 @@ class GemmAddRelu(nn.Module):
             # first would be rounded to x's dtype and move ReLU's mask where
             # the sum is near 0); a one-value bias, whose gradient
             # bias_relu sums whole.
-            if amp is None:
-                gemm_bias = linear.bias if linear.bias is None else check_vector(
-                    "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False)
-            else:  # checked here: the product would cast them, and bias_relu runs after it
-                gemm_bias = linear.bias if linear.bias is None else check_vector(
-                    "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False,
-                    dtype=_float_dtype("gemm.bias", linear.bias))
-                check_like("bias", bias, x, "x", _float_dtype("bias", bias))
+            # Under autocast (whose product casts any of the three float
+            # dtypes) both biases are checked here: bias_relu runs after it.
+            gemm_bias = linear.bias if linear.bias is None else check_vector(
+                "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False,
+                dtype=None if amp is None else check_float_dtype("gemm.bias", linear.bias))
+            if amp is not None:
+                check_like("bias", bias, x, "x", check_float_dtype("bias", bias))
             return ops.bias_relu(_linear_prechecked(x, weight, gemm_bias, None, self.precision), bias)
         bias = check_vector("bias", bias, weight.shape[0], x, "x", optional=False)
         return _linear_prechecked(x, weight, bias, "relu", self.precision)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .._amp import autocast_dtype
 from .._autograd import (FusedOp, check_unchanged, is_compiling, keep_output, launches_directly,
                          needs_grad, take_output, version_of)
-from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
+from .._validation import check_float_dtype, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
 from .bias_relu import bias_relu
@@ -352,10 +352,8 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
         raise ValueError(f"x must have {k} features (weight is [{n}, {k}]) in its last "
                          f"dimension, got shape {tuple(x.shape)}")
     if amp is not None:  # any of the three (cast to amp by the op), as autocast's F.linear takes
-        if isinstance(bias, torch.Tensor) and bias.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"bias must have dtype float32, float16 or bfloat16, got {bias.dtype}")
-        bias = check_vector("bias", bias, n, x, "x",
-                            dtype=bias.dtype if isinstance(bias, torch.Tensor) else amp)
+        bias = check_vector("bias", bias, n, x, "x", dtype=(
+            check_float_dtype("bias", bias) if isinstance(bias, torch.Tensor) else amp))
     else:
         bias = check_vector("bias", bias, n, x, "x")
     act = _activation_code(activation)
