@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -50,7 +50,8 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     _check_dense(name, value)
-    check_float_dtype(name, value)
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}")
     if not value.is_cuda and value.device.type not in DEVICE_TYPES:
         raise ValueError(
             f"{name} must be on a CUDA device, got device {value.device}; cupy-fused kernels "
@@ -62,23 +63,21 @@ def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> t
     return value
 
 
-def check_float_dtype(name: str, value: torch.Tensor) -> torch.dtype:
-    """``value``'s dtype, one of float32, float16 and bfloat16 (where any of
-    the three is taken: e.g. a parameter that autocast casts); TypeError for
-    another."""
-    if value.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {value.dtype}")
-    return value.dtype
-
-
 def check_like(name: str, value, like: torch.Tensor, like_name: str,
-               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Same dtype (``dtype`` when given) and device as ``like`` (itself
-    already checked), dense."""
+               dtype: Union[None, torch.dtype, Tuple[torch.dtype, ...]] = None) -> torch.Tensor:
+    """Same dtype and device as ``like`` (itself already checked), dense.
+    ``dtype``: that dtype instead of like's, or a tuple of dtypes, any of
+    them (:data:`FLOAT_DTYPES` where each is taken: e.g. a tensor that
+    autocast casts)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     _check_dense(name, value)
-    if dtype is not None:
+    if isinstance(dtype, tuple):
+        if value.dtype not in dtype:
+            names = [str(d).replace("torch.", "") for d in dtype]
+            raise TypeError(f"{name} must have dtype {', '.join(names[:-1])} or {names[-1]}, "
+                            f"got {value.dtype}")
+    elif dtype is not None:
         if value.dtype != dtype:
             raise TypeError(f"{name} must have dtype {dtype}, got {value.dtype}")
     elif value.dtype != like.dtype:
@@ -90,11 +89,12 @@ def check_like(name: str, value, like: torch.Tensor, like_name: str,
 
 def check_vector(name: str, value, length: int, like: torch.Tensor, like_name: str,
                  optional: bool = True,
-                 dtype: Optional[torch.dtype] = None,
+                 dtype: Union[None, torch.dtype, Tuple[torch.dtype, ...]] = None,
                  one: bool = False) -> Optional[torch.Tensor]:
     """A per-channel vector of ``length`` elements (any shape with that many
     elements, e.g. ``(C,)`` or ``(C, 1, 1)``) with ``like``'s dtype (or
-    ``dtype``) and device; returned flat and contiguous.  ``one``: a single
+    ``dtype``, as :func:`check_like` takes it) and device; returned flat and
+    contiguous.  ``one``: a single
     value for every channel is taken too, returned as shape (1,) (the op
     spreads it over the channels, and its gradient is the whole sum,
     rounded once: see :func:`.ops._common._spread`)."""

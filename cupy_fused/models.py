@@ -55,8 +55,8 @@ import torch.nn as nn
 
 from . import _validation, ops
 from ._amp import autocast_dtype
-from ._validation import (FLOAT_DTYPES, check_float_dtype, check_groups, check_int, check_like,
-                          check_tensor, check_vector)
+from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
+                          check_vector)
 from .ops.linear import _linear_prechecked
 from .settings import check_flag, check_precision
 
@@ -92,19 +92,24 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
 def _check_kernel_size(kernel_size) -> None:
     """nn.Conv2d's kernel_size: an int, or a pair of ints, each at least 1
     (nn.Conv2d fails on others deep inside, naming no argument, or takes 0)."""
-    sizes = tuple(kernel_size) if isinstance(kernel_size, (tuple, list)) else (kernel_size,)
-    if not 1 <= len(sizes) <= 2:
-        raise ValueError(f"kernel_size must be an int or a pair of ints, got {kernel_size!r}")
-    for size in sizes:
-        check_int("kernel_size", size, 1, expected="an int or a pair of ints")
+    expected = "an int or a pair of ints"
+    if not 1 <= len(_check_ints("kernel_size", kernel_size, 1, expected)) <= 2:
+        raise ValueError(f"kernel_size must be {expected}, got {kernel_size!r}")
 
 
 def _check_shape(name: str, shape) -> None:
     """A parameter's shape given to a constructor (torch.randn's size): an
     int or a sequence of ints, each at least 0."""
-    dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
-    for dim in dims:
-        check_int(name, dim, 0, expected="an int or a tuple of ints")
+    _check_ints(name, shape, 0, "an int or a tuple of ints")
+
+
+def _check_ints(name: str, value, least: int, expected: str) -> tuple:
+    """An int, or a tuple, list or torch.Size of ints, each at least
+    ``least``, as a tuple."""
+    ints = tuple(value) if isinstance(value, (tuple, list, torch.Size)) else (value,)
+    for i in ints:
+        check_int(name, i, least, expected=expected)
+    return ints
 
 
 def _check_sizes(least: int, **sizes) -> None:
@@ -215,7 +220,7 @@ class ConvReluBiasAdd(nn.Module):
         # the convolution has run).
         for name, vector in (("conv.bias", conv.bias), ("bias", bias)):
             if vector is not None:
-                check_like(name, vector, x, "x", check_float_dtype(name, vector))
+                check_like(name, vector, x, "x", FLOAT_DTYPES)
         z = conv._conv_forward(x, weight, None)
         # Under autocast z is in the autocast dtype and the biases float32:
         # bias_relu promotes, as the reference's add does.
@@ -332,9 +337,9 @@ class GemmAddRelu(nn.Module):
             # dtypes) both biases are checked here: bias_relu runs after it.
             gemm_bias = linear.bias if linear.bias is None else check_vector(
                 "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False,
-                dtype=None if amp is None else check_float_dtype("gemm.bias", linear.bias))
+                dtype=None if amp is None else FLOAT_DTYPES)
             if amp is not None:
-                check_like("bias", bias, x, "x", check_float_dtype("bias", bias))
+                check_like("bias", bias, x, "x", FLOAT_DTYPES)
             return ops.bias_relu(_linear_prechecked(x, weight, gemm_bias, None, self.precision), bias)
         bias = check_vector("bias", bias, weight.shape[0], x, "x", optional=False)
         return _linear_prechecked(x, weight, bias, "relu", self.precision)

@@ -1527,7 +1527,7 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     check_tensor("weight", weight)  # (a float dtype: x's, or any of them under autocast)
     if weight.dim() != 4:
         raise ValueError(f"weight must be 4-D [C_out, C_in, KH, KW], got shape {tuple(weight.shape)}")
-    check_like("weight", weight, x, "x", dtype=weight.dtype if autocast_dtype() else None)
+    check_like("weight", weight, x, "x", dtype=FLOAT_DTYPES if autocast_dtype() else None)
     cout, cin, kh, kw = weight.shape
     if cin != x.shape[1]:
         raise ValueError(f"weight must have x's {x.shape[1]} input channels in dim 1, got "

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .._amp import autocast_dtype
 from .._autograd import (FusedOp, check_unchanged, is_compiling, keep_output, launches_directly,
                          needs_grad, take_output, version_of)
-from .._validation import check_float_dtype, check_like, check_tensor, check_vector
+from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
 from .bias_relu import bias_relu
@@ -343,19 +343,15 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
         raise ValueError("x must have at least 1 dimension (the features), got a scalar")
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
-    if amp is not None:
-        check_like("weight", weight, x, "x", weight.dtype)  # the device
-    else:
-        check_like("weight", weight, x, "x")
+    # Under autocast, x, weight and bias may each be any of the three (cast to
+    # amp by the op), as autocast's F.linear takes them.
+    any_float = FLOAT_DTYPES if amp is not None else None
+    check_like("weight", weight, x, "x", any_float)
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x must have {k} features (weight is [{n}, {k}]) in its last "
                          f"dimension, got shape {tuple(x.shape)}")
-    if amp is not None:  # any of the three (cast to amp by the op), as autocast's F.linear takes
-        bias = check_vector("bias", bias, n, x, "x", dtype=(
-            check_float_dtype("bias", bias) if isinstance(bias, torch.Tensor) else amp))
-    else:
-        bias = check_vector("bias", bias, n, x, "x")
+    bias = check_vector("bias", bias, n, x, "x", dtype=any_float)
     act = _activation_code(activation)
     precision = resolve_precision(precision)
     # (2-D x: no reshape, a view is one more autograd node per call)
