@@ -108,7 +108,8 @@ IMPLS = ("eager", "compile", "ours", "ours+compile")
 # under torch.compile(mode="reduce-overhead") (CUDA graphs); "ours+graphed":
 # a copy of ours under torch.cuda.make_graphed_callables (CUDA graphs);
 # "compile+graphs": the reference under torch.compile(mode="reduce-overhead").
-EXTRA_IMPLS = ("gemm", "ours+graphs", "ours+graphed", "compile+graphs")
+GRAPH_IMPLS = ("ours+graphs", "ours+graphed", "compile+graphs")
+EXTRA_IMPLS = ("gemm",) + GRAPH_IMPLS
 # Implementations that compile (one compile per size in a sweep: left out of
 # the sweep unless --sweep-compile).
 COMPILED = ("compile", "ours+compile", "ours+graphs", "compile+graphs")
@@ -263,7 +264,7 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
     inputs = [x] + [torch.rand_like(x) for _ in range(copies - 1)]
     train_inputs = [t.clone().requires_grad_(True) for t in inputs]
     models, bases = {}, {}
-    for impl in (i for i in impls if i in IMPLS + ("ours+graphs", "ours+graphed", "compile+graphs")):
+    for impl in (i for i in impls if i in IMPLS + GRAPH_IMPLS):
         bases[impl] = base = ref if impl in ("eager", "compile", "compile+graphs") else ours
         if impl in REDUCE_OVERHEAD:
             models[impl] = torch.compile(base, mode="reduce-overhead")
