@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import datetime
 import importlib
-import json
 import os
 import shutil
 import statistics
@@ -62,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernels as bench_kernels  # noqa: E402
 from harness import (DTYPES, autocast_dtype, dtype_label, fixed_grad, l2_bytes,  # noqa: E402
-                     model_dtype, step_fns, time_interleaved)
+                     model_dtype, step_fns, time_interleaved, write_run)
 
 
 def against_define(folder: str) -> str:
@@ -442,9 +441,7 @@ def main(argv=None):
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     date=str(datetime.date.today()), against=args.against,
                     argv=sys.argv[1:] if argv is None else list(argv))
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        print(args.json)
+        write_run(args.json, None, meta, rows)
 
 
 if __name__ == "__main__":

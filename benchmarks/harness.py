@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import statistics
 import subprocess
@@ -506,6 +507,21 @@ def gpu_state() -> dict:
         return {}
     values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
     return dict(zip(fields, values)) if len(values) == len(fields) else {}
+
+
+def write_run(json_path: Optional[str], md_path: Optional[str], meta: dict, rows: list,
+              markdown: Optional[Callable[[list, dict], str]] = None) -> None:
+    """Writes a script's run: ``{"meta": meta, "rows": rows}`` as JSON to
+    ``json_path`` and ``markdown(rows, meta)`` to ``md_path`` (each where
+    given), printing each path written."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        print(json_path)
+    if md_path and markdown is not None:
+        with open(md_path, "w") as f:
+            f.write(markdown(rows, meta) + "\n")
+        print(md_path)
 
 
 # --- progress ------------------------------------------------------------

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import math
 import os
 import sys
@@ -59,7 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import DTYPES, l2_bytes, rotation_count, time_queued  # noqa: E402
+from harness import DTYPES, l2_bytes, rotation_count, time_queued, write_run  # noqa: E402
 
 # Rows below this fraction of a copy of the same bytes are flagged.
 LOW_FRACTION = 0.8
@@ -489,14 +488,7 @@ def main(argv=None):
                                ceiling)
         print(text_table(mine, name), flush=True)
         rows += mine
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        print(args.json)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(markdown(rows, meta) + "\n")
-        print(args.md)
+    write_run(args.json, args.md, meta, rows, markdown)
 
 
 if __name__ == "__main__":
