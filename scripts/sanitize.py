@@ -19,6 +19,9 @@ from cupy_fused.ops import gemm as G
 from cupy_fused.testing import compare, poison_allocator, rel_error, worse_than_eager
 
 CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+# The engine's kernels at the small shapes below, which its routing rule
+# sends to cuDNN (_engine_pays: the rule is measured, not checked, here).
+CB._engine_pays = lambda *args: True
 # Problem 1's convolution (n, C_in, H, W, C_out, KH, KW): ragged widths,
 # output channels past one tile, an odd output width; W a multiple of 8 (an
 # NCHW x read with no copy: the NCHW band kernel, and where its bands are
@@ -269,6 +272,20 @@ def conv(dtypes):
                 ok = torch.allclose(y, want, atol=5e-2, rtol=5e-2)
                 print("conv_bias_relu autocast", dtype, fmt, shape, "OK" if ok else "ERROR", flush=True)
                 failed.extend([] if ok else [f"conv_bias_relu autocast {dtype} {fmt} {shape}"])
+    # C_in not a multiple of 8: x and the weight padded with zero channels
+    # (16-bit products only), NCHW and channels-last.
+    for dtype in (d for d in dtypes if d != torch.float32):
+        x, wt, cb, b = conv_inputs((2, 3, 9, 140, 16, 3, 3), dtype)
+        want = (torch.relu(torch.nn.functional.conv2d(x.float(), wt.float(), cb.float()))
+                + b.float().view(-1, 1, 1))
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            xf = x.contiguous(memory_format=fmt)
+            with torch.no_grad():
+                ok = CB.route(xf, wt, cb, b) == "engine"
+                y = ops.conv_bias_relu(xf, wt, cb, b)
+            ok = ok and torch.allclose(y.float(), want, atol=5e-2, rtol=5e-2)
+            print("conv_bias_relu padded channels", dtype, fmt, "OK" if ok else "ERROR", flush=True)
+            failed.extend([] if ok else [f"conv_bias_relu padded channels {dtype} {fmt}"])
 
 
 def conv_training(dtypes):

@@ -1254,3 +1254,36 @@ def test_ab_runs_both_sides_in_turns_and_reports_the_ratio(monkeypatch):
     table = ab.markdown(rows, "HEAD~1")
     assert "| fake | bfloat16 | train | 3.0000 | 2.4000 | 0.800 | NO |" in table
     assert "held" not in table
+
+
+def test_conv_routes_grid_summary_and_files(tmp_path):
+    """benchmarks/conv_routes.py without a GPU: its grid (kernels narrower
+    than the image only), the losses' summary, and the files of a run."""
+    spec = importlib.util.spec_from_file_location("bench_conv_routes", REPO / "benchmarks/conv_routes.py")
+    routes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(routes)
+    forward = list(routes.grid(["forward"], ["bf16"], False))
+    images, kernels, channels = len(routes.IMAGES), len(routes.KERNELS), len(routes.CHANNELS_IN)
+    assert len(forward) == images * kernels * channels * len(routes.CHANNELS_OUT) * len(routes.LAYOUTS)
+    assert {case[4] for case in routes.grid(["forward"], ["fp32"], True)} == set(routes.ODD_CHANNELS_IN)
+    train = list(routes.grid(["train"], ["bf16", "fp32"], False))
+    assert {(case[4], case[5]) for case in train} == set(routes.TRAIN_CHANNELS)
+    assert all(case[8] == "train" and case[3] < min(case[1], case[2]) for case in train)
+
+    def row(engine, cudnn, pick):
+        best = min(engine, cudnn)
+        return dict(batch=1, height=8, width=8, kernel=3, cin=8, cout=32, dtype="bf16", layout="nchw",
+                    mode="forward", engine_ms=engine, cudnn_ms=cudnn, ratio=cudnn / engine, pick=pick,
+                    loss=(engine if pick == "engine" else cudnn) / best, engine_loss=engine / best,
+                    cudnn_loss=cudnn / best)
+
+    rows = [row(1.0, 4.0, "engine"), row(2.0, 1.0, "engine")]
+    s = routes.summary(rows)["forward"]
+    assert s["cases"] == 2 and s["rule_worst"] == 2.0 and abs(s["rule_geomean"] - 2 ** 0.5) < 1e-12
+    assert s["engine_geomean"] == s["rule_geomean"] and s["cudnn_worst"] == 4.0
+    meta = dict(argv=[], device="GPU", date="today", torch="t", summary=routes.summary(rows))
+    bench_harness.write_run(str(tmp_path / "r.json"), str(tmp_path / "r.md"), meta, rows, routes.markdown)
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == rows
+    text = (tmp_path / "r.md").read_text()
+    assert "| forward | 2 | 1.414 / 2.00 | 1.414 / 2.00 | 2.000 / 4.00 |" in text
+    assert "| 1x8x8 | 3 | 8 -> 32 | bf16 | nchw | forward | 2.000 | 1.000 | 0.50 | engine | 2.00 |" in text

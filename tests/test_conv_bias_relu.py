@@ -18,6 +18,14 @@ from cupy_fused.ops import gemm
 from cupy_fused.testing import assert_non_finite_where, poison_allocator, rel_error
 
 CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")  # the module, not the op
+_ENGINE_PAYS = CB._engine_pays  # the routing rule, for the tests of it
+
+
+@pytest.fixture(autouse=True)
+def _engine_at_any_size(monkeypatch):
+    """The engine's kernels at these tests' small shapes, which the routing
+    rule (_engine_pays) sends to cuDNN; its own tests call _ENGINE_PAYS."""
+    monkeypatch.setattr(CB, "_engine_pays", lambda *args: True)
 
 
 def _reference(x, w, cb, b):
@@ -260,12 +268,133 @@ def test_engine_against_float64(shape, kind, dtype, device):
         assert again.is_contiguous(memory_format=fmt)  # the reference's layout
 
 
+# (N, C_in, H, W, C_out, KH, KW) with C_in not a multiple of 8 (the engine
+# reads it padded with zero channels to the next one): an RGB image's 3, 5,
+# 13 (16 with padding), 1 (an x both NCHW and channels-last), kernels 1 x 1
+# to 3 x 3, C_out not a multiple of 8 (NCHW only), batch 1, rows wider than
+# one 128-column tile.
+PADDED_SHAPES = [
+    (2, 3, 20, 18, 64, 3, 3),
+    (2, 1, 9, 20, 16, 3, 3),
+    (1, 5, 9, 140, 16, 2, 3),
+    (3, 13, 11, 13, 33, 1, 1),
+    (2, 3, 7, 136, 128, 3, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "amp_bf16"])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", PADDED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_padded_input_channels_against_float64(shape, fmt, mode, device):
+    """C_in not a multiple of 8, no gradient to record: the engine on x and
+    the weight padded with zero channels, within 1.5x eager's error against
+    float64, with NaN and +-inf in x landing where the reference puts them,
+    the output poisoned with NaN before, in the reference's layout."""
+    _engine_device(device)
+    n, cin, h, w, cout, kh, kw = shape
+    if fmt == torch.channels_last and cout % 8:
+        pytest.skip("a channels-last y through the copy engine: C_out a multiple of 8")
+    amp = torch.bfloat16 if mode == "amp_bf16" else None
+    dtype = torch.float32 if amp else getattr(torch, mode)
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, cin, h, w, generator=gen).to(device, dtype).contiguous(memory_format=fmt)
+    x[0, cin - 1, 1, 2], x[-1, 0, -1, -1], x[0, 0, 0, 0] = float("nan"), float("inf"), -float("inf")
+    wt = (torch.randn(cout, cin, kh, kw, generator=gen) / (cin * kh * kw) ** 0.5).to(device, dtype)
+    cb = torch.randn(cout, generator=gen).to(device, dtype)
+    b = torch.randn(cout, 1, 1, generator=gen).to(device, dtype)
+    with torch.no_grad(), torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        assert CB.route(x, wt, cb, b) == "engine"
+        # autocast's reference rounds x and the weight to bfloat16 first
+        src = [t.to(amp).double() if amp and t.dim() == 4 else t.double() for t in (x, wt, cb, b)]
+        truth = _reference(*src)
+        eager = _reference(x, wt, cb, b)
+        poison_allocator(device, 2 * truth.numel() * truth.element_size())
+        ours = ops.conv_bias_relu(x, wt, cb, b)
+    assert ours.dtype == eager.dtype and ours.stride() == eager.stride()  # the reference's layout
+    assert_non_finite_where(ours, eager, "y")
+    finite = truth.isfinite()
+    err = rel_error(ours.double()[finite], truth[finite])
+    eager_err = rel_error(eager.double()[finite], truth[finite])
+    assert err <= 1.5 * eager_err + torch.finfo(amp or dtype).eps, (err, eager_err)
+    with torch.no_grad(), torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        again = ops.conv_bias_relu(x, wt, cb, b)
+    bits = torch.int16 if ours.element_size() == 2 else torch.int32
+    assert torch.equal(again.view(bits), ours.view(bits))  # bitwise, run to run
+
+
+@pytest.mark.gpu
+def test_padded_input_channels_route(device, monkeypatch):
+    """Where C_in is not a multiple of 8 the engine pads it only for a 16-bit
+    product with no gradient to record, an NCHW or channels-last x and a
+    kernel of at most 3 x 3, where the rule holds for the padded shape;
+    the cudnn route's gradients otherwise."""
+    _engine_device(device)
+    x = torch.randn(2, 3, 20, 18, device=device, dtype=torch.bfloat16)
+    wt = torch.randn(64, 3, 3, 3, device=device, dtype=torch.bfloat16)
+    cb, b = torch.randn(64, device=device, dtype=torch.bfloat16), None
+    assert CB.route(x, wt, cb, b) == "engine"
+    assert CB.route(x.contiguous(memory_format=torch.channels_last), wt, cb, b) == "engine"
+    assert CB.route(x[:, :, :, 1:], wt, cb, b) == "cudnn"  # neither layout
+    assert CB.route(x.float(), wt.float(), cb.float(), b) == "cudnn"  # float32 product
+    wide = torch.randn(64, 3, 3, 5, device=device, dtype=torch.bfloat16)
+    assert CB.route(x, wide, cb, b) == "cudnn"  # a kernel 5 wide
+    leaf = x.detach().requires_grad_(True)
+    assert CB.route(leaf, wt, cb, b) == "cudnn"  # a gradient to record
+    y = ops.conv_bias_relu(leaf, wt, cb, b)
+    y.backward(torch.ones_like(y))
+    assert leaf.grad.shape == x.shape
+    seen = []
+    monkeypatch.setattr(CB, "_engine_pays", lambda *args: seen.append(args) or False)
+    assert CB.route(x, wt, cb, b) == "cudnn"  # the rule, asked of the padded shape
+    assert seen[-1][:2] == ((2, 8, 20, 18), (64, 8, 3, 3))
+
+
+def test_engine_pays_where_measured():
+    """The routing rule (_engine_pays) on shapes of its measured grid
+    (docs/performance.md, "Where the convolution engine pays")."""
+    nchw, cl, bf16, f32 = CB.NCHW, CB.CHANNELS_LAST, torch.bfloat16, torch.float32
+
+    def pays(x, k, cout, layout=nchw, dtype=bf16, training=False):
+        return _ENGINE_PAYS(x, (cout, x[1], k, k), layout, dtype, training)
+
+    problem_1 = (128, 64, 128, 128)
+    for layout, dtype, training in ((nchw, bf16, False), (cl, bf16, True), (nchw, f32, True),
+                                    (cl, f32, False)):
+        assert pays(problem_1, 3, 128, layout, dtype, training)
+    # an output row's fill of its 128-column tiles: 96 of 128 pays, 95 not,
+    # 129 of 256 not, 200 of 256 pays; for the NCHW band kernel's calls (W a
+    # multiple of 8) 54 of 128 pays, 46 not
+    assert pays((8, 64, 98, 98), 3, 128, cl) and not pays((8, 64, 97, 97), 3, 128, cl)
+    assert not pays((8, 64, 131, 131), 3, 128, cl) and pays((8, 64, 202, 202), 3, 128, cl)
+    assert pays((8, 64, 56, 56), 3, 128) and not pays((8, 64, 48, 48), 3, 128)
+    assert not pays((8, 64, 56, 56), 3, 128, cl) and not pays((8, 64, 56, 56), 3, 128, nchw, f32)
+    assert not pays((8, 64, 58, 58), 3, 128) and not pays((8, 64, 56, 56), 1, 128)
+    assert not pays((64, 32, 128, 128), 1, 64) and pays((64, 64, 128, 128), 1, 64)  # 1 x 1
+    assert pays((64, 32, 128, 128), 1, 128)
+    assert not pays(problem_1, 3, 64, nchw, f32) and pays(problem_1, 3, 64, cl, f32)  # per-tap tiles
+    assert not pays(problem_1, 7, 64) and pays(problem_1, 5, 64)  # past NCHW_WINDOW_MAX_KW
+    assert not pays((128, 64, 128, 130), 3, 64)  # W not a multiple of 8: copied, then per-tap
+    assert CB.NCHW_WINDOW_MAX_KW == 5
+    assert not pays((64, 256, 128, 128), 1, 128, nchw, f32)  # float32 x's copy
+    assert not pays((64, 256, 128, 128), 3, 128, cl, f32) and pays((64, 256, 128, 128), 5, 128, cl, f32)
+    assert pays((64, 256, 128, 128), 3, 128, nchw, f32)
+    assert not pays((64, 256, 128, 128), 5, 256) and pays((64, 256, 128, 128), 7, 256)  # cuDNN's best
+    assert pays((64, 256, 128, 128), 5, 128)
+    assert not pays((64, 32, 128, 128), 7, 64, cl) and pays((64, 32, 128, 128), 7, 128, cl)
+    assert pays((64, 32, 128, 128), 7, 64, cl, f32)
+    assert pays(problem_1, 5, 64, nchw, f32, True) and not pays(problem_1, 5, 64, nchw, bf16, True)
+    assert not pays(problem_1, 3, 64, cl, bf16, True) and not pays(problem_1, 1, 128, cl, bf16, True)
+    assert pays(problem_1, 5, 64, cl, bf16, True)
+
+
 # (N, C_in, H, W, C_out, KH, KW) with W a multiple of 8, each the NCHW
 # window kernel's: KW 1 to 5, C_in not a multiple of 64, C_out not a
 # multiple of 8 (5, 33, 3) and above one 64-channel tile and partial, output
 # rows of 1 and of more than 128 columns (3 column tiles), an odd number of
 # output rows, problem 1's rows (126 of 128), batch 1, and more tiles than
-# SMs.  (The engine's route takes C_in a multiple of 8: engine_layout.)
+# SMs.  (engine_layout takes C_in a multiple of 8; others are padded first:
+# PADDED_SHAPES.)
 # Those with C_in up to 64 and KH up to 3 take the band kernel; the last
 # five have bands of several pixel tiles: keeping rows from one to the next
 # (KH 2 and 3), across images, with 1 and 3 tiles of output channels, and
@@ -747,7 +876,9 @@ def test_routes(device, monkeypatch):
     assert CB.engine_layout(cl_half, half[1]) == CB.CHANNELS_LAST
     assert CB.engine_layout(half[0], half[1]) == CB.NCHW
     five = (half[0][:, :5].contiguous(), half[1][:, :5].contiguous())
-    assert CB.route(*five, *half[2:]) == "cudnn"  # 5 input channels: no tensor map
+    assert CB.route(*five, *half[2:]) == ("engine" if hopper else "cudnn")  # 5 input channels, padded
+    five_leaves = [t.detach().requires_grad_(True) for t in five]
+    assert CB.route(*five_leaves, *half[2:]) == "cudnn"  # (not in training: test_padded_input_channels_route)
     assert CB.route(cl_half, half[1][:5], half[2][:5], half[3][:5]) == "cudnn"  # channels-last, C_out = 5
     off_grid = torch.empty(cl_half.numel() + 1, device=device, dtype=torch.bfloat16)[1:]
     off_grid = off_grid.as_strided(cl_half.shape, cl_half.stride())

@@ -18,6 +18,11 @@ Route, decided once per call (:func:`route`):
   :data:`ENGINE_FLOAT32_MIN_ELEMENTS` output values: the operands rounded
   to TF32 (an NCHW x in its channels-last copy, a channels-last one in a
   copy of its own: ``round_to_tf32``), float32 accumulation and output.
+  Of those, the shapes where the engine measured faster than cuDNN
+  (:func:`_engine_pays`: not narrow images, nor few channels through
+  tiles of many); a C_in that is not a multiple of 8 on x and the weight
+  padded with zero channels (:func:`_padded_plan`: a 16-bit product with
+  no gradient to record, a kernel up to 3 x 3).
   A channels-last x in (or cast to) a 16-bit product's dtype, y in that
   dtype or in float32 (autocast), or a float32 one (its copy rounded to
   TF32, a TF32 product), with a kernel up to :data:`WINDOW_MAX_KW` wide
@@ -68,7 +73,8 @@ Route, decided once per call (:func:`route`):
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
   layout, autocast's promotions.  Smaller training steps take it,
   float32 ones with TF32 off, and those whose C_out is not a multiple of 32
-  (channels-last x) or 8 (NCHW x).  Its convolution is one autograd
+  (channels-last x) or 8 (NCHW x), and every shape where it measured
+  faster than the engine.  Its convolution is one autograd
   node of its own whose backward runs deterministic algorithms (cuDNN's,
   or the engine's for the input and weight gradients, as below) whatever
   ``torch.backends.cudnn.deterministic`` says, so that a training
@@ -568,9 +574,13 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> Optional[_Plan]:
     """How the engine runs a call (:func:`engine_layout`,
     :func:`engine_dtypes`), or None where the call takes the ``"cudnn"``
-    route: the one decision behind :func:`route` and the launch."""
+    route: the one decision behind :func:`route` and the launch.  Where
+    C_in is not a multiple of 8, the plan of the call on channels padded
+    with zeros (:func:`_padded_plan`: the caller pads)."""
     if (x.numel() > 0 and weight.shape[0] > 0 and _engine_bounds(x.shape, weight.shape)
             and not is_compiling() and gemm.has_wgmma(x.device.index)):
+        if x.shape[1] % 8:
+            return _padded_plan(x, weight, conv_bias, bias)
         training = needs_grad(x, weight, conv_bias, bias)
         if training and not _trains_on_engine(x, weight):
             return None
@@ -579,8 +589,123 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
             return None
         if dtypes[0] == torch.float32 and math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS:
             return None
+        if not _engine_pays(x.shape, weight.shape, layout, dtypes[0], training):
+            return None
         return (layout, *dtypes, training)
     return None
+
+
+def _padded_channels(cin: int) -> int:
+    """C_in rounded up to a multiple of 8: the channels the engine reads
+    where C_in is not one (rows of whole 16 bytes for the copy engine)."""
+    return cdiv(cin, 8) * 8
+
+
+def _padded_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> Optional[_Plan]:
+    """The engine's plan for a call whose C_in is not a multiple of 8, run on
+    x and the weight with zero channels appended up to
+    :func:`_padded_channels` (:func:`_pad_input_channels`: new tensors, so
+    16-byte aligned, in x's memory format), or None (the ``"cudnn"``
+    route).  Taken with no gradient to record, a 16-bit product (16-bit
+    tensors, or autocast), an NCHW or channels-last x, and a kernel of at
+    most 3 x 3, where :func:`_engine_pays` holds for the padded shape: the
+    measured cases where the padded product beats cuDNN on the channels as
+    they are (docs/performance.md, "Where the convolution engine pays")."""
+    cout, cin, kh, kw = weight.shape
+    if needs_grad(x, weight, conv_bias, bias) or kh > 3 or kw > 3:
+        return None
+    if x.is_contiguous():
+        layout = NCHW
+    elif x.is_contiguous(memory_format=torch.channels_last) and cout % 8 == 0:
+        layout = CHANNELS_LAST
+    else:
+        return None
+    dtypes = engine_dtypes(x, weight, conv_bias, bias)
+    if dtypes is None or dtypes[0] not in HALF_DTYPES:
+        return None
+    n, _, h, w = x.shape
+    cpad = _padded_channels(cin)
+    x_shape, w_shape = (n, cpad, h, w), (cout, cpad, kh, kw)
+    if not (_engine_bounds(x_shape, w_shape) and (layout == CHANNELS_LAST or _transposes_shape(x_shape))
+            and _engine_pays(x_shape, w_shape, layout, dtypes[0], False)):
+        return None
+    return (layout, *dtypes, False)
+
+
+def _pad_input_channels(x: torch.Tensor, weight: torch.Tensor,
+                        layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [N, C_in, H, W] and the weight [C_out, C_in, KH, KW] with zero
+    channels appended up to :func:`_padded_channels` (C_in), x dense in
+    ``layout`` (the plan's: an x of one channel is both, its padded copy
+    one only): the product is the same, each padded channel adding 0 x 0."""
+    pad = (0, 0, 0, 0, 0, _padded_channels(x.shape[1]) - x.shape[1])
+    fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
+    return F.pad(x, pad).contiguous(memory_format=fmt), F.pad(weight, pad)
+
+
+# ---------------------------------------------------------------- where the engine pays
+
+# The engine's tiles of pixels: 128 output columns of one output row (the
+# per-tap kernel's boxes; two rows of them for the window kernels).
+PIXEL_TILE = gemm.HALF_TILE[0]
+
+
+def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: str, dtype: torch.dtype,
+                 training: bool) -> bool:
+    """Whether the engine route measured faster than the ``"cudnn"`` route
+    for a call of this shape (x [N, C_in, H, W] with C_in a multiple of 8,
+    the weight [C_out, C_in, KH, KW]), in ``layout`` with the product in
+    ``dtype``, with or without a gradient to record.  The rules are the
+    boundaries of the grid of ``benchmarks/conv_routes.py`` (H200;
+    docs/performance.md, "Where the convolution engine pays"): the engine
+    loses where its tiles are mostly waste, or where cuDNN has a kernel
+    close to the tensor cores' rate.  cuDNN, where
+
+    * an output row fills under 3/4 of its tiles of :data:`PIXEL_TILE`
+      columns (images narrower than about 100 pixels), or under 2/5 for
+      the NCHW band kernel's calls (a 16-bit NCHW x read in place, W a
+      multiple of 8, at most 64 input and at least 128 output channels, 2 or
+      3 kernel rows), which cuDNN's NCHW kernels do not match;
+    * a 1 x 1 kernel has fewer than 64 input and 128 output channels (one
+      k-tile of 64 channels a tap, mostly zeros);
+    * the per-tap kernel (an NCHW x in float32, in training, with W not a
+      multiple of 8, or past :data:`NCHW_WINDOW_MAX_KW`), whose tiles are
+      128 channels wide, has
+      fewer than 128 output channels, but for a float32 training step
+      (cuDNN's float32 gradients of those are slower still);
+    * float32 meets more than 64 input channels with a 1 x 1 kernel, or
+      with a channels-last x and a kernel of at most 3 x 3: x's rounded
+      copy costs more than the product gains;
+    * at least 256 input and output channels meet 9 to 25 taps;
+    * a 16-bit product on a channels-last x has 49 taps or more, fewer than
+      64 input and 128 output channels;
+    * a training step has a 1 x 1 kernel, or fewer than 128 output channels
+      and at most 9 taps.
+    """
+    _, cin, _, w = x_shape
+    cout, _, kh, kw = weight_shape
+    taps, ow = kh * kw, w - kw + 1
+    span = cdiv(ow, PIXEL_TILE) * PIXEL_TILE
+    # (an NCHW 16-bit x is read in place where its rows are whole 16-byte
+    # vectors: W a multiple of 8; else through its copy, by the per-tap kernel)
+    in_place = layout == NCHW and dtype != torch.float32 and not training and w % 8 == 0
+    band = in_place and cin <= 64 and cout >= 128 and 1 < kh <= 3 and kw <= BAND_MAX_KW
+    if (5 * ow < 2 * span) if band else (4 * ow < 3 * span):
+        return False
+    if taps == 1 and cin < 64 and cout < 128:
+        return False
+    per_tap = layout == NCHW and not (in_place and kw <= NCHW_WINDOW_MAX_KW)
+    if per_tap and cout < 128 and not (training and dtype == torch.float32):
+        return False
+    small = kh <= 3 and kw <= 3
+    if dtype == torch.float32 and cin > 64 and (taps == 1 or (layout == CHANNELS_LAST and small)):
+        return False
+    if cin >= 256 and cout >= 256 and 9 <= taps <= 25:
+        return False
+    if dtype != torch.float32 and layout == CHANNELS_LAST and taps >= 49 and cin < 64 and cout < 128:
+        return False
+    return not (training and (taps == 1 or (cout < 128 and taps <= 9)))
 
 
 def _trains_on_engine(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -1555,6 +1680,8 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         bias = check_vector("bias", check_tensor("bias", bias), cout, x, "x", dtype=bias.dtype,
                             one=True)
     plan = _engine_plan(x, weight, conv_bias, bias)
+    if plan and cin % 8:  # on channels padded with zeros (_padded_plan)
+        x, weight = _pad_input_channels(x, weight, plan[0])
     if plan:  # the "engine" route (its dtypes checked by engine_dtypes)
         if plan[3]:  # with a gradient to record
             return _ENGINE_TRAIN.run(True, x, weight, conv_bias, bias, plan[1], plan[2])[0]
