@@ -404,13 +404,20 @@ def engine_layout(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
         C_out multiples of 8 and a 16-byte aligned start; None where the
         engine cannot read x (then the ``"cudnn"`` route).
     """
-    n, cin, h, w = x.shape
-    if cin % 8:
+    if x.shape[1] % 8:
         return None
+    return _layout(x, x.shape, weight.shape[0], padded=False)
+
+
+def _layout(x: torch.Tensor, x_shape: Sequence[int], cout: int, padded: bool) -> Optional[str]:
+    """:func:`engine_layout` of x read as ``x_shape`` (C_in a multiple of 8),
+    with C_out output channels: x itself, or with ``padded`` its copy padded
+    with zero channels (:func:`_padded_plan`: a new tensor, so 16-byte
+    aligned)."""
     if x.is_contiguous():
-        return NCHW if _transposes(x) else None
-    if (x.is_contiguous(memory_format=torch.channels_last) and weight.shape[0] % 8 == 0
-            and x.data_ptr() % 16 == 0):
+        return NCHW if _transposes_shape(x_shape) else None
+    if (x.is_contiguous(memory_format=torch.channels_last) and cout % 8 == 0
+            and (padded or x.data_ptr() % 16 == 0)):
         return CHANNELS_LAST
     return None
 
@@ -615,20 +622,14 @@ def _padded_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     cout, cin, kh, kw = weight.shape
     if needs_grad(x, weight, conv_bias, bias) or kh > 3 or kw > 3:
         return None
-    if x.is_contiguous():
-        layout = NCHW
-    elif x.is_contiguous(memory_format=torch.channels_last) and cout % 8 == 0:
-        layout = CHANNELS_LAST
-    else:
-        return None
-    dtypes = engine_dtypes(x, weight, conv_bias, bias)
-    if dtypes is None or dtypes[0] not in HALF_DTYPES:
-        return None
     n, _, h, w = x.shape
     cpad = _padded_channels(cin)
     x_shape, w_shape = (n, cpad, h, w), (cout, cpad, kh, kw)
-    if not (_engine_bounds(x_shape, w_shape) and (layout == CHANNELS_LAST or _transposes_shape(x_shape))
-            and _engine_pays(x_shape, w_shape, layout, dtypes[0], False)):
+    layout = _layout(x, x_shape, cout, padded=True)
+    dtypes = engine_dtypes(x, weight, conv_bias, bias)
+    if (layout is None or dtypes is None or dtypes[0] not in HALF_DTYPES
+            or not _engine_bounds(x_shape, w_shape)
+            or not _engine_pays(x_shape, w_shape, layout, dtypes[0], False)):
         return None
     return (layout, *dtypes, False)
 
