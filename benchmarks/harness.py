@@ -9,6 +9,7 @@ needs none of it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import math
@@ -184,6 +185,17 @@ def step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None, graphs
     return step, reset
 
 
+def collect_dead_graphs() -> None:
+    """Runs the garbage collector, so that no dead CUDA graph is left to be
+    freed during the next capture.  ``make_graphed_callables`` ties the
+    module and its graphs in a reference cycle; a dropped graphed module is
+    freed only by the collector, and a graph freed while another capture is
+    under way invalidates that capture.  ``torch.cuda.graph`` no longer
+    collects before a capture (unless ``torch.compiler.config.
+    force_cudagraph_gc``), so a caller that drops graphed modules collects."""
+    gc.collect()
+
+
 def graphed_step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None,
                      device_type: str = "cuda"):
     """(step, reset) of :func:`step_fns` with the model's forward and
@@ -205,6 +217,7 @@ def graphed_step_fns(model, mode: str, inputs, train_inputs, grad=None, amp=None
     """
     pool = inputs if mode == "forward" else train_inputs
     sample = pool[0].detach().clone().requires_grad_(mode == "train")
+    collect_dead_graphs()
     with autocast_context(amp, device_type, cache=False):
         torch.cuda.make_graphed_callables(model, (sample,))
     return step_fns(model, mode, inputs, train_inputs, grad, amp, device_type=device_type, amp_cache=False)

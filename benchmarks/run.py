@@ -95,10 +95,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import publish  # noqa: E402
 from cupy_fused import reference  # noqa: E402
 from cupy_fused.testing import build_pair  # noqa: E402
-from harness import (DTYPES, Progress, autocast_context, autocast_dtype, dtype_label,  # noqa: E402
-                     fixed_grad, gpu_state, graphed_step_fns, host_and_gpu_ms, l2_bytes, model_dtype,
-                     peak_extra_gib, product_tflops, rotation_count, say, step_fns, time_interleaved,
-                     time_ms)
+from harness import (DTYPES, Progress, autocast_context, autocast_dtype, collect_dead_graphs,  # noqa: E402
+                     dtype_label, fixed_grad, gpu_state, graphed_step_fns, host_and_gpu_ms, l2_bytes,
+                     model_dtype, peak_extra_gib, product_tflops, rotation_count, say, step_fns,
+                     time_interleaved, time_ms)
 from publish import markdown  # noqa: E402 -- the table beside the JSON
 
 ALL_DTYPES = tuple(DTYPES)
@@ -283,6 +283,7 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
     grads = {}  # output dtype -> g: one set of values for every implementation
     for mode in modes:
         steps, resets = {}, {}
+        collect_dead_graphs()  # the last mode's graphed copy, before this mode's captures
         for impl, model in models.items():
             if impl == "gemm" and mode != "forward":
                 continue

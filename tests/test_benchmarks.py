@@ -1,6 +1,7 @@
 """The benchmark runner's pure-Python parts (CPU tier)."""
 import contextlib
 import copy
+import gc
 import importlib
 import importlib.util
 import json
@@ -464,6 +465,43 @@ def test_graphed_steps_compute_the_module_s_step(amp, device):
     step()
     with torch.no_grad(), bench_harness.autocast_context(amp, cache=False):
         assert torch.equal(forward(inputs[1]), model(inputs[1]))  # (a replay)
+    del graphed, forward, step
+    gc.collect()  # (this test's graphs, before any later capture)
+
+
+@pytest.mark.gpu
+def test_graphed_steps_capture_after_a_graphed_module_is_dropped(device):
+    """The benchmark drops each mode's graphed copy before the next mode's
+    captures.  A dropped graphed module is freed only by the collector (it
+    and its graphs form a reference cycle), and a graph freed during a
+    capture invalidates it: graphed_step_fns collects before it captures.
+    The new module runs the collector inside its own capture, so that any
+    dead graph left over would be freed there."""
+    import cupy_fused
+
+    class CollectsWhileCapturing(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if torch.cuda.is_current_stream_capturing():
+                gc.collect()
+            return self.inner(x)
+
+    inputs = [torch.rand(96, 64, device=device)]
+    train_inputs = [t.clone().requires_grad_(True) for t in inputs]
+    dropped = cupy_fused.GemmAddRelu(64, 256, (256,)).to(device)
+    bench_harness.graphed_step_fns(dropped, "forward", inputs, train_inputs)
+    del dropped
+    model = cupy_fused.GemmAddRelu(64, 256, (256,)).to(device)
+    graphed = CollectsWhileCapturing(copy.deepcopy(model))
+    step, _ = bench_harness.graphed_step_fns(graphed, "forward", inputs, train_inputs)
+    step()
+    with torch.no_grad():
+        assert torch.equal(graphed(inputs[0]), model(inputs[0]))  # (a replay)
+    del graphed, step
+    gc.collect()  # (this test's own graphs, before any later capture)
 
 
 def test_cuda_graph_steps_begin_a_new_generation_each(monkeypatch):

@@ -2,6 +2,7 @@
 and every gradient vs a float64 run, next to eager's own error."""
 import contextlib
 import copy
+import gc
 
 import pytest
 import torch
@@ -310,6 +311,7 @@ def test_cuda_graph_capture_and_replay(problem, device):
     ours.zero_grad(set_to_none=True)
     static_x.grad = None
     graph = torch.cuda.CUDAGraph()
+    gc.collect()  # no dead graph of an earlier test may be freed during this capture
     with torch.cuda.graph(graph):
         static_out = ours(static_x)
         static_out.backward(static_dy)
@@ -351,19 +353,28 @@ def test_make_graphed_callables(problem, mode, device):
         out.backward(dy)
         return [out.detach(), x.grad] + [p.grad for p in model.parameters()]
 
-    with forward_context():
-        torch.cuda.make_graphed_callables(graphed, (torch.rand(shape, device=device, dtype=dtype,
-                                                               requires_grad=True),))
-    for seed in range(2):
-        gen = torch.Generator(device=device).manual_seed(seed)
-        x = torch.rand(shape, device=device, dtype=dtype, generator=gen)
-        with torch.no_grad(), forward_context():
-            y = ours(x)
-        dy = torch.randn(y.shape, device=device, generator=gen).to(y.dtype)
-        expected, got = step(ours, x, dy), step(graphed, x, dy)
-        assert len(got) == len(expected) and all(g is not None for g in got)
-        for a, b in zip(expected, got):
-            assert torch.equal(a, b)
+    # make_graphed_callables ties the module and its graphs in a reference
+    # cycle, which only the collector frees; a graph freed during another
+    # capture invalidates that capture.  So: none left from earlier tests
+    # before this capture, and this test's own freed when it ends.
+    gc.collect()
+    try:
+        with forward_context():
+            torch.cuda.make_graphed_callables(graphed, (torch.rand(shape, device=device, dtype=dtype,
+                                                                   requires_grad=True),))
+        for seed in range(2):
+            gen = torch.Generator(device=device).manual_seed(seed)
+            x = torch.rand(shape, device=device, dtype=dtype, generator=gen)
+            with torch.no_grad(), forward_context():
+                y = ours(x)
+            dy = torch.randn(y.shape, device=device, generator=gen).to(y.dtype)
+            expected, got = step(ours, x, dy), step(graphed, x, dy)
+            assert len(got) == len(expected) and all(g is not None for g in got)
+            for a, b in zip(expected, got):
+                assert torch.equal(a, b)
+    finally:
+        del graphed
+        gc.collect()
 
 
 @pytest.mark.slow
