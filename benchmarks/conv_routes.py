@@ -14,7 +14,10 @@ the rule lifted (the route's other conditions still apply; a case they
 keep off the engine is skipped), cuDNN with the engine's plan withheld.
 Modes: ``forward`` under ``no_grad``; ``train``, the forward and
 ``y.backward(g)`` with x and every parameter requiring grad.  Dtypes:
-``bf16`` and ``fp32`` (TF32 allowed, PyTorch's default for convolutions).
+``bf16``, ``fp16`` and ``fp32`` (TF32 allowed, PyTorch's default for
+convolutions) tensors, and ``amp-bf16`` / ``amp-fp16``: float32 tensors,
+each call under autocast to that dtype.  The whole grid takes ``bf16`` and
+``fp32``; the others check that the 16-bit rules hold there too.
 
 For each case: both times, their ratio (cuDNN / engine: above 1 the engine
 is faster), the rule's pick and its loss (the pick's time over the faster
@@ -39,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import gpu_state, time_interleaved, write_run  # noqa: E402
+from harness import autocast_context, gpu_state, time_interleaved, write_run  # noqa: E402
 
 # (batch, height, width) of x: small to large images, and problem 1's.
 IMAGES = [(256, 32, 32), (64, 56, 56), (128, 64, 64), (64, 128, 128), (16, 224, 224), (4, 512, 512)]
@@ -47,7 +50,10 @@ KERNELS = [1, 3, 5, 7]
 CHANNELS_IN = [8, 64, 256]
 ODD_CHANNELS_IN = [3, 13]
 CHANNELS_OUT = [32, 128, 256]
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# label -> (the tensors' dtype, autocast's dtype or None)
+DTYPES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None), "fp32": (torch.float32, None),
+          "amp-bf16": (torch.float32, torch.bfloat16), "amp-fp16": (torch.float32, torch.float16)}
+DEFAULT_DTYPES = ["bf16", "fp32"]
 LAYOUTS = ("nchw", "channels_last")
 MODES = ("forward", "train")
 # The training grid: fewer cases (each step is a few forwards long).
@@ -92,21 +98,23 @@ def bench_case(n, h, w, k, cin, cout, dtype, layout, mode, iters, warmup, rounds
     """One case on both routes; a dict, or None where the engine does not
     take the case even with the rule lifted."""
     cb = _module()
-    x, weight, conv_bias, bias = operands(n, h, w, k, cin, cout, DTYPES[dtype], layout)
+    tensor_dtype, amp = DTYPES[dtype]
+    x, weight, conv_bias, bias = operands(n, h, w, k, cin, cout, tensor_dtype, layout)
     train = mode == "train"
     if train:
         x, weight, conv_bias, bias = (t.requires_grad_(True) for t in (x, weight, conv_bias, bias))
     args = (x, weight, conv_bias, bias)
-    with forced("engine"):
-        if cb.route(*args) != "engine":
-            return None
-    pick = cb.route(*args)
-    with torch.no_grad():
-        g = torch.randn_like(cb.conv_bias_relu(*(t.detach() for t in args))) if train else None
+    with autocast_context(amp):
+        with forced("engine"):
+            if cb.route(*args) != "engine":
+                return None
+        pick = cb.route(*args)
+        with torch.no_grad():
+            g = torch.randn_like(cb.conv_bias_relu(*(t.detach() for t in args))) if train else None
 
     def step_on(route):
         def step():
-            with forced(route):
+            with forced(route), autocast_context(amp):
                 if train:
                     for t in args:
                         t.grad = None
@@ -176,7 +184,7 @@ def markdown(rows, meta) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=DEFAULT_DTYPES, choices=list(DTYPES))
     parser.add_argument("--odd-channels", action="store_true",
                         help=f"C_in of {ODD_CHANNELS_IN} (padded by the engine) in place of {CHANNELS_IN}")
     parser.add_argument("--iters", type=int, default=10)

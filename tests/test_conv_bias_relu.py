@@ -353,15 +353,16 @@ def test_padded_input_channels_route(device, monkeypatch):
 def test_engine_pays_where_measured():
     """The routing rule (_engine_pays) on shapes of its measured grid
     (docs/performance.md, "Where the convolution engine pays")."""
-    nchw, cl, bf16, f32 = CB.NCHW, CB.CHANNELS_LAST, torch.bfloat16, torch.float32
+    nchw, cl, bf16, f16, f32 = CB.NCHW, CB.CHANNELS_LAST, torch.bfloat16, torch.float16, torch.float32
 
-    def pays(x, k, cout, layout=nchw, dtype=bf16, training=False):
-        return _ENGINE_PAYS(x, (cout, x[1], k, k), layout, dtype, training)
+    def pays(x, k, cout, layout=nchw, dtype=bf16, training=False, x_dtype=None):
+        return _ENGINE_PAYS(x, (cout, x[1], k, k), layout, dtype, training, x_dtype)
 
     problem_1 = (128, 64, 128, 128)
     for layout, dtype, training in ((nchw, bf16, False), (cl, bf16, True), (nchw, f32, True),
-                                    (cl, f32, False)):
+                                    (cl, f32, False), (cl, f16, False), (nchw, f16, True)):
         assert pays(problem_1, 3, 128, layout, dtype, training)
+        assert dtype == f32 or pays(problem_1, 3, 128, layout, dtype, training, f32)  # autocast
     # an output row's fill of its 128-column tiles: 96 of 128 pays, 95 not,
     # 129 of 256 not, 200 of 256 pays; for the NCHW band kernel's calls (W a
     # multiple of 8) 54 of 128 pays, 46 not
@@ -386,6 +387,22 @@ def test_engine_pays_where_measured():
     assert pays(problem_1, 5, 64, nchw, f32, True) and not pays(problem_1, 5, 64, nchw, bf16, True)
     assert not pays(problem_1, 3, 64, cl, bf16, True) and not pays(problem_1, 1, 128, cl, bf16, True)
     assert pays(problem_1, 5, 64, cl, bf16, True)
+    # autocast (a float32 x): NCHW read in place by the band kernel only
+    # (at most 64 input channels and 3 kernel rows), else copied for the
+    # per-tap kernel; no 256 -> 256 rule; in training, cuDNN for 1 x 1
+    # kernels with fewer than 128 output channels only
+    assert not pays(problem_1, 5, 64, nchw, bf16, False, f32)
+    assert not pays((64, 256, 128, 128), 3, 32, nchw, bf16, False, f32)
+    assert pays((64, 256, 128, 128), 3, 128, nchw, bf16, False, f32)
+    assert not pays((64, 256, 128, 128), 3, 256) and pays((64, 256, 128, 128), 3, 256, nchw, bf16, False, f32)
+    assert pays(problem_1, 3, 64, cl, bf16, True, f32) and not pays(problem_1, 1, 64, cl, bf16, True, f32)
+    assert pays(problem_1, 1, 128, cl, f16, True, f32)
+    # float16 on a channels-last x with at most 8 input channels: cuDNN's
+    # kernels below 128 output channels
+    assert not pays((64, 8, 128, 128), 5, 32, cl, f16) and pays((64, 8, 128, 128), 5, 32, cl, bf16)
+    assert not pays((64, 8, 128, 128), 3, 32, cl, f16, False, f32)
+    assert pays((64, 8, 128, 128), 5, 128, cl, f16) and pays((64, 16, 128, 128), 5, 32, cl, f16)
+    assert pays((64, 8, 128, 128), 5, 32, nchw, f16) and pays((64, 8, 128, 128), 1, 128, cl, f16)
 
 
 # (N, C_in, H, W, C_out, KH, KW) with W a multiple of 8, each the NCHW

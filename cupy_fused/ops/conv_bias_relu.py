@@ -596,7 +596,7 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
             return None
         if dtypes[0] == torch.float32 and math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS:
             return None
-        if not _engine_pays(x.shape, weight.shape, layout, dtypes[0], training):
+        if not _engine_pays(x.shape, weight.shape, layout, dtypes[0], training, x.dtype):
             return None
         return (layout, *dtypes, training)
     return None
@@ -629,7 +629,7 @@ def _padded_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     dtypes = engine_dtypes(x, weight, conv_bias, bias)
     if (layout is None or dtypes is None or dtypes[0] not in HALF_DTYPES
             or not _engine_bounds(x_shape, w_shape)
-            or not _engine_pays(x_shape, w_shape, layout, dtypes[0], False)):
+            or not _engine_pays(x_shape, w_shape, layout, dtypes[0], False, x.dtype)):
         return None
     return (layout, *dtypes, False)
 
@@ -653,44 +653,57 @@ PIXEL_TILE = gemm.HALF_TILE[0]
 
 
 def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: str, dtype: torch.dtype,
-                 training: bool) -> bool:
+                 training: bool, x_dtype: Optional[torch.dtype] = None) -> bool:
     """Whether the engine route measured faster than the ``"cudnn"`` route
     for a call of this shape (x [N, C_in, H, W] with C_in a multiple of 8,
     the weight [C_out, C_in, KH, KW]), in ``layout`` with the product in
-    ``dtype``, with or without a gradient to record.  The rules are the
-    boundaries of the grid of ``benchmarks/conv_routes.py`` (H200;
-    docs/performance.md, "Where the convolution engine pays"): the engine
-    loses where its tiles are mostly waste, or where cuDNN has a kernel
-    close to the tensor cores' rate.  cuDNN, where
+    ``dtype``, with or without a gradient to record, x of ``x_dtype``
+    (default ``dtype``; float32 with a 16-bit product under autocast).  The
+    rules are the boundaries of the grid of ``benchmarks/conv_routes.py``
+    (H200; docs/performance.md, "Where the convolution engine pays"): the
+    engine loses where its tiles are mostly waste, or where cuDNN has a
+    kernel close to the tensor cores' rate.  cuDNN, where
 
     * an output row fills under 3/4 of its tiles of :data:`PIXEL_TILE`
       columns (images narrower than about 100 pixels), or under 2/5 for
-      the NCHW band kernel's calls (a 16-bit NCHW x read in place, W a
-      multiple of 8, at most 64 input and at least 128 output channels, 2 or
-      3 kernel rows), which cuDNN's NCHW kernels do not match;
+      the NCHW band kernel's calls (an NCHW x read in place, at most 64
+      input and at least 128 output channels, 2 or 3 kernel rows), which
+      cuDNN's NCHW kernels do not match;
     * a 1 x 1 kernel has fewer than 64 input and 128 output channels (one
       k-tile of 64 channels a tap, mostly zeros);
-    * the per-tap kernel (an NCHW x in float32, in training, with W not a
-      multiple of 8, or past :data:`NCHW_WINDOW_MAX_KW`), whose tiles are
-      128 channels wide, has
-      fewer than 128 output channels, but for a float32 training step
-      (cuDNN's float32 gradients of those are slower still);
+    * the per-tap kernel (an NCHW x not read in place: in float32, in
+      training, past :data:`NCHW_WINDOW_MAX_KW`, with W not a multiple of 8
+      in 16 bits, or under autocast outside the band kernel), whose tiles
+      are 128 channels wide, has fewer than 128 output channels, but for a
+      float32 training step (cuDNN's float32 gradients of those are slower
+      still);
     * float32 meets more than 64 input channels with a 1 x 1 kernel, or
       with a channels-last x and a kernel of at most 3 x 3: x's rounded
       copy costs more than the product gains;
-    * at least 256 input and output channels meet 9 to 25 taps;
+    * at least 256 input and output channels meet 9 to 25 taps, but under
+      autocast (where cuDNN's route casts x first);
     * a 16-bit product on a channels-last x has 49 taps or more, fewer than
       64 input and 128 output channels;
+    * a float16 product on a channels-last x, with no gradient to record,
+      has at most 8 input and fewer than 128 output channels and more than
+      one tap (cuDNN's float16 kernels there, unlike its bfloat16 ones);
     * a training step has a 1 x 1 kernel, or fewer than 128 output channels
-      and at most 9 taps.
+      and at most 9 taps; under autocast, a 1 x 1 kernel with fewer than
+      128 output channels.
     """
     _, cin, _, w = x_shape
     cout, _, kh, kw = weight_shape
     taps, ow = kh * kw, w - kw + 1
     span = cdiv(ow, PIXEL_TILE) * PIXEL_TILE
-    # (an NCHW 16-bit x is read in place where its rows are whole 16-byte
-    # vectors: W a multiple of 8; else through its copy, by the per-tap kernel)
-    in_place = layout == NCHW and dtype != torch.float32 and not training and w % 8 == 0
+    amp = x_dtype == torch.float32 and dtype != torch.float32
+    # An NCHW 16-bit x is read in place where its rows are whole 16-byte
+    # vectors (W a multiple of 8), a float32 one under autocast by the band
+    # kernel only (W a multiple of 4); else through a channels-last copy, by
+    # the per-tap kernel.
+    if amp:
+        in_place = layout == NCHW and not training and w % 4 == 0 and _band_fits(cin, cout, kh, kw)
+    else:
+        in_place = layout == NCHW and dtype != torch.float32 and not training and w % 8 == 0
     band = in_place and cin <= 64 and cout >= 128 and 1 < kh <= 3 and kw <= BAND_MAX_KW
     if (5 * ow < 2 * span) if band else (4 * ow < 3 * span):
         return False
@@ -702,10 +715,15 @@ def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: st
     small = kh <= 3 and kw <= 3
     if dtype == torch.float32 and cin > 64 and (taps == 1 or (layout == CHANNELS_LAST and small)):
         return False
-    if cin >= 256 and cout >= 256 and 9 <= taps <= 25:
+    if cin >= 256 and cout >= 256 and 9 <= taps <= 25 and not amp:
         return False
     if dtype != torch.float32 and layout == CHANNELS_LAST and taps >= 49 and cin < 64 and cout < 128:
         return False
+    if (dtype == torch.float16 and layout == CHANNELS_LAST and not training and cin <= 8 and cout < 128
+            and taps > 1):
+        return False
+    if training and amp:
+        return not (taps == 1 and cout < 128)
     return not (training and (taps == 1 or (cout < 128 and taps <= 9)))
 
 
