@@ -272,17 +272,22 @@ def conv(dtypes):
                 ok = torch.allclose(y, want, atol=5e-2, rtol=5e-2)
                 print("conv_bias_relu autocast", dtype, fmt, shape, "OK" if ok else "ERROR", flush=True)
                 failed.extend([] if ok else [f"conv_bias_relu autocast {dtype} {fmt} {shape}"])
-    # C_in not a multiple of 8: x and the weight padded with zero channels
-    # (16-bit products only), NCHW and channels-last.
-    for dtype in (d for d in dtypes if d != torch.float32):
+    # C_in not a multiple of 8: x and the weight padded with zero channels,
+    # NCHW and channels-last (float32: TF32, its size threshold lifted).
+    torch.backends.cudnn.allow_tf32 = True  # (PyTorch's default)
+    for dtype in dtypes:
         x, wt, cb, b = conv_inputs((2, 3, 9, 140, 16, 3, 3), dtype)
         want = (torch.relu(torch.nn.functional.conv2d(x.float(), wt.float(), cb.float()))
                 + b.float().view(-1, 1, 1))
         for fmt in (torch.contiguous_format, torch.channels_last):
             xf = x.contiguous(memory_format=fmt)
-            with torch.no_grad():
-                ok = CB.route(xf, wt, cb, b) == "engine"
-                y = ops.conv_bias_relu(xf, wt, cb, b)
+            keep, CB.ENGINE_FLOAT32_MIN_ELEMENTS = CB.ENGINE_FLOAT32_MIN_ELEMENTS, 0
+            try:
+                with torch.no_grad():
+                    ok = CB.route(xf, wt, cb, b) == "engine"
+                    y = ops.conv_bias_relu(xf, wt, cb, b)
+            finally:
+                CB.ENGINE_FLOAT32_MIN_ELEMENTS = keep
             ok = ok and torch.allclose(y.float(), want, atol=5e-2, rtol=5e-2)
             print("conv_bias_relu padded channels", dtype, fmt, "OK" if ok else "ERROR", flush=True)
             failed.extend([] if ok else [f"conv_bias_relu padded channels {dtype} {fmt}"])
@@ -329,11 +334,14 @@ def conv_training(dtypes):
         # TF32): y and relu's mask from the store, then the channels-last
         # backward on x's copy; each step against float64 (float32: on the
         # TF32-rounded x and weight), beside the same step on the cudnn route.
-        # (The last shape from a channels-last x: C_out a multiple of 32.)
+        # (The last shapes from a channels-last x: C_out a multiple of 32; and
+        # C_in of 3, padded with zero channels, from both layouts.)
         torch.backends.cudnn.allow_tf32 = True  # (PyTorch's default)
         for dtype in dtypes:
             for shape, fmt in ([(shape, torch.contiguous_format) for shape in CONV_SHAPES]
-                               + [((2, 8, 9, 70, 32, 3, 3), torch.channels_last)]):
+                               + [((2, 8, 9, 70, 32, 3, 3), torch.channels_last),
+                                  ((2, 3, 9, 70, 32, 3, 3), torch.contiguous_format),
+                                  ((2, 3, 9, 70, 32, 3, 3), torch.channels_last)]):
                 x, wt, cb, b = conv_inputs(shape, dtype)
                 x = x.contiguous(memory_format=fmt)
                 n, _, h, w, cout, kh, kw = shape

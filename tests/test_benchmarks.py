@@ -1306,6 +1306,8 @@ def test_conv_routes_grid_summary_and_files(tmp_path):
     assert {case[4] for case in routes.grid(["forward"], ["fp32"], True)} == set(routes.ODD_CHANNELS_IN)
     train = list(routes.grid(["train"], ["bf16", "fp32"], False))
     assert {(case[4], case[5]) for case in train} == set(routes.TRAIN_CHANNELS)
+    odd_train = routes.grid(["train"], ["bf16"], True)
+    assert {(case[4], case[5]) for case in odd_train} == set(routes.ODD_TRAIN_CHANNELS)
     assert all(case[8] == "train" and case[3] < min(case[1], case[2]) for case in train)
     assert routes.parse_args([]).dtypes == ["bf16", "fp32"]  # fp16 and autocast on request
     assert routes.DTYPES["amp-fp16"] == (torch.float32, torch.float16)

@@ -283,15 +283,18 @@ PADDED_SHAPES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bfloat16", "float16", "amp_bf16"])
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "float32", "amp_bf16"])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("shape", PADDED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_padded_input_channels_against_float64(shape, fmt, mode, device):
+def test_padded_input_channels_against_float64(shape, fmt, mode, device, monkeypatch):
     """C_in not a multiple of 8, no gradient to record: the engine on x and
     the weight padded with zero channels, within 1.5x eager's error against
-    float64, with NaN and +-inf in x landing where the reference puts them,
-    the output poisoned with NaN before, in the reference's layout."""
+    float64 (float32: within float32 rounding of the exact product of the
+    TF32-rounded operands, and within 1.5x of that product's error), with
+    NaN and +-inf in x landing where the reference puts them, the output
+    poisoned with NaN before, in the reference's layout."""
     _engine_device(device)
+    _lift_engine_thresholds(monkeypatch)
     n, cin, h, w, cout, kh, kw = shape
     if fmt == torch.channels_last and cout % 8:
         pytest.skip("a channels-last y through the copy engine: C_out a multiple of 8")
@@ -315,6 +318,10 @@ def test_padded_input_channels_against_float64(shape, fmt, mode, device):
     assert_non_finite_where(ours, eager, "y")
     finite = truth.isfinite()
     err = rel_error(ours.double()[finite], truth[finite])
+    if dtype == torch.float32 and amp is None:  # (eager may run these in float32: TF32's yardstick)
+        tf32 = _reference(CB._tf32(x).double(), CB._tf32(wt).double(), cb.double(), b.double())
+        assert rel_error(ours.double()[finite], tf32[finite]) <= 1e-5
+        eager = tf32.float()
     eager_err = rel_error(eager.double()[finite], truth[finite])
     assert err <= 1.5 * eager_err + torch.finfo(amp or dtype).eps, (err, eager_err)
     with torch.no_grad(), torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
@@ -325,10 +332,10 @@ def test_padded_input_channels_against_float64(shape, fmt, mode, device):
 
 @pytest.mark.gpu
 def test_padded_input_channels_route(device, monkeypatch):
-    """Where C_in is not a multiple of 8 the engine pads it only for a 16-bit
-    product with no gradient to record, an NCHW or channels-last x and a
-    kernel of at most 3 x 3, where the rule holds for the padded shape;
-    the cudnn route's gradients otherwise."""
+    """Where C_in is not a multiple of 8 the engine pads it under the
+    conditions of any call, asked of the padded shape (an NCHW or
+    channels-last x, the size thresholds, the rule); the gradients of x and
+    the weight are the padded ones' first C_in channels."""
     _engine_device(device)
     x = torch.randn(2, 3, 20, 18, device=device, dtype=torch.bfloat16)
     wt = torch.randn(64, 3, 3, 3, device=device, dtype=torch.bfloat16)
@@ -336,18 +343,58 @@ def test_padded_input_channels_route(device, monkeypatch):
     assert CB.route(x, wt, cb, b) == "engine"
     assert CB.route(x.contiguous(memory_format=torch.channels_last), wt, cb, b) == "engine"
     assert CB.route(x[:, :, :, 1:], wt, cb, b) == "cudnn"  # neither layout
-    assert CB.route(x.float(), wt.float(), cb.float(), b) == "cudnn"  # float32 product
     wide = torch.randn(64, 3, 3, 5, device=device, dtype=torch.bfloat16)
-    assert CB.route(x, wide, cb, b) == "cudnn"  # a kernel 5 wide
+    assert CB.route(x, wide, cb, b) == "engine"
+    f32 = (x.float(), wt.float(), cb.float(), b)
+    assert CB.route(*f32) == "cudnn"  # below ENGINE_FLOAT32_MIN_ELEMENTS
     leaf = x.detach().requires_grad_(True)
-    assert CB.route(leaf, wt, cb, b) == "cudnn"  # a gradient to record
-    y = ops.conv_bias_relu(leaf, wt, cb, b)
+    assert CB.route(leaf, wt, cb, b) == "cudnn"  # below ENGINE_TRAINING_MIN_ELEMENTS
+    _lift_engine_thresholds(monkeypatch)
+    assert CB.route(*f32) == "engine" and CB.route(leaf, wt, cb, b) == "engine"
+    w_leaf = wt.detach().requires_grad_(True)
+    y = ops.conv_bias_relu(leaf, w_leaf, cb, b)
     y.backward(torch.ones_like(y))
-    assert leaf.grad.shape == x.shape
+    assert leaf.grad.shape == x.shape and w_leaf.grad.shape == wt.shape
     seen = []
     monkeypatch.setattr(CB, "_engine_pays", lambda *args: seen.append(args) or False)
     assert CB.route(x, wt, cb, b) == "cudnn"  # the rule, asked of the padded shape
     assert seen[-1][:2] == ((2, 8, 20, 18), (64, 8, 3, 3))
+    assert CB.route(x[:, :1], wt[:, :1], cb, b) == "cudnn"
+    assert seen[-1][:2] == ((2, 8, 20, 18), (64, 8, 3, 3))
+
+
+# (N, C_in, H, W, C_out, KH, KW) with C_in not a multiple of 8, training
+# steps: C_out a multiple of 32 where x is channels-last (the mask's words).
+PADDED_TRAINING_SHAPES = [
+    (2, 3, 20, 18, 64, 3, 3),
+    (2, 1, 9, 20, 32, 3, 3),
+    (1, 5, 9, 140, 32, 2, 3),
+    (3, 13, 11, 13, 40, 1, 1),
+    (2, 3, 12, 136, 128, 5, 5),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "float32", "amp_bf16"])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", PADDED_TRAINING_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_padded_input_channels_training(shape, fmt, mode, device, monkeypatch):
+    """A training step with C_in not a multiple of 8 on the engine (x and the
+    weight padded with zero channels as autograd ops): the output and every
+    gradient within 1.5x eager's error against float64, in the reference's
+    dtypes and layouts; two steps bitwise equal."""
+    _engine_device(device)
+    if fmt == torch.channels_last and shape[4] % 32:
+        pytest.skip("a channels-last training forward: C_out a multiple of 32")
+    _lift_engine_thresholds(monkeypatch)
+    amp = torch.bfloat16 if mode == "amp_bf16" else None
+    y, leaves, ey, eager = _engine_training_step_against_float64(
+        shape, torch.float32 if amp else getattr(torch, mode), amp, fmt, device)
+    # (float32's yardstick is eager on a channels-last x; an x of one
+    # channel is both layouts, its y NCHW)
+    assert y.dtype == ey.dtype and (shape[1] == 1 or y.is_contiguous(memory_format=fmt))
+    for ours, theirs in zip(leaves, eager):
+        assert ours.grad.dtype == theirs.grad.dtype and ours.grad.shape == ours.shape
 
 
 def test_engine_pays_where_measured():
@@ -397,9 +444,10 @@ def test_engine_pays_where_measured():
     assert not pays((64, 256, 128, 128), 3, 256) and pays((64, 256, 128, 128), 3, 256, nchw, bf16, False, f32)
     assert pays(problem_1, 3, 64, cl, bf16, True, f32) and not pays(problem_1, 1, 64, cl, bf16, True, f32)
     assert pays(problem_1, 1, 128, cl, f16, True, f32)
-    # float16 on a channels-last x with at most 8 input channels: cuDNN's
-    # kernels below 128 output channels
+    # float16 and float32 on a channels-last x with at most 8 input
+    # channels: cuDNN's kernels below 128 output channels
     assert not pays((64, 8, 128, 128), 5, 32, cl, f16) and pays((64, 8, 128, 128), 5, 32, cl, bf16)
+    assert not pays((64, 8, 128, 128), 3, 32, cl, f32) and pays((64, 8, 128, 128), 3, 128, cl, f32)
     assert not pays((64, 8, 128, 128), 3, 32, cl, f16, False, f32)
     assert pays((64, 8, 128, 128), 5, 128, cl, f16) and pays((64, 16, 128, 128), 5, 32, cl, f16)
     assert pays((64, 8, 128, 128), 5, 32, nchw, f16) and pays((64, 8, 128, 128), 1, 128, cl, f16)

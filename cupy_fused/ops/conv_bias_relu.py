@@ -21,8 +21,8 @@ Route, decided once per call (:func:`route`):
   Of those, the shapes where the engine measured faster than cuDNN
   (:func:`_engine_pays`: not narrow images, nor few channels through
   tiles of many); a C_in that is not a multiple of 8 on x and the weight
-  padded with zero channels (:func:`_padded_plan`: a 16-bit product with
-  no gradient to record, a kernel up to 3 x 3).
+  padded with zero channels (:func:`_padded_plan`: the same conditions,
+  asked of the padded shape).
   A channels-last x in (or cast to) a 16-bit product's dtype, y in that
   dtype or in float32 (autocast), or a float32 one (its copy rounded to
   TF32, a TF32 product), with a kernel up to :data:`WINDOW_MAX_KW` wide
@@ -588,18 +588,27 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
             and not is_compiling() and gemm.has_wgmma(x.device.index)):
         if x.shape[1] % 8:
             return _padded_plan(x, weight, conv_bias, bias)
-        training = needs_grad(x, weight, conv_bias, bias)
-        if training and not _trains_on_engine(x, weight):
-            return None
-        layout, dtypes = engine_layout(x, weight), engine_dtypes(x, weight, conv_bias, bias)
-        if layout is None or dtypes is None:
-            return None
-        if dtypes[0] == torch.float32 and math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS:
-            return None
-        if not _engine_pays(x.shape, weight.shape, layout, dtypes[0], training, x.dtype):
-            return None
-        return (layout, *dtypes, training)
+        return _plan(x, weight, conv_bias, bias, x.shape, padded=False)
     return None
+
+
+def _plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor, bias: Optional[torch.Tensor],
+          x_shape: Sequence[int], padded: bool) -> Optional[_Plan]:
+    """:func:`_engine_plan` of a call whose x the engine reads as
+    ``x_shape`` (C_in a multiple of 8): x itself, or with ``padded`` its
+    copy padded with zero channels."""
+    cout, _, kh, kw = weight.shape
+    training = needs_grad(x, weight, conv_bias, bias)
+    if training and not _trains_on_engine(x, weight):
+        return None
+    layout, dtypes = _layout(x, x_shape, cout, padded), engine_dtypes(x, weight, conv_bias, bias)
+    if layout is None or dtypes is None:
+        return None
+    if dtypes[0] == torch.float32 and math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS:
+        return None
+    if not _engine_pays(x_shape, (cout, x_shape[1], kh, kw), layout, dtypes[0], training, x.dtype):
+        return None
+    return (layout, *dtypes, training)
 
 
 def _padded_channels(cin: int) -> int:
@@ -614,24 +623,17 @@ def _padded_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     x and the weight with zero channels appended up to
     :func:`_padded_channels` (:func:`_pad_input_channels`: new tensors, so
     16-byte aligned, in x's memory format), or None (the ``"cudnn"``
-    route).  Taken with no gradient to record, a 16-bit product (16-bit
-    tensors, or autocast), an NCHW or channels-last x, and a kernel of at
-    most 3 x 3, where :func:`_engine_pays` holds for the padded shape: the
-    measured cases where the padded product beats cuDNN on the channels as
-    they are (docs/performance.md, "Where the convolution engine pays")."""
-    cout, cin, kh, kw = weight.shape
-    if needs_grad(x, weight, conv_bias, bias) or kh > 3 or kw > 3:
+    route): the plan of the padded call, every condition and
+    :func:`_engine_pays` asked of the padded shape (the pad's own pass is
+    in the times the rule was drawn from: docs/performance.md, "Where the
+    convolution engine pays").  In training the pad is an autograd op: the
+    gradients of x and the weight are those of the padded tensors' first
+    C_in channels."""
+    n, cin, h, w = x.shape
+    x_shape = (n, _padded_channels(cin), h, w)
+    if not _engine_bounds(x_shape, (weight.shape[0], x_shape[1], *weight.shape[2:])):
         return None
-    n, _, h, w = x.shape
-    cpad = _padded_channels(cin)
-    x_shape, w_shape = (n, cpad, h, w), (cout, cpad, kh, kw)
-    layout = _layout(x, x_shape, cout, padded=True)
-    dtypes = engine_dtypes(x, weight, conv_bias, bias)
-    if (layout is None or dtypes is None or dtypes[0] not in HALF_DTYPES
-            or not _engine_bounds(x_shape, w_shape)
-            or not _engine_pays(x_shape, w_shape, layout, dtypes[0], False, x.dtype)):
-        return None
-    return (layout, *dtypes, False)
+    return _plan(x, weight, conv_bias, bias, x_shape, padded=True)
 
 
 def _pad_input_channels(x: torch.Tensor, weight: torch.Tensor,
@@ -684,9 +686,9 @@ def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: st
       autocast (where cuDNN's route casts x first);
     * a 16-bit product on a channels-last x has 49 taps or more, fewer than
       64 input and 128 output channels;
-    * a float16 product on a channels-last x, with no gradient to record,
-      has at most 8 input and fewer than 128 output channels and more than
-      one tap (cuDNN's float16 kernels there, unlike its bfloat16 ones);
+    * a float16 or float32 product on a channels-last x, with no gradient
+      to record, has at most 8 input and fewer than 128 output channels and
+      more than one tap (cuDNN's kernels there, unlike its bfloat16 ones);
     * a training step has a 1 x 1 kernel, or fewer than 128 output channels
       and at most 9 taps; under autocast, a 1 x 1 kernel with fewer than
       128 output channels.
@@ -719,7 +721,7 @@ def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: st
         return False
     if dtype != torch.float32 and layout == CHANNELS_LAST and taps >= 49 and cin < 64 and cout < 128:
         return False
-    if (dtype == torch.float16 and layout == CHANNELS_LAST and not training and cin <= 8 and cout < 128
+    if (dtype != torch.bfloat16 and layout == CHANNELS_LAST and not training and cin <= 8 and cout < 128
             and taps > 1):
         return False
     if training and amp:
