@@ -688,7 +688,8 @@ def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: st
       64 input and 128 output channels;
     * a float16 or float32 product on a channels-last x, with no gradient
       to record, has at most 8 input and fewer than 128 output channels and
-      more than one tap (cuDNN's kernels there, unlike its bfloat16 ones);
+      more than one tap (cuDNN's float16 and float32 kernels there are
+      fast; its bfloat16 ones are not);
     * a training step has a 1 x 1 kernel, or fewer than 128 output channels
       and at most 9 taps; under autocast, a 1 x 1 kernel with fewer than
       128 output channels.
