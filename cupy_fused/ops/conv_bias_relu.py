@@ -497,9 +497,15 @@ ENGINE_FLOAT32_MIN_ELEMENTS = 2**24
 def _nchw_rows_whole(x: torch.Tensor) -> bool:
     """Whether the copy engine can bring x [N, C, H, W]'s rows as they lie
     (the NCHW window and band kernels' raw rows): x contiguous, its rows
-    whole 16-byte vectors (W a multiple of 8 in 16 bits, of 4 in float32)
-    and x 16-byte aligned (the copy engine's strides and base)."""
-    return x.is_contiguous() and x.shape[3] * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0
+    whole 16-byte vectors (:func:`_rows_whole`) and x 16-byte aligned (the
+    copy engine's strides and base)."""
+    return x.is_contiguous() and _rows_whole(x.shape[3], x.dtype) and x.data_ptr() % 16 == 0
+
+
+def _rows_whole(w: int, dtype: torch.dtype) -> bool:
+    """Whether rows of ``w`` values of ``dtype`` are whole 16-byte vectors
+    (W a multiple of 8 in 16 bits, of 4 in float32)."""
+    return w * dtype.itemsize % 16 == 0
 
 
 def _nchw_window_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -698,15 +704,14 @@ def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: st
     cout, _, kh, kw = weight_shape
     taps, ow = kh * kw, w - kw + 1
     span = cdiv(ow, PIXEL_TILE) * PIXEL_TILE
+    x_dtype = x_dtype or dtype
     amp = x_dtype == torch.float32 and dtype != torch.float32
-    # An NCHW 16-bit x is read in place where its rows are whole 16-byte
-    # vectors (W a multiple of 8), a float32 one under autocast by the band
-    # kernel only (W a multiple of 4); else through a channels-last copy, by
-    # the per-tap kernel.
-    if amp:
-        in_place = layout == NCHW and not training and w % 4 == 0 and _band_fits(cin, cout, kh, kw)
-    else:
-        in_place = layout == NCHW and dtype != torch.float32 and not training and w % 8 == 0
+    # An NCHW x is read in place where its rows are whole 16-byte vectors
+    # (_nchw_rows_whole): a 16-bit one by the window and band kernels, a
+    # float32 one under autocast by the band kernel only; else through a
+    # channels-last copy, by the per-tap kernel.
+    in_place = (layout == NCHW and not training and _rows_whole(w, x_dtype)
+                and (_band_fits(cin, cout, kh, kw) if amp else dtype != torch.float32))
     band = in_place and cin <= 64 and cout >= 128 and 1 < kh <= 3 and kw <= BAND_MAX_KW
     if (5 * ow < 2 * span) if band else (4 * ow < 3 * span):
         return False
