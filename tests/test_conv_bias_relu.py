@@ -402,8 +402,8 @@ def test_engine_pays_where_measured():
     (docs/performance.md, "Where the convolution engine pays")."""
     nchw, cl, bf16, f16, f32 = CB.NCHW, CB.CHANNELS_LAST, torch.bfloat16, torch.float16, torch.float32
 
-    def pays(x, k, cout, layout=nchw, dtype=bf16, training=False, x_dtype=None):
-        return _ENGINE_PAYS(x, (cout, x[1], k, k), layout, dtype, training, x_dtype)
+    def pays(x, k, cout, layout=nchw, dtype=bf16, training=False, x_dtype=None, y_dtype=None):
+        return _ENGINE_PAYS(x, (cout, x[1], k, k), layout, dtype, training, x_dtype, y_dtype)
 
     problem_1 = (128, 64, 128, 128)
     for layout, dtype, training in ((nchw, bf16, False), (cl, bf16, True), (nchw, f32, True),
@@ -444,6 +444,10 @@ def test_engine_pays_where_measured():
     assert not pays((64, 256, 128, 128), 3, 256) and pays((64, 256, 128, 128), 3, 256, nchw, bf16, False, f32)
     assert pays(problem_1, 3, 64, cl, bf16, True, f32) and not pays(problem_1, 1, 64, cl, bf16, True, f32)
     assert pays(problem_1, 1, 128, cl, f16, True, f32)
+    # the band kernel writes a float32 y: for a 16-bit one (16-bit vectors)
+    # the float32 x is copied, for the per-tap kernel
+    assert pays((8, 64, 56, 56), 3, 128, nchw, bf16, False, f32, f32)
+    assert not pays((8, 64, 56, 56), 3, 128, nchw, bf16, False, f32, bf16)
     # float16 and float32 on a channels-last x with at most 8 input
     # channels: cuDNN's kernels below 128 output channels
     assert not pays((64, 8, 128, 128), 5, 32, cl, f16) and pays((64, 8, 128, 128), 5, 32, cl, bf16)
@@ -985,6 +989,58 @@ def test_routes(device, monkeypatch):
     # engine for large calls only: test_engine_float32_route)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     assert CB.engine_dtypes(x, wt, cb, b) == (torch.float32, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cudnn_route_keeps_x_memory_format_with_a_channels_last_weight(dtype, device, monkeypatch):
+    """An NCHW x and a channels-last weight: y NCHW on the "cudnn" route as
+    on the engine's (cuDNN alone writes channels-last there), with eager's
+    values and gradients."""
+    monkeypatch.setattr(CB, "_engine_pays", lambda *args: False)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 16, 9, 11, generator=gen).to(device, dtype).requires_grad_(True)
+    wt = (torch.randn(8, 16, 3, 3, generator=gen) / 12).to(device, dtype)
+    wt = wt.contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    cb = torch.randn(8, generator=gen).to(device, dtype).requires_grad_(True)
+    assert not wt.is_contiguous() and CB.route(x, wt, cb, None) == "cudnn"
+    y = ops.conv_bias_relu(x, wt, cb)
+    ref = _reference(x, wt, cb, None)
+    assert y.is_contiguous() and ref.is_contiguous(memory_format=torch.channels_last)
+    g = torch.randn(y.shape, generator=gen).to(device, dtype)
+    grads = torch.autograd.grad(y, (x, wt, cb), g)
+    ref_grads = torch.autograd.grad(ref, (x, wt, cb), g)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2  # (TF32 in either, by cuDNN's choice)
+    for a, b in zip((y, *grads), (ref, *ref_grads)):
+        assert a.shape == b.shape and rel_error(a, b.double()) < tol
+
+
+@pytest.mark.gpu
+def test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid(device, monkeypatch):
+    """A channels-last float32 x one value off the 16-byte grid, in
+    training: cuDNN's own backward fails on it ("unable to find an engine",
+    or a misaligned address that ends the process's CUDA context), so the
+    "cudnn" route takes an aligned copy of it."""
+    monkeypatch.setattr(CB, "_engine_pays", lambda *args: False)
+    gen = torch.Generator().manual_seed(8)
+    dense = torch.randn(1, 24, 9, 126, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
+    buf = torch.full((dense.numel() + 1,), float("nan"), device=device)
+    buf[1:] = dense.permute(0, 2, 3, 1).reshape(-1)
+    x = buf[1:].view(1, 9, 126, 24).permute(0, 3, 1, 2).requires_grad_(True)
+    assert x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16
+    wt = (torch.randn(48, 24, 2, 3, generator=gen) / 9).to(device).requires_grad_(True)
+    cb, b = (torch.randn(48, generator=gen).to(device).requires_grad_(True) for _ in range(2))
+    assert CB.route(x, wt, cb, b) == "cudnn"
+    y = ops.conv_bias_relu(x, wt, cb, b.reshape(48, 1, 1))
+    g = torch.randn(y.shape, generator=gen).to(device)
+    grads = torch.autograd.grad(y, (x, wt, cb, b), g)
+    torch.cuda.synchronize()
+    leaves = [t.detach().clone().requires_grad_(True) for t in (dense, wt, cb, b)]
+    ref = _reference(*leaves[:3], leaves[3].reshape(48, 1, 1))
+    ref_grads = torch.autograd.grad(ref, leaves, g)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    for a, r in zip((y, *grads), (ref, *ref_grads)):
+        assert rel_error(a, r.double()) < 1e-3  # (TF32 in either, by cuDNN's choice)
 
 
 @pytest.mark.gpu

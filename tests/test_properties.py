@@ -38,13 +38,29 @@ A second one, float32 products in 3xTF32 (the default): their error is
 bounded by the split's representation error, about 2^-21 of the product's
 terms, which where the sum cancels can be a few times SGEMM's; the
 output's slack is then 2^-20 of the terms, carried through the chain
-(:func:`_split_product`).
+(:func:`_split_product`).  A third, float32 convolutions: TF32 products on
+tensor cores (ours, and cuDNN's where it picks them) sum in float32 less
+exactly than cuDNN's float32 kernels, by a few units of float32 of the
+terms, so the slack of the output and of the input and weight gradients is
+2^-20 of their terms.
+
+conv_bias_relu runs as routed, or on the engine wherever its kernels take
+the call (its routing rule and size thresholds lifted), in training and in
+inference.  Its products multiply values their precision holds (TF32 x,
+weight and upstream gradient in float32, bfloat16 x and weight in "amp"),
+and the upstream gradient is 0 where the exact pre-activation lies within
+a few units of the product's precision of its terms: there, which side of
+relu's threshold each implementation lands on is chance, and a gradient
+from the other side errs by a large share of the whole at these sizes.
+Eager runs on ours' memory formats (cuDNN's algorithms, and so its NaN
+placement, depend on them), and y must be in x's memory format.
 
 Deterministic: derandomized hypothesis without an example database, torch
 generators seeded from the drawn case.  Without hypothesis the module skips.
 """
 import contextlib
 import dataclasses
+import importlib
 import math
 import os
 from typing import Optional, Tuple
@@ -56,13 +72,16 @@ import torch.nn.functional as F
 pytest.importorskip("hypothesis", reason="the property tests need hypothesis "
                                          "(pip install -e '.[test]')")
 
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cupy_fused import ops  # noqa: E402
 from cupy_fused.testing import poison_allocator, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+# The module of ops.conv_bias_relu (which is the op): its routing rule and tf32 rounding.
+CONV = importlib.import_module("cupy_fused.ops.conv_bias_relu")
 
 # The `device` fixture is function-scoped but stateless: its reuse across
 # examples is safe.
@@ -174,6 +193,47 @@ def bias_relu_cases(draw):
         bias_shape=draw(st.sampled_from(["flat", "c11"])), vec_offset=draw(st.booleans()),
         half_z=draw(st.booleans()), scales=draw(_scales(3)), seed=draw(SEED),
         special=draw(_special(["z", "z", "bias", "bias2"])))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvCase:
+    n: int
+    in_channels: int
+    out_channels: int
+    out_hw: Tuple[int, int]  # the output's height and width
+    kernel: Tuple[int, int]
+    bias: str  # "c11": (C_out, 1, 1); "flat": (C_out,); "one": one value; "none"
+    x_layout: str
+    w_layout: str
+    train: bool  # False: an inference call (no tensor requires grad)
+    engine: bool  # the engine wherever its kernels take the call (_lift_conv_rule)
+    scales: Tuple[float, float, float, float]  # x, weight (per sqrt(fan-in)), conv_bias, bias
+    seed: int
+    special: Optional[tuple] = None
+
+
+# Kernel sides: mostly up to 3, at times up to 7.
+KERNEL_SIDE = st.one_of(st.integers(1, 3), st.integers(1, 7))
+
+
+@st.composite
+def conv_cases(draw):
+    return ConvCase(
+        n=draw(st.sampled_from([0, 1, 1, 2, 3])),
+        # Any C_in (not a multiple of 8: the padded route) and C_out, and the
+        # multiples of 8 and 32 the engine's layouts and training ask for.
+        in_channels=draw(st.one_of(st.integers(1, 24), st.integers(1, 10).map(lambda v: 8 * v))),
+        out_channels=draw(st.one_of(st.integers(1, 24), st.integers(1, 12).map(lambda v: 8 * v),
+                                    st.sampled_from([32, 64, 128]))),
+        # Rows within one 128-pixel tile, and across two.
+        out_hw=(draw(st.integers(1, 10)),
+                draw(st.one_of(st.integers(1, 24), st.integers(120, 140)))),
+        kernel=(draw(KERNEL_SIDE), draw(KERNEL_SIDE)),
+        bias=draw(st.sampled_from(["c11", "flat", "one", "none"])),
+        x_layout=draw(LAYOUTS_4D), w_layout=draw(st.sampled_from(["contiguous", "channels_last"])),
+        train=draw(st.booleans()), engine=draw(st.sampled_from([False, True, True])),
+        scales=draw(_scales(4)),
+        seed=draw(SEED), special=draw(_special(["x", "x", "weight", "conv_bias", "bias"])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,31 +365,46 @@ def _autocast(amp):
 
 
 def _run(fn, leaves, amp, g):
-    """fn's output and the gradient of every leaf, for the upstream gradient g."""
+    """fn's output and the gradient of every leaf, for the upstream gradient
+    g; with g None, the output alone (an inference call: no leaf requires
+    grad)."""
     with _autocast(amp):
         y = fn(**leaves)
-    y.backward(g.to(y.dtype))
     result = {"out": y.detach()}
-    result.update({f"{name}.grad": t.grad for name, t in leaves.items()})
+    if g is not None:
+        y.backward(g.to(y.dtype))
+        result.update({f"{name}.grad": t.grad for name, t in leaves.items()})
     return result
 
 
+# Eager's layouts for ours' with ``eager_layouts``: the same memory format,
+# on the 16-byte grid (cuDNN's backward of a float32 channels-last input off
+# it fails, eager's as ours did before conv_bias_relu made such an x a copy).
+_ALIGNED = {"offset": "contiguous", "channels_last_offset": "channels_last"}
+
+
 def _runs(reference, ours, values, dtypes, layouts, amp, out_shape, out_dtype, gen, device,
-          truth_reference=None):
-    """Runs the float64 truth, eager (``reference`` in the inputs' dtypes)
-    and ours (inputs in their layouts) on the same values and upstream
-    gradient.  Returns (truth, eager, ours, our leaves)."""
-    g = torch.randn(out_shape, generator=gen).to(device=device, dtype=out_dtype)
+          truth_reference=None, grad=True, g=None, eager_layouts=False):
+    """Runs the float64 truth, eager (``reference`` in the inputs' dtypes,
+    contiguous, or with ``eager_layouts`` in ours' memory formats, on the
+    16-byte grid: _ALIGNED) and ours (inputs in their layouts) on the same
+    values and upstream gradient (``g``,
+    float32 on the CPU, or drawn from ``gen``); with ``grad`` False, the
+    outputs alone.  Returns (truth, eager, ours, our leaves)."""
+    g = (torch.randn(out_shape, generator=gen) if g is None else g).to(device=device, dtype=out_dtype)
     cast = {k: v.to(device=device, dtype=dtypes[k]) for k, v in values.items()}
     truth = _run(truth_reference or reference,
-                 {k: t.double().requires_grad_(True) for k, t in cast.items()}, None, g.double())
-    eager = _run(reference, {k: t.clone().requires_grad_(True) for k, t in cast.items()}, amp, g)
+                 {k: t.double().requires_grad_(grad) for k, t in cast.items()}, None,
+                 g.double() if grad else None)
+    eager = _run(reference, {k: (_in_layout(t, _ALIGNED.get(layouts.get(k), layouts.get(k, "contiguous")))
+                                 .detach() if eager_layouts else t.clone()).requires_grad_(grad)
+                             for k, t in cast.items()}, amp, g if grad else None)
     assert eager["out"].dtype == out_dtype, (eager["out"].dtype, out_dtype)
-    leaves = {k: _in_layout(t, layouts.get(k, "contiguous")).detach().requires_grad_(True)
+    leaves = {k: _in_layout(t, layouts.get(k, "contiguous")).detach().requires_grad_(grad)
               for k, t in cast.items()}
     poison_allocator(device, 4 * max([1] + [t.numel() for t in cast.values()]
                                      + [math.prod(out_shape)]))
-    return truth, eager, _run(ours, leaves, amp, g), leaves
+    return truth, eager, _run(ours, leaves, amp, g if grad else None), leaves
 
 
 def _first_difference(a, b):
@@ -653,6 +728,92 @@ def test_linear_gn_chain(chain, mode, case, device):
             z_terms = (x64.abs() @ w64.abs().t()).max().item()
             floors["out"] = (gain * z_terms, 2**-20)
     _check(truth, eager, mine, special is not None, floors, amp=amp)
+
+
+# ---------------------------------------------------------------- conv_bias_relu
+
+def _lift_conv_rule(mp):
+    """The engine wherever its kernels take a call, as the kernel tests of
+    tests/test_conv_bias_relu.py run it: the routing rule (_engine_pays) and
+    the size thresholds of training, float32 and the weight gradient lifted
+    (``mp``: a pytest MonkeyPatch)."""
+    mp.setattr(CONV, "_engine_pays", lambda *args: True)
+    mp.setattr(CONV, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    mp.setattr(CONV, "ENGINE_FLOAT32_MIN_ELEMENTS", 0)
+    mp.setattr(CONV, "WGRAD_COUT_MULTIPLE", 8)
+    mp.setattr(CONV, "WGRAD_MIN_ROW_SHARE", 0.0)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@PROPERTY_SETTINGS
+@given(case=conv_cases())
+@example(case=ConvCase(0, 8, 8, (3, 5), (1, 1), "flat", "contiguous", "contiguous", True, False,
+                       (1.0,) * 4, 0))
+@example(case=ConvCase(2, 5, 32, (6, 130), (3, 3), "c11", "channels_last", "contiguous", True,
+                       True, (1.0,) * 4, 1))
+@example(case=ConvCase(1, 16, 24, (4, 126), (2, 3), "one", "contiguous", "channels_last", False,
+                       True, (1.0,) * 4, 2))
+def test_conv_bias_relu(mode, case, device):
+    """conv_bias_relu on either route, training or inference (see the
+    module docstring): in fp32 the TF32 engine's and cuDNN's float32
+    kernels multiply the same numbers, in amp the casts are exact."""
+    dtype, amp = MODES[mode], (None if MODES[mode] else AMP)
+    gen = torch.Generator().manual_seed(case.seed)
+    n, cin, cout = case.n, case.in_channels, case.out_channels
+    (oh, ow), (kh, kw) = case.out_hw, case.kernel
+    values = {"x": _randn(gen, (n, cin, oh + kh - 1, ow + kw - 1), case.scales[0]),
+              "weight": _randn(gen, (cout, cin, kh, kw), case.scales[1] / math.sqrt(cin * kh * kw)),
+              "conv_bias": _randn(gen, (cout,), case.scales[2])}
+    bias_shape = {"c11": (cout, 1, 1), "flat": (cout,), "one": (1,)}.get(case.bias)
+    if bias_shape is not None:
+        values["bias"] = _randn(gen, bias_shape, case.scales[3])
+    for name in ("x", "weight"):
+        if mode == "fp32":
+            values[name] = CONV._tf32(values[name])
+        elif amp is not None:
+            values[name] = values[name].to(amp).float()
+    special = _place_special(values, case.special, "x")
+
+    def reference(x, weight, conv_bias, bias=None):  # (conv_bias after the convolution, as documented)
+        y = F.relu(F.conv2d(x, weight) + conv_bias.reshape(-1, 1, 1))
+        return y if bias is None else y + bias.reshape(-1, 1, 1)
+
+    def ours(x, weight, conv_bias, bias=None):
+        return ops.conv_bias_relu(x, weight, conv_bias, bias)
+
+    out_dtype = dtype or torch.float32  # (under autocast: the float32 conv_bias's promotion)
+    g = torch.randn((n, cout, oh, ow), generator=gen)
+    if mode == "fp32":
+        g = CONV._tf32(g)
+    if special is None and n:  # g is 0 where relu's side is chance (module docstring)
+        x64, w64, cb64 = (values[k].to(device).double() for k in ("x", "weight", "conv_bias"))
+        terms = F.conv2d(x64.abs(), w64.abs(), cb64.abs())
+        unit = {"fp32": 2**-17, "fp16": 2**-8}.get(mode, 2**-6)
+        g[(F.conv2d(x64, w64, cb64).abs() <= unit * terms).cpu()] = 0.0
+    with pytest.MonkeyPatch.context() as mp:
+        if case.engine:
+            _lift_conv_rule(mp)
+        truth, eager, mine, leaves = _runs(
+            reference, ours, values, {name: dtype or torch.float32 for name in values},
+            {"x": case.x_layout, "weight": case.w_layout}, amp, g.shape, out_dtype, gen, device,
+            grad=case.train, g=g, eager_layouts=True)
+        bias = leaves.get("bias")
+        with _autocast(amp):  # (hypothesis's statistics: how often each route ran)
+            event("route: " + CONV.route(leaves["x"], leaves["weight"], leaves["conv_bias"],
+                                         None if bias is None else bias.reshape(-1)))
+    floors = None
+    if mode == "fp32" and n:  # tensor cores' float32 sums (module docstring)
+        x64, w64, g64 = (t.to(device).double().abs() for t in (values["x"], values["weight"], g))
+        floors = {"out": (F.conv2d(x64, w64).max().item(), 2**-20),
+                  "x.grad": (F.conv_transpose2d(g64, w64).max().item(), 2**-20),
+                  "weight.grad": (torch.nn.grad.conv2d_weight(x64, w64.shape, g64).max().item(),
+                                  2**-20)}
+    _check(truth, eager, mine, special is not None, floors, amp=amp)
+    x, out = leaves["x"], mine["out"]
+    if out.numel():  # y in x's memory format: channels-last where x is only that, else NCHW
+        fmt = (torch.channels_last if x.is_contiguous(memory_format=torch.channels_last)
+               and not x.is_contiguous() else torch.contiguous_format)
+        assert out.is_contiguous(memory_format=fmt), (fmt, out.stride(), x.stride())
 
 
 # ---------------------------------------------------------------- scale_add

@@ -84,7 +84,10 @@ Route, decided once per call (:func:`route`):
   (:func:`_channels_last_backward`): cuDNN's native layout there, reached
   through our transposing copies, with the input gradient on the engine
   where :func:`_dgrad_on_engine` takes it and the weight gradient where
-  :func:`_wgrad_on_engine` does.
+  :func:`_wgrad_on_engine` does.  y is in x's memory format here too (a
+  channels-last weight read as a contiguous copy where x is NCHW), and a
+  channels-last x off the 16-byte grid is copied onto it in training
+  (cuDNN's float32 backward fails on such an x).
 """
 from __future__ import annotations
 
@@ -612,7 +615,8 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor, bias: 
         return None
     if dtypes[0] == torch.float32 and math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS:
         return None
-    if not _engine_pays(x_shape, (cout, x_shape[1], kh, kw), layout, dtypes[0], training, x.dtype):
+    if not _engine_pays(x_shape, (cout, x_shape[1], kh, kw), layout, dtypes[0], training, x.dtype,
+                        dtypes[1]):
         return None
     return (layout, *dtypes, training)
 
@@ -661,12 +665,14 @@ PIXEL_TILE = gemm.HALF_TILE[0]
 
 
 def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: str, dtype: torch.dtype,
-                 training: bool, x_dtype: Optional[torch.dtype] = None) -> bool:
+                 training: bool, x_dtype: Optional[torch.dtype] = None,
+                 y_dtype: Optional[torch.dtype] = None) -> bool:
     """Whether the engine route measured faster than the ``"cudnn"`` route
     for a call of this shape (x [N, C_in, H, W] with C_in a multiple of 8,
     the weight [C_out, C_in, KH, KW]), in ``layout`` with the product in
     ``dtype``, with or without a gradient to record, x of ``x_dtype``
-    (default ``dtype``; float32 with a 16-bit product under autocast).  The
+    (default ``dtype``; float32 with a 16-bit product under autocast), y of
+    ``y_dtype`` (default: float32 under autocast, else ``dtype``).  The
     rules are the boundaries of the grid of ``benchmarks/conv_routes.py``
     (H200; docs/performance.md, "Where the convolution engine pays"): the
     engine loses where its tiles are mostly waste, or where cuDNN has a
@@ -708,10 +714,11 @@ def _engine_pays(x_shape: Sequence[int], weight_shape: Sequence[int], layout: st
     amp = x_dtype == torch.float32 and dtype != torch.float32
     # An NCHW x is read in place where its rows are whole 16-byte vectors
     # (_nchw_rows_whole): a 16-bit one by the window and band kernels, a
-    # float32 one under autocast by the band kernel only; else through a
-    # channels-last copy, by the per-tap kernel.
+    # float32 one under autocast by the band kernel only, which writes a
+    # float32 y; else through a channels-last copy, by the per-tap kernel.
     in_place = (layout == NCHW and not training and _rows_whole(w, x_dtype)
-                and (_band_fits(cin, cout, kh, kw) if amp else dtype != torch.float32))
+                and ((_band_fits(cin, cout, kh, kw) and y_dtype in (None, torch.float32)) if amp
+                     else dtype != torch.float32))
     band = in_place and cin <= 64 and cout >= 128 and 1 < kh <= 3 and kw <= BAND_MAX_KW
     if (5 * ow < 2 * span) if band else (4 * ow < 3 * span):
         return False
@@ -1716,7 +1723,17 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     amp = autocast_dtype()
     if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
         x, weight = cast(x, amp), cast(weight, amp)
+    x_channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    if not (weight.is_contiguous() or x_channels_last):
+        # y in x's memory format, as the engine writes it: cuDNN writes a
+        # channels-last z for a channels-last weight whatever x's layout.
+        weight = weight.contiguous()
     grad = needs_grad(x, weight)
+    if grad and x_channels_last and x.data_ptr() % 16:
+        # cuDNN's backward of a channels-last x off the 16-byte grid can fail
+        # (float32: "unable to find an engine", or a misaligned address): a
+        # copy on it (new tensors are).
+        x = x.clone(memory_format=torch.channels_last)
     z = _CUDNN_CONV.run(grad, x, weight)
     # dz straight to channels-last where the convolution's backward runs so
     # (z has dz's shape, dtype and layout).  Decided here, at the forward:
