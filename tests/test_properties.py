@@ -53,7 +53,11 @@ a few units of the product's precision of its terms: there, which side of
 relu's threshold each implementation lands on is chance, and a gradient
 from the other side errs by a large share of the whole at these sizes.
 Eager runs on ours' memory formats (cuDNN's algorithms, and so its NaN
-placement, depend on them), and y must be in x's memory format.
+placement, depend on them), and y must be in x's memory format.  Special
+values go into x and the biases, not the weight (eager's own NaN placement
+then depends on the weight's layout), and the weight's gradient is checked
+for where it is not finite, not for which of NaN and +-inf (0 x inf in its
+sums: eager's differs from IEEE arithmetic's there).
 
 Deterministic: derandomized hypothesis without an example database, torch
 generators seeded from the drawn case.  Without hypothesis the module skips.
@@ -225,15 +229,20 @@ def conv_cases(draw):
         in_channels=draw(st.one_of(st.integers(1, 24), st.integers(1, 10).map(lambda v: 8 * v))),
         out_channels=draw(st.one_of(st.integers(1, 24), st.integers(1, 12).map(lambda v: 8 * v),
                                     st.sampled_from([32, 64, 128]))),
-        # Rows within one 128-pixel tile, and across two.
-        out_hw=(draw(st.integers(1, 10)),
+        # Rows within one 128-pixel tile, and across two; at times more
+        # tiles than a GPU has SMs (a block then takes tile after tile).
+        out_hw=(draw(st.one_of(st.integers(1, 10), st.integers(1, 10), st.integers(40, 64))),
                 draw(st.one_of(st.integers(1, 24), st.integers(120, 140)))),
         kernel=(draw(KERNEL_SIDE), draw(KERNEL_SIDE)),
         bias=draw(st.sampled_from(["c11", "flat", "one", "none"])),
         x_layout=draw(LAYOUTS_4D), w_layout=draw(st.sampled_from(["contiguous", "channels_last"])),
         train=draw(st.booleans()), engine=draw(st.sampled_from([False, True, True])),
         scales=draw(_scales(4)),
-        seed=draw(SEED), special=draw(_special(["x", "x", "weight", "conv_bias", "bias"])))
+        # Not the weight: eager's own NaN in x's gradient from a NaN weight
+        # moves with the weight's memory format (cuDNN's algorithms: one NaN
+        # from a contiguous weight, two from the same values channels-last,
+        # float16 and bfloat16 on the H200), not with correctness.
+        seed=draw(SEED), special=draw(_special(["x", "x", "conv_bias", "bias"])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,11 +421,12 @@ def _first_difference(a, b):
     return tuple(idx[0].tolist()) if len(idx) else None
 
 
-def _check(truth, eager, ours, special, floors=None, amp=None):
+def _check(truth, eager, ours, special, floors=None, amp=None, where_only=()):
     """Dtypes and shapes as eager's; then, with a special input value, the
-    non-finite masks as eager's, else the error bound (see the module
-    docstring; ``floors``: name -> (magnitude of cancelling terms, the
-    fraction of it allowed as error); ``amp``:
+    non-finite masks as eager's (for the names in ``where_only``, where
+    values are not finite, not which of NaN, +inf and -inf), else the error
+    bound (see the module docstring; ``floors``: name -> (magnitude of
+    cancelling terms, the fraction of it allowed as error); ``amp``:
     the autocast dtype, whose rounding unit is then the slack: a float32
     gradient of a bfloat16 product carries bfloat16's error, and on a
     handful of elements eager's roundings may cancel by chance)."""
@@ -429,8 +439,9 @@ def _check(truth, eager, ours, special, floors=None, amp=None):
         assert mine.shape == theirs.shape, f"{name}: shape {tuple(mine.shape)}, eager's " \
                                            f"{tuple(theirs.shape)}"
         if special:
-            for kind, mask in (("nan", torch.isnan), ("+inf", torch.isposinf),
-                               ("-inf", torch.isneginf)):
+            kinds = ((("nan", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf))
+                     if name not in where_only else (("non-finite", lambda t: ~torch.isfinite(t)),))
+            for kind, mask in kinds:
                 a, b = mask(mine), mask(theirs)
                 if not torch.equal(a, b):
                     problems.append(f"{name} {kind}: ours {a.sum().item()}, eager "
@@ -808,7 +819,12 @@ def test_conv_bias_relu(mode, case, device):
                   "x.grad": (F.conv_transpose2d(g64, w64).max().item(), 2**-20),
                   "weight.grad": (torch.nn.grad.conv2d_weight(x64, w64.shape, g64).max().item(),
                                   2**-20)}
-    _check(truth, eager, mine, special is not None, floors, amp=amp)
+    # The weight's gradient where an inf of x meets relu's zero gradient
+    # (0 x inf in its sum): NaN in IEEE arithmetic and in ours, +-inf in
+    # eager's for some of those channels (float16 on the H200, eager's NaN
+    # and +-inf the same for NCHW and channels-last x, deterministic or not):
+    # there, where values are not finite.
+    _check(truth, eager, mine, special is not None, floors, amp=amp, where_only=("weight.grad",))
     x, out = leaves["x"], mine["out"]
     if out.numel():  # y in x's memory format: channels-last where x is only that, else NCHW
         fmt = (torch.channels_last if x.is_contiguous(memory_format=torch.channels_last)
