@@ -1729,10 +1729,11 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         # channels-last z for a channels-last weight whatever x's layout.
         weight = weight.contiguous()
     grad = needs_grad(x, weight)
-    if grad and x_channels_last and x.data_ptr() % 16:
+    if grad and x_channels_last and not is_compiling() and x.data_ptr() % 16:
         # cuDNN's backward of a channels-last x off the 16-byte grid can fail
         # (float32: "unable to find an engine", or a misaligned address): a
-        # copy on it (new tensors are).
+        # copy on it (new tensors are).  (Not while tracing, where no address
+        # is known.)
         x = x.clone(memory_format=torch.channels_last)
     z = _CUDNN_CONV.run(grad, x, weight)
     # dz straight to channels-last where the convolution's backward runs so
