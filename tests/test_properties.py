@@ -397,17 +397,20 @@ def _runs(reference, ours, values, dtypes, layouts, amp, out_shape, out_dtype, g
     """Runs the float64 truth, eager (``reference`` in the inputs' dtypes,
     contiguous, or with ``eager_layouts`` in ours' memory formats, on the
     16-byte grid: _ALIGNED) and ours (inputs in their layouts) on the same
-    values and upstream gradient (``g``,
-    float32 on the CPU, or drawn from ``gen``); with ``grad`` False, the
-    outputs alone.  Returns (truth, eager, ours, our leaves)."""
+    values and upstream gradient (``g``, float32 on the CPU, or drawn from
+    ``gen``); with ``grad`` False, the outputs alone.  Returns (truth,
+    eager, ours, our leaves)."""
     g = (torch.randn(out_shape, generator=gen) if g is None else g).to(device=device, dtype=out_dtype)
     cast = {k: v.to(device=device, dtype=dtypes[k]) for k, v in values.items()}
     truth = _run(truth_reference or reference,
                  {k: t.double().requires_grad_(grad) for k, t in cast.items()}, None,
                  g.double() if grad else None)
-    eager = _run(reference, {k: (_in_layout(t, _ALIGNED.get(layouts.get(k), layouts.get(k, "contiguous")))
-                                 .detach() if eager_layouts else t.clone()).requires_grad_(grad)
-                             for k, t in cast.items()}, amp, g if grad else None)
+    def eager_leaf(name, t):
+        layout = layouts.get(name, "contiguous")
+        return _in_layout(t, _ALIGNED.get(layout, layout)).detach() if eager_layouts else t.clone()
+
+    eager = _run(reference, {k: eager_leaf(k, t).requires_grad_(grad) for k, t in cast.items()}, amp,
+                 g if grad else None)
     assert eager["out"].dtype == out_dtype, (eager["out"].dtype, out_dtype)
     leaves = {k: _in_layout(t, layouts.get(k, "contiguous")).detach().requires_grad_(grad)
               for k, t in cast.items()}
