@@ -1723,7 +1723,7 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     amp = autocast_dtype()
     if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
         x, weight = cast(x, amp), cast(weight, amp)
-    x_channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    x_channels_last = _strictly_channels_last(x)
     if not (weight.is_contiguous() or x_channels_last):
         # y in x's memory format, as the engine writes it: cuDNN writes a
         # channels-last z for a channels-last weight whatever x's layout.
