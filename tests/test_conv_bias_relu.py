@@ -1016,12 +1016,15 @@ def test_cudnn_route_keeps_x_memory_format_with_a_channels_last_weight(dtype, de
 
 
 @pytest.mark.gpu
-def test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid(device, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid(device, monkeypatch, compiled):
     """A channels-last float32 x one value off the 16-byte grid, in
-    training: cuDNN's own backward fails on it ("unable to find an engine",
-    or a misaligned address that ends the process's CUDA context), so the
-    "cudnn" route takes an aligned copy of it."""
+    training, as called and under torch.compile: cuDNN's own backward fails
+    on it ("unable to find an engine", or a misaligned address that ends
+    the process's CUDA context), so the "cudnn" route's backward hands it
+    an aligned copy."""
     monkeypatch.setattr(CB, "_engine_pays", lambda *args: False)
+    op = torch.compile(ops.conv_bias_relu, fullgraph=True) if compiled else ops.conv_bias_relu
     gen = torch.Generator().manual_seed(8)
     dense = torch.randn(1, 24, 9, 126, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
     buf = torch.full((dense.numel() + 1,), float("nan"), device=device)
@@ -1031,7 +1034,7 @@ def test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid(device, mo
     wt = (torch.randn(48, 24, 2, 3, generator=gen) / 9).to(device).requires_grad_(True)
     cb, b = (torch.randn(48, generator=gen).to(device).requires_grad_(True) for _ in range(2))
     assert CB.route(x, wt, cb, b) == "cudnn"
-    y = ops.conv_bias_relu(x, wt, cb, b.reshape(48, 1, 1))
+    y = op(x, wt, cb, b.reshape(48, 1, 1))
     g = torch.randn(y.shape, generator=gen).to(device)
     grads = torch.autograd.grad(y, (x, wt, cb, b), g)
     torch.cuda.synchronize()

@@ -1606,6 +1606,12 @@ def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, wan
                     want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     channels_last = _channels_last_backward(dz, x)
     dz_in, x_in = dz, lambda: x  # noqa: E731
+    if _strictly_channels_last(x) and x.data_ptr() % 16:
+        # cuDNN's backward of a channels-last x off the 16-byte grid can fail
+        # (float32: "unable to find an engine", or a misaligned address that
+        # ends the process's CUDA context): an aligned copy (new tensors are),
+        # here, where x is real in eager runs and compiled graphs alike.
+        x_in = lambda: x.clone(memory_format=torch.channels_last)  # noqa: E731
     if channels_last:
         # (dz comes channels-last from bias_relu's backward, see
         # conv_bias_relu(), unless something between them changed it.)
@@ -1723,18 +1729,11 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     amp = autocast_dtype()
     if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
         x, weight = cast(x, amp), cast(weight, amp)
-    x_channels_last = _strictly_channels_last(x)
-    if not (weight.is_contiguous() or x_channels_last):
+    if not (weight.is_contiguous() or _strictly_channels_last(x)):
         # y in x's memory format, as the engine writes it: cuDNN writes a
         # channels-last z for a channels-last weight whatever x's layout.
         weight = weight.contiguous()
     grad = needs_grad(x, weight)
-    if grad and x_channels_last and not is_compiling() and x.data_ptr() % 16:
-        # cuDNN's backward of a channels-last x off the 16-byte grid can fail
-        # (float32: "unable to find an engine", or a misaligned address): a
-        # copy on it (new tensors are).  (Not while tracing, where no address
-        # is known.)
-        x = x.clone(memory_format=torch.channels_last)
     z = _CUDNN_CONV.run(grad, x, weight)
     # dz straight to channels-last where the convolution's backward runs so
     # (z has dz's shape, dtype and layout).  Decided here, at the forward:
