@@ -227,6 +227,41 @@ def test_half_precision_takes_the_cublas_path(dtype, device):
     assert y.grad_fn is not None and torch.equal(y.detach(), torch.addmm(b, x, w.t()).relu())
 
 
+def _off_the_grid(t):
+    """``t``'s values in a view one element into a buffer (off the 16-byte
+    grid)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    buf[1:] = t.reshape(-1)
+    return buf[1:].view(t.shape)
+
+
+@gpu
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["bf16", "amp-bf16"])
+@pytest.mark.parametrize("which", ["x", "weight"])
+def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, device):
+    """A bfloat16 operand off the 16-byte grid: cuBLAS would pick kernels
+    that may sum in bfloat16 (torch's default allows it), with nearly twice
+    the error; the op hands it an aligned copy, so the output and the
+    gradients are those of aligned operands, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = (torch.randn(shape, generator=gen).to(device, torch.bfloat16)
+            for shape in ((7, 14), (138, 14)))
+    g = torch.randn(7, 138, generator=gen).to(device)
+
+    def run(x, w):
+        x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+            y = ops.linear(x, w)
+        y.backward(g.to(y.dtype))
+        return y, x.grad, w.grad
+
+    aligned = run(x, w)
+    x_off, w_off = (_off_the_grid(t) if which == name else t for name, t in (("x", x), ("weight", w)))
+    assert (x_off.data_ptr() % 16 if which == "x" else w_off.data_ptr() % 16)
+    for a, b in zip(aligned, run(x_off, w_off)):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- autocast op (CPU tier)
 #
 # ``ops.linear`` under autocast (here with autocast_dtype patched, on CPU

@@ -436,3 +436,24 @@ def test_one_launch_training_step_is_bitwise_reproducible(device, one_launch_eve
         y.backward(g)
         runs.append([y.detach(), xx.grad] + [p.grad for p in ours.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@gpu
+def test_a_weight_off_the_grid_multiplies_as_an_aligned_one(device):
+    """A bfloat16 weight off the 16-byte grid (tests/test_linear.py's
+    test_half_operands_off_the_grid_multiply_as_aligned_ones): the output
+    and the gradients are those of the aligned weight, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 14, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(138, 14, generator=gen).to(device, torch.bfloat16)
+    g = torch.randn(7, 138, generator=gen).to(device, torch.bfloat16)
+    buf = torch.empty(w.numel() + 1, dtype=w.dtype, device=device)
+    buf[1:] = w.reshape(-1)
+    runs = []
+    for weight in (w, buf[1:].view(w.shape)):
+        xx, ww = x.clone().requires_grad_(True), weight.detach().requires_grad_(True)
+        y = ops.linear_gn_chain(xx, ww, None, "bias_hardtanh_mish_gn", 3)
+        y.backward(g)
+        runs.append((y, xx.grad, ww.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -277,6 +277,18 @@ _LINEAR_AUTOCAST = FusedOp("linear_autocast", _autocast_forward, _autocast_forwa
                            eager_setup_context=_autocast_eager_setup_context)
 
 
+def _cublas_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it on the 16-byte grid where it is a float16 /
+    bfloat16 tensor off it.  Given such an operand, cuBLAS picks kernels
+    that may sum in the 16-bit type, as torch allows by default
+    (``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``),
+    with nearly twice the error of its kernels for aligned operands
+    (docs/design.md).  Not while tracing, where no address is known."""
+    if t.dtype == torch.float32 or is_compiling() or t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          dtype: torch.dtype, bias_grad: bool = True) -> torch.Tensor:
     """``F.linear(x2, weight, bias)`` under ``torch.autocast("cuda",
@@ -290,14 +302,14 @@ def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[
     reads the weight itself and rounds it in the tensor cores' operand
     registers (:func:`.gemm._routes_float32_weight`): the same values as its
     cast, without the cast's pass over the weight."""
-    x_d = x2.detach().to(dtype)  # (.to returns the tensor itself when already in dtype)
+    x_d = _cublas_operand(x2.detach().to(dtype))  # (.to returns the tensor itself when already in dtype)
     bias_d = bias.detach().to(dtype) if bias is not None else None
     if not bias_grad:
         bias = None
     grad = needs_grad(x2, weight, bias)
     if not grad and launches_directly() and _routes_float32_weight(x_d, weight):
         return _run_float32_weight(x_d, weight, bias_d)  # (the route checked the operands)
-    w_d = weight.detach().to(dtype)
+    w_d = _cublas_operand(weight.detach().to(dtype))
     return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x_d, w_d, bias_d)
 
 
@@ -406,6 +418,7 @@ def _run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     tensor-core passes).  Returns [M, N]."""
     grad = needs_grad(x2, weight, bias)
     if passes == CUBLAS:
+        x2, weight = _cublas_operand(x2), _cublas_operand(weight)
         if activation == 0:
             return F.linear(x2, weight, bias)
         # cuBLAS with its bias epilogue and torch's ReLU, no kernel of ours

@@ -57,7 +57,7 @@ from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null, _spread
 from .gn_chain import (CHAINS, _launch_backward as _gn_chain_backward,
                        _launch_forward as _gn_chain_forward, _parameter_grads,
                        _run_gn_chain, _stats_pointers, check_chain, check_chain_vectors)
-from .linear import _mm_to, _run_autocast_linear, _run_linear
+from .linear import _cublas_operand, _mm_to, _run_autocast_linear, _run_linear
 
 # ---------------------------------------------------------------- 16-bit, one launch (Hopper)
 
@@ -226,6 +226,7 @@ def _forward_half(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torc
     if _half_engine_fuses(x, weight, num_groups, float_out):
         return _run_one_launch(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
                                chain, num_groups, eps, save, None, float_out)
+    x, weight = _cublas_operand(x), _cublas_operand(weight)
     z = torch.addmm(lin_bias, x, weight.t()) if lin_bias is not None else torch.mm(x, weight.t())
     y, stats = _gn_chain_forward(z, None, extra_bias, gn_weight, gn_bias, mul_weight, chain,
                                  num_groups, eps, save, True, float_out=float_out)
@@ -275,8 +276,8 @@ def _backward(dout: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor, z: torch
     not wanted."""
     dz, sums = _gn_chain_backward(dout, z, stats, lin_bias, extra_bias, gn_weight, gn_bias,
                                   mul_weight, chain, num_groups, True)
-    dx = _mm_to(dz, w_d, x_dtype) if want_x else x_d.new_empty((0,))
-    dw = _mm_to(dz.t(), x_d, weight_dtype) if want_weight else w_d.new_empty((0,))
+    dx = _mm_to(dz, _cublas_operand(w_d), x_dtype) if want_x else x_d.new_empty((0,))
+    dw = _mm_to(dz.t(), _cublas_operand(x_d), weight_dtype) if want_weight else w_d.new_empty((0,))
     return dx, dw, sums
 
 
