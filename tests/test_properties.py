@@ -34,15 +34,23 @@ over 1 or 2 channels per group, where the exact result is (nearly) zero,
 x's gradient in ``linear_gn_chain`` with one input feature: x[i] then only
 scales row i of the GroupNorm's input, which the normalisation undoes.
 
-A second one, float32 products in 3xTF32 (the default): their error is
+A second one, float32 products: in 3xTF32 (the default) their error is
 bounded by the split's representation error, about 2^-21 of the product's
-terms, which where the sum cancels can be a few times SGEMM's; the
-output's slack is then 2^-20 of the terms, carried through the chain
-(:func:`_split_product`).  A third, float32 convolutions: TF32 products on
-tensor cores (ours, and cuDNN's where it picks them) sum in float32 less
-exactly than cuDNN's float32 kernels, by a few units of float32 of the
-terms, so the slack of the output and of the input and weight gradients is
-2^-20 of their terms.
+terms, and a float32 sum in another order than eager's errs by about
+sqrt(k) roundings of its k terms; where the sum cancels, either can be a
+few times eager's error on a handful of outputs.  The output's slack is
+then 2^-20, or sqrt(k) 2^-24, of the terms (:func:`_product_slack`), and
+so for each product of the backward.  Through the float32 GroupNorm
+chains, the slack of every tensor is twice how far it moves when the
+float64 truth is run again with the product's output, the GroupNorm's
+input and its output moved at random by that much and by a few units of
+float32 of their group's largest value (:func:`_shaken`): over values
+close together the normalisation magnifies any rounding, eager's as ours.
+
+A third, float32 convolutions: TF32 products on tensor cores (ours, and
+cuDNN's where it picks them) sum in float32 less exactly than cuDNN's
+float32 kernels, by a few units of float32 of the terms, so the slack of
+the output and of the input and weight gradients is 2^-20 of their terms.
 
 conv_bias_relu runs as routed, or on the engine wherever its kernels take
 the call (its routing rule and size thresholds lifted), in training and in
@@ -495,17 +503,22 @@ def _group_norm(a, groups, weight, bias, eps):
 
 
 def _chain_reference(chain, groups, eps, z, lin_bias=None, extra_bias=None, gn_weight=None,
-                     gn_bias=None, mul_weight=None, record=None):
+                     gn_bias=None, mul_weight=None, record=None, shake=None):
     """The chain in torch ops (tests/test_gn_chain.py's _reference, absent
     vectors skipped).  ``record``: a dict receiving the GroupNorm's input
-    ``a`` and output ``n`` (its gradient retained)."""
+    ``a`` and output ``n`` (its gradient retained); ``shake``: see
+    :func:`_shaken`, applied to ``a`` and ``n``."""
     a = z if lin_bias is None else z + lin_bias
     if chain == "swish_bias_gn":
         a = F.silu(a)
         a = a if extra_bias is None else a + extra_bias
     elif chain == "bias_hardtanh_mish_gn":
         a = F.mish(F.hardtanh(a if extra_bias is None else a + extra_bias))
+    if shake is not None:
+        a = shake(a, groups)
     n = _group_norm(a, groups, gn_weight, gn_bias, eps)
+    if shake is not None:
+        n = shake(n, groups)
     out = F.silu(F.silu(n) * mul_weight) if chain == "gn_swish_mul_swish" else n
     if record is not None:
         n.retain_grad()
@@ -533,14 +546,72 @@ def _cancellation_factor(per_group, dtype):
     return 2**-7 if per_group <= 2 else 16 * torch.finfo(dtype).eps
 
 
-def _split_product(mode, precision, k):
-    """Whether a float32 product runs as 3xTF32 (the default precision, sums
-    of 32 terms or more: see ops.gemm.uses_sgemm).  Its error is bounded by
-    the split's representation error, about 2^-21 of sum |a_i b_i| (the
-    documented precision), not by SGEMM's: where the sum cancels, that can be
-    a few times eager's error, so the output's slack is 2^-20 of the
-    product's terms, carried through the ops after it."""
-    return mode == "fp32" and precision in (None, "3xtf32") and k >= 32
+# How far _shaken moves a value, in units of float32 (eps) of its group's
+# largest magnitude (the float32 chains' pre-activations err by up to about
+# 5 units of their value, a GroupNorm's mean by about one of its group's
+# largest).
+SHAKE_UNITS = 4
+
+
+def _shaken(reference, values, dtypes, g, out_dtype, device, seed):
+    """The float64 truth, run again with the intermediate values that
+    ``reference`` hands to its ``shake`` argument moved by random amounts:
+    ``shake(t, groups)`` moves each value of ``t`` (rows x channels) by up
+    to SHAKE_UNITS units of float32 of the largest magnitude in its row's
+    group, ``shake(t, amount=m)`` by up to ``m`` (a tensor like t).  The
+    moves are constants, so the backward is the exact one of the moved
+    forward.  The result (as :func:`_run`'s, for the upstream gradient
+    ``g`` as :func:`_runs` takes it) against the truth shows how far a
+    float32 computation's roundings of those values take each output and
+    gradient: where the problem is ill-conditioned (a GroupNorm over values
+    close together, a product that cancels), farther than their own
+    rounding unit, for eager and ours alike."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def shake(t, groups=1, amount=None):
+        if amount is None:
+            rows = t.shape[0]
+            peak = t.detach().abs().reshape(rows, groups, -1).amax(2, keepdim=True)
+            amount = (SHAKE_UNITS * torch.finfo(torch.float32).eps * peak).expand(
+                rows, groups, t.shape[1] // groups).reshape(t.shape)
+        r = torch.rand(t.shape, generator=gen, dtype=torch.float64).to(t.device)
+        return t + amount * (2 * r - 1)
+
+    leaves = {k: v.to(device=device, dtype=dtypes[k]).double().requires_grad_(True)
+              for k, v in values.items()}
+    return _run(lambda **t: reference(shake=shake, **t), leaves, None,
+                g.to(device=device, dtype=out_dtype).double())
+
+
+def _with_sensitivity(floors, truth, shaken):
+    """``floors`` (see :func:`_check`) with each tensor's error allowed at
+    least twice the distance of ``shaken`` (:func:`_shaken`) from ``truth``
+    (the moves are random: twice the distance covers roundings that add up
+    less kindly)."""
+    floors = dict(floors or {})
+    for name, t in truth.items():
+        if t is None:  # (an unused leaf: _check refuses it)
+            continue
+        move = 2 * (shaken[name] - t).abs().max().item() if t.numel() else 0.0
+        magnitude, factor = floors.get(name, (0.0, 0.0))
+        floors[name] = (max(magnitude * factor, move), 1.0)
+    return floors
+
+
+def _product_slack(mode, precision, k):
+    """The error allowed on a float32 product, as a fraction of its terms'
+    magnitude (sum |a_i b_i|), carried through the ops after it; None in
+    the half-precision modes (their rounding unit is the slack).  3xTF32
+    (the default precision, sums of 32 terms or more: see
+    ops.gemm.uses_sgemm) errs by the split's representation error, about
+    2^-21 of the terms (the documented precision), so 2^-20.  Float32 sums
+    (cuBLAS SGEMM, in another order than eager's where the layouts or the
+    epilogue differ) err by about sqrt(k) roundings of the terms (a random
+    walk of k roundings of 2^-24).  Where the sum cancels, either can be a
+    few times eager's error on a handful of outputs."""
+    if mode != "fp32":
+        return None
+    return 2**-20 if precision in (None, "3xtf32") and k >= 32 else math.sqrt(max(k, 1)) * 2**-24
 
 
 def _chain_inputs(chain, present):
@@ -577,13 +648,20 @@ def test_linear(mode, case, device):
 
     layouts = {"x": case.x_layout, "weight": case.w_layout,
                "bias": "offset" if case.vec_offset else "contiguous"}
+    g = torch.randn(case.lead + (n,), generator=gen)  # (as _runs would draw it)
     truth, eager, mine, _ = _runs(
         reference, ours, values, {name: dtype or torch.float32 for name in values}, layouts, amp,
-        case.lead + (n,), dtype or AMP, gen, device)
+        case.lead + (n,), dtype or AMP, gen, device, g=g)
     floors = None
-    if _split_product(mode, precision, k) and values["x"].numel():
+    if mode == "fp32" and values["x"].numel():
+        # Each product's terms: the output's (k of them), x.grad's (n),
+        # weight.grad's (one a row).
         x64, w64 = values["x"].reshape(-1, k).double().abs(), values["weight"].double().abs()
-        floors = {"out": ((x64 @ w64.t()).max().item(), 2**-20)}
+        g64 = g.reshape(-1, n).double().abs()
+        rows = x64.shape[0]
+        floors = {"out": ((x64 @ w64.t()).max().item(), _product_slack(mode, precision, k)),
+                  "x.grad": ((g64 @ w64).max().item(), _product_slack(mode, precision, n)),
+                  "weight.grad": ((g64.t() @ x64).max().item(), _product_slack(mode, precision, rows))}
     _check(truth, eager, mine, special is not None, floors, amp=amp)
 
 
@@ -652,8 +730,8 @@ def test_gn_chain(chain, mode, case, device):
         dtypes["z"] = AMP
     groups, eps = case.groups, case.eps
 
-    def reference(z, record=None, **vectors):
-        return _chain_reference(chain, groups, eps, z, record=record, **vectors)
+    def reference(z, record=None, shake=None, **vectors):
+        return _chain_reference(chain, groups, eps, z, record=record, shake=shake, **vectors)
 
     def ours(z, **vectors):
         return ops.gn_chain(z, chain, groups, eps=eps, **vectors)
@@ -661,10 +739,11 @@ def test_gn_chain(chain, mode, case, device):
     record = {}
     vec_layout = "offset" if case.vec_offset else "contiguous"
     layouts = {"z": case.layout, **{name: vec_layout for name in ALL_VECTORS}}
+    g = torch.randn((case.rows, channels), generator=gen)  # (as _runs would draw it)
     truth, eager, mine, _ = _runs(
         reference, ours, values, dtypes, layouts, amp, (case.rows, channels),
         dtype or torch.float32, gen, device,
-        truth_reference=lambda **t: reference(record=record, **t))
+        truth_reference=lambda **t: reference(record=record, **t), g=g)
     floors = None
     if case.rows:
         terms = _gn_terms(record, groups, eps)
@@ -672,6 +751,9 @@ def test_gn_chain(chain, mode, case, device):
         factor = _cancellation_factor(case.per_group, amp or dtype)
         floors = {"z.grad": (terms.max().item(), factor), "lin_bias.grad": (column, factor),
                   "extra_bias.grad": (column, factor)}
+        if mode == "fp32" and special is None:
+            floors = _with_sensitivity(floors, truth, _shaken(
+                reference, values, dtypes, g, torch.float32, device, case.seed))
     _check(truth, eager, mine, special is not None, floors, amp=amp)
 
 
@@ -699,10 +781,14 @@ def test_linear_gn_chain(chain, mode, case, device):
     precision = case.precision
     groups, eps = case.groups, case.eps
 
-    def reference(x, weight, lin_bias=None, record=None, **vectors):
+    product = _product_slack(mode, precision, k)
+
+    def reference(x, weight, lin_bias=None, record=None, shake=None, **vectors):
         # nn.Linear: the bias in the GEMM (in the autocast dtype under autocast)
-        return _chain_reference(chain, groups, eps, F.linear(x, weight, lin_bias),
-                                record=record, **vectors)
+        z = F.linear(x, weight, lin_bias)
+        if shake is not None:  # the product's error (_product_slack)
+            z = shake(z, amount=product * (x.detach().abs() @ weight.detach().abs().t()))
+        return _chain_reference(chain, groups, eps, z, record=record, shake=shake, **vectors)
 
     def ours(x, weight, lin_bias=None, **vectors):
         return ops.linear_gn_chain(x, weight, lin_bias, chain, groups, eps=eps,
@@ -712,10 +798,12 @@ def test_linear_gn_chain(chain, mode, case, device):
     vec_layout = "offset" if case.vec_offset else "contiguous"
     layouts = {"x": case.x_layout, "weight": case.w_layout,
                **{name: vec_layout for name in ALL_VECTORS}}
+    dtypes = {name: dtype or torch.float32 for name in values}
+    g = torch.randn((case.rows, channels), generator=gen)  # (as _runs would draw it)
     truth, eager, mine, _ = _runs(
-        reference, ours, values, {name: dtype or torch.float32 for name in values}, layouts, amp,
-        (case.rows, channels), dtype or torch.float32, gen, device,
-        truth_reference=lambda **t: reference(record=record, **t))
+        reference, ours, values, dtypes, layouts, amp, (case.rows, channels),
+        dtype or torch.float32, gen, device,
+        truth_reference=lambda **t: reference(record=record, **t), g=g)
     floors = {}
     if case.rows:
         terms = _gn_terms(record, groups, eps)
@@ -728,19 +816,9 @@ def test_linear_gn_chain(chain, mode, case, device):
                              2**-7 if k == 1 else factor),
                   "weight.grad": ((terms.t() @ x64.abs()).max().item(), factor),
                   "lin_bias.grad": (column, factor), "extra_bias.grad": (column, factor)}
-        if _split_product(mode, precision, k):
-            # z's error, through the chain: Pre's slope (<= 1.1), the
-            # normalisation (rstd * |gamma|, three terms), Post's slope.
-            a = record["a"].detach()
-            rstd = (a.view(case.rows, groups, -1).var(2, unbiased=False) + eps).rsqrt().max()
-            gain = 3.3 * rstd.item()
-            for name in ("gn_weight", "mul_weight"):
-                if name in values:
-                    gain *= max(1.0, values[name].abs().max().item())
-            if chain == "gn_swish_mul_swish":
-                gain *= 1.21  # the two swishes
-            z_terms = (x64.abs() @ w64.abs().t()).max().item()
-            floors["out"] = (gain * z_terms, 2**-20)
+        if product and special is None:  # (float32: z's error, and the chain's, carried)
+            floors = _with_sensitivity(floors, truth, _shaken(
+                reference, values, dtypes, g, torch.float32, device, case.seed))
     _check(truth, eager, mine, special is not None, floors, amp=amp)
 
 
