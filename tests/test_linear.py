@@ -257,7 +257,7 @@ def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, device)
 
     aligned = run(x, w)
     x_off, w_off = (_off_the_grid(t) if which == name else t for name, t in (("x", x), ("weight", w)))
-    assert (x_off.data_ptr() % 16 if which == "x" else w_off.data_ptr() % 16)
+    assert (x_off if which == "x" else w_off).data_ptr() % 16
     for a, b in zip(aligned, run(x_off, w_off)):
         assert torch.equal(a, b)
 
