@@ -189,6 +189,32 @@ def test_cudnn_conv_custom_ops_match_their_fakes(layout):
         torch.library.opcheck(CB._CUDNN_CONV.backward_op, (dz, x.detach(), w.detach(), *want))
 
 
+def test_cudnn_backward_hands_cudnn_an_aligned_x(monkeypatch):
+    """The "cudnn" route's backward on a channels-last x off the 16-byte
+    grid (CPU tensors: the same Python; the GPU test
+    test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid shows
+    why): cuDNN's backward is handed an aligned channels-last copy, with
+    the gradients of x itself."""
+    seen = []
+    backward = CB._conv_backward
+    monkeypatch.setattr(CB, "_conv_backward", lambda dz, x, *args: seen.append(x) or backward(dz, x, *args))
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(1, 8, 5, 6, generator=gen).contiguous(memory_format=torch.channels_last)
+    buf = torch.empty(dense.numel() + 1)  # (CPU allocations are 64-byte aligned)
+    buf[1:] = dense.permute(0, 2, 3, 1).reshape(-1)
+    x = buf[1:].view(1, 5, 6, 8).permute(0, 3, 1, 2)
+    assert x.data_ptr() % 16 and torch.equal(x, dense)
+    w = torch.randn(4, 8, 2, 2, generator=gen)
+    dz = torch.randn(1, 4, 4, 5, generator=gen)
+    dx, dw = CB._cudnn_backward(dz, x, w, True, True)
+    (handed,) = seen
+    assert handed.data_ptr() % 16 == 0 and torch.equal(handed, x)
+    assert handed.is_contiguous(memory_format=torch.channels_last) and not handed.is_contiguous()
+    want = torch.ops.aten.convolution_backward(dz, dense, w, None, [1, 1], [0, 0], [1, 1], False,
+                                               [0, 0], 1, [True, True, False])
+    torch.testing.assert_close((dx, dw), want[:2])
+
+
 def _kernel_names(monkeypatch, whole=False):
     """A list that records the key of every kernel CB.KERNELS hands out from
     now on (its first element, the kernel's name; the whole key with

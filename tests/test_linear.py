@@ -138,6 +138,21 @@ def test_internal_entry_point_checks_activation_and_precision():
         L._linear_prechecked(x, w, None, "relu", "fp32")
 
 
+def test_cublas_operand_copies_half_operands_off_the_grid_only():
+    """What cuBLAS is handed (test_half_operands_off_the_grid_multiply_as_aligned_ones
+    on the GPU): a float16 / bfloat16 view off the 16-byte grid becomes an
+    aligned copy of it; an aligned one, and float32 anywhere, as they are."""
+    for dtype in (torch.float16, torch.bfloat16):
+        buf = torch.randn(8 + 32).to(dtype)  # (CPU allocations are 64-byte aligned)
+        off, aligned = buf[1:33].view(4, 8), buf[8:].view(4, 8)
+        assert off.data_ptr() % 16 and aligned.data_ptr() % 16 == 0
+        copy = L._cublas_operand(off)
+        assert copy.data_ptr() % 16 == 0 and copy.is_contiguous() and torch.equal(copy, off)
+        assert L._cublas_operand(aligned) is aligned
+    f32 = torch.randn(9)[1:]
+    assert f32.data_ptr() % 16 and L._cublas_operand(f32) is f32
+
+
 # ---------------------------------------------------------------- GPU tier
 
 def _eager_linear(x, w, bias, act):
