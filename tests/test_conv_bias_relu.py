@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cupy_fused import _runtime, ops
 from cupy_fused.ops import gemm
-from cupy_fused.testing import assert_non_finite_where, poison_allocator, rel_error
+from cupy_fused.testing import assert_non_finite_where, off_the_grid, poison_allocator, rel_error
 
 CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")  # the module, not the op
 _ENGINE_PAYS = CB._engine_pays  # the routing rule, for the tests of it
@@ -200,10 +200,8 @@ def test_cudnn_backward_hands_cudnn_an_aligned_x(monkeypatch):
     monkeypatch.setattr(CB, "_conv_backward", lambda dz, x, *args: seen.append(x) or backward(dz, x, *args))
     gen = torch.Generator().manual_seed(5)
     dense = torch.randn(1, 8, 5, 6, generator=gen).contiguous(memory_format=torch.channels_last)
-    buf = torch.empty(dense.numel() + 1)  # (CPU allocations are 64-byte aligned)
-    buf[1:] = dense.permute(0, 2, 3, 1).reshape(-1)
-    x = buf[1:].view(1, 5, 6, 8).permute(0, 3, 1, 2)
-    assert x.data_ptr() % 16 and torch.equal(x, dense)
+    x = off_the_grid(dense)  # (CPU allocations are 64-byte aligned)
+    assert x.data_ptr() % 16 and torch.equal(x, dense) and x.is_contiguous(memory_format=torch.channels_last)
     w = torch.randn(4, 8, 2, 2, generator=gen)
     dz = torch.randn(1, 4, 4, 5, generator=gen)
     dx, dw = CB._cudnn_backward(dz, x, w, True, True)
@@ -975,8 +973,7 @@ def test_routes(device, monkeypatch):
     five_leaves = [t.detach().requires_grad_(True) for t in five]
     assert CB.route(*five_leaves, *half[2:]) == "cudnn"  # (not in training: test_padded_input_channels_route)
     assert CB.route(cl_half, half[1][:5], half[2][:5], half[3][:5]) == "cudnn"  # channels-last, C_out = 5
-    off_grid = torch.empty(cl_half.numel() + 1, device=device, dtype=torch.bfloat16)[1:]
-    off_grid = off_grid.as_strided(cl_half.shape, cl_half.stride())
+    off_grid = off_the_grid(cl_half)
     assert off_grid.is_contiguous(memory_format=torch.channels_last)
     assert CB.route(off_grid, *half[1:]) == "cudnn"  # channels-last off the 16-byte grid
     leaves = [t.detach().requires_grad_(True) for t in half]
@@ -1053,9 +1050,7 @@ def test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid(device, mo
     op = torch.compile(ops.conv_bias_relu, fullgraph=True) if compiled else ops.conv_bias_relu
     gen = torch.Generator().manual_seed(8)
     dense = torch.randn(1, 24, 9, 126, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
-    buf = torch.full((dense.numel() + 1,), float("nan"), device=device)
-    buf[1:] = dense.permute(0, 2, 3, 1).reshape(-1)
-    x = buf[1:].view(1, 9, 126, 24).permute(0, 3, 1, 2).requires_grad_(True)
+    x = off_the_grid(dense).requires_grad_(True)
     assert x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16
     wt = (torch.randn(48, 24, 2, 3, generator=gen) / 9).to(device).requires_grad_(True)
     cb, b = (torch.randn(48, generator=gen).to(device).requires_grad_(True) for _ in range(2))
@@ -1192,7 +1187,7 @@ def test_which_copies_take_vectors(shape, dtype, vec):
     assert CB._vector_transposes(x, cl) == vec and CB._vector_transposes(cl, x) == vec
     if vec:  # from float32 to a 16-bit copy (autocast's cast in the copy) too
         assert CB._vector_transposes(torch.empty(shape), cl)
-        off = torch.empty(x.numel() + 1, dtype=dtype)[1:].view(shape)
+        off = off_the_grid(x)
         assert not CB._vector_transposes(off, cl)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cupy_fused import ops
-from cupy_fused.testing import poison_allocator
+from cupy_fused.testing import off_the_grid, poison_allocator
 
 # The module (``cupy_fused.ops.linear`` as an attribute is the op itself).
 L = importlib.import_module("cupy_fused.ops.linear")
@@ -143,13 +143,13 @@ def test_cublas_operand_copies_half_operands_off_the_grid_only():
     on the GPU): a float16 / bfloat16 view off the 16-byte grid becomes an
     aligned copy of it; an aligned one, and float32 anywhere, as they are."""
     for dtype in (torch.float16, torch.bfloat16):
-        buf = torch.randn(8 + 32).to(dtype)  # (CPU allocations are 64-byte aligned)
-        off, aligned = buf[1:33].view(4, 8), buf[8:].view(4, 8)
+        aligned = torch.randn(4, 8).to(dtype)  # (CPU allocations are 64-byte aligned)
+        off = off_the_grid(aligned)
         assert off.data_ptr() % 16 and aligned.data_ptr() % 16 == 0
         copy = L._cublas_operand(off)
         assert copy.data_ptr() % 16 == 0 and copy.is_contiguous() and torch.equal(copy, off)
         assert L._cublas_operand(aligned) is aligned
-    f32 = torch.randn(9)[1:]
+    f32 = off_the_grid(torch.randn(8))
     assert f32.data_ptr() % 16 and L._cublas_operand(f32) is f32
 
 
@@ -242,14 +242,6 @@ def test_half_precision_takes_the_cublas_path(dtype, device):
     assert y.grad_fn is not None and torch.equal(y.detach(), torch.addmm(b, x, w.t()).relu())
 
 
-def _off_the_grid(t):
-    """``t``'s values in a view one element into a buffer (off the 16-byte
-    grid)."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    buf[1:] = t.reshape(-1)
-    return buf[1:].view(t.shape)
-
-
 @gpu
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["bf16", "amp-bf16"])
 @pytest.mark.parametrize("which", ["x", "weight"])
@@ -271,7 +263,7 @@ def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, device)
         return y, x.grad, w.grad
 
     aligned = run(x, w)
-    x_off, w_off = (_off_the_grid(t) if which == name else t for name, t in (("x", x), ("weight", w)))
+    x_off, w_off = (off_the_grid(t) if which == name else t for name, t in (("x", x), ("weight", w)))
     assert (x_off if which == "x" else w_off).data_ptr() % 16
     for a, b in zip(aligned, run(x_off, w_off)):
         assert torch.equal(a, b)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from cupy_fused import ops
 from cupy_fused.ops import gemm as G
-from cupy_fused.testing import compare, poison_allocator, rel_error, worse_than_eager
+from cupy_fused.testing import compare, off_the_grid, poison_allocator, rel_error, worse_than_eager
 
 # The modules (as attributes of cupy_fused.ops, these names are the ops themselves).
 GN = importlib.import_module("cupy_fused.ops.gn_chain")
@@ -447,10 +447,8 @@ def test_a_weight_off_the_grid_multiplies_as_an_aligned_one(device):
     x = torch.randn(7, 14, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(138, 14, generator=gen).to(device, torch.bfloat16)
     g = torch.randn(7, 138, generator=gen).to(device, torch.bfloat16)
-    buf = torch.empty(w.numel() + 1, dtype=w.dtype, device=device)
-    buf[1:] = w.reshape(-1)
     runs = []
-    for weight in (w, buf[1:].view(w.shape)):
+    for weight in (w, off_the_grid(w)):
         xx, ww = x.clone().requires_grad_(True), weight.detach().requires_grad_(True)
         y = ops.linear_gn_chain(xx, ww, None, "bias_hardtanh_mish_gn", 3)
         y.backward(g)
