@@ -243,30 +243,42 @@ def test_half_precision_takes_the_cublas_path(dtype, device):
 
 
 @gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("act", [None, "relu"], ids=["none", "relu"])
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["bf16", "amp-bf16"])
 @pytest.mark.parametrize("which", ["x", "weight"])
-def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, device):
+def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, act, compiled, device):
     """A bfloat16 operand off the 16-byte grid: cuBLAS would pick kernels
     that may sum in bfloat16 (torch's default allows it), with nearly twice
     the error; the op hands it an aligned copy, so the output and the
-    gradients are those of aligned operands, bit for bit."""
+    gradients are those of aligned operands, bit for bit.  Compiled too: a
+    graph traced for the operand off the grid (where no address is known
+    while tracing) runs the copy in the custom ops' implementations."""
     gen = torch.Generator().manual_seed(3)
     x, w = (torch.randn(shape, generator=gen).to(device, torch.bfloat16)
             for shape in ((7, 14), (138, 14)))
+    b = torch.randn(138, generator=gen).to(device, torch.bfloat16)
     g = torch.randn(7, 138, generator=gen).to(device)
 
     def run(x, w):
+        op = ops.linear
+        if compiled:
+            # A graph of its own for each run: one traced for aligned inputs
+            # would have torch.compile copy the other run's operand itself.
+            torch._dynamo.reset()
+            op = torch.compile(ops.linear, fullgraph=True)
         x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
         with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
-            y = ops.linear(x, w)
+            # (the bias: without one, ReLU is torch's own after the product)
+            y = op(x, w, b if act else None, activation=act)
         y.backward(g.to(y.dtype))
         return y, x.grad, w.grad
 
-    aligned = run(x, w)
     x_off, w_off = (off_the_grid(t) if which == name else t for name, t in (("x", x), ("weight", w)))
     assert (x_off if which == "x" else w_off).data_ptr() % 16
-    for a, b in zip(aligned, run(x_off, w_off)):
-        assert torch.equal(a, b)
+    off = run(x_off, w_off)
+    for a, o in zip(run(x, w), off):
+        assert torch.equal(a, o)
 
 
 # ---------------------------------------------------------------- autocast op (CPU tier)

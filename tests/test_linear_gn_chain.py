@@ -439,18 +439,24 @@ def test_one_launch_training_step_is_bitwise_reproducible(device, one_launch_eve
 
 
 @gpu
-def test_a_weight_off_the_grid_multiplies_as_an_aligned_one(device):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_weight_off_the_grid_multiplies_as_an_aligned_one(compiled, device):
     """A bfloat16 weight off the 16-byte grid (tests/test_linear.py's
     test_half_operands_off_the_grid_multiply_as_aligned_ones): the output
-    and the gradients are those of the aligned weight, bit for bit."""
+    and the gradients are those of the aligned weight, bit for bit, as
+    called and in a graph traced for the weight off the grid."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 14, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(138, 14, generator=gen).to(device, torch.bfloat16)
     g = torch.randn(7, 138, generator=gen).to(device, torch.bfloat16)
     runs = []
-    for weight in (w, off_the_grid(w)):
+    for weight in (off_the_grid(w), w):
+        op = ops.linear_gn_chain
+        if compiled:
+            torch._dynamo.reset()  # (see test_linear.py's test)
+            op = torch.compile(ops.linear_gn_chain, fullgraph=True)
         xx, ww = x.clone().requires_grad_(True), weight.detach().requires_grad_(True)
-        y = ops.linear_gn_chain(xx, ww, None, "bias_hardtanh_mish_gn", 3)
+        y = op(xx, ww, None, "bias_hardtanh_mish_gn", 3)
         y.backward(g)
         runs.append((y, xx.grad, ww.grad))
     for a, b in zip(*runs):

@@ -54,7 +54,10 @@ def _cublas_relu_forward(x: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor) -> torch.Tensor:
     # cuBLAS with the bias in its epilogue, then torch's ReLU in place.  Not
     # cuBLASLt's fused bias + ReLU epilogue (torch._addmm_activation): its
-    # max(z, 0) turns a NaN into 0, where torch.relu keeps it.
+    # max(z, 0) turns a NaN into 0, where torch.relu keeps it.  (The operands
+    # are checked here too, where they are real tensors in compiled graphs
+    # as well: see _cublas_operand.)
+    x, weight = _cublas_operand(x), _cublas_operand(weight)
     return torch.addmm(bias, x, weight.t()).relu_()
 
 
@@ -70,6 +73,7 @@ def _cublas_relu_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     gradient dz already gated by the ReLU.  Returns (dx, dW, dbias); each is
     empty when not wanted."""
     dz = dz.contiguous()
+    x, weight = _cublas_operand(x), _cublas_operand(weight)
     # The bias gradient first, so that the column sum's scratch is freed
     # before the weight gradient exists (F.linear's backward sums it after the
     # products, on the engine's side, which raises the step's peak memory).
@@ -168,6 +172,7 @@ def _autocast_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                       bias_d: Optional[torch.Tensor]) -> torch.Tensor:
     # x, weight, bias: what the gradients go to (their dtypes); the product
     # reads their casts, as nn.Linear's under autocast: the same cuBLAS call.
+    x_d, w_d = _cublas_operand(x_d), _cublas_operand(w_d)
     if bias_d is None:
         return torch.mm(x_d, w_d.t())
     return torch.addmm(bias_d, x_d, w_d.t())
@@ -190,10 +195,10 @@ def _autocast_products(dz: torch.Tensor, x_d: torch.Tensor, take_w_d: Callable[[
     dz = dz.contiguous()  # also materialises a broadcast gradient
     # The bias gradient first (see _cublas_relu_backward).
     dbias = dz.sum(0, dtype=bias_dtype) if want_bias else None
-    w_d = take_w_d()
+    w_d = _cublas_operand(take_w_d())
     dx = _mm_to(dz, w_d, x_dtype) if want_x else None
     del w_d
-    dw = _mm_to(dz.t(), x_d, weight_dtype) if want_weight else None
+    dw = _mm_to(dz.t(), _cublas_operand(x_d), weight_dtype) if want_weight else None
     return dx, dw, dbias
 
 
@@ -270,7 +275,9 @@ def _autocast_backward_formula(ctx, grads, run_backward):
 # bias's dtypes straight from cuBLAS (_mm_to), where autograd's casts would
 # produce them in d and cast them back: one more kernel each (on problem
 # 76, a pass over the 8192 x 8192 weight gradient every step) and both
-# copies alive at once.  It saves the casts, as the reference does.
+# copies alive at once.  It saves the casts, as the reference does.  Traced,
+# a 16-bit F.linear is this op too, its operands their own casts
+# (_run_linear).
 _LINEAR_AUTOCAST = FusedOp("linear_autocast", _autocast_forward, _autocast_forward_fake,
                            _autocast_setup_context, _autocast_backward_formula,
                            _autocast_linear_backward, _autocast_backward_fake,
@@ -283,7 +290,11 @@ def _cublas_operand(t: torch.Tensor) -> torch.Tensor:
     that may sum in the 16-bit type, as torch allows by default
     (``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``),
     with nearly twice the error of its kernels for aligned operands
-    (docs/design.md).  Not while tracing, where no address is known."""
+    (docs/design.md).  Not while tracing, where no address is known: the
+    custom ops' own implementations (:data:`_CUBLAS_RELU`,
+    :data:`_LINEAR_AUTOCAST`, and linear_gn_chain's), which compiled graphs
+    run on real tensors, check their operands again (where a caller has
+    already copied one, the check costs a ``data_ptr``)."""
     if t.dtype == torch.float32 or is_compiling() or t.data_ptr() % 16 == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
@@ -420,6 +431,12 @@ def _run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if passes == CUBLAS:
         x2, weight = _cublas_operand(x2), _cublas_operand(weight)
         if activation == 0:
+            if x2.dtype != torch.float32 and is_compiling():
+                # Traced, where no address is known: F.linear's product and
+                # gradients in the custom op whose implementation checks the
+                # operands at run time (_cublas_operand); the operands are
+                # their own "casts" (see _LINEAR_AUTOCAST).
+                return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x2, weight, bias)
             return F.linear(x2, weight, bias)
         # cuBLAS with its bias epilogue and torch's ReLU, no kernel of ours
         # (see "What is fused" in docs/design.md), as one autograd node;
