@@ -263,8 +263,7 @@ def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, act, co
     def run(x, w):
         op = ops.linear
         if compiled:
-            # A graph of its own for each run: one traced for aligned inputs
-            # would have torch.compile copy the other run's operand itself.
+            # A graph of its own for each run, traced for its operands.
             torch._dynamo.reset()
             op = torch.compile(ops.linear, fullgraph=True)
         x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
