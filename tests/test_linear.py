@@ -153,6 +153,42 @@ def test_cublas_operand_copies_half_operands_off_the_grid_only():
     assert f32.data_ptr() % 16 and L._cublas_operand(f32) is f32
 
 
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["bf16", "amp-bf16"])
+@pytest.mark.parametrize("act, with_bias", [(None, False), (None, True), ("relu", False),
+                                            ("relu", True)], ids=["none", "bias", "relu", "bias-relu"])
+@pytest.mark.parametrize("which", ["x", "weight"])
+def test_every_product_reads_half_operands_on_the_grid(which, act, with_bias, amp,
+                                                        past_device_check, monkeypatch):
+    """Each product of a training step (forward, and dX and dW) reads float16 /
+    bfloat16 operands on the 16-byte grid when x or the weight is off it
+    (CPU tensors: the same Python and torch calls the GPU runs; aten's mm and
+    addmm watched by a dispatch mode, in the backward too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.offsets = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                self.offsets += [t.data_ptr() % 16 for t in args
+                                 if isinstance(t, torch.Tensor) and t.dtype != torch.float32]
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(L, "autocast_dtype", lambda: amp)
+    gen = torch.Generator().manual_seed(3)
+    x, w = (torch.randn(shape, generator=gen).bfloat16() for shape in ((7, 14), (138, 14)))
+    b = torch.randn(138, generator=gen).bfloat16() if with_bias else None
+    x, w = (off_the_grid(t) if which == name else t for name, t in (("x", x), ("weight", w)))
+    x, w = x.requires_grad_(True), w.requires_grad_(True)
+    products = Products()
+    with products:
+        y = ops.linear(x, w, b, activation=act)
+        y.backward(torch.randn(y.shape, generator=gen).to(y.dtype))
+    assert len(products.offsets) >= 6 and not any(products.offsets), products.offsets
+
+
 # ---------------------------------------------------------------- GPU tier
 
 def _eager_linear(x, w, bias, act):
@@ -244,10 +280,12 @@ def test_half_precision_takes_the_cublas_path(dtype, device):
 
 @gpu
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("act", [None, "relu"], ids=["none", "relu"])
+@pytest.mark.parametrize("act, with_bias", [(None, False), ("relu", True), ("relu", False)],
+                         ids=["none", "bias-relu", "relu"])
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["bf16", "amp-bf16"])
 @pytest.mark.parametrize("which", ["x", "weight"])
-def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, act, compiled, device):
+def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, act, with_bias, compiled,
+                                                             device):
     """A bfloat16 operand off the 16-byte grid: cuBLAS would pick kernels
     that may sum in bfloat16 (torch's default allows it), with nearly twice
     the error; the op hands it an aligned copy, so the output and the
@@ -268,8 +306,8 @@ def test_half_operands_off_the_grid_multiply_as_aligned_ones(which, amp, act, co
             op = torch.compile(ops.linear, fullgraph=True)
         x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
         with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
-            # (the bias: without one, ReLU is torch's own after the product)
-            y = op(x, w, b if act else None, activation=act)
+            # (ReLU with a bias: our cuBLAS node; without one, torch's ReLU)
+            y = op(x, w, b if with_bias else None, activation=act)
         y.backward(g.to(y.dtype))
         return y, x.grad, w.grad
 

@@ -54,9 +54,7 @@ def _cublas_relu_forward(x: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor) -> torch.Tensor:
     # cuBLAS with the bias in its epilogue, then torch's ReLU in place.  Not
     # cuBLASLt's fused bias + ReLU epilogue (torch._addmm_activation): its
-    # max(z, 0) turns a NaN into 0, where torch.relu keeps it.  (The operands
-    # are checked here too, where they are real tensors in compiled graphs
-    # as well: see _cublas_operand.)
+    # max(z, 0) turns a NaN into 0, where torch.relu keeps it.
     x, weight = _cublas_operand(x), _cublas_operand(weight)
     return torch.addmm(bias, x, weight.t()).relu_()
 
@@ -290,11 +288,11 @@ def _cublas_operand(t: torch.Tensor) -> torch.Tensor:
     that may sum in the 16-bit type, as torch allows by default
     (``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``),
     with nearly twice the error of its kernels for aligned operands
-    (docs/design.md).  Not while tracing, where no address is known: the
-    custom ops' own implementations (:data:`_CUBLAS_RELU`,
+    (docs/design.md).  Called where cuBLAS is handed the operands: in the
+    custom ops' implementations (:data:`_CUBLAS_RELU`,
     :data:`_LINEAR_AUTOCAST`, and linear_gn_chain's), which compiled graphs
-    run on real tensors, check their operands again (where a caller has
-    already copied one, the check costs a ``data_ptr``)."""
+    run on real tensors too, and beside the eager calls of ``F.linear``.
+    Not while tracing, where no address is known."""
     if t.dtype == torch.float32 or is_compiling() or t.data_ptr() % 16 == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
@@ -313,14 +311,16 @@ def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[
     reads the weight itself and rounds it in the tensor cores' operand
     registers (:func:`.gemm._routes_float32_weight`): the same values as its
     cast, without the cast's pass over the weight."""
-    x_d = _cublas_operand(x2.detach().to(dtype))  # (.to returns the tensor itself when already in dtype)
+    # (.to returns the tensor itself when already in dtype; aligned here, as
+    # the float32-weight route takes aligned operands only)
+    x_d = _cublas_operand(x2.detach().to(dtype))
     bias_d = bias.detach().to(dtype) if bias is not None else None
     if not bias_grad:
         bias = None
     grad = needs_grad(x2, weight, bias)
     if not grad and launches_directly() and _routes_float32_weight(x_d, weight):
         return _run_float32_weight(x_d, weight, bias_d)  # (the route checked the operands)
-    w_d = _cublas_operand(weight.detach().to(dtype))
+    w_d = weight.detach().to(dtype)
     return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x_d, w_d, bias_d)
 
 
@@ -429,25 +429,24 @@ def _run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     tensor-core passes).  Returns [M, N]."""
     grad = needs_grad(x2, weight, bias)
     if passes == CUBLAS:
-        x2, weight = _cublas_operand(x2), _cublas_operand(weight)
-        if activation == 0:
-            if x2.dtype != torch.float32 and is_compiling():
-                # Traced, where no address is known: F.linear's product and
-                # gradients in the custom op whose implementation checks the
-                # operands at run time (_cublas_operand); the operands are
-                # their own "casts" (see _LINEAR_AUTOCAST).
-                return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x2, weight, bias)
-            return F.linear(x2, weight, bias)
-        # cuBLAS with its bias epilogue and torch's ReLU, no kernel of ours
-        # (see "What is fused" in docs/design.md), as one autograd node;
-        # backward in torch ops.  A half-precision training step of problem
-        # 76 takes less GPU time than the host needs to issue it, so the
-        # fewest autograd nodes win.
-        if bias is None or x2.numel() == 0 or weight.numel() == 0:
-            return F.linear(x2, weight, bias).relu_()  # native autograd
-        y = _CUBLAS_RELU.run(grad, x2, weight, bias)
-        # Traced, the ReLU's gate is a native node (see _CUBLAS_RELU).
-        return y.relu_() if grad and is_compiling() else y
+        if activation == 1 and bias is not None and x2.numel() and weight.numel():
+            # cuBLAS with its bias epilogue and torch's ReLU, no kernel of
+            # ours (see "What is fused" in docs/design.md), as one autograd
+            # node; backward in torch ops.  A half-precision training step of
+            # problem 76 takes less GPU time than the host needs to issue it,
+            # so the fewest autograd nodes win.
+            y = _CUBLAS_RELU.run(grad, x2, weight, bias)
+            # Traced, the ReLU's gate is a native node (see _CUBLAS_RELU).
+            return y.relu_() if grad and is_compiling() else y
+        if x2.dtype != torch.float32 and is_compiling():
+            # Traced, where no address is known: F.linear's product and
+            # gradients in the custom op whose implementation checks the
+            # operands at run time (_cublas_operand); the operands are their
+            # own "casts" (see _LINEAR_AUTOCAST).
+            y = _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x2, weight, bias)
+        else:
+            y = F.linear(_cublas_operand(x2), _cublas_operand(weight), bias)
+        return y.relu_() if activation else y  # (the ReLU: native autograd)
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
     weight = weight if weight.is_contiguous() else weight.contiguous()
     if activation == 1 and grad:
