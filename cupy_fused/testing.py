@@ -62,15 +62,15 @@ def off_the_grid(t: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
     Args:
         t: a dense tensor (contiguous, channels-last, or any strides that
             cover its elements once), any dtype and device.
-        fill: the value of the buffer's element before the view (NaN: a
-            read before the view shows).
+        fill: the value of the buffer's elements just before and just after
+            the view (NaN: a read outside the view shows).
 
     Returns:
         A view of ``t``'s shape, strides, dtype and device, equal to ``t``,
         whose start is one element past a fresh allocation's.
     """
-    buf = torch.full((t.numel() + 1,), fill, dtype=t.dtype, device=t.device)
-    return buf[1:].as_strided(t.shape, t.stride()).copy_(t)
+    buf = torch.full((t.numel() + 2,), fill, dtype=t.dtype, device=t.device)
+    return buf[1:-1].as_strided(t.shape, t.stride()).copy_(t)
 
 
 def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:

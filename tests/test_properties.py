@@ -100,7 +100,7 @@ from hypothesis import HealthCheck, event, example, given, settings  # noqa: E40
 from hypothesis import strategies as st  # noqa: E402
 
 from cupy_fused import ops  # noqa: E402
-from cupy_fused.testing import poison_allocator, rel_error  # noqa: E402
+from cupy_fused.testing import off_the_grid, poison_allocator, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -378,15 +378,15 @@ def _in_layout(t, layout):
     if layout == "transposed":  # non-contiguous (unless all but one dimension are 1)
         dims = list(reversed(range(t.dim())))
         return t.permute(dims).contiguous().permute(dims)
-    if layout not in ("offset", "channels_last_offset"):
-        raise ValueError(layout)
-    # One element into a buffer (off the 16-byte grid), NaN on either side.
-    cl = layout == "channels_last_offset"
-    mem = t.permute(0, 2, 3, 1) if cl else t
-    buf = torch.full((t.numel() + 2,), NAN, dtype=t.dtype, device=t.device)
-    buf[1:-1] = mem.reshape(-1)
-    view = buf[1:-1].view(mem.shape)
-    return view.permute(0, 3, 1, 2) if cl else view
+    # One element into a buffer, NaN on either side, in the strides of a new
+    # tensor of the layout (a fresh contiguous one, or one of NHWC permuted
+    # back, whose strides over dimensions of 1 are these too).
+    if layout == "offset":
+        return off_the_grid(t.clone(memory_format=torch.contiguous_format))
+    if layout == "channels_last_offset":
+        nhwc = t.permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format)
+        return off_the_grid(nhwc.permute(0, 3, 1, 2))
+    raise ValueError(layout)
 
 
 def _autocast(amp):
