@@ -875,9 +875,9 @@ def test_linear_gn_chain(chain, mode, case, device):
         unit = VECTOR_TERM_UNITS * torch.finfo(torch.float32).eps
         floors.update({name: (size, unit) for name, size in _vector_terms(
             reference, values, dtypes, g, device).items()})
-        if special is None:  # (z's error, and the chain's, carried)
+        if special is None:  # (z's error, and the chain's, carried; g as the truth takes it)
             floors = _with_sensitivity(floors, truth, _shaken(
-                reference, values, dtypes, g, torch.float32, device, case.seed))
+                reference, values, dtypes, g, dtype or torch.float32, device, case.seed))
     _check(truth, eager, mine, special is not None, floors, amp=amp)
 
 
