@@ -57,6 +57,7 @@ def test_launches_follow_the_current_torch_stream(device):
     torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.multigpu
 def test_second_gpu_runs_on_its_own_device_and_stream():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (run on a two-GPU machine)")
@@ -79,6 +80,181 @@ def test_second_gpu_runs_on_its_own_device_and_stream():
     out.sum().backward()
     ref = torch.relu(inp @ model.gemm.weight.t() + model.bias)
     torch.testing.assert_close(out, ref)
+
+
+# (constructor arguments, input shape) of each model at sizes its Hopper
+# routes take once the size rules below are lifted (the float32 forward
+# product fills the GPU's SMs with 128 x 128 tiles, as the engine needs);
+# "1cl": problem 1 from a channels-last x.
+SECOND_GPU_CASES = {
+    "1": (1, (16, 32, 3, (32, 1, 1)), (2, 16, 20, 24)),
+    "1cl": (1, (16, 32, 3, (32, 1, 1)), (2, 16, 20, 24)),
+    "37": (37, (256, 1536, 24, (1536,)), (1536, 256)),
+    "76": (76, (256, 1536, (1536,)), (1536, 256)),
+    "88": (88, (256, 1536, 48, (1536,)), (1536, 256)),
+    "94": (94, (256, 1536, (1536,), 48), (1536, 256)),
+}
+
+
+def _on_hopper_routes(monkeypatch):
+    """The routes the benchmark shapes take, at the test's small sizes: the
+    convolution engine (training, float32 and its weight gradient too),
+    linear_gn_chain's one-launch forward, and the float32-weight product
+    of autocast inference."""
+    import importlib
+
+    conv = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+    lgn = importlib.import_module("cupy_fused.ops.linear_gn_chain")
+    lin = importlib.import_module("cupy_fused.ops.linear")
+    gemm = importlib.import_module("cupy_fused.ops.gemm")
+    monkeypatch.setattr(conv, "_engine_pays", lambda *args: True)
+    monkeypatch.setattr(conv, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(conv, "ENGINE_FLOAT32_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(conv, "WGRAD_COUT_MULTIPLE", 8)
+    monkeypatch.setattr(conv, "WGRAD_MIN_ROW_SHARE", 0.0)
+    monkeypatch.setattr(lgn, "fusion_pays", lambda *args: True)
+    monkeypatch.setattr(lin, "_routes_float32_weight", gemm._uses_float32_weight_engine)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "amp-bf16"])
+@pytest.mark.parametrize("case", list(SECOND_GPU_CASES))
+def test_second_gpu_models_as_with_their_own_device_current(case, mode, monkeypatch):
+    """One process driving two GPUs: a model on cuda:1 while cuda:0 is
+    current gives, on the routes the benchmark shapes take, bit for bit the
+    output and gradients it gives with cuda:1 current (a training step, then
+    a forward without autograd); every kernel of ours launches on cuda:1,
+    nothing is allocated on cuda:0, and cuda:0 stays current."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on a two-GPU machine)")
+    import cupy
+
+    from cupy_fused import models
+
+    problem, args, shape = SECOND_GPU_CASES[case]
+    _on_hopper_routes(monkeypatch)
+    launches = []
+    launch = _bridge.launch
+    monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, a, dev, *rest, **kw:
+                        launches.append((fn.name, dev)) or launch(fn, grid, block, a, dev, *rest, **kw))
+    other = torch.device("cuda", 1)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    amp = torch.bfloat16 if mode.startswith("amp") else None
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.rand(shape, generator=gen)
+
+    def run(current):
+        torch.cuda.set_device(current)
+        torch.manual_seed(0)
+        model = models.MODELS[problem](*args).to(other, dtype)
+        x = x0.to(other, dtype)
+        if case == "1cl":
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(True)
+        with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            y = model(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y))
+        with torch.no_grad(), torch.autocast("cuda", dtype=amp or torch.bfloat16,
+                                             enabled=amp is not None):
+            y_inference = model(x)
+        torch.cuda.synchronize(other)
+        return [y, y_inference, x.grad] + [p.grad for p in model.parameters()]
+
+    current = torch.cuda.current_device()
+    try:
+        before = torch.cuda.memory_allocated(0)
+        got = run(0)
+        assert torch.cuda.current_device() == 0 and cupy.cuda.runtime.getDevice() == 0
+        assert torch.cuda.memory_allocated(0) == before
+        assert launches or (problem == 76 and mode != "fp32")  # (76 in 16 bits: cuBLAS and torch alone)
+        assert all(dev == 1 for _, dev in launches), sorted(set(launches))
+        ours = sorted({name for name, _ in launches})
+        want = run(1)
+    finally:
+        torch.cuda.set_device(current)
+    assert sorted({name for name, _ in launches}) == ours  # the same kernels both times
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.device == other and torch.equal(a, b), (i, ours)
+
+
+@pytest.mark.multigpu
+def test_cupy_arrays_of_the_second_gpu_run_on_its_current_stream(monkeypatch):
+    """CuPy arrays on device 1 while device 0 is CuPy's current device, with
+    a stream of its own current there: the ops run on device 1, on CuPy's
+    current stream of device 1 (not device 0's, which device 1 cannot run
+    kernels on), and return arrays of device 1."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on a two-GPU machine)")
+    import cupy
+
+    seen = []
+    launch = _bridge.launch
+    monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, a, dev, *rest, **kw:
+                        seen.append((dev, torch.cuda.current_stream(dev).cuda_stream))
+                        or launch(fn, grid, block, a, dev, *rest, **kw))
+    with cupy.cuda.Device(1):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        a, b = (cupy.random.rand(4097, dtype=cupy.float32) for _ in range(2))
+        z = cupy.random.randn(33, 16, dtype=cupy.float32)
+        bias = cupy.random.randn(16, dtype=cupy.float32)
+        cupy.cuda.Device().synchronize()
+    try:
+        with cupy.cuda.Device(1):
+            stream.use()  # device 1's current stream, kept past this block
+        with cupy.cuda.Device(0), cupy.cuda.Stream(non_blocking=True):
+            out = ops.scale_add(a, b, 0.5)
+            r = ops.bias_relu(z, bias)
+        stream.synchronize()
+    finally:
+        with cupy.cuda.Device(1):
+            cupy.cuda.Stream.null.use()
+    assert out.device.id == 1 and r.device.id == 1
+    assert seen and all(s == (1, stream.ptr) for s in seen), seen
+    with cupy.cuda.Device(1):
+        cupy.testing.assert_allclose(out, 0.5 * a + b, rtol=1e-6)
+        cupy.testing.assert_allclose(r, cupy.maximum(z + bias, 0), rtol=1e-6)
+
+
+# Each op with its tensor arguments (positional ones by name) and which one
+# to move to cuda:1: (op, positional names, tensors by name, the moved one).
+def _mixed_device_calls():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.rand(shape, generator=g)  # noqa: E731
+    z, x, w = r(33, 64), r(33, 16), r(64, 16)
+    vectors = {"gn_weight": r(64), "gn_bias": r(64), "extra_bias": r(64)}
+    conv = {"x": r(2, 8, 9, 10), "weight": r(16, 8, 3, 3), "conv_bias": r(16), "bias": r(16, 1, 1)}
+    linear = {"x": x, "weight": w, "bias": r(64)}
+    gn = lambda z, **k: ops.gn_chain(z, "swish_bias_gn", 4, **k)  # noqa: E731
+    lgn = lambda x, weight, lin_bias, **k: ops.linear_gn_chain(  # noqa: E731
+        x, weight, lin_bias, "gn_swish_mul_swish", 4, **k)
+    return [
+        (ops.scale_add, ("x", "y"), {"x": z, "y": r(33, 64)}, "y"),
+        (ops.bias_relu, ("z", "bias"), {"z": z, "bias": r(64)}, "bias"),
+        (gn, ("z",), {"z": z, **vectors}, "gn_bias"),
+        (ops.linear, ("x", "weight", "bias"), linear, "weight"),
+        (ops.linear, ("x", "weight", "bias"), linear, "bias"),
+        (lgn, ("x", "weight", "lin_bias"),
+         {"x": x, "weight": w, "lin_bias": r(64), "gn_weight": r(64), "mul_weight": r(64)}, "mul_weight"),
+        (ops.conv_bias_relu, ("x", "weight", "conv_bias", "bias"), conv, "weight"),
+        (ops.conv_bias_relu, ("x", "weight", "conv_bias", "bias"), conv, "bias"),
+    ]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("amp", [False, True], ids=["plain", "autocast"])
+def test_an_argument_on_the_other_gpu_is_refused_before_any_launch(amp, monkeypatch):
+    """Every op with one tensor on cuda:1 and the rest on cuda:0 (eagerly
+    and under autocast) raises a ValueError naming that argument, and
+    launches nothing."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on a two-GPU machine)")
+    monkeypatch.setattr(_bridge, "launch", lambda *args, **kw: pytest.fail("launched"))
+    for op, positional, tensors, moved in _mixed_device_calls():
+        placed = {n: t.to("cuda:1" if n == moved else "cuda:0") for n, t in tensors.items()}
+        args = [placed.pop(n) for n in positional]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            with pytest.raises(ValueError, match=rf"^{moved} must be on .*cuda:0.*got cuda:1"):
+                op(*args, **placed)
 
 
 def test_cupy_arrays_in_cupy_arrays_out(device):

@@ -196,8 +196,10 @@ def _broadcast_or_dense(dy: torch.Tensor, memory_format=None):
 def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
     """The CuPy-array entry of the functional op ``op``: calls ``op`` again
     with every CuPy array argument viewed as a torch tensor (zero-copy,
-    DLPack), on CuPy's current stream and device, and returns its tensor
-    results as CuPy arrays (zero-copy).  Arrays are all CuPy or all torch.
+    DLPack), on the arrays' device and CuPy's current stream of that device
+    (which need not be CuPy's current device: a stream belongs to one
+    device), and returns its tensor results as CuPy arrays (zero-copy).
+    Arrays are all CuPy or all torch.
 
     Each op calls this first thing when its first argument (named
     ``first_name``) is not a torch tensor: one ``isinstance`` on the torch
@@ -215,7 +217,7 @@ def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
     args = [conv(a) for a in args]
     kwargs = {k: conv(v) for k, v in kwargs.items()}
     device = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)).device
-    stream = cupy.cuda.get_current_stream()
+    stream = cupy.cuda.get_current_stream(device.index)
     with torch.cuda.device(device), torch.cuda.stream(
             torch.cuda.ExternalStream(stream.ptr, device=device)):
         result = op(*args, **kwargs)
