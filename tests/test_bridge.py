@@ -215,6 +215,45 @@ def test_cupy_arrays_of_the_second_gpu_run_on_its_current_stream(monkeypatch):
         cupy.testing.assert_allclose(r, cupy.maximum(z + bias, 0), rtol=1e-6)
 
 
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", ["37", "88", "94"])
+def test_second_gpu_compiled_models_as_eager(case, monkeypatch):
+    """torch.compile(fullgraph=True) of a model on cuda:1 while cuda:0 is
+    current (a bfloat16 training step on its Hopper routes): the output and
+    every gradient bit for bit the eager model's, every kernel on cuda:1.
+    (Problem 1's compiled graphs take the "cudnn" route, not the eager
+    engine's: not bitwise comparable.)"""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on a two-GPU machine)")
+    from cupy_fused import models
+
+    problem, args, shape = SECOND_GPU_CASES[case]
+    _on_hopper_routes(monkeypatch)
+    devices = set()
+    launch = _bridge.launch
+    monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, a, dev, *rest, **kw:
+                        devices.add(dev) or launch(fn, grid, block, a, dev, *rest, **kw))
+    other = torch.device("cuda", 1)
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = models.MODELS[problem](*args).to(other, torch.bfloat16)
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(0)).to(other, torch.bfloat16)
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_(True)
+        y = fn(leaf)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y))
+        return [y, leaf.grad] + [p.grad for p in model.parameters()]
+
+    eager = step(model)
+    torch._dynamo.reset()
+    compiled = step(torch.compile(model, fullgraph=True))
+    assert devices == {1} and torch.cuda.current_device() == 0
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert b.device == other and torch.equal(a, b), i
+
+
 # Each op with its tensor arguments (positional ones by name) and which one
 # to move to cuda:1: (op, positional names, tensors by name, the moved one).
 def _mixed_device_calls():
