@@ -1068,6 +1068,44 @@ def test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid(device, mo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-bf16", "nchw-fp32", "channels_last-fp32",
+                                  "nchw-amp", "channels_last-amp", "channels_last-bf16-off_the_grid"])
+def test_compiled_inference_takes_the_engine(case, device, monkeypatch):
+    """torch.compile(fullgraph=True) with no gradient to record: the engine
+    (the traced op cupy_fused::conv_bias_relu_engine, no "cudnn" route
+    kernel), bit for bit the eager call's y in x's memory format; a
+    channels-last x off the 16-byte grid, which no address tells the trace
+    of, is copied onto the grid when the graph runs (bit for bit the
+    aligned x's y)."""
+    from cupy_fused import _bridge
+
+    _engine_device(device)
+    monkeypatch.setattr(CB, "ENGINE_FLOAT32_MIN_ELEMENTS", 0)
+    layout, mode = case.split("-")[:2]
+    dtype = torch.float32 if mode in ("fp32", "amp") else torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, 20, 136, generator=gen).to(device, dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    wt, cb, b = ((torch.randn(*shape, generator=gen) / 4).to(device, dtype)
+                 for shape in ((64, 16, 3, 3), (64,), (64, 1, 1)))
+    fn = ops.conv_bias_relu
+    torch._dynamo.reset()  # (no earlier test's graphs count against the recompile limit)
+    compiled = torch.compile(fn, fullgraph=True)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp")
+    with torch.no_grad(), amp:
+        want = fn(x, wt, cb, b)
+        names = []
+        launch = _bridge.launch
+        monkeypatch.setattr(_bridge, "launch", lambda kernel, *args, **kw:
+                            names.append(kernel.name) or launch(kernel, *args, **kw))
+        got = compiled(off_the_grid(x) if case.endswith("off_the_grid") else x, wt, cb, b)
+    assert any(n.startswith("cf::conv_bias_relu") for n in names), names
+    assert not any(n.startswith("cf::bias_relu") for n in names), names
+    assert got.stride() == want.stride() and got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_model_takes_the_engine_in_inference(device):
     """Problem 1's module in bfloat16 under no_grad: the engine route, within
     the reference's error; with grad on, the cudnn route."""

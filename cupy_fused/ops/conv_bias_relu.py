@@ -8,7 +8,9 @@ Route, decided once per call (:func:`route`):
   engine from x channels-last (an NCHW x is first copied so, by a
   transposing kernel of its own), the biases and ReLU applied to the float32
   accumulators, y written once in x's memory format.  On a compute
-  capability 9.0 GPU with no gradient to record, x in one of the layouts
+  capability 9.0 GPU with no gradient to record (eager, or traced by
+  torch.compile as the custom op ``cupy_fused::conv_bias_relu_engine``),
+  x in one of the layouts
   of :func:`engine_layout`, and the dtypes of :func:`engine_dtypes`: every
   tensor float16 or every tensor bfloat16, or under ``torch.autocast``
   (the product then in the autocast dtype, as the reference's; a
@@ -71,7 +73,8 @@ Route, decided once per call (:func:`route`):
   dx is made.
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
-  layout, autocast's promotions.  Smaller training steps take it,
+  layout, autocast's promotions.  Training steps traced by torch.compile
+  take it, as do smaller training steps,
   float32 ones with TF32 off, and those whose C_out is not a multiple of 32
   (channels-last x) or 8 (NCHW x), and every shape where it measured
   faster than the engine.  Its convolution is one autograd
@@ -101,7 +104,8 @@ import torch.nn.functional as F
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
-from .._autograd import FusedOp, check_unchanged, is_compiling, needs_grad, version_of
+from .._autograd import (HAS_CUSTOM_OP, NAMESPACE, FusedOp, check_unchanged, is_compiling, needs_grad,
+                         version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
@@ -420,7 +424,9 @@ def _layout(x: torch.Tensor, x_shape: Sequence[int], cout: int, padded: bool) ->
     if x.is_contiguous():
         return NCHW if _transposes_shape(x_shape) else None
     if (x.is_contiguous(memory_format=torch.channels_last) and cout % 8 == 0
-            and (padded or x.data_ptr() % 16 == 0)):
+            and (padded or is_compiling() or x.data_ptr() % 16 == 0)):
+        # (While tracing no address is known: the traced op copies an x off
+        # the grid when the graph runs, _engine_inference.)
         return CHANNELS_LAST
     return None
 
@@ -590,11 +596,14 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> Optional[_Plan]:
     """How the engine runs a call (:func:`engine_layout`,
     :func:`engine_dtypes`), or None where the call takes the ``"cudnn"``
-    route: the one decision behind :func:`route` and the launch.  Where
+    route: the one decision behind :func:`route` and the launch.  While
+    torch.compile traces, a call with no gradient to record only (the
+    traced op :data:`_ENGINE_INFERENCE`).  Where
     C_in is not a multiple of 8, the plan of the call on channels padded
     with zeros (:func:`_padded_plan`: the caller pads)."""
     if (x.numel() > 0 and weight.shape[0] > 0 and _engine_bounds(x.shape, weight.shape)
-            and not is_compiling() and gemm.has_wgmma(x.device.index)):
+            and not (is_compiling() and (needs_grad(x, weight, conv_bias, bias) or not HAS_CUSTOM_OP))
+            and gemm.has_wgmma(x.device.index)):
         if x.shape[1] % 8:
             return _padded_plan(x, weight, conv_bias, bias)
         return _plan(x, weight, conv_bias, bias, x.shape, padded=False)
@@ -1502,6 +1511,33 @@ _ENGINE_TRAIN = FusedOp("conv_bias_relu_engine_train", _train_forward, _train_fo
                         eager_setup_context=_train_eager_setup_context)
 
 
+# The engine's forward without a gradient to record, as a custom op: what a
+# graph traced by torch.compile calls (eager calls launch it directly).  The
+# plan was made while tracing, where no address is known; a channels-last x
+# off the 16-byte grid (which _layout sends eager calls to cuDNN with) is
+# copied onto it here, when the graph runs.
+def _engine_inference(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                      bias: Optional[torch.Tensor], layout: str, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    if layout == CHANNELS_LAST and x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.channels_last)
+    return _launch_engine(x, weight, conv_bias, bias, plan=(layout, dtype, out_dtype, False))
+
+
+def _engine_inference_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
+                           bias: Optional[torch.Tensor], layout: str, dtype: torch.dtype,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+    fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
+    return torch.empty(_out_shape(x, weight), dtype=out_dtype, device=x.device, memory_format=fmt)
+
+
+_ENGINE_INFERENCE = None
+if HAS_CUSTOM_OP:
+    _ENGINE_INFERENCE = torch.library.custom_op(f"{NAMESPACE}::conv_bias_relu_engine",
+                                                _engine_inference, mutates_args=())
+    _ENGINE_INFERENCE.register_fake(_engine_inference_fake)
+
+
 # ---------------------------------------------------------------- the "cudnn" route
 
 # _deterministic_cudnn's entries now open, and the flag's value before the
@@ -1725,6 +1761,8 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     if plan:  # the "engine" route (its dtypes checked by engine_dtypes)
         if plan[3]:  # with a gradient to record
             return _ENGINE_TRAIN.run(True, x, weight, conv_bias, bias, plan[1], plan[2])[0]
+        if is_compiling():  # (_engine_plan: traced calls take it without a gradient only)
+            return _ENGINE_INFERENCE(x, weight, conv_bias, bias, *plan[:3])
         return _launch_engine(x, weight, conv_bias, bias, plan=plan)
     amp = autocast_dtype()
     if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
