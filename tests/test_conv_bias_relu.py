@@ -1067,6 +1067,27 @@ def test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid(device, mo
         assert rel_error(a, r.double()) < 1e-3  # (TF32 in either, by cuDNN's choice)
 
 
+def test_traced_calls_plan_the_engine_without_a_gradient_only(monkeypatch):
+    """The plan while torch.compile traces (CPU tensors, a Hopper GPU and
+    tracing stood in for): the engine for a call with no gradient to record,
+    a channels-last x off the 16-byte grid included (no address is known
+    while tracing; the traced op copies it when the graph runs), which an
+    eager call sends to cuDNN; no plan for a call with a gradient, nor
+    without torch.library's custom ops."""
+    monkeypatch.setattr(gemm, "has_wgmma", lambda index: True)
+    bf16, cl = torch.bfloat16, torch.channels_last
+    gen = torch.Generator().manual_seed(0)
+    x = off_the_grid(torch.randn(2, 16, 20, 136, generator=gen, dtype=bf16).contiguous(memory_format=cl))
+    wt, cb, b = (torch.randn(*shape, generator=gen, dtype=bf16) for shape in ((64, 16, 3, 3), (64,), (64,)))
+    assert CB._engine_plan(x, wt, cb, b) is None  # eager: off the grid
+    monkeypatch.setattr(CB, "is_compiling", lambda: True)
+    assert CB._engine_plan(x, wt, cb, b) == (CB.CHANNELS_LAST, bf16, bf16, False)
+    assert CB._engine_plan(x, wt.requires_grad_(True), cb, b) is None
+    wt.requires_grad_(False)
+    monkeypatch.setattr(CB, "HAS_CUSTOM_OP", False)
+    assert CB._engine_plan(x, wt, cb, b) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-bf16", "nchw-fp32", "channels_last-fp32",
                                   "nchw-amp", "channels_last-amp", "channels_last-bf16-off_the_grid"])
