@@ -1067,25 +1067,30 @@ def test_cudnn_route_trains_on_a_channels_last_float32_x_off_the_grid(device, mo
         assert rel_error(a, r.double()) < 1e-3  # (TF32 in either, by cuDNN's choice)
 
 
-def test_traced_calls_plan_the_engine_without_a_gradient_only(monkeypatch):
+def test_traced_calls_plan_the_engine_as_eager_calls(monkeypatch):
     """The plan while torch.compile traces (CPU tensors, a Hopper GPU and
-    tracing stood in for): the engine for a call with no gradient to record,
-    a channels-last x off the 16-byte grid included (no address is known
-    while tracing; the traced op copies it when the graph runs), which an
-    eager call sends to cuDNN; no plan for a call with a gradient, nor
-    without torch.library's custom ops."""
+    tracing stood in for): an eager call's, with and without a gradient to
+    record, and the engine for a channels-last x off the 16-byte grid too
+    (no address is known while tracing; the traced ops copy it when the
+    graph runs), which an eager call sends to cuDNN; no plan without
+    torch.library's custom ops."""
     monkeypatch.setattr(gemm, "has_wgmma", lambda index: True)
+    monkeypatch.setattr(CB, "ENGINE_TRAINING_MIN_ELEMENTS", 0)
     bf16, cl = torch.bfloat16, torch.channels_last
     gen = torch.Generator().manual_seed(0)
-    x = off_the_grid(torch.randn(2, 16, 20, 136, generator=gen, dtype=bf16).contiguous(memory_format=cl))
+    x = torch.randn(2, 16, 20, 136, generator=gen, dtype=bf16).contiguous(memory_format=cl)
     wt, cb, b = (torch.randn(*shape, generator=gen, dtype=bf16) for shape in ((64, 16, 3, 3), (64,), (64,)))
-    assert CB._engine_plan(x, wt, cb, b) is None  # eager: off the grid
+    leaf = wt.clone().requires_grad_(True)
+    plans = [CB._engine_plan(t, w, cb, b) for t in (x, x.contiguous()) for w in (wt, leaf)]
+    assert [p[3] for p in plans] == [False, True] * 2  # (the training forward where a gradient is recorded)
+    assert CB._engine_plan(off_the_grid(x), wt, cb, b) is None  # eager: off the grid
     monkeypatch.setattr(CB, "is_compiling", lambda: True)
-    assert CB._engine_plan(x, wt, cb, b) == (CB.CHANNELS_LAST, bf16, bf16, False)
-    assert CB._engine_plan(x, wt.requires_grad_(True), cb, b) is None
-    wt.requires_grad_(False)
+    assert [CB._engine_plan(t, w, cb, b) for t in (x, x.contiguous()) for w in (wt, leaf)] == plans
+    for w, plan in zip((wt, leaf), plans):
+        assert CB._engine_plan(off_the_grid(x), w, cb, b) == plan
     monkeypatch.setattr(CB, "HAS_CUSTOM_OP", False)
     assert CB._engine_plan(x, wt, cb, b) is None
+    assert CB._engine_plan(x, leaf, cb, b) is None
 
 
 @pytest.mark.gpu
@@ -1124,6 +1129,62 @@ def test_compiled_inference_takes_the_engine(case, device, monkeypatch):
     assert any(n.startswith("cf::conv_bias_relu") for n in names), names
     assert not any(n.startswith("cf::bias_relu") for n in names), names
     assert got.stride() == want.stride() and got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-bf16", "nchw-fp32", "channels_last-fp32",
+                                  "nchw-amp", "channels_last-amp", "channels_last-bf16-off_the_grid",
+                                  "nchw-bf16-padded", "channels_last-fp32-off_the_grid"])
+def test_compiled_training_takes_the_engine(case, device, monkeypatch):
+    """A training step through torch.compile(fullgraph=True): the engine's
+    training forward and backward (the traced ops
+    cupy_fused::conv_bias_relu_engine_train and its backward, no "cudnn"
+    route kernel), y and every gradient bit for bit the eager step's, in
+    the eager step's dtypes and strides; with C_in padded to a multiple of 8
+    (5 channels), and with a channels-last x off the 16-byte grid, which no
+    address tells the trace of (copied onto the grid when the graph runs,
+    in the forward and in the backward: bit for bit the aligned x's)."""
+    from cupy_fused import _bridge
+
+    _engine_device(device)
+    _lift_engine_thresholds(monkeypatch)
+    layout, mode = case.split("-")[:2]
+    dtype = torch.float32 if mode in ("fp32", "amp") else torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    cin = 5 if case.endswith("padded") else 16
+    x = torch.randn(2, cin, 20, 136, generator=gen).to(device, dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    wt, cb, b = ((torch.randn(*shape, generator=gen) / 4).to(device, dtype)
+                 for shape in ((64, cin, 3, 3), (64,), (64, 1, 1)))
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp")
+
+    def step(fn, x):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (wt, cb, b)]
+        xg = x.detach().requires_grad_(True)  # (a view keeps its offset: x is a leaf here)
+        with amp:
+            y = fn(xg, *leaves)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(y)
+                   .contiguous(memory_format=_memory_format(y)))
+        return [y.detach()] + [t.grad for t in [xg] + leaves]
+
+    fn = ops.conv_bias_relu
+    want = step(fn, x)
+    torch._dynamo.reset()  # (no earlier test's graphs count against the recompile limit)
+    compiled = torch.compile(fn, fullgraph=True)
+    names = []
+    launch = _bridge.launch
+    monkeypatch.setattr(_bridge, "launch", lambda kernel, *args, **kw:
+                        names.append(kernel.name) or launch(kernel, *args, **kw))
+    got = step(compiled, off_the_grid(x) if case.endswith("off_the_grid") else x)
+    assert any(n.startswith("cf::conv_bias_relu") for n in names), names
+    assert not any(n.startswith("cf::bias_relu_forward") for n in names), names
+    for name, g, w in zip(("y", "x", "weight", "conv_bias", "bias"), got, want):
+        assert g.dtype == w.dtype and g.stride() == w.stride() and torch.equal(g, w), name
+
+
+def _memory_format(t):
+    return torch.channels_last if CB._strictly_channels_last(t) else torch.contiguous_format
 
 
 @pytest.mark.gpu

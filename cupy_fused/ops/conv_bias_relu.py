@@ -70,11 +70,13 @@ Route, decided once per call (:func:`route`):
   x's layout.  The
   eager node keeps relu's mask for one use, freed once dz exists, and, for
   a leaf x that requires grad, x's copy or cast for one use, freed before
-  dx is made.
+  dx is made.  Traced by torch.compile, the training forward and its
+  backward are the custom ops ``cupy_fused::conv_bias_relu_engine_train``
+  and ``cupy_fused::conv_bias_relu_engine_train_backward`` (the graph saves
+  the mask and the copy).
 * ``"cudnn"`` (the named fallback): ``torch.nn.functional.conv2d`` (cuDNN),
   then :func:`.bias_relu.bias_relu`: differentiable, every dtype and
-  layout, autocast's promotions.  Training steps traced by torch.compile
-  take it, as do smaller training steps,
+  layout, autocast's promotions.  Smaller training steps take it,
   float32 ones with TF32 off, and those whose C_out is not a multiple of 32
   (channels-last x) or 8 (NCHW x), and every shape where it measured
   faster than the engine.  Its convolution is one autograd
@@ -425,8 +427,8 @@ def _layout(x: torch.Tensor, x_shape: Sequence[int], cout: int, padded: bool) ->
         return NCHW if _transposes_shape(x_shape) else None
     if (x.is_contiguous(memory_format=torch.channels_last) and cout % 8 == 0
             and (padded or is_compiling() or x.data_ptr() % 16 == 0)):
-        # (While tracing no address is known: the traced op copies an x off
-        # the grid when the graph runs, _engine_inference.)
+        # (While tracing no address is known: the traced ops copy an x off
+        # the grid when the graph runs, _on_the_grid.)
         return CHANNELS_LAST
     return None
 
@@ -597,13 +599,14 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     """How the engine runs a call (:func:`engine_layout`,
     :func:`engine_dtypes`), or None where the call takes the ``"cudnn"``
     route: the one decision behind :func:`route` and the launch.  While
-    torch.compile traces, a call with no gradient to record only (the
-    traced op :data:`_ENGINE_INFERENCE`).  Where
+    torch.compile traces, the plan of the same call made eagerly (the
+    traced ops :data:`_ENGINE_INFERENCE` and :data:`_ENGINE_TRAIN`'s; a
+    channels-last x off the 16-byte grid included, :func:`_on_the_grid`),
+    where this torch has custom ops.  Where
     C_in is not a multiple of 8, the plan of the call on channels padded
     with zeros (:func:`_padded_plan`: the caller pads)."""
     if (x.numel() > 0 and weight.shape[0] > 0 and _engine_bounds(x.shape, weight.shape)
-            and not (is_compiling() and (needs_grad(x, weight, conv_bias, bias) or not HAS_CUSTOM_OP))
-            and gemm.has_wgmma(x.device.index)):
+            and (HAS_CUSTOM_OP or not is_compiling()) and gemm.has_wgmma(x.device.index)):
         if x.shape[1] % 8:
             return _padded_plan(x, weight, conv_bias, bias)
         return _plan(x, weight, conv_bias, bias, x.shape, padded=False)
@@ -1310,7 +1313,8 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     mask = _mask_words(x, weight, nchw=nchw)
     xc = _training_copy(x, dtype, nchw)
     plan = (NCHW if nchw else CHANNELS_LAST, dtype, out_dtype, True)
-    y = _launch_engine(x, weight, conv_bias, bias, plan=plan, mask=mask, xc=xc)
+    y = _launch_engine(x if xc is not None else _on_the_grid(x), weight, conv_bias, bias, plan=plan,
+                       mask=mask, xc=xc)
     return y, mask, x.new_empty((0,), dtype=dtype) if xc is None else xc
 
 
@@ -1455,8 +1459,10 @@ def _train_backward_formula(ctx, grads, run_backward):
 def _train_backward(dy: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
                     second_bias: bool, x_dtype: torch.dtype, want_x: bool, want_weight: bool,
                     nchw: bool, whole: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _train_steps(dy, lambda: xc, xc.dtype, weight, lambda: mask, second_bias, x_dtype, want_x,
-                        want_weight, nchw, whole)
+    # (xc: x itself where the forward made no copy, which a traced graph may
+    # hand over off the grid)
+    return _train_steps(dy, lambda: _on_the_grid(xc), xc.dtype, weight, lambda: mask, second_bias,
+                        x_dtype, want_x, want_weight, nchw, whole)
 
 
 def _train_steps(dy: torch.Tensor, take_xc: Callable[[], torch.Tensor], dtype: torch.dtype,
@@ -1511,17 +1517,24 @@ _ENGINE_TRAIN = FusedOp("conv_bias_relu_engine_train", _train_forward, _train_fo
                         eager_setup_context=_train_eager_setup_context)
 
 
+def _on_the_grid(x: torch.Tensor) -> torch.Tensor:
+    """x itself, or, for a channels-last x off the 16-byte grid, its copy
+    (new tensors are aligned): what the copy engine and cuDNN's float32
+    backward can read.  Eager calls of the engine never meet such an x
+    (:func:`_layout` sends them to cuDNN); a graph traced by torch.compile,
+    planned where no address is known, may, and its ops copy x when the
+    graph runs."""
+    if _strictly_channels_last(x) and x.data_ptr() % 16:
+        return x.clone(memory_format=torch.channels_last)
+    return x
+
+
 # The engine's forward without a gradient to record, as a custom op: what a
-# graph traced by torch.compile calls (eager calls launch it directly).  The
-# plan was made while tracing, where no address is known; a channels-last x
-# off the 16-byte grid (which _layout sends eager calls to cuDNN with) is
-# copied onto it here, when the graph runs.
+# graph traced by torch.compile calls (eager calls launch it directly).
 def _engine_inference(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                       bias: Optional[torch.Tensor], layout: str, dtype: torch.dtype,
                       out_dtype: torch.dtype) -> torch.Tensor:
-    if layout == CHANNELS_LAST and x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.channels_last)
-    return _launch_engine(x, weight, conv_bias, bias, plan=(layout, dtype, out_dtype, False))
+    return _launch_engine(_on_the_grid(x), weight, conv_bias, bias, plan=(layout, dtype, out_dtype, False))
 
 
 def _engine_inference_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
@@ -1641,13 +1654,11 @@ def _conv_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want
 def _cudnn_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
                     want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     channels_last = _channels_last_backward(dz, x)
-    dz_in, x_in = dz, lambda: x  # noqa: E731
-    if _strictly_channels_last(x) and x.data_ptr() % 16:
-        # cuDNN's backward of a channels-last x off the 16-byte grid can fail
-        # (float32: "unable to find an engine", or a misaligned address that
-        # ends the process's CUDA context): an aligned copy (new tensors are),
-        # here, where x is real in eager runs and compiled graphs alike.
-        x_in = lambda: x.clone(memory_format=torch.channels_last)  # noqa: E731
+    # cuDNN's backward of a channels-last x off the 16-byte grid can fail
+    # (float32: "unable to find an engine", or a misaligned address that
+    # ends the process's CUDA context): an aligned copy, here, where x is
+    # real in eager runs and compiled graphs alike.
+    dz_in, x_in = dz, lambda: _on_the_grid(x)  # noqa: E731
     if channels_last:
         # (dz comes channels-last from bias_relu's backward, see
         # conv_bias_relu(), unless something between them changed it.)
@@ -1761,7 +1772,7 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     if plan:  # the "engine" route (its dtypes checked by engine_dtypes)
         if plan[3]:  # with a gradient to record
             return _ENGINE_TRAIN.run(True, x, weight, conv_bias, bias, plan[1], plan[2])[0]
-        if is_compiling():  # (_engine_plan: traced calls take it without a gradient only)
+        if is_compiling():
             return _ENGINE_INFERENCE(x, weight, conv_bias, bias, *plan[:3])
         return _launch_engine(x, weight, conv_bias, bias, plan=plan)
     amp = autocast_dtype()
