@@ -21,6 +21,10 @@ for what only eager autograd allows: :func:`keep_output`, an output kept
 for one use by the backward and dropped as soon as the backward takes it,
 where a saved tensor would live until the backward has returned.
 
+A route with no gradient to record that eager calls launch directly, but
+that a traced graph must call as an op of its own, is an
+:func:`inference_op`.
+
 Both paths are differentiable once: the backward kernels compute first-order
 gradients and record no graph.  A backward run with ``create_graph=True``
 returns gradients whose node raises, naming the op, if anything
@@ -235,6 +239,30 @@ def _formula_with_graph(name: str, formula: Callable, ctx, grads, run_backward):
         result = formula(ctx, grads, run_backward)
     return first_order_only(name, result,
                             grads + tuple(ctx.saved_tensors) + tuple(getattr(ctx, "graph_anchors", ())))
+
+
+def inference_op(name: str, forward: Callable, forward_fake: Callable) -> Optional[Callable]:
+    """A forward with no backward as the custom op ``cupy_fused::<name>``:
+    what a graph traced by torch.compile calls for a route that eager calls
+    without a gradient to record launch directly (``forward`` itself).
+
+    Args:
+        name: op name (``cupy_fused::<name>``).
+        forward, forward_fake: as :class:`FusedOp`'s.  While tracing no
+            address is known, so a route planned there is checked by
+            ``forward`` when the graph runs (an operand off the copy
+            engine's 16-byte grid copied or sent elsewhere).
+
+    Returns:
+        The op, or None on a torch without custom ops (< 2.4): a traced
+        call then takes another route.  Only for calls with no gradient to
+        record: the op has no autograd formula.
+    """
+    if not HAS_CUSTOM_OP:
+        return None
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", forward, mutates_args=())
+    op.register_fake(forward_fake)
+    return op
 
 
 class FusedOp:

@@ -474,3 +474,78 @@ def test_autocast_linear_traces_under_compile(past_device_check, monkeypatch):
     assert torch.equal(y2, y)
     for a, c in zip(eager, traced):
         assert c.grad.dtype == torch.float32 and torch.equal(a.grad, c.grad)
+
+
+# ---------------------------------------------------------------- the float32-weight product traced
+
+def _float32_weight_case(device, dtype=torch.float32):
+    # 512 rows of x (2 tiles) and 33 tiles of W's rows: 66 tiles, at least
+    # half of 132 SMs (test_gemm.py's test_float32_weight_route).
+    gen = torch.Generator().manual_seed(11)
+    return (torch.randn(512, 64, generator=gen).to(device, dtype),
+            (torch.randn(128 * 33, 64, generator=gen) / 8).to(device),
+            torch.randn(128 * 33, generator=gen).to(device))
+
+
+@pytest.mark.parametrize("case", ["aligned", "half_x_off_the_grid", "weight_off_the_grid"])
+def test_float32_weight_product_traces_under_compile(case, past_device_check, monkeypatch):
+    """Autocast inference of few rows under torch.compile (fullgraph,
+    aot_eager; CPU tensors, a 132-SM Hopper GPU stood in for and the kernel
+    by a product that records its operands): the traced graph runs the
+    float32-weight product, planned with no address known, as the op
+    cupy_fused::linear_float32_weight, on operands on the 16-byte grid (a
+    bfloat16 x off it copied, as the eager call copies it), giving the eager
+    call's result; a float32 weight off the grid takes its cast and cuBLAS
+    there, as in the eager call.  (Before, a traced call cast the weight
+    and ran cuBLAS whatever its operands.)"""
+    from cupy_fused.ops import gemm as G
+
+    monkeypatch.setattr(L, "autocast_dtype", lambda: torch.bfloat16)
+    monkeypatch.setattr(G, "has_wgmma", lambda dev: True)
+    monkeypatch.setattr(G, "sm_count", lambda dev: 132)
+    ran = []
+
+    def product(x_d, weight, bias_d):
+        ran.append(x_d.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+        return torch.addmm(bias_d, x_d, weight.to(x_d.dtype).t())
+
+    monkeypatch.setattr(L, "_run_float32_weight", product)
+    x, w, b = _float32_weight_case("cpu", torch.bfloat16 if case == "half_x_off_the_grid" else torch.float32)
+    x, w = (off_the_grid(x) if case == "half_x_off_the_grid" else x,
+            off_the_grid(w) if case == "weight_off_the_grid" else w)
+    with torch.no_grad():
+        want = ops.linear(x, w, b)
+        torch._dynamo.reset()
+        got = torch.compile(lambda *t: ops.linear(*t), backend="aot_eager", fullgraph=True)(x, w, b)
+    assert ran == ([] if case == "weight_off_the_grid" else [True, True])
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["aligned", "half_x_off_the_grid"])
+def test_compiled_float32_weight_product(case, device, monkeypatch):
+    """Autocast inference of few rows compiled (fullgraph) on Hopper: the
+    float32-weight kernel (no cast of W, no cuBLAS), bit for bit the eager
+    call's result, a bfloat16 x off the 16-byte grid included.  (Inductor
+    copies graph inputs off its own alignment before the graph runs, so a
+    weight off the grid reaches the op aligned here: the op's own fallback
+    is test_float32_weight_product_traces_under_compile's.)"""
+    from cupy_fused import _bridge
+    from cupy_fused.ops import gemm as G
+
+    if not G.has_wgmma(device.index) or G.sm_count(device.index) > 132:
+        pytest.skip("the float32-weight route at this shape needs a Hopper GPU of at most 132 SMs")
+    x, w, b = _float32_weight_case(device, torch.bfloat16 if case == "half_x_off_the_grid" else torch.float32)
+    x, w = (off_the_grid(x) if case == "half_x_off_the_grid" else x,
+            off_the_grid(w) if case == "weight_off_the_grid" else w)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        want = ops.linear(x, w, b)
+        torch._dynamo.reset()
+        compiled = torch.compile(ops.linear, fullgraph=True)
+        names = []
+        launch = _bridge.launch
+        monkeypatch.setattr(_bridge, "launch", lambda kernel, *args, **kw:
+                            names.append(kernel.name) or launch(kernel, *args, **kw))
+        got = compiled(x, w, b)
+    assert any("f32_weight" in n for n in names), names
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -106,7 +106,7 @@ import torch.nn.functional as F
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
-from .._autograd import (HAS_CUSTOM_OP, NAMESPACE, FusedOp, check_unchanged, is_compiling, needs_grad,
+from .._autograd import (HAS_CUSTOM_OP, FusedOp, check_unchanged, inference_op, is_compiling, needs_grad,
                          version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
@@ -1544,11 +1544,7 @@ def _engine_inference_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: tor
     return torch.empty(_out_shape(x, weight), dtype=out_dtype, device=x.device, memory_format=fmt)
 
 
-_ENGINE_INFERENCE = None
-if HAS_CUSTOM_OP:
-    _ENGINE_INFERENCE = torch.library.custom_op(f"{NAMESPACE}::conv_bias_relu_engine",
-                                                _engine_inference, mutates_args=())
-    _ENGINE_INFERENCE.register_fake(_engine_inference_fake)
+_ENGINE_INFERENCE = inference_op("conv_bias_relu_engine", _engine_inference, _engine_inference_fake)
 
 
 # ---------------------------------------------------------------- the "cudnn" route

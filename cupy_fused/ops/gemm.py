@@ -57,7 +57,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES
-from .._autograd import FusedOp
+from .._autograd import FusedOp, is_compiling
 from .._validation import cxx_type
 from ..settings import get_gemm_wgmma
 from ._common import BLOCK, cdiv, elementwise_grid, _ptr_or_null, sm_count
@@ -474,19 +474,22 @@ def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
                               (_k_tile(t.dtype), box_rows))
 
 
-def _tma_compatible(t: torch.Tensor) -> bool:
+def _tma_compatible(t: torch.Tensor, address: bool = True) -> bool:
     """Whether the copy engine can read the 2-D ``t``: unit column stride, a
-    row stride that is a multiple of 16 bytes, a 16-byte aligned start and
-    fewer than 2^31 rows and columns (the coordinates are 32-bit)."""
+    row stride that is a multiple of 16 bytes, a 16-byte aligned start
+    (unless ``address`` is False: while torch.compile traces, where no
+    address is known) and fewer than 2^31 rows and columns (the
+    coordinates are 32-bit)."""
     return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0 and t.shape[0] < 2**31 and t.shape[1] < 2**31)
+            and (not address or t.data_ptr() % 16 == 0) and t.shape[0] < 2**31 and t.shape[1] < 2**31)
 
 
-def _engine_reads(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _engine_reads(x: torch.Tensor, weight: torch.Tensor, addresses: bool = True) -> bool:
     """Whether the Hopper engine can take ``x W^T`` whatever the dtypes: a
     compute capability 9.0 GPU (and the ``gemm_wgmma`` setting on), x and W
-    that :func:`_tma_compatible` accepts, and a non-empty product."""
-    return (_tma_compatible(x) and _tma_compatible(weight)
+    that :func:`_tma_compatible` accepts (their ``addresses`` asked or
+    not), and a non-empty product."""
+    return (_tma_compatible(x, addresses) and _tma_compatible(weight, addresses)
             and x.shape[0] > 0 and weight.shape[0] > 0 and x.shape[1] > 0
             and has_wgmma(x.device.index))
 
@@ -639,15 +642,16 @@ CONVERT_KERNELS = _runtime.KernelFamily("gemm.cu", {
 })
 
 
-def _uses_float32_weight_engine(x_d: torch.Tensor, weight: torch.Tensor) -> bool:
+def _uses_float32_weight_engine(x_d: torch.Tensor, weight: torch.Tensor, addresses: bool = True) -> bool:
     """Whether :func:`_linear_float32_weight` can take ``x_d W^T``: x_d
-    float16 / bfloat16 and W float32 that :func:`_engine_reads` accepts, of
-    one inner size, and a number of W's rows whose 16-bit output rows the
-    copy engine writes (a multiple of 8).
-    Whether it should is the caller's rule (:func:`_routes_float32_weight`);
-    elsewhere the caller casts W and runs cuBLAS (the named fallback)."""
+    float16 / bfloat16 and W float32 that :func:`_engine_reads` accepts
+    (their ``addresses`` asked or not), of one inner size, and a number of
+    W's rows whose 16-bit output rows the copy engine writes (a multiple of
+    8).  Whether it should is the caller's rule
+    (:func:`_routes_float32_weight`); elsewhere the caller casts W and runs
+    cuBLAS (the named fallback)."""
     return (x_d.dtype in HALF_DTYPES and weight.dtype == torch.float32
-            and _engine_reads(x_d, weight) and x_d.shape[1] == weight.shape[1]
+            and _engine_reads(x_d, weight, addresses) and x_d.shape[1] == weight.shape[1]
             and weight.shape[0] % 8 == 0)
 
 
@@ -658,9 +662,11 @@ def _routes_float32_weight(x_d: torch.Tensor, weight: torch.Tensor) -> bool:
     :data:`CONVERT_MAX_ROWS` rows, at least half as many tiles as the GPU
     has SMs, and
     :func:`_uses_float32_weight_engine`) rather than as W's cast then
-    cuBLAS."""
+    cuBLAS.  While torch.compile traces, the addresses are not asked (none
+    is known): the traced op checks them when the graph runs."""
     m, n = x_d.shape[0], weight.shape[0]
-    return (CONVERT_MIN_ROWS <= m <= CONVERT_MAX_ROWS and _uses_float32_weight_engine(x_d, weight)
+    return (CONVERT_MIN_ROWS <= m <= CONVERT_MAX_ROWS
+            and _uses_float32_weight_engine(x_d, weight, addresses=not is_compiling())
             and 2 * cdiv(n, CONVERT_TILE[0]) * cdiv(m, CONVERT_TILE[1]) >= sm_count(x_d.device.index))
 
 

@@ -19,7 +19,8 @@ decided once per call (:func:`.gemm.route`):
   tensor's own dtype (:func:`_run_autocast_linear`).  A forward without
   autograd of few rows and a float32 weight runs on Hopper as
   :func:`.gemm._linear_float32_weight`, which rounds the weight to d inside
-  the product instead of casting it first (:func:`.gemm._routes_float32_weight`).
+  the product instead of casting it first (:func:`.gemm._routes_float32_weight`;
+  traced by torch.compile, the custom op ``cupy_fused::linear_float32_weight``).
 """
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from .._amp import autocast_dtype
-from .._autograd import (FusedOp, check_unchanged, is_compiling, keep_output, launches_directly,
-                         needs_grad, take_output, version_of)
+from .._autograd import (FusedOp, check_unchanged, inference_op, is_compiling, keep_output,
+                         launches_directly, needs_grad, take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
 from .bias_relu import bias_relu
-from .gemm import _LINEAR, CUBLAS, _backward_fake, _routes_float32_weight, _run_float32_weight, route
+from .gemm import (_LINEAR, CUBLAS, _backward_fake, _routes_float32_weight, _run_float32_weight,
+                   _uses_float32_weight_engine, route)
 
 ACTIVATIONS = {None: 0, "none": 0, "relu": 1}
 
@@ -170,6 +172,11 @@ def _autocast_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                       bias_d: Optional[torch.Tensor]) -> torch.Tensor:
     # x, weight, bias: what the gradients go to (their dtypes); the product
     # reads their casts, as nn.Linear's under autocast: the same cuBLAS call.
+    return _cublas_linear(x_d, w_d, bias_d)
+
+
+def _cublas_linear(x_d: torch.Tensor, w_d: torch.Tensor, bias_d: Optional[torch.Tensor]) -> torch.Tensor:
+    # x_d w_d^T + bias_d by cuBLAS, on operands on the 16-byte grid.
     x_d, w_d = _cublas_operand(x_d), _cublas_operand(w_d)
     if bias_d is None:
         return torch.mm(x_d, w_d.t())
@@ -282,6 +289,28 @@ _LINEAR_AUTOCAST = FusedOp("linear_autocast", _autocast_forward, _autocast_forwa
                            eager_setup_context=_autocast_eager_setup_context)
 
 
+# The float32-weight product of an autocast forward without autograd, as
+# a custom op: what a graph traced by torch.compile calls (eager calls
+# launch it directly).  Planned while tracing, where no address is known,
+# so the operands are checked here, as an eager call's are: a 16-bit x off
+# the 16-byte grid copied onto it (_run_autocast_linear), a float32 weight
+# off the copy engine's grid read by cuBLAS as its cast.
+def _float32_weight_forward(x_d: torch.Tensor, weight: torch.Tensor,
+                            bias_d: Optional[torch.Tensor]) -> torch.Tensor:
+    x_d = _cublas_operand(x_d)
+    if _uses_float32_weight_engine(x_d, weight):
+        return _run_float32_weight(x_d, weight, bias_d)
+    return _cublas_linear(x_d, weight.to(x_d.dtype), bias_d)
+
+
+def _float32_weight_fake(x_d: torch.Tensor, weight: torch.Tensor,
+                         bias_d: Optional[torch.Tensor]) -> torch.Tensor:
+    return x_d.new_empty((x_d.shape[0], weight.shape[0]))
+
+
+_FLOAT32_WEIGHT = inference_op("linear_float32_weight", _float32_weight_forward, _float32_weight_fake)
+
+
 def _cublas_operand(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy of it on the 16-byte grid where it is a float16 /
     bfloat16 tensor off it.  Given such an operand, cuBLAS picks kernels
@@ -290,7 +319,8 @@ def _cublas_operand(t: torch.Tensor) -> torch.Tensor:
     with nearly twice the error of its kernels for aligned operands
     (docs/design.md).  Called where cuBLAS is handed the operands: in the
     custom ops' implementations (:data:`_CUBLAS_RELU`,
-    :data:`_LINEAR_AUTOCAST`, and linear_gn_chain's), which compiled graphs
+    :data:`_LINEAR_AUTOCAST`, :data:`_FLOAT32_WEIGHT`, and
+    linear_gn_chain's), which compiled graphs
     run on real tensors too, and beside the eager calls of ``F.linear``.
     Not while tracing, where no address is known."""
     if t.dtype == torch.float32 or is_compiling() or t.data_ptr() % 16 == 0:
@@ -307,10 +337,11 @@ def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[
     dtype (:data:`_LINEAR_AUTOCAST`).  ``bias_grad=False``: the bias is
     added but gets no gradient from this op (a caller computes it).
 
-    Without autograd, eagerly, a float32 weight and few rows: the product
-    reads the weight itself and rounds it in the tensor cores' operand
-    registers (:func:`.gemm._routes_float32_weight`): the same values as its
-    cast, without the cast's pass over the weight."""
+    Without autograd, a float32 weight and few rows: the product reads the
+    weight itself and rounds it in the tensor cores' operand registers
+    (:func:`.gemm._routes_float32_weight`; traced, :data:`_FLOAT32_WEIGHT`):
+    the same values as its cast, without the cast's pass over the
+    weight."""
     # (.to returns the tensor itself when already in dtype; aligned here, as
     # the float32-weight route takes aligned operands only)
     x_d = _cublas_operand(x2.detach().to(dtype))
@@ -318,7 +349,10 @@ def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[
     if not bias_grad:
         bias = None
     grad = needs_grad(x2, weight, bias)
-    if not grad and launches_directly() and _routes_float32_weight(x_d, weight):
+    if (not grad and (launches_directly() or (is_compiling() and _FLOAT32_WEIGHT is not None))
+            and _routes_float32_weight(x_d, weight)):
+        if is_compiling():
+            return _FLOAT32_WEIGHT(x_d, weight, bias_d)
         return _run_float32_weight(x_d, weight, bias_d)  # (the route checked the operands)
     w_d = weight.detach().to(dtype)
     return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x_d, w_d, bias_d)
