@@ -1,4 +1,5 @@
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -58,3 +59,27 @@ def past_device_check(monkeypatch):
     from cupy_fused import _validation
 
     monkeypatch.setattr(_validation, "DEVICE_TYPES", ("cuda", "cpu"))
+
+
+class Launch(NamedTuple):
+    name: str    # the kernel's name expression
+    device: int  # the device index it was launched on
+    stream: int  # the handle of torch's current stream of that device at the launch
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launched through the bridge from here to the test's
+    end, in order, as :class:`Launch` entries (the launches themselves go
+    ahead); ``launches.clear()`` starts the record afresh."""
+    from cupy_fused import _bridge
+
+    seen = []
+    launch = _bridge.launch
+
+    def record(fn, grid, block, args, dev, *rest, **kw):
+        seen.append(Launch(fn.name, dev, torch.cuda.current_stream(dev).cuda_stream))
+        return launch(fn, grid, block, args, dev, *rest, **kw)
+
+    monkeypatch.setattr(_bridge, "launch", record)
+    return seen

@@ -119,7 +119,7 @@ def _on_hopper_routes(monkeypatch):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "amp-bf16"])
 @pytest.mark.parametrize("case", list(SECOND_GPU_CASES))
-def test_second_gpu_models_as_with_their_own_device_current(case, mode, monkeypatch):
+def test_second_gpu_models_as_with_their_own_device_current(case, mode, monkeypatch, launches):
     """One process driving two GPUs: a model on cuda:1 while cuda:0 is
     current gives, on the routes the benchmark shapes take, bit for bit the
     output and gradients it gives with cuda:1 current (a training step, then
@@ -133,10 +133,6 @@ def test_second_gpu_models_as_with_their_own_device_current(case, mode, monkeypa
 
     problem, args, shape = SECOND_GPU_CASES[case]
     _on_hopper_routes(monkeypatch)
-    launches = []
-    launch = _bridge.launch
-    monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, a, dev, *rest, **kw:
-                        launches.append((fn.name, dev)) or launch(fn, grid, block, a, dev, *rest, **kw))
     other = torch.device("cuda", 1)
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     amp = torch.bfloat16 if mode.startswith("amp") else None
@@ -167,18 +163,18 @@ def test_second_gpu_models_as_with_their_own_device_current(case, mode, monkeypa
         assert torch.cuda.current_device() == 0 and cupy.cuda.runtime.getDevice() == 0
         assert torch.cuda.memory_allocated(0) == before
         assert launches or (problem == 76 and mode != "fp32")  # (76 in 16 bits: cuBLAS and torch alone)
-        assert all(dev == 1 for _, dev in launches), sorted(set(launches))
-        ours = sorted({name for name, _ in launches})
+        assert all(launch.device == 1 for launch in launches), sorted(set(launches))
+        ours = sorted({launch.name for launch in launches})
         want = run(1)
     finally:
         torch.cuda.set_device(current)
-    assert sorted({name for name, _ in launches}) == ours  # the same kernels both times
+    assert sorted({launch.name for launch in launches}) == ours  # the same kernels both times
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.device == other and torch.equal(a, b), (i, ours)
 
 
 @pytest.mark.multigpu
-def test_cupy_arrays_of_the_second_gpu_run_on_its_current_stream(monkeypatch):
+def test_cupy_arrays_of_the_second_gpu_run_on_its_current_stream(launches):
     """CuPy arrays on device 1 while device 0 is CuPy's current device, with
     a stream of its own current there: the ops run on device 1, on CuPy's
     current stream of device 1 (not device 0's, which device 1 cannot run
@@ -187,11 +183,6 @@ def test_cupy_arrays_of_the_second_gpu_run_on_its_current_stream(monkeypatch):
         pytest.skip("needs two GPUs (run on a two-GPU machine)")
     import cupy
 
-    seen = []
-    launch = _bridge.launch
-    monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, a, dev, *rest, **kw:
-                        seen.append((dev, torch.cuda.current_stream(dev).cuda_stream))
-                        or launch(fn, grid, block, a, dev, *rest, **kw))
     with cupy.cuda.Device(1):
         stream = cupy.cuda.Stream(non_blocking=True)
         a, b = (cupy.random.rand(4097, dtype=cupy.float32) for _ in range(2))
@@ -209,47 +200,46 @@ def test_cupy_arrays_of_the_second_gpu_run_on_its_current_stream(monkeypatch):
         with cupy.cuda.Device(1):
             cupy.cuda.Stream.null.use()
     assert out.device.id == 1 and r.device.id == 1
-    assert seen and all(s == (1, stream.ptr) for s in seen), seen
+    assert launches and all((s.device, s.stream) == (1, stream.ptr) for s in launches), launches
     with cupy.cuda.Device(1):
         cupy.testing.assert_allclose(out, 0.5 * a + b, rtol=1e-6)
         cupy.testing.assert_allclose(r, cupy.maximum(z + bias, 0), rtol=1e-6)
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("case", ["37", "88", "94"])
-def test_second_gpu_compiled_models_as_eager(case, monkeypatch):
+@pytest.mark.parametrize("case", ["1", "1cl", "37", "88", "94"])
+def test_second_gpu_compiled_models_as_eager(case, monkeypatch, launches):
     """torch.compile(fullgraph=True) of a model on cuda:1 while cuda:0 is
     current (a bfloat16 training step on its Hopper routes): the output and
-    every gradient bit for bit the eager model's, every kernel on cuda:1.
-    (Problem 1's compiled graphs take the "cudnn" route, not the eager
-    engine's: not bitwise comparable.)"""
+    every gradient bit for bit the eager model's, every kernel on cuda:1."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (run on a two-GPU machine)")
     from cupy_fused import models
 
     problem, args, shape = SECOND_GPU_CASES[case]
     _on_hopper_routes(monkeypatch)
-    devices = set()
-    launch = _bridge.launch
-    monkeypatch.setattr(_bridge, "launch", lambda fn, grid, block, a, dev, *rest, **kw:
-                        devices.add(dev) or launch(fn, grid, block, a, dev, *rest, **kw))
     other = torch.device("cuda", 1)
     torch.cuda.set_device(0)
     torch.manual_seed(0)
     model = models.MODELS[problem](*args).to(other, torch.bfloat16)
     x = torch.rand(shape, generator=torch.Generator().manual_seed(0)).to(other, torch.bfloat16)
+    fmt = torch.channels_last if case == "1cl" else torch.contiguous_format
+    x = x.contiguous(memory_format=fmt)
 
     def step(fn):
         model.zero_grad(set_to_none=True)
         leaf = x.clone().requires_grad_(True)
         y = fn(leaf)
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y))
+        # (the output gradient in y's memory format, x's: a compiled graph
+        # hands its backward one in the layout it traced)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y)
+                   .contiguous(memory_format=fmt))
         return [y, leaf.grad] + [p.grad for p in model.parameters()]
 
     eager = step(model)
     torch._dynamo.reset()
     compiled = step(torch.compile(model, fullgraph=True))
-    assert devices == {1} and torch.cuda.current_device() == 0
+    assert {launch.device for launch in launches} == {1} and torch.cuda.current_device() == 0
     for i, (a, b) in enumerate(zip(eager, compiled)):
         assert b.device == other and torch.equal(a, b), i
 

@@ -1096,15 +1096,13 @@ def test_traced_calls_plan_the_engine_as_eager_calls(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-bf16", "nchw-fp32", "channels_last-fp32",
                                   "nchw-amp", "channels_last-amp", "channels_last-bf16-off_the_grid"])
-def test_compiled_inference_takes_the_engine(case, device, monkeypatch):
+def test_compiled_inference_takes_the_engine(case, device, monkeypatch, launches):
     """torch.compile(fullgraph=True) with no gradient to record: the engine
     (the traced op cupy_fused::conv_bias_relu_engine, no "cudnn" route
     kernel), bit for bit the eager call's y in x's memory format; a
     channels-last x off the 16-byte grid, which no address tells the trace
     of, is copied onto the grid when the graph runs (bit for bit the
     aligned x's y)."""
-    from cupy_fused import _bridge
-
     _engine_device(device)
     monkeypatch.setattr(CB, "ENGINE_FLOAT32_MIN_ELEMENTS", 0)
     layout, mode = case.split("-")[:2]
@@ -1121,11 +1119,9 @@ def test_compiled_inference_takes_the_engine(case, device, monkeypatch):
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp")
     with torch.no_grad(), amp:
         want = fn(x, wt, cb, b)
-        names = []
-        launch = _bridge.launch
-        monkeypatch.setattr(_bridge, "launch", lambda kernel, *args, **kw:
-                            names.append(kernel.name) or launch(kernel, *args, **kw))
+        launches.clear()
         got = compiled(off_the_grid(x) if case.endswith("off_the_grid") else x, wt, cb, b)
+    names = [launch.name for launch in launches]
     assert any(n.startswith("cf::conv_bias_relu") for n in names), names
     assert not any(n.startswith("cf::bias_relu") for n in names), names
     assert got.stride() == want.stride() and got.dtype == want.dtype and torch.equal(got, want)
@@ -1135,7 +1131,7 @@ def test_compiled_inference_takes_the_engine(case, device, monkeypatch):
 @pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-bf16", "nchw-fp32", "channels_last-fp32",
                                   "nchw-amp", "channels_last-amp", "channels_last-bf16-off_the_grid",
                                   "nchw-bf16-padded", "channels_last-fp32-off_the_grid"])
-def test_compiled_training_takes_the_engine(case, device, monkeypatch):
+def test_compiled_training_takes_the_engine(case, device, monkeypatch, launches):
     """A training step through torch.compile(fullgraph=True): the engine's
     training forward and backward (the traced ops
     cupy_fused::conv_bias_relu_engine_train and its backward, no "cudnn"
@@ -1144,8 +1140,6 @@ def test_compiled_training_takes_the_engine(case, device, monkeypatch):
     (5 channels), and with a channels-last x off the 16-byte grid, which no
     address tells the trace of (copied onto the grid when the graph runs,
     in the forward and in the backward: bit for bit the aligned x's)."""
-    from cupy_fused import _bridge
-
     _engine_device(device)
     _lift_engine_thresholds(monkeypatch)
     layout, mode = case.split("-")[:2]
@@ -1172,11 +1166,9 @@ def test_compiled_training_takes_the_engine(case, device, monkeypatch):
     want = step(fn, x)
     torch._dynamo.reset()  # (no earlier test's graphs count against the recompile limit)
     compiled = torch.compile(fn, fullgraph=True)
-    names = []
-    launch = _bridge.launch
-    monkeypatch.setattr(_bridge, "launch", lambda kernel, *args, **kw:
-                        names.append(kernel.name) or launch(kernel, *args, **kw))
+    launches.clear()
     got = step(compiled, off_the_grid(x) if case.endswith("off_the_grid") else x)
+    names = [launch.name for launch in launches]
     assert any(n.startswith("cf::conv_bias_relu") for n in names), names
     assert not any(n.startswith("cf::bias_relu_forward") for n in names), names
     for name, g, w in zip(("y", "x", "weight", "conv_bias", "bias"), got, want):
