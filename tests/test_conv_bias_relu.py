@@ -1180,6 +1180,47 @@ def _memory_format(t):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-fp32", "nchw-amp"])
+def test_reduce_overhead_training_replays_the_engine(case, device, monkeypatch):
+    """torch.compile(mode="reduce-overhead") of a training step (CUDA graphs
+    over the traced engine ops, the answer for host-bound steps): the steps
+    after the graphs are recorded, each on new x and output gradient, give
+    y and every gradient bit for bit as the eager step on the same values."""
+    _engine_device(device)
+    _lift_engine_thresholds(monkeypatch)
+    layout, mode = case.split("-")
+    dtype = torch.float32 if mode in ("fp32", "amp") else torch.bfloat16
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    gen = torch.Generator().manual_seed(8)
+    wt, cb, b = ((torch.randn(*shape, generator=gen) / 4).to(device, dtype)
+                 for shape in ((64, 16, 3, 3), (64,), (64, 1, 1)))
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp")
+
+    def step(fn, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(2, 16, 20, 136, generator=g).to(device, dtype).contiguous(memory_format=fmt)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        with amp:
+            y = fn(*leaves)
+        y.backward(torch.randn(y.shape, generator=g).to(y).contiguous(memory_format=fmt))
+        return [y.detach().clone()] + [t.grad for t in leaves]
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(ops.conv_bias_relu, mode="reduce-overhead", fullgraph=True)
+    for seed in range(4):  # (warm-up, recording, then replays)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = step(compiled, seed)
+        if seed >= 2:
+            want = step(ops.conv_bias_relu, seed)
+            for name, g, w in zip(("y", "x", "weight", "conv_bias", "bias"), got, want):
+                assert torch.equal(g, w), (seed, name)
+    assert not counters["inductor"]["cudagraph_skips"]  # (graphs it did run)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-bf16", "nchw-fp32", "channels_last-fp32",
                                   "nchw-amp", "channels_last-amp"])
 def test_engine_under_cuda_graph_capture(case, device, monkeypatch):
