@@ -1140,18 +1140,12 @@ def test_compiled_training_takes_the_engine(case, device, monkeypatch, launches)
     (5 channels), and with a channels-last x off the 16-byte grid, which no
     address tells the trace of (copied onto the grid when the graph runs,
     in the forward and in the backward: bit for bit the aligned x's)."""
-    _engine_device(device)
-    _lift_engine_thresholds(monkeypatch)
-    layout, mode = case.split("-")[:2]
-    dtype = torch.float32 if mode in ("fp32", "amp") else torch.bfloat16
+    dtype, fmt, amp = _engine_case(case, device, monkeypatch)
     gen = torch.Generator().manual_seed(5)
     cin = 5 if case.endswith("padded") else 16
-    x = torch.randn(2, cin, 20, 136, generator=gen).to(device, dtype)
-    if layout == "channels_last":
-        x = x.contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, cin, 20, 136, generator=gen).to(device, dtype).contiguous(memory_format=fmt)
     wt, cb, b = ((torch.randn(*shape, generator=gen) / 4).to(device, dtype)
                  for shape in ((64, cin, 3, 3), (64,), (64, 1, 1)))
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp")
 
     def step(fn, x):
         leaves = [t.detach().clone().requires_grad_(True) for t in (wt, cb, b)]
@@ -1179,6 +1173,19 @@ def _memory_format(t):
     return torch.channels_last if CB._strictly_channels_last(t) else torch.contiguous_format
 
 
+def _engine_case(case, device, monkeypatch):
+    """(dtype, memory format, autocast context) of a case named
+    "<layout>-<mode>[-...]" (layout nchw or channels_last; mode bf16, fp32,
+    or amp: float32 tensors under bfloat16 autocast), on the engine at any
+    size (skipped off Hopper)."""
+    _engine_device(device)
+    _lift_engine_thresholds(monkeypatch)
+    layout, mode = case.split("-")[:2]
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    return (torch.float32 if mode in ("fp32", "amp") else torch.bfloat16, fmt,
+            torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-fp32", "nchw-amp"])
 def test_reduce_overhead_training_replays_the_engine(case, device, monkeypatch):
@@ -1186,15 +1193,10 @@ def test_reduce_overhead_training_replays_the_engine(case, device, monkeypatch):
     over the traced engine ops, the answer for host-bound steps): the steps
     after the graphs are recorded, each on new x and output gradient, give
     y and every gradient bit for bit as the eager step on the same values."""
-    _engine_device(device)
-    _lift_engine_thresholds(monkeypatch)
-    layout, mode = case.split("-")
-    dtype = torch.float32 if mode in ("fp32", "amp") else torch.bfloat16
-    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    dtype, fmt, amp = _engine_case(case, device, monkeypatch)
     gen = torch.Generator().manual_seed(8)
     wt, cb, b = ((torch.randn(*shape, generator=gen) / 4).to(device, dtype)
                  for shape in ((64, 16, 3, 3), (64,), (64, 1, 1)))
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp")
 
     def step(fn, seed):
         g = torch.Generator().manual_seed(seed)
@@ -1229,11 +1231,7 @@ def test_engine_under_cuda_graph_capture(case, device, monkeypatch):
     replayed on new values of x and of the output gradient: y and every
     gradient bit for bit what the same calls give uncaptured on those
     values."""
-    _engine_device(device)
-    _lift_engine_thresholds(monkeypatch)
-    layout, mode = case.split("-")
-    dtype = torch.float32 if mode in ("fp32", "amp") else torch.bfloat16
-    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    dtype, fmt, amp = _engine_case(case, device, monkeypatch)
     gen = torch.Generator().manual_seed(7)
 
     def draw(*shape, scale=1.0):
@@ -1242,9 +1240,9 @@ def test_engine_under_cuda_graph_capture(case, device, monkeypatch):
     wt, cb, b = draw(64, 16, 3, 3, scale=0.25), draw(64), draw(64, 1, 1)
     params = [t.requires_grad_(True) for t in (wt, cb, b)]
     xs = [draw(2, 16, 20, 136).contiguous(memory_format=fmt) for _ in range(2)]
-    dys = [torch.randn(2, 64, 18, 134, generator=gen).to(device, torch.float32 if mode == "amp" else dtype)
-           .contiguous(memory_format=fmt) for _ in range(2)]
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp")
+    # (y's dtype: the model's, float32 under autocast)
+    dys = [torch.randn(2, 64, 18, 134, generator=gen).to(device, dtype).contiguous(memory_format=fmt)
+           for _ in range(2)]
     static_x = xs[0].clone().requires_grad_(True)
     static_dy = dys[0].clone()
 
