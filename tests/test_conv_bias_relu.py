@@ -1173,6 +1173,42 @@ def _memory_format(t):
     return torch.channels_last if CB._strictly_channels_last(t) else torch.contiguous_format
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-fp32", "nchw-amp"])
+def test_dynamic_batch_compiles_the_engine_once(case, device, monkeypatch, launches):
+    """torch.compile(fullgraph=True, dynamic=True) of a training step on the
+    engine (planned on a symbolic batch size): one graph for batches 2, 3
+    and 6, each step bit for bit the eager step's, the engine's forward
+    launched in every one."""
+    from torch._dynamo.utils import counters
+
+    dtype, fmt, amp = _engine_case(case, device, monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    wt, cb, b = ((torch.randn(*shape, generator=gen) / 4).to(device, dtype)
+                 for shape in ((64, 16, 3, 3), (64,), (64, 1, 1)))
+
+    def step(fn, x, g):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        with amp:
+            y = fn(*leaves)
+        y.backward(g)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(ops.conv_bias_relu, fullgraph=True, dynamic=True)
+    for n in (2, 3, 6):
+        x = torch.randn(n, 16, 12, 136, generator=gen).to(device, dtype).contiguous(memory_format=fmt)
+        g = torch.randn(n, 64, 10, 134, generator=gen).to(device, dtype).contiguous(memory_format=fmt)
+        want = step(ops.conv_bias_relu, x, g)
+        launches.clear()
+        got = step(compiled, x, g)
+        assert any(launch.name.startswith("cf::conv_bias_relu") for launch in launches), (n, launches)
+        for name, have, w in zip(("y", "x", "weight", "conv_bias", "bias"), got, want):
+            assert have.stride() == w.stride() and torch.equal(have, w), (n, name)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 def _engine_case(case, device, monkeypatch):
     """(dtype, memory format, autocast context) of a case named
     "<layout>-<mode>[-...]" (layout nchw or channels_last; mode bf16, fp32,
