@@ -599,10 +599,11 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     """How the engine runs a call (:func:`engine_layout`,
     :func:`engine_dtypes`), or None where the call takes the ``"cudnn"``
     route: the one decision behind :func:`route` and the launch.  While
-    torch.compile traces, the plan of the same call made eagerly (the
-    traced ops :data:`_ENGINE_INFERENCE` and :data:`_ENGINE_TRAIN`'s; a
-    channels-last x off the 16-byte grid included, :func:`_on_the_grid`),
-    where this torch has custom ops.  Where
+    torch.compile traces (where this torch has custom ops), the plan an
+    eager call would get, for the traced ops :data:`_ENGINE_INFERENCE` and
+    :data:`_ENGINE_TRAIN`'s, with one difference: no address is known
+    there, so a channels-last x is planned as if on the 16-byte grid (the
+    ops copy one off it when the graph runs, :func:`_on_the_grid`).  Where
     C_in is not a multiple of 8, the plan of the call on channels padded
     with zeros (:func:`_padded_plan`: the caller pads)."""
     if (x.numel() > 0 and weight.shape[0] > 0 and _engine_bounds(x.shape, weight.shape)
