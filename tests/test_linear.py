@@ -544,3 +544,29 @@ def test_compiled_float32_weight_product(case, device, launches):
         got = compiled(x, w, b)
     assert any("f32_weight" in launch.name for launch in launches), launches
     assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@gpu
+def test_compiled_float32_weight_product_with_dynamic_rows(device, launches):
+    """The float32-weight product traced with a symbolic number of rows
+    (torch.compile(dynamic=True)): one graph for 512, 640 and 1024 rows,
+    each taking the float32-weight kernel, bit for bit the eager result."""
+    from torch._dynamo.utils import counters
+
+    from cupy_fused.ops import gemm as G
+
+    if not G.has_wgmma(device.index) or G.sm_count(device.index) > 132:
+        pytest.skip("the float32-weight route at these shapes needs a Hopper GPU of at most 132 SMs")
+    _, w, b = _float32_weight_case(device)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(ops.linear, fullgraph=True, dynamic=True)
+    for rows in (512, 640, 1024):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(device)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            want = ops.linear(x, w, b)
+            launches.clear()
+            got = compiled(x, w, b)
+        assert any("f32_weight" in launch.name for launch in launches), (rows, launches)
+        assert torch.equal(got, want), rows
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
