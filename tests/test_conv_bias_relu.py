@@ -1226,9 +1226,11 @@ def _engine_case(case, device, monkeypatch):
 @pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-fp32", "nchw-amp"])
 def test_reduce_overhead_training_replays_the_engine(case, device, monkeypatch):
     """torch.compile(mode="reduce-overhead") of a training step (CUDA graphs
-    over the traced engine ops, the answer for host-bound steps): the steps
-    after the graphs are recorded, each on new x and output gradient, give
-    y and every gradient bit for bit as the eager step on the same values."""
+    over the traced engine ops): the steps after the graphs are recorded,
+    each on new x and output gradient, give y and every gradient bit for
+    bit as the eager step on the same values."""
+    from torch._dynamo.utils import counters
+
     dtype, fmt, amp = _engine_case(case, device, monkeypatch)
     gen = torch.Generator().manual_seed(8)
     wt, cb, b = ((torch.randn(*shape, generator=gen) / 4).to(device, dtype)
@@ -1242,8 +1244,6 @@ def test_reduce_overhead_training_replays_the_engine(case, device, monkeypatch):
             y = fn(*leaves)
         y.backward(torch.randn(y.shape, generator=g).to(y).contiguous(memory_format=fmt))
         return [y.detach().clone()] + [t.grad for t in leaves]
-
-    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
