@@ -258,10 +258,14 @@ def inference_op(name: str, forward: Callable, forward_fake: Callable) -> Option
         call then takes another route.  Only for calls with no gradient to
         record: the op has no autograd formula.
     """
-    if not HAS_CUSTOM_OP:
-        return None
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", forward, mutates_args=())
-    op.register_fake(forward_fake)
+    return _custom_op(name, forward, forward_fake) if HAS_CUSTOM_OP else None
+
+
+def _custom_op(name: str, fn: Callable, fake: Callable):
+    """``fn`` (annotated: the schema is inferred) as the custom op
+    ``cupy_fused::<name>``, with ``fake`` for tracing; nothing it mutates."""
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=())
+    op.register_fake(fake)
     return op
 
 
@@ -305,14 +309,10 @@ class FusedOp:
         self.op = None
         self.backward_op = None
         if HAS_CUSTOM_OP:
-            self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", forward, mutates_args=())
-            self.op.register_fake(forward_fake)
+            self.op = _custom_op(name, forward, forward_fake)
             run = None
             if backward is not None:
-                self.backward_op = torch.library.custom_op(
-                    f"{NAMESPACE}::{name}_backward", backward, mutates_args=())
-                self.backward_op.register_fake(backward_fake)
-                run = self.backward_op
+                self.backward_op = run = _custom_op(f"{name}_backward", backward, backward_fake)
             # Left alone, a double backward through the custom op (called
             # directly, outside torch.compile) fails where the formula calls
             # the backward op, with torch's "no autograd formula was
