@@ -21,6 +21,16 @@ def _gpu_reason():
 GPU_SKIP_REASON = _gpu_reason()
 
 
+def _multigpu_reason():
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return None if count >= 2 else f"needs two GPUs, {count} visible (run on a two-GPU machine)"
+
+
+# Tests marked "gpu" skip without a usable GPU, those marked "multigpu" with
+# fewer than two.
+SKIP_REASONS = {"gpu": GPU_SKIP_REASON, "multigpu": _multigpu_reason()}
+
+
 def shard_spec(spec):
     """(k, n) of ``CUPY_FUSED_TEST_SHARD=k/n`` (this process runs every
     n-th collected test from the k-th: scripts/gpu_check.sh runs n such
@@ -39,12 +49,12 @@ def pytest_collection_modifyitems(config, items):
         k, n = shard
         config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % n != k])
         items[:] = [t for i, t in enumerate(items) if i % n == k]
-    if GPU_SKIP_REASON is None:
-        return
-    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    skips = {mark: pytest.mark.skip(reason=reason) for mark, reason in SKIP_REASONS.items() if reason}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for mark, skip in skips.items():
+            if mark in item.keywords:
+                item.add_marker(skip)
+                break
 
 
 @pytest.fixture

@@ -1103,20 +1103,14 @@ def test_compiled_inference_takes_the_engine(case, device, monkeypatch, launches
     channels-last x off the 16-byte grid, which no address tells the trace
     of, is copied onto the grid when the graph runs (bit for bit the
     aligned x's y)."""
-    _engine_device(device)
-    monkeypatch.setattr(CB, "ENGINE_FLOAT32_MIN_ELEMENTS", 0)
-    layout, mode = case.split("-")[:2]
-    dtype = torch.float32 if mode in ("fp32", "amp") else torch.bfloat16
+    dtype, fmt, amp = _engine_case(case, device, monkeypatch)
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 16, 20, 136, generator=gen).to(device, dtype)
-    if layout == "channels_last":
-        x = x.contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, 16, 20, 136, generator=gen).to(device, dtype).contiguous(memory_format=fmt)
     wt, cb, b = ((torch.randn(*shape, generator=gen) / 4).to(device, dtype)
                  for shape in ((64, 16, 3, 3), (64,), (64, 1, 1)))
     fn = ops.conv_bias_relu
     torch._dynamo.reset()  # (no earlier test's graphs count against the recompile limit)
     compiled = torch.compile(fn, fullgraph=True)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp")
     with torch.no_grad(), amp:
         want = fn(x, wt, cb, b)
         launches.clear()

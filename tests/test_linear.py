@@ -478,6 +478,13 @@ def test_autocast_linear_traces_under_compile(past_device_check, monkeypatch):
 
 # ---------------------------------------------------------------- the float32-weight product traced
 
+def _float32_weight_device(device):
+    from cupy_fused.ops import gemm as G
+
+    if not G.has_wgmma(device.index) or G.sm_count(device.index) > 132:
+        pytest.skip("the float32-weight route at these shapes needs a Hopper GPU of at most 132 SMs")
+
+
 def _float32_weight_case(device, dtype=torch.float32):
     # 512 rows of x (2 tiles) and 33 tiles of W's rows: 66 tiles, at least
     # half of 132 SMs (test_gemm.py's test_float32_weight_route).
@@ -530,10 +537,7 @@ def test_compiled_float32_weight_product(case, device, launches):
     copies graph inputs off its own alignment before the graph runs, so a
     weight off the grid reaches the op aligned here: the op's own fallback
     is test_float32_weight_product_traces_under_compile's.)"""
-    from cupy_fused.ops import gemm as G
-
-    if not G.has_wgmma(device.index) or G.sm_count(device.index) > 132:
-        pytest.skip("the float32-weight route at this shape needs a Hopper GPU of at most 132 SMs")
+    _float32_weight_device(device)
     x, w, b = _float32_weight_case(device, torch.bfloat16 if case == "half_x_off_the_grid" else torch.float32)
     x = off_the_grid(x) if case == "half_x_off_the_grid" else x
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -553,10 +557,7 @@ def test_compiled_float32_weight_product_with_dynamic_rows(device, launches):
     each taking the float32-weight kernel, bit for bit the eager result."""
     from torch._dynamo.utils import counters
 
-    from cupy_fused.ops import gemm as G
-
-    if not G.has_wgmma(device.index) or G.sm_count(device.index) > 132:
-        pytest.skip("the float32-weight route at these shapes needs a Hopper GPU of at most 132 SMs")
+    _float32_weight_device(device)
     _, w, b = _float32_weight_case(device)
     torch._dynamo.reset()
     counters.clear()
