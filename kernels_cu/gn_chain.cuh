@@ -646,6 +646,21 @@ __device__ __forceinline__ void chunk_rows(i64 rows, i64 rows_per_chunk, i64& ro
   row1 = min(rows, row0 + rows_per_chunk);
 }
 
+template <typename T> constexpr bool kIsBfloat16 = false;
+template <> constexpr bool kIsBfloat16<bfloat16> = true;
+
+// Whether the vectorised forward takes a warp's rows two at a time
+// (do_row2) or one by one (do_row): two where y has z's dtype, except for
+// problem 94's chain (the one whose Pre has a gated derivative) on
+// bfloat16.  Timed against each other in turns (H200, docs/performance.md,
+// "Memory-bound kernels"), two rows were the faster in every other case
+// with y in z's dtype, one row in that one and wherever a 16-bit z has a
+// float32 y (autocast).
+template <typename T, typename TO, typename Chain>
+__device__ constexpr bool forward_pairs_rows() {
+  return sizeof(T) == sizeof(TO) && !(Chain::kGatedPreGrad && kIsBfloat16<T>);
+}
+
 // Forward: grid = (slices, chunks).
 template <typename T, typename Chain, int kE, typename TO, int kMinBlocks>
 __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
@@ -718,15 +733,90 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
       rstd_out[at.pair] = rstd;
     }
   };
+  // Rows r (from b0) and r + kWarps (from b1) side by side, each as do_row
+  // computes it, bit for bit: the two rows' independent chains of dependent
+  // instructions (the team sums' shuffles, the activations' MUFU
+  // operations) overlap, and one loop's control serves both team sums.
+  auto do_row2 = [&](bool whole, Packed<T, kE>& b0, Packed<T, kE>& b1, i64 r, const Cursor& at) {
+    const bool active = whole || l.active;
+    const Cursor at1 = at.ahead(step, pair_step);
+    float v0[kE], v1[kE];
+    b0.unpack(v0);
+    b1.unpack(v1);
+    load_row(b0, r + 2 * kWarps, at.ahead(2 * step, 2 * pair_step));
+    load_row(b1, r + 3 * kWarps, at1.ahead(2 * step, 2 * pair_step));
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      const float pre0 = Chain::pre(v0[k], lv, k);
+      const float pre1 = Chain::pre(v1[k], lv, k);
+      v0[k] = active ? pre0 : 0.0f;
+      v1[k] = active ? pre1 : 0.0f;
+      sum0 += v0[k];
+      sum1 += v1[k];
+    }
+    team_sum2(sum0, sum1, t);
+    float mean0 = sum0 * inv_cpg, mean1 = sum1 * inv_cpg;
+    float sq0 = 0.0f, sq1 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      const float d0 = v0[k] - mean0;
+      const float d1 = v1[k] - mean1;
+      if (active) {
+        sq0 += d0 * d0;
+        sq1 += d1 * d1;
+      }
+    }
+    team_sum2(sq0, sq1, t);
+    float rstd0, rstd1;
+    finish_statistics<T, Chain>(sq0, inv_cpg, feps, round_stats, mean0, rstd0);
+    finish_statistics<T, Chain>(sq1, inv_cpg, feps, round_stats, mean1, rstd1);
+    if (active) {
+      float o0[kE], o1[kE];
+#pragma unroll
+      for (int k = 0; k < kE; ++k) {
+        o0[k] = Chain::post((v0[k] - mean0) * rstd0 * lv.gamma(k) + lv.beta(k), lv, k);
+        o1[k] = Chain::post((v1[k] - mean1) * rstd1 * lv.gamma(k) + lv.beta(k), lv, k);
+      }
+      store_vec<TO, kE>(at.out, o0);
+      store_vec<TO, kE>(at1.out, o1);
+    }
+    if (l.leader && mean_out) {
+      mean_out[at.pair] = mean0;
+      rstd_out[at.pair] = rstd0;
+      mean_out[at1.pair] = mean1;
+      rstd_out[at1.pair] = rstd1;
+    }
+  };
   // Two rows of loads in flight per lane; warp-uniform trip counts (the
   // team sums need every lane of the warp).
+  constexpr bool kPairRows = forward_pairs_rows<T, TO, Chain>();
   Packed<T, kE> even = {}, odd = {};
   const i64 first = row0 + threadIdx.x / 32;
   const Cursor start{z, out, 0};
   Cursor at = start.ahead(first * channels + l.col, first * groups + l.g);
   load_row(even, first, at);
   load_row(odd, first + kWarps, at.ahead(step, pair_step));
-  walk_row_pairs(first, row1, at, step, pair_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
+  if constexpr (kPairRows) {
+    // (Each lambda inlined once per kWhole: a constant in each body.)
+    auto walk = [&](bool whole) {
+      Cursor c = at;
+      for (i64 r = first; r < row1; r += 2 * kWarps, c = c.ahead(2 * step, 2 * pair_step)) {
+        if (r + kWarps < row1) {
+          do_row2(whole, even, odd, r, c);
+        } else {
+          do_row(whole, even, r, c);
+        }
+      }
+    };
+    if (whole_warps<kE>(cpg, groups, t)) {
+      walk(true);
+    } else {
+      walk(false);
+    }
+  } else {
+    walk_row_pairs(first, row1, at, step, pair_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
+  }
 }
 
 // The vectorised backward's walk over the warp's rows (kExact: see
