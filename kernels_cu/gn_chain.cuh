@@ -737,6 +737,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
   // computes it, bit for bit: the two rows' independent chains of dependent
   // instructions (the team sums' shuffles, the activations' MUFU
   // operations) overlap, and one loop's control serves both team sums.
+  // (One body for one or two rows, with arrays of two, spilled at the 80
+  // registers of 3 blocks per SM: hence a lambda of its own.)
   auto do_row2 = [&](bool whole, Packed<T, kE>& b0, Packed<T, kE>& b1, i64 r, const Cursor& at) {
     const bool active = whole || l.active;
     const Cursor at1 = at.ahead(step, pair_step);
