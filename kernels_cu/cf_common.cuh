@@ -337,6 +337,18 @@ __device__ __forceinline__ void team_sum2(float& a, float& b, int team) {
   }
 }
 
+// Four team sums at once (the same values as four team_sum calls): two
+// rows' two sums each in the GroupNorm backward (gn_chain.cuh).
+__device__ __forceinline__ void team_sum4(float (&a)[4], int team) {
+  for (int offset = team >> 1; offset > 0; offset >>= 1) {
+    float o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] = __shfl_xor_sync(0xffffffffu, a[i], offset);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] += o[i];
+  }
+}
+
 // Block-wide sum in double, for blockDim.x a multiple of 32 (<= 1024):
 // combines per-thread partial sums of a parameter gradient without a further
 // rounding per tree level.  `scratch` holds 32 doubles of shared memory; the

@@ -548,6 +548,30 @@ __device__ __forceinline__ void walk_row_pairs(i64 first, i64 row1, Cursor at, i
     walk_rows<false>(first, row1, at, step, stats_step, even, odd, do_row);
   }
 }
+// The same walk two rows at a time: do_row2(kWhole, even, odd, r, cursor
+// at row r) for rows r and r + kWarps where both are below row1, a last
+// row alone by do_row.
+template <bool kWhole, typename Cursor, typename Buffer, typename DoRow, typename DoRow2>
+__device__ __forceinline__ void walk_rows_by_two(i64 first, i64 row1, Cursor at, i64 step, i64 stats_step,
+                                                 Buffer& even, Buffer& odd, DoRow& do_row, DoRow2& do_row2) {
+  for (i64 r = first; r < row1; r += 2 * kWarps, at = at.ahead(2 * step, 2 * stats_step)) {
+    if (r + kWarps < row1) {
+      do_row2(kWhole, even, odd, r, at);
+    } else {
+      do_row(kWhole, even, r, at);
+    }
+  }
+}
+template <typename Cursor, typename Buffer, typename DoRow, typename DoRow2>
+__device__ __forceinline__ void walk_row_pairs(i64 first, i64 row1, Cursor at, i64 step, i64 stats_step,
+                                               Buffer& even, Buffer& odd, bool whole, DoRow& do_row,
+                                               DoRow2& do_row2) {
+  if (whole) {
+    walk_rows_by_two<true>(first, row1, at, step, stats_step, even, odd, do_row, do_row2);
+  } else {
+    walk_rows_by_two<false>(first, row1, at, step, stats_step, even, odd, do_row, do_row2);
+  }
+}
 
 // The backward's column vectors on a 16-bit z: held in registers
 // (LaneVectors), with the lane's column sums and two rows of loads, they
@@ -800,22 +824,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_forward_vec(
   load_row(even, first, at);
   load_row(odd, first + kWarps, at.ahead(step, pair_step));
   if constexpr (kPairRows) {
-    // (Each lambda inlined once per kWhole: a constant in each body.)
-    auto walk = [&](bool whole) {
-      Cursor c = at;
-      for (i64 r = first; r < row1; r += 2 * kWarps, c = c.ahead(2 * step, 2 * pair_step)) {
-        if (r + kWarps < row1) {
-          do_row2(whole, even, odd, r, c);
-        } else {
-          do_row(whole, even, r, c);
-        }
-      }
-    };
-    if (whole_warps<kE>(cpg, groups, t)) {
-      walk(true);
-    } else {
-      walk(false);
-    }
+    walk_row_pairs(first, row1, at, step, pair_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row,
+                   do_row2);
   } else {
     walk_row_pairs(first, row1, at, step, pair_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
   }
@@ -952,6 +962,74 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
       store_vec<T, kE>(at.dz, d);
     }
   };
+  // Rows r (from b0) and r + kWarps (from b1) side by side, as
+  // gn_chain_forward_vec's do_row2: each value's terms as do_row computes
+  // them, added to acc row r's first.  Outside the exact walk, on a float32
+  // z only: with 16-bit values (their vectors reread from shared memory)
+  // it spills at the 128 registers of 2 blocks per SM.
+  auto do_row2 = [&](bool whole, Row& b0, Row& b1, i64 r, const Cursor& at) {
+    const bool active = whole || l.active;
+    const Cursor at1 = at.ahead(step, stats_step);
+    float zs[2][kE], dys[2][kE];
+    b0.z.unpack(zs[0]);
+    b1.z.unpack(zs[1]);
+    if (dy_dense) {
+      b0.dy.unpack(dys[0]);
+      b1.dy.unpack(dys[1]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kE; ++k) dys[0][k] = dys[1][k] = dy_one;
+    }
+    const float mu[2] = {real ? b0.mu : 0.0f, real ? b1.mu : 0.0f};
+    const float rs[2] = {real ? b0.rs : 0.0f, real ? b1.rs : 0.0f};
+    load_row(b0, r + 2 * kWarps, at.ahead(2 * step, 2 * stats_step));
+    load_row(b1, r + 3 * kWarps, at1.ahead(2 * step, 2 * stats_step));
+    float xh[2][kE], dxh[2][kE], dyh[2][kE], mg[2][kE], pg[2][kE];
+    float s1[2] = {0.0f, 0.0f}, s2[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int q = 0; q < kE / Vectors::kQ; ++q) {
+      const LaneVectors<TO, Vectors::kQ, kFast> qv = Vectors::quad(lv, q);
+#pragma unroll
+      for (int kk = 0; kk < Vectors::kQ; ++kk) {
+        const int k = Vectors::kQ * q + kk;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const float v = Chain::pre_with_grad(zs[n][k], qv, kk, pg[n][k]);
+          const float d = element_backward_from_pre<Chain>(v, dys[n][k], mu[n], rs[n], kk, qv,
+                                                           xh[n][k], dyh[n][k], mg[n][k]);
+          dxh[n][k] = active ? d : 0.0f;
+          xh[n][k] = active ? xh[n][k] : 0.0f;
+          s1[n] += dxh[n][k];
+          s2[n] += dxh[n][k] * xh[n][k];
+        }
+      }
+    }
+    float sums[4] = {s1[0], s2[0], s1[1], s2[1]};
+    team_sum4(sums, t);
+    // (The means as do_row's own products, never contracted into an FMA.)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s1[n] = __fmul_rn(sums[2 * n], inv_cpg);
+      s2[n] = __fmul_rn(sums[2 * n + 1], inv_cpg);
+    }
+    if (active) {
+      float d[2][kE];
+#pragma unroll
+      for (int k = 0; k < kE; ++k) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const float dv = rs[n] * (dxh[n][k] - s1[n] - xh[n][k] * s2[n]);
+          d[n][k] = times_pre_grad<Chain>(dv, pg[n][k]);
+          float vals[S];
+          slot_values<Chain>(vals, d[n][k], dv, xh[n][k], dyh[n][k], mg[n][k]);
+#pragma unroll
+          for (int s = 0; s < S; ++s) acc[s][k] += vals[s];
+        }
+      }
+      store_vec<T, kE>(at.dz, d[0]);
+      store_vec<T, kE>(at1.dz, d[1]);
+    }
+  };
   Row even = {}, odd = {};
   const int warp = threadIdx.x / 32;
   const i64 first = row0 + warp;
@@ -959,7 +1037,12 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
   at = at.ahead(first * channels + l.col, first * groups + l.g);
   load_row(even, first, at);
   load_row(odd, first + kWarps, at.ahead(step, stats_step));
-  walk_row_pairs(first, row1, at, step, stats_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
+  if constexpr (!kExact && sizeof(T) == 4) {
+    walk_row_pairs(first, row1, at, step, stats_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row,
+                   do_row2);
+  } else {
+    walk_row_pairs(first, row1, at, step, stats_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row);
+  }
 }
 
 // The exact walk: the warp's column sums afresh, into fresh[slot * kE + k].
