@@ -963,8 +963,8 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
     }
   };
   // Rows r (from b0) and r + kWarps (from b1) side by side, as
-  // gn_chain_forward_vec's do_row2: each value's terms as do_row computes
-  // them, added to acc row r's first.  Outside the exact walk, on a float32
+  // gn_chain_forward_vec's do_row2: do_row's formulas for each value, the
+  // terms added to acc row r's first.  Outside the exact walk, on a float32
   // z only: with 16-bit values (their vectors reread from shared memory)
   // it spills at the 128 registers of 2 blocks per SM.
   auto do_row2 = [&](bool whole, Row& b0, Row& b1, i64 r, const Cursor& at) {
@@ -1006,7 +1006,7 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
     }
     float sums[4] = {s1[0], s2[0], s1[1], s2[1]};
     team_sum4(sums, t);
-    // (The means as do_row's own products, never contracted into an FMA.)
+    // (The means as products of their own, __fmul_rn: no FMA absorbs them.)
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       s1[n] = __fmul_rn(sums[2 * n], inv_cpg);
