@@ -349,11 +349,14 @@ def _run_autocast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[
     if not bias_grad:
         bias = None
     grad = needs_grad(x2, weight, bias)
-    if (not grad and (launches_directly() or (is_compiling() and _FLOAT32_WEIGHT is not None))
-            and _routes_float32_weight(x_d, weight)):
-        if is_compiling():
-            return _FLOAT32_WEIGHT(x_d, weight, bias_d)
-        return _run_float32_weight(x_d, weight, bias_d)  # (the route checked the operands)
+    if not grad:
+        # The float32-weight product: traced as its op, or launched here.
+        # (Picked before the route is asked: outside tracing it reads the
+        # operands' addresses, which torch.func's wrappers do not have.)
+        product = (_FLOAT32_WEIGHT if is_compiling()
+                   else _run_float32_weight if launches_directly() else None)
+        if product is not None and _routes_float32_weight(x_d, weight):
+            return product(x_d, weight, bias_d)  # (operands checked by the route, or by the op)
     w_d = weight.detach().to(dtype)
     return _LINEAR_AUTOCAST.run(grad, x2, weight, bias, x_d, w_d, bias_d)
 
