@@ -851,7 +851,6 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
 
   using Vectors = BackwardVectors<sizeof(T) == 2, TO, kE, kFast>;
 
-  const float dy_one = dy_dense ? 0.0f : to_float(dy[0]);
   struct Row {
     Packed<T, kE> z;
     Packed<TO, kE> dy;
@@ -862,43 +861,57 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
   // recomputed from r would cost 64-bit products on every row, in a kernel
   // bound by issue.  1/std is read at a fixed distance from the mean (both
   // planes of one allocation, ops/gn_chain.py's _stats_pointers) rather
-  // than through a fifth pointer stepped on every row.
+  // than through a fifth pointer stepped on every row.  dy moves by
+  // dy_dense times as far: a dy broadcast from one value (dy_dense 0) is
+  // kE copies of it, which every lane reads for every row, so that the row
+  // loop holds no branch on dy_dense.
   struct Cursor {
     const T* z;
     const TO* dy;
     T* dz;
     const float* mu;
+    int dy_dense;
     __device__ __forceinline__ Cursor ahead(i64 elements, i64 stats) const {
-      return Cursor{z + elements, dy + elements, dz + elements, mu + stats};
+      return Cursor{z + elements, dy + elements * dy_dense, dz + elements, mu + stats, dy_dense};
     }
   };
   const i64 rs_from_mu = rstd - mean;
-  auto load_row = [&](Row& b, i64 r, const Cursor& at) {
-    if (r < row1) {
-      if (l.active) {
-        b.z.load(at.z);
-        if (dy_dense) b.dy.load(at.dy);
-      }
-      if (real) {
-        b.mu = *at.mu;
-        b.rs = at.mu[rs_from_mu];
-      }
+  // A row's loads, with no test of the row (the caller's: load_next); in
+  // whole warps with no test at all.
+  auto load_row = [&](bool whole, Row& b, const Cursor& at) {
+    if (whole || l.active) {
+      b.z.load(at.z);
+      b.dy.load(at.dy);
+    }
+    if (whole || real) {
+      b.mu = *at.mu;
+      b.rs = at.mu[rs_from_mu];
     }
   };
   const i64 step = kWarps * channels, stats_step = kWarps * groups;
+  // The buffer's next row, r + 2 kWarps.  Where dy has z's dtype, past the
+  // chunk's last row the loads take row r again (wasted, never out of
+  // bounds), so that in whole warps no branch surrounds them either: a
+  // branch would keep the buffer's old registers alive beside the new
+  // loads, and copy them back on every row.  Under autocast they stay
+  // behind the test: there the new row's registers (a float32 dy is twice
+  // z's) cannot all be live beside the old ones without spilling.
+  auto load_next = [&](bool whole, Row& b, i64 r, const Cursor& at) {
+    const bool more = r + 2 * kWarps < row1;
+    if constexpr (sizeof(TO) == sizeof(T)) {
+      load_row(whole, b, at.ahead(more ? 2 * step : 0, more ? 2 * stats_step : 0));
+    } else {
+      if (more) load_row(whole, b, at.ahead(2 * step, 2 * stats_step));
+    }
+  };
   auto do_row = [&](bool whole, Row& b, i64 r, const Cursor& at) {
     const bool active = whole || l.active;
     float zs[kE], dys[kE];
     b.z.unpack(zs);
-    if (dy_dense) {
-      b.dy.unpack(dys);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kE; ++k) dys[k] = dy_one;
-    }
+    b.dy.unpack(dys);
     const float mu = real ? b.mu : 0.0f;
     const float rs = real ? b.rs : 0.0f;
-    load_row(b, r + 2 * kWarps, at.ahead(2 * step, 2 * stats_step));
+    load_next(whole, b, r, at);
     float xh[kE], dxh[kE], dyh[kE], mg[kE], pg[kE], vs[kE];
     float s1 = 0.0f, s2 = 0.0f, sdv = 0.0f;
     // Every lane computes (an idle lane on zeros) and an idle lane's terms
@@ -973,17 +986,12 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
     float zs[2][kE], dys[2][kE];
     b0.z.unpack(zs[0]);
     b1.z.unpack(zs[1]);
-    if (dy_dense) {
-      b0.dy.unpack(dys[0]);
-      b1.dy.unpack(dys[1]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kE; ++k) dys[0][k] = dys[1][k] = dy_one;
-    }
+    b0.dy.unpack(dys[0]);
+    b1.dy.unpack(dys[1]);
     const float mu[2] = {real ? b0.mu : 0.0f, real ? b1.mu : 0.0f};
     const float rs[2] = {real ? b0.rs : 0.0f, real ? b1.rs : 0.0f};
-    load_row(b0, r + 2 * kWarps, at.ahead(2 * step, 2 * stats_step));
-    load_row(b1, r + 3 * kWarps, at1.ahead(2 * step, 2 * stats_step));
+    load_next(whole, b0, r, at);
+    load_next(whole, b1, r + kWarps, at1);
     float xh[2][kE], dxh[2][kE], dyh[2][kE], mg[2][kE], pg[2][kE];
     float s1[2] = {0.0f, 0.0f}, s2[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -1033,10 +1041,10 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
   Row even = {}, odd = {};
   const int warp = threadIdx.x / 32;
   const i64 first = row0 + warp;
-  Cursor at{z, dy, dz_out, mean};
+  Cursor at{z, dy, dz_out, mean, static_cast<int>(dy_dense)};
   at = at.ahead(first * channels + l.col, first * groups + l.g);
-  load_row(even, first, at);
-  load_row(odd, first + kWarps, at.ahead(step, stats_step));
+  if (first < row1) load_row(false, even, at);
+  if (first + kWarps < row1) load_row(false, odd, at.ahead(step, stats_step));
   if constexpr (!kExact && sizeof(T) == 4) {
     walk_row_pairs(first, row1, at, step, stats_step, even, odd, whole_warps<kE>(cpg, groups, t), do_row,
                    do_row2);
@@ -1066,6 +1074,8 @@ __device__ __noinline__ void gn_chain_backward_vec_exact(CF_GN_BACKWARD_PARAMS, 
 // folds in order.  A lane sums its columns over its rows in float
 // (ops/gn_chain.py bounds the rows per warp); the block's warps are then
 // combined in double, in warp order, through shared memory.
+// dy_dense == 0: dy is one value broadcast to every element, given as at
+// least kE copies of it (ops/gn_chain.py, BROADCAST_DY_VALUES).
 template <typename T, typename Chain, int kE, typename TO, int kMinBlocks>
 __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) gn_chain_backward_vec(
     const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,

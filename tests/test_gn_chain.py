@@ -414,6 +414,46 @@ def test_vector_and_scalar_kernels_agree(dtype, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16", "amp-bf16"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["vectorised", "in-register"])
+def test_broadcast_gradient_is_the_dense_one(offset, mode, device, monkeypatch):
+    """An upstream gradient of one value broadcast everywhere (what
+    ``out.sum().backward()`` hands over; the kernels read it as a few copies
+    of that value) gives bit for bit the gradients of the same values as a
+    dense tensor, in the vectorised kernels (several rows per warp, and
+    row chunks that end part-way through a warp's rows) and the scalar
+    ones."""
+    amp = torch.bfloat16 if mode == "amp-bf16" else None
+    dtype = amp or dict(fp32=torch.float32, fp16=torch.float16, bf16=torch.bfloat16)[mode]
+    out_dtype = torch.float32 if amp else dtype
+    rows, channels, groups = 1031, 384, 6
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(rows, channels, generator=gen).to(device, dtype)
+    vectors = [torch.randn(channels, generator=gen).to(device, torch.float32 if amp else dtype)
+               for _ in range(4)]
+    dense_flags = []
+    split = G._broadcast_or_dense
+
+    def spy(dy, *args):
+        dy, dense = split(dy, *args)
+        dense_flags.append(dense)
+        return dy, dense
+
+    monkeypatch.setattr(G, "_broadcast_or_dense", spy)
+    for chain in ops.CHAINS:
+        for value in (0.75, float("nan")):
+            fn = lambda *t: _ours(chain, groups, *t)  # noqa: E731
+            shape = (rows, channels)
+            one = torch.full((), value, device=device, dtype=out_dtype)
+            broadcast = _run(fn, [z] + vectors, one.expand(shape), amp, offset)
+            dense = _run(fn, [z] + vectors, one.expand(shape).contiguous(), amp, offset)
+            assert dense_flags[-2:] == [0, 1]
+            for a, b in zip(broadcast[1:], dense[1:]):
+                assert torch.equal(a.isnan(), b.isnan()), (chain, value)
+                assert torch.equal(a.nan_to_num(), b.nan_to_num()), (chain, value)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_whole_and_partial_warps_agree(dtype, device):
     """The vectorised kernels run one copy of their row loop where every

@@ -240,6 +240,11 @@ def launch_shapes(shapes: LaunchShapes) -> Iterator[LaunchShapes]:
 # block's chunk.
 ROW_WARPS = 8
 
+# A gradient broadcast from one value reaches the backward kernels as this
+# many copies of it: the vectorised backward reads a whole vector of dy (at
+# most 16 bytes of a 16-bit z's values) where a dense dy would have its row.
+BROADCAST_DY_VALUES = 8
+
 # The vectorised backward sums each column in float over a warp's rows: at
 # most this many, so that the sum stays well inside float's accuracy (the
 # warps, then the chunks, are summed in double).
@@ -476,6 +481,10 @@ def _launch_backward(dout: torch.Tensor, z: torch.Tensor, stats: torch.Tensor,
     dev = z.device.index
     float_out = dout.dtype != z.dtype
     dy, dense = _broadcast_or_dense(dout)
+    if not dense:
+        # The value as a row of BROADCAST_DY_VALUES copies, which the
+        # vectorised kernels read for every row (the scalar ones read dy[0]).
+        dy = dy.as_strided((BROADCAST_DY_VALUES,), (0,)).contiguous()
     key = (rows, channels, num_groups, z.dtype, chain, eager_rounding, float_out,
            _aligned(z, dy, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), dev)
     fn, grid_x, chunks, rows_per_chunk, team = _backward_plans.get(key) or _backward_plan(key)
