@@ -24,7 +24,7 @@
 // be (z[1:]): each kernel tests its pointers once and, where one is not
 // aligned, reads and writes the same vectors one value at a time (a branch
 // uniform over the grid), so every input takes the same kernel.
-#include "cf_common.cuh"
+#include "column_reduce.cuh"
 
 namespace cf {
 
@@ -270,7 +270,9 @@ constexpr int kRowsBlocksPerSm = sizeof(T) == 4 ? 4 : (kPlainSums ? 4 : 3);
 // Backward, channel-last layout (inner == 1): dz = dy * mask; per-chunk sums
 // go to partial[chunk][slot][C] (double): slot 0 = sum dz (grad of b1), slot
 // 1 = sum dy (b2).  dy_dense == 0 means dy is one value broadcast everywhere
-// (e.g. out.sum()).
+// (e.g. out.sum()).  With `counters` (not null), the column block's last
+// block also sums the chunks' partials into sums_out[slot][C]
+// (reduce_columns_in_last_block).
 //
 // A thread owns one vector of kV consecutive channels; a block is `cols`
 // (a power of two, <= 32) vectors wide and blockDim.x / cols row groups deep.
@@ -292,7 +294,8 @@ __global__ void __launch_bounds__(256, kRowsBlocksPerSm<T, kPlainSums>)
 bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
                         const unsigned* __restrict__ mask, T* __restrict__ dz,
                         double* __restrict__ partial, i64 rows, i64 channels,
-                        i64 rows_per_chunk, i64 cols) {
+                        i64 rows_per_chunk, i64 cols, TO* __restrict__ sums_out,
+                        unsigned* __restrict__ counters) {
   static_assert(!kPlainSums || sizeof(TO) == 2, "plain sums round to a 16-bit gradient");
   static_assert(!kTf32Dz || sizeof(T) == 4, "a float32 dz rounded to TF32");
   constexpr int kV = 16 / static_cast<int>(sizeof(T));
@@ -382,6 +385,9 @@ bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
         if (k < nc) p[slot * channels + c0 + k] = v[k];
     }
   }
+  const i64 col0 = blockIdx.x * cols * kV;
+  reduce_columns_in_last_block(partial, sums_out, counters, kSlots, channels, col0,
+                               min(channels, col0 + cols * kV), i64(0));
 }
 
 // Backward, channel-major layout (inner > 1, e.g. NCHW): block per (n, ch)

@@ -1,9 +1,5 @@
-// Second, deterministic stage of every per-column (per-channel) parameter
-// gradient: out[j] = the sum over chunks k of partial[k][j], where j runs
-// over slots x columns.  The first stage leaves its partial sums in double;
-// summing them in double and rounding only at the end (to float, and from
-// float to a 16-bit parameter dtype) keeps the chunks' own sums from adding
-// rounding errors.  Fixed order, no atomics: bitwise reproducible.
+// Kernel family "column_reduce": the second stage of the per-column
+// parameter gradients as a launch of its own (column_reduce.cuh).
 //
 // A block is blockDim.x / 32 warps in column groups of W = 2^log2_chunk_warps
 // warps (a function of the chunk count alone: ops/_common.py,
@@ -14,19 +10,9 @@
 // few columns and many chunks (a channels-last convolution's: 256 sums of
 // 528 chunks) would otherwise run a few blocks whose every thread waits for
 // hundreds of loads from L2 in turn.
-//
-// The first `duplicated` sums are written a second time after the others
-// (out[slots_times_columns + j]): a chain whose two parameters get the same
-// gradient (problem 94's two biases) then returns two rows, not one row and
-// a copy made by another launch.
-#include "cf_common.cuh"
+#include "column_reduce.cuh"
 
 namespace cf {
-
-namespace column_reduce {
-constexpr int kColumns = 32;
-constexpr int kMaxWarps = 32;
-}  // namespace column_reduce
 
 // Launch contract (ops/_common.py, _reduce_partials): kColumns and kMaxWarps
 // are REDUCE_COLUMNS and REDUCE_MAX_WARPS there; blockDim.x is a multiple of
@@ -48,29 +34,12 @@ reduce_column_partials(const double* __restrict__ partial, T* __restrict__ out, 
   const int group = warp >> shift, w = warp & (warps - 1);
   const i64 groups = blockDim.x >> (5 + shift);
   const i64 j = (blockIdx.x * groups + group) * kColumns + lane;
-  // The loads of eight of the warp's chunks are issued before their adds,
-  // which stay in chunk order: one load from L2 per chunk, each waited
-  // for, would set the pace where a warp has many chunks.
-  constexpr int kAhead = 8;
   double acc = 0.0;
-  if (j < slots_times_columns) {
-    const double* p = partial + w * slots_times_columns + j;
-    const i64 stride = warps * slots_times_columns;
-    i64 k = w;
-    for (; k + (kAhead - 1) * warps < chunks; k += kAhead * warps, p += kAhead * stride) {
-      double v[kAhead];
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) v[u] = p[u * stride];
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) acc += v[u];
-    }
-    for (; k < chunks; k += warps, p += stride) acc += *p;
-  }
-  // Column j's sum, rounded to float and then to T, and its duplicate.
+  if (j < slots_times_columns)
+    acc = add_chunks<false>(0.0, partial + w * slots_times_columns + j, w, chunks, warps,
+                            warps * slots_times_columns);
   const auto write = [&](double total) {
-    const T sum = from_float<T>(static_cast<float>(total));
-    out[j] = sum;
-    if (j < duplicated) out[slots_times_columns + j] = sum;
+    write_column_sum(out, j, total, slots_times_columns, duplicated);
   };
   if constexpr (!kSplit) {  // W == 1: no other warp's sums to add
     if (j < slots_times_columns) write(acc);

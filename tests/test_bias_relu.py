@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cupy_fused import _runtime, ops
+from cupy_fused.ops import _common
 from cupy_fused.ops._common import BLOCK
 from cupy_fused.testing import assert_non_finite_where
 
@@ -175,10 +176,11 @@ def test_rows_kernel_picks_plain_sums_where_the_bound_holds(monkeypatch):
 
 def test_rows_backward_launches_what_rows_kernel_chose(monkeypatch):
     """The rows backward's launch (on CPU tensors, the launches recorded
-    instead of run): the kernel, grid and arguments rows_kernel gives, then
-    the column reduce over its chunks."""
+    instead of run): the kernel, grid and arguments rows_kernel gives, then,
+    over 32 chunks or more, the column reduce over its chunks as a launch of
+    its own; below that the kernel's own last blocks reduce, with the
+    counters _column_counters gives."""
     from cupy_fused import _bridge
-    from cupy_fused.ops import _common
 
     launched = []
     monkeypatch.setattr(BR, "sm_count", lambda dev: 132)
@@ -201,9 +203,20 @@ def test_rows_backward_launches_what_rows_kernel_chose(monkeypatch):
         (fn, grid, block, args), reduce = launched
         assert fn == ("bias_relu", kernel, torch.bfloat16, grad, True)
         assert grid == (grid_x, chunks, 1) and block == BLOCK
-        assert args[-4:] == (rows, 128, per, cols)
+        assert chunks >= 32 and args[-6:-2] == (rows, 128, per, cols) and args[-1] == 0
         assert reduce[0] == ("reduce", grad, _common.reduce_warps(chunks) > 1)
         assert reduce[3][2:4] == (chunks, 2 * 128)
+    # 76's shape: 16 chunks, reduced by the kernel itself.
+    counters = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(BR, "_column_counters", lambda chunks, ranges, device: counters)
+    launched.clear()
+    BR._backward(torch.ones(1024, 8192, dtype=torch.bfloat16), torch.zeros(1024 * 8192 // 32),
+                 [1024, 8192], False, False, torch.bfloat16, False)
+    kernel, (cols, grid_x, chunks, per) = BR.rows_kernel(1024, 8192, torch.bfloat16,
+                                                         torch.bfloat16, 132)
+    (fn, grid, block, args), = launched
+    assert chunks < 32 and grid == (grid_x, chunks, 1)
+    assert args[-6:-2] == (1024, 8192, per, cols) and args[-1] == counters.data_ptr()
 
 
 def test_launch_constants_match_the_kernel_source():
@@ -470,6 +483,44 @@ def test_rows_backward_sums_on_either_side_of_the_plain_sum_bound(pair, device, 
         rows_kernels = {k for k in seen if k.startswith("bias_relu_backward_rows")}
         assert rows_kernels == {"bias_relu_backward_rows" if ignore
                                 else "bias_relu_backward_rows_plain"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_rows_backward_reduces_in_its_last_blocks_as_the_reduce_launch(pair, device, monkeypatch):
+    """Under 32 chunks the rows kernel's last block of each column range
+    sums the chunks itself: the same bits as the second launch it replaces
+    (column_counters made to give none), in calls that follow each other
+    on one stream and in a call on another stream, every count back at
+    zero after each."""
+    z_dtype, grad_dtype = pair
+    rows, channels = 200, 1288  # column ranges of 256 or 128 channels, the last one partial
+    assert BR.rows_kernel(rows, channels, z_dtype, grad_dtype, BR.sm_count(device.index))[1][2] < 32
+    gen = torch.Generator(device=device).manual_seed(7)
+    z = torch.randn(rows, channels, device=device, generator=gen).to(z_dtype)
+    biases = [torch.randn(channels, device=device, generator=gen).to(grad_dtype) for _ in range(2)]
+    dy = torch.randn(rows, channels, device=device, generator=gen).to(torch.promote_types(*pair))
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in [z] + biases]
+        ops.bias_relu(*leaves).backward(dy)
+        return [t.grad for t in leaves]
+
+    counters = _common._column_counters(16, 64, device)
+    assert counters is not None and not counters.any()
+    fused = [grads(), grads()]
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fused.append(grads())
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    assert not counters.any()
+    monkeypatch.setattr(BR, "_column_counters", lambda chunks, ranges, device: None)
+    apart = grads()
+    for got in fused:
+        for a, b in zip(got, apart):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -151,17 +151,47 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int,
     return cdiv(rows, rows_per_chunk), rows_per_chunk
 
 
+# Zeroed counters of the first stages that end in their own second stage
+# (reduce_columns_in_last_block, column_reduce.cuh), one buffer per (device,
+# stream): each launch leaves its counters at zero again, and a stream runs
+# its launches one after another.
+_counters: Dict[Tuple[int, int], torch.Tensor] = {}
+
+
+def _column_counters(chunks: int, ranges: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The counters (int32, zero, at least ``ranges`` of them) for a first
+    stage of ``ranges`` column ranges x ``chunks`` chunks that ends in its
+    own second stage, on the current stream; None where the second stage is
+    a launch of its own (:func:`_reduce_partials`): from 32 chunks on, where
+    that launch splits a column's chunks over several warps (the two forms
+    sum in the same order below that).  Inside a CUDA-graph capture, a
+    buffer of the capture's own, which the graph zeroes on every replay."""
+    if reduce_warps(chunks) > 1:
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(ranges, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counters = _counters.get(key)
+    if counters is None or counters.numel() < ranges:
+        counters = _counters[key] = torch.zeros(max(ranges, 256), dtype=torch.int32,
+                                                device=device)
+    return counters
+
+
 def _reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
-                     duplicate_first_row: bool = False) -> torch.Tensor:
+                     duplicate_first_row: bool = False,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``partial``: float64 [chunks, slots, C] -> [slots, C] in ``dtype``,
     summed over chunks in double in an order fixed by the chunk count
     (column_reduce.cu), rounded at the end: bitwise reproducible.  With
     ``duplicate_first_row``, [slots + 1, C]: the last row repeats the first
     (for two parameters with the same gradient: rows of their own, so that
-    accumulating into one never changes the other)."""
+    accumulating into one never changes the other).  ``out``: that tensor,
+    to write into (else a new one)."""
     chunks, slots, channels = partial.shape
-    out = torch.empty((slots + 1 if duplicate_first_row else slots, channels), dtype=dtype,
-                      device=partial.device)
+    if out is None:
+        out = torch.empty((slots + 1 if duplicate_first_row else slots, channels), dtype=dtype,
+                          device=partial.device)
     n = slots * channels
     dev = partial.device.index
     warps = reduce_warps(chunks)

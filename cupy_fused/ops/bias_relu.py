@@ -27,9 +27,9 @@ from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, cast, promoted
 from .._autograd import FusedOp, launches_directly, needs_grad
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
-from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, fast_divisor,
-                      _ptr_or_null, _one_value_rows, _reduce_partials, _spread, _vector_grads,
-                      _whole_sums, row_chunks, sm_count)
+from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, _column_counters,
+                      fast_divisor, _ptr_or_null, _one_value_rows, _reduce_partials, _spread,
+                      _vector_grads, _whole_sums, row_chunks, sm_count)
 
 # Kernel names of the keys below that are another kernel's instantiation,
 # with the template arguments they add: bias_relu_backward_to_nhwc moving two
@@ -272,6 +272,13 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
                                  f"({kernel})")
             kernel = _TF32_DZ[kernel]
         partial = torch.empty((chunks, slots, channels), dtype=torch.float64, device=dout.device)
+        sums = torch.empty((slots, channels), dtype=dout.dtype, device=dout.device)
+        # The rows kernel sums its partials itself where _column_counters
+        # gives it counters; else (and for the others) a second launch.
+        counters = None
+        if inner == 1 and not transpose:
+            counters = _column_counters(chunks, grid[0], dout.device)
+            extra += (sums.data_ptr(), _ptr_or_null(counters))
         fn = KERNELS.get((kernel, z_dtype, dout.dtype, second_bias), dev)
         args = (dy.data_ptr(), dense, mask.data_ptr(), dz.data_ptr(), partial.data_ptr(), *extra)
         if grid is not None:
@@ -279,7 +286,8 @@ def _backward(dout: torch.Tensor, mask: torch.Tensor, sizes: List[int], channels
         else:  # a block per (image, channel) slab, in grids of fewer than 2^31
             for first, count in slab_grids(chunks * channels):
                 _bridge.launch(fn, (count, 1, 1), BLOCK, args + (first,), dev)
-        sums = _reduce_partials(partial, dout.dtype)
+        if counters is None:
+            _reduce_partials(partial, dout.dtype, out=sums)
         if whole:
             sums = _whole_sums(sums, partial, [(s, s) for s in whole])
     return dz, sums
