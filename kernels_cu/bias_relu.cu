@@ -387,7 +387,7 @@ bias_relu_backward_rows(const TO* __restrict__ dy, i64 dy_dense,
   }
   const i64 col0 = blockIdx.x * cols * kV;
   reduce_columns_in_last_block(partial, sums_out, counters, kSlots, channels, col0,
-                               min(channels, col0 + cols * kV), i64(0));
+                               min(channels, col0 + cols * kV));
 }
 
 // Backward, channel-major layout (inner > 1, e.g. NCHW): block per (n, ch)

@@ -70,8 +70,7 @@ __device__ __forceinline__ void write_column_sum(T* out, i64 j, double total,
 // the second stage to reduce_column_partials, and this returns at once.
 template <typename T>
 __device__ void reduce_columns_in_last_block(const double* partial, T* out, unsigned* counters,
-                                             i64 slots, i64 columns, i64 col0, i64 col1,
-                                             i64 duplicated) {
+                                             i64 slots, i64 columns, i64 col0, i64 col1) {
   if (counters == nullptr) return;
   __shared__ bool last;
   __threadfence();  // this thread's partial sums, visible before the count
@@ -86,7 +85,7 @@ __device__ void reduce_columns_in_last_block(const double* partial, T* out, unsi
   for (i64 i = threadIdx.x; i < slots * width; i += blockDim.x) {
     const i64 j = (i / width) * columns + col0 + i % width;
     write_column_sum(out, j, add_chunks<true>(0.0, partial + j, 0, gridDim.y, 1, stride), stride,
-                     duplicated);
+                     i64(0));
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
 }
