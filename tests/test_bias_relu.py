@@ -490,7 +490,7 @@ def test_rows_backward_sums_on_either_side_of_the_plain_sum_bound(pair, device, 
 def test_rows_backward_reduces_in_its_last_blocks_as_the_reduce_launch(pair, device, monkeypatch):
     """Under 32 chunks the rows kernel's last block of each column range
     sums the chunks itself: the same bits as the second launch it replaces
-    (column_counters made to give none), in calls that follow each other
+    (_column_counters made to give none), in calls that follow each other
     on one stream and in a call on another stream, every count back at
     zero after each."""
     z_dtype, grad_dtype = pair

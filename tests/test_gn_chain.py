@@ -420,9 +420,8 @@ def test_broadcast_gradient_is_the_dense_one(offset, mode, device, monkeypatch):
     """An upstream gradient of one value broadcast everywhere (what
     ``out.sum().backward()`` hands over; the kernels read it as a few copies
     of that value) gives bit for bit the gradients of the same values as a
-    dense tensor, in the vectorised kernels (several rows per warp, and
-    row chunks that end part-way through a warp's rows) and the scalar
-    ones."""
+    dense tensor, in the vectorised kernels (a last row chunk shorter than
+    the others) and the scalar ones."""
     amp = torch.bfloat16 if mode == "amp-bf16" else None
     dtype = amp or dict(fp32=torch.float32, fp16=torch.float16, bf16=torch.bfloat16)[mode]
     out_dtype = torch.float32 if amp else dtype
