@@ -73,9 +73,13 @@ __device__ void reduce_columns_in_last_block(const double* partial, T* out, unsi
                                              i64 slots, i64 columns, i64 col0, i64 col1) {
   if (counters == nullptr) return;
   __shared__ bool last;
-  __threadfence();  // this thread's partial sums, visible before the count
+  // The block's partial sums, visible before the count: the barrier orders
+  // every thread's writes before thread 0's fence, whose release covers
+  // them (cumulativity), so the other threads need not wait for their own
+  // stores (their dz among them) to drain.
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();
     last = atomicAdd(counters + blockIdx.x, 1u) == gridDim.y - 1;
     __threadfence();  // the other blocks' sums, seen after the count
   }
