@@ -325,28 +325,27 @@ __device__ __forceinline__ float team_sum(float v, int team) {
     v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
-// Two team sums at once (the same values as two team_sum calls): one loop's
-// control and divergence checks for both, which in the GroupNorm backward,
-// bound by issue, cost more per row than the shuffles themselves.
-__device__ __forceinline__ void team_sum2(float& a, float& b, int team) {
+// N team sums at once (the same values as N team_sum calls): one loop's
+// control and divergence checks for all of them, which in the GroupNorm
+// kernels, bound by issue, cost more per row than the shuffles themselves
+// (gn_chain.cuh: a row's two sums, or two rows' two sums each).
+template <int N>
+__device__ __forceinline__ void team_sums(float (&a)[N], int team) {
   for (int offset = team >> 1; offset > 0; offset >>= 1) {
-    const float oa = __shfl_xor_sync(0xffffffffu, a, offset);
-    const float ob = __shfl_xor_sync(0xffffffffu, b, offset);
-    a += oa;
-    b += ob;
+    float o[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = __shfl_xor_sync(0xffffffffu, a[i], offset);
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] += o[i];
   }
 }
 
-// Four team sums at once (the same values as four team_sum calls): two
-// rows' two sums each in the GroupNorm backward (gn_chain.cuh).
-__device__ __forceinline__ void team_sum4(float (&a)[4], int team) {
-  for (int offset = team >> 1; offset > 0; offset >>= 1) {
-    float o[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[i] = __shfl_xor_sync(0xffffffffu, a[i], offset);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] += o[i];
-  }
+// team_sums of two named values.
+__device__ __forceinline__ void team_sum2(float& a, float& b, int team) {
+  float s[2] = {a, b};
+  team_sums(s, team);
+  a = s[0];
+  b = s[1];
 }
 
 // Block-wide sum in double, for blockDim.x a multiple of 32 (<= 1024):

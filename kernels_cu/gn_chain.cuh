@@ -1013,7 +1013,7 @@ __device__ __forceinline__ void gn_chain_backward_vec_rows(CF_GN_BACKWARD_PARAMS
       }
     }
     float sums[4] = {s1[0], s2[0], s1[1], s2[1]};
-    team_sum4(sums, t);
+    team_sums(sums, t);
     // (The means as products of their own, __fmul_rn: no FMA absorbs them.)
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
