@@ -192,6 +192,19 @@ struct ChainSwishBiasGN : PostIdentity, PreFromPreWithGrad<ChainSwishBiasGN<kEag
     return eager_round<T, kEagerRounding>(
         __fadd_rn(eager_round<T, kEagerRounding>(__fmul_rn(zb, s)), p.extra(c)));
   }
+  // Pre in two steps, pre_tail(pre_head(z), extra_bias), the same bits as
+  // pre (without eager rounding): the swish, then its bias.  The one-launch
+  // forward with a float32 y (linear_gn_chain.cu) keeps the swish between
+  // its two passes rounded to z's dtype, where the reference under autocast
+  // holds it too (the product of z and its sigmoid, both in z's dtype), and
+  // its second pass adds the bias instead of computing the sigmoid again.
+  static constexpr bool kSplitPre = true;
+  template <typename P, typename C>
+  __device__ static float pre_head(float z, const P& p, C c) {
+    const float zb = __fadd_rn(z, p.lin(c));
+    return __fmul_rn(zb, sigmoid_of<P::kFast>(zb));
+  }
+  __device__ static float pre_tail(float head, float extra_bias) { return __fadd_rn(head, extra_bias); }
   // x = z + lin_bias and s = sigmoid(x) as the reference holds them: in z's
   // dtype TZ where x is z itself (x_in_z) or z plus a 16-bit linear bias
   // (x rounded, then its sigmoid rounded), in float32 where a float32 bias
@@ -238,6 +251,7 @@ struct ChainGNSwishMulSwish {
   static constexpr bool kRoundsLikeEager = kEagerRounding;
   static constexpr bool kGatedPreGrad = false;
   static constexpr bool kDecomposedPre = false;
+  static constexpr bool kSplitPre = false;  // (Pre is one add: see ChainSwishBiasGN)
   static constexpr bool kGroupNormIsLast = false;
   static constexpr int kSlots = 4, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = 3;
@@ -314,6 +328,8 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
   // [-1, 1]): a gate (see times_pre_grad).
   static constexpr bool kGatedPreGrad = true;
   static constexpr bool kDecomposedPre = false;  // mish's backward is one op
+  // Not split: the reference under autocast holds v in float32.
+  static constexpr bool kSplitPre = false;
   static constexpr int kSlots = 3, kSlotDZ = 0, kSlotDV = -1, kSlotGamma = 1, kSlotBeta = 2,
                        kSlotMul = -1;
   // Pre and its derivative sharing mish's tanh(softplus) (mish's

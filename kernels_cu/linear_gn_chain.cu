@@ -36,11 +36,15 @@ namespace cf {
 // warp covers whole rows (a lane 4 adjacent columns: 512 contiguous bytes
 // per row and store): the row phase then only computes the statistics
 // (kept in shared memory), and the second pass recomputes Pre, bit for bit
-// the same, from z.  That store would outlast the other warpgroup's main
-// loop; so with a float32 y (and fewer than 128 channels per group) the block
-// has a fourth warpgroup (the engine's StoreExtras), which takes the groups
-// of the tile's second 64 columns, both passes, while the consumer does
-// those of the first 64.
+// the same, from z; or, for a chain that splits Pre (problem 37's: the
+// swish, then its bias), adds the bias to the swish, which the row phase
+// left in z's place rounded to T, where the reference under autocast
+// rounds it too (the statistics are those of the unrounded Pre, as the
+// backward recomputes it).  That store would outlast the other warpgroup's
+// main loop; so with a float32 y (and fewer than 128 channels per group)
+// the block has a fourth warpgroup (the engine's StoreExtras), which takes
+// the groups of the tile's second 64 columns, both passes, while the
+// consumer does those of the first 64.
 //
 // Outputs: y [M, N] (through map_y when TO is 16-bit, else y); with mean_out
 // not null (training) also z [M, N] through map_z and mean / rstd [M, groups]
@@ -86,6 +90,9 @@ struct GroupNormTileStore {
   // warpgroup (docs/gemm.md).
   static constexpr bool kOwnWarpgroup = sizeof(TO) == 4 && kCpg < kHgBN;
   static constexpr int kMine = kOwnWarpgroup ? kGroups / 2 : kGroups;  // the consumer's groups: 0 .. kMine - 1
+  // A float32 y's second pass reads Pre's first step, rounded to T, where
+  // the chain splits Pre (gn_chains.cuh, kSplitPre), else z.
+  static constexpr bool kSplitPre = sizeof(TO) == 4 && Chain::kSplitPre;
 
   // A consumer's part: the vectors' cache, z = acc + lin_bias, rounded,
   // into the staging area (and out through TMA when the backward needs it),
@@ -173,15 +180,43 @@ struct GroupNormTileStore {
 #pragma unroll 1
     for (int q = kQ0; q < kQ1; ++q) {
       float v[kCpg];
+      // (kSplitPre: pre_head of up to 8 chunks, packed, written over z after
+      // their loads: the loads and the stores are volatile asm, kept in
+      // program order, so a store between two loads would hold the second
+      // back.  z has left (TmaTileWriter::end before the groups), and only
+      // this thread reads its row in this pass; the second pass reads the
+      // heads where it read z.)
+      constexpr int kBatch = kChunks < 8 ? kChunks : 8;
+      unsigned head[kSplitPre ? kBatch : 1][4];
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) {
         unsigned w[4];
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
                      : "r"(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k)));
+        if constexpr (kSplitPre) {
+          float h[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          v[8 * k + e] = Chain::pre(packed_value<T>(w, e), p, q * kCpg + 8 * k + e);
+          for (int e = 0; e < 8; ++e) {
+            const int c = q * kCpg + 8 * k + e;
+            h[e] = Chain::pre_head(packed_value<T>(w, e), p, c);
+            v[8 * k + e] = Chain::pre_tail(h[e], p.extra(c));
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) head[k % kBatch][j] = pack2<T>(h[2 * j], h[2 * j + 1]);
+          if (k % kBatch == kBatch - 1) {
+#pragma unroll
+            for (int b = 0; b < kBatch; ++b)
+              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                           ::"r"(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k - kBatch + 1 + b)),
+                           "r"(head[b][0]), "r"(head[b][1]), "r"(head[b][2]), "r"(head[b][3])
+                           : "memory");
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            v[8 * k + e] = Chain::pre(packed_value<T>(w, e), p, q * kCpg + 8 * k + e);
+          }
         }
       }
       float sum = 0.0f;
@@ -246,11 +281,12 @@ struct GroupNormTileStore {
       // kRows .. (+ kRows - 1), then 4 kRows on.
       constexpr int kCols = (kQ1 - kQ0) * kCpg, kLanes = kCols / 4, kRows = 32 / kLanes;
       const int wr = lt >> 5, lane = lt & 31, c0 = kQ0 * kCpg + 4 * (lane % kLanes), q = c0 / kCpg;
-      float gamma[4], beta[4];
+      float gamma[4], beta[4], extra[4];  // (extra: kSplitPre's bias)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         gamma[e] = p.gamma(c0 + e);
         beta[e] = p.beta(c0 + e);
+        extra[e] = kSplitPre ? p.extra(c0 + e) : 0.0f;
       }
       const i64 col = n0 + c0;  // N is a multiple of kCpg >= 8: the 4 columns are in or out
 #pragma unroll 1
@@ -266,7 +302,9 @@ struct GroupNormTileStore {
         float yv[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float vv = Chain::pre(packed_value<T>(w, e), p, c0 + e);
+          float vv;
+          if constexpr (kSplitPre) vv = Chain::pre_tail(packed_value<T>(w, e), extra[e]);
+          else vv = Chain::pre(packed_value<T>(w, e), p, c0 + e);
           yv[e] = Chain::post((vv - mean) * rstd * gamma[e] + beta[e], p, c0 + e);
         }
         if (m0 + r < M && col < N)

@@ -198,7 +198,8 @@ def half_engine(dtypes):
                                     atol=3e-2, rtol=3e-2)
                 print("float32-weight gemm", dtype, (m, k, n - n % 8), "OK" if ok else "ERROR", flush=True)
                 failed.extend([] if ok else [f"float32-weight gemm {dtype} {(m, k, n - n % 8)}"])
-            for m, k, n, groups in ((3, 64, 136, 17), (130, 64, 256, 2), (129, 72, 384, 12)):
+            for m, k, n, groups in ((3, 64, 136, 17), (130, 64, 256, 2), (129, 72, 384, 12),
+                                    (66, 64, 256, 4)):
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
                 vecs = [torch.rand(n, device="cuda", dtype=dtype) + 0.5 for _ in range(5)]
@@ -222,7 +223,10 @@ def half_engine(dtypes):
                                                       float_out=True)
                     want = _launch_forward(z, None, *vf[1:], chain, groups, 1e-5, False, True,
                                            float_out=True)[0]
-                    ok = torch.allclose(y32, want, atol=1e-4, rtol=1e-4)
+                    # (swish_bias_gn's y is normalised from its swish rounded
+                    # to the 16-bit dtype, kSplitPre in kernels_cu/gn_chains.cuh)
+                    tol = 5e-2 if chain == "swish_bias_gn" else 1e-4
+                    ok = torch.allclose(y32, want, atol=tol, rtol=tol)
                     # The same on one block, which walks every tile: each staging
                     # area is handed to the store's warpgroup and back again.
                     sm_count, G.sm_count = G.sm_count, lambda dev: 1
