@@ -289,7 +289,9 @@ struct GroupNormTileStore {
         extra[e] = kSplitPre ? p.extra(c0 + e) : 0.0f;
       }
       const i64 col = n0 + c0;  // N is a multiple of kCpg >= 8: the 4 columns are in or out
-#pragma unroll 1
+      // (Four rows at a time where Pre is split: with no sigmoid left in
+      // an iteration, each row's shared-memory loads would stall it.)
+#pragma unroll(kSplitPre ? 4 : 1)
       for (int r = wr * kRows + lane / kLanes; r < kHgBM; r += 4 * kRows) {
         unsigned w[2];
         float mean, rstd;
