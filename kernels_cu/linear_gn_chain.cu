@@ -183,9 +183,9 @@ struct GroupNormTileStore {
       // (kSplitPre: pre_head of up to 8 chunks, packed, written over z after
       // their loads: the loads and the stores are volatile asm, kept in
       // program order, so a store between two loads would hold the second
-      // back.  z has left (TmaTileWriter::end before the groups), and only
-      // this thread reads its row in this pass; the second pass reads the
-      // heads where it read z.)
+      // back.  z has left (TmaTileWriter::end before the groups) or is not
+      // saved, and only this thread reads its row in this pass; the second
+      // pass reads the heads where it read z.)
       constexpr int kBatch = kChunks < 8 ? kChunks : 8;
       unsigned head[kSplitPre ? kBatch : 1][4];
 #pragma unroll
