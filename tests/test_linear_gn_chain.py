@@ -5,6 +5,7 @@ chain in the store of the GEMM engine), else the GEMM and the gn_chain kernel
 one-launch kernel itself on ragged shapes and every group size, and the
 models through it, on the GPU tier."""
 import importlib
+import re
 
 import pytest
 import torch
@@ -50,6 +51,20 @@ def test_what_the_one_launch_kernel_supports(monkeypatch):
     assert not LG._half_engine_supports(unaligned, w, 8)               # rows TMA cannot read
     monkeypatch.setattr(G, "has_wgmma", lambda dev: False)
     assert not LG._half_engine_supports(x, w, 8)
+
+
+def test_split_pre_chains_match_the_kernel_source():
+    """_SPLIT_PRE_CHAINS names exactly the chains whose struct in
+    gn_chains.cuh sets kSplitPre."""
+    from cupy_fused import _runtime
+
+    src = (_runtime.kernel_dir() / "gn_chains.cuh").read_text()
+    for name, chain in GN.CHAINS.items():
+        struct = chain.cxx.split("::")[-1]
+        body = src[src.index(f"struct {struct} "):]
+        body = body[:body.index("\n};\n")]
+        split = re.search(r"kSplitPre = (true|false);", body).group(1) == "true"
+        assert split == (name in LG._SPLIT_PRE_CHAINS), name
 
 
 def test_every_one_launch_kernel_is_declared():
@@ -252,9 +267,6 @@ def _operands(m, k, n, device, seed):
 FUSED_SHAPES = [(1, 64, 128, 1), (3, 72, 136, 17), (257, 64, 200, 25), (130, 200, 384, 12),
                 (64, 128, 256, 16), (96, 64, 256, 4), (129, 64, 1024, 8), (66, 256, 256, 2)]
 HALF = [torch.bfloat16, torch.float16]
-# The chains whose one-launch float32 y (autocast) is normalised from Pre's
-# first step rounded to z's dtype (kSplitPre in kernels_cu/gn_chains.cuh).
-SPLIT_PRE = ("swish_bias_gn",)
 
 
 @gpu
@@ -267,8 +279,8 @@ def test_one_launch_kernel_against_float64(chain, shape, dtype, device, monkeypa
     worse than eager's in the same dtype; z, mean and 1/std as the backward
     needs them; the same y without saving; the same bits twice, and (float32
     y) on a grid of one or two blocks, each walking many tiles; a float32 y
-    as gn_chain's from the same z, or (SPLIT_PRE) no worse against float64
-    than eager's under autocast."""
+    as gn_chain's from the same z, or (_SPLIT_PRE_CHAINS) no worse against
+    float64 than eager's under autocast."""
     m, k, n, groups = shape
     if not G.has_wgmma(device.index):
         pytest.skip("the one-launch kernel needs the Hopper GEMM engine (compute capability 9.0)")
@@ -311,7 +323,7 @@ def test_one_launch_kernel_against_float64(chain, shape, dtype, device, monkeypa
             assert torch.equal(y_few, y32), blocks
             assert torch.equal(z_few, z) and torch.equal(stats_few, stats), blocks
         monkeypatch.undo()
-        if chain in SPLIT_PRE:
+        if chain in LG._SPLIT_PRE_CHAINS:
             # y from Pre's swish rounded to z's dtype (gn_chains.cuh,
             # kSplitPre), as the reference under autocast holds it: no
             # worse against float64 than eager's float32 y from the same z

@@ -67,6 +67,11 @@ HALF_GROUP_SIZES = (8, 16, 32, 64, 128)
 # With a float32 y (autocast), each thread keeps its row's statistics of the
 # tile in 4 KiB: at most 4 groups per 128 columns.
 HALF_FLOAT_OUT_GROUP_SIZES = (32, 64, 128)
+# The chains whose float32 y (autocast) the kernel normalises from Pre's
+# first step rounded to z's dtype, as the reference under autocast holds it
+# (kSplitPre in kernels_cu/gn_chains.cuh): their y agrees with gn_chain's
+# float32 y to that rounding, not to float32's.
+_SPLIT_PRE_CHAINS = ("swish_bias_gn",)
 # The kernel's shared memory: the engine's, with a staging area of a 16-bit
 # tile per consumer warpgroup plus its vector cache and statistics
 # (kGnStagingBytes: 2 x 8 KiB beside the tiles).
