@@ -161,7 +161,9 @@ struct TmaTileWriter {
   }
   // Hands the tile to the copy engine: the boxes at (n0 + 64 box, m0) of a
   // 2-D C, or, with outer >= 0, of plane `outer` of a 3-D C (its rows those
-  // of one plane, the boxes 64 x 128 x 1); boxes first_box .. end_box - 1.
+  // of one plane, the boxes 64 x 128 x 1); boxes first_box .. end_box - 1;
+  // kEvictFirst: as tma_store_2d's.
+  template <bool kEvictFirst = false>
   __device__ __forceinline__ static void end(const TensorMap& map, const HalfGemmLane& me, unsigned staging,
                                              i64 m0, i64 n0, int outer = -1, int first_box = 0,
                                              int end_box = kHgBN / 64) {
@@ -171,9 +173,9 @@ struct TmaTileWriter {
         const unsigned src = staging + box * (kHgBM * 128);
         const int col = static_cast<int>(n0) + 64 * box, row = static_cast<int>(m0);
         if (outer < 0) {
-          tma_store_2d(map, src, col, row);
+          tma_store_2d<kEvictFirst>(map, src, col, row);
         } else {
-          tma_store_3d(map, src, col, row, outer);
+          tma_store_3d<kEvictFirst>(map, src, col, row, outer);
         }
       }
       bulk_commit();

@@ -46,6 +46,11 @@ namespace cf {
 // the groups of the tile's second 64 columns, both passes, while the
 // consumer does those of the first 64.
 //
+// y and z are written once and read by later kernels, after far more
+// traffic than L2 holds, while x's row blocks and W are read again from L2
+// by other tiles: so their stores mark their lines first to leave L2
+// (evict-first through TMA; a float32 y's stores streaming, __stcs).
+//
 // Outputs: y [M, N] (through map_y when TO is 16-bit, else y); with mean_out
 // not null (training) also z [M, N] through map_z and mean / rstd [M, groups]
 // (what gn_chain_backward reads).  x [M, K] and W [N, K] through their tensor
@@ -143,7 +148,7 @@ struct GroupNormTileStore {
           });
     }
     if (save) {  // z leaves as it is; y may overwrite it once the copy has read it
-      TmaTileWriter::end(map_z, me, staging, m0, n0);
+      TmaTileWriter::end<true>(map_z, me, staging, m0, n0);
       TmaTileWriter::begin(me);
     } else {
       fence_proxy_async();  // (a 16-bit y's boxes leave through TMA from here)
@@ -271,7 +276,7 @@ struct GroupNormTileStore {
       }
     }
     if constexpr (sizeof(TO) == 2) {
-      TmaTileWriter::end(map_y, me, staging, m0, n0, -1, kQ0 * kCpg / 64, kQ1 * kCpg / 64);
+      TmaTileWriter::end<true>(map_y, me, staging, m0, n0, -1, kQ0 * kCpg / 64, kQ1 * kCpg / 64);
     } else {
       static_assert(kHgBM * kGroups * 8 <= kGnVectorBytes - kGnStatsOffset, "the statistics fit");
       named_barrier(1 + me.wg, 128);  // every row's statistics are in
@@ -310,7 +315,7 @@ struct GroupNormTileStore {
           yv[e] = Chain::post((vv - mean) * rstd * gamma[e] + beta[e], p, c0 + e);
         }
         if (m0 + r < M && col < N)
-          *reinterpret_cast<float4*>(y + (m0 + r) * N + col) = make_float4(yv[0], yv[1], yv[2], yv[3]);
+          __stcs(reinterpret_cast<float4*>(y + (m0 + r) * N + col), make_float4(yv[0], yv[1], yv[2], yv[3]));
       }
       // The warpgroup's reads of the staging area and the cache end here
       // (the consumer's next begin() and the store's warpgroup's arrive on

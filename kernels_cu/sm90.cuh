@@ -120,19 +120,39 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap& map, 
 }
 // The box of a 2-D tensor at (inner, outer) from shared memory at `src`, as
 // one bulk asynchronous group of this thread; elements outside the tensor
-// are not written.
+// are not written.  kEvictFirst marks the written lines first to leave L2:
+// for outputs written once beside operands that other blocks read again
+// from L2.
+template <bool kEvictFirst = false>
 __device__ __forceinline__ void tma_store_2d(const TensorMap& map, unsigned src, int inner, int outer) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
-                   reinterpret_cast<unsigned long long>(&map)),
-               "r"(inner), "r"(outer), "r"(src)
-               : "memory");
+  if constexpr (kEvictFirst) {
+    asm volatile(
+        "{\n.reg .b64 policy;\ncreatepolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], policy;\n}\n"
+        ::"l"(reinterpret_cast<unsigned long long>(&map)), "r"(inner), "r"(outer), "r"(src)
+        : "memory");
+  } else {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                     reinterpret_cast<unsigned long long>(&map)),
+                 "r"(inner), "r"(outer), "r"(src)
+                 : "memory");
+  }
 }
 // The same for a 3-D tensor, at (c0, c1, c2), innermost first.
+template <bool kEvictFirst = false>
 __device__ __forceinline__ void tma_store_3d(const TensorMap& map, unsigned src, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-                   reinterpret_cast<unsigned long long>(&map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(src)
-               : "memory");
+  if constexpr (kEvictFirst) {
+    asm volatile(
+        "{\n.reg .b64 policy;\ncreatepolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2, %3}], [%4], policy;\n"
+        "}\n" ::"l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(src)
+        : "memory");
+  } else {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                     reinterpret_cast<unsigned long long>(&map)),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(src)
+                 : "memory");
+  }
 }
 // The same for a 4-D tensor, at (c0, c1, c2, c3), innermost first.
 __device__ __forceinline__ void tma_store_4d(const TensorMap& map, unsigned src, int c0, int c1, int c2,
