@@ -20,6 +20,16 @@ import time
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
+import torch._functorch.config
+
+# torch.compile's AOTAutograd cache in torch 2.11 keys a graph on whether
+# autocast is on, not on its dtype (torch 2.13 keys the dtype too): a graph
+# compiled under bfloat16 autocast was served again under float16 autocast
+# in the same process, after torch._dynamo.reset() (the cache is on disk
+# too, so later processes could be served so as well): torch.compile's rows
+# of one autocast dtype ran the other's kernels.  No benchmark times
+# compiling, so every benchmark process leaves that cache off.
+torch._functorch.config.enable_autograd_cache = False
 
 try:
     from tqdm import tqdm as _tqdm

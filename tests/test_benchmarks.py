@@ -52,6 +52,13 @@ def test_full_runs_every_dtype_mode_and_sweep():
     assert bench_run.parse_args(["--full", "--impls", "eager", "ours"]).impls == ["eager", "ours"]
 
 
+def test_benchmark_processes_compile_without_the_aot_autograd_cache():
+    """torch 2.11's AOTAutograd cache does not key on autocast's dtype, so a
+    graph compiled under one autocast dtype was served under the other
+    (harness): importing the harness turns that cache off."""
+    assert torch._functorch.config.enable_autograd_cache is False
+
+
 def test_autocast_modes_are_dtype_choices():
     args = bench_run.parse_args(["--dtypes", "amp-bf16", "amp-fp16", "bf16",
                                  "--sweep-dtypes", "amp-fp16"])
