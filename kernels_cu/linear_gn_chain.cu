@@ -46,9 +46,8 @@ namespace cf {
 // the groups of the tile's second 64 columns, both passes, while the
 // consumer does those of the first 64.
 //
-// y and z are written once and read by later kernels, after far more
-// traffic than L2 holds, while x's row blocks and W are read again from L2
-// by other tiles: so their stores mark their lines first to leave L2
+// y and z are written once, while x's row blocks and W are read again from
+// L2 by other tiles: so the stores mark their lines first to leave L2
 // (evict-first through TMA; a float32 y's stores streaming, __stcs).
 //
 // Outputs: y [M, N] (through map_y when TO is 16-bit, else y); with mean_out
