@@ -81,7 +81,7 @@ def markdown(rows) -> str:
     head += ["GEMM/conv alone ms", "ours/eager speedup", "ours/compile speedup",
              "peak extra GiB (eager / compile / ours)", "ours TFLOP/s (of ceiling)"]
     head += ["ours host / GPU ms per step", "host-bound", "ours/compile on GPU time"] * host
-    head += ["fwd rel. error vs fp64 (ours / eager)"]
+    head += ["fwd rel. error vs fp64 (ours / eager / compile)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     failed = []
     for (p, d, m, _), g in groups.items():
@@ -102,7 +102,9 @@ def markdown(rows) -> str:
             cells.append(", ".join(bound) if bound else "-")
             gpu = get("compile", "gpu_ms") / get("ours", "gpu_ms")
             cells.append("-" if math.isnan(gpu) else f"{gpu:.2f}x")  # a GPU time missing
-        cells.append(f"{get('ours', 'fwd_rel_error'):.1e} / {get('eager', 'fwd_rel_error'):.1e}")
+        errors = [get("ours", "fwd_rel_error"), get("eager", "fwd_rel_error"),
+                  get("compile", "compile_fwd_rel_error")]
+        cells.append(" / ".join("-" if math.isnan(e) else f"{e:.1e}" for e in errors))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         failed += [f"- {p} {d} {m} {i}: {r['error']}" for i, r in g.items() if r.get("error")]
     if failed:

@@ -155,8 +155,11 @@ def ceiling(problem: int, dtype: str, peaks: dict) -> float:
     return peaks["tf32_tflops"] / (1 if problem == 1 else 3)
 
 
-def forward_errors(problem, args, shape, dtype: str, device="cuda", channels_last=False) -> dict:
-    """Max relative error of the forward output vs float64, ours and eager.
+def forward_errors(problem, args, shape, dtype: str, device="cuda", channels_last=False,
+                   compiled=False) -> dict:
+    """Max relative error of the forward output vs float64: ours, eager and,
+    with ``compiled``, torch.compile's (the reference compiled), so that a
+    compiled baseline that does not compute what eager does shows.
 
     Args:
         problem, args, shape: the problem, its constructor arguments and
@@ -165,20 +168,25 @@ def forward_errors(problem, args, shape, dtype: str, device="cuda", channels_las
             models run under autocast against the same float64 reference.
         device: where to run.
         channels_last: a 4-D input in channels-last memory format.
+        compiled: also measure ``torch.compile`` of the reference.
 
     Returns:
-        ``{"ours": error, "eager": error}``; an implementation whose forward
-        raised is left out (its message is printed).
+        ``{"ours": error, "eager": error}`` (and ``"compile"``); an
+        implementation whose forward raised is left out (its message is
+        printed).
     """
     import copy
 
     ref, ours = build_pair(problem, args, device, model_dtype(dtype))
     x = _input(shape, dtype, device, channels_last)
     errs = {}
+    impls = [("ours", ours), ("eager", ref)]
+    if compiled:
+        impls.append(("compile", torch.compile(copy.deepcopy(ref))))
     with torch.no_grad():
         truth = copy.deepcopy(ref).double()(x.double())
         scale = truth.abs().max().item()
-        for name, m in (("ours", ours), ("eager", ref)):
+        for name, m in impls:
             try:
                 with autocast_context(autocast_dtype(dtype), x.device.type):
                     y = m(x)
@@ -257,7 +265,8 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
     if channels_last:
         label += " channels-last"
     flops = model_flops(problem, args, shape)
-    errs = forward_errors(problem, args, shape, dtype, device, channels_last) if errors else {}
+    errs = forward_errors(problem, args, shape, dtype, device, channels_last,
+                          compiled=any(i.startswith("compile") for i in impls)) if errors else {}
     ref, ours = build_pair(problem, args, device, model_dtype(dtype))
     x = _input(shape, dtype, device, channels_last)
     copies = rotation_count(x.numel() * x.element_size(), l2_bytes())
@@ -322,7 +331,9 @@ def bench_problem(problem, dtype, modes, impls, iters, warmup, shapes, progress,
                             peak_extra_gib=mem, tflops=tflops,
                             ceiling_fraction=tflops / peak if peak else None,
                             fwd_rel_error=errs.get("ours" if impl.startswith("ours") else "eager")
-                            if impl != "gemm" else None))
+                            if impl != "gemm" else None,
+                            **({"compile_fwd_rel_error": errs.get("compile")}
+                               if impl.startswith("compile") else {})))
             progress(f"{problem} {label} b{shape[0]} {mode} {impl}")
             host_text = "" if host is None else (
                 f"  host {host:7.3f} GPU {gpu:7.3f} ms" + ("  host-bound" if host > gpu else ""))

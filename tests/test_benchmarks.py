@@ -557,6 +557,25 @@ def _fake_cuda_timing(monkeypatch, gpu_ms_per_call, host_ms_per_call):
     return work, lambda: clock["host"]
 
 
+def test_forward_errors_measure_the_compiled_reference_when_asked(monkeypatch):
+    """forward_errors (CPU tier): with compiled=True also the reference
+    under torch.compile (here a stand-in that runs it with its weight
+    doubled, as a baseline that computes something else would), its error
+    beside eager's; without, no compile entry."""
+    def fake_compile(model):
+        wrong = copy.deepcopy(model)
+        with torch.no_grad():
+            wrong.gemm.weight.mul_(2)
+        return wrong
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    _, args, shape = bench_run.reference.SMALL_PROBLEMS[76]
+    errs = bench_run.forward_errors(76, args, shape, "fp32", device="cpu", compiled=True)
+    # (ours runs on CUDA only: on the CPU its forward raises and is left out)
+    assert set(errs) == {"eager", "compile"} and errs["eager"] < 1e-5 < 0.1 < errs["compile"]
+    assert set(bench_run.forward_errors(76, args, shape, "fp32", device="cpu")) == {"eager"}
+
+
 def test_host_and_gpu_time_per_step(monkeypatch):
     work, clock = _fake_cuda_timing(monkeypatch, gpu_ms_per_call=0.2, host_ms_per_call=0.5)
     host, gpu = bench_run.host_and_gpu_ms(work, steps=10, rounds=3, clock=clock)
@@ -658,6 +677,11 @@ def test_markdown_shows_amp_rows_host_times_and_failures():
     assert "0.100 / 0.950" in fp32 and [c.strip() for c in fp32.split("|")[-4:-2]] == ["-", "-"]
     assert table.count("- 76 amp-bf16 train ours+graphs: RuntimeError('capture')") == 1
     assert len(head.split("|")) == len(amp.split("|")) == len(fp32.split("|"))
+    # the forward's errors: ours / eager / torch.compile's, "-" where a run had none
+    assert cells[-1] == "1.0e-03 / 1.0e-03 / -" and "(ours / eager / compile)" in head
+    rows[2]["compile_fwd_rel_error"] = 4e-3
+    amp = next(line for line in bench_run.markdown(rows).splitlines() if "| amp-bf16 |" in line)
+    assert amp.rstrip(" |").endswith("1.0e-03 / 1.0e-03 / 4.0e-03")
     # rows of earlier runs (no host times, no ours+graphs): the original columns
     old = [{k: v for k, v in _row("float32", "train", i, 1.0).items()
             if k not in ("host_ms", "gpu_ms", "host_bound")} for i in ("eager", "ours")]
