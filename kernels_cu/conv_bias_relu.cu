@@ -2253,7 +2253,7 @@ struct WgradMma : TilelessMma {
   static constexpr bool kCooperative = true;
   static constexpr int kTileABytes = 2 * kMnBoxBytes, kTileBBytes = kTb * kMnBoxBytes;
   __device__ __forceinline__ void issue(float (&acc)[2][kHgAccs], unsigned a, unsigned b, int kt) const {
-    const int wg = (static_cast<int>(threadIdx.x) >> 7) - 1;
+    const int wg = consumer_warpgroup();
     const Swizzle128Desc sa(a + wg * kMnBoxBytes, kMnBoxBytes), sb(b, kMnBoxBytes);
     begin_mma_group(acc);
 #pragma unroll

@@ -84,15 +84,26 @@ __host__ __device__ constexpr int half_gemm_shared_bytes() {
   return 1024 + kStages * kStageBytes + kStagingBytes + kExtraBytes + 2 * kStages * 8 + 16 + 8 * kExtraBarriers;
 }
 
+// The thread's consumer warpgroup (0, 1; the store's own, 2), taken from
+// lane 0: ptxas cannot tell that a value derived from threadIdx is the same
+// across a warp, but a full-warp shuffle from one lane is.  Everything
+// computed from it (a consumer's tiles, stages and shared-memory
+// descriptors) then lives in uniform registers, which wgmma reads its
+// descriptors from, instead of being moved there before every MMA.
+__device__ __forceinline__ int consumer_warpgroup() {
+  return __shfl_sync(0xffffffffu, (static_cast<int>(threadIdx.x) >> 7) - 1, 0);
+}
+
 // A consumer thread: its warpgroup (wg: 0, 1) and where its accumulators
 // lie in its tile: rows 64h + row, 64h + row + 8 (row = 16 * warp + g),
-// columns 8i + 2t, +1.
+// columns 8i + 2t, +1.  wg from lane 0 (consumer_warpgroup) unless
+// from_lane0 is false (warpgroup_from_lane0).
 struct HalfGemmLane {
   int wg, row, t;
-  __device__ __forceinline__ HalfGemmLane() {
+  __device__ __forceinline__ explicit HalfGemmLane(bool from_lane0 = true) {
     const int ctid = static_cast<int>(threadIdx.x) - 128;
     const int warp = ctid >> 5, lane = ctid & 31;
-    wg = warp >> 2;
+    wg = from_lane0 ? consumer_warpgroup() : warp >> 2;
     t = lane & 3;
     row = 16 * (warp & 3) + (lane >> 2);
   }
@@ -410,6 +421,18 @@ template <typename M>
 struct MmaExtras<M, decltype(M::kReadsLoaderExtras, 0)> {
   static constexpr bool kReadsLoader = M::kReadsLoaderExtras;
 };
+// Whether the consumers' HalfGemmLane takes its warpgroup from lane 0
+// (consumer_warpgroup: uniform registers for what is computed from it):
+// yes, unless the policy declares kWarpgroupFromLane0 = false.  Called
+// with 0 (the first overload where M declares it).
+template <typename M>
+constexpr auto warpgroup_from_lane0(int) -> decltype(M::kWarpgroupFromLane0, true) {
+  return M::kWarpgroupFromLane0;
+}
+template <typename M>
+constexpr bool warpgroup_from_lane0(long) {
+  return true;
+}
 
 // What a store adds to the engine: none, unless it declares
 // kOwnWarpgroup (true): then the block has a fourth warpgroup
@@ -842,7 +865,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
       // ---------------- the store's warpgroup ----------------
       static_assert(kHgStoreRowRegs >= 65536 / kHgThreadsWithStore, "more than the launch's: inc");
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHgStoreRowRegs) : "memory");
-      const HalfGemmLane me;  // (wg 2: its barrier is named 3)
+      const HalfGemmLane me(warpgroup_from_lane0<Mma>(0));  // (wg 2: its barrier is named 3)
       for (i64 j = 0, tile = schedule.first(0); schedule.valid(tile); ++j, tile += schedule.step(1)) {
         i64 tm, tn;
         schedule.at(tile, tm, tn);
@@ -860,7 +883,7 @@ __device__ __forceinline__ void half_gemm_persistent(char* smem_raw, const Loade
   // ---------------- consumers ----------------
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStoreWg ? kHgStoreConsumerRegs : kHgConsumerRegs)
                : "memory");
-  const HalfGemmLane me;
+  const HalfGemmLane me(warpgroup_from_lane0<Mma>(0));
   const bool warp_leader = (tid & 31) == 0;
   const unsigned my_staging = staging + me.wg * (kStagingBytes / 2);
   // Cooperative: every tile, this warpgroup's rows of it; ping-pong: every

@@ -458,6 +458,9 @@ template <int kPasses, bool kAMn>
 struct Tf32SplitMma {
   static constexpr int kBM = kHgBM, kBN = kHgBN, kWgRows = 64;
   static constexpr bool kCooperative = true;
+  // Both warpgroups walk the same tiles and stages, so those are uniform
+  // without it; with it this kernel measured slower (docs/gemm.md).
+  static constexpr bool kWarpgroupFromLane0 = false;
   static constexpr int kTileABytes = kHgBM * kGemmBK * 4, kTileBBytes = 4 * split_tile_floats<kPasses>();
   static_assert(kGemmBK == 32 && kChunkK == 16, "two chunks of two MMA steps per k-tile");
   // The tile row of a consumer thread's accumulator row h (0: warp row g,
@@ -471,7 +474,7 @@ struct Tf32SplitMma {
   unsigned big[4][4], small[4][4];  // [step][fragment register]
 
   __device__ __forceinline__ Tf32SplitMma() {
-    const HalfGemmLane me;
+    const HalfGemmLane me(kWarpgroupFromLane0);
     const int row = kWgRows * me.wg + row_of(me, 0), g = row & 7;
     odd = (g & 1) != 0;
     if constexpr (kAMn) {
