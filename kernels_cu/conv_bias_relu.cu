@@ -249,13 +249,12 @@ struct NchwStore {
                                              i64 n0, unsigned staging) {
     const unsigned table = staging + kConvTileBytes;
     biases.begin(table, n0, me);
-    // With relu's mask, the warp's index from lane 0 (as consumer_warpgroup's):
-    // with it known to be the warp's own, store_rows's row loop and the
-    // mask's shuffles in it are not divergent, and the consumer's main loop
-    // keeps its descriptors in uniform registers (without the mask they are
-    // so already).
-    const int lane = threadIdx.x & 31;
-    const int warp = kMask ? __shfl_sync(0xffffffffu, (threadIdx.x >> 5) & 3, 0) : (threadIdx.x >> 5) & 3;
+    // With relu's mask, the warp's index from lane 0: store_rows's row loop
+    // holds the mask's shuffles, and bounded by an index ptxas cannot tell is
+    // the warp's own it made the consumer's main loop move its descriptors
+    // into uniform registers again (without the mask they stay there).
+    const int lane = threadIdx.x & 31, own_warp = (threadIdx.x >> 5) & 3;
+    const int warp = kMask ? from_lane0(own_warp) : own_warp;
     // stmatrix: lane 8 j + r gives row r of matrix j, which is channel
     // 8 (i + j / 2) + r at columns 64 hm + 16 warp + 8 (j % 2) ...
     constexpr bool kBiasNow = !kBiasLater;

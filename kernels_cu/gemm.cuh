@@ -84,14 +84,18 @@ __host__ __device__ constexpr int half_gemm_shared_bytes() {
   return 1024 + kStages * kStageBytes + kStagingBytes + kExtraBytes + 2 * kStages * 8 + 16 + 8 * kExtraBarriers;
 }
 
-// The thread's consumer warpgroup (0, 1; the store's own, 2), taken from
-// lane 0: ptxas cannot tell that a value derived from threadIdx is the same
-// across a warp, but a full-warp shuffle from one lane is.  Everything
-// computed from it (a consumer's tiles, stages and shared-memory
-// descriptors) then lives in uniform registers, which wgmma reads its
-// descriptors from, instead of being moved there before every MMA.
+// v as lane 0 holds it, for a v that is the same across the warp: ptxas
+// cannot tell that a value derived from threadIdx is, but it can tell so
+// of a full-warp shuffle from one lane.  What is computed from it (a
+// consumer's tiles, stages and shared-memory descriptors) then lives in
+// uniform registers, which wgmma reads its descriptors from, instead of
+// being moved there before every MMA, and loops bounded by it are not
+// divergent.
+__device__ __forceinline__ int from_lane0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+
+// The thread's consumer warpgroup (0, 1; the store's own, 2), from lane 0.
 __device__ __forceinline__ int consumer_warpgroup() {
-  return __shfl_sync(0xffffffffu, (static_cast<int>(threadIdx.x) >> 7) - 1, 0);
+  return from_lane0((static_cast<int>(threadIdx.x) >> 7) - 1);
 }
 
 // A consumer thread: its warpgroup (wg: 0, 1) and where its accumulators
