@@ -1179,11 +1179,8 @@ __device__ __forceinline__ void convert_raw_half_nhwc(unsigned raw, unsigned win
                  : "=f"(v[4]), "=f"(v[5]), "=f"(v[6]), "=f"(v[7])
                  : "r"(src + 16)
                  : "memory");
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                     window + col * 128 + (((4 * half + g) ^ (col & 7)) << 4)),
-                 "r"(pack2<T>(v[0], v[1])), "r"(pack2<T>(v[2], v[3])), "r"(pack2<T>(v[4], v[5])),
-                 "r"(pack2<T>(v[6], v[7]))
-                 : "memory");
+    st_shared_v4(window + col * 128 + (((4 * half + g) ^ (col & 7)) << 4), pack2<T>(v[0], v[1]),
+                 pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7]));
   }
 }
 
@@ -1576,12 +1573,9 @@ __device__ __forceinline__ void round_window_tf32(unsigned window, int helper, i
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       if (v0 + j * kThreads < kVecs)
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(window + 16 * (v0 + j * kThreads)),
-                     "r"(to_tf32_keep_nan(__uint_as_float(w[j][0]))),
-                     "r"(to_tf32_keep_nan(__uint_as_float(w[j][1]))),
-                     "r"(to_tf32_keep_nan(__uint_as_float(w[j][2]))),
-                     "r"(to_tf32_keep_nan(__uint_as_float(w[j][3])))
-                     : "memory");
+        st_shared_v4(window + 16 * (v0 + j * kThreads), to_tf32_keep_nan(__uint_as_float(w[j][0])),
+                     to_tf32_keep_nan(__uint_as_float(w[j][1])), to_tf32_keep_nan(__uint_as_float(w[j][2])),
+                     to_tf32_keep_nan(__uint_as_float(w[j][3])));
   }
 }
 

@@ -211,10 +211,8 @@ struct GroupNormTileStore {
           if (k % kBatch == kBatch - 1) {
 #pragma unroll
             for (int b = 0; b < kBatch; ++b)
-              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
-                           ::"r"(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k - kBatch + 1 + b)),
-                           "r"(head[b][0]), "r"(head[b][1]), "r"(head[b][2]), "r"(head[b][3])
-                           : "memory");
+              st_shared_v4(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k - kBatch + 1 + b), head[b][0],
+                           head[b][1], head[b][2], head[b][3]);
           }
         } else {
 #pragma unroll
@@ -262,11 +260,8 @@ struct GroupNormTileStore {
             const int c = q * kCpg + 8 * k + e;
             yv[e] = Chain::post((v[8 * k + e] - mean) * rstd * wb[k & 1][0][e] + wb[k & 1][1][e], p, c);
           }
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
-                       ::"r"(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k)),
-                       "r"(pack2<TO>(yv[0], yv[1])), "r"(pack2<TO>(yv[2], yv[3])), "r"(pack2<TO>(yv[4], yv[5])),
-                       "r"(pack2<TO>(yv[6], yv[7]))
-                       : "memory");
+          st_shared_v4(TmaTileWriter::chunk_addr(staging, lt, q * kChunks + k), pack2<TO>(yv[0], yv[1]),
+                       pack2<TO>(yv[2], yv[3]), pack2<TO>(yv[4], yv[5]), pack2<TO>(yv[6], yv[7]));
         }
       } else {
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stats + 8u * (lt * kGroups + q)), "f"(mean),

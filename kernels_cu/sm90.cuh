@@ -206,6 +206,12 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned
                "r"(r2), "r"(r3)
                : "memory");
 }
+// 16 bytes (four words) to shared memory at `addr`, 16-byte aligned; in
+// program order with the other volatile shared-memory accesses.
+__device__ __forceinline__ void st_shared_v4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
 // Four 8 x 8 matrices of 16-bit values from shared memory, row r of matrix j
 // the 16 bytes at the address lane 8 j + r gives, into r[j] as mma fragments
 // (lane l: row l / 4, the pair of columns 2 (l % 4), +1).
