@@ -276,22 +276,43 @@ def test_an_argument_on_the_other_gpu_is_refused_before_any_launch(amp, monkeypa
                 op(*args, **placed)
 
 
-def test_cupy_arrays_in_cupy_arrays_out(device):
+def _queue_work(cupy) -> None:
+    """Keeps CuPy's current stream busy for a while (products of 4096 x 4096
+    matrices), so that a launch not ordered after the work queued next on
+    that stream reads its inputs before they are written."""
+    m = cupy.full((4096, 4096), 1e-3, dtype=cupy.float32)
+    for _ in range(8):
+        m = m @ m
+
+
+def test_cupy_arrays_in_cupy_arrays_out(device, launches):
+    """CuPy arrays in, CuPy arrays out, every launch on CuPy's current
+    stream: its null stream (CuPy's default), then a stream of its own."""
     import cupy
 
+    _queue_work(cupy)
     a = cupy.random.rand(300, 5, dtype=cupy.float32)
     b = cupy.random.rand(300, 5, dtype=cupy.float32)
     out = ops.scale_add(a, b, 2.0)
     assert isinstance(out, cupy.ndarray)
     cupy.testing.assert_allclose(out, 2.0 * a + b, rtol=1e-6)
+    _queue_work(cupy)
     z = cupy.random.randn(33, 16, dtype=cupy.float32)
     bias = cupy.random.randn(16, dtype=cupy.float32)
     r = ops.bias_relu(z, bias)
     assert isinstance(r, cupy.ndarray)
     cupy.testing.assert_allclose(r, cupy.maximum(z + bias, 0), rtol=1e-6)
-    with cupy.cuda.Stream(non_blocking=True):
-        r2 = ops.group_norm_swish_multiply_swish(z, None, None, None, bias, 4)
+    assert launches and all(s.stream == 0 for s in launches), launches
+    launches.clear()
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        _queue_work(cupy)
+        z2 = cupy.random.randn(33, 16, dtype=cupy.float32)
+        r2 = ops.group_norm_swish_multiply_swish(z2, None, None, None, bias, 4)
         assert isinstance(r2, cupy.ndarray) and r2.shape == z.shape
+    assert launches and all(s.stream == stream.ptr for s in launches), launches
+    stream.synchronize()
+    cupy.testing.assert_array_equal(  # again on the null stream, z2 written by now
+        r2, ops.group_norm_swish_multiply_swish(z2, None, None, None, bias, 4))
     x = cupy.random.rand(2, 3, 6, 5, dtype=cupy.float32)
     w = cupy.random.randn(4, 3, 3, 2, dtype=cupy.float32)
     cb, b = cupy.random.randn(4, dtype=cupy.float32), cupy.random.randn(4, 1, 1, dtype=cupy.float32)
@@ -302,6 +323,20 @@ def test_cupy_arrays_in_cupy_arrays_out(device):
                          + torch.as_tensor(cb).reshape(-1, 1, 1)) + torch.as_tensor(b)
         r3 = ops.conv_bias_relu(x, w, cb, b)
     cupy.testing.assert_allclose(r3, cupy.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_cupy_per_thread_default_stream_is_refused(device, launches):
+    """CuPy's per-thread default stream as its current stream: a ValueError
+    naming it, before any launch (torch can neither run on it nor hand a
+    tensor to CuPy on it)."""
+    import cupy
+
+    a = cupy.ones(8, dtype=cupy.float32)
+    with cupy.cuda.Stream.ptds:
+        assert cupy.cuda.get_current_stream().ptr == 2
+        with pytest.raises(ValueError, match="per-thread default stream"):
+            ops.scale_add(a, a, 2.0)
+    assert not launches
 
 
 def _clean_env():

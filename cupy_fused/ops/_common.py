@@ -223,6 +223,27 @@ def _broadcast_or_dense(dy: torch.Tensor, memory_format=None):
     return dy.contiguous(memory_format=memory_format), 1
 
 
+# CUDA's special stream handles: the legacy default stream, and the
+# per-thread default stream (CuPy's Stream.ptds).
+_LEGACY_STREAMS = (0, 1)
+_PER_THREAD_STREAM = 2
+
+
+def _torch_stream(ptr: int, device: torch.device) -> torch.cuda.Stream:
+    """The torch stream whose launches go to CuPy's stream ``ptr`` of
+    ``device``.  CuPy's null stream (0, CUDA's legacy default stream) is
+    torch's default stream: ``torch.cuda.ExternalStream(0)`` is not (torch
+    makes it a stream of its own, unordered with the null stream's work).
+    CuPy's per-thread default stream is refused: torch cannot take it (nor
+    hand a tensor to CuPy on it through DLPack)."""
+    if ptr in _LEGACY_STREAMS:
+        return torch.cuda.default_stream(device)
+    if ptr == _PER_THREAD_STREAM:
+        raise ValueError("CuPy's current stream must be its null stream or a cupy.cuda.Stream, "
+                         "got its per-thread default stream, which torch cannot run on")
+    return torch.cuda.ExternalStream(ptr, device=device)
+
+
 def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
     """The CuPy-array entry of the functional op ``op``: calls ``op`` again
     with every CuPy array argument viewed as a torch tensor (zero-copy,
@@ -243,13 +264,12 @@ def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
     from .._cupy import require_cupy
 
     cupy = require_cupy()
+    device = torch.device("cuda", next(filter(_bridge.is_cupy_array, values)).device.id)
+    stream = _torch_stream(cupy.cuda.get_current_stream(device.index).ptr, device)
     conv = lambda a: _bridge.to_torch(a) if _bridge.is_cupy_array(a) else a  # noqa: E731
     args = [conv(a) for a in args]
     kwargs = {k: conv(v) for k, v in kwargs.items()}
-    device = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)).device
-    stream = cupy.cuda.get_current_stream(device.index)
-    with torch.cuda.device(device), torch.cuda.stream(
-            torch.cuda.ExternalStream(stream.ptr, device=device)):
+    with torch.cuda.device(device), torch.cuda.stream(stream):
         result = op(*args, **kwargs)
     if isinstance(result, torch.Tensor):
         return _bridge.to_cupy(result)
