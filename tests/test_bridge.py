@@ -325,6 +325,36 @@ def test_cupy_arrays_in_cupy_arrays_out(device, launches):
     cupy.testing.assert_allclose(r3, cupy.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+def test_cupy_arrays_and_torch_tensors_in_one_call_are_refused(device, launches):
+    """A call that mixes CuPy arrays and torch tensors: a TypeError naming
+    the first tensor, before any launch (the tensor would be read on CuPy's
+    stream, unordered with the torch stream that wrote it)."""
+    import cupy
+
+    x = cupy.ones((4, 8), dtype=cupy.float32)
+    t = torch.ones(4, 8, device=device)
+    with pytest.raises(TypeError, match="^y must be a CuPy array"):
+        ops.scale_add(x, t, 2.0)
+    with pytest.raises(TypeError, match="^bias must be a CuPy array"):
+        ops.bias_relu(x, bias=torch.ones(8, device=device))
+    assert not launches
+
+
+def test_cupy_arrays_with_negative_strides(device):
+    """CuPy arrays with negative strides (torch has none): copied, the
+    results those of the contiguous arrays."""
+    import cupy
+
+    a = cupy.random.rand(6, 40, dtype=cupy.float32)
+    b = cupy.random.rand(6, 40, dtype=cupy.float32)
+    out = ops.scale_add(a[::-1], b[:, ::-1], 2.0)
+    cupy.testing.assert_array_equal(out, ops.scale_add(a[::-1].copy(), b[:, ::-1].copy(), 2.0))
+    cupy.testing.assert_allclose(out, 2.0 * a[::-1] + b[:, ::-1], rtol=1e-6)
+    bias = cupy.random.randn(40, dtype=cupy.float32)
+    cupy.testing.assert_allclose(ops.bias_relu(a[::-1], bias[::-1]),
+                                 cupy.maximum(a[::-1] + bias[::-1], 0), rtol=1e-6)
+
+
 def test_cupy_per_thread_default_stream_is_refused(device, launches):
     """CuPy's per-thread default stream as its current stream: a ValueError
     naming it, before any launch (torch can neither run on it nor hand a

@@ -3,6 +3,7 @@ deterministic column reduction and the CuPy-array entry point."""
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -250,7 +251,9 @@ def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
     DLPack), on the arrays' device and CuPy's current stream of that device
     (which need not be CuPy's current device: a stream belongs to one
     device), and returns its tensor results as CuPy arrays (zero-copy).
-    Arrays are all CuPy or all torch.
+    Arrays are all CuPy or all torch: a torch tensor among CuPy arrays is
+    refused with a TypeError naming it, before anything runs.  An array
+    with a negative stride, which torch cannot view, is copied first.
 
     Each op calls this first thing when its first argument (named
     ``first_name``) is not a torch tensor: one ``isinstance`` on the torch
@@ -261,12 +264,25 @@ def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
     if not any(map(_bridge.is_cupy_array, values)):
         raise TypeError(f"{first_name} must be a torch.Tensor or a CuPy array, got "
                         f"{type(args[0]).__name__}")
+    if any(isinstance(v, torch.Tensor) for v in values):
+        # A tensor here would be read on CuPy's stream with nothing ordering
+        # it after the torch stream that wrote it.
+        bound = inspect.signature(op).bind(*args, **kwargs).arguments
+        name = next(n for n, v in bound.items() if isinstance(v, torch.Tensor))
+        raise TypeError(f"{name} must be a CuPy array like the other arrays of the call (all "
+                        "CuPy arrays or all torch tensors), got a torch.Tensor")
     from .._cupy import require_cupy
 
     cupy = require_cupy()
     device = torch.device("cuda", next(filter(_bridge.is_cupy_array, values)).device.id)
     stream = _torch_stream(cupy.cuda.get_current_stream(device.index).ptr, device)
-    conv = lambda a: _bridge.to_torch(a) if _bridge.is_cupy_array(a) else a  # noqa: E731
+    def conv(a):
+        if not _bridge.is_cupy_array(a):
+            return a
+        if any(s < 0 for s in a.strides):  # torch has no negative strides: a copy, on CuPy's stream
+            a = cupy.ascontiguousarray(a)
+        return _bridge.to_torch(a)
+
     args = [conv(a) for a in args]
     kwargs = {k: conv(v) for k, v in kwargs.items()}
     with torch.cuda.device(device), torch.cuda.stream(stream):
