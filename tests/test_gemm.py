@@ -17,10 +17,11 @@ gpu = pytest.mark.gpu
 # ---------------------------------------------------------------- CPU tier
 
 def test_tiles_fit_in_shared_memory_and_split_evenly():
-    for tile in G.TILES.values():
+    for name, tile in G.TILES.items():
         for a_k, b_k in G.LAYOUTS.values():
             for passes in (1, 3):
-                assert tile.shared_bytes(a_k, b_k, passes) <= 227 * 1024  # H100 / A100 opt-in limit
+                assert tile.shared_bytes(a_k, b_k, passes) <= G.TILE_SHARED_BYTES[name]
+        assert G.TILE_SHARED_BYTES[name] <= 227 * 1024  # the H100's opt-in limit
         assert tile.bm % 32 == 0 and tile.bn % 64 == 0
     # the engine: alignment slack + 4 stages of A and two B planes (16 KiB each) + the mbarriers,
     # and B split in the kernel, 2 slots of raw B and their full / empty mbarriers
@@ -35,6 +36,7 @@ def test_tiles_fit_in_shared_memory_and_split_evenly():
 def test_tile_choice(monkeypatch, wgmma):
     monkeypatch.setattr(G, "sm_count", lambda dev: 132)
     monkeypatch.setattr(G, "has_wgmma", lambda dev: wgmma)
+    monkeypatch.setattr(G._runtime, "max_shared_bytes", lambda dev: 227 * 1024)
     assert G.choose_tile(1024, 8192, True, 0) == ("engine128x128" if wgmma else "128x128")
     # many rows of C, B's planes no larger than A: B is split once beforehand (wgmma only)
     assert G.choose_tile(G.SPLIT_B_MIN_ROWS, 2048, True, 0) == (
@@ -53,6 +55,20 @@ def test_tile_choice(monkeypatch, wgmma):
     assert G.choose_tile(2**31, 8192, True, 0) == "128x128"
     assert G.available_tiles(0) == (
         ("engine128x128", "engine128x128_split_b") if wgmma else ()) + ("128x128", "64x64")
+
+
+@pytest.mark.parametrize("limit_kib", [99, 163])
+def test_tile_choice_within_the_device_s_shared_memory(monkeypatch, limit_kib):
+    """A GPU of compute capability 8.6 or 8.9 lets a block take 99 KiB
+    of shared memory, too little for the 128x128 tile (144 KiB): its large
+    products take 64x64.  An A100's 163 KiB takes the 128x128 tile."""
+    monkeypatch.setattr(G, "sm_count", lambda dev: 84)
+    monkeypatch.setattr(G, "has_wgmma", lambda dev: False)
+    monkeypatch.setattr(G._runtime, "max_shared_bytes", lambda dev: limit_kib * 1024)
+    fits = limit_kib >= 144
+    assert G.choose_tile(2048, 2048, True, 0) == ("128x128" if fits else "64x64")
+    assert G.choose_tile(2**31, 8192, True, 0) == ("128x128" if fits else "64x64")
+    assert G.available_tiles(0) == (("128x128",) if fits else ()) + ("64x64",)
 
 
 def test_gemm_on_tile_refuses_rows_the_16_byte_loads_cannot_take():

@@ -620,3 +620,18 @@ def test_launch_shapes_are_data_in_the_kernel_names():
     with pytest.raises(TypeError, match="LaunchShapes"):
         with gn_chain_module.launch_shapes({"forward_min_blocks": 6}):
             pass
+
+
+def test_shared_memory_past_the_device_s_limit_is_refused(monkeypatch):
+    """A kernel asked to take more dynamic shared memory than a block of its
+    device may: a RuntimeError naming the kernel and the limit, not the
+    driver's error at the launch (the callers size their kernels to fit)."""
+    monkeypatch.setattr(_runtime, "max_shared_bytes", lambda device: 99 * 1024)
+
+    class Raw:
+        max_dynamic_shared_size_bytes = 0
+
+    kernel = _runtime.Kernel("cf::probe", 0, Raw(), 0)
+    with pytest.raises(RuntimeError, match=r"cf::probe needs 147456 bytes .*\(101376\)"):
+        kernel.allow_shared(147456)
+    assert kernel.shared_limit == 48 * 1024 and Raw.max_dynamic_shared_size_bytes == 0

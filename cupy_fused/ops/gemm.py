@@ -105,8 +105,10 @@ class Tile:
 # 128x128 tiles and has 16-byte aligned rows runs on the engine (4 stages
 # of A's tile and B's planes, and 2 slots of raw B: 225 KiB of shared
 # memory), B split once beforehand where :func:`splits_b` says so (193
-# KiB).  Other GPUs: 128x128 on mma.sync (4 stages, 147 KiB).  64x64 for
-# smaller GEMMs and for operands not 16-byte aligned (word-by-word loads).
+# KiB).  Other GPUs: 128x128 on mma.sync (4 stages, 144 KiB) where a block
+# may take that much (A100: 163 KiB; not 8.6 or 8.9: 99 KiB).  64x64
+# (72 KiB) elsewhere, for smaller GEMMs and for operands not 16-byte
+# aligned (word-by-word loads).
 # scripts/tune_gemm.py and benchmarks/gemm.py compare the candidates (see
 # docs/gemm.md).
 TILES = {"engine128x128": Tile(128, 128, 4, engine=True),
@@ -197,20 +199,30 @@ def has_wgmma(device_index: int) -> bool:
     return get_gemm_wgmma() and _runtime.device_capability(device_index) == (9, 0)
 
 
+def _tile_fits(name: str, device_index: int) -> bool:
+    """Whether tile ``name``'s shared memory, in every layout, fits what a
+    block of this device may take: the 128x128 ``mma.sync`` tile's 144 KiB
+    does not on compute capability 8.6 or 8.9 (99 KiB)."""
+    return TILE_SHARED_BYTES[name] <= _runtime.max_shared_bytes(device_index)
+
+
 def available_tiles(device_index: int) -> Tuple[str, ...]:
     """The tile kernels that can run on this device (with 16-byte loads)."""
-    return tuple(t for t in TILES if not TILES[t].engine or has_wgmma(device_index))
+    return tuple(t for t in TILES if (not TILES[t].engine or has_wgmma(device_index))
+                 and _tile_fits(t, device_index))
 
 
 def choose_tile(m: int, n: int, vec: bool, device_index: int, passes: int = 3, k: int = 0) -> str:
     """The tile kernel of an [m, n] product of ``passes`` summing ``k``
     products (operand rows 16-byte aligned when ``vec``): see :data:`TILES`.
     The engine's tiles take no extent of 2^31 or more (the copy engine's
-    coordinates are 32-bit): such a product takes ``"128x128"``."""
+    coordinates are 32-bit): such a product takes ``"128x128"``, where it
+    fits in shared memory (:func:`_tile_fits`), else ``"64x64"``."""
     if vec and cdiv(m, 128) * cdiv(n, 128) >= sm_count(device_index):
         if has_wgmma(device_index) and max(m, n, k) < 2**31:
             return "engine128x128_split_b" if splits_b(m, n, passes) else "engine128x128"
-        return "128x128"
+        if _tile_fits("128x128", device_index):
+            return "128x128"
     return "64x64"
 
 
@@ -405,6 +417,13 @@ def _half_shared_bytes(staging_bytes: int, stages: int = HALF_STAGES,
     mbarriers, the loader's)."""
     return (1024 + stages * stage_bytes + staging_bytes + extra_bytes + 2 * stages * 8 + 16
             + 8 * extra_barriers)
+
+
+# Each tile's dynamic shared memory at its largest (any layout, 1 or 3
+# passes): what :func:`_tile_fits` sets against the device's limit.
+TILE_SHARED_BYTES = {name: max(tile.shared_bytes(a_k, b_k, passes) for a_k, b_k in LAYOUTS.values()
+                               for passes in (1, 3))
+                     for name, tile in TILES.items()}
 
 
 # Keyed by (dtype, C stored through TMA).
