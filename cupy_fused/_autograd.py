@@ -36,6 +36,7 @@ import typing
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 NAMESPACE = "cupy_fused"
 HAS_CUSTOM_OP = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
@@ -121,7 +122,9 @@ def _tensor_positions(forward: Callable) -> Tuple[int, ...]:
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     """True when autograd will record a graph for these inputs.  Raises
     RuntimeError under torch.func.functionalize where it would record one
-    that the op cannot see (:func:`_refuse_hidden_grad`)."""
+    that the op cannot see (:func:`_refuse_hidden_grad`), and for an input
+    with a forward-mode tangent (:func:`refuse_tangents`)."""
+    refuse_tangents(*tensors)
     if torch.is_grad_enabled():
         for t in tensors:  # a loop, not any(<generator>): no generator per call
             if t is not None and t.requires_grad:
@@ -129,6 +132,20 @@ def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
         if _transforms_active is not None and _transforms_active():
             _refuse_hidden_grad(tensors)
     return False
+
+
+def refuse_tangents(*tensors: Optional[torch.Tensor]) -> None:
+    """Forward-mode AD: the ops define no forward derivative, so a tangent
+    of an input would be dropped, the output's silently zero.  Refused,
+    before anything runs (every op asks, through :func:`needs_grad` or
+    itself).  Outside a dual level, one comparison."""
+    if _forward_ad._current_level < 0:  # no dual level (forward_ad, torch.func.jvp) open
+        return
+    for t in tensors:
+        if t is not None and _forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError("cupy_fused ops do not support forward-mode AD (torch.autograd."
+                               "forward_ad, torch.func.jvp): an input has a tangent, which the op "
+                               "would drop")
 
 
 def _refuse_hidden_grad(tensors) -> None:

@@ -5,7 +5,7 @@ from typing import Tuple
 import pytest
 import torch
 
-from cupy_fused._autograd import FusedOp, check_unchanged, version_of
+from cupy_fused._autograd import FusedOp, check_unchanged, needs_grad, version_of
 
 
 def _forward(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -350,3 +350,20 @@ def test_a_kept_tensor_changed_in_place_is_refused_as_autograd_refuses():
     check_unchanged(frozen, None, "frozen")
     with pytest.raises(RuntimeError):
         frozen.add_(1)  # (torch refuses it outside inference mode)
+
+
+def test_forward_mode_tangents_are_refused():
+    """needs_grad, which every op asks before it launches: an input with a
+    forward-mode tangent is refused (the ops would drop it); inside a dual
+    level, inputs without one pass."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, y = torch.rand(3), torch.rand(3, requires_grad=True)
+    with fwAD.dual_level():
+        assert needs_grad(x, None, y) and not needs_grad(x)
+        dual = fwAD.make_dual(x, torch.ones(3))
+        with pytest.raises(RuntimeError, match="do not support forward-mode AD"):
+            needs_grad(y, dual)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="do not support forward-mode AD"):
+            needs_grad(dual)
+    assert not needs_grad(x)

@@ -1,7 +1,8 @@
 """Double backward (create_graph=True through our backward, e.g. a gradient
 penalty) is refused with an error naming the op, never computed wrong: the
-backward kernels give first-order gradients with no history (GPU tier; the
-mechanism's CPU tests are in test_autograd.py)."""
+backward kernels give first-order gradients with no history.  So is
+forward-mode AD, which would drop the input's tangent (GPU tier; the
+mechanisms' CPU tests are in test_autograd.py)."""
 import pytest
 import torch
 
@@ -87,3 +88,19 @@ def test_gradient_penalty_is_refused_when_compiled(problem, dtype, device):
         y = compiled(x)
         (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
         (y.sum() + g.square().sum()).backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_forward_mode_ad_is_refused(problem, dtype, device, launches):
+    """A dual input (torch.autograd.forward_ad): a RuntimeError before
+    anything runs, where the output's tangent would otherwise be dropped."""
+    import torch.autograd.forward_ad as fwAD
+
+    model, x = _model_and_input(problem, dtype, device)
+    launches.clear()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x.detach(), torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="do not support forward-mode AD"):
+            model(dual)
+    assert not launches

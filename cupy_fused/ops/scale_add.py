@@ -8,7 +8,7 @@ from typing import Tuple
 import torch
 
 from .. import _bridge, _runtime
-from .._autograd import FusedOp, launches_directly
+from .._autograd import FusedOp, launches_directly, refuse_tangents
 from .._validation import FLOAT32_MAX, FLOAT_DTYPES, check_finite_scalar, check_pair, cxx_type
 from ._common import BLOCK, call_with_cupy_arrays, elementwise_grid
 
@@ -66,6 +66,9 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
     alpha = check_finite_scalar("alpha", alpha, FLOAT32_MAX)
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
+    refuse_tangents(x, y)
+    # (Not needs_grad: under torch.func.functionalize scale_add's forward is
+    # the same with or without a gradient, its backward torch's.)
     grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
     if grad or not launches_directly():
         return _SCALE_ADD.run(grad, x, y, alpha)[0]
