@@ -441,6 +441,32 @@ def test_autocast_linear_retained_graph_recasts_the_weight(past_device_check, mo
     torch.testing.assert_close(x.grad, 2 * want, rtol=2e-2, atol=2e-2)
 
 
+def test_autocast_linear_refuses_a_weight_of_its_dtype_changed_in_place(past_device_check,
+                                                                         monkeypatch):
+    """A weight already in autocast's dtype is read as it is (its "cast" is
+    the weight itself): changed in place between the forward and the first
+    backward, the backward is refused, as autograd refuses F.linear's saved
+    weight.  A float32 weight changed in place is not: the product read its
+    cast, which did not change (the reference's backward reads its cast too)."""
+    monkeypatch.setattr(L, "autocast_dtype", lambda: torch.bfloat16)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(5, 12, generator=gen).bfloat16().requires_grad_(True)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(4, 12, generator=gen).to(dtype).requires_grad_(True)
+        w_then = w.detach().clone()
+        y = ops.linear(x, w)
+        with torch.no_grad():
+            w.mul_(10)
+        if dtype == torch.bfloat16:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation: the weight"):
+                y.sum().backward()
+        else:
+            x.grad = None
+            y.sum().backward()
+            want = torch.ones(5, 4) @ w_then.bfloat16().float()
+            torch.testing.assert_close(x.grad.float(), want, rtol=1e-2, atol=1e-2)
+
+
 def test_autocast_linear_without_bias_gradient(past_device_check):
     """bias_grad=False (linear_gn_chain's GEMM): the bias is in the product,
     its gradient left to the caller."""

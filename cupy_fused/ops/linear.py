@@ -244,6 +244,7 @@ def _autocast_eager_setup_context(ctx, inputs, output):
     x, weight, bias, x_d, w_d, _ = inputs
     ctx.save_for_backward(x_d)
     ctx.kept_w_d, ctx.weight, ctx.weight_version = w_d, weight, version_of(weight)
+    ctx.kept_w_d_version = version_of(w_d)  # the weight's own where it has the dtype (no cast)
     ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
     ctx.has_bias = bias is not None
 
@@ -251,10 +252,13 @@ def _autocast_eager_setup_context(ctx, inputs, output):
 def _take_weight_cast(ctx) -> torch.Tensor:
     """The weight's cast kept by the eager setup, which the node then no
     longer holds; recast from the weight for a second backward through a
-    retained graph (refused, as autograd refuses, if the weight changed in
-    place since the forward)."""
+    retained graph.  Refused, as autograd refuses a saved tensor changed in
+    place, where the weight changed in place since the forward and the
+    product read it: in the second backward, and in the first where the
+    weight had autocast's dtype, so that the "cast" is the weight itself."""
     w_d, ctx.kept_w_d = ctx.kept_w_d, None
     if w_d is not None:
+        check_unchanged(w_d, ctx.kept_w_d_version, "the weight of cupy_fused::linear_autocast")
         return w_d
     check_unchanged(ctx.weight, ctx.weight_version, "the weight of cupy_fused::linear_autocast")
     return ctx.weight.detach().to(ctx.saved_tensors[0].dtype)
