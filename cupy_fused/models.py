@@ -333,13 +333,13 @@ class GemmAddRelu(nn.Module):
             # first would be rounded to x's dtype and move ReLU's mask where
             # the sum is near 0); a one-value bias, whose gradient
             # bias_relu sums whole.
-            # Under autocast (whose product casts any of the three float
-            # dtypes) both biases are checked here: bias_relu runs after it.
+            # Both biases are checked here, before the GEMM runs: bias_relu,
+            # which takes a bias of any of the three float dtypes (promoting),
+            # runs after it; under autocast the product casts gemm.bias.
             gemm_bias = linear.bias if linear.bias is None else check_vector(
                 "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False,
                 dtype=None if amp is None else FLOAT_DTYPES)
-            if amp is not None:
-                check_like("bias", bias, x, "x", FLOAT_DTYPES)
+            check_like("bias", bias, x, "x", FLOAT_DTYPES)
             return ops.bias_relu(_linear_prechecked(x, weight, gemm_bias, None, self.precision), bias)
         bias = check_vector("bias", bias, weight.shape[0], x, "x", optional=False)
         return _linear_prechecked(x, weight, bias, "relu", self.precision)

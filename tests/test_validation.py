@@ -375,6 +375,17 @@ def test_models_check_inputs_and_parameters_before_anything_runs(past_device_che
         model.gemm.bias = torch.nn.Parameter(torch.rand(C + 1))
         with pytest.raises(ValueError, match="gemm.bias must hold one value per channel"):
             model(x)
+    # Outside autocast, where the product is followed by bias_relu (a gemm
+    # given a bias of its own, or a one-value bias): the bias too.
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(M, "_linear_prechecked", lambda *a: launched.append(a))
+        for gemm_bias, bias in [(torch.rand(C), torch.rand(C, dtype=torch.float64)),
+                                (None, torch.rand(1, dtype=torch.float64))]:
+            model = cupy_fused.GemmAddRelu(8, C, (C,))
+            model.gemm.bias = None if gemm_bias is None else torch.nn.Parameter(gemm_bias)
+            model.bias = torch.nn.Parameter(bias)
+            with pytest.raises(TypeError, match="bias must have dtype float32, float16 or bfloat16"):
+                model(torch.rand(2, 8))
     assert launched == []
     # Problem 1's other convolutions (here a stride of 2): Conv2d's own
     # forward, then bias_relu, whose vectors are checked before the former.
