@@ -66,6 +66,7 @@ _functorch = getattr(torch._C, "_functorch", None)
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _unwrap_if_dead = getattr(_functorch, "unwrap_if_dead", None)
 _is_functional_tensor = getattr(_functorch, "is_functionaltensor", None)
+_is_batched = getattr(_functorch, "is_batchedtensor", None)
 _FunctionBase = getattr(torch._C, "_FunctionBase", None)
 
 
@@ -85,6 +86,14 @@ def _functionalized(inputs) -> bool:
     if _is_functional_tensor is None:  # this torch cannot tell: assume the worst
         return True
     return any(isinstance(t, torch.Tensor) and _is_functional_tensor(t) for t in inputs)
+
+
+def _vmapped(inputs) -> bool:
+    """Whether any of ``inputs`` (under an active torch.func transform) is a
+    tensor of torch.vmap, a batch of values with no memory laid out as one
+    tensor (its data pointer cannot be taken)."""
+    return _is_batched is not None and any(isinstance(t, torch.Tensor) and _is_batched(t)
+                                           for t in inputs)
 
 
 def _direct_apply(function: type) -> Optional[Callable]:
@@ -403,6 +412,9 @@ class FusedOp:
                                    f"torch {torch.__version__}: it needs torch.library.custom_op "
                                    f"(torch >= 2.4)")
             return self.op(*inputs)
+        if transforms and _vmapped(inputs):
+            raise RuntimeError(f"{NAMESPACE}::{self.name} does not support torch.vmap: its kernels take "
+                               "whole tensors (call it on the batch as one tensor, or per sample)")
         if not requires_grad:
             return self.forward(*inputs)
         if self._c_apply is None or transforms:

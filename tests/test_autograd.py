@@ -367,3 +367,14 @@ def test_forward_mode_tangents_are_refused():
         with torch.no_grad(), pytest.raises(RuntimeError, match="do not support forward-mode AD"):
             needs_grad(dual)
     assert not needs_grad(x)
+
+
+def test_vmap_is_refused_naming_the_op():
+    """Under torch.vmap the ops would take a batched tensor's data pointer,
+    which it does not have: run() refuses it first, naming the op, with or
+    without a gradient to record."""
+    x = torch.rand(4, 5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=f"{_SCALE.name} does not support torch.vmap"):
+        torch.vmap(lambda t: _SCALE.run(False, t, 3.0))(x)
+    with pytest.raises(RuntimeError, match=f"{_SCALE.name} does not support torch.vmap"):
+        torch.vmap(lambda t: _SCALE.run(True, t, 3.0))(x.requires_grad_(True))

@@ -416,6 +416,22 @@ def test_dense_layout_policy():
 
 
 @pytest.mark.parametrize("op", ["scale_add", "bias_relu", "gn_chain"])
+def test_ops_under_vmap_are_refused_before_any_launch(op, past_device_check, monkeypatch):
+    """torch.vmap's tensors have no memory laid out as one tensor: each op
+    refuses them, naming itself, before anything would launch (the launch
+    is stubbed to fail the test)."""
+    from cupy_fused import _bridge
+
+    monkeypatch.setattr(_bridge, "launch", lambda *args, **kw: pytest.fail("launched"))
+    a, b = torch.rand(3, 4, 16), torch.rand(16)
+    call = {"scale_add": lambda t: ops.scale_add(t, t, 2.0),
+            "bias_relu": lambda t: ops.bias_relu(t, b),
+            "gn_chain": lambda t: ops.gn_chain(t, "swish_bias_gn", 4)}[op]
+    with pytest.raises(RuntimeError, match=r"cupy_fused::\w+ does not support torch.vmap"):
+        torch.vmap(call)(a)
+
+
+@pytest.mark.parametrize("op", ["scale_add", "bias_relu", "gn_chain"])
 def test_ops_under_functionalize_launch_on_real_memory(op, past_device_check, monkeypatch):
     """torch.func.functionalize's tensors have no memory of their own
     (data_ptr() 0): an op that launched its kernel straight from Python on
