@@ -445,9 +445,10 @@ def test_autocast_linear_refuses_a_weight_of_its_dtype_changed_in_place(past_dev
                                                                          monkeypatch):
     """A weight already in autocast's dtype is read as it is (its "cast" is
     the weight itself): changed in place between the forward and the first
-    backward, the backward is refused, as autograd refuses F.linear's saved
-    weight.  A float32 weight changed in place is not: the product read its
-    cast, which did not change (the reference's backward reads its cast too)."""
+    backward, the backward is refused where dX reads it, as autograd refuses
+    F.linear's saved weight.  A float32 weight changed in place is not: the
+    product read its cast, which did not change (the reference's backward
+    reads its cast too)."""
     monkeypatch.setattr(L, "autocast_dtype", lambda: torch.bfloat16)
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(5, 12, generator=gen).bfloat16().requires_grad_(True)
@@ -460,6 +461,14 @@ def test_autocast_linear_refuses_a_weight_of_its_dtype_changed_in_place(past_dev
         if dtype == torch.bfloat16:
             with pytest.raises(RuntimeError, match="modified by an inplace operation: the weight"):
                 y.sum().backward()
+            # An x that needs no gradient: no dX, the weight not read, as
+            # F.linear then saves no weight.
+            y = ops.linear(x.detach(), w)
+            with torch.no_grad():
+                w.mul_(10)
+            y.sum().backward()
+            torch.testing.assert_close(w.grad.float(), torch.ones(4, 5) @ x.detach().float(),
+                                       rtol=1e-2, atol=1e-2)
         else:
             x.grad = None
             y.sum().backward()

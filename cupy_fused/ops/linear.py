@@ -195,14 +195,17 @@ def _autocast_products(dz: torch.Tensor, x_d: torch.Tensor, take_w_d: Callable[[
     """(dx, dW, dbias) of ``x_d W_d^T + bias_d`` in x's, W's and the bias's
     own dtypes, each written by its product / sum (:func:`_mm_to`; the column
     sum accumulates in float32), with no cast kernels; None where not wanted.
-    ``take_w_d`` returns W_d, which is dropped here after dX and before dW is
-    allocated (the eager path holds no other reference to it)."""
+    ``take_w_d`` returns W_d, asked for only where dX is wanted, and dropped
+    here after dX and before dW is allocated (the eager path holds no other
+    reference to it)."""
     dz = dz.contiguous()  # also materialises a broadcast gradient
     # The bias gradient first (see _cublas_relu_backward).
     dbias = dz.sum(0, dtype=bias_dtype) if want_bias else None
-    w_d = _cublas_operand(take_w_d())
-    dx = _mm_to(dz, w_d, x_dtype) if want_x else None
-    del w_d
+    dx = None
+    if want_x:  # (W_d is read by dX alone)
+        w_d = _cublas_operand(take_w_d())
+        dx = _mm_to(dz, w_d, x_dtype)
+        del w_d
     dw = _mm_to(dz.t(), _cublas_operand(x_d), weight_dtype) if want_weight else None
     return dx, dw, dbias
 
@@ -269,6 +272,8 @@ def _autocast_backward_formula(ctx, grads, run_backward):
     want_bias = ctx.has_bias and want[2]
     if hasattr(ctx, "kept_w_d"):  # eager (see _autocast_eager_setup_context)
         (x_d,) = ctx.saved_tensors
+        if not want[0]:
+            ctx.kept_w_d = None  # not read (no dX): dropped before dW is allocated
         return _autocast_products(grads[0], x_d, lambda: _take_weight_cast(ctx), *ctx.dtypes,
                                   want[0], want[1], want_bias) + (None, None, None)
     x_d, w_d = ctx.saved_tensors
