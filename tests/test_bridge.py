@@ -337,6 +337,11 @@ def test_cupy_arrays_and_torch_tensors_in_one_call_are_refused(device, launches)
         ops.scale_add(x, t, 2.0)
     with pytest.raises(TypeError, match="^bias must be a CuPy array"):
         ops.bias_relu(x, bias=torch.ones(8, device=device))
+    # The named GroupNorm chains name their own arguments.
+    with pytest.raises(TypeError, match="^bias must be a CuPy array"):
+        ops.swish_bias_group_norm(x, None, torch.ones(8, device=device), None, None, 2)
+    with pytest.raises(TypeError, match="^multiply_weight must be a CuPy array"):
+        ops.group_norm_swish_multiply_swish(x, None, None, None, torch.ones(8, device=device), 2)
     assert not launches
 
 

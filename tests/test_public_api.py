@@ -29,7 +29,8 @@ VALIDATED = {
 
 # Settings, shape rules and predicates: no tensor arguments, no launches.
 PURE = {
-    "_common": {"sm_count", "cdiv", "elementwise_grid", "row_chunks", "fast_divisor", "reduce_warps"},
+    "_common": {"sm_count", "cdiv", "elementwise_grid", "row_chunks", "fast_divisor", "reduce_warps",
+                "mixed_arguments_error"},
     "gemm": {"Tile", "splits_b", "has_tf32_tensor_cores", "has_wgmma", "available_tiles",
              "choose_tile", "uses_sgemm", "uses_cublas", "route"},
     "gn_chain": {"Chain", "vector_shape", "vector_grid", "team_shape", "forward_team_shape",

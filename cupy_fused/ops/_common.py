@@ -265,28 +265,36 @@ def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
         raise TypeError(f"{first_name} must be a torch.Tensor or a CuPy array, got "
                         f"{type(args[0]).__name__}")
     if any(isinstance(v, torch.Tensor) for v in values):
-        # A tensor here would be read on CuPy's stream with nothing ordering
-        # it after the torch stream that wrote it.
         bound = inspect.signature(op).bind(*args, **kwargs).arguments
-        name = next(n for n, v in bound.items() if isinstance(v, torch.Tensor))
-        raise TypeError(f"{name} must be a CuPy array like the other arrays of the call (all "
-                        "CuPy arrays or all torch tensors), got a torch.Tensor")
+        raise mixed_arguments_error(next(n for n, v in bound.items() if isinstance(v, torch.Tensor)))
     from .._cupy import require_cupy
 
     cupy = require_cupy()
     device = torch.device("cuda", next(filter(_bridge.is_cupy_array, values)).device.id)
     stream = _torch_stream(cupy.cuda.get_current_stream(device.index).ptr, device)
+
     def conv(a):
         if not _bridge.is_cupy_array(a):
             return a
-        if any(s < 0 for s in a.strides):  # torch has no negative strides: a copy, on CuPy's stream
+        if any(s < 0 for s in a.strides):  # torch has no negative strides: a copy
             a = cupy.ascontiguousarray(a)
         return _bridge.to_torch(a)
 
-    args = [conv(a) for a in args]
-    kwargs = {k: conv(v) for k, v in kwargs.items()}
+    # The conversions too on the arrays' device and stream (CuPy's current
+    # device is torch's: the runtime's), so that DLPack's exchange of
+    # streams finds one stream on both sides and adds no wait.
     with torch.cuda.device(device), torch.cuda.stream(stream):
+        args = [conv(a) for a in args]
+        kwargs = {k: conv(v) for k, v in kwargs.items()}
         result = op(*args, **kwargs)
-    if isinstance(result, torch.Tensor):
-        return _bridge.to_cupy(result)
-    return tuple(_bridge.to_cupy(r) if isinstance(r, torch.Tensor) else r for r in result)
+        if isinstance(result, torch.Tensor):
+            return _bridge.to_cupy(result)
+        return tuple(_bridge.to_cupy(r) if isinstance(r, torch.Tensor) else r for r in result)
+
+
+def mixed_arguments_error(name: str) -> TypeError:
+    """The error of a CuPy-array call given a torch tensor as ``name``: the
+    tensor would be read on CuPy's stream with nothing ordering it after
+    the torch stream that wrote it."""
+    return TypeError(f"{name} must be a CuPy array like the other arrays of the call (all CuPy "
+                     "arrays or all torch tensors), got a torch.Tensor")

@@ -27,8 +27,8 @@ from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
 from ..settings import check_flag
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
-                      _one_value_rows, _ptr_or_null, _reduce_partials, _spread, _vector_grads,
-                      _whole_sums, row_chunks)
+                      mixed_arguments_error, _one_value_rows, _ptr_or_null, _reduce_partials, _spread,
+                      _vector_grads, _whole_sums, row_chunks)
 
 
 @dataclass(frozen=True)
@@ -647,6 +647,11 @@ def _gn_chain_entry(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bi
     """:func:`gn_chain`, and the per-problem forms below, whose arguments
     have other names (``names``, as in :func:`check_chain_vectors`)."""
     if not isinstance(z, torch.Tensor):
+        vectors = (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+        if any(map(_bridge.is_cupy_array, (z,) + vectors)):  # (else the error of z, below)
+            for name, v in zip(names, vectors):
+                if isinstance(v, torch.Tensor):  # named as the caller's form names it
+                    raise mixed_arguments_error(name)
         return call_with_cupy_arrays(
             _gn_chain_entry, "z", z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
             mul_weight, eps, linear_bias_in_z, eager_rounding, names)
