@@ -133,7 +133,8 @@ def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     RuntimeError under torch.func.functionalize where it would record one
     that the op cannot see (:func:`_refuse_hidden_grad`), and for an input
     with a forward-mode tangent (:func:`refuse_tangents`)."""
-    refuse_tangents(*tensors)
+    if _forward_ad._current_level >= 0:  # (checked here too: this runs on every op call)
+        refuse_tangents(*tensors)
     if torch.is_grad_enabled():
         for t in tensors:  # a loop, not any(<generator>): no generator per call
             if t is not None and t.requires_grad:

@@ -55,6 +55,7 @@ import torch.nn as nn
 
 from . import _validation, ops
 from ._amp import autocast_dtype
+from ._autograd import refuse_tangents
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
 from .ops.linear import _linear_prechecked
@@ -319,6 +320,7 @@ class GemmAddRelu(nn.Module):
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
         bias = _per_channel(self.bias, weight.shape[0], 2, "bias")
+        refuse_tangents(x, weight, linear.bias, bias)  # (before the GEMM, which asks about x and W)
         amp = autocast_dtype()
         # ops.linear's internal entry point: x and the weight are checked
         # above, and ops.linear would check them again on every call (see

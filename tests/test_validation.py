@@ -491,3 +491,25 @@ def test_a_second_tensor_is_compared_by_device_not_by_index(past_device_check):
 
     with pytest.raises(ValueError, match="y must be on"):
         check_same("y", meta, x, "x")
+
+
+def test_a_tangent_on_any_vector_is_refused_before_the_product(past_device_check, monkeypatch):
+    """Forward-mode AD with the tangent on a vector that only the step after
+    the product reads (linear_gn_chain's GroupNorm weight, GemmAddRelu's
+    bias): refused before the product runs (its launches stubbed to fail)."""
+    import torch.autograd.forward_ad as fwAD
+
+    from cupy_fused import _bridge
+
+    M = importlib.import_module("cupy_fused.models")
+    monkeypatch.setattr(_bridge, "launch", lambda *args, **kw: pytest.fail("launched"))
+    monkeypatch.setattr(M, "_linear_prechecked", lambda *a: pytest.fail("the product ran"))
+    x, w = torch.rand(4, 8), torch.rand(C, 8)
+    model = cupy_fused.GemmAddRelu(8, C, (C,))
+    with fwAD.dual_level():
+        gn_weight = fwAD.make_dual(torch.rand(C), torch.ones(C))
+        with pytest.raises(RuntimeError, match="do not support forward-mode AD"):
+            ops.linear_gn_chain(x, w, None, "swish_bias_gn", 4, gn_weight=gn_weight)
+        with pytest.raises(RuntimeError, match="do not support forward-mode AD"):
+            torch.func.functional_call(model, {"bias": fwAD.make_dual(torch.rand(C), torch.ones(C))},
+                                       (x,))

@@ -107,7 +107,7 @@ import torch.nn.functional as F
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
 from .._autograd import (HAS_CUSTOM_OP, FusedOp, check_unchanged, inference_op, is_compiling, needs_grad,
-                         version_of)
+                         refuse_tangents, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
@@ -1779,6 +1779,7 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         # y in x's memory format, as the engine writes it: cuDNN writes a
         # channels-last z for a channels-last weight whatever x's layout.
         weight = weight.contiguous()
+    refuse_tangents(conv_bias, bias)  # (bias_relu, after the convolution, asks as well)
     grad = needs_grad(x, weight)
     z = _CUDNN_CONV.run(grad, x, weight)
     # dz straight to channels-last where the convolution's backward runs so

@@ -49,7 +49,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast
-from .._autograd import FusedOp, is_compiling, needs_grad
+from .._autograd import FusedOp, is_compiling, needs_grad, refuse_tangents
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import check_flag, resolve_precision
 from . import gemm
@@ -399,6 +399,9 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None)
     precision = resolve_precision(precision)
+    # Every tensor, before the GEMM (the two-launch routes' GEMM asks about x
+    # and the weight only).
+    refuse_tangents(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     hopper = not eager_rounding and gemm.has_wgmma(x.device.index)
     if amp is not None:
         if hopper and _takes_one_launch(x, weight, num_groups, amp, True):

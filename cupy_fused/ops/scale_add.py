@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from .. import _bridge, _runtime
 from .._autograd import FusedOp, launches_directly, refuse_tangents
@@ -66,7 +67,8 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
     alpha = check_finite_scalar("alpha", alpha, FLOAT32_MAX)
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
-    refuse_tangents(x, y)
+    if _forward_ad._current_level >= 0:  # a dual level open (forward-mode AD)
+        refuse_tangents(x, y)
     # (Not needs_grad: under torch.func.functionalize scale_add's forward is
     # the same with or without a gradient, its backward torch's.)
     grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
