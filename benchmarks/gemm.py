@@ -386,6 +386,11 @@ def main(argv=None):
             Path(args.md).write_text(f"16-bit GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)
         print(md)
         return
+    if args.tiles and not args.no_timing:
+        runnable = G.available_tiles(torch.cuda.current_device())
+        if set(args.tiles) - set(runnable):
+            p.error(f"--tiles: {sorted(set(args.tiles) - set(runnable))} cannot run on this GPU "
+                    f"(it runs {', '.join(runnable)})")
     rows = [] if args.no_timing else run(args.shapes, args.iters, args.tiles)
     sizes = [tuple(map(int, s.split("x"))) for s in args.accuracy_sizes]
     accuracy = accuracy_sweep(sizes=sizes) if args.accuracy else []

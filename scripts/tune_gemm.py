@@ -32,6 +32,15 @@ def main():
     args = p.parse_args()
     tiles = {t: G.Tile(*map(int, t.replace("engine", "").split("x")), engine=t.startswith("engine"))
              for t in args.tiles}
+    # Candidates this GPU cannot run: the engine's off Hopper, and tiles
+    # whose shared memory is more than a block may take here.
+    limit = _runtime.max_shared_bytes(0)
+    for name, tile in list(tiles.items()):
+        need = tile.shared_bytes(*G.LAYOUTS["forward"], args.passes)
+        if need > limit or (tile.engine and not G.has_wgmma(0)):
+            print(f"{name}: skipped ({need} bytes of shared memory, this GPU allows {limit} a block; "
+                  f"the engine's tiles need wgmma)", flush=True)
+            del tiles[name]
     family = _runtime.KernelFamily("gemm_tf32.cu", {
         name: G._expr(tile, args.passes, "forward", True) for name, tile in tiles.items()})
     for shape in args.shapes:
