@@ -170,8 +170,7 @@ def _compile_from(folder: str, source: str, expression: str, device: int):
 
     with _COMPILE_LOCK:
         saved = os.environ.get("CUPY_FUSED_KERNEL_DIR")
-        os.environ["CUPY_FUSED_KERNEL_DIR"] = folder
-        _runtime._options_cache = None  # (its -I and sources hash name the folder)
+        os.environ["CUPY_FUSED_KERNEL_DIR"] = folder  # (read by the compile: -I, sources hash)
         try:
             return _runtime.get_function(source, expression, device, (against_define(folder),))
         finally:
@@ -179,7 +178,6 @@ def _compile_from(folder: str, source: str, expression: str, device: int):
                 del os.environ["CUPY_FUSED_KERNEL_DIR"]
             else:
                 os.environ["CUPY_FUSED_KERNEL_DIR"] = saved
-            _runtime._options_cache = None
 
 
 def same_bits(a, b) -> bool:

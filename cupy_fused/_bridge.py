@@ -131,7 +131,7 @@ def declarations_in(folder) -> Dict[str, str]:
     ``.cuh`` sources in ``folder`` (a path), by name."""
     found: Dict[str, str] = {}
     for path in sorted(Path(folder).glob("*.cu*")):
-        for match in _GLOBAL.finditer(path.read_text()):
+        for match in _GLOBAL.finditer(path.read_text(encoding="utf-8")):
             found.setdefault(match.group(1), match.group(2))
     return found
 

@@ -99,21 +99,29 @@ def _sources_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-_options_cache: Optional[Tuple[str, ...]] = None
+# nvrtc_options by the folder, the extra options and each source's name,
+# size and modification time.
+_options_by_stamp: Dict[tuple, Tuple[str, ...]] = {}
 
 
 def nvrtc_options() -> Tuple[str, ...]:
     """NVRTC options without the architecture (same for every source).
 
     ``CUPY_FUSED_NVRTC_OPTIONS`` appends options (space-separated), e.g.
-    ``-lineinfo`` for profiling."""
-    global _options_cache
-    if _options_cache is None:
-        _options_cache = BASE_OPTIONS + (
-            f"-I{kernel_dir()}",
-            f"-DCUPY_FUSED_SOURCES_HASH=0x{_sources_hash()}ULL",
-        ) + tuple(os.environ.get("CUPY_FUSED_NVRTC_OPTIONS", "").split())
-    return _options_cache
+    ``-lineinfo`` for profiling.  Asked at every compile and load: the
+    sources' hash, which the disk caches key on, is made again wherever
+    the folder or a source's size or modification time is not what it was,
+    so that it is the hash of the sources the compile reads."""
+    folder = kernel_dir()
+    extra = tuple(os.environ.get("CUPY_FUSED_NVRTC_OPTIONS", "").split())
+    stamp = (str(folder), extra) + tuple(
+        (path.name, stat.st_size, stat.st_mtime_ns)
+        for path in sorted(folder.glob("*.cu*")) for stat in (path.stat(),))
+    options = _options_by_stamp.get(stamp)
+    if options is None:
+        options = _options_by_stamp[stamp] = BASE_OPTIONS + (
+            f"-I{folder}", f"-DCUPY_FUSED_SOURCES_HASH=0x{_sources_hash()}ULL") + extra
+    return options
 
 
 def arch_options(device: int) -> Tuple[str, ...]:
@@ -280,10 +288,17 @@ def _supported_arch_numbers() -> Tuple[int, ...]:
     return (75, 80, 90) if major >= 13 else (70, 75, 80, 90)
 
 
+# What NVRTC builds a cubin for: sm_XY, with "a" (architecture-specific)
+# from 9.0 on and "f" (family) from 10.0 on.
+_CUBIN_ARCH = re.compile(r"^sm_(\d+)([af]?)$")
+
+
 def _check_arch(arch: str) -> None:
-    match = _ARCH_NAME.match(arch)
-    if match is None:
-        raise ValueError(f"not an architecture name: {arch!r} (expected e.g. 'sm_90a')")
+    match = _CUBIN_ARCH.match(arch) if isinstance(arch, str) else None
+    if match is None or (match.group(2) == "a" and int(match.group(1)) < 90) or (
+            match.group(2) == "f" and int(match.group(1)) < 100):
+        raise ValueError(f"not an architecture NVRTC builds a cubin for: {arch!r} (expected e.g. "
+                         "'sm_80' or 'sm_90a'; a device is given as an index or a torch.device)")
     supported = _supported_arch_numbers()
     if int(match.group(1)) not in supported:
         major, minor = nvrtc_version()
@@ -403,7 +418,7 @@ def _read_source(source: str) -> str:
     path = kernel_dir() / source
     if not path.is_file():
         raise FileNotFoundError(f"kernel source {source!r} not found in {kernel_dir()}")
-    return path.read_text()
+    return path.read_text(encoding="utf-8")  # (whatever the locale's encoding)
 
 
 def _cupy_caches_templates(cupy) -> bool:
@@ -416,12 +431,21 @@ def _cupy_caches_templates(cupy) -> bool:
     return match is not None and (int(match.group(1)), int(match.group(2))) >= (14, 2)
 
 
+def _env_true(name: str) -> bool:
+    """A CuPy switch read as CuPy reads it: on where its value is an integer
+    equal to 1, off where it is unset, empty or anything else."""
+    try:
+        return int(os.environ.get(name, "") or 0) == 1
+    except ValueError:
+        return False
+
+
 def _own_disk_cache(cupy, arch: str) -> bool:
     """Whether kernels for ``arch`` go through the run time's own disk
     cache: where CuPy's does not give them back, unless CuPy is told to
     keep its builds in memory (``CUPY_CACHE_IN_MEMORY``) or the installed
     NVRTC cannot target ``arch`` (CuPy then compiles PTX for the driver)."""
-    if _cupy_caches_templates(cupy) or os.environ.get("CUPY_CACHE_IN_MEMORY", "0") not in ("", "0"):
+    if _cupy_caches_templates(cupy) or _env_true("CUPY_CACHE_IN_MEMORY"):
         return False
     return int(_ARCH_NAME.match(arch).group(1)) in _supported_arch_numbers()
 

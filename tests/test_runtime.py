@@ -58,7 +58,6 @@ def test_compile_check_reports_the_compiler_log(tmp_path, monkeypatch):
         '#include "cf_common.cuh"\n'
         'template <typename T> __global__ void k(T* p) { p[0] = undefined_name; }\n')
     monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(_runtime, "_options_cache", None)
     monkeypatch.setitem(_runtime._declared, "broken.cu", ["k<float>"])
     with pytest.raises(_runtime.CompileError, match="undefined_name"):
         _runtime.compile_check("sm_80", ["broken.cu"])
@@ -68,7 +67,6 @@ def test_compile_check_rejects_a_kernel_file_nobody_declares(tmp_path, monkeypat
     (tmp_path / "cf_common.cuh").write_text("")
     (tmp_path / "orphan.cu").write_text("__global__ void k() {}\n")
     monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(_runtime, "_options_cache", None)
     with pytest.raises(_runtime.CompileError, match="orphan.cu: no declared instantiation"):
         _runtime.compile_check("sm_80", ["orphan.cu"])
 
@@ -465,8 +463,9 @@ def test_precompile_selection():
     assert len(half) == 22 and all("cf::half" in e for _, e in half)
     with pytest.raises(ValueError, match="no declared kernel source 'nope.cu'"):
         _runtime._selection(["nope.cu"], None)
-    with pytest.raises(ValueError, match="not an architecture name"):
-        cupy_fused.precompile("scale_add.cu", device="hopper", progress=False)
+    for arch in ("hopper", "compute_90", "sm_80a", "sm_90f", "cuda:0"):
+        with pytest.raises(ValueError, match="not an architecture NVRTC builds a cubin for"):
+            cupy_fused.precompile("scale_add.cu", device=arch, progress=False)
     # One dtype alone is a list of one; anything else is refused, not read as
     # "nothing to compile".
     assert _runtime._selection("scale_add.cu", torch.float16) == [("scale_add.cu", "cf::scale_add<cf::half>")]
@@ -635,3 +634,42 @@ def test_shared_memory_past_the_device_s_limit_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"cf::probe needs 147456 bytes .*\(101376\)"):
         kernel.allow_shared(147456)
     assert kernel.shared_limit == 48 * 1024 and Raw.max_dynamic_shared_size_bytes == 0
+
+
+def test_sources_are_read_as_utf_8_whatever_the_locale():
+    """The kernel sources hold UTF-8 (in comments): read under a C locale
+    without Python's UTF-8 mode, as on a machine whose locale is not UTF-8,
+    the declarations and a source still read."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
+    env.update(LC_ALL="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0", PYTHONPATH=str(REPO))
+    code = ("from cupy_fused import _bridge, _runtime; "
+            "print(len(_bridge.declarations_in(_runtime.kernel_dir())) > 0, "
+            "'\\u2014' in _runtime._read_source('bias_relu.cu'))")
+    result = _run_python(code, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"]
+
+
+def test_nvrtc_options_follow_the_sources_they_compile(tmp_path, monkeypatch):
+    """The options (the folder's -I, the sources' hash that the disk caches
+    key on) are made for each compile: a folder set, or a header changed,
+    after a first compile gives the next its own."""
+    first = _runtime.nvrtc_options()
+    (tmp_path / "cf_common.cuh").write_text("// another header\n")
+    monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", str(tmp_path))
+    second = _runtime.nvrtc_options()
+    assert f"-I{tmp_path}" in second and f"-I{tmp_path}" not in first
+    hash_of = lambda options: next(o for o in options if "SOURCES_HASH" in o)  # noqa: E731
+    assert hash_of(second) != hash_of(first)
+    (tmp_path / "cf_common.cuh").write_text("// the header changed\n")
+    assert hash_of(_runtime.nvrtc_options()) != hash_of(second)
+
+
+@pytest.mark.parametrize("value, on", [("1", True), (" 1", True), ("0", False), ("", False),
+                                       ("2", False), ("true", False)])
+def test_cupy_switches_are_read_as_cupy_reads_them(value, on, monkeypatch):
+    """CUPY_CACHE_IN_MEMORY: on where CuPy reads it on (an integer equal to
+    1), so that the run time's own disk cache is skipped exactly where
+    CuPy keeps its builds in memory."""
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", value)
+    assert _runtime._env_true("CUPY_CACHE_IN_MEMORY") is on
