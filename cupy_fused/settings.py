@@ -20,8 +20,9 @@ when the block raises (the context managers also work as decorators)::
 Environment variables, read once when this module is imported (the setters
 override them afterwards):
 
-* ``CUPY_FUSED_GEMM_WGMMA=0``: the ``wgmma`` kernels off (any other value:
-  on).
+* ``CUPY_FUSED_GEMM_WGMMA=0``: the ``wgmma`` kernels off (``1``, or unset:
+  on; ``false`` / ``true`` and ``off`` / ``on`` are read too, anything else
+  raises ValueError at import).
 
 Read by the kernel runtime (``cupy_fused/_runtime.py``) when it compiles,
 not settable here:
@@ -47,29 +48,52 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Optional
 
 PRECISIONS = ("3xtf32", "tf32", "ieee")
 
 # One dict for every value: cheap to read on each op call (ops read the
 # precision on every call, the GEMM dispatch the wgmma switch on every
 # product), and a global TorchDynamo guards on.
+def _env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable: 1 / true / on or 0 / false / off (any
+    case, spaces around ignored), ``default`` where it is unset or empty;
+    anything else raises ValueError naming it (a typo must not pass for a
+    value)."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "on"):
+        return True
+    if value in ("0", "false", "off"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1 (or false / true, off / on), got {raw!r}")
+
+
 _values: Dict[str, Any] = {
     "fp32_matmul_precision": "3xtf32",
-    "gemm_wgmma": os.environ.get("CUPY_FUSED_GEMM_WGMMA", "1") != "0",
+    "gemm_wgmma": _env_flag("CUPY_FUSED_GEMM_WGMMA", True),
 }
 
 
-@contextlib.contextmanager
-def _setting(name: str, value: object) -> Iterator[None]:
-    """``_values[name] = value`` for the ``with`` block, then the previous
-    value again, however the block ends."""
-    previous = _values[name]
-    _values[name] = value
-    try:
-        yield
-    finally:
-        _values[name] = previous
+class _Setting(contextlib.ContextDecorator):
+    """``_values[name] = value`` for each ``with`` block (or call of a
+    decorated function), then the previous value again, however it ends.
+    The same object may be entered again, also inside itself, as torch's
+    context managers may (the previous values are a stack)."""
+
+    def __init__(self, name: str, value: object):
+        self.name, self.value, self._previous = name, value, []
+
+    def __enter__(self) -> "_Setting":
+        self._previous.append(_values[self.name])
+        _values[self.name] = self.value
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        _values[self.name] = self._previous.pop()
+        return False
 
 
 def check_flag(name: str, value: object) -> bool:
@@ -140,7 +164,7 @@ def fp32_matmul_precision(precision: str):
     Returns:
         The context manager (also usable as a function decorator).
     """
-    return _setting("fp32_matmul_precision", check_precision(precision))
+    return _Setting("fp32_matmul_precision", check_precision(precision))
 
 
 def resolve_precision(precision: Optional[str]) -> str:
@@ -199,4 +223,4 @@ def gemm_wgmma(enabled: bool):
     Returns:
         The context manager (also usable as a function decorator).
     """
-    return _setting("gemm_wgmma", check_flag("enabled", enabled))
+    return _Setting("gemm_wgmma", check_flag("enabled", enabled))

@@ -123,12 +123,38 @@ def _run_python(code: str, **env):
 @pytest.mark.parametrize("name, value, getter, expected", [
     ("CUPY_FUSED_GEMM_WGMMA", "0", "get_gemm_wgmma", False),
     ("CUPY_FUSED_GEMM_WGMMA", "1", "get_gemm_wgmma", True),
+    ("CUPY_FUSED_GEMM_WGMMA", " Off ", "get_gemm_wgmma", False),
+    ("CUPY_FUSED_GEMM_WGMMA", "false", "get_gemm_wgmma", False),
+    ("CUPY_FUSED_GEMM_WGMMA", "", "get_gemm_wgmma", True),
 ])
 def test_environment_is_read_at_import(name, value, getter, expected):
     result = _run_python(f"from cupy_fused import settings; print(settings.{getter}())",
                          **{name: value})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(expected)
+
+
+def test_an_environment_value_that_is_not_a_flag_is_refused_at_import():
+    result = _run_python("import cupy_fused.settings", CUPY_FUSED_GEMM_WGMMA="no")
+    assert result.returncode != 0
+    assert "CUPY_FUSED_GEMM_WGMMA must be 0 or 1 (or false / true, off / on), got 'no'" in result.stderr
+
+
+def test_a_context_manager_object_may_be_entered_again():
+    """As torch's context managers may: one object entered twice in turn,
+    and inside itself, each exit giving back the value before its entry."""
+    ieee = cupy_fused.fp32_matmul_precision("ieee")
+    for _ in range(2):
+        with ieee:
+            assert settings.get_fp32_matmul_precision() == "ieee"
+        assert settings.get_fp32_matmul_precision() == "3xtf32"
+    with ieee:
+        with cupy_fused.fp32_matmul_precision("tf32"):
+            with ieee:
+                assert settings.get_fp32_matmul_precision() == "ieee"
+            assert settings.get_fp32_matmul_precision() == "tf32"
+        assert settings.get_fp32_matmul_precision() == "ieee"
+    assert settings.get_fp32_matmul_precision() == "3xtf32"
 
 
 def test_precision_is_read_at_trace_time_and_a_change_retraces():
