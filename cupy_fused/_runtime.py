@@ -99,9 +99,9 @@ def _sources_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-# nvrtc_options by the folder, the extra options and each source's name,
-# size and modification time.
-_options_by_stamp: Dict[tuple, Tuple[str, ...]] = {}
+# The last nvrtc_options, and its stamp: the folder, the extra options and
+# each source's name, size and modification time.
+_last_options: Tuple[tuple, Tuple[str, ...]] = ((), ())
 
 
 def nvrtc_options() -> Tuple[str, ...]:
@@ -117,11 +117,11 @@ def nvrtc_options() -> Tuple[str, ...]:
     stamp = (str(folder), extra) + tuple(
         (path.name, stat.st_size, stat.st_mtime_ns)
         for path in sorted(folder.glob("*.cu*")) for stat in (path.stat(),))
-    options = _options_by_stamp.get(stamp)
-    if options is None:
-        options = _options_by_stamp[stamp] = BASE_OPTIONS + (
-            f"-I{folder}", f"-DCUPY_FUSED_SOURCES_HASH=0x{_sources_hash()}ULL") + extra
-    return options
+    global _last_options
+    if _last_options[0] != stamp:
+        _last_options = (stamp, BASE_OPTIONS + (
+            f"-I{folder}", f"-DCUPY_FUSED_SOURCES_HASH=0x{_sources_hash()}ULL") + extra)
+    return _last_options[1]
 
 
 def arch_options(device: int) -> Tuple[str, ...]:

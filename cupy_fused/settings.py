@@ -52,9 +52,7 @@ from typing import Any, Dict, Optional
 
 PRECISIONS = ("3xtf32", "tf32", "ieee")
 
-# One dict for every value: cheap to read on each op call (ops read the
-# precision on every call, the GEMM dispatch the wgmma switch on every
-# product), and a global TorchDynamo guards on.
+
 def _env_flag(name: str, default: bool) -> bool:
     """An on/off environment variable: 1 / true / on or 0 / false / off (any
     case, spaces around ignored), ``default`` where it is unset or empty;
@@ -71,6 +69,9 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be 0 or 1 (or false / true, off / on), got {raw!r}")
 
 
+# One dict for every value: cheap to read on each op call (ops read the
+# precision on every call, the GEMM dispatch the wgmma switch on every
+# product), and a global TorchDynamo guards on.
 _values: Dict[str, Any] = {
     "fp32_matmul_precision": "3xtf32",
     "gemm_wgmma": _env_flag("CUPY_FUSED_GEMM_WGMMA", True),
