@@ -6,7 +6,14 @@ d (inputs and weights cast to d; the casts' backward returns float32
 gradients to float32 parameters), ``group_norm`` in float32, and an add with
 a float32 tensor promotes to float32.  The ops follow the same rules: each
 asks :func:`autocast_dtype` and casts with :func:`cast`, an autograd op, so
-that gradients come back in each tensor's own dtype.  Under
+that gradients come back in each tensor's own dtype.
+
+``torch.autocast("cuda", dtype=torch.float32)`` runs those products in
+float32 (float16 and bfloat16 operands cast up) and ``group_norm`` in
+float32 as before: the entry points cast their half-precision tensors up
+(:func:`float32_casts`) and go on as outside autocast, where every tensor
+is then float32; the GroupNorm chains ask :func:`autocast_enabled`.  Other
+autocast dtypes are refused.  Under
 ``torch.compile`` both are traced (dynamo folds the autocast state into the
 graph), so the custom ops themselves only ever see operands already cast.
 """
@@ -25,20 +32,53 @@ _any_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
 _HAS_DEVICE_API = hasattr(torch, "get_autocast_dtype")
 
 
-def autocast_dtype() -> Optional[torch.dtype]:
-    """The dtype CUDA autocast runs matrix products in (float16 or
-    bfloat16), or None outside ``torch.autocast("cuda")``."""
+def _cuda_autocast() -> Optional[torch.dtype]:
+    """CUDA autocast's dtype, or None outside ``torch.autocast("cuda")``."""
     if _any_enabled is not None and not _any_enabled():
         return None
     if _HAS_DEVICE_API:
         if not torch.is_autocast_enabled("cuda"):
             return None
-        dtype = torch.get_autocast_dtype("cuda")
-    else:  # pragma: no cover - torch < 2.4
-        if not torch.is_autocast_enabled():
-            return None
-        dtype = torch.get_autocast_gpu_dtype()
-    return dtype if dtype in HALF_DTYPES else None
+        return torch.get_autocast_dtype("cuda")
+    if not torch.is_autocast_enabled():  # pragma: no cover - torch < 2.4
+        return None
+    return torch.get_autocast_gpu_dtype()  # pragma: no cover
+
+
+def autocast_enabled() -> bool:
+    """Whether ``torch.autocast("cuda")`` is on, to any dtype (it runs
+    ``group_norm`` in float32 whatever its dtype)."""
+    return _cuda_autocast() is not None
+
+
+def autocast_dtype() -> Optional[torch.dtype]:
+    """The half-precision dtype CUDA autocast runs matrix products in
+    (float16 or bfloat16); None outside ``torch.autocast("cuda")`` and
+    under autocast to float32 (see :func:`float32_casts`).
+
+    Raises:
+        TypeError: autocast to another dtype (float64, ...), which no op
+            here computes in.
+    """
+    dtype = _cuda_autocast()
+    if dtype is None or dtype in HALF_DTYPES:
+        return dtype
+    if dtype == torch.float32:
+        return None
+    raise TypeError(f"cupy_fused's ops run under torch.autocast to float16, bfloat16 or float32, "
+                    f"got autocast to {dtype}")
+
+
+def float32_casts(*tensors):
+    """Under ``torch.autocast("cuda", dtype=torch.float32)``: ``tensors``
+    with each float16 / bfloat16 tensor cast to float32 (autograd casts, as
+    autocast's, so that gradients come back in each tensor's own dtype);
+    others, and every tensor outside that autocast, as given (for the
+    validation that follows to name them).  Returns a tuple."""
+    if _cuda_autocast() != torch.float32:
+        return tensors
+    return tuple(t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES
+                 else t for t in tensors)
 
 
 def cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

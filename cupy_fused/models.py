@@ -45,8 +45,10 @@ Under ``torch.autocast("cuda", dtype=d)`` each module computes what its
 reference computes there: the GEMM or convolution in d (inputs and weights
 cast to d; float32 gradients reach float32 parameters), the GroupNorm chains
 in float32, and a float32 result (the reference's adds with a float32
-parameter promote, and autocast runs ``group_norm`` in float32).  Outside
-autocast the input must have the parameters' dtype, as in the reference.
+parameter promote, and autocast runs ``group_norm`` in float32).  Under
+autocast to float32 that is every step in float32, whatever the model's and
+the input's dtypes.  Outside autocast the input must have the parameters'
+dtype, as in the reference.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from . import _validation, ops
-from ._amp import autocast_dtype
+from ._amp import autocast_dtype, autocast_enabled, float32_casts
 from ._autograd import refuse_tangents
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
@@ -78,7 +80,7 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
         raise ValueError(f"the model's parameters must be on a CUDA device, got {weight.device}; "
                          f"move the model there (model.cuda() or model.to(device))")
     if x.dtype != weight.dtype:
-        if autocast_dtype() is None:
+        if not autocast_enabled():
             check_like("x", x, weight, "the model's parameters")
         elif weight.dtype not in FLOAT_DTYPES:  # autocast casts only these, as the reference
             raise TypeError(f"the model's parameters must be float32, float16 or bfloat16 under "
@@ -320,12 +322,17 @@ class GemmAddRelu(nn.Module):
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features")
         bias = _per_channel(self.bias, weight.shape[0], 2, "bias")
-        refuse_tangents(x, weight, linear.bias, bias)  # (before the GEMM, which asks about x and W)
+        gemm_bias = linear.bias
+        refuse_tangents(x, weight, gemm_bias, bias)  # (before the GEMM, which asks about x and W)
         amp = autocast_dtype()
+        if amp is None and autocast_enabled():
+            # Autocast to float32: every tensor float32, as the reference's
+            # linear casts its own and its add promotes.
+            x, weight, gemm_bias, bias = float32_casts(x, weight, gemm_bias, bias)
         # ops.linear's internal entry point: x and the weight are checked
         # above, and ops.linear would check them again on every call (see
         # _linear_prechecked).
-        if amp is not None or linear.bias is not None or bias.shape[0] != weight.shape[0]:
+        if amp is not None or gemm_bias is not None or bias.shape[0] != weight.shape[0]:
             # The GEMM, then bias + ReLU in one pass (ops.bias_relu): under
             # autocast, the GEMM in the autocast dtype (gradients written in
             # x's and the weight's own dtypes by the backward's products)
@@ -338,8 +345,8 @@ class GemmAddRelu(nn.Module):
             # Both biases are checked here, before the GEMM runs: bias_relu,
             # which takes a bias of any of the three float dtypes (promoting),
             # runs after it; under autocast the product casts gemm.bias.
-            gemm_bias = linear.bias if linear.bias is None else check_vector(
-                "gemm.bias", linear.bias, weight.shape[0], x, "x", optional=False,
+            gemm_bias = gemm_bias if gemm_bias is None else check_vector(
+                "gemm.bias", gemm_bias, weight.shape[0], x, "x", optional=False,
                 dtype=None if amp is None else FLOAT_DTYPES)
             check_like("bias", bias, x, "x", FLOAT_DTYPES)
             return ops.bias_relu(_linear_prechecked(x, weight, gemm_bias, None, self.precision), bias)

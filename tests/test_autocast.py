@@ -314,6 +314,81 @@ def test_linear_gn_chain_under_autocast(chain, amp, device):
     assert not worse_than_eager(errors, amp), errors
 
 
+# ---------------------------------------------------------------- autocast to float32
+#
+# torch.autocast("cuda", dtype=torch.float32) runs linear and conv2d in
+# float32 (float16 and bfloat16 operands cast up) and group_norm in float32:
+# a half model, or a half input, gives float32 results there.
+
+@pytest.mark.parametrize("model_dtype", AMP, ids=str)
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_half_model_under_float32_autocast(problem, model_dtype, device):
+    """A half model and input: output and gradient dtypes equal eager's
+    (compare() raises otherwise), errors within 1.5x eager's."""
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    errors = compare(problem, args, shape, model_dtype, device, autocast=torch.float32)
+    bad = worse_than_eager(errors, torch.float32)
+    assert not bad, {n: errors[n] for n in bad}
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_float32_model_with_a_half_input_under_float32_autocast(problem, device):
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    ref, ours = build_pair(problem, args, device, torch.float32)
+    x = torch.rand(shape, device=device, dtype=torch.bfloat16)
+    g = None
+    outs = []
+    for model in (ref, ours):
+        xi = x.clone().requires_grad_(True)
+        with _autocast(torch.float32):
+            y = model(xi)
+        g = torch.randn_like(y) if g is None else g  # (not ones: GroupNorm's dx would vanish)
+        y.backward(g)
+        outs.append((y.detach(), xi.grad))
+    (y_ref, dx_ref), (y_ours, dx_ours) = outs
+    assert y_ours.dtype == y_ref.dtype == torch.float32 and dx_ours.dtype == dx_ref.dtype
+    # (both convolutions of problem 1 are TF32 products, as cuDNN's default)
+    assert rel_error(y_ours, y_ref) < (1e-2 if problem == 1 else 1e-4)
+    assert rel_error(dx_ours, dx_ref) < 2e-2  # (both rounded to bfloat16)
+
+
+@pytest.mark.parametrize("op", ["linear", "gn_chain", "linear_gn_chain", "conv_bias_relu"])
+def test_ops_under_float32_autocast(op, device):
+    """Each op on bfloat16 tensors under autocast to float32: the
+    reference's float32 result, gradients in bfloat16, errors within 1.5x."""
+    bf = torch.bfloat16
+    if op == "linear":
+        inputs = [_rand(33, 40, dtype=bf), _rand(24, 40, dtype=bf, seed=1), _rand(24, dtype=bf, seed=2)]
+        ours, ref = (lambda x, w, b: ops.linear(x, w, b, "relu"),
+                     lambda x, w, b: F.relu(F.linear(x, w, b)))
+    elif op == "gn_chain":
+        inputs = [_rand(9, 32, dtype=bf)] + [_rand(32, dtype=bf, seed=s) for s in range(1, 5)]
+        ours, ref = _gn_ours("swish_bias_gn", 4), _gn_reference("swish_bias_gn", 4)
+    elif op == "linear_gn_chain":
+        inputs = ([_rand(9, 24, dtype=bf), _rand(32, 24, dtype=bf, seed=9)]
+                  + [_rand(32, dtype=bf, seed=s) for s in range(1, 5)])
+
+        def ours(x, w, lin_bias, v, gw, gb):
+            return ops.linear_gn_chain(x, w, lin_bias, "bias_hardtanh_mish_gn", 4, extra_bias=v,
+                                       gn_weight=gw, gn_bias=gb)
+
+        def ref(x, w, lin_bias, v, gw, gb):
+            return _gn_reference("bias_hardtanh_mish_gn", 4)(F.linear(x, w, lin_bias), None, v, gw, gb)
+    else:
+        inputs = [_rand(2, 5, 9, 8, dtype=bf), _rand(6, 5, 3, 3, dtype=bf, seed=1),
+                  _rand(6, dtype=bf, seed=2), _rand(6, 1, 1, dtype=bf, seed=3)]
+        ours, ref = ops.conv_bias_relu, lambda x, w, cb, b: F.relu(F.conv2d(x, w, cb)) + b
+    errors = _op_errors(ours, ref, inputs, torch.float32)  # (asserts the dtypes equal eager's)
+    assert not worse_than_eager(errors, torch.float32), errors
+
+
+def test_autocast_to_another_dtype_is_refused(device):
+    x, w = _rand(4, 8), _rand(6, 8, seed=1)
+    with _autocast(torch.float64):
+        with pytest.raises(TypeError, match="float16, bfloat16 or float32, got autocast to torch.float64"):
+            ops.linear(x, w)
+
+
 # ---------------------------------------------------------------- the autocast linear op
 #
 # ops.linear / linear_gn_chain / GemmAddRelu under autocast run one node

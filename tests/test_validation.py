@@ -1,5 +1,6 @@
 """Bad input raises a clear Python error naming the argument, before any
 launch (CPU tier: validation runs before anything touches the GPU)."""
+import contextlib
 import importlib
 import math
 import warnings
@@ -357,6 +358,7 @@ def test_models_check_inputs_and_parameters_before_anything_runs(past_device_che
     launched = []
     with pytest.MonkeyPatch.context() as m:
         m.setattr(M, "autocast_dtype", lambda: torch.bfloat16)
+        m.setattr(M, "autocast_enabled", lambda: True)
         m.setattr(M, "_linear_prechecked", lambda *a: launched.append(a))
         x = torch.rand(2, 8)
         for name, dtype, message in [
@@ -513,3 +515,76 @@ def test_a_tangent_on_any_vector_is_refused_before_the_product(past_device_check
         with pytest.raises(RuntimeError, match="do not support forward-mode AD"):
             torch.func.functional_call(model, {"bias": fwAD.make_dual(torch.rand(C), torch.ones(C))},
                                        (x,))
+
+
+@contextlib.contextmanager
+def _cuda_autocast(dtype):
+    """CUDA autocast's state set to ``dtype`` (torch keeps it per thread, on a
+    machine without a GPU too; torch.autocast itself turns off there)."""
+    prev = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", prev[0])
+        torch.set_autocast_dtype("cuda", prev[1])
+
+
+def test_autocast_to_float32_casts_half_tensors_up():
+    """Under autocast to float32 the entry points cast float16 / bfloat16
+    tensors to float32 (autograd casts) and run as outside autocast; other
+    tensors pass as given, for validation to name them."""
+    from cupy_fused import _amp
+
+    half = torch.rand(3, dtype=torch.bfloat16, requires_grad=True)
+    others = (torch.rand(3), torch.rand(3, dtype=torch.float64), torch.arange(3), None, 2.0)
+    assert _amp.float32_casts(half, *others)[0] is half  # outside autocast
+    for dtype, amp in [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                       (torch.float32, None)]:
+        with _cuda_autocast(dtype):
+            assert _amp.autocast_enabled() and _amp.autocast_dtype() == amp
+    with _cuda_autocast(torch.bfloat16):
+        assert _amp.float32_casts(half)[0] is half
+    with _cuda_autocast(torch.float32):
+        up, *rest = _amp.float32_casts(half, *others)
+    assert up.dtype == torch.float32 and all(a is b for a, b in zip(rest, others))
+    up.sum().backward()
+    assert half.grad.dtype == torch.bfloat16 and half.grad.eq(1).all()
+    assert not _amp.autocast_enabled() and _amp.autocast_dtype() is None
+
+
+def test_autocast_to_another_dtype_is_refused_before_anything_runs(past_device_check, launches):
+    from cupy_fused import _amp
+
+    x, w = torch.rand(4, 8), torch.rand(6, 8)
+    message = "float16, bfloat16 or float32, got autocast to torch.float64"
+    with _cuda_autocast(torch.float64):
+        with pytest.raises(TypeError, match=message):
+            _amp.autocast_dtype()
+        with pytest.raises(TypeError, match=message):
+            ops.linear(x, w)
+        with pytest.raises(TypeError, match=message):
+            ops.linear_gn_chain(x, w, None, "swish_bias_gn", 2)
+        with pytest.raises(TypeError, match=message):
+            ops.conv_bias_relu(torch.rand(1, 2, 4, 4), torch.rand(3, 2, 2, 2), torch.rand(3))
+        with pytest.raises(TypeError, match=message):
+            cupy_fused.GemmAddRelu(8, 6, (6,))(x)
+    assert launches == []
+
+
+def test_models_under_float32_autocast_run_in_float32(past_device_check):
+    """A bfloat16 problem 76 fed a float32 input under autocast to float32:
+    its product gets float32 operands, as the reference's linear."""
+    M = importlib.import_module("cupy_fused.models")
+    model = cupy_fused.GemmAddRelu(8, C, (C,)).to(torch.bfloat16)
+    seen = []
+    with pytest.MonkeyPatch.context() as m, _cuda_autocast(torch.float32):
+        m.setattr(M, "_linear_prechecked", lambda *a: seen.append(a) or a[0].new_zeros(2, C))
+        assert model(torch.rand(2, 8)).dtype == torch.float32
+    x, weight, bias = seen[0][:3]
+    assert x.dtype == weight.dtype == bias.dtype == torch.float32
+    assert weight.grad_fn is not None and bias.grad_fn is not None  # autograd casts
+    with pytest.raises(TypeError, match=r"x must have the dtype of the model.s parameters"):
+        model(torch.rand(2, 8))  # outside autocast: the parameters' dtype
+

@@ -105,7 +105,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _bridge, _runtime
-from .._amp import HALF_DTYPES, autocast_dtype, cast
+from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
 from .._autograd import (HAS_CUSTOM_OP, FusedOp, check_unchanged, inference_op, is_compiling, needs_grad,
                          refuse_tangents, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
@@ -1729,6 +1729,9 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(conv_bias_relu, "x", x, weight, conv_bias, bias)
+    # Under autocast to float32: every tensor float32 from here on (the
+    # reference's conv2d casts its own; its add promotes).
+    x, weight, conv_bias, bias = float32_casts(x, weight, conv_bias, bias)
     check_tensor("x", x, ndim=(4,))
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor [C_out, C_in, KH, KW], got "

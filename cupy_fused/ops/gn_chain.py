@@ -22,7 +22,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 from .. import _bridge, _runtime
-from .._amp import HALF_DTYPES, autocast_dtype, cast
+from .._amp import HALF_DTYPES, autocast_enabled, cast
 from .._autograd import FusedOp, needs_grad
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
 from ..settings import check_flag
@@ -660,7 +660,7 @@ def _gn_chain_entry(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bi
     channels = z.shape[1]
     num_groups = check_groups(num_groups, channels)
     eps = check_eps(eps)
-    amp = autocast_dtype() is not None
+    amp = autocast_enabled()  # (to any dtype: group_norm runs in float32 under each)
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp, names)
     return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,

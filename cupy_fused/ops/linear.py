@@ -29,7 +29,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._amp import autocast_dtype
+from .._amp import autocast_dtype, float32_casts
 from .._autograd import (FusedOp, check_unchanged, inference_op, is_compiling, keep_output,
                          launches_directly, needs_grad, take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
@@ -393,13 +393,14 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
         [..., N] in x's dtype.
 
     Under ``torch.autocast("cuda", dtype=d)``, as ``F.linear`` there: x,
-    weight and bias may each be float32, float16 or bfloat16; they are cast
-    to d, the
-    product runs in d (cuBLAS, or without autograd on Hopper our engine
-    reading a float32 weight itself: :func:`.gemm._routes_float32_weight`;
-    the ReLU after it) and the result is in d;
-    the gradients come back in each tensor's own dtype, written so by the
-    backward's products (:func:`_run_autocast_linear`).
+    weight and bias may each be float32, float16 or bfloat16.  For d
+    float16 or bfloat16 they are cast to d, the product runs in d (cuBLAS,
+    or without autograd on Hopper our engine reading a float32 weight
+    itself: :func:`.gemm._routes_float32_weight`; the ReLU after it) and
+    the result is in d; the gradients come back in each tensor's own dtype,
+    written so by the backward's products (:func:`_run_autocast_linear`).
+    For d float32 the half-precision ones are cast to float32 (autograd
+    casts) and the product is float32's, as outside autocast.
 
     Raises:
         TypeError, ValueError: an argument of another type, dtype, device or
@@ -407,6 +408,7 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(linear, "x", x, weight, bias, activation, precision)
+    x, weight, bias = float32_casts(x, weight, bias)
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (the features), got a scalar")

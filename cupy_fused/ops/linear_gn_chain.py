@@ -48,7 +48,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _bridge, _runtime
-from .._amp import HALF_DTYPES, autocast_dtype, cast
+from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
 from .._autograd import FusedOp, is_compiling, needs_grad, refuse_tangents
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import check_flag, resolve_precision
@@ -369,7 +369,8 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     Returns:
         [M, N] in x's dtype.  Under ``torch.autocast`` (where x and weight
         may have any float dtype): float32, as the reference's (see the
-        module docstring).
+        module docstring; under autocast to float32 every tensor is cast to
+        float32 first, as the reference's linear and group_norm cast theirs).
 
     Raises:
         TypeError, ValueError: an argument of another type, dtype, device or
@@ -381,6 +382,10 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
             linear_gn_chain, "x", x, weight, lin_bias, chain, num_groups, extra_bias=extra_bias,
             gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight, eps=eps,
             precision=precision, eager_rounding=eager_rounding)
+    # Under autocast to float32: every tensor float32 from here on (the
+    # reference's linear and group_norm cast theirs; its adds promote).
+    x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = float32_casts(
+        x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     check_chain(chain)
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))
