@@ -2,6 +2,7 @@
 vectors' edges on the GPU — sizes that are not a multiple of the vector,
 one row, NCHW slabs that start mid-vector, channel rows that cross mask
 words, views that start mid-vector, small grids — against torch in float64."""
+import collections
 import importlib
 import math
 import re
@@ -521,6 +522,30 @@ def test_rows_backward_reduces_in_its_last_blocks_as_the_reduce_launch(pair, dev
     for got in fused:
         for a, b in zip(got, apart):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_counters_are_kept_for_the_most_recent_streams_only(device, monkeypatch):
+    """One counters buffer per stream, for the last _MAX_COUNTERS streams
+    used: a stream per batch does not keep a buffer for each."""
+    monkeypatch.setattr(_common, "_counters", collections.OrderedDict())
+    streams = [torch.cuda.Stream(device) for _ in range(3)]
+    for s in streams + [torch.cuda.ExternalStream(s.cuda_stream, device=device) for s in streams]:
+        with torch.cuda.stream(s):
+            first = _common._column_counters(16, 64, device)
+            assert _common._column_counters(16, 64, device) is first
+    assert len(_common._counters) == 3
+    monkeypatch.setattr(_common, "_MAX_COUNTERS", 2)
+    kept = {}
+    for s in streams:
+        with torch.cuda.stream(s):
+            kept[s.cuda_stream] = _common._column_counters(16, 64, device)
+    with torch.cuda.stream(streams[1]):  # now the most recent but one
+        assert _common._column_counters(16, 64, device) is kept[streams[1].cuda_stream]
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        _common._column_counters(16, 64, device)
+    assert [k[1] for k in _common._counters][:1] == [streams[1].cuda_stream]
+    assert len(_common._counters) == 2
 
 
 @pytest.mark.gpu

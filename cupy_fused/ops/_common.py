@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -155,8 +156,13 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int,
 # Zeroed counters of the first stages that end in their own second stage
 # (reduce_columns_in_last_block, column_reduce.cuh), one buffer per (device,
 # stream): each launch leaves its counters at zero again, and a stream runs
-# its launches one after another.
-_counters: Dict[Tuple[int, int], torch.Tensor] = {}
+# its launches one after another.  At most _MAX_COUNTERS buffers, the least
+# recently used dropped first: a program that makes a stream per batch
+# would otherwise keep a buffer for each.  (A dropped buffer goes back to
+# the allocator on the stream it was made and used on, so nothing reuses it
+# before that stream's launches are done.)
+_counters: "OrderedDict[Tuple[int, int], torch.Tensor]" = OrderedDict()
+_MAX_COUNTERS = 64
 
 
 def _column_counters(chunks: int, ranges: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -172,10 +178,19 @@ def _column_counters(chunks: int, ranges: int, device: torch.device) -> Optional
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(ranges, dtype=torch.int32, device=device)
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    # (OrderedDict's own calls, each atomic under the GIL: threads that
+    # launch on other streams meanwhile leave it consistent)
     counters = _counters.get(key)
     if counters is None or counters.numel() < ranges:
         counters = _counters[key] = torch.zeros(max(ranges, 256), dtype=torch.int32,
                                                 device=device)
+        while len(_counters) > _MAX_COUNTERS:
+            _counters.popitem(last=False)
+    else:
+        try:
+            _counters.move_to_end(key)  # the most recently used
+        except KeyError:  # dropped by another thread meanwhile: the buffer stays valid
+            pass
     return counters
 
 
