@@ -158,6 +158,21 @@ def refuse_tangents(*tensors: Optional[torch.Tensor]) -> None:
                                "would drop")
 
 
+def _vmap_error(name: str) -> RuntimeError:
+    return RuntimeError(f"{NAMESPACE}::{name} does not support torch.vmap: its kernels take whole "
+                        "tensors (call it on the batch as one tensor, or per sample)")
+
+
+def refuse_vmap(name: str, *tensors: Optional[torch.Tensor]) -> None:
+    """torch.vmap, refused naming the op ``name`` before anything runs, as
+    :meth:`FusedOp.run` refuses it: for the ops whose routes reach a
+    tensor's memory (its alignment) before a FusedOp runs, or run torch's
+    products (cuBLAS, cuDNN) before one.  Outside torch.func's transforms,
+    one call."""
+    if _transforms_active is not None and _transforms_active() and _vmapped(tensors):
+        raise _vmap_error(name)
+
+
 def _refuse_hidden_grad(tensors) -> None:
     """torch.func.functionalize's tensors say they require no gradient while
     the tensors they wrap do, and autograd records the op all the same: an
@@ -414,8 +429,7 @@ class FusedOp:
                                    f"(torch >= 2.4)")
             return self.op(*inputs)
         if transforms and _vmapped(inputs):
-            raise RuntimeError(f"{NAMESPACE}::{self.name} does not support torch.vmap: its kernels take "
-                               "whole tensors (call it on the batch as one tensor, or per sample)")
+            raise _vmap_error(self.name)
         if not requires_grad:
             return self.forward(*inputs)
         if self._c_apply is None or transforms:

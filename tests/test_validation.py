@@ -417,19 +417,32 @@ def test_dense_layout_policy():
     assert dense_layout(c) is c
 
 
-@pytest.mark.parametrize("op", ["scale_add", "bias_relu", "gn_chain"])
+@pytest.mark.parametrize("op", ["scale_add", "bias_relu", "gn_chain", "linear", "linear-bf16",
+                                "linear_gn_chain", "conv_bias_relu"])
 def test_ops_under_vmap_are_refused_before_any_launch(op, past_device_check, monkeypatch):
     """torch.vmap's tensors have no memory laid out as one tensor: each op
     refuses them, naming itself, before anything would launch (the launch
-    is stubbed to fail the test)."""
+    is stubbed to fail the test), also on the routes that run cuBLAS or
+    cuDNN (a 16-bit linear) and before a route is chosen."""
     from cupy_fused import _bridge
 
     monkeypatch.setattr(_bridge, "launch", lambda *args, **kw: pytest.fail("launched"))
-    a, b = torch.rand(3, 4, 16), torch.rand(16)
+    a, b, w = torch.rand(3, 4, 16), torch.rand(16), torch.rand(8, 16)
+    cw, cb = torch.rand(4, 4, 2, 2), torch.rand(4)
     call = {"scale_add": lambda t: ops.scale_add(t, t, 2.0),
             "bias_relu": lambda t: ops.bias_relu(t, b),
-            "gn_chain": lambda t: ops.gn_chain(t, "swish_bias_gn", 4)}[op]
-    with pytest.raises(RuntimeError, match=r"cupy_fused::\w+ does not support torch.vmap"):
+            "gn_chain": lambda t: ops.gn_chain(t, "swish_bias_gn", 4),
+            "linear": lambda t: ops.linear(t, w),
+            "linear-bf16": lambda t: ops.linear(t, w.bfloat16()),
+            "linear_gn_chain": lambda t: ops.linear_gn_chain(t, w, None, "swish_bias_gn", 2),
+            "conv_bias_relu": lambda t: ops.conv_bias_relu(t, cw, cb),
+            }[op]
+    if op == "linear-bf16":
+        a = a.bfloat16()
+    elif op == "conv_bias_relu":
+        a = torch.rand(3, 2, 4, 5, 5)
+    name = op.split("-")[0]
+    with pytest.raises(RuntimeError, match=f"cupy_fused::{name} does not support torch.vmap"):
         torch.vmap(call)(a)
 
 
