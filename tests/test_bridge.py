@@ -342,6 +342,11 @@ def test_cupy_arrays_and_torch_tensors_in_one_call_are_refused(device, launches)
         ops.swish_bias_group_norm(x, None, torch.ones(8, device=device), None, None, 2)
     with pytest.raises(TypeError, match="^multiply_weight must be a CuPy array"):
         ops.group_norm_swish_multiply_swish(x, None, None, None, torch.ones(8, device=device), 2)
+    # A tensor for a number: the op's own error, as on the torch path.
+    with pytest.raises(TypeError, match="^alpha must be a float, got Tensor"):
+        ops.scale_add(x, x, torch.tensor(2.0, device=device))
+    with pytest.raises(TypeError, match="^eps must be"):
+        ops.gn_chain(x, "swish_bias_gn", 2, eps=torch.tensor(1e-5))
     assert not launches
 
 

@@ -260,6 +260,13 @@ def _torch_stream(ptr: int, device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.ExternalStream(ptr, device=device)
 
 
+# The ops' arguments that take no array: a torch tensor given as one of them
+# is left to the op's own check ("alpha must be a float, got Tensor"), as on
+# the torch path.
+_SCALAR_ARGUMENTS = frozenset({"alpha", "activation", "precision", "chain", "num_groups", "eps",
+                               "linear_bias_in_z", "eager_rounding"})
+
+
 def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
     """The CuPy-array entry of the functional op ``op``: calls ``op`` again
     with every CuPy array argument viewed as a torch tensor (zero-copy,
@@ -281,7 +288,9 @@ def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
                         f"{type(args[0]).__name__}")
     if any(isinstance(v, torch.Tensor) for v in values):
         bound = inspect.signature(op).bind(*args, **kwargs).arguments
-        raise mixed_arguments_error(next(n for n, v in bound.items() if isinstance(v, torch.Tensor)))
+        for name, v in bound.items():
+            if isinstance(v, torch.Tensor) and name not in _SCALAR_ARGUMENTS:
+                raise mixed_arguments_error(name)
     from .._cupy import require_cupy
 
     cupy = require_cupy()
