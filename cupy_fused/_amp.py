@@ -34,8 +34,6 @@ _HAS_DEVICE_API = hasattr(torch, "get_autocast_dtype")
 
 def _cuda_autocast() -> Optional[torch.dtype]:
     """CUDA autocast's dtype, or None outside ``torch.autocast("cuda")``."""
-    if _any_enabled is not None and not _any_enabled():
-        return None
     if _HAS_DEVICE_API:
         if not torch.is_autocast_enabled("cuda"):
             return None
@@ -48,7 +46,17 @@ def _cuda_autocast() -> Optional[torch.dtype]:
 def autocast_enabled() -> bool:
     """Whether ``torch.autocast("cuda")`` is on, to any dtype (it runs
     ``group_norm`` in float32 whatever its dtype)."""
+    if _any_enabled is not None and not _any_enabled():
+        return False
     return _cuda_autocast() is not None
+
+
+def float32_autocast() -> bool:
+    """Whether ``torch.autocast("cuda", dtype=torch.float32)`` is on (see
+    :func:`float32_casts`)."""
+    if _any_enabled is not None and not _any_enabled():
+        return False
+    return _cuda_autocast() == torch.float32
 
 
 def autocast_dtype() -> Optional[torch.dtype]:
@@ -60,6 +68,8 @@ def autocast_dtype() -> Optional[torch.dtype]:
         TypeError: autocast to another dtype (float64, ...), which no op
             here computes in.
     """
+    if _any_enabled is not None and not _any_enabled():  # (the common case: one call)
+        return None
     dtype = _cuda_autocast()
     if dtype is None or dtype in HALF_DTYPES:
         return dtype
@@ -75,7 +85,7 @@ def float32_casts(*tensors):
     autocast's, so that gradients come back in each tensor's own dtype);
     others, and every tensor outside that autocast, as given (for the
     validation that follows to name them).  Returns a tuple."""
-    if _cuda_autocast() != torch.float32:
+    if not float32_autocast():
         return tensors
     return tuple(t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES
                  else t for t in tensors)

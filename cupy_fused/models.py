@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from . import _validation, ops
-from ._amp import autocast_dtype, autocast_enabled, float32_casts
+from ._amp import autocast_dtype, autocast_enabled, float32_autocast, float32_casts
 from ._autograd import refuse_tangents
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
@@ -221,6 +221,7 @@ class ConvReluBiasAdd(nn.Module):
         # own forward without its bias), then relu(z + conv bias) + bias,
         # whose vectors are checked first (bias_relu would check them after
         # the convolution has run).
+        autocast_dtype()  # (refuses an autocast dtype that no op here computes in, first)
         for name, vector in (("conv.bias", conv.bias), ("bias", bias)):
             if vector is not None:
                 check_like(name, vector, x, "x", FLOAT_DTYPES)
@@ -325,7 +326,7 @@ class GemmAddRelu(nn.Module):
         gemm_bias = linear.bias
         refuse_tangents(x, weight, gemm_bias, bias)  # (before the GEMM, which asks about x and W)
         amp = autocast_dtype()
-        if amp is None and autocast_enabled():
+        if amp is None and float32_autocast():
             # Autocast to float32: every tensor float32, as the reference's
             # linear casts its own and its add promotes.
             x, weight, gemm_bias, bias = float32_casts(x, weight, gemm_bias, bias)

@@ -546,6 +546,9 @@ def test_counters_are_kept_for_the_most_recent_streams_only(device, monkeypatch)
         _common._column_counters(16, 64, device)
     assert [k[1] for k in _common._counters][:1] == [streams[1].cuda_stream]
     assert len(_common._counters) == 2
+    with torch.cuda.stream(streams[1]):  # a buffer grown: the most recently used
+        assert _common._column_counters(16, 300, device).numel() >= 300
+    assert [k[1] for k in _common._counters][-1] == streams[1].cuda_stream
 
 
 @pytest.mark.gpu

@@ -583,6 +583,14 @@ def test_autocast_to_another_dtype_is_refused_before_anything_runs(past_device_c
             ops.conv_bias_relu(torch.rand(1, 2, 4, 4), torch.rand(3, 2, 2, 2), torch.rand(3))
         with pytest.raises(TypeError, match=message):
             cupy_fused.GemmAddRelu(8, 6, (6,))(x)
+        # Problem 1 with another convolution (torch's, then bias_relu):
+        # refused before torch's convolution runs.
+        conv = cupy_fused.ConvReluBiasAdd(2, 3, 2, (3, 1, 1))
+        conv.conv.padding = (1, 1)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(conv.conv, "_conv_forward", lambda *a: pytest.fail("convolved"))
+            with pytest.raises(TypeError, match=message):
+                conv(torch.rand(1, 2, 4, 4))
     assert launches == []
 
 

@@ -182,8 +182,9 @@ def _column_counters(chunks: int, ranges: int, device: torch.device) -> Optional
     # launch on other streams meanwhile leave it consistent)
     counters = _counters.get(key)
     if counters is None or counters.numel() < ranges:
-        counters = _counters[key] = torch.zeros(max(ranges, 256), dtype=torch.int32,
-                                                device=device)
+        counters = torch.zeros(max(ranges, 256), dtype=torch.int32, device=device)
+        _counters.pop(key, None)  # (a buffer grown for a stream: inserted last, as a new one)
+        _counters[key] = counters
         while len(_counters) > _MAX_COUNTERS:
             _counters.popitem(last=False)
     else:

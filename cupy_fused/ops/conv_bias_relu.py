@@ -1729,9 +1729,6 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(conv_bias_relu, "x", x, weight, conv_bias, bias)
-    # Under autocast to float32: every tensor float32 from here on (the
-    # reference's conv2d casts its own; its add promotes).
-    x, weight, conv_bias, bias = float32_casts(x, weight, conv_bias, bias)
     check_tensor("x", x, ndim=(4,))
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor [C_out, C_in, KH, KW], got "
@@ -1739,7 +1736,12 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     check_tensor("weight", weight)  # (a float dtype: x's, or any of them under autocast)
     if weight.dim() != 4:
         raise ValueError(f"weight must be 4-D [C_out, C_in, KH, KW], got shape {tuple(weight.shape)}")
-    check_like("weight", weight, x, "x", dtype=FLOAT_DTYPES if autocast_dtype() else None)
+    amp = autocast_dtype()
+    if amp is None:
+        # Under autocast to float32: every tensor float32 from here on (the
+        # reference's conv2d casts its own; its add promotes).
+        x, weight, conv_bias, bias = float32_casts(x, weight, conv_bias, bias)
+    check_like("weight", weight, x, "x", dtype=FLOAT_DTYPES if amp else None)
     cout, cin, kh, kw = weight.shape
     if cin != x.shape[1]:
         raise ValueError(f"weight must have x's {x.shape[1]} input channels in dim 1, got "
@@ -1776,7 +1778,6 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
         if is_compiling():
             return _ENGINE_INFERENCE(x, weight, conv_bias, bias, *plan[:3])
         return _launch_engine(x, weight, conv_bias, bias, plan=plan)
-    amp = autocast_dtype()
     if amp is not None:  # autocast's casts for conv2d, recorded as autograd ops
         x, weight = cast(x, amp), cast(weight, amp)
     if not (weight.is_contiguous() or _strictly_channels_last(x)):

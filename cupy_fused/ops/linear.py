@@ -29,7 +29,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._amp import autocast_dtype, float32_casts
+from .._amp import autocast_dtype, float32_autocast, float32_casts
 from .._autograd import (FusedOp, check_unchanged, inference_op, is_compiling, keep_output,
                          launches_directly, needs_grad, refuse_vmap, take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
@@ -408,12 +408,13 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(linear, "x", x, weight, bias, activation, precision)
-    x, weight, bias = float32_casts(x, weight, bias)
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (the features), got a scalar")
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
+    if amp is None and float32_autocast():
+        x, weight, bias = float32_casts(x, weight, bias)
     # Under autocast, x, weight and bias may each be any of the three (cast to
     # amp by the op), as autocast's F.linear takes them.
     any_float = FLOAT_DTYPES if amp is not None else None
@@ -461,7 +462,9 @@ def _linear_2d(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                activation: int, precision: str, amp: Optional[torch.dtype]) -> torch.Tensor:
     """The product of checked 2-D operands, under autocast to ``amp`` (the
     autocast dtype) or not; ``precision`` resolved."""
-    refuse_vmap("linear", x2, weight, bias)  # (the cuBLAS routes read the operands' alignment)
+    # Refused here, naming the public op: the cuBLAS routes read the
+    # operands' addresses before any FusedOp would refuse it.
+    refuse_vmap("linear", x2, weight, bias)
     if amp is not None:
         y = _run_autocast_linear(x2, weight, bias, amp)
         # relu(F.linear(x, weight, bias)) in amp, as the reference

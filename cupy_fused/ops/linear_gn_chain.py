@@ -382,14 +382,15 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
             linear_gn_chain, "x", x, weight, lin_bias, chain, num_groups, extra_bias=extra_bias,
             gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight, eps=eps,
             precision=precision, eager_rounding=eager_rounding)
-    # Under autocast to float32: every tensor float32 from here on (the
-    # reference's linear and group_norm cast theirs; its adds promote).
-    x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = float32_casts(
-        x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     check_chain(chain)
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
+    if amp is None:
+        # Under autocast to float32: every tensor float32 from here on (the
+        # reference's linear and group_norm cast theirs; its adds promote).
+        x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = float32_casts(
+            x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     if amp is not None:  # x and weight in any float dtypes, cast to amp by the GEMM's op
         check_like("weight", weight, x, "x", weight.dtype)  # the device
     else:
