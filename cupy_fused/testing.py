@@ -170,7 +170,8 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
             seed: int = 0, grad_mode: str = "random",
             layout: str = "contiguous",
             autocast: Optional[torch.dtype] = None,
-            mutate: Optional[Callable[[torch.nn.Module], None]] = None) -> Dict[str, Tuple[float, float]]:
+            mutate: Optional[Callable[[torch.nn.Module], None]] = None,
+            input_dtype: Optional[torch.dtype] = None) -> Dict[str, Tuple[float, float]]:
     """Runs ours, eager (both in ``dtype``) and the float64 reference on one
     fresh random input, ours after the allocator's free memory is filled
     with NaN (:func:`poison_allocator`).
@@ -187,19 +188,22 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
             dtype=...)`` (the backward outside it, as in training).
         mutate: called on the reference and on ours after they are built (a
             change of a submodule, say), so as to leave the two alike.
+        input_dtype: the input's dtype where it differs from the models'
+            (under autocast, say).
 
     Returns:
         ``{tensor name: (our error, eager error)}`` (:func:`rel_error`
         against float64) for the output and the gradient of the input and
         of every parameter.  Raises AssertionError when our output or a
-        gradient has another dtype than eager's, or is missing.
+        gradient has another dtype or shape than eager's, or is missing.
     """
     ref, ours = build_pair(problem, ctor_args, device, dtype, seed)
     if mutate is not None:
         mutate(ref)
         mutate(ours)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    x = torch.rand(input_shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+    x = torch.rand(input_shape, generator=gen, dtype=torch.float32).to(device=device,
+                                                                        dtype=input_dtype or dtype)
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     elif layout == "strided":
@@ -217,11 +221,14 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
     eager_out, eager_grads = _run(ref, x, dy, grad_mode, autocast)
     poison_allocator(device, 4 * max(truth_out.numel(), x.numel()))
     our_out, our_grads = _run(ours, x, dy, grad_mode, autocast)
-    if our_out.dtype != eager_out.dtype:
-        raise AssertionError(f"output dtype {our_out.dtype}, eager's {eager_out.dtype}")
+    if our_out.dtype != eager_out.dtype or our_out.shape != eager_out.shape:
+        raise AssertionError(f"output {our_out.dtype} {tuple(our_out.shape)}, eager's "
+                             f"{eager_out.dtype} {tuple(eager_out.shape)}")
     for name, g in our_grads.items():
-        if g is not None and eager_grads.get(name) is not None and g.dtype != eager_grads[name].dtype:
-            raise AssertionError(f"{name} dtype {g.dtype}, eager's {eager_grads[name].dtype}")
+        theirs = eager_grads.get(name)
+        if g is not None and theirs is not None and (g.dtype, g.shape) != (theirs.dtype, theirs.shape):
+            raise AssertionError(f"{name}: {g.dtype} {tuple(g.shape)}, eager's {theirs.dtype} "
+                                 f"{tuple(theirs.shape)}")
     result = {"out": (rel_error(our_out, truth_out), rel_error(eager_out, truth_out))}
     for name, truth in truth_grads.items():
         mine, theirs = our_grads.get(name), eager_grads.get(name)

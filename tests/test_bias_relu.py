@@ -700,8 +700,9 @@ def test_backward_tf32_dz(layout, second, device):
 def test_backward_past_2_pow_31_elements(layout, device):
     """64-bit indexing in the backwards (rows, NCHW slabs, a channels-last
     4-D z) and their column sums, on 2^31 + 2^20 float16 values: dz exact at
-    positions on both sides of element 2^31, both biases' gradients against
-    torch's float32 sums of dz and dy."""
+    positions on both sides of element 2^31 and everywhere against torch's
+    gate, both biases' gradients against torch's float32 sums of dz and
+    dy."""
     shape = {"rows": ((1 << 21) + 1, 1024), "nchw": (2049, 64, 128, 128),
              "channels-last": (2049, 64, 128, 128)}[layout]
     gen = torch.Generator(device=device).manual_seed(31)
@@ -723,6 +724,13 @@ def test_backward_past_2_pow_31_elements(layout, device):
     for p, c in zip(flat, channels):
         alive = zm[p].float() + b1.detach()[c].float() > 0
         assert dzm[p].item() == (dym[p].item() if alive else 0.0), (layout, p)
+    # Every value, against torch's gate, a slice of the batch at a time.
+    b1_at = b1.detach().float().view((1, -1) if layout == "rows" else (1, -1, 1, 1))
+    step = (1 << 26) // (z[0].numel())
+    for i in range(0, shape[0], step):
+        sl = slice(i, i + step)
+        want = torch.where(z.detach()[sl].float() + b1_at > 0, dy[sl], torch.zeros_like(dy[sl]))
+        assert torch.equal(dz[sl], want), (layout, i)
     dims = (0,) if layout == "rows" else (0, 2, 3)
     for grad, of in ((db1, dz), (db2, dy)):
         want = of.float().sum(dims).half().float()

@@ -161,6 +161,7 @@ def test_second_gpu_models_as_with_their_own_device_current(case, mode, monkeypa
         assert launches or (problem == 76 and mode != "fp32")  # (76 in 16 bits: cuBLAS and torch alone)
         assert all(launch.device == 1 for launch in launches), sorted(set(launches))
         ours = sorted({launch.name for launch in launches})
+        launches.clear()
         want = run(1)
     finally:
         torch.cuda.set_device(current)

@@ -193,8 +193,10 @@ def _models_chain(chain, groups, z, lin_bias, v, gw, gb):
 
 
 # The vectorised kernels; the in-register ones (a z off the 16-byte grid, a
-# group of 10 channels); the wide-group ones (600 channels).
-NON_FINITE_SHAPES = [(9, 256, 4, 0), (9, 256, 4, 1), (7, 60, 6, 0), (5, 1200, 2, 0)]
+# group of 10 channels); the wide-group ones (600 channels).  In each, the
+# three non-finite values leave group 1 alone, so that every gradient has
+# finite values to hold to the float64 run.
+NON_FINITE_SHAPES = [(9, 256, 4, 0), (9, 256, 4, 1), (7, 60, 6, 0), (5, 2400, 4, 0)]
 
 
 @pytest.mark.gpu
@@ -243,9 +245,9 @@ def test_non_finite_upstream_gradient_lands_where_eagers_does(chain, shape, mode
             continue
         assert_non_finite_where(a, b, name)
         finite = torch.isfinite(b) & torch.isfinite(t)
-        if finite.any():  # (a vector's every column may take a non-finite term)
-            assert (rel_error(a[finite], t[finite])
-                    <= 1.5 * rel_error(b[finite], t[finite]) + ulp), name
+        assert finite.any(), name  # (group 1's columns)
+        assert (rel_error(a[finite], t[finite])
+                <= 1.5 * rel_error(b[finite], t[finite]) + ulp), name
 
 
 @pytest.mark.gpu

@@ -116,9 +116,10 @@ def test_the_allow_lists_name_only_what_exists():
     lambda t: ops.swish_bias_group_norm(t(4, 16), t(16), t(16), t(16), t(16), 4),
     lambda t: ops.group_norm_swish_multiply_swish(t(4, 16), t(16), t(16), t(16), t(16), 4),
     lambda t: ops.bias_hardtanh_mish_group_norm(t(4, 16), t(16), t(16), t(16), t(16), 4),
+    lambda t: ops.conv_bias_relu(t(1, 2, 5, 5), t(3, 2, 2, 2), t(3), t(3, 1, 1)),
 ], ids=["linear", "bias_relu", "scale_add", "gn_chain", "linear_gn_chain",
         "swish_bias_group_norm", "group_norm_swish_multiply_swish",
-        "bias_hardtanh_mish_group_norm"])
+        "bias_hardtanh_mish_group_norm", "conv_bias_relu"])
 def test_validated_ops_refuse_cpu_tensors_before_launching(call):
     with pytest.raises(ValueError, match="must be on a CUDA device"):
         call(lambda *shape: torch.rand(*shape))
