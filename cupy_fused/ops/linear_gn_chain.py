@@ -386,14 +386,13 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
-    if amp is None:
+    if amp is not None:  # x and weight in any float dtypes, cast to amp by the GEMM's op
+        check_like("weight", weight, x, "x", weight.dtype)  # the device
+    else:
         # Under autocast to float32: every tensor float32 from here on (the
         # reference's linear and group_norm cast theirs; its adds promote).
         x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = float32_casts(
             x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
-    if amp is not None:  # x and weight in any float dtypes, cast to amp by the GEMM's op
-        check_like("weight", weight, x, "x", weight.dtype)  # the device
-    else:
         check_like("weight", weight, x, "x")
     n, k = weight.shape
     if x.shape[1] != k:
