@@ -37,9 +37,10 @@ def main():
     limit = _runtime.max_shared_bytes(0)
     for name, tile in list(tiles.items()):
         need = tile.shared_bytes(*G.LAYOUTS["forward"], args.passes)
-        if need > limit or (tile.engine and not G.has_wgmma(0)):
-            print(f"{name}: skipped ({need} bytes of shared memory, this GPU allows {limit} a block; "
-                  f"the engine's tiles need wgmma)", flush=True)
+        why = (f"{need} bytes of shared memory, this GPU allows {limit} a block" if need > limit
+               else "the engine's tiles need wgmma" if tile.engine and not G.has_wgmma(0) else None)
+        if why:
+            print(f"{name}: skipped ({why})", flush=True)
             del tiles[name]
     family = _runtime.KernelFamily("gemm_tf32.cu", {
         name: G._expr(tile, args.passes, "forward", True) for name, tile in tiles.items()})
