@@ -91,10 +91,15 @@ def float32_casts(*tensors):
                  else t for t in tensors)
 
 
+# The dtypes autocast casts (it leaves float64 alone), and so cast().
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``t`` in ``dtype`` (None and non-tensors pass through, for the
-    validation that follows to name them)."""
-    if isinstance(t, torch.Tensor) and t.dtype != dtype and t.is_floating_point():
+    """``t`` in ``dtype`` where it is float32, float16 or bfloat16 (others,
+    float64 among them, as autocast leaves them, and None and non-tensors,
+    pass through, for the validation that follows to name them)."""
+    if isinstance(t, torch.Tensor) and t.dtype != dtype and t.dtype in _CASTABLE:
         return t.to(dtype)
     return t
 

@@ -182,6 +182,18 @@ def _fields(**values) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in values.items())
 
 
+def _autocast_conv_bias(conv_bias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Problem 1's conv bias under autocast where its dtype is not bias's:
+    cast to the autocast dtype d where bias is in d (an autograd cast).
+    The reference's convolution casts its bias to d, so that only bias's
+    dtype promotes y's; the ops add conv_bias after the convolution and
+    promote over both (a float32 conv bias would make y float32)."""
+    amp = autocast_dtype()
+    if amp is not None and bias.dtype == amp and conv_bias.dtype == torch.float32:
+        return conv_bias.to(amp)
+    return conv_bias
+
+
 class ConvReluBiasAdd(nn.Module):
     """Problem 1: ``relu(conv(x)) + bias`` (the reference's
     ``Conv2dReLUBiasAdd``).
@@ -201,34 +213,46 @@ class ConvReluBiasAdd(nn.Module):
 
     def forward(self, x):
         """Args:
-            x: [N, in_channels, H, W] (NCHW or channels-last), in the
+            x: [N, in_channels, H, W] (NCHW or channels-last), or one image
+                [in_channels, H, W] (as ``nn.Conv2d`` takes it), in the
                 parameters' dtype (under autocast any of float32, float16
                 and bfloat16), on their CUDA device.
 
         Returns:
             y [N, out_channels, OH, OW] (the convolution's output size: H -
-            KH + 1, W - KW + 1 for nn.Conv2d's defaults), in x's memory
-            format and dtype; float32 under autocast, as the reference's.
+            KH + 1, W - KW + 1 for nn.Conv2d's defaults), or [out_channels,
+            OH, OW] for one image (unless ``bias`` is 4-D, whose broadcast
+            keeps the batch dim, as the reference's), in x's memory format
+            and dtype; under autocast the autocast dtype promoted with
+            ``bias``'s, as the reference's.
         """
+        if isinstance(x, torch.Tensor) and x.dim() != 4:
+            check_tensor("x", x, ndim=(3, 4))  # (3-D: one image, as nn.Conv2d takes it)
+            y = self.forward(x.unsqueeze(0))
+            return y if self.bias.dim() == 4 else y.squeeze(0)
         conv = _plain(self.conv, nn.Conv2d, self, "conv")
         weight = conv.weight
         _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)")
         bias = _per_channel(self.bias, weight.shape[0], 4, "bias")
+        conv_bias = conv.bias
+        if conv_bias is not None and conv_bias.dtype != bias.dtype and autocast_enabled():
+            conv_bias = _autocast_conv_bias(conv_bias, bias)
         if (conv.stride == (1, 1) and conv.padding == (0, 0) and conv.dilation == (1, 1)
-                and conv.groups == 1 and conv.bias is not None):  # (no padding: its mode is moot)
-            return ops.conv_bias_relu(x, weight, conv.bias, bias)
+                and conv.groups == 1 and conv_bias is not None):  # (no padding: its mode is moot)
+            return ops.conv_bias_relu(x, weight, conv_bias, bias)
         # Another convolution (stride, padding and its mode, ...: Conv2d's
         # own forward without its bias), then relu(z + conv bias) + bias,
         # whose vectors are checked first (bias_relu would check them after
         # the convolution has run).
         autocast_dtype()  # (refuses an autocast dtype that no op here computes in, first)
-        for name, vector in (("conv.bias", conv.bias), ("bias", bias)):
-            if vector is not None:
-                check_like(name, vector, x, "x", FLOAT_DTYPES)
+        if conv_bias is not None:
+            check_vector("conv.bias", conv_bias, weight.shape[0], x, "x", dtype=FLOAT_DTYPES)
+        check_like("bias", bias, x, "x", FLOAT_DTYPES)
         z = conv._conv_forward(x, weight, None)
         # Under autocast z is in the autocast dtype and the biases float32:
-        # bias_relu promotes, as the reference's add does.
-        conv_bias = conv.bias if conv.bias is not None else weight.new_zeros(weight.shape[0])
+        # bias_relu promotes, as the reference's add does.  Without a conv
+        # bias, zeros in z's dtype (the reference's convolution adds none).
+        conv_bias = conv_bias if conv_bias is not None else z.new_zeros(weight.shape[0])
         return ops.bias_relu(z, conv_bias, bias)
 
     def extra_repr(self) -> str:
@@ -312,15 +336,19 @@ class GemmAddRelu(nn.Module):
 
     def forward(self, x):
         """Args:
-            x: [M, in_features], in the parameters' dtype (under autocast
-                any of float32, float16 and bfloat16), on their CUDA device.
+            x: [*, in_features] (as ``nn.Linear`` takes it: [M, in_features],
+                or any leading dims, or none), in the parameters' dtype
+                (under autocast any of float32, float16 and bfloat16), on
+                their CUDA device.
 
         Returns:
-            y [M, out_features], in x's dtype; float32 under autocast, as the
-            reference's.
+            y [*, out_features] (x's leading dims), in x's dtype; float32
+            under autocast, as the reference's.
         """
         linear = _plain(self.gemm, nn.Linear, self, "gemm")
         weight = linear.weight
+        if isinstance(x, torch.Tensor) and x.dim() != 2:
+            return self._rows(x, weight)
         _check_input(x, weight, 2, weight.shape[1], "features")
         bias = _per_channel(self.bias, weight.shape[0], 2, "bias")
         gemm_bias = linear.bias
@@ -353,6 +381,18 @@ class GemmAddRelu(nn.Module):
             return ops.bias_relu(_linear_prechecked(x, weight, gemm_bias, None, self.precision), bias)
         bias = check_vector("bias", bias, weight.shape[0], x, "x", optional=False)
         return _linear_prechecked(x, weight, bias, "relu", self.precision)
+
+    def _rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """forward of an x that is not 2-D: its rows [M, in_features] (a
+        view where x's layout allows), then y with x's leading dims, as
+        ``nn.Linear`` gives them."""
+        check_tensor("x", x)
+        if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"x must have {weight.shape[1]} features in its last dim, got "
+                             f"shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        y = self.forward(x.reshape(lead.numel(), x.shape[-1]))
+        return y.reshape(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:
         return _fields(in_features=getattr(self.gemm, "in_features", None),

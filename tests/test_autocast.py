@@ -3,6 +3,7 @@ model, every module and functional op computes what the reference computes
 there: output dtype, gradient dtypes, error against a float64 run no worse
 than 1.5x eager's, non-finite values where the reference puts them,
 GradScaler's skipped step, and torch.compile."""
+import contextlib
 import copy
 import importlib
 
@@ -42,6 +43,38 @@ def test_output_dtype_under_autocast_is_the_references(problem, device):
     with _autocast(torch.bfloat16), torch.no_grad():
         y_ref, y_ours = ref(x), ours(x)
     assert y_ours.dtype == y_ref.dtype == torch.float32
+
+
+@pytest.mark.parametrize("variant", ["engine", "stride-2", "no-conv-bias"])
+def test_problem_1_bias_in_the_autocast_dtype(variant, device):
+    """A float32 problem 1 whose ``bias`` is bfloat16, under bfloat16
+    autocast: the reference's convolution casts its own bias, so y is
+    bfloat16; ours too, on the engine's route and on another convolution's
+    (a stride of 2; no conv bias), every gradient in its parameter's dtype
+    and, as y, within 1.5x eager's error against a float64 run."""
+    _, args, shape = reference.SMALL_PROBLEMS[1]
+    ref, ours = build_pair(1, args, device, torch.float32)
+    for m in (ref, ours):
+        m.bias = torch.nn.Parameter(m.bias.detach().bfloat16())
+        if variant == "stride-2":
+            m.conv.stride = (2, 2)
+        if variant == "no-conv-bias":
+            m.conv.bias = None
+    ref64 = copy.deepcopy(ref).double()
+    x = torch.rand(shape, device=device)
+    g = torch.randn(ref(x).shape, device=device)
+    outs = {}
+    for name, model, xin in [("ours", ours, x), ("eager", ref, x), ("truth", ref64, x.double())]:
+        xin = xin.clone().requires_grad_(True)
+        with _autocast(torch.bfloat16) if name != "truth" else contextlib.nullcontext():
+            y = model(xin)
+        y.backward(g.to(y.dtype))
+        outs[name] = [("y", y.detach()), ("x", xin.grad)] + [(n, p.grad) for n, p in
+                                                           model.named_parameters()]
+    assert outs["ours"][0][1].dtype == outs["eager"][0][1].dtype == torch.bfloat16
+    for (n, a), (_, e), (_, t) in zip(outs["ours"], outs["eager"], outs["truth"]):
+        assert a.dtype == e.dtype, n
+        assert rel_error(a, t) <= 1.5 * rel_error(e, t) + 1e-6, (n, rel_error(a, t), rel_error(e, t))
 
 
 @pytest.mark.parametrize("amp", AMP, ids=str)

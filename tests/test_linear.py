@@ -68,6 +68,24 @@ def test_cublas_relu_backward_keeps_its_output_for_one_use(dtype, past_device_ch
         y.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward(dy)
+    # The bias is not saved (the reference's nodes do not save it): changed
+    # in place before the first backward, the gradients are the reference's
+    # under the same change; a second backward, which would recompute the
+    # gate from it, is refused.
+    for t in leaves + ref:
+        t.grad = None
+    y = ops.linear(*leaves, activation="relu", precision="ieee")
+    y_ref = torch.relu(torch.nn.functional.linear(*ref))
+    with torch.no_grad():
+        leaves[2].add_(1.0)
+        ref[2].add_(1.0)
+    y.backward(dy, retain_graph=True)
+    y_ref.backward(dy)
+    for ours, theirs in zip(leaves, ref):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: the bias of "
+                                           "cupy_fused::linear_relu_cublas"):
+        y.backward(dy)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

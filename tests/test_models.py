@@ -44,6 +44,12 @@ CASES = [(p, a, s) for p, (_, a, s) in reference.SMALL_PROBLEMS.items()] + [
     (94, (16, 96, (1,), 2), (3, 16)),
     (1, (3, 7, 5, (1, 1, 1)), (1, 3, 17, 23)),
     (1, (3, 7, 3, (1, 7, 1, 1)), (2, 3, 9, 8)),
+    # Inputs of other ranks, as nn.Linear (any leading dims, or none) and
+    # nn.Conv2d (one image, [C, H, W]) take them.
+    (76, (33, 77, (77,)), (2, 5, 33)),
+    (76, (33, 77, (77,)), (33,)),
+    (1, (3, 7, 5, (7, 1, 1)), (3, 17, 23)),
+    (1, (3, 7, 3, (1, 7, 1, 1)), (3, 9, 8)),
 ]
 
 

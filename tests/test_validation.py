@@ -51,13 +51,17 @@ def test_model_rejects_wrong_shapes(past_device_check):
     model = cupy_fused.GemmAddRelu(8, C, (C,))
     with pytest.raises(ValueError, match=r"x must have 8 features, got shape \(2, 9\)"):
         model(torch.rand(2, 9))
-    with pytest.raises(ValueError, match="x must be 2-D"):
-        model(torch.rand(2, 3, 8))
+    with pytest.raises(ValueError, match=r"x must have 8 features in its last dim, got shape "
+                                         r"\(2, 3, 9\)"):
+        model(torch.rand(2, 3, 9))  # (any leading dims, as nn.Linear)
     with pytest.raises(TypeError, match="x must have the dtype of the model's parameters"):
         model(torch.rand(2, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="x must have dtype float32, float16 or bfloat16"):
+        model(torch.rand(2, 3, 8, dtype=torch.float64))
     conv = cupy_fused.ConvReluBiasAdd(3, C, 3, (C, 1, 1))
-    with pytest.raises(ValueError, match="x must be 4-D"):
-        conv(torch.rand(3, 5, 5))
+    for shape in [(3, 5), (1, 1, 3, 5, 5)]:
+        with pytest.raises(ValueError, match="x must be 3 or 4-D"):
+            conv(torch.rand(shape))
 
 
 def _gn_args(**over):
@@ -398,6 +402,10 @@ def test_models_check_inputs_and_parameters_before_anything_runs(past_device_che
         m.setattr(conv.conv, "_conv_forward", lambda *a: launched.append(a))
         with pytest.raises(TypeError, match="bias must have dtype float32, float16 or bfloat16"):
             conv(torch.rand(2, 3, 8, 8))
+        conv.bias = torch.nn.Parameter(conv.bias.detach().float())
+        conv.conv.bias = torch.nn.Parameter(torch.rand(5))
+        with pytest.raises(ValueError, match="conv.bias must hold one value per channel"):
+            conv(torch.rand(2, 3, 8, 8))
     assert launched == []
 
 
@@ -592,6 +600,96 @@ def test_autocast_to_another_dtype_is_refused_before_anything_runs(past_device_c
             with pytest.raises(TypeError, match=message):
                 conv(torch.rand(1, 2, 4, 4))
     assert launches == []
+
+
+def test_float64_vectors_under_autocast_are_refused_before_anything_runs(past_device_check,
+                                                                         launches):
+    """Autocast casts float32, float16 and bfloat16 tensors and leaves
+    float64 alone (the reference then promotes to float64, or fails): the
+    GroupNorm chains refuse a float64 vector under autocast, naming it,
+    before anything runs, as problem 76 does."""
+    from cupy_fused import _amp
+
+    assert _amp.cast(torch.rand(2, dtype=torch.float64), torch.float32).dtype == torch.float64
+    x, w, z = torch.rand(4, 8), torch.rand(C, 8), torch.rand(4, C)
+    f64 = torch.rand(C, dtype=torch.float64)
+    message = "must have dtype float32, float16 or bfloat16, got torch.float64"
+    with _cuda_autocast(torch.bfloat16):
+        with pytest.raises(TypeError, match="mul_weight " + message):
+            ops.gn_chain(z, "gn_swish_mul_swish", 4, mul_weight=f64)
+        with pytest.raises(TypeError, match="lin_bias " + message):
+            ops.linear_gn_chain(x, w, f64, "swish_bias_gn", 4)
+        for model, name in [(cupy_fused.GemmGroupNormSwishMultiplySwish(8, C, 4, (C,)),
+                             "multiply_weight"),
+                            (cupy_fused.MatmulSwishSumGroupNorm(8, C, 4, (C,)), "bias"),
+                            (cupy_fused.GemmBiasAddHardtanhMishGroupNorm(8, C, (C,), 4), "bias")]:
+            setattr(model, name, torch.nn.Parameter(getattr(model, name).detach().double()))
+            with pytest.raises(TypeError, match=message):
+                model(x)
+    assert launches == []
+
+
+def test_inputs_of_other_ranks_reach_the_ops_as_the_reference_takes_them(past_device_check,
+                                                                        monkeypatch):
+    """Problem 76 takes nn.Linear's [*, in_features] (its rows go to the
+    product as [M, in_features], y comes back with x's leading dims) and
+    problem 1 nn.Conv2d's one image [C, H, W] (as a batch of one; y without
+    the batch dim unless bias is 4-D, as the reference's broadcast)."""
+    M = importlib.import_module("cupy_fused.models")
+    seen = []
+
+    def product(x, weight, *rest):
+        seen.append(tuple(x.shape))
+        return torch.zeros(x.shape[0], weight.shape[0])
+
+    monkeypatch.setattr(M, "_linear_prechecked", product)
+    model = cupy_fused.GemmAddRelu(8, C, (C,))
+    for shape, out in [((2, 3, 8), (2, 3, C)), ((8,), (C,)), ((0, 5, 8), (0, 5, C)),
+                       ((2, 1, 1, 8), (2, 1, 1, C))]:
+        assert model(torch.rand(shape)).shape == out
+    assert seen == [(6, 8), (1, 8), (0, 8), (2, 8)]
+    for shape in [(2, 3, 7), (), (7,)]:
+        with pytest.raises(ValueError, match=r"x must have 8 features in its last dim"):
+            model(torch.rand(shape))
+
+    monkeypatch.setattr(M.ops, "conv_bias_relu",
+                        lambda x, w, cb, b: seen.append(tuple(x.shape)) or torch.zeros(
+                            x.shape[0], w.shape[0], x.shape[2] - 1, x.shape[3] - 1))
+    for bias_shape, out in [((4, 1, 1), (4, 5, 6)), ((1, 4, 1, 1), (1, 4, 5, 6))]:
+        conv = cupy_fused.ConvReluBiasAdd(3, 4, 2, bias_shape)
+        assert conv(torch.rand(3, 6, 7)).shape == out
+    assert seen[-2:] == [(1, 3, 6, 7)] * 2
+
+
+def test_problem_1_conv_bias_under_autocast_takes_the_autocast_dtype(past_device_check,
+                                                                     monkeypatch):
+    """Under autocast the reference's convolution casts its bias to the
+    autocast dtype, so only ``bias`` promotes y: where bias has that dtype
+    and the conv bias is float32, the op gets the conv bias cast (an
+    autograd cast: its gradient comes back in float32); without a conv bias
+    (another convolution's route), zeros in z's dtype."""
+    M = importlib.import_module("cupy_fused.models")
+    seen = []
+    monkeypatch.setattr(M.ops, "conv_bias_relu", lambda x, w, cb, b: seen.append(cb))
+    monkeypatch.setattr(M.ops, "bias_relu", lambda z, cb, b: seen.append(cb))
+    conv = cupy_fused.ConvReluBiasAdd(3, 4, 2, (4, 1, 1))
+    x = torch.rand(1, 3, 6, 7)
+    with _cuda_autocast(torch.bfloat16):
+        conv(x)  # every tensor float32: as given
+        assert seen[-1] is conv.conv.bias
+        conv.bias = torch.nn.Parameter(conv.bias.detach().bfloat16())
+        conv(x)
+        assert seen[-1].dtype == torch.bfloat16 and seen[-1].grad_fn is not None
+        conv.conv.bias = None
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(conv.conv, "_conv_forward", lambda *a: torch.zeros(1, 4, 5, 6,
+                                                                          dtype=torch.bfloat16))
+            conv(x)
+        assert seen[-1].dtype == torch.bfloat16 and not seen[-1].any()
+    with _cuda_autocast(torch.bfloat16):  # the conv bias's gradient in its own dtype
+        cb = torch.rand(4, requires_grad=True)
+        M._autocast_conv_bias(cb, torch.rand(4, dtype=torch.bfloat16)).sum().backward()
+    assert cb.grad.dtype == torch.float32
 
 
 def test_models_under_float32_autocast_run_in_float32(past_device_check):

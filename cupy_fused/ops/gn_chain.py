@@ -561,10 +561,11 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
     (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight), each flat and
     contiguous or None (mul_weight is required by the chains that use it).
     A vector the chain has no place for (extra_bias in 88's, mul_weight in
-    37's and 94's) is refused: it would be ignored.  ``autocast``: cast to
-    float32 (autograd ops) and checked as float32, the dtype autocast runs
-    the GroupNorm in.  ``names``: the vectors' argument names in the
-    caller's signature, for the errors."""
+    37's and 94's) is refused: it would be ignored.  ``autocast``: float32,
+    float16 and bfloat16 vectors cast to float32 (autograd ops), the dtype
+    autocast runs the GroupNorm in; others (float64) refused.  ``names``:
+    the vectors' argument names in the caller's signature, for the
+    errors."""
     spec = CHAINS[chain]
     for name, value, slot in ((names[1], extra_bias, spec.extra_bias),
                               (names[4], mul_weight, spec.mul_weight)):
@@ -572,10 +573,10 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
             raise ValueError(f"{name} must be None for chain {chain!r}, which has no such "
                              f"vector (it would be ignored)")
     dtype = None
-    if autocast:
-        dtype = torch.float32
+    if autocast:  # (checked as any of the three: after the casts, each that passes is float32)
+        dtype = FLOAT_DTYPES
         lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
-            cast(v, dtype) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
+            cast(v, torch.float32) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
     # (Each vector but the linear bias, which a GEMM's epilogue may add, may
     # be one value for every channel: see check_vector.)
     return (check_vector(names[0], lin_bias, channels, like, like_name, dtype=dtype),

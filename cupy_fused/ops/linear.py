@@ -101,25 +101,30 @@ def _cublas_relu_setup_context(ctx, inputs, output):
 
 def _cublas_relu_eager_setup_context(ctx, inputs, output):
     # Eager: this node gates the gradient itself, with the output kept for
-    # that one use (see _CUBLAS_RELU); the bias is saved to recompute it.
-    ctx.save_for_backward(*inputs)
+    # that one use (see _CUBLAS_RELU).  The bias is kept, not saved, to
+    # recompute the output for a second backward through a retained graph
+    # (refused there, as autograd refuses, if it changed in place): the
+    # reference's nodes do not save it, so changing it in place before the
+    # first backward is no error.
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.bias, ctx.bias_version = bias, version_of(bias)
     keep_output(ctx, output)
     ctx.gates = True
 
 
 def _cublas_relu_backward_formula(ctx, grads, run_backward):
     dz = grads[0]
+    x, weight = ctx.saved_tensors
     if ctx.gates:
-        x, weight, bias = ctx.saved_tensors
         y = take_output(ctx)
         if y is None:  # a second backward through a retained graph
-            y = _cublas_relu_forward(x, weight, bias)
+            check_unchanged(ctx.bias, ctx.bias_version, "the bias of cupy_fused::linear_relu_cublas")
+            y = _cublas_relu_forward(x, weight, ctx.bias)
         # ReLU's own backward kernel (as eager's ReLU node), then y is dropped
         # before the products allocate dW.
         dz = torch.ops.aten.threshold_backward(dz, y, 0)
         del y
-    else:
-        x, weight = ctx.saved_tensors
     want = ctx.needs_input_grad
     dx, dw, dbias = run_backward(dz, x, weight, want[0], want[1], want[2])
     return (dx if want[0] else None, dw if want[1] else None, dbias if want[2] else None)
