@@ -373,8 +373,9 @@ class FusedOp:
         # The eager Function's C++ apply, called without torch's Python
         # wrapper around it (Function.apply) where that wrapper would only
         # unwrap dead functorch wrappers among the tensor inputs: run() does
-        # that itself, and goes through the wrapper when a torch.func
-        # transform is active.  The wrapper's generic handling (a classmethod
+        # that itself, and refuses torch.func's gradient transforms (under
+        # which the wrapper fails on a Function without setup_context,
+        # naming no op) before either is called.  The wrapper's generic handling (a classmethod
         # call, the setup_context test, a generator over every argument into
         # a new tuple) is a large part of a small op's host time, paid on
         # every training step's forward.  None where this torch lacks what
@@ -430,9 +431,13 @@ class FusedOp:
             return self.op(*inputs)
         if transforms and _vmapped(inputs):
             raise _vmap_error(self.name)
+        if transforms and requires_grad:  # (Function.apply would fail there, naming no op)
+            raise RuntimeError(f"{NAMESPACE}::{self.name} does not support torch.func's gradient "
+                               "transforms (torch.func.grad, vjp, jacrev, hessian): use "
+                               "torch.autograd.grad or Tensor.backward")
         if not requires_grad:
             return self.forward(*inputs)
-        if self._c_apply is None or transforms:
+        if self._c_apply is None:
             return self._function.apply(*inputs)
         args = list(inputs)
         for i in self._tensor_args:

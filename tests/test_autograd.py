@@ -80,14 +80,18 @@ def test_direct_apply_records_the_same_node():
 
 
 def test_torch_func_transforms_and_their_dead_wrappers():
-    """Under a torch.func transform run() goes through Function.apply, which
-    refuses the eager Function (it defines no setup_context staticmethod)
-    rather than letting the transform see an opaque op; a tensor that
-    escaped a finished transform (a dead wrapper) is unwrapped before the
-    forward sees it, as Function.apply would."""
+    """Under torch.func's gradient transforms run() refuses the op, naming
+    it (Function.apply would refuse the eager Function, which defines no
+    setup_context staticmethod, naming none), rather than letting the
+    transform see an opaque op; a tensor that escaped a finished transform
+    (a dead wrapper) is unwrapped before the forward sees it, as
+    Function.apply would."""
     x = torch.rand(5, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="setup_context"):
+    message = r"cupy_fused::test_autograd_scale does not support torch.func's gradient transforms"
+    with pytest.raises(RuntimeError, match=message):
         torch.func.grad(lambda t: _SCALE.run(True, t, 3.0).sum())(x)
+    with pytest.raises(RuntimeError, match=message):
+        torch.func.vjp(lambda t: _SCALE.run(True, t, 3.0), x)
 
     leaked = []
 
@@ -159,7 +163,7 @@ def test_run_gives_the_same_results_with_or_without_the_direct_apply(path, monke
     y = _SCALE.run(True, dead, 2.0)
     assert not torch._C._functorch.is_functorch_wrapped_tensor(y)
     assert torch.equal(y, 2.0 * x.detach())
-    with pytest.raises(RuntimeError, match="setup_context"):
+    with pytest.raises(RuntimeError, match="does not support torch.func's gradient transforms"):
         torch.func.grad(lambda t: _SCALE.run(True, t, 3.0).sum())(x.detach())
 
 

@@ -293,9 +293,14 @@ def test_autocast_half_input_meets_float32_parameters(problem, device):
     assert not bad, {n: errors[n] for n in bad}
 
 
-@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS) + ["76-3d", "1-unbatched"])
 def test_torch_compile_fullgraph(problem, device):
+    # (the other input ranks: 76's [*, in_features], problem 1's one image)
+    other_rank = {"76-3d": lambda s: (2, 3, s[-1]), "1-unbatched": lambda s: s[1:]}
+    reshape = other_rank.get(problem, lambda s: s)
+    problem = int(str(problem).split("-")[0])
     _, args, shape = reference.SMALL_PROBLEMS[problem]
+    shape = reshape(shape)
     _, ours = build_pair(problem, args, device, torch.float32)
     x = torch.rand(shape, device=device)
     dy = torch.randn_like(ours(x))
