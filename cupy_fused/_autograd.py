@@ -67,6 +67,7 @@ _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _unwrap_if_dead = getattr(_functorch, "unwrap_if_dead", None)
 _is_functional_tensor = getattr(_functorch, "is_functionaltensor", None)
 _is_batched = getattr(_functorch, "is_batchedtensor", None)
+_is_grad_tracking = getattr(_functorch, "is_gradtrackingtensor", None)
 _FunctionBase = getattr(torch._C, "_FunctionBase", None)
 
 
@@ -94,6 +95,14 @@ def _vmapped(inputs) -> bool:
     tensor (its data pointer cannot be taken)."""
     return _is_batched is not None and any(isinstance(t, torch.Tensor) and _is_batched(t)
                                            for t in inputs)
+
+
+def _grad_tracked(inputs) -> bool:
+    """Whether any of ``inputs`` (under an active torch.func transform) is a
+    tensor that torch.func.grad, vjp or jacrev differentiates through (no
+    memory of its own either)."""
+    return _is_grad_tracking is not None and any(
+        isinstance(t, torch.Tensor) and _is_grad_tracking(t) for t in inputs)
 
 
 def _direct_apply(function: type) -> Optional[Callable]:
@@ -163,14 +172,25 @@ def _vmap_error(name: str) -> RuntimeError:
                         "tensors (call it on the batch as one tensor, or per sample)")
 
 
-def refuse_vmap(name: str, *tensors: Optional[torch.Tensor]) -> None:
-    """torch.vmap, refused naming the op ``name`` before anything runs, as
-    :meth:`FusedOp.run` refuses it: for the ops whose routes reach a
+def _grad_transform_error(name: str) -> RuntimeError:
+    return RuntimeError(f"{NAMESPACE}::{name} does not support torch.func's gradient transforms "
+                        "(torch.func.grad, vjp, jacrev, hessian): use torch.autograd.grad or "
+                        "Tensor.backward")
+
+
+def refuse_transforms(name: str, *tensors: Optional[torch.Tensor]) -> None:
+    """torch.vmap and torch.func's gradient transforms, refused naming
+    ``name`` (an op, or a module) before anything runs, as
+    :meth:`FusedOp.run` refuses them: for the ops whose routes reach a
     tensor's memory (its alignment) before a FusedOp runs, or run torch's
-    products (cuBLAS, cuDNN) before one.  Outside torch.func's transforms,
-    one call."""
-    if _transforms_active is not None and _transforms_active() and _vmapped(tensors):
-        raise _vmap_error(name)
+    products (cuBLAS, cuDNN) before one, and for the modules' checks of
+    x's rank (a vmapped x has one dim less).  Outside torch.func's
+    transforms, one call."""
+    if _transforms_active is not None and _transforms_active():
+        if _vmapped(tensors):
+            raise _vmap_error(name)
+        if _grad_tracked(tensors):
+            raise _grad_transform_error(name)
 
 
 def _refuse_hidden_grad(tensors) -> None:
@@ -432,9 +452,7 @@ class FusedOp:
         if transforms and _vmapped(inputs):
             raise _vmap_error(self.name)
         if transforms and requires_grad:  # (Function.apply would fail there, naming no op)
-            raise RuntimeError(f"{NAMESPACE}::{self.name} does not support torch.func's gradient "
-                               "transforms (torch.func.grad, vjp, jacrev, hessian): use "
-                               "torch.autograd.grad or Tensor.backward")
+            raise _grad_transform_error(self.name)
         if not requires_grad:
             return self.forward(*inputs)
         if self._c_apply is None:

@@ -57,17 +57,20 @@ import torch.nn as nn
 
 from . import _validation, ops
 from ._amp import autocast_dtype, autocast_enabled, float32_autocast, float32_casts
-from ._autograd import refuse_tangents
+from ._autograd import refuse_tangents, refuse_transforms
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
 from .ops.linear import _linear_prechecked
 from .settings import check_flag, check_precision
 
 
-def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -> torch.Tensor:
+def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str,
+                 module: nn.Module) -> torch.Tensor:
     """x: a CUDA float tensor of ``ndim`` dimensions with ``features`` in
     dimension 1, in the parameters' dtype (any under autocast) and on their
-    device."""
+    device.  Under torch.vmap or torch.func's gradient transforms, refused
+    naming ``module``'s class (a vmapped x has one dim less: the rank's
+    error would not say why)."""
     # The common case in one expression: this runs on every forward, and a
     # half-precision step of problem 76 is as long as its host work.
     if (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == weight.dtype
@@ -75,6 +78,7 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str) -
             and x.dim() == ndim and x.shape[1] == features
             and weight.is_cuda and x.get_device() == weight.get_device()):
         return x
+    refuse_transforms(type(module).__name__, x)
     check_tensor("x", x, ndim=(ndim,))
     if weight.device.type not in _validation.DEVICE_TYPES:
         raise ValueError(f"the model's parameters must be on a CUDA device, got {weight.device}; "
@@ -227,12 +231,13 @@ class ConvReluBiasAdd(nn.Module):
             ``bias``'s, as the reference's.
         """
         if isinstance(x, torch.Tensor) and x.dim() != 4:
+            refuse_transforms(type(self).__name__, x)  # (a vmapped x has one dim less)
             check_tensor("x", x, ndim=(3, 4))  # (3-D: one image, as nn.Conv2d takes it)
             y = self.forward(x.unsqueeze(0))
             return y if self.bias.dim() == 4 else y.squeeze(0)
         conv = _plain(self.conv, nn.Conv2d, self, "conv")
         weight = conv.weight
-        _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)")
+        _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)", self)
         bias = _per_channel(self.bias, weight.shape[0], 4, "bias")
         conv_bias = conv.bias
         if conv_bias is not None and conv_bias.dtype != bias.dtype and autocast_enabled():
@@ -300,7 +305,7 @@ class MatmulSwishSumGroupNorm(nn.Module):
         linear = _plain(self.matmul, nn.Linear, self, "matmul")
         gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")
         weight = linear.weight
-        _check_input(x, weight, 2, weight.shape[1], "features")
+        _check_input(x, weight, 2, weight.shape[1], "features", self)
         return ops.linear_gn_chain(x, weight, linear.bias,
                                    "swish_bias_gn", gn.num_groups,
                                    extra_bias=_per_channel(self.bias, weight.shape[0], 2, "bias"),
@@ -349,7 +354,7 @@ class GemmAddRelu(nn.Module):
         weight = linear.weight
         if isinstance(x, torch.Tensor) and x.dim() != 2:
             return self._rows(x, weight)
-        _check_input(x, weight, 2, weight.shape[1], "features")
+        _check_input(x, weight, 2, weight.shape[1], "features", self)
         bias = _per_channel(self.bias, weight.shape[0], 2, "bias")
         gemm_bias = linear.bias
         refuse_tangents(x, weight, gemm_bias, bias)  # (before the GEMM, which asks about x and W)
@@ -386,6 +391,7 @@ class GemmAddRelu(nn.Module):
         """forward of an x that is not 2-D: its rows [M, in_features] (a
         view where x's layout allows), then y with x's leading dims, as
         ``nn.Linear`` gives them."""
+        refuse_transforms(type(self).__name__, x)  # (a vmapped x has one dim less)
         check_tensor("x", x)
         if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
             raise ValueError(f"x must have {weight.shape[1]} features in its last dim, got "
@@ -436,7 +442,7 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
         linear = _plain(self.gemm, nn.Linear, self, "gemm")
         gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")
         weight = linear.weight
-        _check_input(x, weight, 2, weight.shape[1], "features")
+        _check_input(x, weight, 2, weight.shape[1], "features", self)
         return ops.linear_gn_chain(x, weight, linear.bias,
                                    "gn_swish_mul_swish", gn.num_groups,
                                    gn_weight=gn.weight, gn_bias=gn.bias,
@@ -494,7 +500,7 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
             raise ValueError(f"hardtanh must clamp to [-1, 1] (the fused chain's bounds), got "
                              f"[{hardtanh.min_val}, {hardtanh.max_val}]")
         weight = linear.weight
-        _check_input(x, weight, 2, weight.shape[1], "features")
+        _check_input(x, weight, 2, weight.shape[1], "features", self)
         return ops.linear_gn_chain(x, weight, linear.bias,
                                    "bias_hardtanh_mish_gn", gn.num_groups,
                                    extra_bias=_per_channel(self.bias, weight.shape[0], 2, "bias"),

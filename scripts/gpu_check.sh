@@ -18,6 +18,7 @@
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # (absolute: relative to where it was called, before the cd below)
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/env.log" 2>&1 \

@@ -454,6 +454,58 @@ def test_ops_under_vmap_are_refused_before_any_launch(op, past_device_check, mon
         torch.vmap(call)(a)
 
 
+@pytest.mark.parametrize("op", ["scale_add", "bias_relu", "gn_chain", "linear", "linear-bf16",
+                                "linear_gn_chain", "conv_bias_relu"])
+def test_ops_under_torch_func_gradient_transforms_are_refused_before_any_launch(
+        op, past_device_check, monkeypatch):
+    """torch.func.grad, vjp and jacrev: each op refuses them naming itself,
+    before anything would launch, also on the routes that run cuBLAS or
+    cuDNN (a 16-bit linear, whose alignment check would take the wrapper's
+    data pointer: torch's error, naming no op)."""
+    from cupy_fused import _bridge
+
+    monkeypatch.setattr(_bridge, "launch", lambda *args, **kw: pytest.fail("launched"))
+    b, w, cw, cb = torch.rand(16), torch.rand(8, 16), torch.rand(4, 4, 2, 2), torch.rand(4)
+    a = torch.rand(4, 4, 5, 5) if op == "conv_bias_relu" else torch.rand(4, 16)
+    if op == "linear-bf16":
+        a, w = a.bfloat16(), w.bfloat16()
+    call = {"scale_add": lambda t: ops.scale_add(t, t, 2.0),
+            "bias_relu": lambda t: ops.bias_relu(t, b),
+            "gn_chain": lambda t: ops.gn_chain(t, "swish_bias_gn", 4),
+            "linear": lambda t: ops.linear(t, w),
+            "linear-bf16": lambda t: ops.linear(t, w),
+            "linear_gn_chain": lambda t: ops.linear_gn_chain(t, w, None, "swish_bias_gn", 2),
+            "conv_bias_relu": lambda t: ops.conv_bias_relu(t, cw, cb),
+            }[op]
+    message = f"cupy_fused::{op.split('-')[0]} does not support torch.func's gradient transforms"
+    for transform in (lambda: torch.func.grad(lambda t: call(t).float().sum())(a),
+                      lambda: torch.func.vjp(call, a),
+                      lambda: torch.func.jacrev(lambda t: call(t).sum())(a)):
+        with pytest.raises(RuntimeError, match=message):
+            transform()
+
+
+@pytest.mark.parametrize("problem", [1, 37, 76, 88, 94])
+def test_models_under_torch_func_transforms_are_refused_naming_them(problem, past_device_check,
+                                                                   monkeypatch):
+    """torch.vmap over a batch of inputs hands a module x with one dim less,
+    and torch.func.grad an x with no memory of its own: refused with a
+    RuntimeError naming the module (not the rank check's error), before
+    anything would launch."""
+    from cupy_fused import _bridge, reference
+
+    monkeypatch.setattr(_bridge, "launch", lambda *args, **kw: pytest.fail("launched"))
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    model = cupy_fused.models.MODELS[problem](*args)
+    name = type(model).__name__
+    x = torch.rand((3,) + tuple(shape))
+    with pytest.raises(RuntimeError, match=f"cupy_fused::{name} does not support torch.vmap"):
+        torch.vmap(model)(x)
+    with pytest.raises(RuntimeError, match=f"cupy_fused::{name} does not support torch.func's "
+                                           f"gradient transforms"):
+        torch.func.grad(lambda t: model(t).sum())(x[0])
+
+
 @pytest.mark.parametrize("op", ["scale_add", "bias_relu", "gn_chain"])
 def test_ops_under_functionalize_launch_on_real_memory(op, past_device_check, monkeypatch):
     """torch.func.functionalize's tensors have no memory of their own

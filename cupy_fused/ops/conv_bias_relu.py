@@ -107,7 +107,7 @@ import torch.nn.functional as F
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
 from .._autograd import (HAS_CUSTOM_OP, FusedOp, check_unchanged, inference_op, is_compiling, needs_grad,
-                         refuse_tangents, refuse_vmap, version_of)
+                         refuse_tangents, refuse_transforms, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
@@ -1768,7 +1768,7 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     if bias is not None:
         bias = check_vector("bias", check_tensor("bias", bias), cout, x, "x", dtype=bias.dtype,
                             one=True)
-    refuse_vmap("conv_bias_relu", x, weight, conv_bias, bias)  # (the routes read alignments)
+    refuse_transforms("conv_bias_relu", x, weight, conv_bias, bias)  # (the routes read alignments)
     plan = _engine_plan(x, weight, conv_bias, bias)
     if plan and cin % 8:  # on channels padded with zeros (_padded_plan)
         x, weight = _pad_input_channels(x, weight, plan[0])

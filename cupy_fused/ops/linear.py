@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .._amp import autocast_dtype, float32_autocast, float32_casts
 from .._autograd import (FusedOp, check_unchanged, inference_op, is_compiling, keep_output,
-                         launches_directly, needs_grad, refuse_vmap, take_output, version_of)
+                         launches_directly, needs_grad, refuse_transforms, take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
@@ -469,7 +469,7 @@ def _linear_2d(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     autocast dtype) or not; ``precision`` resolved."""
     # Refused here, naming the public op: the cuBLAS routes read the
     # operands' addresses before any FusedOp would refuse it.
-    refuse_vmap("linear", x2, weight, bias)
+    refuse_transforms("linear", x2, weight, bias)
     if amp is not None:
         y = _run_autocast_linear(x2, weight, bias, amp)
         # relu(F.linear(x, weight, bias)) in amp, as the reference

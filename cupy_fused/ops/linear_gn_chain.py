@@ -49,7 +49,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
-from .._autograd import FusedOp, is_compiling, needs_grad, refuse_tangents, refuse_vmap
+from .._autograd import FusedOp, is_compiling, needs_grad, refuse_tangents, refuse_transforms
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import check_flag, resolve_precision
 from . import gemm
@@ -407,7 +407,7 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     # Every tensor, before the GEMM (the two-launch routes' GEMM asks about x
     # and the weight only).
     refuse_tangents(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
-    refuse_vmap("linear_gn_chain", x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+    refuse_transforms("linear_gn_chain", x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     hopper = not eager_rounding and gemm.has_wgmma(x.device.index)
     if amp is not None:
         if hopper and _takes_one_launch(x, weight, num_groups, amp, True):
