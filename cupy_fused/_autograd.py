@@ -56,6 +56,12 @@ def _compiler_is_compiling() -> Callable[[], bool]:
 
 is_compiling = _compiler_is_compiling()
 
+# A decorator for a function that torch.compile calls when it traces (not
+# traced: e.g. one that reads attributes dynamo cannot), taking its result
+# as a constant, with no guard; the identity on a torch without it.
+assume_constant_result = getattr(getattr(torch, "compiler", None), "assume_constant_result",
+                                 lambda fn: fn)
+
 # What torch.autograd.Function.apply checks and does before its C++ apply
 # (see FusedOp.run): whether a torch.func transform is active, and the
 # unwrapping of dead functorch wrappers (tensors that escaped a finished
@@ -395,11 +401,12 @@ class FusedOp:
         # unwrap dead functorch wrappers among the tensor inputs: run() does
         # that itself, and refuses torch.func's gradient transforms (under
         # which the wrapper fails on a Function without setup_context,
-        # naming no op) before either is called.  The wrapper's generic handling (a classmethod
-        # call, the setup_context test, a generator over every argument into
-        # a new tuple) is a large part of a small op's host time, paid on
-        # every training step's forward.  None where this torch lacks what
-        # that needs (_direct_apply): run() then calls Function.apply.
+        # naming no op) before either is called.  The wrapper's generic
+        # handling (a classmethod call, the setup_context test, a generator
+        # over every argument into a new tuple) is a large part of a small
+        # op's host time, paid on every training step's forward.  None where
+        # this torch lacks what that needs (_direct_apply): run() then calls
+        # Function.apply.
         self._tensor_args = _tensor_positions(forward)
         self._c_apply = _direct_apply(self._function)
 

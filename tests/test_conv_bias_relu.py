@@ -33,6 +33,30 @@ def _reference(x, w, cb, b):
     return y if b is None else y + b.reshape(-1, 1, 1)
 
 
+@pytest.mark.skipif(not hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"),
+                    reason="torch.backends.cudnn.conv.fp32_precision: torch >= 2.9")
+def test_tf32_read_from_the_newer_precision_api_under_compile(past_device_check):
+    """With cuDNN convolutions' fp32_precision set apart from the RNNs'
+    (reading allow_tf32 then raises), the route's TF32 question is answered
+    from it, in eager calls and while torch.compile traces (which cannot
+    follow the eager form's try / except)."""
+    conv = torch.backends.cudnn.conv
+    saved = conv.fp32_precision
+    x, w, cb = torch.rand(2, 8, 6, 6), torch.rand(8, 8, 3, 3), torch.rand(8)
+    try:
+        for precision, tf32 in [("ieee", False), ("tf32", True)]:
+            conv.fp32_precision = precision
+            assert CB._cudnn_tf32() is tf32
+            assert (CB.engine_dtypes(x, w, cb, None) is not None) is tf32
+            torch._dynamo.reset()
+            traced = torch.compile(lambda t: t * 2 if CB._cudnn_tf32() else t * 3,
+                                   backend="eager", fullgraph=True)
+            assert torch.equal(traced(x), x * (2 if tf32 else 3))
+    finally:
+        conv.fp32_precision = saved
+        torch._dynamo.reset()
+
+
 def test_bad_arguments_are_refused(past_device_check, monkeypatch):
     x = torch.rand(2, 8, 6, 6)
     w = torch.rand(4, 8, 3, 3)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from cupy_fused import models, reference
+from cupy_fused import models, ops, reference
 from cupy_fused.testing import build_pair, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -41,4 +41,20 @@ def test_dynamic_batch_compiles_once(problem, dtype, device):
             assert rel_error(have, want) <= tol, (batch, name, rel_error(have, want))
     # One dynamo graph for all batch sizes: no recompile after the first
     # (dynamic) compile.
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_scale_add_dynamic_compiles_once(device):
+    """scale_add's op returns one tensor, not a one-tensor tuple, whose
+    sizes torch.compile would specialise (a compile per shape)."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, y: ops.scale_add(x, y, 2.0), fullgraph=True, dynamic=True)
+    for batch in BATCHES:
+        x = torch.randn(batch, 4, device=device, requires_grad=True)
+        y = torch.randn(batch, 4, device=device)
+        out = compiled(x, y)
+        out.backward(torch.ones_like(out))
+        torch.testing.assert_close(out, 2.0 * x.detach() + y)
+        assert torch.equal(x.grad, torch.full_like(x, 2.0))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

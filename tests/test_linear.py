@@ -126,6 +126,26 @@ def test_cublas_relu_route_uses_cublas_epilogues(dtype, past_device_check):
         assert torch.equal(ours.grad, again.grad)
 
 
+@pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck: torch >= 2.4")
+def test_backward_fakes_match_the_real_outputs(past_device_check):
+    """torch.compile checks a custom op's real outputs against its fake's
+    (inductor asserts their strides): the products' gradients are
+    contiguous for a transposed x or weight (the cuBLAS route keeps their
+    strides), and an unwanted gradient of the autocast backward is empty in
+    its own dtype."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, dz = (torch.randn(*s, generator=gen) for s in [(6, 20), (12, 20), (6, 12)])
+    xt, wt = torch.randn(20, 6, generator=gen).t(), torch.randn(20, 12, generator=gen).t()
+    for args in [(dz, xt, w, True, True, True), (dz, x, wt, True, True, True),
+                 (dz, xt, wt, True, True, False)]:
+        torch.library.opcheck(L._CUBLAS_RELU.backward_op, args, test_utils="test_faketensor")
+    bf = [t.bfloat16() for t in (dz, x, w)]
+    for want in [(False, True, True), (True, False, False)]:
+        torch.library.opcheck(L._LINEAR_AUTOCAST.backward_op,
+                              (*bf, torch.float32, torch.float32, torch.float32, *want),
+                              test_utils="test_faketensor")
+
+
 @pytest.mark.parametrize("dtype, precision, passes", [
     (torch.float32, "3xtf32", 3), (torch.float32, "ieee", 0), (torch.bfloat16, "3xtf32", 0)])
 def test_the_route_is_decided_once(dtype, precision, passes, past_device_check, monkeypatch):

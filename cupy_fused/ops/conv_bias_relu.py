@@ -106,8 +106,8 @@ import torch.nn.functional as F
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
-from .._autograd import (HAS_CUSTOM_OP, FusedOp, check_unchanged, inference_op, is_compiling, needs_grad,
-                         refuse_tangents, refuse_transforms, version_of)
+from .._autograd import (HAS_CUSTOM_OP, FusedOp, assume_constant_result, check_unchanged, inference_op,
+                         is_compiling, needs_grad, refuse_tangents, refuse_transforms, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
@@ -818,14 +818,33 @@ def _cudnn_tf32() -> bool:
     """Whether cuDNN may run the reference's float32 convolution in TF32:
     cuDNN on and ``torch.backends.cudnn.allow_tf32`` (PyTorch's default),
     or, where a program set the newer
-    ``torch.backends.cudnn.conv.fp32_precision`` (reading allow_tf32 then
-    raises), that set to ``"tf32"``."""
+    ``torch.backends.cudnn.conv.fp32_precision`` apart from the RNNs'
+    (reading allow_tf32 then raises), that set to ``"tf32"``."""
     if not torch.backends.cudnn.enabled:
         return False
-    try:
-        return bool(torch.backends.cudnn.allow_tf32)
-    except RuntimeError:
-        return getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", None) == "tf32"
+    apart = _conv_fp32_precision_apart()
+    if apart:
+        return apart == "tf32"
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+@assume_constant_result
+def _conv_fp32_precision_apart() -> str:
+    """cuDNN convolutions' ``fp32_precision`` where it differs from the
+    RNNs' (``"none"`` resolved through its parents, cuDNN's and torch's),
+    else "" (or on a torch without it).  torch.compile cannot trace these
+    attributes: it takes the value read when it traces, without a guard
+    (a program that changes it after compiling recompiles by hand,
+    ``torch._dynamo.reset()``); allow_tf32, read otherwise, is guarded."""
+    cudnn = torch.backends.cudnn
+    precision = getattr(getattr(cudnn, "conv", None), "fp32_precision", None)
+    if precision is None or precision == getattr(getattr(cudnn, "rnn", None), "fp32_precision", None):
+        return ""
+    for parent in (cudnn, torch.backends):
+        if precision != "none":
+            break
+        precision = getattr(parent, "fp32_precision", "none")
+    return precision
 
 
 # A NaN as the kernels' to_tf32_keep_nan writes it (0x7fffe000).

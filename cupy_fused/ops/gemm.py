@@ -755,8 +755,11 @@ def _linear_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
                    want_x: bool, want_weight: bool,
                    want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(x) if want_x else x.new_empty((0,)),
-            torch.empty_like(weight) if want_weight else weight.new_empty((0,)),
+    # (Contiguous, as the products write them, whatever x's and the
+    # weight's strides: inductor checks the real outputs' strides against
+    # these.)
+    return (x.new_empty(x.shape) if want_x else x.new_empty((0,)),
+            weight.new_empty(weight.shape) if want_weight else weight.new_empty((0,)),
             weight.new_empty((weight.shape[0],) if want_bias else (0,)))
 
 

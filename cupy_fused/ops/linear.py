@@ -223,7 +223,9 @@ def _autocast_linear_backward(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Te
     empty when not wanted."""
     grads = _autocast_products(dz, x_d, lambda: w_d, x_dtype, weight_dtype, bias_dtype, want_x,
                                want_weight, want_bias)
-    return tuple(g if g is not None else dz.new_empty((0,)) for g in grads)
+    # (an unwanted one empty in its dtype, as the fake gives it)
+    return tuple(g if g is not None else dz.new_empty((0,), dtype=d)
+                 for g, d in zip(grads, (x_dtype, weight_dtype, bias_dtype)))
 
 
 def _autocast_backward_fake(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,

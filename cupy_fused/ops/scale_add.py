@@ -3,8 +3,6 @@ an installation (``python -m cupy_fused``), the runtime and the bridge, and
 the op whose per-call host cost ``benchmarks/host_overhead.py`` times."""
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
@@ -16,18 +14,20 @@ from ._common import BLOCK, call_with_cupy_arrays, elementwise_grid
 KERNELS = _runtime.KernelFamily("scale_add.cu", {d: f"cf::scale_add<{cxx_type(d)}>" for d in FLOAT_DTYPES})
 
 
-def _forward(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tensor]:
+# (One tensor, not a one-tensor tuple: torch.compile would specialise its
+# sizes, compiling again for every shape even with dynamic=True.)
+def _forward(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
     out = torch.empty_like(x)  # x is contiguous, so out is too
     n = x.numel()
     if n:
         dev = x.get_device()
         _bridge.launch(KERNELS.get(x.dtype, dev), (elementwise_grid(n, dev), 1, 1), BLOCK,
                        (x.data_ptr(), y.data_ptr(), out.data_ptr(), alpha, n), dev)
-    return (out,)
+    return out
 
 
-def _forward_fake(x: torch.Tensor, y: torch.Tensor, alpha: float) -> Tuple[torch.Tensor]:
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),)
+def _forward_fake(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
@@ -73,5 +73,5 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
     # the same with or without a gradient, its backward torch's.)
     grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
     if grad or not launches_directly():
-        return _SCALE_ADD.run(grad, x, y, alpha)[0]
-    return _forward(x, y, alpha)[0]  # nothing to record: straight to the launch
+        return _SCALE_ADD.run(grad, x, y, alpha)
+    return _forward(x, y, alpha)  # nothing to record: straight to the launch
