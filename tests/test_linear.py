@@ -644,3 +644,28 @@ def test_compiled_float32_weight_product_with_dynamic_rows(device, launches):
         assert any("f32_weight" in launch.name for launch in launches), (rows, launches)
         assert torch.equal(got, want), rows
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.gpu
+def test_compiled_half_linear_on_a_transposed_input(device):
+    """Inductor asserts the strides of the backward op's gradients against
+    its fake's: on the cuBLAS route a transposed x or weight keeps its
+    strides into the backward, whose products are contiguous all the
+    same."""
+    gen = torch.Generator().manual_seed(3)
+    xt = torch.randn(40, 7, generator=gen).to(device, torch.bfloat16).t()
+    wt = torch.randn(40, 24, generator=gen).to(device, torch.bfloat16).t()
+    b = torch.randn(24, generator=gen).to(device, torch.bfloat16)
+    dy = torch.randn(7, 24, generator=gen).to(device, torch.bfloat16)
+
+    def step(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (xt, wt, b)]
+        y = fn(*leaves)
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    torch._dynamo.reset()
+    eager = step(lambda *t: ops.linear(*t, activation="relu"))
+    compiled = step(torch.compile(lambda *t: ops.linear(*t, activation="relu"), fullgraph=True))
+    for a, c in zip(eager, compiled):
+        assert torch.equal(a, c)
