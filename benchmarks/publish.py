@@ -25,7 +25,8 @@ headline:end -->`` in README.md (the paragraph's leading "<GPU>, <date>,
 <n> run(s)," and the headline table; the rest of the paragraph is prose).
 
 The history row: the date, run label and device of the published files,
-the commit (``git rev-parse --short HEAD``), torch / CUDA versions and,
+the commit they measured (their ``meta["commit"]``; ``git rev-parse
+--short HEAD`` where a file has none), torch / CUDA versions and,
 per problem, dtype and mode at the benchmark shape, torch.compile's time
 over ours (e.g. ``"76 bfloat16 train ours/compile": <ratio>``).
 
@@ -174,10 +175,12 @@ def _times(rows) -> dict:
 
 def headline(rows) -> str:
     """The README's headline table: the training step's time of ours and its
-    speedup over eager and torch.compile, and the forward's over
-    torch.compile, per (dtype, problem) of ``HEADLINE_DTYPES`` x
-    ``HEADLINE_PROBLEMS`` that ``rows`` time; a ratio without both times
-    is "-".
+    speedup over eager and torch.compile, that over torch.compile on GPU
+    time and which sides the host set the pace of (a host-bound row's
+    wall-time ratio says how fast the host issues, the GPU time's what the
+    kernels do), and the forward's speedup over torch.compile, per (dtype,
+    problem) of ``HEADLINE_DTYPES`` x ``HEADLINE_PROBLEMS`` that ``rows``
+    time; a ratio without both times is "-".
 
     Args:
         rows: result rows.
@@ -186,11 +189,23 @@ def headline(rows) -> str:
         The Markdown table.
     """
     by = _times(rows)
+    full = {(r["problem"], r["dtype"], r["mode"], r["impl"]): r
+            for r in rows if not r.get("sweep") and r.get("median_ms") is not None}
     lines = ["| problem | mode | training step: ours ms | vs eager | vs torch.compile "
-             "| forward: vs torch.compile |", "|---|---|---|---|---|---|"]
+             "| vs torch.compile on GPU time | host-bound | forward: vs torch.compile |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def x(v):
         return "-" if v is None else f"{v:.2f}x"
+
+    def on_gpu(p, d):
+        ours, other = (full.get((p, d, "train", i), {}).get("gpu_ms") for i in ("ours", "compile"))
+        return None if not ours or not other else other / ours
+
+    def bound(p, d):
+        sides = [i for i in ("eager", "compile", "ours")
+                 if full.get((p, d, "train", i), {}).get("host_bound")]
+        return ", ".join(sides) or "-"
 
     for d in HEADLINE_DTYPES:
         for p in HEADLINE_PROBLEMS:
@@ -198,31 +213,36 @@ def headline(rows) -> str:
             if ours is None:
                 continue
             lines.append(f"| {p} | {d} | {ours:.2f} | {x(_ratio(by, p, d, 'train', 'eager'))} "
-                         f"| {x(_ratio(by, p, d, 'train', 'compile'))} "
-                         f"| {x(_ratio(by, p, d, 'forward', 'compile'))} |")
+                         f"| {x(_ratio(by, p, d, 'train', 'compile'))} | {x(on_gpu(p, d))} "
+                         f"| {bound(p, d)} | {x(_ratio(by, p, d, 'forward', 'compile'))} |")
     return "\n".join(lines)
 
 
 def history_ratios(rows) -> dict:
     """{"<problem> <dtype> <mode> ours/compile": compile ms / ours ms} of the
-    rows at the benchmark shape, rounded to 3 decimals, keys sorted."""
-    by = _times(rows)
+    rows at the benchmark shape, rounded to 3 decimals, keys sorted.  Each
+    ratio pairs two times of one file (rows' ``source``: one run); where
+    several files give a key, the last one's."""
     out = {}
-    for p, d, mode, impl in by:
-        if impl == "ours":
-            r = _ratio(by, p, d, mode, "compile")
-            if r is not None:
-                out[f"{p} {d} {mode} ours/compile"] = round(r, 3)
+    for source in dict.fromkeys(r.get("source") for r in rows):
+        by = _times([r for r in rows if r.get("source") == source])
+        for p, d, mode, impl in by:
+            if impl == "ours":
+                r = _ratio(by, p, d, mode, "compile")
+                if r is not None:
+                    out[f"{p} {d} {mode} ours/compile"] = round(r, 3)
     return dict(sorted(out.items()))
 
 
 def _lead(latest: dict, rows) -> tuple:
-    """(GPUs, newest date, source files) of ``rows`` (rows of ``latest``):
-    the tables' rows may come from several runs, and the heading says so."""
+    """(GPUs, dates: the oldest "to" the newest where they differ, source
+    files) of ``rows`` (rows of ``latest``): the tables' rows may come from
+    several runs, and the heading says so."""
     names = list(dict.fromkeys(r["source"] for r in rows))
     metas = [latest["sources"][n] for n in names]
     devices = " / ".join(dict.fromkeys(short_device(m.get("device", "?")) for m in metas))
-    date = max((m.get("date", "?") for m in metas), default="?")
+    dates = sorted({m.get("date", "?") for m in metas}) or ["?"]
+    date = dates[-1] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     return devices, date, names
 
 
@@ -246,7 +266,7 @@ def performance_section(latest: dict) -> str:
     return "\n".join(parts)
 
 
-_README_LEAD = re.compile(r"^[^,\n]+, \d{4}-\d{2}-\d{2}, (?:one run|\w+ runs),")
+_README_LEAD = re.compile(r"^[^,\n]+, \d{4}-\d{2}-\d{2}(?: to \d{4}-\d{2}-\d{2})?, (?:one run|\w+ runs),")
 _COUNTS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 _TABLE = re.compile(r"(?:^\|.*\n?)+", re.M)
 
@@ -313,6 +333,21 @@ def git_commit(root: str):
     return out.stdout.strip() or None
 
 
+def tree_commit(root: str = REPO):
+    """The commit a run measures: ``root``'s short HEAD, with "+dirty"
+    where its tracked files differ from it; None outside a git checkout
+    (a copy of the tree: run.py's ``--commit`` says it)."""
+    head = git_commit(root)
+    if head is None:
+        return None
+    try:
+        out = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return head
+    return head + "+dirty" if out.returncode == 0 and out.stdout.strip() else head
+
+
 def _source_name(path: str, root: str) -> str:
     path = os.path.abspath(path)
     rel = os.path.relpath(path, root)
@@ -341,8 +376,9 @@ def publish(result_paths, root: str = REPO, history: bool = True, commit=None, r
         root: the repository whose files are written.
         history: append the history row (not when ``result_paths`` is
             empty).
-        commit: the commit of the history row; default ``git rev-parse
-            --short HEAD`` in ``root``.
+        commit: the commit of the history row; default the files'
+            ``meta["commit"]`` (the tree each measured), or ``git rev-parse
+            --short HEAD`` in ``root`` where one has none.
         run: the run label of the history row; default from the file names
             (:func:`run_label`).
         fresh: start from no rows instead of latest.json (to rebuild it).
@@ -389,9 +425,11 @@ def publish(result_paths, root: str = REPO, history: bool = True, commit=None, r
     row = None
     if result_paths:
         versions = {k: metas[-1][k] for k in ("torch", "cuda") if k in metas[-1]}
+        measured = list(dict.fromkeys(m["commit"] for m in metas if m.get("commit")))
         row = dict(date=max(m.get("date", "") for m in metas), run=run or "+".join(labels),
                    device=" / ".join(dict.fromkeys(m.get("device", "?") for m in metas)),
-                   commit=commit if commit is not None else git_commit(root))
+                   commit=commit if commit is not None else (
+                       "+".join(measured) if len(measured) == len(metas) else git_commit(root)))
         if versions:
             row["versions"] = versions
         row["headline"] = history_ratios(new_rows)

@@ -389,6 +389,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="do not publish the finished run (benchmarks/publish.py: "
                              "results/latest.json and history.jsonl, the tables of "
                              "docs/performance.md and README.md)")
+    parser.add_argument("--commit", default=None,
+                        help="the commit of the tree measured, for the run's meta (default: git "
+                             "rev-parse --short HEAD, +dirty for a modified tree; needed where "
+                             "the tree is a copy without git)")
     parser.add_argument("--resume", metavar="JSON", default=None,
                         help="add to the results file of an earlier run of the same command, "
                              "skipping the jobs it holds")
@@ -471,6 +475,13 @@ def main(argv=None):
         with open(args.resume) as f:
             saved = json.load(f)
         meta, rows = saved["meta"], saved["rows"]
+        here = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    commit=args.commit or publish.tree_commit())
+        differ = [k for k, v in here.items() if meta.get(k) != v]
+        if differ:  # (one file's rows are one run's: the same GPU, torch and tree)
+            raise SystemExit(f"--resume {args.resume}: its {', '.join(differ)} "
+                             f"({', '.join(str(meta.get(k)) for k in differ)}) differ from "
+                             f"this one's ({', '.join(str(here[k]) for k in differ)})")
         stem = args.resume[:-5] if args.resume.endswith(".json") else args.resume
         peaks = meta["ceilings"]  # ratios to one set of ceilings across the resumed runs
         jobs = pending_jobs(jobs, rows)
@@ -482,7 +493,7 @@ def main(argv=None):
         peaks = ceilings()
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     cuda=torch.version.cuda, date=str(datetime.date.today()), ceilings=peaks,
-                    invocations=[])
+                    commit=args.commit or publish.tree_commit(), invocations=[])
         rows = []
     meta["invocations"].append(invocation)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))

@@ -759,15 +759,15 @@ def test_publish_merges_a_partial_run_and_rewrites_only_between_markers(tmp_path
     readme, perf = (root / "README.md").read_text(), (root / "docs/performance.md").read_text()
     assert _outside(readme, "headline") == _outside(readme0, "headline")
     assert _outside(perf, "latest-run") == _outside(perf0, "latest-run")
-    assert "| 76 | bfloat16 | 4.00 | 2.25x | 2.00x | 2.00x |" in readme  # the second file's
+    assert "| 76 | bfloat16 | 4.00 | 2.25x | 2.00x | 2.00x | - | 2.00x |" in readme  # the second's
     assert "| 76 | bfloat16 | 2.50 |" not in readme
-    assert "| 88 | bfloat16 | 3.00 | 2.00x | 1.67x | 1.67x |" in readme  # kept from the first
-    assert "| 76 | amp-bf16 | 1.00 | 3.00x | 2.00x | 2.00x |" in readme
+    assert "| 88 | bfloat16 | 3.00 | 2.00x | 1.67x | 1.67x | - | 1.67x |" in readme  # the first's
+    assert "| 76 | amp-bf16 | 1.00 | 3.00x | 2.00x | 2.00x | - | 2.00x |" in readme
     assert "| 76 | float16 |" not in readme  # not a headline dtype
     assert "| 37 |" not in readme.split("<!-- headline:start")[1].split("headline:end")[0]
-    assert "\nH100, 2026-12-01, two runs, implementations timed in turns" in readme
+    assert "\nH100, 2026-11-24 to 2026-12-01, two runs, implementations timed in turns" in readme
     section = perf.split("<!-- latest-run:start")[1].split("<!-- latest-run:end")[0]
-    assert "## Latest run (H100, 2026-12-01)" in section
+    assert "## Latest run (H100, 2026-11-24 to 2026-12-01)" in section
     assert "### Under autocast, float32 model" in section
     assert "### Model in bf16 and fp16" in section
     assert "| 76 | bfloat16 | train | 9.000 | 8.000 | 4.000 |" in section
@@ -794,6 +794,56 @@ def test_publish_merges_a_partial_run_and_rewrites_only_between_markers(tmp_path
     assert (root / "README.md").read_text() == readme
     assert (root / "docs/performance.md").read_text() == perf
     assert len((root / "results/history.jsonl").read_text().splitlines()) == 2
+
+
+def test_headline_shows_gpu_time_and_host_bound_sides():
+    """A row where the host sets the pace: the wall-time ratio, and beside it
+    torch.compile's GPU time over ours and which sides were host-bound."""
+    rows = [dict(problem=76, dtype="bfloat16", mode=mode, impl=impl, median_ms=ms, gpu_ms=gpu,
+                 host_bound=bound)
+            for mode in ("forward", "train")
+            for impl, ms, gpu, bound in (("eager", 3.0, 2.0, False), ("compile", 2.0, 1.0, True),
+                                         ("ours", 1.0, 0.8, True))]
+    assert ("| 76 | bfloat16 | 1.00 | 3.00x | 2.00x | 1.25x | compile, ours | 2.00x |"
+            in bench_publish.headline(rows))
+
+
+def test_history_ratios_pair_the_times_of_one_file():
+    """A later file without torch.compile's time (failed, or not run) does
+    not pair its ours with an earlier file's compile; a later file with
+    both replaces the earlier ratio."""
+    def rows(source, times):
+        return [dict(problem=76, dtype="bfloat16", mode="train", impl=impl, median_ms=ms,
+                     source=source) for impl, ms in times.items()]
+
+    first = rows("a.json", {"compile": 2.0, "ours": 1.0})
+    assert bench_publish.history_ratios(first + rows("b.json", {"ours": 0.5})) == {
+        "76 bfloat16 train ours/compile": 2.0}
+    assert bench_publish.history_ratios(first + rows("b.json", {"compile": 2.0, "ours": 0.5})) == {
+        "76 bfloat16 train ours/compile": 4.0}
+
+
+def test_history_row_takes_the_commit_the_runs_measured(tmp_path):
+    root = _publish_root(tmp_path)
+    result = _result(root / "results/GPU-2026-12-01-bf16.json", "2026-12-01",
+                     {(76, "bfloat16"): (3.0, 2.0, 1.0)})
+    data = json.loads(result.read_text())
+    data["meta"]["commit"] = "fedcba9+dirty"
+    result.write_text(json.dumps(data))
+    assert bench_publish.publish([result], root=str(root))["commit"] == "fedcba9+dirty"
+
+
+def test_resume_refuses_another_gpu_torch_or_tree(tmp_path, monkeypatch):
+    """One file's rows are one run's: --resume on another GPU, torch or
+    commit stops, naming what differs."""
+    _fake_device(monkeypatch)
+    saved = tmp_path / "r.json"
+    saved.write_text(json.dumps(dict(meta=dict(device="Other GPU", torch=torch.__version__,
+                                               commit="abc1234", ceilings={}, invocations=[]),
+                                     rows=[])))
+    with pytest.raises(SystemExit, match=r"its device \(Other GPU\) differ"):
+        bench_run.main(["--problems", "76", "--dtypes", "fp32", "--no-plots", "--commit", "abc1234",
+                        "--out", str(tmp_path), "--resume", str(saved)])
 
 
 def test_publish_without_markers_writes_nothing(tmp_path):
@@ -850,7 +900,7 @@ def test_a_finished_run_in_results_publishes_unless_quick_or_asked_not_to(tmp_pa
     assert len(history.read_text().splitlines()) == 2
     assert json.loads(history.read_text().splitlines()[-1])["headline"] == {
         "76 bfloat16 forward ours/compile": 1.5, "76 bfloat16 train ours/compile": 1.5}
-    assert "| 76 | bfloat16 | 1.00 | 2.00x | 1.50x | 1.50x |" in (root / "README.md").read_text()
+    assert "| 76 | bfloat16 | 1.00 | 2.00x | 1.50x | - | - | 1.50x |" in (root / "README.md").read_text()
 
 
 # benchmarks/kernels.py: byte accounting and selection (CPU tier)
