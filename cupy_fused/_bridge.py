@@ -22,7 +22,6 @@ import re
 import struct
 import sys
 import threading
-from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
@@ -130,7 +129,9 @@ def declarations_in(folder) -> Dict[str, str]:
     """Parameter list of every ``__global__`` function of the ``.cu`` /
     ``.cuh`` sources in ``folder`` (a path), by name."""
     found: Dict[str, str] = {}
-    for path in sorted(Path(folder).glob("*.cu*")):
+    from ._runtime import source_paths
+
+    for path in source_paths(folder):
         for match in _GLOBAL.finditer(path.read_text(encoding="utf-8")):
             found.setdefault(match.group(1), match.group(2))
     return found

@@ -88,12 +88,20 @@ def kernel_dir() -> Path:
 
 def source_files() -> List[str]:
     """Names of every ``.cu`` file in the kernel folder."""
-    return sorted(p.name for p in kernel_dir().glob("*.cu"))
+    return [p.name for p in source_paths(kernel_dir()) if p.suffix == ".cu"]
+
+
+def source_paths(folder) -> List[Path]:
+    """The ``.cu`` and ``.cuh`` files of ``folder``, sorted by name: not an
+    editor's swap, lock or backup file beside them (``.x.cu.swp``,
+    ``.#x.cu``, ``#x.cu#``), nor a ``.cubin``."""
+    return sorted(p for p in Path(folder).iterdir()
+                  if p.suffix in (".cu", ".cuh") and p.name[0] not in ".#" and p.is_file())
 
 
 def _sources_hash() -> str:
     digest = hashlib.sha256()
-    for path in sorted(kernel_dir().glob("*.cu*")):
+    for path in source_paths(kernel_dir()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -116,7 +124,7 @@ def nvrtc_options() -> Tuple[str, ...]:
     extra = tuple(os.environ.get("CUPY_FUSED_NVRTC_OPTIONS", "").split())
     stamp = (str(folder), extra) + tuple(
         (path.name, stat.st_size, stat.st_mtime_ns)
-        for path in sorted(folder.glob("*.cu*")) for stat in (path.stat(),))
+        for path in source_paths(folder) for stat in (path.stat(),))
     global _last_options
     if _last_options[0] != stamp:
         _last_options = (stamp, BASE_OPTIONS + (

@@ -735,3 +735,44 @@ def test_backward_past_2_pow_31_elements(layout, device):
     for grad, of in ((db1, dz), (db2, dy)):
         want = of.float().sum(dims).half().float()
         torch.testing.assert_close(grad.float(), want, rtol=2e-3, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_counters_are_not_torchs_to_free(device, monkeypatch):
+    """The counters kept across calls come from CuPy's memory pool, zeroed
+    on their stream, not from torch's caching allocator, whose CUDA-graph
+    pools torch.compile's graph trees reset under whatever they hold."""
+    monkeypatch.setattr(_common, "_counters", collections.OrderedDict())
+    side = torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.cuda.stream(side):
+        counters = _common._column_counters(16, 64, device)
+    assert torch.cuda.memory_allocated(device) == before
+    side.synchronize()
+    assert counters.device == device and counters.numel() >= 64 and not counters.any()
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_compile_over_several_shapes(device):
+    """torch.compile(mode="reduce-overhead"): CUDA-graph trees warm up,
+    record and replay a graph per shape, in private pools they reset; the
+    rows backward's last-block reduce (under 32 chunks) gives eager's
+    gradients throughout."""
+    gen = torch.Generator(device=device).manual_seed(11)
+    bias = torch.randn(1288, device=device, generator=gen, requires_grad=True)
+
+    def step(fn, z, dy):
+        bias.grad = None
+        z = z.detach().requires_grad_(True)
+        fn(z, bias).backward(dy)
+        return z.grad.clone(), bias.grad.clone()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda z, b: ops.bias_relu(z, b), mode="reduce-overhead")
+    for rows in (200, 300, 200, 416, 300, 416, 200):
+        z = torch.randn(rows, 1288, device=device, generator=gen)
+        dy = torch.randn(rows, 1288, device=device, generator=gen)
+        for a, b in zip(step(compiled, z, dy), step(ops.bias_relu, z, dy)):
+            assert torch.equal(a, b), rows
+    torch._dynamo.reset()

@@ -673,3 +673,33 @@ def test_cupy_switches_are_read_as_cupy_reads_them(value, on, monkeypatch):
     CuPy keeps its builds in memory."""
     monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", value)
     assert _runtime._env_true("CUPY_CACHE_IN_MEMORY") is on
+
+
+def test_stray_files_beside_the_kernels_are_not_sources(tmp_path, monkeypatch):
+    """An editor's swap, lock and backup files (a binary ``.x.cu.swp``, a
+    dangling ``.#x.cu`` link, an older ``#x.cu#`` whose kernel takes other
+    parameters) and a ``.cubin`` beside the sources change neither the
+    kernels' parameter layouts, nor the sources' hash, nor the options."""
+    import shutil
+
+    from cupy_fused import _bridge
+
+    clean, messy = tmp_path / "clean", tmp_path / "messy"
+    shutil.copytree(_runtime.kernel_dir(), clean)
+    shutil.copytree(_runtime.kernel_dir(), messy)
+    (messy / ".scale_add.cu.swp").write_bytes(b"\xff\xfe\x00binary")
+    (messy / ".#scale_add.cu").symlink_to(messy / "no-such-file")
+    older = (clean / "scale_add.cu").read_text().replace("double alpha", "i64 alpha")
+    assert older != (clean / "scale_add.cu").read_text()
+    (messy / "#scale_add.cu#").write_text(older)
+    (messy / "scale_add.cubin").write_bytes(b"\x7fELF")
+    seen = {}
+    for folder in (clean, messy):
+        monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", str(folder))
+        monkeypatch.setattr(_bridge, "_signatures", {})
+        _bridge._declarations.cache_clear()
+        _runtime.nvrtc_options()  # (reads every source's size and time: no stray file)
+        seen[folder.name] = (_bridge.kernel_signature("cf::scale_add<float>").format,
+                             _runtime._sources_hash(), _runtime.source_files())
+    _bridge._declarations.cache_clear()
+    assert seen["clean"] == seen["messy"]

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _bridge, _runtime
+from .._cupy import require_cupy
 from .._validation import FLOAT_DTYPES, cxx_type
 
 BLOCK = 256
@@ -158,9 +159,13 @@ def row_chunks(rows: int, blocks_per_chunk: int, device_index: int,
 # stream): each launch leaves its counters at zero again, and a stream runs
 # its launches one after another.  At most _MAX_COUNTERS buffers, the least
 # recently used dropped first: a program that makes a stream per batch
-# would otherwise keep a buffer for each.  (A dropped buffer goes back to
-# the allocator on the stream it was made and used on, so nothing reuses it
-# before that stream's launches are done.)
+# would otherwise keep a buffer for each.  The buffers come from CuPy's
+# memory pool, made on their stream (_zeroed_counters), not from torch's
+# caching allocator: kept across calls, a buffer of torch's could be one
+# that torch.compile's CUDA-graph trees made in a graph's private pool
+# while warming it up, and free again when they reset that pool.  (A
+# dropped buffer goes back to CuPy's pool of the stream it was made and
+# used on, so nothing reuses it before that stream's launches are done.)
 _counters: "OrderedDict[Tuple[int, int], torch.Tensor]" = OrderedDict()
 _MAX_COUNTERS = 64
 
@@ -182,7 +187,7 @@ def _column_counters(chunks: int, ranges: int, device: torch.device) -> Optional
     # launch on other streams meanwhile leave it consistent)
     counters = _counters.get(key)
     if counters is None or counters.numel() < ranges:
-        counters = torch.zeros(max(ranges, 256), dtype=torch.int32, device=device)
+        counters = _zeroed_counters(max(ranges, 256), device, key[1])
         _counters.pop(key, None)  # (a buffer grown for a stream: inserted last, as a new one)
         _counters[key] = counters
         while len(_counters) > _MAX_COUNTERS:
@@ -193,6 +198,15 @@ def _column_counters(chunks: int, ranges: int, device: torch.device) -> Optional
         except KeyError:  # dropped by another thread meanwhile: the buffer stays valid
             pass
     return counters
+
+
+def _zeroed_counters(n: int, device: torch.device, stream: int) -> torch.Tensor:
+    """``n`` int32 zeros on ``device``, from CuPy's memory pool, zeroed on
+    the stream whose handle is ``stream`` (torch's current one there), as a
+    torch tensor (DLPack: the tensor keeps the memory alive)."""
+    cupy = require_cupy()
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream):
+        return torch.from_dlpack(cupy.zeros(n, dtype=cupy.int32))
 
 
 def _reduce_partials(partial: torch.Tensor, dtype: torch.dtype,
