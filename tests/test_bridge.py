@@ -380,6 +380,25 @@ def test_cupy_per_thread_default_stream_is_refused(device, launches):
     assert not launches
 
 
+def test_cupy_stream_capture_is_refused(device, launches):
+    """CuPy's current stream capturing a CUDA graph: a ValueError before any
+    launch (torch's allocator, which the ops allocate from, does not know
+    that capture, and would hand the call's buffers out again while the
+    graph replays); the capture itself goes on."""
+    import cupy
+
+    a = cupy.ones(8, dtype=cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="capturing a CUDA graph"):
+                ops.scale_add(a, a, 2.0)
+        finally:
+            graph = stream.end_capture()
+    assert graph is not None and not launches
+
+
 def _clean_env():
     paths = [p for p in os.environ.get("PATH", "").split(os.pathsep)
              if p and not os.path.exists(os.path.join(p, "nvcc"))]

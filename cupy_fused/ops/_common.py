@@ -310,7 +310,15 @@ def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
 
     cupy = require_cupy()
     device = torch.device("cuda", next(filter(_bridge.is_cupy_array, values)).device.id)
-    stream = _torch_stream(cupy.cuda.get_current_stream(device.index).ptr, device)
+    current = cupy.cuda.get_current_stream(device.index)
+    if current.is_capturing():
+        # (torch's allocator, which the ops allocate from, knows only its
+        # own captures: buffers of this call would be handed out again
+        # while the graph replays)
+        raise ValueError("CuPy's current stream is capturing a CUDA graph, which ops called "
+                         "with CuPy arrays cannot join: capture torch tensors with "
+                         "torch.cuda.graph instead")
+    stream = _torch_stream(current.ptr, device)
 
     def conv(a):
         if not _bridge.is_cupy_array(a):
