@@ -35,7 +35,7 @@ def test_every_declared_instantiation_has_a_signature_of_known_parameters():
 def test_kernel_names_are_unique_across_the_sources():
     """The signature is found by the kernel's plain name: one declaration each."""
     seen = {}
-    paths = sorted(_runtime.kernel_dir().glob("*.cu*"))
+    paths = _runtime.source_paths(_runtime.kernel_dir())
     assert {p.name for p in paths if p.suffix == ".cu"} == set(_runtime.declared())  # (the ops' sources)
     for path in paths:
         for match in _bridge._GLOBAL.finditer(path.read_text()):
@@ -44,7 +44,7 @@ def test_kernel_names_are_unique_across_the_sources():
             seen[name] = path.name
     # The parser finds every __global__ function of the sources.
     total = sum(len(re.findall(r"__global__\s+void", p.read_text()))
-                for p in _runtime.kernel_dir().glob("*.cu*"))
+                for p in paths)
     assert len(seen) == total
 
 
