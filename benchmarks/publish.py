@@ -168,9 +168,14 @@ def _ratio(by, p, d, mode, base):
     return None if ours is None or other is None else other / ours
 
 
-def _times(rows) -> dict:
-    return {(r["problem"], r["dtype"], r["mode"], r["impl"]): r["median_ms"]
+def _by_key(rows) -> dict:
+    """The timed rows at the benchmark shape by (problem, dtype, mode, impl)."""
+    return {(r["problem"], r["dtype"], r["mode"], r["impl"]): r
             for r in rows if not r.get("sweep") and r.get("median_ms") is not None}
+
+
+def _times(rows) -> dict:
+    return {k: r["median_ms"] for k, r in _by_key(rows).items()}
 
 
 def headline(rows) -> str:
@@ -188,9 +193,8 @@ def headline(rows) -> str:
     Returns:
         The Markdown table.
     """
-    by = _times(rows)
-    full = {(r["problem"], r["dtype"], r["mode"], r["impl"]): r
-            for r in rows if not r.get("sweep") and r.get("median_ms") is not None}
+    full = _by_key(rows)
+    by = {k: r["median_ms"] for k, r in full.items()}
     lines = ["| problem | mode | training step: ours ms | vs eager | vs torch.compile "
              "| vs torch.compile on GPU time | host-bound | forward: vs torch.compile |",
              "|---|---|---|---|---|---|---|---|"]

@@ -34,6 +34,8 @@ _HAS_DEVICE_API = hasattr(torch, "get_autocast_dtype")
 
 def _cuda_autocast() -> Optional[torch.dtype]:
     """CUDA autocast's dtype, or None outside ``torch.autocast("cuda")``."""
+    if _any_enabled is not None and not _any_enabled():  # (the common case: one call)
+        return None
     if _HAS_DEVICE_API:
         if not torch.is_autocast_enabled("cuda"):
             return None
@@ -46,16 +48,12 @@ def _cuda_autocast() -> Optional[torch.dtype]:
 def autocast_enabled() -> bool:
     """Whether ``torch.autocast("cuda")`` is on, to any dtype (it runs
     ``group_norm`` in float32 whatever its dtype)."""
-    if _any_enabled is not None and not _any_enabled():
-        return False
     return _cuda_autocast() is not None
 
 
 def float32_autocast() -> bool:
     """Whether ``torch.autocast("cuda", dtype=torch.float32)`` is on (see
     :func:`float32_casts`)."""
-    if _any_enabled is not None and not _any_enabled():
-        return False
     return _cuda_autocast() == torch.float32
 
 
@@ -68,8 +66,6 @@ def autocast_dtype() -> Optional[torch.dtype]:
         TypeError: autocast to another dtype (float64, ...), which no op
             here computes in.
     """
-    if _any_enabled is not None and not _any_enabled():  # (the common case: one call)
-        return None
     dtype = _cuda_autocast()
     if dtype is None or dtype in HALF_DTYPES:
         return dtype

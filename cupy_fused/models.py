@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from . import _validation, ops
-from ._amp import autocast_dtype, autocast_enabled, float32_autocast, float32_casts
+from ._amp import autocast_dtype, autocast_enabled, float32_casts
 from ._autograd import refuse_tangents, refuse_transforms
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
@@ -359,7 +359,7 @@ class GemmAddRelu(nn.Module):
         gemm_bias = linear.bias
         refuse_tangents(x, weight, gemm_bias, bias)  # (before the GEMM, which asks about x and W)
         amp = autocast_dtype()
-        if amp is None and float32_autocast():
+        if amp is None:
             # Autocast to float32: every tensor float32, as the reference's
             # linear casts its own and its add promotes.
             x, weight, gemm_bias, bias = float32_casts(x, weight, gemm_bias, bias)

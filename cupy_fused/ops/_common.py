@@ -306,8 +306,6 @@ def call_with_cupy_arrays(op: Callable, first_name: str, *args, **kwargs):
         for name, v in bound.items():
             if isinstance(v, torch.Tensor) and name not in _SCALAR_ARGUMENTS:
                 raise mixed_arguments_error(name)
-    from .._cupy import require_cupy
-
     cupy = require_cupy()
     device = torch.device("cuda", next(filter(_bridge.is_cupy_array, values)).device.id)
     current = cupy.cuda.get_current_stream(device.index)

@@ -29,7 +29,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._amp import autocast_dtype, float32_autocast, float32_casts
+from .._amp import autocast_dtype, float32_casts
 from .._autograd import (FusedOp, check_unchanged, inference_op, is_compiling, keep_output,
                          launches_directly, needs_grad, refuse_transforms, take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
@@ -420,7 +420,7 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
         raise ValueError("x must have at least 1 dimension (the features), got a scalar")
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
-    if amp is None and float32_autocast():
+    if amp is None:  # (under autocast to float32, half tensors cast up)
         x, weight, bias = float32_casts(x, weight, bias)
     # Under autocast, x, weight and bias may each be any of the three (cast to
     # amp by the op), as autocast's F.linear takes them.
