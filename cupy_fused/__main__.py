@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-models", action="store_true", help="skip the five-model check")
     parser.add_argument("--precompile", action="store_true",
                         help="compile every kernel instantiation for the current GPU, then exit "
-                             "(without a GPU: the compile check)")
+                             "(without a GPU: the compile check, then exit 1: nothing is "
+                             "cached)")
     parser.add_argument("--no-compile-check", action="store_true",
                         help="without a GPU, print the report only")
     parser.add_argument("--arch", nargs="+", metavar="ARCH",
@@ -147,7 +148,12 @@ def main(argv=None) -> int:
     _line("python", platform.python_version())
     _line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
     cupy, nvrtc_ok = _report_cupy()
-    _line("kernel sources", _runtime.kernel_dir())
+    try:
+        _line("kernel sources", _runtime.kernel_dir())
+    except FileNotFoundError as exc:
+        _line("kernel sources", "NOT FOUND")
+        print(exc)
+        return 1
     if cupy is None or not nvrtc_ok:
         return 1
     try:
@@ -159,15 +165,30 @@ def main(argv=None) -> int:
 
 def _checks(args, cupy, torch) -> int:
     gpu = torch.cuda.is_available()
-    try:
-        n_cupy = cupy.cuda.runtime.getDeviceCount() if gpu else 0
-    except Exception:  # noqa: BLE001
-        n_cupy = 0
-    if not gpu or n_cupy == 0:
+    if gpu:
+        # torch sees a GPU: CuPy must too (a CuPy for another CUDA major than
+        # the driver's, say), or nothing of ours can run on it.
+        try:
+            n_cupy = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # noqa: BLE001 - reported
+            n_cupy, reason = 0, f"{type(exc).__name__}: {exc}"
+        else:
+            reason = "it counts no device"
+        if n_cupy == 0:
+            print(f"\ntorch sees {torch.cuda.device_count()} CUDA GPU(s), CuPy none ({reason}). "
+                  "Install the CuPy of torch's CUDA major (cupy-cuda12x for CUDA 12, "
+                  "cupy-cuda13x for 13) and a driver that supports it.")
+            return 1
+    else:
         if args.no_compile_check:
             print("\nNo CUDA GPU is visible (compile check skipped: --no-compile-check).")
             return 0
-        return 0 if _compile_check(args.arch) else 1
+        ok = _compile_check(args.arch)
+        if args.precompile:
+            print("Nothing was cached: precompiling loads each kernel on the GPU it is for, "
+                  "and no GPU is visible.")
+            return 1
+        return 0 if ok else 1
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     _line("GPU", f"{props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "

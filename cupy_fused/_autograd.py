@@ -32,6 +32,7 @@ differentiates through them (:func:`first_order_only`).
 """
 from __future__ import annotations
 
+import sys
 import typing
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -56,11 +57,20 @@ def _compiler_is_compiling() -> Callable[[], bool]:
 
 is_compiling = _compiler_is_compiling()
 
-# A decorator for a function that torch.compile calls when it traces (not
-# traced: e.g. one that reads attributes dynamo cannot), taking its result
-# as a constant, with no guard; the identity on a torch without it.
-assume_constant_result = getattr(getattr(torch, "compiler", None), "assume_constant_result",
-                                 lambda fn: fn)
+def assume_constant_result(fn: Callable) -> Callable:
+    """A decorator for a function that torch.compile calls when it traces
+    (not traced: e.g. one that reads attributes dynamo cannot), taking its
+    result as a constant, with no guard.  It marks ``fn`` as
+    ``torch.compiler.assume_constant_result`` does, but without importing
+    TorchDynamo, which that call does (about a second of every import of
+    cupy_fused, in a program that never compiles); a CPU test holds the
+    mark to torch's own.  The identity on a torch without it."""
+    if "torch._dynamo" in sys.modules or not hasattr(getattr(torch, "compiler", None),
+                                                     "assume_constant_result"):
+        return getattr(getattr(torch, "compiler", None), "assume_constant_result",
+                       lambda f: f)(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 
 # What torch.autograd.Function.apply checks and does before its C++ apply
 # (see FusedOp.run): whether a torch.func transform is active, and the

@@ -196,15 +196,16 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
     floats (doubles) and 128-byte ``bytes`` (TMA descriptors, for
     ``TensorMap`` parameters), matching the kernel's parameters.  ``shared_mem``: bytes
     of dynamic shared memory (above 48 KiB the kernel is opted in on first
-    use).  The CUDA device is switched only when it is not already current.
+    use).  The CUDA device is switched only when it is not already current
+    (by torch's guard, which sets no device back whose context the process
+    has not made: CuPy's would make one).
     (This runs on every launch, so it is written for few Python operations.)"""
     if shared_mem and shared_mem > kernel.shared_limit:
         kernel.allow_shared(shared_mem)
     try:
         buf = _local.buffer
-    except AttributeError:
-        require_cupy()
-        buf = _local.buffer = _ParamBuffer()
+    except AttributeError:  # this thread's first launch
+        buf = _first_launch_of_thread()
     layout = kernel.params or _param_struct(kernel, args)
     try:
         layout.pack_into(buf.data, 0, *args)
@@ -221,9 +222,25 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
         _launch_kernel(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
                        _raw_stream(device_index), params, 0)
     else:
-        with require_cupy().cuda.Device(device_index):
+        with torch.cuda.device(device_index):
             _launch_kernel(kernel.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
                            _raw_stream(device_index), params, 0)
+
+
+def _first_launch_of_thread() -> "_ParamBuffer":
+    """The calling thread's parameter buffer, made on its first launch, which
+    also binds the current device's CUDA context to the thread where none is
+    bound.  The runtime device of a new thread reads 0 without a context
+    bound to it, and torch's device guards do not set a device that already
+    reads as current, so a thread's first work on device 0 (a DataParallel
+    replica, a thread pool's worker) can reach cuLaunchKernel, which takes
+    the thread's context, with none (CUDA_ERROR_INVALID_CONTEXT).
+    cudaFree(NULL) binds it, as the runtime's own calls do."""
+    cupy = require_cupy()
+    if cupy.cuda.driver.ctxGetCurrent() == 0:
+        cupy.cuda.runtime.free(0)
+    buf = _local.buffer = _ParamBuffer()
+    return buf
 
 
 def _bind_driver() -> int:

@@ -74,6 +74,9 @@ def kernel_dir() -> Path:
     """
     override = os.environ.get("CUPY_FUSED_KERNEL_DIR")
     if override:
+        if not os.path.isdir(override):
+            raise FileNotFoundError(f"CUPY_FUSED_KERNEL_DIR={override!r} is not a folder: it "
+                                    "must name the folder holding the .cu / .cuh sources")
         return Path(override)
     here = Path(__file__).resolve().parent
     for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
@@ -398,7 +401,7 @@ class Kernel:
                 raise RuntimeError(f"kernel {self.name} needs {nbytes} bytes of shared memory, "
                                    f"more than device {self.device} allows a block "
                                    f"({max_shared_bytes(self.device)})")
-            with require_cupy().cuda.Device(self.device):
+            with _device(self.device):
                 self.raw.max_dynamic_shared_size_bytes = nbytes
             self.shared_limit = nbytes
 
@@ -541,6 +544,17 @@ def _cached_cubin(source: str, name_expression: str, arch: str,
     return cubin, lowered
 
 
+def _device(index: int):
+    """A block with ``index`` the current CUDA device, by torch's guard: on
+    exit it sets the previous device again only where the process has made
+    that device's context, where CuPy's would make one (a compile thread,
+    or a rank of a one-process-per-GPU job, whose current device had been
+    left at 0, would put a context of its own on GPU 0)."""
+    import torch
+
+    return torch.cuda.device(index)
+
+
 def _compile_and_load(source: str, name_expression: str, device: int,
                       defines: Tuple[str, ...]) -> Kernel:
     """Builds one instantiation for ``device`` through ``cupy.RawModule``
@@ -554,7 +568,7 @@ def _compile_and_load(source: str, name_expression: str, device: int,
     what = f"{source}: {name_expression}" + "".join(f" -D{d}" for d in defines)
     log.info("compiling %s for %s (first use; cached afterwards)", what, arch)
     start = time.perf_counter()
-    with _naming_missing_nvrtc(), cupy.cuda.Device(device):
+    with _naming_missing_nvrtc(), _device(device):
         cached = None
         if _own_disk_cache(cupy, arch):
             try:

@@ -188,8 +188,8 @@ def check_eps(eps) -> float:
         if isinstance(eps, bool) or not isinstance(eps, _REAL_TYPES):
             raise TypeError(f"eps must be a float, got {type(eps).__name__}")
         eps = _as_float(eps)
-    if not 0.0 < eps < _INF:  # False for NaN too
-        raise ValueError(f"eps must be finite and positive, got {eps}")
+    if not 0.0 <= eps < _INF:  # False for NaN too (0: as GroupNorm takes it)
+        raise ValueError(f"eps must be finite and non-negative, got {eps}")
     return eps
 
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from . import _validation, ops
 from ._amp import autocast_dtype, autocast_enabled, float32_casts
@@ -134,18 +135,31 @@ def _plain(sub: nn.Module, cls: type, owner: nn.Module, name: str) -> nn.Module:
     forward stands in for: a plain ``cls`` with no hooks.  The fused forward
     reads its parameters and never calls it, so a hook on it would not fire
     and a replacement (LoRA, quantisation, a custom layer) would be silently
-    ignored: refused instead.  (Runs on every forward: one type check and
-    four empty-dict tests on the common path.)"""
-    if (type(sub) is cls and not sub._forward_hooks and not sub._forward_pre_hooks
-            and not sub._backward_hooks and not sub._backward_pre_hooks):
+    ignored: refused instead.  A parametrized ``cls`` (weight_norm, ...) is
+    plain: its parameters read as the parametrization makes them.  (Runs on
+    every forward: one type check and four empty-dict tests on the common
+    path.)"""
+    kind = type(sub)
+    if ((kind is cls or _parametrized(sub, kind, cls)) and not sub._forward_hooks
+            and not sub._forward_pre_hooks and not sub._backward_hooks
+            and not sub._backward_pre_hooks):
         return sub
-    what = (f"has been replaced by a {type(sub).__name__}" if type(sub) is not cls
-            else "has hooks registered")
+    what = (f"has been replaced by a {kind.__name__}" if kind is not cls
+            and not _parametrized(sub, kind, cls) else "has hooks registered")
     raise RuntimeError(
         f"{type(owner).__name__}.{name} {what}: the cupy_fused module is one fused unit that "
         f"reads {name}'s parameters and never calls its forward, so that would be ignored.  "
         f"Keep {name} a plain torch.nn.{cls.__name__} without hooks (hook or wrap the fused "
         "module as a whole), or use the reference module (cupy_fused.reference).")
+
+
+def _parametrized(sub: nn.Module, kind: type, cls: type) -> bool:
+    """Whether ``sub`` is a plain ``cls`` with parametrized tensors
+    (``torch.nn.utils.parametrize``: weight_norm, spectral_norm, ...), whose
+    class torch derives from ``cls`` without a forward of its own: reading
+    the parameter computes it, as the fused forward does."""
+    return (kind.__bases__ == (cls,) and kind.forward is cls.forward
+            and parametrize.is_parametrized(sub))
 
 
 def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str) -> torch.Tensor:
@@ -352,10 +366,15 @@ class GemmAddRelu(nn.Module):
         """
         linear = _plain(self.gemm, nn.Linear, self, "gemm")
         weight = linear.weight
-        if isinstance(x, torch.Tensor) and x.dim() != 2:
-            return self._rows(x, weight)
+        if isinstance(x, torch.Tensor) and (x.dim() != 2 or self.bias.dim() > 2):
+            return self._rows(x, linear, weight)
         _check_input(x, weight, 2, weight.shape[1], "features", self)
-        bias = _per_channel(self.bias, weight.shape[0], 2, "bias")
+        return self._forward_2d(x, linear, weight, _per_channel(self.bias, weight.shape[0], 2, "bias"))
+
+    def _forward_2d(self, x: torch.Tensor, linear: nn.Linear, weight: torch.Tensor,
+                    bias: torch.Tensor) -> torch.Tensor:
+        """forward of a checked 2-D x, with ``bias`` as :func:`_per_channel`
+        gives it."""
         gemm_bias = linear.bias
         refuse_tangents(x, weight, gemm_bias, bias)  # (before the GEMM, which asks about x and W)
         amp = autocast_dtype()
@@ -387,18 +406,33 @@ class GemmAddRelu(nn.Module):
         bias = check_vector("bias", bias, weight.shape[0], x, "x", optional=False)
         return _linear_prechecked(x, weight, bias, "relu", self.precision)
 
-    def _rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """forward of an x that is not 2-D: its rows [M, in_features] (a
-        view where x's layout allows), then y with x's leading dims, as
-        ``nn.Linear`` gives them."""
+    def _rows(self, x: torch.Tensor, linear: nn.Linear, weight: torch.Tensor) -> torch.Tensor:
+        """forward of an x that is not 2-D, or of a bias of more dims than
+        2: x's rows [M, in_features] (a view where x's layout allows), then
+        y with the shape the reference's add broadcasts to: x's leading
+        dims (as ``nn.Linear`` gives them), behind any leading 1s of the
+        bias's."""
         refuse_transforms(type(self).__name__, x)  # (a vmapped x has one dim less)
         check_tensor("x", x)
         if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
             raise ValueError(f"x must have {weight.shape[1]} features in its last dim, got "
                              f"shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        y = self.forward(x.reshape(lead.numel(), x.shape[-1]))
-        return y.reshape(*lead, y.shape[-1])
+        rows = x.reshape(lead.numel(), x.shape[-1])
+        _check_input(rows, weight, 2, weight.shape[1], "features", self)
+        out_ndim = max(x.dim(), self.bias.dim())
+        # The bias over the reference's [*, C] output: one value per channel
+        # (its last dim C or 1, every other 1); as _per_channel takes it.
+        bias = self.bias
+        if any(s != 1 for s in bias.shape[:-1]):
+            raise ValueError(
+                f"bias has shape {tuple(bias.shape)}, which the reference broadcasts against "
+                f"its [*, C] output other than per channel; the fused module takes one value "
+                f"per channel (C = {weight.shape[0]}): shape ({weight.shape[0]},) or a single "
+                "value")
+        bias = _per_channel(bias.reshape(bias.shape[-1:]), weight.shape[0], 2, "bias")
+        y = self._forward_2d(rows, linear, weight, bias)
+        return y.reshape(*(1,) * (out_ndim - x.dim()), *lead, y.shape[-1])
 
     def extra_repr(self) -> str:
         return _fields(in_features=getattr(self.gemm, "in_features", None),

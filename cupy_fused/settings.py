@@ -36,7 +36,8 @@ not settable here:
 **Scope.**  The values are process-wide, not per thread: a setter, or a
 ``with`` block while it runs, changes them for every thread.  The context
 managers restore the value they found, so blocks overlapping in two threads
-can restore each other's values.  Set them before starting threads, or pass
+can restore each other's values, and one thread's value can stay set after
+both blocks have ended.  Set them before starting threads, or pass
 ``precision=`` to each op or module, which needs no shared state.
 
 **When they are read.**  When an op runs; under ``torch.compile``, when it

@@ -382,3 +382,26 @@ def test_vmap_is_refused_naming_the_op():
         torch.vmap(lambda t: _SCALE.run(False, t, 3.0))(x)
     with pytest.raises(RuntimeError, match=f"{_SCALE.name} does not support torch.vmap"):
         torch.vmap(lambda t: _SCALE.run(True, t, 3.0))(x.requires_grad_(True))
+
+
+def test_importing_the_package_leaves_dynamo_unimported():
+    """``import cupy_fused`` does not import TorchDynamo (about a second of
+    import time): the constant-result mark of problem 1's precision read
+    is set without it, as torch.compiler's decorator sets it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import importlib, sys, torch, cupy_fused\n"
+            "C = importlib.import_module('cupy_fused.ops.conv_bias_relu')\n"
+            "print('torch._dynamo' in sys.modules, C._conv_fp32_precision_apart._dynamo_marked_constant)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+    def f():
+        return 0
+
+    torch.compiler.assume_constant_result(f)
+    assert vars(f) == {"_dynamo_marked_constant": True}  # the mark torch's decorator sets

@@ -6,6 +6,7 @@ import collections
 import importlib
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -751,6 +752,21 @@ def test_counters_are_not_torchs_to_free(device, monkeypatch):
     assert torch.cuda.memory_allocated(device) == before
     side.synchronize()
     assert counters.device == device and counters.numel() >= 64 and not counters.any()
+
+
+@pytest.mark.gpu
+def test_counters_stream_without_deprecated_cupy_calls(device):
+    """The counters' CuPy stream comes through the CUDA stream protocol
+    where CuPy has it (CuPy 14 deprecates ``ExternalStream``): no
+    DeprecationWarning, for torch's own streams and external ones, and the
+    zeros are there once the stream is done."""
+    side = torch.cuda.Stream(device)
+    for s in (side, torch.cuda.ExternalStream(side.cuda_stream, device=device)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            counters = _common._zeroed_counters(300, device, s)
+        s.synchronize()
+        assert counters.numel() == 300 and not counters.any()
 
 
 @pytest.mark.gpu

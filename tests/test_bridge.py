@@ -3,6 +3,7 @@ test_scale_add.py."""
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,35 @@ def test_launches_follow_the_current_torch_stream(device):
             y = torch.sqrt(y + 1.0)
     stream.synchronize()
     torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_a_new_threads_first_launch_binds_its_context(device):
+    """A thread's first CUDA work an op of ours, on the device that the
+    thread's runtime reads as current (a DataParallel replica, a thread
+    pool's worker): torch's guard sets no device that already reads as
+    current, and its allocator serves the output from its cache, so no
+    call had bound the device's context to the thread before our launch.
+    The op runs and gives the main thread's result."""
+    x = torch.randn(4097, device=device)
+    y = torch.randn(4097, device=device)
+    want = ops.scale_add(x, y, 3.0)  # the kernel loaded, the allocator's cache warm
+    torch.cuda.synchronize(device)
+    got = {}
+
+    def work():
+        try:
+            with torch.cuda.device(device):
+                got["y"] = ops.scale_add(x, y, 3.0)
+                torch.cuda.current_stream(device).synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            got["error"] = exc
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in got, got.get("error")
+    assert torch.equal(got["y"], want)
 
 
 @pytest.mark.multigpu
@@ -435,3 +465,28 @@ def test_main_job_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for word in ("GPU", "CUDA driver / runtime", "NVRTC", "kernel cache", "scale_add", "OK"):
         assert word in proc.stdout
+
+
+@pytest.mark.multigpu
+def test_a_rank_on_gpu_1_leaves_gpu_0_without_a_context():
+    """A process of one rank on cuda:1 (torchrun's one process per GPU)
+    that precompiles and runs ops there makes no CUDA context on GPU 0:
+    the compile threads' device guard (their runtime device read 0) and
+    the ops' do not set back a device whose context the process has not
+    made, where each such context costs the other rank's GPU about half a
+    GiB."""
+    code = (
+        "import torch, cupy_fused\n"
+        "torch.cuda.set_device(1)\n"
+        "cupy_fused.precompile('scale_add.cu', device=1, progress=False)\n"
+        "x = torch.randn(4097, device='cuda:1', requires_grad=True)\n"
+        "z = torch.randn(200, 1288, device='cuda:1', requires_grad=True)\n"
+        "b = torch.randn(1288, device='cuda:1', requires_grad=True)\n"
+        "cupy_fused.ops.scale_add(x, x, 2.0).sum().backward()\n"
+        "cupy_fused.ops.bias_relu(z, b).backward(torch.randn_like(z))\n"
+        "torch.cuda.synchronize(1)\n"
+        "print(torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, env=_clean_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]

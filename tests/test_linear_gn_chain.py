@@ -148,7 +148,7 @@ def test_validation(past_device_check):
         ops.linear_gn_chain(x, w.half(), v, "swish_bias_gn", 4)
     with pytest.raises(ValueError, match=r"num_groups \(5\) must divide the number of channels \(16\)"):
         ops.linear_gn_chain(x, w, v, "swish_bias_gn", 5)
-    with pytest.raises(ValueError, match="eps must be finite and positive"):
+    with pytest.raises(ValueError, match="eps must be finite and non-negative"):
         ops.linear_gn_chain(x, w, v, "swish_bias_gn", 4, eps=float("nan"))
     with pytest.raises(ValueError, match=r"gn_weight must hold one value per channel \(16"):
         ops.linear_gn_chain(x, w, v, "swish_bias_gn", 4, gn_weight=torch.rand(8))

@@ -50,6 +50,10 @@ CASES = [(p, a, s) for p, (_, a, s) in reference.SMALL_PROBLEMS.items()] + [
     (76, (33, 77, (77,)), (33,)),
     (1, (3, 7, 5, (7, 1, 1)), (3, 17, 23)),
     (1, (3, 7, 3, (1, 7, 1, 1)), (3, 9, 8)),
+    # A bias of more dims than x's: the reference's add gives y its leading 1s.
+    (76, (100, 200, (1, 200)), (100,)),
+    (76, (100, 200, (1, 1, 200)), (2, 129, 100)),
+    (76, (100, 200, (1, 1, 1)), (257, 100)),
 ]
 
 
@@ -111,6 +115,22 @@ def _conv_without_bias(model):
     model.conv.bias = None
 
 
+def _weight_norm(name):
+    """The submodule's weight parametrized by weight_norm (its class then
+    torch's parametrized subclass; the gradients go to original0 / 1)."""
+    def mutate(model):
+        torch.nn.utils.parametrizations.weight_norm(getattr(model, name))
+    return mutate
+
+
+def _group_norm_eps(eps):
+    def mutate(model):
+        for m in model.modules():
+            if isinstance(m, torch.nn.GroupNorm):
+                m.eps = eps
+    return mutate
+
+
 # A submodule of the reference's class with other options than the
 # reference's own: the fused forward must compute what the reference does.
 VARIANTS = {
@@ -118,6 +138,14 @@ VARIANTS = {
     "conv-reflect-padding": (1, _conv_padded("reflect")),
     "conv-zero-padding": (1, _conv_padded("zeros")),
     "conv-without-bias": (1, _conv_without_bias),
+    "weight-norm-1": (1, _weight_norm("conv")),
+    "weight-norm-37": (37, _weight_norm("matmul")),
+    "weight-norm-76": (76, _weight_norm("gemm")),
+    "weight-norm-88": (88, _weight_norm("gemm")),
+    "weight-norm-94": (94, _weight_norm("gemm")),
+    "gn-eps-0-37": (37, _group_norm_eps(0.0)),
+    "gn-eps-0-88": (88, _group_norm_eps(0.0)),
+    "gn-eps-0-94": (94, _group_norm_eps(0.0)),
 }
 
 

@@ -62,6 +62,37 @@ def test_a_replaced_submodule_is_refused(problem):
             model(x)
 
 
+@pytest.mark.parametrize("problem", sorted(BYPASSED))
+def test_a_parametrized_submodule_passes_the_check(problem):
+    """weight_norm (torch's parametrize) gives a submodule a class derived
+    from its own: the fused forward reads the parametrized weight, so the
+    check lets it by (the input check speaks next, a CPU tensor here);
+    with a hook, or parametrized over a class of the user's, it is still
+    refused."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    for name in BYPASSED[problem]:
+        if not hasattr(getattr(_model_and_input(problem)[0], name), "weight"):
+            continue  # (hardtanh, mish)
+        model, x = _model_and_input(problem)
+        weight_norm(getattr(model, name))
+        with pytest.raises(ValueError, match="x must be on a CUDA device"):
+            model(x)
+        getattr(model, name).register_forward_hook(lambda *a: None)
+        with pytest.raises(RuntimeError, match=f"{name} has hooks registered"):
+            model(x)
+        model, x = _model_and_input(problem)
+        plain = getattr(model, name)
+
+        class Wrapped(type(plain)):
+            pass
+
+        plain.__class__ = Wrapped
+        weight_norm(plain)
+        with pytest.raises(RuntimeError, match=f"{name} has been replaced by a ParametrizedWrapped"):
+            model(x)
+
+
 def test_hardtanh_bounds_other_than_the_chains_are_refused():
     model, x = _model_and_input(94)
     model.hardtanh.max_val = 2.0

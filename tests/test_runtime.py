@@ -98,7 +98,8 @@ def test_import_compiles_nothing_and_needs_no_cupy():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = _run_python(code, env)
     assert proc.returncode == 0, proc.stderr
-    assert "ERR" in proc.stdout and "cupy-fused[cuda12]" in proc.stdout and "[cuda13]" in proc.stdout
+    assert "ERR" in proc.stdout and "pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12" in proc.stdout
+    assert "pip install cupy-cuda13x 'nvidia-cuda-nvrtc==13.*'" in proc.stdout
 
 
 def test_team_shape_covers_every_group_width():
@@ -162,7 +163,6 @@ class _FakeCupy:
         self.loaded = []  # cubin paths loaded
         self.lowered = {}  # cubin path -> the lowered names it holds
         self.RawModule = RawModule
-        self.cuda = SimpleNamespace(Device=lambda device: contextlib.nullcontext())
 
 
 @pytest.fixture
@@ -175,6 +175,7 @@ def fake_cupy(monkeypatch):
     monkeypatch.setattr(_runtime, "_families", [])
     monkeypatch.setattr(_runtime, "_capabilities", {0: (9, 0), 1: (8, 0)})
     monkeypatch.setattr(_runtime, "_read_source", lambda source: "// " + source)
+    monkeypatch.setattr(_runtime, "_device", lambda device: contextlib.nullcontext())
 
     def install(compile_hook=None):
         fake = _FakeCupy(compile_hook)
@@ -581,6 +582,59 @@ def test_main_job_announces_the_compile_check_then_runs_it(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"compile check of {count} instantiations for sm_80" in out
     assert "this takes a few minutes" in out
+
+
+def test_main_job_precompile_without_a_gpu_says_nothing_was_cached(monkeypatch, capsys):
+    """--precompile without a GPU runs the compile check, then fails: a
+    build step meant to fill the cache must not pass having cached
+    nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_runtime, "compile_check", lambda arch, progress=False: {})
+    assert main_job.main(["--precompile", "--arch", "sm_80"]) == 1
+    assert "Nothing was cached" in capsys.readouterr().out
+
+
+def test_main_job_names_cupys_error_where_torch_sees_a_gpu(monkeypatch, capsys):
+    """torch sees a GPU, CuPy cannot use it (a CuPy for another CUDA major,
+    an old driver): the job says so, with CuPy's error, and fails, instead
+    of reporting no GPU and running the compile check."""
+    cupy = pytest.importorskip("cupy")
+
+    def refuse():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", refuse)
+    monkeypatch.setattr(_runtime, "compile_check", lambda *a, **k: pytest.fail("compile check ran"))
+    assert main_job.main([]) == 1
+    out = capsys.readouterr().out
+    assert "torch sees 1 CUDA GPU(s), CuPy none (RuntimeError: cudaErrorInsufficientDriver" in out
+
+
+def test_cupy_that_cannot_make_its_cache_folder_is_named(monkeypatch):
+    """CuPy makes its kernel cache folder when it is imported: where it
+    cannot (no home folder, a read-only one), the error says to set
+    CUPY_CACHE_DIR."""
+    from cupy_fused import _cupy
+
+    def unwritable(name):
+        raise PermissionError(13, "Permission denied", "/nonexistent")
+
+    monkeypatch.setattr(_cupy, "_cupy", None)
+    monkeypatch.setattr(_cupy.importlib, "import_module", unwritable)
+    with pytest.raises(PermissionError, match="set CUPY_CACHE_DIR to a writable folder"):
+        _cupy.require_cupy()
+
+
+def test_a_kernel_folder_that_is_not_there_is_named(monkeypatch, tmp_path, capsys):
+    missing = str(tmp_path / "nowhere")
+    monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", missing)
+    with pytest.raises(FileNotFoundError, match=f"CUPY_FUSED_KERNEL_DIR='{missing}' is not a folder"):
+        _runtime.kernel_dir()
+    assert main_job.main(["--no-compile-check"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT FOUND" in out and "is not a folder" in out
 
 
 def test_main_job_report_only(tmp_path):

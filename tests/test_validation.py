@@ -92,8 +92,8 @@ def test_group_norm_rows_under_2_to_the_30_channels():
 
 @pytest.mark.parametrize("eps,exc", [(math.nan, ValueError), (math.inf, ValueError),
                                      (-math.inf, ValueError), (-1e-5, ValueError),
-                                     (0.0, ValueError), ("1e-5", TypeError), (True, TypeError)])
-def test_eps_must_be_finite_and_positive(eps, exc):
+                                     ("1e-5", TypeError), (True, TypeError)])
+def test_eps_must_be_finite_and_non_negative(eps, exc):
     from cupy_fused._validation import check_eps
 
     with pytest.raises(exc, match="eps must"):
@@ -129,8 +129,11 @@ def test_unhashable_or_huge_arguments_get_the_usual_errors(past_device_check):
         ops.gn_chain(torch.rand(4, C), ["swish_bias_gn"], 4)
     with pytest.raises(ValueError, match="alpha must be finite, got inf"):
         check_finite_scalar("alpha", 10**400)
-    with pytest.raises(ValueError, match="eps must be finite and positive, got inf"):
+    with pytest.raises(ValueError, match="eps must be finite and non-negative, got inf"):
         check_eps(10**400)
+    with pytest.raises(ValueError, match="eps must be finite and non-negative, got -1e-05"):
+        check_eps(-1e-5)
+    assert check_eps(0) == 0.0 and check_eps(0.0) == 0.0  # GroupNorm takes eps=0
 
 
 def test_non_finite_alpha_is_rejected():

@@ -187,7 +187,7 @@ def _column_counters(chunks: int, ranges: int, device: torch.device) -> Optional
     # launch on other streams meanwhile leave it consistent)
     counters = _counters.get(key)
     if counters is None or counters.numel() < ranges:
-        counters = _zeroed_counters(max(ranges, 256), device, key[1])
+        counters = _zeroed_counters(max(ranges, 256), device, torch.cuda.current_stream(device))
         _counters.pop(key, None)  # (a buffer grown for a stream: inserted last, as a new one)
         _counters[key] = counters
         while len(_counters) > _MAX_COUNTERS:
@@ -200,13 +200,23 @@ def _column_counters(chunks: int, ranges: int, device: torch.device) -> Optional
     return counters
 
 
-def _zeroed_counters(n: int, device: torch.device, stream: int) -> torch.Tensor:
+def _zeroed_counters(n: int, device: torch.device, stream: torch.cuda.Stream) -> torch.Tensor:
     """``n`` int32 zeros on ``device``, from CuPy's memory pool, zeroed on
-    the stream whose handle is ``stream`` (torch's current one there), as a
-    torch tensor (DLPack: the tensor keeps the memory alive)."""
+    ``stream`` (torch's current one there), as a torch tensor (DLPack: the
+    tensor keeps the memory alive)."""
     cupy = require_cupy()
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream):
+    with torch.cuda.device(device.index), _cupy_stream(cupy, stream):
         return torch.from_dlpack(cupy.zeros(n, dtype=cupy.int32))
+
+
+def _cupy_stream(cupy, stream: torch.cuda.Stream):
+    """``stream`` as a CuPy stream: through the CUDA stream protocol where
+    CuPy has it (14 on, which deprecates ``ExternalStream``), else by its
+    handle."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream)
 
 
 def _reduce_partials(partial: torch.Tensor, dtype: torch.dtype,

@@ -613,7 +613,7 @@ def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, ext
         gn_weight, gn_bias: GroupNorm's affine vectors, or None.
         mul_weight: the multiplier of ``"gn_swish_mul_swish"``; required by
             that chain.
-        eps: GroupNorm's epsilon, finite and positive.
+        eps: GroupNorm's epsilon, finite and non-negative.
         linear_bias_in_z: z already holds the linear bias (added by the
             GEMM's epilogue, e.g. ``F.linear(x, W, lin_bias.detach())``,
             before z is rounded to its dtype); the kernels then only produce

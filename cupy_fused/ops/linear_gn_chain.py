@@ -360,7 +360,7 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
             (weight 1, bias 0).
         mul_weight: the multiplier of ``"gn_swish_mul_swish"``, (N,);
             required by that chain.
-        eps: GroupNorm's epsilon, finite and positive.
+        eps: GroupNorm's epsilon, finite and non-negative.
         precision: as for :func:`.linear.linear`.
         eager_rounding: as for :func:`.gn_chain.gn_chain` (float16 /
             bfloat16 only; the linear bias is then in cuBLAS's epilogue, as
