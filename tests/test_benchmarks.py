@@ -1167,6 +1167,8 @@ def _bench_ab():
 
 
 def test_ab_takes_a_folder_or_a_git_revisions_kernels(tmp_path):
+    if not (REPO / ".git").exists():
+        pytest.skip("a git revision needs the repository's history (not in a source distribution)")
     ab = _bench_ab()
     copy = ab.kernel_copy("HEAD", str(tmp_path / "new"))
     assert copy == str(tmp_path / "new" / "kernels_cu")

@@ -157,3 +157,30 @@ def test_test_shards_partition_the_suite():
     assert sorted(sum(parts, [])) == sorted(whole)
     run, _ = collected("3/3")
     assert run.returncode != 0 and "CUPY_FUSED_TEST_SHARD must be k/n" in run.stdout + run.stderr
+
+
+def test_source_distribution_carries_what_its_tests_need(tmp_path):
+    """The sdist ships the kernels and, beside the test files, what they
+    import and read: conftest.py, the benchmarks, scripts, docs and
+    results (without them pytest in an unpacked sdist stopped at missing
+    fixtures and files)."""
+    pytest.importorskip("setuptools", minversion="77",
+                        reason="the [test] extra installs setuptools>=77 to build the sdist")
+    import tarfile
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "build", "dist", "*.egg-info", "scratch*"))
+    build = subprocess.run(
+        [sys.executable, "-c", "from setuptools import build_meta; build_meta.build_sdist('dist')"],
+        cwd=str(src), capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    (path,) = (src / "dist").glob("cupy_fused-*.tar.gz")
+    with tarfile.open(path) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    wanted = {"tests/conftest.py", "benchmarks/run.py", "benchmarks/harness.py",
+              "scripts/gpu_check.sh", "results/latest.json", "docs/design.md",
+              "kernels_cu/gemm.cuh", "cupy_fused/__init__.py"}
+    wanted |= {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")}
+    assert wanted <= names, sorted(wanted - names)
+    assert not any("__pycache__" in n for n in names)
