@@ -28,8 +28,10 @@ import torch._functorch.config
 # in the same process, after torch._dynamo.reset() (the cache is on disk
 # too, so later processes could be served so as well): torch.compile's rows
 # of one autocast dtype ran the other's kernels.  No benchmark times
-# compiling, so every benchmark process leaves that cache off.
-torch._functorch.config.enable_autograd_cache = False
+# compiling, so every benchmark process leaves that cache off (a torch
+# without that cache has nothing to turn off).
+if hasattr(torch._functorch.config, "enable_autograd_cache"):
+    torch._functorch.config.enable_autograd_cache = False
 
 try:
     from tqdm import tqdm as _tqdm

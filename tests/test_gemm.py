@@ -121,6 +121,20 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
     assert G.uses_sgemm(3, 0) and G.uses_sgemm(3, G.SGEMM_BELOW_INNER - 1)
     assert not G.uses_sgemm(3, G.SGEMM_BELOW_INNER) and not G.uses_sgemm(1, 1)
     assert G.uses_sgemm(1, 0)  # an empty sum never reaches a tile kernel
+
+
+def test_long_sums_over_small_outputs_take_sgemm_under_3xtf32_only():
+    """Fewer 128 x 128 tiles than SMs and at least SPLIT_K_PER_TILE k-values
+    a tile, from SPLIT_K_INNER on: cuBLAS (split-k) is faster and more
+    accurate there (docs/gemm.md).  Outputs that fill the GPU keep the
+    kernel (problem 37's weight gradient: 4096 x 1024 over 32768 rows)."""
+    assert G.uses_sgemm(3, 1024, 64, 256, 132) and G.uses_sgemm(3, 1024, 1024, 256, 132)
+    assert G.uses_sgemm(3, 4096, 1024, 1024, 132)  # 64 tiles: 2048 <= 4096
+    assert not G.uses_sgemm(3, 1024, 1024, 1024, 132)  # 64 tiles: 2048 > 1024
+    assert not G.uses_sgemm(3, 512, 64, 256, 132)  # below SPLIT_K_INNER
+    assert not G.uses_sgemm(3, 32768, 4096, 1024, 132)  # 256 tiles: fills the GPU
+    assert not G.uses_sgemm(1, 4096, 64, 256, 132)  # one TF32 pass keeps the kernel
+    assert not G.uses_sgemm(3, 4096)  # no output size given: the short-sum rule alone
     a = torch.empty(5, 7)
     assert G._inner_size(a, "forward") == G._inner_size(a, "grad_input") == 7
     assert G._inner_size(a, "grad_weight") == 5
@@ -344,6 +358,25 @@ def test_short_sums_run_on_sgemm_per_product(device):
     assert torch.equal(x.grad, dz @ w.detach())
     assert torch.equal(w.grad, G._gemm(dz, x.detach(), "grad_weight", 3))
     assert not torch.equal(w.grad, dz.t() @ x.detach())  # tells the two paths apart
+
+
+@gpu
+def test_long_sums_over_small_outputs_run_on_sgemm(device):
+    """2048 rows of 40 features into 24: the weight gradient (a sum of 2048
+    terms over one tile) is cuBLAS's, the forward (40 terms) the kernel's;
+    a forward of 1024 features over a 64 x 256 output is cuBLAS's."""
+    gen = torch.Generator(device=device).manual_seed(6)
+    x = torch.rand(2048, 40, device=device, generator=gen).requires_grad_(True)
+    w = (torch.randn(24, 40, device=device, generator=gen) / 6).requires_grad_(True)
+    y = ops.linear(x, w)
+    assert torch.equal(y, G._gemm(x.detach(), w.detach(), "forward", 3))
+    dy = torch.randn(2048, 24, device=device, generator=gen)
+    y.backward(dy)
+    assert torch.equal(w.grad, dy.t() @ x.detach())
+    assert not torch.equal(w.grad, G._gemm(dy, x.detach(), "grad_weight", 3))
+    x2 = torch.rand(64, 1024, device=device, generator=gen)
+    w2 = torch.randn(256, 1024, device=device, generator=gen) / 32
+    assert torch.equal(ops.linear(x2, w2), x2 @ w2.t())
 
 
 @gpu

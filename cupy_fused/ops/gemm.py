@@ -15,9 +15,11 @@ process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
   sums of 32 products or more it is about as accurate as cuBLAS SGEMM or
   more (see the accuracy table in docs/gemm.md).  Shorter sums, where the split's
   own ~2^-22 representation error would dominate (up to 8x SGEMM's error at
-  one product), run on cuBLAS SGEMM instead: see :func:`uses_sgemm`.  This
-  applies per product, so a batch of 16 rows takes SGEMM for the weight
-  gradient (a sum over the batch) and 3xTF32 for the rest.
+  one product), run on cuBLAS SGEMM instead, and so do long sums over
+  outputs too small to fill the GPU, where cuBLAS splits the sum and is
+  faster and more accurate: see :func:`uses_sgemm`.  This applies per
+  product, so a batch of 16 rows takes SGEMM for the weight gradient (a sum
+  over the batch) and 3xTF32 for the rest.
 * ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
 * ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``).  This is also
   the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
@@ -183,6 +185,16 @@ SPLIT_IMAGE_KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
 # accurate or more (the accuracy table in docs/gemm.md).
 SGEMM_BELOW_INNER = 32
 
+# Under "3xtf32", a long sum (k of at least SPLIT_K_INNER, and at least
+# SPLIT_K_PER_TILE k-values per 128 x 128 tile of the output) over an
+# output of fewer such tiles than the GPU has SMs runs on cuBLAS SGEMM too:
+# there cuBLAS splits the sum over several blocks, so that its float32
+# chains are short, and it is both faster and more accurate than the
+# kernel's one chain per tile, which leaves most SMs idle (the grid in
+# docs/gemm.md, "Small outputs, long sums").
+SPLIT_K_INNER = 1024
+SPLIT_K_PER_TILE = 32
+
 
 def has_tf32_tensor_cores(device_index: int) -> bool:
     """Whether the GEMM kernels run on this device: compute capability 8.0
@@ -242,19 +254,41 @@ def _product_shape(a: torch.Tensor, b: torch.Tensor, layout: str) -> Tuple[int, 
     return (a.shape[0] if a_kmajor else a.shape[1]), (b.shape[0] if b_kmajor else b.shape[1])
 
 
-def uses_sgemm(passes: int, k: int) -> bool:
-    """Whether a float32 product of ``passes`` (3 or 1) summing ``k``
-    products runs on cuBLAS SGEMM instead of the tensor-core kernel.  An
-    empty sum (k = 0) always does: no tensor-core kernel is launched for
-    one."""
-    return k == 0 or (passes == 3 and k < SGEMM_BELOW_INNER)
+def uses_sgemm(passes: int, k: int, m: Optional[int] = None, n: Optional[int] = None,
+               sms: Optional[int] = None) -> bool:
+    """Whether a float32 product runs on cuBLAS SGEMM instead of the
+    tensor-core kernel.
+
+    Args:
+        passes: 3 (``"3xtf32"``) or 1 (``"tf32"``).
+        k: the products each output element sums.
+        m, n, sms: the output's rows and columns and the GPU's SM count,
+            for the rule of small outputs with long sums (left out: not
+            applied).
+
+    Returns:
+        True for an empty sum (k = 0: no tensor-core kernel is launched
+        for one), and under 3 passes for a short sum (k below
+        SGEMM_BELOW_INNER) or a long one over few tiles (SPLIT_K_INNER).
+    """
+    if k == 0:
+        return True
+    if passes != 3:
+        return False
+    if k < SGEMM_BELOW_INNER:
+        return True
+    if m is None or n is None or sms is None or k < SPLIT_K_INNER:
+        return False
+    tiles = cdiv(m, 128) * cdiv(n, 128)
+    return tiles < sms and tiles * SPLIT_K_PER_TILE <= k
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
              bias: Optional[torch.Tensor] = None, activation: int = 0) -> torch.Tensor:
     """:func:`_gemm`, or cuBLAS SGEMM plus the epilogue where
     :func:`uses_sgemm` says so (same operands, same result shape)."""
-    if not uses_sgemm(passes, _inner_size(a, layout)):
+    m, n = _product_shape(a, b, layout)
+    if not uses_sgemm(passes, _inner_size(a, layout), m, n, sm_count(a.device.index)):
         return _gemm(a, b, layout, passes, bias, activation)
     if layout == "forward":
         out = torch.addmm(bias, a, b.t()) if bias is not None else a @ b.t()
