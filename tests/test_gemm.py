@@ -121,6 +121,9 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
     assert G.uses_sgemm(3, 0) and G.uses_sgemm(3, G.SGEMM_BELOW_INNER - 1)
     assert not G.uses_sgemm(3, G.SGEMM_BELOW_INNER) and not G.uses_sgemm(1, 1)
     assert G.uses_sgemm(1, 0)  # an empty sum never reaches a tile kernel
+    a = torch.empty(5, 7)
+    assert G._inner_size(a, "forward") == G._inner_size(a, "grad_input") == 7
+    assert G._inner_size(a, "grad_weight") == 5
 
 
 def test_long_sums_over_small_outputs_take_sgemm_under_3xtf32_only():
@@ -135,9 +138,6 @@ def test_long_sums_over_small_outputs_take_sgemm_under_3xtf32_only():
     assert not G.uses_sgemm(3, 32768, 4096, 1024, 132)  # 256 tiles: fills the GPU
     assert not G.uses_sgemm(1, 4096, 64, 256, 132)  # one TF32 pass keeps the kernel
     assert not G.uses_sgemm(3, 4096)  # no output size given: the short-sum rule alone
-    a = torch.empty(5, 7)
-    assert G._inner_size(a, "forward") == G._inner_size(a, "grad_input") == 7
-    assert G._inner_size(a, "grad_weight") == 5
 
 
 def test_float32_weight_route(monkeypatch):
