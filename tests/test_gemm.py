@@ -135,6 +135,8 @@ def test_long_sums_over_small_outputs_take_sgemm_under_3xtf32_only():
     assert G.uses_sgemm(3, 4096, 1024, 1024, 132)  # 64 tiles: 2048 <= 4096
     assert not G.uses_sgemm(3, 1024, 1024, 1024, 132)  # 64 tiles: 2048 > 1024
     assert not G.uses_sgemm(3, 512, 64, 256, 132)  # below SPLIT_K_INNER
+    assert G.uses_sgemm(3, 64, 16, 256, 132) and G.uses_sgemm(3, 64, 256, 1, 132)  # few rows / cols
+    assert not G.uses_sgemm(3, 64, 17, 256, 132) and not G.uses_sgemm(1, 64, 1, 256, 132)
     assert not G.uses_sgemm(3, 32768, 4096, 1024, 132)  # 256 tiles: fills the GPU
     assert not G.uses_sgemm(1, 4096, 64, 256, 132)  # one TF32 pass keeps the kernel
     assert not G.uses_sgemm(3, 4096)  # no output size given: the short-sum rule alone
@@ -343,12 +345,12 @@ def test_bitwise_reproducible(layout, device):
 
 @gpu
 def test_short_sums_run_on_sgemm_per_product(device):
-    """in_features 8: the forward and input-gradient products (sums of 8 and
-    24 terms) are cuBLAS's; the weight gradient (a sum over 40 rows) is the
-    kernel's."""
+    """in_features 20: the forward and input-gradient products (sums of 20
+    and 24 terms) are cuBLAS's; the weight gradient (a sum over 40 rows, of
+    a 24 x 20 output) is the kernel's."""
     gen = torch.Generator(device=device).manual_seed(4)
-    x = torch.rand(40, 8, device=device, generator=gen).requires_grad_(True)
-    w = torch.randn(24, 8, device=device, generator=gen).requires_grad_(True)
+    x = torch.rand(40, 20, device=device, generator=gen).requires_grad_(True)
+    w = torch.randn(24, 20, device=device, generator=gen).requires_grad_(True)
     b = torch.randn(24, device=device, generator=gen).requires_grad_(True)
     y = ops.linear(x, w, b, activation="relu")
     assert torch.equal(y, torch.relu(x @ w.t() + b))  # the GEMM, then bias_relu

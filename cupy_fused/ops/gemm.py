@@ -15,9 +15,10 @@ process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
   sums of 32 products or more it is about as accurate as cuBLAS SGEMM or
   more (see the accuracy table in docs/gemm.md).  Shorter sums, where the split's
   own ~2^-22 representation error would dominate (up to 8x SGEMM's error at
-  one product), run on cuBLAS SGEMM instead, and so do long sums over
-  outputs too small to fill the GPU, where cuBLAS splits the sum and is
-  faster and more accurate: see :func:`uses_sgemm`.  This applies per
+  one product), run on cuBLAS SGEMM instead, and so do outputs of at most
+  16 rows or columns and long sums over outputs too small to fill the GPU,
+  where cuBLAS's kernels are more accurate and as fast or faster: see
+  :func:`uses_sgemm`.  This applies per
   product, so a batch of 16 rows takes SGEMM for the weight gradient (a sum
   over the batch) and 3xTF32 for the rest.
 * ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
@@ -195,6 +196,14 @@ SGEMM_BELOW_INNER = 32
 SPLIT_K_INNER = 1024
 SPLIT_K_PER_TILE = 32
 
+# Under "3xtf32", an output with at most this many rows or columns runs on
+# cuBLAS SGEMM too, whatever k: cuBLAS's kernels for such shapes sum more
+# accurately than the kernel's chunked chain (its error 1.1-2x cuBLAS's in
+# the median, up to 4x at worst, from k = 32 to 512), at the same time
+# (both a launch's few microseconds; docs/gemm.md, "Small outputs, long
+# sums").
+SGEMM_AT_MOST_ROWS = 16
+
 
 def has_tf32_tensor_cores(device_index: int) -> bool:
     """Whether the GEMM kernels run on this device: compute capability 8.0
@@ -269,7 +278,8 @@ def uses_sgemm(passes: int, k: int, m: Optional[int] = None, n: Optional[int] = 
     Returns:
         True for an empty sum (k = 0: no tensor-core kernel is launched
         for one), and under 3 passes for a short sum (k below
-        SGEMM_BELOW_INNER) or a long one over few tiles (SPLIT_K_INNER).
+        SGEMM_BELOW_INNER), an output of few rows or columns
+        (SGEMM_AT_MOST_ROWS) or a long sum over few tiles (SPLIT_K_INNER).
     """
     if k == 0:
         return True
@@ -277,7 +287,11 @@ def uses_sgemm(passes: int, k: int, m: Optional[int] = None, n: Optional[int] = 
         return False
     if k < SGEMM_BELOW_INNER:
         return True
-    if m is None or n is None or sms is None or k < SPLIT_K_INNER:
+    if m is None or n is None or sms is None:
+        return False
+    if min(m, n) <= SGEMM_AT_MOST_ROWS:
+        return True
+    if k < SPLIT_K_INNER:
         return False
     tiles = cdiv(m, 128) * cdiv(n, 128)
     return tiles < sms and tiles * SPLIT_K_PER_TILE <= k
