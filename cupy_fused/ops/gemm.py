@@ -17,10 +17,10 @@ process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
   own ~2^-22 representation error would dominate (up to 8x SGEMM's error at
   one product), run on cuBLAS SGEMM instead, and so do outputs of at most
   16 rows or columns and long sums over outputs too small to fill the GPU,
-  where cuBLAS's kernels are more accurate and as fast or faster: see
-  :func:`uses_sgemm`.  This applies per
-  product, so a batch of 16 rows takes SGEMM for the weight gradient (a sum
-  over the batch) and 3xTF32 for the rest.
+  where cuBLAS's kernels are more accurate and about as fast or faster: see
+  :func:`uses_sgemm`.  This applies per product, so a batch of 20 rows
+  takes SGEMM for the weight gradient (a sum over the batch) and 3xTF32
+  for the rest.
 * ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
 * ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``).  This is also
   the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
