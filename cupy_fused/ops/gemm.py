@@ -301,8 +301,10 @@ def _product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
              bias: Optional[torch.Tensor] = None, activation: int = 0) -> torch.Tensor:
     """:func:`_gemm`, or cuBLAS SGEMM plus the epilogue where
     :func:`uses_sgemm` says so (same operands, same result shape)."""
-    m, n = _product_shape(a, b, layout)
-    if not uses_sgemm(passes, _inner_size(a, layout), m, n, sm_count(a.device.index)):
+    k = _inner_size(a, layout)
+    # (the output's size and the SM count asked only where they can matter)
+    if not uses_sgemm(passes, k) and not (passes == 3 and uses_sgemm(
+            passes, k, *_product_shape(a, b, layout), sm_count(a.device.index))):
         return _gemm(a, b, layout, passes, bias, activation)
     if layout == "forward":
         out = torch.addmm(bias, a, b.t()) if bias is not None else a @ b.t()
