@@ -32,6 +32,7 @@ differentiates through them (:func:`first_order_only`).
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import typing
 from typing import Callable, Optional, Sequence, Tuple
@@ -201,7 +202,11 @@ def refuse_transforms(name: str, *tensors: Optional[torch.Tensor]) -> None:
     tensor's memory (its alignment) before a FusedOp runs, or run torch's
     products (cuBLAS, cuDNN) before one, and for the modules' checks of
     x's rank (a vmapped x has one dim less).  Outside torch.func's
-    transforms, one call."""
+    transforms, one call.  Not while torch.compile traces, where
+    :meth:`FusedOp.run` records its custom op without asking either (and
+    torch 2.4's TorchDynamo cannot trace the query: a graph break)."""
+    if is_compiling():
+        return
     if _transforms_active is not None and _transforms_active():
         if _vmapped(tensors):
             raise _vmap_error(name)
@@ -342,6 +347,14 @@ def inference_op(name: str, forward: Callable, forward_fake: Callable) -> Option
 def _custom_op(name: str, fn: Callable, fake: Callable):
     """``fn`` (annotated: the schema is inferred) as the custom op
     ``cupy_fused::<name>``, with ``fake`` for tracing; nothing it mutates."""
+    # torch 2.4 infers the schema from the raw annotations, which
+    # `from __future__ import annotations` leaves as strings: resolved here.
+    hints = typing.get_type_hints(fn)
+    sig = inspect.signature(fn)
+    fn.__signature__ = sig.replace(
+        parameters=[p.replace(annotation=hints.get(p.name, p.annotation))
+                    for p in sig.parameters.values()],
+        return_annotation=hints.get("return", sig.return_annotation))
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=())
     op.register_fake(fake)
     return op

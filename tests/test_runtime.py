@@ -365,7 +365,11 @@ def test_own_disk_cache_builds_once_and_keys_on_the_options(tmp_path, monkeypatc
     path.write_bytes(good[: len(good) // 2])  # a cubin cut short: built again
     assert _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options()) == (
         path, name)
-    assert len(builds) == 1 and path.read_bytes() == good
+    rebuilt = path.read_bytes()
+    # (whole again; not compared byte for byte: NVRTC 12.1 names a file's
+    # internal symbols with a hash that differs from compile to compile)
+    assert len(builds) == 1 and rebuilt[:4] == b"\x7fELF" and len(rebuilt) == len(good)
+    assert name.encode() + b"\0" in rebuilt
 
 
 def test_own_builds_compile_what_cupys_route_compiles(monkeypatch):
