@@ -66,10 +66,11 @@ def assume_constant_result(fn: Callable) -> Callable:
     TorchDynamo, which that call does (about a second of every import of
     cupy_fused, in a program that never compiles); a CPU test holds the
     mark to torch's own.  The identity on a torch without it."""
-    if "torch._dynamo" in sys.modules or not hasattr(getattr(torch, "compiler", None),
-                                                     "assume_constant_result"):
-        return getattr(getattr(torch, "compiler", None), "assume_constant_result",
-                       lambda f: f)(fn)
+    mark = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+    if mark is None:
+        return fn
+    if "torch._dynamo" in sys.modules:
+        return mark(fn)
     fn._dynamo_marked_constant = True
     return fn
 

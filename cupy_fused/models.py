@@ -162,29 +162,33 @@ def _parametrized(sub: nn.Module, kind: type, cls: type) -> bool:
             and parametrize.is_parametrized(sub))
 
 
-def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str) -> torch.Tensor:
+def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str,
+                 channel_dim: int = 1) -> torch.Tensor:
     """``param`` (the parameter named ``what``, e.g. ``bias``) as the ops
     take it, where the reference's broadcast of it against its output
-    (``out_ndim`` dims, channels in dim 1) adds or multiplies one value per
-    channel: a shape such as (C,) for a [M, C] output or (C, 1, 1) for [N,
-    C, H, W], as C values; one value for every channel, as shape (1,) (the
-    op spreads it, and gives it the whole sum of its gradients, rounded
-    once).  Any other shape broadcasts along another dim (a (C,) bias of
-    problem 1 along the image's width) and is refused."""
+    (``out_ndim`` dims, channels in ``channel_dim``: 1, or the last of a
+    linear layer's [*, C]) adds or multiplies one value per channel: a
+    shape such as (C,) for a [M, C] output or (C, 1, 1) for [N, C, H, W], as
+    C values; one value for every channel, as shape (1,) (the op spreads
+    it, and gives it the whole sum of its gradients, rounded once).  Any
+    other shape broadcasts along another dim (a (C,) bias of problem 1
+    along the image's width) and is refused."""
     # The reference's own shapes, (C,) and (C, 1, 1), cheaply: this runs on
     # every forward.
-    if param.dim() == out_ndim - 1 and param.shape[0] == channels and param.numel() == channels:
+    if (param.dim() == out_ndim - channel_dim and param.shape[0] == channels
+            and param.numel() == channels):
         return param
     shape = tuple(param.shape)
     padded = (1,) * (out_ndim - len(shape)) + shape
-    if (len(shape) <= out_ndim and padded[1] in (1, channels)
-            and all(s == 1 for i, s in enumerate(padded) if i != 1)):
-        return param.reshape(1) if padded[1] != channels else param.reshape(channels)
-    dims = "[N, C, H, W]" if out_ndim == 4 else "[M, C]"
+    if (len(shape) <= out_ndim and padded[channel_dim] in (1, channels)
+            and all(s == 1 for i, s in enumerate(padded) if i != channel_dim)):
+        return param.reshape(1) if padded[channel_dim] != channels else param.reshape(channels)
+    dims = {(4, 1): "[N, C, H, W]", (2, 1): "[M, C]"}.get((out_ndim, channel_dim), "[*, C]")
     raise ValueError(
         f"{what} has shape {shape}, which the reference broadcasts against its {dims} output "
         f"other than per channel; the fused module takes one value per channel (C = "
-        f"{channels}): shape {(channels,) + (1,) * (out_ndim - 2)} or a single value")
+        f"{channels}): shape {(channels,) + (1,) * (out_ndim - 1 - channel_dim)} or a single "
+        "value")
 
 
 def _gemm_precision(precision):
@@ -421,16 +425,7 @@ class GemmAddRelu(nn.Module):
         rows = x.reshape(lead.numel(), x.shape[-1])
         _check_input(rows, weight, 2, weight.shape[1], "features", self)
         out_ndim = max(x.dim(), self.bias.dim())
-        # The bias over the reference's [*, C] output: one value per channel
-        # (its last dim C or 1, every other 1); as _per_channel takes it.
-        bias = self.bias
-        if any(s != 1 for s in bias.shape[:-1]):
-            raise ValueError(
-                f"bias has shape {tuple(bias.shape)}, which the reference broadcasts against "
-                f"its [*, C] output other than per channel; the fused module takes one value "
-                f"per channel (C = {weight.shape[0]}): shape ({weight.shape[0]},) or a single "
-                "value")
-        bias = _per_channel(bias.reshape(bias.shape[-1:]), weight.shape[0], 2, "bias")
+        bias = _per_channel(self.bias, weight.shape[0], out_ndim, "bias", channel_dim=out_ndim - 1)
         y = self._forward_2d(rows, linear, weight, bias)
         return y.reshape(*(1,) * (out_ndim - x.dim()), *lead, y.shape[-1])
 
