@@ -260,6 +260,29 @@ def take_output(ctx) -> Optional[torch.Tensor]:
     return kept
 
 
+def product_operands(ctx, x: torch.Tensor, weight: torch.Tensor, x_at: int = 0,
+                     weight_at: int = 1) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """What the backward of a product ``x W^T`` needs of its operands, as
+    autograd's own ``mm`` saves them: x (or its cast) only where W's
+    gradient is wanted (dW = dz^T x), W (or its cast) only where x's is
+    (dX = dz W); None for the other.  With a frozen weight no activation
+    stays alive for the backward; with an input that needs no gradient
+    (a first layer) no weight, nor a cast of it.
+
+    Args:
+        ctx: the node's context, in a setup (``ctx.needs_input_grad`` is
+            set there, eager and traced).
+        x, weight: what the backward's products read.
+        x_at, weight_at: the positions among the op's inputs of the
+            tensors whose gradients these are.
+
+    Returns:
+        (x or None, weight or None).
+    """
+    want = ctx.needs_input_grad
+    return (x if want[weight_at] else None, weight if want[x_at] else None)
+
+
 def version_of(t: Optional[torch.Tensor]) -> Optional[int]:
     """``t``'s version counter, for :func:`check_unchanged` to tell whether
     it was changed in place (as autograd checks its saved tensors); None

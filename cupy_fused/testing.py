@@ -116,8 +116,9 @@ def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn)
     return err.max().item()
 
 
-def _run(model, x, dy, grad_mode: str, autocast: Optional[torch.dtype] = None):
-    x = x.detach().requires_grad_(True)
+def _run(model, x, dy, grad_mode: str, autocast: Optional[torch.dtype] = None,
+         input_grad: bool = True):
+    x = x.detach().requires_grad_(input_grad)
     for p in model.parameters():
         p.grad = None
     with torch.autocast("cuda", dtype=autocast) if autocast else contextlib.nullcontext():
@@ -171,7 +172,8 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
             layout: str = "contiguous",
             autocast: Optional[torch.dtype] = None,
             mutate: Optional[Callable[[torch.nn.Module], None]] = None,
-            input_dtype: Optional[torch.dtype] = None) -> Dict[str, Tuple[float, float]]:
+            input_dtype: Optional[torch.dtype] = None,
+            input_grad: bool = True) -> Dict[str, Tuple[float, float]]:
     """Runs ours, eager (both in ``dtype``) and the float64 reference on one
     fresh random input, ours after the allocator's free memory is filled
     with NaN (:func:`poison_allocator`).
@@ -187,15 +189,19 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
         autocast: run both forwards under ``torch.autocast("cuda",
             dtype=...)`` (the backward outside it, as in training).
         mutate: called on the reference and on ours after they are built (a
-            change of a submodule, say), so as to leave the two alike.
+            change of a submodule, or a parameter frozen, say), so as to
+            leave the two alike.
         input_dtype: the input's dtype where it differs from the models'
             (under autocast, say).
+        input_grad: whether the input requires a gradient.
 
     Returns:
         ``{tensor name: (our error, eager error)}`` (:func:`rel_error`
         against float64) for the output and the gradient of the input and
-        of every parameter.  Raises AssertionError when our output or a
-        gradient has another dtype or shape than eager's, or is missing.
+        of every parameter that gets one (the float64 run's: not a frozen
+        parameter).  Raises AssertionError when our output or a gradient has
+        another dtype or shape than eager's, or is missing, or where ours
+        gives a gradient that the float64 run does not.
     """
     ref, ours = build_pair(problem, ctor_args, device, dtype, seed)
     if mutate is not None:
@@ -217,10 +223,10 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
     with torch.no_grad():
         out_shape = ref64(x64).shape
     dy = torch.randn(out_shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-    truth_out, truth_grads = _run(ref64, x64, dy.double(), grad_mode)
-    eager_out, eager_grads = _run(ref, x, dy, grad_mode, autocast)
+    truth_out, truth_grads = _run(ref64, x64, dy.double(), grad_mode, input_grad=input_grad)
+    eager_out, eager_grads = _run(ref, x, dy, grad_mode, autocast, input_grad)
     poison_allocator(device, 4 * max(truth_out.numel(), x.numel()))
-    our_out, our_grads = _run(ours, x, dy, grad_mode, autocast)
+    our_out, our_grads = _run(ours, x, dy, grad_mode, autocast, input_grad)
     if our_out.dtype != eager_out.dtype or our_out.shape != eager_out.shape:
         raise AssertionError(f"output {our_out.dtype} {tuple(our_out.shape)}, eager's "
                              f"{eager_out.dtype} {tuple(eager_out.shape)}")
@@ -232,6 +238,10 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
     result = {"out": (rel_error(our_out, truth_out), rel_error(eager_out, truth_out))}
     for name, truth in truth_grads.items():
         mine, theirs = our_grads.get(name), eager_grads.get(name)
+        if truth is None:  # (frozen)
+            if mine is not None:
+                raise AssertionError(f"{name}: a gradient, where the reference gives none")
+            continue
         if mine is None or theirs is None:
             raise AssertionError(f"{name}: gradient missing (ours: {mine is not None}, "
                                  f"eager: {theirs is not None})")

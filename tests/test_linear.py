@@ -144,6 +144,81 @@ def test_backward_fakes_match_the_real_outputs(past_device_check):
         torch.library.opcheck(L._LINEAR_AUTOCAST.backward_op,
                               (*bf, torch.float32, torch.float32, torch.float32, *want),
                               test_utils="test_faketensor")
+    # An operand the node did not save (its gradient's other factor not
+    # wanted): None, the shapes taken from dz and the other operand.
+    torch.library.opcheck(L._CUBLAS_RELU.backward_op, (dz, None, w, True, False, True),
+                          test_utils="test_faketensor")
+    torch.library.opcheck(L._CUBLAS_RELU.backward_op, (dz, x, None, False, True, False),
+                          test_utils="test_faketensor")
+    for args in [(bf[0], None, bf[2], torch.float32, torch.float32, torch.float32, True, False, True),
+                 (bf[0], bf[1], None, torch.float32, torch.float32, torch.float32, False, True, True)]:
+        torch.library.opcheck(L._LINEAR_AUTOCAST.backward_op, args, test_utils="test_faketensor")
+
+
+def _route_setup(route, monkeypatch):
+    """(dtype, activation, precision) of ``ops.linear`` calls that take
+    ``route`` on CPU tensors (K = 8: the tensor-core route's products are
+    SGEMM's there, a torch op)."""
+    from cupy_fused.ops import gemm as G
+
+    if route == "tensor-core":
+        monkeypatch.setattr(G, "has_tf32_tensor_cores", lambda dev: True)
+        return torch.float32, None, "3xtf32"
+    if route == "autocast":
+        monkeypatch.setattr(L, "autocast_dtype", lambda: torch.bfloat16)
+        return torch.float32, None, None
+    return torch.bfloat16, "relu" if route == "cublas-relu" else None, None
+
+
+@pytest.mark.parametrize("frozen", ["weight", "x"])
+@pytest.mark.parametrize("route", ["tensor-core", "cublas", "cublas-relu", "autocast"])
+def test_products_keep_only_what_their_gradients_read(route, frozen, past_device_check,
+                                                      monkeypatch):
+    """As F.linear's product saves them: x (or its cast) only for the
+    weight's gradient, the weight (or its cast) only for x's.  A frozen
+    weight keeps no activation alive until the backward, an input that
+    needs no gradient no weight nor cast of it.  The gradients are the
+    reference's."""
+    dtype, activation, precision = _route_setup(route, monkeypatch)
+    gen = torch.Generator().manual_seed(13)
+    x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in [(6, 8), (12, 8), (12,)])
+    dy = torch.randn(6, 12, generator=gen).bfloat16()
+    leaves = [x.clone(), w.clone(), b.clone().requires_grad_(True)]
+    ref = [x.clone(), w.clone(), b.clone().requires_grad_(True)]
+    trained = 0 if frozen == "weight" else 1
+    for t in (leaves[trained], ref[trained]):
+        t.requires_grad_(True)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = ops.linear(*leaves, activation=activation, precision=precision)
+    unread = [(6, 8)] if frozen == "weight" else [(12, 8), (8, 12)]
+    assert not set(unread) & set(shapes), shapes
+    if route == "autocast":  # (the weight's cast is kept, not saved: see linear.py)
+        assert (y.grad_fn.kept_w_d is None) == (frozen == "x")
+    y.backward(dy.to(y.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=route == "autocast"):
+        want = torch.nn.functional.linear(*ref)
+    (want.relu() if activation else want).backward(dy.to(want.dtype))
+    for ours, theirs in zip(leaves, ref):
+        assert (ours.grad is None) == (theirs.grad is None)
+        if theirs.grad is not None:
+            assert ours.grad.dtype == theirs.grad.dtype
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=2e-2, atol=2e-2)
+    # Traced (the custom ops, their backward given None for what was not
+    # saved): eager's gradients, bit for bit.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: ops.linear(*t, activation=activation, precision=precision),
+                             backend="aot_eager", fullgraph=True)
+    traced = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+    compiled(*traced).backward(dy.to(y.dtype))
+    for ours, again in zip(leaves, traced):
+        assert (ours.grad is None) == (again.grad is None)
+        assert ours.grad is None or torch.equal(ours.grad, again.grad)
 
 
 @pytest.mark.parametrize("dtype, precision, passes", [

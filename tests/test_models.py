@@ -308,6 +308,90 @@ def test_saves_less_than_eager_and_nothing_without_grad(problem, device):
     assert extra <= out.numel() * out.element_size() + 512, extra
 
 
+def _held_by_graph(model, shape, device, dtype, x_grad: bool, amp) -> int:
+    """Bytes that one forward leaves held, its output included, beyond its
+    input's leaf: x is a product of that leaf, as a layer's input in a
+    network, which only the graph can keep."""
+    leaf = torch.rand(shape, device=device, dtype=dtype).requires_grad_(x_grad)
+    for _ in range(2):  # the first call allocates what persists (workspaces, counters)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        with torch.autocast("cuda", dtype=amp) if amp else contextlib.nullcontext():
+            y = model(leaf * 1.0)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated(device) - before
+        del y
+    return held
+
+
+def _freeze_linear_weight(model):
+    next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).weight.requires_grad_(False)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "amp-bf16"])
+@pytest.mark.parametrize("problem", [37, 76, 88, 94])
+def test_frozen_parts_keep_nothing_for_gradients_not_wanted(problem, mode, device):
+    """As F.linear's product: with the linear layer's weight frozen the graph
+    keeps neither x nor its cast, with an input that needs no gradient (a
+    first layer) no cast of the weight; either way it holds no more than the
+    reference's graph (but for 76's 1-bit ReLU mask, where the reference's
+    ReLU keeps the output), and the gradients are within 1.5x eager's
+    error."""
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    amp = torch.bfloat16 if mode == "amp-bf16" else None
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    ref, ours = build_pair(problem, args, device, dtype)
+    x_bytes = shape[0] * shape[1] * (2 if amp else torch.finfo(dtype).bits // 8)  # x, or its cast
+    w_bytes = args[0] * args[1] * 2  # the weight's cast
+    mask = -(-shape[0] * args[1] // 8 // 512) * 512 if problem == 76 else 0
+    trained = _held_by_graph(ours, shape, device, dtype, True, amp)
+    first_layer = _held_by_graph(ours, shape, device, dtype, False, amp)
+    assert first_layer <= trained - (w_bytes if amp else 0), (first_layer, trained)
+    assert first_layer <= _held_by_graph(ref, shape, device, dtype, False, amp) + mask
+    for model in (ref, ours):
+        _freeze_linear_weight(model)
+    frozen = _held_by_graph(ours, shape, device, dtype, True, amp)
+    assert frozen <= trained - x_bytes, (frozen, trained)
+    assert frozen <= _held_by_graph(ref, shape, device, dtype, True, amp) + mask
+    for input_grad in (True, False):
+        errors = compare(problem, args, shape, dtype, device, autocast=amp,
+                         mutate=_freeze_linear_weight, input_grad=input_grad)
+        assert ("x.grad" in errors) == input_grad
+        bad = worse_than_eager(errors, amp or dtype)
+        assert not bad, {n: errors[n] for n in bad}
+
+
+@pytest.mark.parametrize("frozen", ["weight", "x"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "amp-bf16"])
+@pytest.mark.parametrize("problem", [76, 88])
+def test_frozen_parts_under_compile(problem, mode, frozen, device):
+    """torch.compile(fullgraph=True) with the linear weight frozen, or an
+    input that needs no gradient (the custom ops' backwards then get None
+    for the operand not saved): eager's output and gradients."""
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    amp = torch.bfloat16 if mode == "amp-bf16" else None
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    _, ours = build_pair(problem, args, device, dtype)
+    if frozen == "weight":
+        _freeze_linear_weight(ours)
+    x = torch.rand(shape, device=device, dtype=dtype)
+    dy = torch.randn(shape[0], args[1], device=device)
+    torch._dynamo.reset()
+    results = []
+    for model in (ours, torch.compile(ours, fullgraph=True)):
+        for p in ours.parameters():
+            p.grad = None
+        xg = x.clone().requires_grad_(frozen == "weight")
+        with torch.autocast("cuda", dtype=amp) if amp else contextlib.nullcontext():
+            y = model(xg)
+        y.backward(dy.to(y.dtype))
+        results.append([y.detach(), xg.grad] + [p.grad for p in ours.parameters()])
+    for eager, compiled in zip(*results):
+        assert (eager is None) == (compiled is None)
+        if eager is not None:
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
 def test_autocast_half_input_meets_float32_parameters(problem, device):
     """Under autocast a bfloat16 input meets float32 parameters: the result

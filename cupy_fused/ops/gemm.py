@@ -60,7 +60,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES
-from .._autograd import FusedOp, is_compiling
+from .._autograd import FusedOp, is_compiling, product_operands
 from .._validation import cxx_type
 from ..settings import get_gemm_wgmma
 from ._common import BLOCK, cdiv, elementwise_grid, _ptr_or_null, sm_count
@@ -790,32 +790,35 @@ def _forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _linear_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
-                     want_x: bool, want_weight: bool,
+def _linear_backward(dout: torch.Tensor, x: Optional[torch.Tensor],
+                     weight: Optional[torch.Tensor], passes: int, want_x: bool, want_weight: bool,
                      want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``x W^T + bias``.  Returns (dx, dW, dbias); each is empty
-    when not wanted."""
+    """Backward of ``x W^T + bias``, dout [M, N] of x's dtype.  x is read
+    (and needed) only for dW, the weight only for dx (None where the node
+    did not save it: :func:`.._autograd.product_operands`).  Returns (dx,
+    dW, dbias); each is empty when not wanted."""
     dz = dout.contiguous()  # also materialises a broadcast gradient
     dbias = dz.sum(0) if want_bias else dz.new_empty((0,))
-    dx = _product(dz, weight, "grad_input", passes) if want_x else x.new_empty((0,))
-    dw = _product(dz, x, "grad_weight", passes) if want_weight else weight.new_empty((0,))
+    dx = _product(dz, weight, "grad_input", passes) if want_x else dz.new_empty((0,))
+    dw = _product(dz, x, "grad_weight", passes) if want_weight else dz.new_empty((0,))
     return dx, dw, dbias
 
 
-def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, passes: int,
-                   want_x: bool, want_weight: bool,
+def _backward_fake(dout: torch.Tensor, x: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                   passes: int, want_x: bool, want_weight: bool,
                    want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (Contiguous, as the products write them, whatever x's and the
     # weight's strides: inductor checks the real outputs' strides against
     # these.)
-    return (x.new_empty(x.shape) if want_x else x.new_empty((0,)),
-            weight.new_empty(weight.shape) if want_weight else weight.new_empty((0,)),
-            weight.new_empty((weight.shape[0],) if want_bias else (0,)))
+    m, n = dout.shape
+    return (dout.new_empty((m, weight.shape[1]) if want_x else (0,)),
+            dout.new_empty((n, x.shape[1]) if want_weight else (0,)),
+            dout.new_empty((n,) if want_bias else (0,)))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, activation, passes = inputs
-    ctx.save_for_backward(x, weight)
+    ctx.save_for_backward(*product_operands(ctx, x, weight))
     ctx.activation, ctx.passes, ctx.has_bias = activation, passes, bias is not None
 
 

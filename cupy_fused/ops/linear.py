@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from .._amp import autocast_dtype, float32_casts
 from .._autograd import (FusedOp, check_unchanged, inference_op, is_compiling, keep_output,
-                         launches_directly, needs_grad, refuse_transforms, take_output, version_of)
+                         launches_directly, needs_grad, product_operands, refuse_transforms,
+                         take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
@@ -66,14 +67,14 @@ def _cublas_relu_forward_fake(x: torch.Tensor, weight: torch.Tensor,
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _cublas_relu_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want_x: bool,
-                          want_weight: bool,
+def _cublas_relu_backward(dz: torch.Tensor, x: Optional[torch.Tensor],
+                          weight: Optional[torch.Tensor], want_x: bool, want_weight: bool,
                           want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the linear part of ``relu(x W^T + bias)``, given the
-    gradient dz already gated by the ReLU.  Returns (dx, dW, dbias); each is
-    empty when not wanted."""
+    gradient dz already gated by the ReLU.  x is needed only for dW, the
+    weight only for dx (None where not saved: :func:`product_operands`).
+    Returns (dx, dW, dbias); each is empty when not wanted."""
     dz = dz.contiguous()
-    x, weight = _cublas_operand(x), _cublas_operand(weight)
     # The bias gradient first, so that the column sum's scratch is freed
     # before the weight gradient exists (F.linear's backward sums it after the
     # products, on the engine's side, which raises the step's peak memory).
@@ -81,13 +82,13 @@ def _cublas_relu_backward(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     # torch.mm, not @: Tensor.__matmul__ is a Python wrapper around
     # torch.matmul, which then picks mm; host work counts here, since at
     # problem 76's shape the half-precision step is as long as its host work.
-    dx = torch.mm(dz, weight) if want_x else x.new_empty((0,))
-    dw = torch.mm(dz.t(), x) if want_weight else weight.new_empty((0,))
+    dx = torch.mm(dz, _cublas_operand(weight)) if want_x else dz.new_empty((0,))
+    dw = torch.mm(dz.t(), _cublas_operand(x)) if want_weight else dz.new_empty((0,))
     return dx, dw, dbias
 
 
-def _cublas_relu_backward_fake(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                               want_x: bool, want_weight: bool,
+def _cublas_relu_backward_fake(dz: torch.Tensor, x: Optional[torch.Tensor],
+                               weight: Optional[torch.Tensor], want_x: bool, want_weight: bool,
                                want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_fake(dz, x, weight, 0, want_x, want_weight, want_bias)  # (passes: unused)
 
@@ -95,7 +96,7 @@ def _cublas_relu_backward_fake(dz: torch.Tensor, x: torch.Tensor, weight: torch.
 def _cublas_relu_setup_context(ctx, inputs, output):
     # Traced (the registered custom op): the caller's relu_ gates the gradient.
     x, weight, _ = inputs
-    ctx.save_for_backward(x, weight)
+    ctx.save_for_backward(*product_operands(ctx, x, weight))
     ctx.gates = False
 
 
@@ -105,7 +106,9 @@ def _cublas_relu_eager_setup_context(ctx, inputs, output):
     # recompute the output for a second backward through a retained graph
     # (refused there, as autograd refuses, if it changed in place): the
     # reference's nodes do not save it, so changing it in place before the
-    # first backward is no error.
+    # first backward is no error.  That recomputation reads x and the
+    # weight: eager calls take this node only where both need gradients,
+    # and it saves both (_run_linear).
     x, weight, bias = inputs
     ctx.save_for_backward(x, weight)
     ctx.bias, ctx.bias_version = bias, version_of(bias)
@@ -194,15 +197,17 @@ def _autocast_forward_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     return x_d.new_empty((x_d.shape[0], w_d.shape[0]))
 
 
-def _autocast_products(dz: torch.Tensor, x_d: torch.Tensor, take_w_d: Callable[[], torch.Tensor],
+def _autocast_products(dz: torch.Tensor, x_d: Optional[torch.Tensor],
+                       take_w_d: Callable[[], torch.Tensor],
                        x_dtype: torch.dtype, weight_dtype: torch.dtype, bias_dtype: torch.dtype,
                        want_x: bool, want_weight: bool, want_bias: bool):
     """(dx, dW, dbias) of ``x_d W_d^T + bias_d`` in x's, W's and the bias's
     own dtypes, each written by its product / sum (:func:`_mm_to`; the column
     sum accumulates in float32), with no cast kernels; None where not wanted.
-    ``take_w_d`` returns W_d, asked for only where dX is wanted, and dropped
-    here after dX and before dW is allocated (the eager path holds no other
-    reference to it)."""
+    ``x_d`` is read only for dW (None where not saved); ``take_w_d`` returns
+    W_d, asked for only where dX is wanted, and dropped here after dX and
+    before dW is allocated (the eager path holds no other reference to
+    it)."""
     dz = dz.contiguous()  # also materialises a broadcast gradient
     # The bias gradient first (see _cublas_relu_backward).
     dbias = dz.sum(0, dtype=bias_dtype) if want_bias else None
@@ -215,9 +220,10 @@ def _autocast_products(dz: torch.Tensor, x_d: torch.Tensor, take_w_d: Callable[[
     return dx, dw, dbias
 
 
-def _autocast_linear_backward(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
-                              x_dtype: torch.dtype, weight_dtype: torch.dtype,
-                              bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
+def _autocast_linear_backward(dz: torch.Tensor, x_d: Optional[torch.Tensor],
+                              w_d: Optional[torch.Tensor], x_dtype: torch.dtype,
+                              weight_dtype: torch.dtype, bias_dtype: torch.dtype, want_x: bool,
+                              want_weight: bool,
                               want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward custom op: :func:`_autocast_products`, each gradient
     empty when not wanted."""
@@ -228,19 +234,22 @@ def _autocast_linear_backward(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Te
                  for g, d in zip(grads, (x_dtype, weight_dtype, bias_dtype)))
 
 
-def _autocast_backward_fake(dz: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor,
-                            x_dtype: torch.dtype, weight_dtype: torch.dtype,
-                            bias_dtype: torch.dtype, want_x: bool, want_weight: bool,
+def _autocast_backward_fake(dz: torch.Tensor, x_d: Optional[torch.Tensor],
+                            w_d: Optional[torch.Tensor], x_dtype: torch.dtype,
+                            weight_dtype: torch.dtype, bias_dtype: torch.dtype, want_x: bool,
+                            want_weight: bool,
                             want_bias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (x_d.new_empty(x_d.shape if want_x else (0,), dtype=x_dtype),
-            w_d.new_empty(w_d.shape if want_weight else (0,), dtype=weight_dtype),
-            dz.new_empty((w_d.shape[0],) if want_bias else (0,), dtype=bias_dtype))
+    m, n = dz.shape
+    return (dz.new_empty((m, w_d.shape[1]) if want_x else (0,), dtype=x_dtype),
+            dz.new_empty((n, x_d.shape[1]) if want_weight else (0,), dtype=weight_dtype),
+            dz.new_empty((n,) if want_bias else (0,), dtype=bias_dtype))
 
 
 def _autocast_setup_context(ctx, inputs, output):
     x, weight, bias, x_d, w_d, _ = inputs
-    # The casts, as autocast's own nn.Linear saves them (not x and W).
-    ctx.save_for_backward(x_d, w_d)
+    # The casts, as autocast's own nn.Linear saves them (not x and W), each
+    # where a gradient reads it.
+    ctx.save_for_backward(*product_operands(ctx, x_d, w_d))
     ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
     ctx.has_bias = bias is not None
 
@@ -250,11 +259,16 @@ def _autocast_eager_setup_context(ctx, inputs, output):
     # output), so that the backward drops it after dX and before dW, the
     # largest tensor of the step, is allocated: the reference's autograd
     # frees its own cast there too (MmBackward's saved tensors go before the
-    # cast back to float32 runs).
+    # cast back to float32 runs).  Each kept or saved only where a gradient
+    # reads it (see product_operands): x's cast for dW, the weight's for dX.
     x, weight, bias, x_d, w_d, _ = inputs
+    x_d, w_d = product_operands(ctx, x_d, w_d)
     ctx.save_for_backward(x_d)
-    ctx.kept_w_d, ctx.weight, ctx.weight_version = w_d, weight, version_of(weight)
-    ctx.kept_w_d_version = version_of(w_d)  # the weight's own where it has the dtype (no cast)
+    ctx.kept_w_d, ctx.weight, ctx.weight_version = w_d, None, None
+    if w_d is not None:
+        ctx.weight, ctx.weight_version = weight, version_of(weight)
+        ctx.kept_w_d_version = version_of(w_d)  # the weight's own where it has the dtype (no cast)
+    ctx.amp = output.dtype  # (the product's dtype: what a recast of the weight takes)
     ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
     ctx.has_bias = bias is not None
 
@@ -271,7 +285,7 @@ def _take_weight_cast(ctx) -> torch.Tensor:
         check_unchanged(w_d, ctx.kept_w_d_version, "the weight of cupy_fused::linear_autocast")
         return w_d
     check_unchanged(ctx.weight, ctx.weight_version, "the weight of cupy_fused::linear_autocast")
-    return ctx.weight.detach().to(ctx.saved_tensors[0].dtype)
+    return ctx.weight.detach().to(ctx.amp)
 
 
 def _autocast_backward_formula(ctx, grads, run_backward):
@@ -488,12 +502,19 @@ def _run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     tensor-core passes).  Returns [M, N]."""
     grad = needs_grad(x2, weight, bias)
     if passes == CUBLAS:
-        if activation == 1 and bias is not None and x2.numel() and weight.numel():
+        if (activation == 1 and bias is not None and x2.numel() and weight.numel()
+                and (not grad or is_compiling() or (x2.requires_grad and weight.requires_grad))):
             # cuBLAS with its bias epilogue and torch's ReLU, no kernel of
             # ours (see "What is fused" in docs/design.md), as one autograd
             # node; backward in torch ops.  A half-precision training step of
             # problem 76 takes less GPU time than the host needs to issue it,
-            # so the fewest autograd nodes win.
+            # so the fewest autograd nodes win.  In eager training only
+            # where x and the weight both need gradients: the node's second
+            # backward through a retained graph recomputes the output from
+            # both, so it saves both, where F.linear saves x only for the
+            # weight's gradient and the weight only for x's (a frozen
+            # weight: no activation kept).  Elsewhere F.linear and relu_
+            # below, the reference's own nodes.
             y = _CUBLAS_RELU.run(grad, x2, weight, bias)
             # Traced, the ReLU's gate is a native node (see _CUBLAS_RELU).
             return y.relu_() if grad and is_compiling() else y

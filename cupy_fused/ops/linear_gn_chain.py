@@ -49,7 +49,8 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
-from .._autograd import FusedOp, is_compiling, needs_grad, refuse_tangents, refuse_transforms
+from .._autograd import (FusedOp, is_compiling, needs_grad, product_operands, refuse_tangents,
+                         refuse_transforms)
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import check_flag, resolve_precision
 from . import gemm
@@ -270,38 +271,41 @@ def _forward_fake(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torc
             x_d.new_empty((2, m, num_groups) if save else (0,), dtype=torch.float32))
 
 
-def _backward(dout: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor, z: torch.Tensor,
-              stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
+def _backward(dout: torch.Tensor, x_d: Optional[torch.Tensor], w_d: Optional[torch.Tensor],
+              z: torch.Tensor, stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
               extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
               gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
               num_groups: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, want_x: bool,
               want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dW, per-column sums [Chain.grad_rows, N]); dx and dW in
-    x's and W's own dtypes, written by cuBLAS (no cast kernels), empty when
-    not wanted."""
+    x's and W's own dtypes, written by cuBLAS (no cast kernels), empty (z's
+    dtype) when not wanted.  x_d is read only for dW, w_d only for dx (None
+    where not saved: :func:`.._autograd.product_operands`)."""
     dz, sums = _gn_chain_backward(dout, z, stats, lin_bias, extra_bias, gn_weight, gn_bias,
                                   mul_weight, chain, num_groups, True)
-    dx = _mm_to(dz, _cublas_operand(w_d), x_dtype) if want_x else x_d.new_empty((0,))
-    dw = _mm_to(dz.t(), _cublas_operand(x_d), weight_dtype) if want_weight else w_d.new_empty((0,))
+    dx = _mm_to(dz, _cublas_operand(w_d), x_dtype) if want_x else z.new_empty((0,))
+    dw = _mm_to(dz.t(), _cublas_operand(x_d), weight_dtype) if want_weight else z.new_empty((0,))
     return dx, dw, sums
 
 
-def _backward_fake(dout: torch.Tensor, x_d: torch.Tensor, w_d: torch.Tensor, z: torch.Tensor,
-                   stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
+def _backward_fake(dout: torch.Tensor, x_d: Optional[torch.Tensor], w_d: Optional[torch.Tensor],
+                   z: torch.Tensor, stats: torch.Tensor, lin_bias: Optional[torch.Tensor],
                    extra_bias: Optional[torch.Tensor], gn_weight: Optional[torch.Tensor],
                    gn_bias: Optional[torch.Tensor], mul_weight: Optional[torch.Tensor], chain: str,
                    num_groups: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, want_x: bool,
                    want_weight: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(x_d, dtype=x_dtype) if want_x else x_d.new_empty((0,)),
-            torch.empty_like(w_d, dtype=weight_dtype) if want_weight else w_d.new_empty((0,)),
-            dout.new_empty((CHAINS[chain].grad_rows, w_d.shape[0])))
+    m, n = dout.shape
+    return (z.new_empty((m, w_d.shape[1]), dtype=x_dtype) if want_x else z.new_empty((0,)),
+            z.new_empty((n, x_d.shape[1]), dtype=weight_dtype) if want_weight else z.new_empty((0,)),
+            dout.new_empty((CHAINS[chain].grad_rows, n)))
 
 
 def _setup_context(ctx, inputs, output):
     (x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, x_d, w_d, _, chain, groups,
      _, _, _) = inputs
-    ctx.save_for_backward(x_d, w_d, output[1], output[2], lin_bias, extra_bias, gn_weight,
-                          gn_bias, mul_weight)
+    # (x's and W's casts each where a gradient reads it: product_operands)
+    ctx.save_for_backward(*product_operands(ctx, x_d, w_d), output[1], output[2], lin_bias,
+                          extra_bias, gn_weight, gn_bias, mul_weight)
     ctx.chain, ctx.num_groups, ctx.dtypes = chain, groups, (x.dtype, weight.dtype)
 
 
