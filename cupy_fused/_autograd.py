@@ -19,7 +19,11 @@ saves nothing.
 An op may give the eager path a setup of its own (``eager_setup_context``)
 for what only eager autograd allows: :func:`keep_output`, an output kept
 for one use by the backward and dropped as soon as the backward takes it,
-where a saved tensor would live until the backward has returned.
+where a saved tensor would live until the backward has returned.  Such a
+kept tensor is no saved tensor, so saved-tensor hooks would not see it:
+where hooks are active (``torch.utils.checkpoint``'s non-reentrant mode,
+``torch.autograd.graph.save_on_cpu``), the eager path takes the op's
+traced setup instead, which saves everything (:func:`keeps_for_one_use`).
 
 A route with no gradient to record that eager calls launch directly, but
 that a traced graph must call as an op of its own, is an
@@ -230,6 +234,26 @@ def _refuse_hidden_grad(tensors) -> None:
                 "torch.compile, which functionalizes the graph itself")
 
 
+# torch >= 2.5 tells whether saved-tensor hooks are active; an older one
+# cannot, and is taken to have none.
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def keeps_for_one_use() -> bool:
+    """Whether an op's eager node may keep a tensor for one use
+    (:func:`keep_output`, or an op's own attribute) instead of saving it:
+    not while torch.compile traces (a graph carries saved tensors only),
+    nor where saved-tensor hooks are active (``torch.utils.checkpoint``'s
+    non-reentrant mode drops saved tensors until the backward recomputes
+    them, ``torch.autograd.graph.save_on_cpu`` moves them to the host: a
+    kept tensor would stay where it is, defeating either).  Where not, the
+    node saves what it would keep (the op's traced setup), and a caller
+    that gates with a native node does so as when traced."""
+    if is_compiling():
+        return False
+    return _top_saved_tensor_hooks is None or _top_saved_tensor_hooks(False) is None
+
+
 def keep_output(ctx, output: torch.Tensor) -> None:
     """Keeps ``output`` (an output of the op being recorded) for one use by
     its backward, :func:`take_output`.  Eager path only (a ctx attribute,
@@ -406,7 +430,8 @@ class FusedOp:
         nondifferentiable: indices of outputs that carry no gradient (saved
             statistics, masks).
         eager_setup_context: replaces ``setup_context`` on the eager path
-            (see the module docstring); the formula must then handle both.
+            where :func:`keeps_for_one_use` (see the module docstring); the
+            formula must then handle both.
     """
 
     def __init__(self, name: str, forward: Callable, forward_fake: Callable,
@@ -459,13 +484,17 @@ class FusedOp:
 
     def _make_function(self):
         op, nondiff, formula, run_backward = self, self._nondiff, self._formula, self.backward
+        setup_differs = self._eager_setup_context is not self._setup_context
         name = self.name
 
         class Function(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *inputs):
                 outputs = op.forward(*inputs)
-                op._eager_setup_context(ctx, inputs, outputs)
+                if setup_differs and not keeps_for_one_use():
+                    op._setup_context(ctx, inputs, outputs)  # (saves all: see keeps_for_one_use)
+                else:
+                    op._eager_setup_context(ctx, inputs, outputs)
                 if nondiff:
                     ctx.mark_non_differentiable(*[outputs[i] for i in nondiff])
                     # The formulas read the first output's gradient only; the

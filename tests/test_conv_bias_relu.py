@@ -4,6 +4,7 @@ route (an implicit-GEMM convolution on Hopper, after a channels-last copy of
 an NCHW x; 16-bit, or float32 as TF32) and the cudnn route against a float64 run of the reference, output
 poisoned with NaN first; NaN / inf placement; two runs bitwise equal; the
 route each call takes."""
+import contextlib
 import importlib
 import math
 import re
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cupy_fused import _runtime, ops
+from cupy_fused import _autograd as AG, _runtime, ops
 from cupy_fused.ops import gemm
 from cupy_fused.testing import assert_non_finite_where, off_the_grid, poison_allocator, rel_error
 
@@ -2678,6 +2679,97 @@ def test_engine_training_node_keeps_a_leaf_copy_for_one_use(past_device_check, m
     for y, _ in (forward(x_grad=False), forward(x.contiguous(memory_format=torch.channels_last))):
         assert not hasattr(y.grad_fn, "kept_xc")
         y.backward(g)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(AG._top_saved_tensor_hooks is None,
+                    reason="telling whether saved-tensor hooks are active: torch >= 2.5")
+@pytest.mark.parametrize("channels_last, dtype, amp",
+                         [(False, torch.bfloat16, False), (True, torch.bfloat16, False),
+                          (False, torch.float32, False), (False, torch.float32, True)],
+                         ids=["nchw-bf16", "channels_last-bf16", "nchw-float32", "nchw-amp"])
+def test_engine_training_under_activation_checkpointing(channels_last, dtype, amp, device,
+                                                        monkeypatch):
+    """torch.utils.checkpoint's non-reentrant mode over the engine's
+    training route: the gradients without it, bit for bit, and the forward
+    leaves no more held than the reference's under the same checkpoint
+    (relu's mask and x's copy are saved tensors there, which the
+    checkpoint drops until the backward recomputes them)."""
+    _engine_device(device)
+    _lift_engine_thresholds(monkeypatch)
+    gen, x, wt, cb, g = _small_training_operands(channels_last, 7, device, dtype)
+    b = torch.randn(32, generator=gen).to(device, dtype)
+
+    def ours(*t):
+        return ops.conv_bias_relu(*t)
+
+    def theirs(xx, w, c, bb):
+        return F.relu(F.conv2d(xx, w, c)) + bb.reshape(-1, 1, 1)
+
+    grads = []
+    for wrapped in (False, True):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            assert CB.route(*leaves) == "engine"
+            y = torch.utils.checkpoint.checkpoint(ours, *leaves, use_reentrant=False) if wrapped \
+                else ours(*leaves)
+        y.backward(g.to(y.dtype))
+        grads.append([y.detach()] + [t.grad for t in leaves])
+    assert all(torch.equal(a, c) for a, c in zip(*grads))
+    held = []
+    for fn in (theirs, ours):
+        leaves = [x.detach().clone().requires_grad_(True)] + [
+            t.detach().clone().requires_grad_(True) for t in (wt, cb, b)]
+        for _ in range(2):  # the first call allocates what persists
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                y = torch.utils.checkpoint.checkpoint(fn, leaves[0] * 1.0, *leaves[1:],
+                                                      use_reentrant=False)
+            torch.cuda.synchronize()
+            now = torch.cuda.memory_allocated(device) - before
+            del y
+        held.append(now)
+    assert held[1] <= held[0], held
+
+
+@pytest.mark.skipif(AG._top_saved_tensor_hooks is None,
+                    reason="telling whether saved-tensor hooks are active: torch >= 2.5")
+def test_engine_training_node_under_saved_tensor_hooks(past_device_check, monkeypatch):
+    """Where saved-tensor hooks are active (torch.utils.checkpoint's
+    non-reentrant mode, torch.autograd.graph.save_on_cpu), the engine's
+    training node keeps nothing for one use, which the hooks would not
+    see: relu's mask and x's copy are saved tensors.  The gradients are
+    those without hooks, bit for bit (on CPU, its kernels replaced)."""
+    _cpu_engine_node(monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 8, 6, 7, generator=gen)
+    wt = torch.randn(32, 8, 3, 3, generator=gen) / 8
+    cb, b = torch.full((32,), 100.0), torch.randn(32, generator=gen)
+    g = torch.randn(2, 32, 4, 5, generator=gen)
+    grads = []
+    for mode in ("plain", "hooks", "checkpoint"):
+        leaves = [t.clone().requires_grad_(True) for t in (x, wt, cb, b)]
+        packed = []
+
+        def pack(t):
+            packed.append(tuple(t.shape))
+            return t
+
+        if mode == "checkpoint":
+            y = torch.utils.checkpoint.checkpoint(ops.conv_bias_relu, *leaves, use_reentrant=False)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if mode == "hooks" \
+                    else contextlib.nullcontext():
+                y = ops.conv_bias_relu(*leaves)
+        kept = [a for a in ("kept_mask", "kept_xc") if getattr(y.grad_fn, a, None) is not None]
+        assert kept == ([] if mode != "plain" else ["kept_mask", "kept_xc"])
+        if mode == "hooks":  # x's copy (x's shape), the weight and the mask (a word per 32 values)
+            assert sorted(packed) == sorted([tuple(x.shape), tuple(wt.shape), (2 * 32 * 4 * 5 // 32,)])
+        y.backward(g)
+        grads.append([t.grad for t in leaves])
+    for other in grads[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(grads[0], other))
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 bias + ReLU node and the autocast op on CPU tensors (CPU tier); forward and
 gradients against float64, leading dimensions, torch.compile, the fused
 ReLU store and the half-precision route (GPU tier)."""
+import contextlib
 import importlib
 
 import pytest
@@ -198,8 +199,9 @@ def test_products_keep_only_what_their_gradients_read(route, frozen, past_device
         y = ops.linear(*leaves, activation=activation, precision=precision)
     unread = [(6, 8)] if frozen == "weight" else [(12, 8), (8, 12)]
     assert not set(unread) & set(shapes), shapes
-    if route == "autocast":  # (the weight's cast is kept, not saved: see linear.py)
-        assert (y.grad_fn.kept_w_d is None) == (frozen == "x")
+    if route == "autocast":  # (without hooks the weight's cast is kept, not saved: see linear.py)
+        kept = ops.linear(*leaves, activation=activation, precision=precision).grad_fn.kept_w_d
+        assert (kept is None) == (frozen == "x")
     y.backward(dy.to(y.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=route == "autocast"):
         want = torch.nn.functional.linear(*ref)
@@ -500,6 +502,52 @@ def test_linear_under_autocast_is_one_node_with_float32_gradients(
         exact = dy.double().reshape(-1, 19) * (y > 0).reshape(-1, 19) if activation else \
             dy.double().reshape(-1, 19)
         torch.testing.assert_close(leaves[2].grad, exact.sum(0).float())
+
+
+@pytest.mark.skipif(getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None) is None,
+                    reason="telling whether saved-tensor hooks are active: torch >= 2.5")
+@pytest.mark.parametrize("route", ["cublas-relu", "autocast"])
+def test_nodes_keep_nothing_beside_saved_tensor_hooks(route, past_device_check, monkeypatch):
+    """Where saved-tensor hooks are active (torch.utils.checkpoint's
+    non-reentrant mode, torch.autograd.graph.save_on_cpu), no node keeps a
+    tensor for one use, which the hooks would not see: the cuBLAS bias +
+    ReLU node saves x and the weight and gates with a native relu_ (which
+    saves the output), the autocast product saves the weight's cast.  The
+    gradients are those without hooks, bit for bit, and under checkpoint
+    too."""
+    dtype, activation, precision = _route_setup(route, monkeypatch)
+    gen = torch.Generator().manual_seed(14)
+    x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in [(6, 8), (12, 8), (12,)])
+    dy = torch.randn(6, 12, generator=gen).bfloat16()
+    grads = []
+    for mode in ("plain", "hooks", "checkpoint"):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        packed = []
+
+        def pack(t):
+            packed.append(tuple(t.shape))
+            return t
+
+        def run(*t):
+            return ops.linear(*t, activation=activation, precision=precision)
+
+        if mode == "checkpoint":
+            y = torch.utils.checkpoint.checkpoint(run, *leaves, use_reentrant=False)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if mode == "hooks" \
+                    else contextlib.nullcontext():
+                y = run(*leaves)
+        nodes = [y.grad_fn] + [f for f, _ in y.grad_fn.next_functions if f is not None]
+        kept = [a for n in nodes for a in ("kept_output", "kept_w_d")
+                if isinstance(getattr(n, a, None), torch.Tensor)]
+        assert kept == ([] if mode != "plain" else
+                        ["kept_output" if route == "cublas-relu" else "kept_w_d"])
+        if mode == "hooks":  # x (or its cast), the weight (or its cast); relu's output
+            assert sorted(packed) == sorted([(6, 8), (12, 8)] + [(6, 12)] * (route == "cublas-relu"))
+        y.backward(dy.to(y.dtype))
+        grads.append([t.grad for t in leaves])
+    for other in grads[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(grads[0], other))
 
 
 def test_linear_under_autocast_keeps_half_operands_and_their_dtypes(past_device_check,

@@ -361,6 +361,43 @@ def test_frozen_parts_keep_nothing_for_gradients_not_wanted(problem, mode, devic
         assert not bad, {n: errors[n] for n in bad}
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "amp-bf16"])
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_activation_checkpointing(problem, mode, reentrant, device):
+    """torch.utils.checkpoint over the module: the output and gradients
+    without it, bit for bit.  Non-reentrant (saved-tensor hooks drop what
+    the graph saves until the backward recomputes it), the forward leaves
+    no more held than the reference's under the same checkpoint: nothing
+    of the module's kept beside its input and output."""
+    if reentrant is False and getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
+                                      None) is None:
+        pytest.skip("telling whether saved-tensor hooks are active: torch >= 2.5")
+    from torch.utils.checkpoint import checkpoint
+
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    amp = torch.bfloat16 if mode == "amp-bf16" else None
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    ref, ours = build_pair(problem, args, device, dtype)
+    x = torch.rand(shape, device=device, dtype=dtype)
+    results = []
+    for wrapped in (False, True):
+        for p in ours.parameters():
+            p.grad = None
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=amp) if amp else contextlib.nullcontext():
+            y = checkpoint(ours, xg, use_reentrant=reentrant) if wrapped else ours(xg)
+        dy = torch.randn(y.shape, device=device, generator=torch.Generator(device).manual_seed(3))
+        y.backward(dy.to(y.dtype))
+        results.append([y.detach(), xg.grad] + [p.grad for p in ours.parameters()])
+    for plain, checkpointed in zip(*results):
+        assert torch.equal(plain, checkpointed)
+    if not reentrant:
+        held = [_held_by_graph(lambda t, m=m: checkpoint(m, t, use_reentrant=False), shape, device,
+                               dtype, True, amp) for m in (ref, ours)]
+        assert held[1] <= held[0], held
+
+
 @pytest.mark.parametrize("frozen", ["weight", "x"])
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "amp-bf16"])
 @pytest.mark.parametrize("problem", [76, 88])

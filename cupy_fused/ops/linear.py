@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from .._amp import autocast_dtype, float32_casts
 from .._autograd import (FusedOp, check_unchanged, inference_op, is_compiling, keep_output,
-                         launches_directly, needs_grad, product_operands, refuse_transforms,
-                         take_output, version_of)
+                         keeps_for_one_use, launches_directly, needs_grad, product_operands,
+                         refuse_transforms, take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
@@ -94,7 +94,8 @@ def _cublas_relu_backward_fake(dz: torch.Tensor, x: Optional[torch.Tensor],
 
 
 def _cublas_relu_setup_context(ctx, inputs, output):
-    # Traced (the registered custom op): the caller's relu_ gates the gradient.
+    # Traced (the registered custom op), or eager under saved-tensor hooks:
+    # the caller's relu_ gates the gradient.
     x, weight, _ = inputs
     ctx.save_for_backward(*product_operands(ctx, x, weight))
     ctx.gates = False
@@ -138,10 +139,11 @@ def _cublas_relu_backward_formula(ctx, grads, run_backward):
 # output, which must not stay alive through the products (it would raise
 # the step's peak memory above torch.compile's).  Eager calls keep it for
 # the gate only (keep_output) and drop it before the products.  Traced
-# calls, whose graph carries saved tensors only, gate with a native relu_
-# that the caller applies to the output (values unchanged: they are >= 0
-# already), whose own node then frees the output.  Only _run_linear uses it,
-# that way.
+# calls, whose graph carries saved tensors only, and eager calls under
+# saved-tensor hooks (keeps_for_one_use), gate with a native relu_ that the
+# caller applies to the output (values unchanged: they are >= 0 already),
+# whose own node then frees the output.  Only _run_linear uses it, that
+# way.
 _CUBLAS_RELU = FusedOp("linear_relu_cublas", _cublas_relu_forward, _cublas_relu_forward_fake,
                        _cublas_relu_setup_context, _cublas_relu_backward_formula,
                        _cublas_relu_backward, _cublas_relu_backward_fake,
@@ -502,22 +504,24 @@ def _run_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     tensor-core passes).  Returns [M, N]."""
     grad = needs_grad(x2, weight, bias)
     if passes == CUBLAS:
+        keeps = grad and keeps_for_one_use()
         if (activation == 1 and bias is not None and x2.numel() and weight.numel()
-                and (not grad or is_compiling() or (x2.requires_grad and weight.requires_grad))):
+                and (not keeps or (x2.requires_grad and weight.requires_grad))):
             # cuBLAS with its bias epilogue and torch's ReLU, no kernel of
             # ours (see "What is fused" in docs/design.md), as one autograd
             # node; backward in torch ops.  A half-precision training step of
             # problem 76 takes less GPU time than the host needs to issue it,
-            # so the fewest autograd nodes win.  In eager training only
-            # where x and the weight both need gradients: the node's second
-            # backward through a retained graph recomputes the output from
-            # both, so it saves both, where F.linear saves x only for the
-            # weight's gradient and the weight only for x's (a frozen
-            # weight: no activation kept).  Elsewhere F.linear and relu_
-            # below, the reference's own nodes.
+            # so the fewest autograd nodes win.  Where the node keeps its
+            # output (keeps_for_one_use), only where x and the weight both
+            # need gradients: its second backward through a retained graph
+            # recomputes the output from both, so it saves both, where
+            # F.linear saves x only for the weight's gradient and the weight
+            # only for x's (a frozen weight: no activation kept).  Elsewhere
+            # F.linear and relu_ below, the reference's own nodes.
             y = _CUBLAS_RELU.run(grad, x2, weight, bias)
-            # Traced, the ReLU's gate is a native node (see _CUBLAS_RELU).
-            return y.relu_() if grad and is_compiling() else y
+            # Traced, or under saved-tensor hooks, the ReLU's gate is a
+            # native node (see _CUBLAS_RELU).
+            return y.relu_() if grad and not keeps else y
         if x2.dtype != torch.float32 and is_compiling():
             # Traced, where no address is known: F.linear's product and
             # gradients in the custom op whose implementation checks the
