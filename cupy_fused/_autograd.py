@@ -234,7 +234,7 @@ def _refuse_hidden_grad(tensors) -> None:
                 "torch.compile, which functionalizes the graph itself")
 
 
-# torch >= 2.5 tells whether saved-tensor hooks are active; an older one
+# torch >= 2.8 tells whether saved-tensor hooks are active; an older one
 # cannot, and is taken to have none.
 _top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
@@ -263,8 +263,10 @@ def keep_output(ctx, output: torch.Tensor) -> None:
     node as its ``grad_fn``, so keeping it would make a reference cycle.  The
     alias shares the output's version counter, which :func:`take_output`
     checks, as autograd checks its saved tensors.  Not being a saved tensor,
-    it bypasses saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``,
-    e.g. offloading to the CPU): it stays where the output is."""
+    it would bypass saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``,
+    e.g. offloading to the CPU), so where they are active it is not used
+    (:func:`keeps_for_one_use`; on a torch that cannot tell, it is, and
+    stays where the output is)."""
     ctx.kept_output = output.detach()
     ctx.kept_version = output._version
 
@@ -305,6 +307,34 @@ def product_operands(ctx, x: torch.Tensor, weight: torch.Tensor, x_at: int = 0,
     """
     want = ctx.needs_input_grad
     return (x if want[weight_at] else None, weight if want[x_at] else None)
+
+
+def graph_anchors(*pairs: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+                  ) -> Tuple[torch.Tensor, ...]:
+    """What a node keeps as ``ctx.graph_anchors`` (see
+    :func:`_formula_with_graph`): for each (input, what the node saved of
+    it), the input's autograd history where the gradients depend on the
+    input but the node saved nothing of it that carries that history (a
+    detached cast, a copy, or nothing: :func:`product_operands`), so that
+    a double backward through the gradients is still refused.
+
+    Without its memory: a leaf input is kept itself (its AccumulateGrad
+    node holds it anyway), any other one as an empty slice of it cloned (no
+    storage, no kernel; its nodes keep shapes only).  Nothing while
+    torch.compile traces (a compiled region refuses double backward
+    itself), and nothing for an input that needs no gradient."""
+    if is_compiling():
+        return ()
+    kept = []
+    for t, saved in pairs:
+        if t is None or not t.requires_grad or saved is t:
+            continue
+        if t.grad_fn is None:
+            kept.append(t)
+        else:
+            with torch.enable_grad():  # (a node's forward runs with grad mode off)
+                kept.append(t.narrow(0, 0, 0).clone())
+    return tuple(kept)
 
 
 def version_of(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -360,12 +390,30 @@ def first_order_only(name: str, result, depends_on: Sequence[Optional[torch.Tens
     return marked[0] if single else tuple(marked[:len(grads)])
 
 
+class _SavedOnce:
+    """A node's ctx whose saved tensors are unpacked once, for the formula
+    and :func:`_formula_with_graph` both: torch.utils.checkpoint's
+    non-reentrant mode lets each saved tensor be unpacked once per
+    backward.  Every other attribute is the ctx's own, read and set."""
+
+    def __init__(self, ctx):
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "saved_tensors", ctx.saved_tensors)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+
+
 def _formula_with_graph(name: str, formula: Callable, ctx, grads, run_backward):
     """``formula`` run by a backward with grad mode on (``create_graph=True``):
     its results refuse to be differentiated (:func:`first_order_only`), as
     functions of the incoming gradients, the saved tensors and
     ``ctx.graph_anchors`` (inputs a node keeps other than as saved tensors,
-    if it sets them)."""
+    if it sets them: :func:`graph_anchors`)."""
+    ctx = _SavedOnce(ctx)
     with torch.no_grad():  # a graph of the formula's torch ops would be cut anyway
         result = formula(ctx, grads, run_backward)
     return first_order_only(name, result,

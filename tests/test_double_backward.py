@@ -3,6 +3,8 @@ penalty) is refused with an error naming the op, never computed wrong: the
 backward kernels give first-order gradients with no history.  So is
 forward-mode AD, which would drop the input's tangent (GPU tier; the
 mechanisms' CPU tests are in test_autograd.py)."""
+import importlib
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from cupy_fused.testing import build_pair
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16]
 PROBLEMS = sorted(models.MODELS)
+LG = importlib.import_module("cupy_fused.ops.linear_gn_chain")  # the module, not the op
 REFUSED = r"cupy_fused::\w+ does not support double backward"
 
 
@@ -104,3 +107,53 @@ def test_forward_mode_ad_is_refused(problem, dtype, device, launches):
         with pytest.raises(RuntimeError, match="do not support forward-mode AD"):
             model(dual)
     assert not launches
+
+
+def _freeze_linear_weight(model):
+    next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).weight.requires_grad_(False)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("case", ["frozen-weight", "autocast", "checkpoint"])
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_gradient_penalty_is_refused_in_other_settings(problem, case, device, monkeypatch):
+    """test_gradient_penalty_is_refused's penalty from a constant incoming
+    gradient, where a node saves less: the linear layer's weight frozen in
+    bfloat16 (x is then not saved; 37, 88 and 94, whose gradients are
+    functions of x through the chain), under autocast (the products save
+    casts with no history) and under torch.utils.checkpoint's non-reentrant
+    mode (saved-tensor hooks); 37, 88 and 94 on their one-launch op where
+    the GPU has it.  Refused, with respect to x and the parameters; a
+    create_graph backward gives the plain backward's gradients."""
+    if case == "frozen-weight" and problem in (1, 76):
+        pytest.skip("x's gradient is piecewise linear in x there (relu), as in the reference")
+    monkeypatch.setattr(LG, "fusion_pays", lambda *shape: True)
+    dtype = torch.bfloat16 if case == "frozen-weight" else torch.float32
+    model, x = _model_and_input(problem, dtype, device)
+    if case == "frozen-weight":
+        _freeze_linear_weight(model)
+
+    def forward(xx):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=case == "autocast"):
+            if case == "checkpoint":
+                return torch.utils.checkpoint.checkpoint(model, xx, use_reentrant=False)
+            return model(xx)
+
+    xx = x.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(forward(xx).sum(), xx, create_graph=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(RuntimeError, match=REFUSED):
+        torch.autograd.grad(g.square().sum(), [xx] + trained, allow_unused=True)
+    with torch.no_grad():
+        dy = torch.randn_like(forward(x).float())
+    results = []
+    for create_graph in (False, True):
+        model.zero_grad(set_to_none=True)
+        xx = x.detach().clone().requires_grad_(True)
+        y = forward(xx)
+        y.backward(dy.to(y.dtype), create_graph=create_graph)
+        results.append([xx.grad.detach()] + [p.grad.detach() for p in trained])
+        model.zero_grad(set_to_none=True)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, **tol)

@@ -505,7 +505,7 @@ def test_linear_under_autocast_is_one_node_with_float32_gradients(
 
 
 @pytest.mark.skipif(getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None) is None,
-                    reason="telling whether saved-tensor hooks are active: torch >= 2.5")
+                    reason="telling whether saved-tensor hooks are active: torch >= 2.8")
 @pytest.mark.parametrize("route", ["cublas-relu", "autocast"])
 def test_nodes_keep_nothing_beside_saved_tensor_hooks(route, past_device_check, monkeypatch):
     """Where saved-tensor hooks are active (torch.utils.checkpoint's
@@ -548,6 +548,46 @@ def test_nodes_keep_nothing_beside_saved_tensor_hooks(route, past_device_check, 
         grads.append([t.grad for t in leaves])
     for other in grads[1:]:
         assert all(torch.equal(a, c) for a, c in zip(grads[0], other))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "checkpoint"])
+@pytest.mark.parametrize("route", ["tensor-core", "cublas-relu", "autocast"])
+def test_double_backward_refused_and_create_graph_under_checkpoint(route, hooks, past_device_check,
+                                                                   monkeypatch):
+    """A penalty on x's gradient (from a constant incoming gradient: dX =
+    dz W), differentiated with respect to the weight, is refused, also
+    where the node saved only the weight's cast, which has no history (the
+    weight anchors it).  A create_graph backward under
+    torch.utils.checkpoint's non-reentrant mode gives the first-order
+    gradients (each saved tensor unpacked once)."""
+    dtype, activation, precision = _route_setup(route, monkeypatch)
+    gen = torch.Generator().manual_seed(15)
+    x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in [(6, 8), (12, 8), (12,)])
+    dy = torch.randn(6, 12, generator=gen).bfloat16()
+
+    def run(*t):
+        y = ops.linear(*t, activation=activation, precision=precision)
+        return y * 1.0 if hooks else y  # (checkpoint: an output of its own)
+
+    def forward(leaves):
+        if hooks:
+            return torch.utils.checkpoint.checkpoint(run, *leaves, use_reentrant=False)
+        return run(*leaves)
+
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    (gx,) = torch.autograd.grad(forward(leaves).sum(), leaves[0], create_graph=True)
+    with pytest.raises(RuntimeError, match=r"cupy_fused::\w+ does not support double backward"):
+        torch.autograd.grad(gx.square().sum(), leaves[1], allow_unused=True)
+    first = []
+    for create_graph in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        y = forward(leaves)
+        y.backward(dy.to(y.dtype), create_graph=create_graph)
+        first.append([t.grad.detach() for t in leaves])
+        for t in leaves:
+            t.grad = None  # (create_graph: a reference cycle through .grad)
+    assert all(torch.equal(a, c) for a, c in zip(*first))
 
 
 def test_linear_under_autocast_keeps_half_operands_and_their_dtypes(past_device_check,

@@ -106,8 +106,9 @@ import torch.nn.functional as F
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
-from .._autograd import (HAS_CUSTOM_OP, FusedOp, assume_constant_result, check_unchanged, inference_op,
-                         is_compiling, needs_grad, refuse_tangents, refuse_transforms, version_of)
+from .._autograd import (HAS_CUSTOM_OP, FusedOp, assume_constant_result, check_unchanged, graph_anchors,
+                         inference_op, is_compiling, needs_grad, refuse_tangents, refuse_transforms,
+                         version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
@@ -1374,8 +1375,11 @@ def _train_forward_fake(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.
 def _train_setup_context(ctx, inputs, output):
     x, weight, conv_bias, bias, _, _ = inputs
     _, mask, xc = output
-    # x channels-last in the product's dtype: its copy, or x itself
-    ctx.save_for_backward(xc if xc.numel() else x, weight, mask)
+    # x channels-last in the product's dtype: its copy, or x itself; x
+    # anchors a refused double backward where the copy (no history) is saved
+    saved = xc if xc.numel() else x
+    ctx.save_for_backward(saved, weight, mask)
+    ctx.graph_anchors = graph_anchors((x, saved))
     _train_fields(ctx, x, weight, conv_bias, bias)
 
 
@@ -1395,7 +1399,8 @@ def _train_eager_setup_context(ctx, inputs, output):
     # saved x would).  Elsewhere (an intermediate x, which the node would
     # otherwise keep alive beside its copy; an x with no gradient, for which
     # no dx is made) the copy is saved, as is x where there is no copy (x
-    # itself the backward's operand).
+    # itself the backward's operand); x then anchors a refused double
+    # backward where the copy is saved (graph_anchors).
     x, weight, conv_bias, bias, dtype, out_dtype = inputs
     _, mask, xc = output
     ctx.kept_mask = mask
@@ -1404,7 +1409,9 @@ def _train_eager_setup_context(ctx, inputs, output):
         ctx.kept_xc, ctx.source_x, ctx.source_version = xc, x, version_of(x)
         ctx.graph_anchors = (x,)
     else:
-        ctx.save_for_backward(xc if xc.numel() else x, weight)
+        saved = xc if xc.numel() else x
+        ctx.save_for_backward(saved, weight)
+        ctx.graph_anchors = graph_anchors((x, saved))
     ctx.biases = (conv_bias, bias)
     ctx.bias_versions = tuple(version_of(b) for b in ctx.biases)
     ctx.plan = (NCHW if x.is_contiguous() else CHANNELS_LAST, dtype, out_dtype, True)
@@ -1419,16 +1426,18 @@ def _train_fields(ctx, x, weight, conv_bias, bias):
     ctx.whole = _one_value_rows((conv_bias, bias), (0, 1), weight.shape[0])
 
 
-def _take_xc(ctx) -> torch.Tensor:
+def _take_xc(ctx, saved: Tuple[torch.Tensor, ...]) -> torch.Tensor:
     """x channels-last in the product's dtype for the eager node's backward:
-    the saved copy, or x itself; or the copy of a leaf x kept for one use
+    the saved copy, or x itself (``saved``: the node's saved tensors, which
+    its backward unpacks once, as torch.utils.checkpoint's non-reentrant
+    mode allows); or the copy of a leaf x kept for one use
     (which the node then no longer holds), made again from x, as the
     forward made it, for a second backward through a retained graph
     (refused, as autograd refuses, if x changed in place since the
     forward; kept by :func:`_take_mask`, which makes it first, for the
     weight gradient's one use)."""
     if not hasattr(ctx, "source_x"):
-        return ctx.saved_tensors[0]
+        return saved[0]
     xc, ctx.kept_xc = ctx.kept_xc, None
     if xc is not None:
         return xc
@@ -1436,7 +1445,7 @@ def _take_xc(ctx) -> torch.Tensor:
     return _training_copy(ctx.source_x, ctx.plan[1], ctx.nchw)  # (kept only where it is a copy)
 
 
-def _take_mask(ctx) -> torch.Tensor:
+def _take_mask(ctx, saved: Tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The mask kept by the eager setup, which the node then no longer
     holds; for a second backward through a retained graph, recomputed by
     the forward's kernel (the same bits; y is computed again and dropped),
@@ -1445,8 +1454,8 @@ def _take_mask(ctx) -> torch.Tensor:
     mask, ctx.kept_mask = ctx.kept_mask, None
     if mask is not None:
         return mask
-    xc = _take_xc(ctx)
-    weight = ctx.saved_tensors[-1]
+    xc = _take_xc(ctx, saved)
+    weight = saved[-1]
     conv_bias, bias = ctx.biases
     for name, b, version in zip(("conv_bias", "bias"), ctx.biases, ctx.bias_versions):
         check_unchanged(b, version, f"{name} of cupy_fused::conv_bias_relu_engine_train")
@@ -1465,8 +1474,9 @@ def _train_backward_formula(ctx, grads, run_backward):
     if hasattr(ctx, "kept_mask"):  # eager (see _train_eager_setup_context)
         if not want[1] and hasattr(ctx, "source_x"):
             ctx.kept_xc = None  # no weight gradient reads a kept copy (_take_xc makes it where needed)
-        dx, dw, sums = _train_steps(grads[0], lambda: _take_xc(ctx), ctx.plan[1], ctx.saved_tensors[-1],
-                                    lambda: _take_mask(ctx), *flags)
+        saved = ctx.saved_tensors  # (unpacked once: see _take_xc)
+        dx, dw, sums = _train_steps(grads[0], lambda: _take_xc(ctx, saved), ctx.plan[1], saved[-1],
+                                    lambda: _take_mask(ctx, saved), *flags)
     else:
         xc, weight, mask = ctx.saved_tensors
         dx, dw, sums = run_backward(grads[0], xc, weight, mask, *flags)

@@ -12,9 +12,11 @@ decided once per call (:func:`.gemm.route`):
   (:func:`.gemm.uses_cublas`): cuBLAS.  Bias and ReLU are then cuBLAS's and
   torch's (no kernel of ours): the bias in cuBLAS's epilogue, then torch's
   in-place ReLU (cuBLASLt's fused ReLU epilogue turns NaN into 0); in
-  training one autograd node whose backward (torch ops) gates the gradient
-  with ReLU's own backward kernel, then :func:`_cublas_relu_backward` does
-  the rest.
+  training, where x and the weight both need gradients, one autograd node
+  whose backward (torch ops) gates the gradient with ReLU's own backward
+  kernel, then :func:`_cublas_relu_backward` does the rest (traced, or
+  under saved-tensor hooks, a native ``relu_`` gates; with a frozen
+  operand, F.linear and relu_: see :func:`_run_linear`).
 * under ``torch.autocast("cuda", dtype=d)``: cuBLAS in d, gradients in each
   tensor's own dtype (:func:`_run_autocast_linear`).  A forward without
   autograd of few rows and a float32 weight runs on Hopper as
@@ -30,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from .._amp import autocast_dtype, float32_casts
-from .._autograd import (FusedOp, check_unchanged, inference_op, is_compiling, keep_output,
-                         keeps_for_one_use, launches_directly, needs_grad, product_operands,
+from .._autograd import (FusedOp, check_unchanged, graph_anchors, inference_op, is_compiling,
+                         keep_output, keeps_for_one_use, launches_directly, needs_grad, product_operands,
                          refuse_transforms, take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
@@ -251,7 +253,9 @@ def _autocast_setup_context(ctx, inputs, output):
     x, weight, bias, x_d, w_d, _ = inputs
     # The casts, as autocast's own nn.Linear saves them (not x and W), each
     # where a gradient reads it.
-    ctx.save_for_backward(*product_operands(ctx, x_d, w_d))
+    x_d, w_d = product_operands(ctx, x_d, w_d)
+    ctx.save_for_backward(x_d, w_d)
+    _anchor_operands(ctx, x, weight, x_d, w_d)
     ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
     ctx.has_bias = bias is not None
 
@@ -266,6 +270,7 @@ def _autocast_eager_setup_context(ctx, inputs, output):
     x, weight, bias, x_d, w_d, _ = inputs
     x_d, w_d = product_operands(ctx, x_d, w_d)
     ctx.save_for_backward(x_d)
+    _anchor_operands(ctx, x, weight, x_d, None)  # (w_d kept, not saved)
     ctx.kept_w_d, ctx.weight, ctx.weight_version = w_d, None, None
     if w_d is not None:
         ctx.weight, ctx.weight_version = weight, version_of(weight)
@@ -273,6 +278,16 @@ def _autocast_eager_setup_context(ctx, inputs, output):
     ctx.amp = output.dtype  # (the product's dtype: what a recast of the weight takes)
     ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else output.dtype)
     ctx.has_bias = bias is not None
+
+
+def _anchor_operands(ctx, x, weight, x_saved, w_saved) -> None:
+    """dX is a function of the weight, dW of x, through casts that carry
+    no history (detached): x and the weight anchor a refused double
+    backward where their gradients' other factor is wanted
+    (:func:`graph_anchors`)."""
+    want = ctx.needs_input_grad
+    ctx.graph_anchors = graph_anchors((weight if want[0] else None, w_saved),
+                                      (x if want[1] else None, x_saved))
 
 
 def _take_weight_cast(ctx) -> torch.Tensor:

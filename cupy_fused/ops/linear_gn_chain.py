@@ -49,8 +49,8 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
-from .._autograd import (FusedOp, is_compiling, needs_grad, product_operands, refuse_tangents,
-                         refuse_transforms)
+from .._autograd import (FusedOp, graph_anchors, is_compiling, needs_grad, product_operands,
+                         refuse_tangents, refuse_transforms)
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import check_flag, resolve_precision
 from . import gemm
@@ -304,8 +304,13 @@ def _setup_context(ctx, inputs, output):
     (x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, x_d, w_d, _, chain, groups,
      _, _, _) = inputs
     # (x's and W's casts each where a gradient reads it: product_operands)
-    ctx.save_for_backward(*product_operands(ctx, x_d, w_d), output[1], output[2], lin_bias,
-                          extra_bias, gn_weight, gn_bias, mul_weight)
+    x_d, w_d = product_operands(ctx, x_d, w_d)
+    ctx.save_for_backward(x_d, w_d, output[1], output[2], lin_bias, extra_bias, gn_weight,
+                          gn_bias, mul_weight)
+    # Every gradient is a function of x and W (through z, saved as an output
+    # without history): they anchor a refused double backward where the
+    # node saved neither them nor anything carrying their history.
+    ctx.graph_anchors = graph_anchors((x, x_d), (weight, w_d))
     ctx.chain, ctx.num_groups, ctx.dtypes = chain, groups, (x.dtype, weight.dtype)
 
 
