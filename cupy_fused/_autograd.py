@@ -36,6 +36,7 @@ differentiates through them (:func:`first_order_only`).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import typing
@@ -319,10 +320,11 @@ def graph_anchors(*pairs: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
     a double backward through the gradients is still refused.
 
     Without its memory: a leaf input is kept itself (its AccumulateGrad
-    node holds it anyway), any other one as an empty slice of it cloned (no
-    storage, no kernel; its nodes keep shapes only).  Nothing while
-    torch.compile traces (a compiled region refuses double backward
-    itself), and nothing for an input that needs no gradient."""
+    node holds it anyway), any other one as an empty slice of it cloned
+    (no storage, no kernel; its nodes keep shapes only).  Nothing while
+    torch.compile traces (the compiled region's backward is AOTAutograd's,
+    whose own handling of double backward applies: test_double_backward),
+    and nothing for an input that needs no gradient."""
     if is_compiling():
         return ()
     kept = []
@@ -332,9 +334,27 @@ def graph_anchors(*pairs: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
         if t.grad_fn is None:
             kept.append(t)
         else:
-            with torch.enable_grad():  # (a node's forward runs with grad mode off)
+            # Recorded by autograd, which a node's forward (grad mode off)
+            # and a custom op's setup (its autograd keys excluded) are not.
+            with torch.enable_grad(), _autograd_keys_included():
                 kept.append(t.narrow(0, 0, 0).clone())
     return tuple(kept)
+
+
+def _autograd_keys_included():
+    """A context in which autograd records ops also inside a custom op's
+    setup_context, which torch runs with the autograd dispatch keys
+    excluded (private guards, looked up: where missing, a context that does
+    nothing, and an anchor made there carries no history)."""
+    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+    keys = getattr(torch._C, "DispatchKey", None)
+    if guard is None or keys is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for key in ("AutogradFunctionality", "ADInplaceOrView"):
+        if hasattr(keys, key):
+            stack.enter_context(guard(getattr(keys, key), False))
+    return stack
 
 
 def version_of(t: Optional[torch.Tensor]) -> Optional[int]:

@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from cupy_fused import _autograd as AG, _runtime, ops
 from cupy_fused.ops import gemm
@@ -2712,7 +2713,7 @@ def test_engine_training_under_activation_checkpointing(channels_last, dtype, am
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             assert CB.route(*leaves) == "engine"
-            y = torch.utils.checkpoint.checkpoint(ours, *leaves, use_reentrant=False) if wrapped \
+            y = checkpoint(ours, *leaves, use_reentrant=False) if wrapped \
                 else ours(*leaves)
         y.backward(g.to(y.dtype))
         grads.append([y.detach()] + [t.grad for t in leaves])
@@ -2726,7 +2727,7 @@ def test_engine_training_under_activation_checkpointing(channels_last, dtype, am
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                y = torch.utils.checkpoint.checkpoint(fn, leaves[0] * 1.0, *leaves[1:],
+                y = checkpoint(fn, leaves[0] * 1.0, *leaves[1:],
                                                       use_reentrant=False)
             torch.cuda.synchronize()
             now = torch.cuda.memory_allocated(device) - before
@@ -2759,7 +2760,7 @@ def test_engine_training_node_under_saved_tensor_hooks(past_device_check, monkey
             return t
 
         if mode == "checkpoint":
-            y = torch.utils.checkpoint.checkpoint(ops.conv_bias_relu, *leaves, use_reentrant=False)
+            y = checkpoint(ops.conv_bias_relu, *leaves, use_reentrant=False)
         else:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if mode == "hooks" \
                     else contextlib.nullcontext():
@@ -2804,7 +2805,7 @@ def test_engine_training_node_anchors_an_intermediate_x(hooks, past_device_check
         def step(xx, *rest):
             return ops.conv_bias_relu(xx * 1.0, *rest)
 
-        y = torch.utils.checkpoint.checkpoint(step, *leaves, use_reentrant=False) if wrapped \
+        y = checkpoint(step, *leaves, use_reentrant=False) if wrapped \
             else step(*leaves)
         y.backward(g)
         grads.append([t.grad for t in leaves])

@@ -7,6 +7,7 @@ import importlib
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from cupy_fused import models, reference
 from cupy_fused.testing import build_pair
@@ -136,7 +137,7 @@ def test_gradient_penalty_is_refused_in_other_settings(problem, case, device, mo
     def forward(xx):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=case == "autocast"):
             if case == "checkpoint":
-                return torch.utils.checkpoint.checkpoint(model, xx, use_reentrant=False)
+                return checkpoint(model, xx, use_reentrant=False)
             return model(xx)
 
     xx = x.detach().clone().requires_grad_(True)

@@ -4,11 +4,13 @@ gradients against float64, leading dimensions, torch.compile, the fused
 ReLU store and the half-precision route (GPU tier)."""
 import contextlib
 import importlib
+import weakref
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from cupy_fused import ops
+from cupy_fused import _autograd as AG, ops
 from cupy_fused.testing import off_the_grid, poison_allocator
 
 # The module (``cupy_fused.ops.linear`` as an attribute is the op itself).
@@ -532,7 +534,7 @@ def test_nodes_keep_nothing_beside_saved_tensor_hooks(route, past_device_check, 
             return ops.linear(*t, activation=activation, precision=precision)
 
         if mode == "checkpoint":
-            y = torch.utils.checkpoint.checkpoint(run, *leaves, use_reentrant=False)
+            y = checkpoint(run, *leaves, use_reentrant=False)
         else:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if mode == "hooks" \
                     else contextlib.nullcontext():
@@ -572,7 +574,7 @@ def test_double_backward_refused_and_create_graph_under_checkpoint(route, hooks,
 
     def forward(leaves):
         if hooks:
-            return torch.utils.checkpoint.checkpoint(run, *leaves, use_reentrant=False)
+            return checkpoint(run, *leaves, use_reentrant=False)
         return run(*leaves)
 
     leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
@@ -588,6 +590,27 @@ def test_double_backward_refused_and_create_graph_under_checkpoint(route, hooks,
         for t in leaves:
             t.grad = None  # (create_graph: a reference cycle through .grad)
     assert all(torch.equal(a, c) for a, c in zip(*first))
+
+
+@pytest.mark.skipif(not AG.HAS_CUSTOM_OP, reason="torch.library.custom_op: torch >= 2.4")
+def test_custom_op_called_directly_anchors_inputs_without_their_memory(past_device_check):
+    """The autocast product's registered custom op called directly (torch
+    runs its setup with autograd's dispatch keys excluded), on inputs that
+    are not leaves: a penalty on the weight's gradient, differentiated with
+    respect to what x came from, is refused (x anchors it: the node saves
+    only x's detached cast), and the anchor keeps none of x's storage."""
+    gen = torch.Generator().manual_seed(16)
+    a = torch.randn(6, 8, generator=gen).requires_grad_(True)
+    w0 = torch.randn(12, 8, generator=gen).requires_grad_(True)
+    x, w = a * 1.0, w0 * 1.0
+    storage = weakref.ref(x.untyped_storage())
+    y = torch.ops.cupy_fused.linear_autocast(x, w, None, x.detach().bfloat16(),
+                                             w.detach().bfloat16(), None)
+    del x
+    assert storage() is None
+    (gw,) = torch.autograd.grad(y.float().sum(), w0, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"cupy_fused::\w+ does not support double backward"):
+        torch.autograd.grad(gw.square().sum(), a, allow_unused=True)
 
 
 def test_linear_under_autocast_keeps_half_operands_and_their_dtypes(past_device_check,
