@@ -2713,8 +2713,7 @@ def test_engine_training_under_activation_checkpointing(channels_last, dtype, am
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             assert CB.route(*leaves) == "engine"
-            y = checkpoint(ours, *leaves, use_reentrant=False) if wrapped \
-                else ours(*leaves)
+            y = checkpoint(ours, *leaves, use_reentrant=False) if wrapped else ours(*leaves)
         y.backward(g.to(y.dtype))
         grads.append([y.detach()] + [t.grad for t in leaves])
     assert all(torch.equal(a, c) for a, c in zip(*grads))
@@ -2727,8 +2726,7 @@ def test_engine_training_under_activation_checkpointing(channels_last, dtype, am
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                y = checkpoint(fn, leaves[0] * 1.0, *leaves[1:],
-                                                      use_reentrant=False)
+                y = checkpoint(fn, leaves[0] * 1.0, *leaves[1:], use_reentrant=False)
             torch.cuda.synchronize()
             now = torch.cuda.memory_allocated(device) - before
             del y
@@ -2805,8 +2803,7 @@ def test_engine_training_node_anchors_an_intermediate_x(hooks, past_device_check
         def step(xx, *rest):
             return ops.conv_bias_relu(xx * 1.0, *rest)
 
-        y = checkpoint(step, *leaves, use_reentrant=False) if wrapped \
-            else step(*leaves)
+        y = checkpoint(step, *leaves, use_reentrant=False) if wrapped else step(*leaves)
         y.backward(g)
         grads.append([t.grad for t in leaves])
     assert all(torch.equal(a, c) for a, c in zip(*grads))

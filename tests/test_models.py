@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from cupy_fused import reference
 from cupy_fused.testing import build_pair, compare, worse_than_eager
@@ -371,11 +372,8 @@ def test_activation_checkpointing(problem, mode, reentrant, device):
     the graph saves until the backward recomputes it), the forward leaves
     no more held than the reference's under the same checkpoint: nothing
     of the module's kept beside its input and output."""
-    if reentrant is False and getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
-                                      None) is None:
+    if not reentrant and getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None) is None:
         pytest.skip("telling whether saved-tensor hooks are active: torch >= 2.8")
-    from torch.utils.checkpoint import checkpoint
-
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     amp = torch.bfloat16 if mode == "amp-bf16" else None
     _, args, shape = reference.SMALL_PROBLEMS[problem]
