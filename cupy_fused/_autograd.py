@@ -341,19 +341,24 @@ def graph_anchors(*pairs: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
     return tuple(kept)
 
 
+_exclude_key_guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+_key_excluded = getattr(torch._C, "_dispatch_tls_is_dispatch_key_excluded", None)
+_dispatch_keys = getattr(torch._C, "DispatchKey", None)
+
+
 def _autograd_keys_included():
     """A context in which autograd records ops also inside a custom op's
     setup_context, which torch runs with the autograd dispatch keys
-    excluded (private guards, looked up: where missing, a context that does
-    nothing, and an anchor made there carries no history)."""
-    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
-    keys = getattr(torch._C, "DispatchKey", None)
-    if guard is None or keys is None:
+    excluded; elsewhere (an eager node's forward) one that does nothing.
+    Private guards, looked up: where missing, a context that does nothing,
+    and an anchor made in such a setup carries no history."""
+    if _exclude_key_guard is None or _dispatch_keys is None or (
+            _key_excluded is not None and not _key_excluded(_dispatch_keys.AutogradFunctionality)):
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     for key in ("AutogradFunctionality", "ADInplaceOrView"):
-        if hasattr(keys, key):
-            stack.enter_context(guard(getattr(keys, key), False))
+        if hasattr(_dispatch_keys, key):
+            stack.enter_context(_exclude_key_guard(getattr(_dispatch_keys, key), False))
     return stack
 
 
