@@ -1404,14 +1404,14 @@ def _train_eager_setup_context(ctx, inputs, output):
     x, weight, conv_bias, bias, dtype, out_dtype = inputs
     _, mask, xc = output
     ctx.kept_mask = mask
+    saved = None  # (what the node saves of x)
     if xc.numel() and x.requires_grad and x.grad_fn is None:
         ctx.save_for_backward(weight)
         ctx.kept_xc, ctx.source_x, ctx.source_version = xc, x, version_of(x)
-        ctx.graph_anchors = (x,)
     else:
         saved = xc if xc.numel() else x
         ctx.save_for_backward(saved, weight)
-        ctx.graph_anchors = graph_anchors((x, saved))
+    ctx.graph_anchors = graph_anchors((x, saved))
     ctx.biases = (conv_bias, bias)
     ctx.bias_versions = tuple(version_of(b) for b in ctx.biases)
     ctx.plan = (NCHW if x.is_contiguous() else CHANNELS_LAST, dtype, out_dtype, True)
