@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -53,6 +54,34 @@ def poison_allocator(device, nbytes: int) -> None:
     """
     blocks = [torch.full((nbytes // 4 + 1,), float("nan"), device=device) for _ in range(4)]
     del blocks
+
+
+def held_bytes(forward: Callable[[], object], device) -> int:
+    """Bytes of device memory that ``forward()`` leaves allocated while its
+    result (and so the autograd graph it records) is alive.
+
+    Args:
+        forward: a call that returns what a forward returns; it should make
+            its input itself where that input's memory must not count
+            beside what the graph keeps of it.
+        device: the CUDA device measured.
+
+    Returns:
+        ``torch.cuda.memory_allocated`` after the call less before it, of
+        the second of two calls (the first allocates what persists:
+        workspaces, counters), each after collecting garbage (an earlier
+        test's reference cycles, freed inside the window, would count
+        against it).
+    """
+    for _ in range(2):
+        gc.collect()
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        result = forward()
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device) - before
+        del result
+    return held
 
 
 def off_the_grid(t: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:

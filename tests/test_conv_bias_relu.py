@@ -5,7 +5,6 @@ an NCHW x; 16-bit, or float32 as TF32) and the cudnn route against a float64 run
 poisoned with NaN first; NaN / inf placement; two runs bitwise equal; the
 route each call takes."""
 import contextlib
-import gc
 import importlib
 import math
 import re
@@ -18,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from cupy_fused import _autograd as AG, _runtime, ops
 from cupy_fused.ops import gemm
-from cupy_fused.testing import assert_non_finite_where, off_the_grid, poison_allocator, rel_error
+from cupy_fused.testing import (assert_non_finite_where, held_bytes, off_the_grid, poison_allocator,
+                                rel_error)
 
 CB = importlib.import_module("cupy_fused.ops.conv_bias_relu")  # the module, not the op
 _ENGINE_PAYS = CB._engine_pays  # the routing rule, for the tests of it
@@ -2719,18 +2719,13 @@ def test_engine_training_under_activation_checkpointing(channels_last, dtype, am
     assert all(torch.equal(a, c) for a, c in zip(*grads))
     held = []
     for fn in (theirs, ours):
-        leaves = [x.detach().clone().requires_grad_(True)] + [
-            t.detach().clone().requires_grad_(True) for t in (wt, cb, b)]
-        for _ in range(2):  # the first call allocates what persists
-            gc.collect()  # (an earlier test's cycles, freed in the window, would count against it)
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated(device)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb, b)]
+
+        def forward(fn=fn, leaves=leaves):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                y = checkpoint(fn, leaves[0] * 1.0, *leaves[1:], use_reentrant=False)
-            torch.cuda.synchronize()
-            now = torch.cuda.memory_allocated(device) - before
-            del y
-        held.append(now)
+                return checkpoint(fn, leaves[0] * 1.0, *leaves[1:], use_reentrant=False)
+
+        held.append(held_bytes(forward, device))
     assert held[1] <= held[0], held
 
 

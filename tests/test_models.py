@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from cupy_fused import reference
-from cupy_fused.testing import build_pair, compare, worse_than_eager
+from cupy_fused.testing import build_pair, compare, held_bytes, worse_than_eager
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -314,16 +314,12 @@ def _held_by_graph(model, shape, device, dtype, x_grad: bool, amp) -> int:
     input's leaf: x is a product of that leaf, as a layer's input in a
     network, which only the graph can keep."""
     leaf = torch.rand(shape, device=device, dtype=dtype).requires_grad_(x_grad)
-    for _ in range(2):  # the first call allocates what persists (workspaces, counters)
-        gc.collect()  # (an earlier test's cycles, freed in the window, would count against it)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated(device)
+
+    def forward():
         with torch.autocast("cuda", dtype=amp) if amp else contextlib.nullcontext():
-            y = model(leaf * 1.0)
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated(device) - before
-        del y
-    return held
+            return model(leaf * 1.0)
+
+    return held_bytes(forward, device)
 
 
 def _freeze_linear_weight(model):
