@@ -62,6 +62,57 @@ def _compiler_is_compiling() -> Callable[[], bool]:
 
 
 is_compiling = _compiler_is_compiling()
+# Whether TorchDynamo is tracing (torch >= 2.5): torch.compile, or a strict
+# torch.export.
+_dynamo_compiling = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None)
+
+
+def is_exporting() -> bool:
+    """Whether torch.export is tracing: the flag that torch >= 2.5 sets for
+    it, read itself (False on a torch without it).  Not
+    torch.compiler.is_exporting(): where TorchDynamo traces a call of it,
+    torch 2.11 answers True under torch.compile too."""
+    return bool(getattr(getattr(torch, "compiler", None), "_is_exporting_flag", False))
+
+
+def _shape_env(tensors):
+    """The ShapeEnv of the first symbolic size among ``tensors``' sizes, or
+    None where every size is a plain int."""
+    for t in tensors:
+        if t is None:
+            continue
+        for s in t.shape:
+            if isinstance(s, torch.SymInt):
+                return s.node.shape_env
+    return None
+
+
+_Result = typing.TypeVar("_Result")
+
+
+def on_example_sizes(rule: Callable[[], _Result], *tensors: Optional[torch.Tensor]) -> _Result:
+    """``rule()``, an op's routing rule on the sizes of ``tensors`` (which
+    kernel pays at which size).  While torch.export traces them with
+    symbolic sizes (its default, non-strict tracing), the rule reads the
+    example inputs' sizes and records no guard: an exported program serves
+    its whole range of sizes, where a guard would narrow that range to one
+    side of the rule's threshold (export then refuses a range that crosses
+    one).  The program takes the routes of the example's sizes at every
+    size, so only rules on speed belong here, between routes that are each
+    correct at any size.  Elsewhere (eager; torch.compile, whose guards
+    recompile a graph where a size crosses a threshold; a strict export,
+    traced by TorchDynamo, which keeps its guards) it is ``rule()``.  A
+    symbolic truth value the rule returns is made a bool here, where no
+    guard is recorded."""
+    if not is_exporting() or (_dynamo_compiling is not None and _dynamo_compiling()):
+        return rule()
+    env = _shape_env(tensors)
+    if env is None:
+        return rule()
+    with env.suppress_guards():
+        result = rule()
+        return bool(result) if isinstance(result, torch.SymBool) else result
+
 
 def assume_constant_result(fn: Callable) -> Callable:
     """A decorator for a function that torch.compile calls when it traces

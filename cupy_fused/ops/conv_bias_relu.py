@@ -107,8 +107,8 @@ import torch.nn.functional as F
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
 from .._autograd import (HAS_CUSTOM_OP, FusedOp, assume_constant_result, check_unchanged, graph_anchors,
-                         inference_op, is_compiling, needs_grad, refuse_tangents, refuse_transforms,
-                         version_of)
+                         inference_op, is_compiling, is_exporting, needs_grad, on_example_sizes,
+                         refuse_tangents, refuse_transforms, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
@@ -606,13 +606,24 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     there, so a channels-last x is planned as if on the 16-byte grid (the
     ops copy one off it when the graph runs, :func:`_on_the_grid`).  Where
     C_in is not a multiple of 8, the plan of the call on channels padded
-    with zeros (:func:`_padded_plan`: the caller pads)."""
-    if (x.numel() > 0 and weight.shape[0] > 0 and _engine_bounds(x.shape, weight.shape)
-            and (HAS_CUSTOM_OP or not is_compiling()) and gemm.has_wgmma(x.device.index)):
+    with zeros (:func:`_padded_plan`: the caller pads).  While torch.export
+    traces, the rules on sizes read the example's
+    (:func:`on_example_sizes`; an empty call takes cuDNN, guarded as ever),
+    and a float32 call keeps cuDNN: whether the reference may run in TF32
+    is the exported program's caller's setting, read when it runs (export
+    traces with cuDNN off)."""
+    if not (x.numel() > 0 and weight.shape[0] > 0):
+        return None
+
+    def plan() -> Optional[_Plan]:
+        if not (_engine_bounds(x.shape, weight.shape) and (HAS_CUSTOM_OP or not is_compiling())
+                and gemm.has_wgmma(x.device.index)):
+            return None
         if x.shape[1] % 8:
             return _padded_plan(x, weight, conv_bias, bias)
         return _plan(x, weight, conv_bias, bias, x.shape, padded=False)
-    return None
+
+    return on_example_sizes(plan, x)
 
 
 def _plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor, bias: Optional[torch.Tensor],
@@ -627,7 +638,8 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor, bias: 
     layout, dtypes = _layout(x, x_shape, cout, padded), engine_dtypes(x, weight, conv_bias, bias)
     if layout is None or dtypes is None:
         return None
-    if dtypes[0] == torch.float32 and math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS:
+    if dtypes[0] == torch.float32 and (
+            is_exporting() or math.prod(_out_shape(x, weight)) < ENGINE_FLOAT32_MIN_ELEMENTS):
         return None
     if not _engine_pays(x_shape, (cout, x_shape[1], kh, kw), layout, dtypes[0], training, x.dtype,
                         dtypes[1]):
@@ -911,6 +923,13 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = _out_shape(x, weight)[2:]
+    if not _engine_bounds(x.shape, weight.shape):
+        # Eager calls never come here so (:func:`_engine_plan`); a program
+        # exported at smaller sizes routes every size as its example's.
+        raise ValueError(f"x of shape {tuple(x.shape)} and a weight of shape {tuple(weight.shape)} "
+                         f"exceed the convolution engine's 32-bit counts; a program exported "
+                         f"with torch.export takes its example's route at every size: export it "
+                         f"with an example this large")
     layout, dtype, out_dtype, _ = plan or _engine_plan(x, weight, conv_bias, bias)
     if mask is not None and layout == CHANNELS_LAST and cout % 32:
         # That store writes whole words of 32 channels into a mask it does
@@ -1820,5 +1839,6 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # (z has dz's shape, dtype and layout).  Decided here, at the forward:
     # should the backward then take cuDNN's NCHW route after all (a flag
     # changed in between), that route reads the channels-last dz as it is.
-    return _bias_relu(z, conv_bias, bias,
-                      grad and z.is_contiguous() and _channels_last_backward(z, x))
+    dz_channels_last = on_example_sizes(
+        lambda: bool(grad and z.is_contiguous() and _channels_last_backward(z, x)), x)
+    return _bias_relu(z, conv_bias, bias, dz_channels_last)

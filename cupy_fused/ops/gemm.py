@@ -60,7 +60,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES
-from .._autograd import FusedOp, is_compiling, product_operands
+from .._autograd import FusedOp, is_compiling, on_example_sizes, product_operands
 from .._validation import cxx_type
 from ..settings import get_gemm_wgmma
 from ._common import BLOCK, cdiv, elementwise_grid, _ptr_or_null, sm_count
@@ -732,11 +732,15 @@ def _routes_float32_weight(x_d: torch.Tensor, weight: torch.Tensor) -> bool:
     has SMs, and
     :func:`_uses_float32_weight_engine`) rather than as W's cast then
     cuBLAS.  While torch.compile traces, the addresses are not asked (none
-    is known): the traced op checks them when the graph runs."""
+    is known): the traced op checks them when the graph runs.  While
+    torch.export traces, the rule reads the example's sizes
+    (:func:`on_example_sizes`: both routes compute the same values, at any
+    size)."""
     m, n = x_d.shape[0], weight.shape[0]
-    return (CONVERT_MIN_ROWS <= m <= CONVERT_MAX_ROWS
-            and _uses_float32_weight_engine(x_d, weight, addresses=not is_compiling())
-            and 2 * cdiv(n, CONVERT_TILE[0]) * cdiv(m, CONVERT_TILE[1]) >= sm_count(x_d.device.index))
+    return on_example_sizes(lambda: bool(
+        CONVERT_MIN_ROWS <= m <= CONVERT_MAX_ROWS
+        and _uses_float32_weight_engine(x_d, weight, addresses=not is_compiling())
+        and 2 * cdiv(n, CONVERT_TILE[0]) * cdiv(m, CONVERT_TILE[1]) >= sm_count(x_d.device.index)), x_d)
 
 
 def _linear_float32_weight(x_d: torch.Tensor, weight: torch.Tensor,

@@ -50,7 +50,7 @@ import torch
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
 from .._autograd import (FusedOp, graph_anchors, is_compiling, needs_grad, product_operands,
-                         refuse_tangents, refuse_transforms)
+                         on_example_sizes, refuse_tangents, refuse_transforms)
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import check_flag, resolve_precision
 from . import gemm
@@ -338,10 +338,12 @@ def _takes_one_launch(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
     tracing (where a tensor's alignment is unknown), or under autocast
     (before the operands are cast), where the group size and
     :func:`fusion_pays` say so.  The op itself falls back to two launches at
-    run time if its operands turn out unaligned."""
+    run time if its operands turn out unaligned.  While torch.export traces,
+    the rules read the example's sizes (:func:`on_example_sizes`: either
+    route is the same product, at any size)."""
     if x.dtype == compute and not is_compiling():
-        return _half_engine_fuses(x, weight, num_groups, float_out)
-    return _shape_fuses(x, weight, num_groups, float_out)
+        return on_example_sizes(lambda: bool(_half_engine_fuses(x, weight, num_groups, float_out)), x)
+    return on_example_sizes(lambda: bool(_shape_fuses(x, weight, num_groups, float_out)), x)
 
 
 def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[torch.Tensor],

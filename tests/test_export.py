@@ -1,0 +1,263 @@
+"""torch.export: the models export with a dynamic batch over a wide range,
+and the exported programs (run, saved and loaded, differentiated) compute
+what the modules compute (GPU tier).  The routing rules on sizes read the
+example's while export traces (_autograd.on_example_sizes), so a
+range that crosses a rule's threshold exports; that part is tested on the
+CPU too."""
+import contextlib
+import importlib
+import io
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.export import Dim
+
+from cupy_fused import models, reference
+from cupy_fused._autograd import on_example_sizes
+from cupy_fused.testing import build_pair, rel_error
+
+CBR = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+LG = importlib.import_module("cupy_fused.ops.linear_gn_chain")
+
+needs_is_exporting = pytest.mark.skipif(not hasattr(torch.compiler, "_is_exporting_flag"),
+                                        reason="torch.export's flag: torch >= 2.5")
+MAX_BATCH = 2**20
+THRESHOLD = 1000
+
+
+class _Routed(torch.nn.Module):
+    """A module with a routing rule on its batch (as the ops' are): doubled
+    from THRESHOLD rows on, else plus one."""
+
+    def forward(self, x):
+        big = on_example_sizes(lambda: x.shape[0] >= THRESHOLD, x)
+        return x * 2 if big else x + 1
+
+
+@needs_is_exporting
+def test_routing_reads_the_example_sizes_while_exporting():
+    """A rule whose threshold lies inside the exported range: the program
+    takes the example's side at every size, with no guard narrowing the
+    range (without on_example_sizes export refuses the range)."""
+    for example, times in ((10, False), (2000, True)):
+        ep = torch.export.export(_Routed(), (torch.ones(example, 3),),
+                                 dynamic_shapes=({0: Dim("batch", min=2, max=MAX_BATCH)},))
+        for rows in (2, example, 5000):
+            got = ep.module()(torch.full((rows, 3), 3.0))
+            assert torch.equal(got, torch.full((rows, 3), 6.0 if times else 4.0)), rows
+        ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+        assert any(("mul" if times else "add") in o for o in ops), ops
+
+
+def test_routing_context_changes_nothing_outside_export():
+    """Eager: the rule as it is.  torch.compile(dynamic=True): the rule
+    still guards, so a batch across the threshold recompiles into its own
+    route."""
+    assert torch.equal(_Routed()(torch.full((5, 2), 3.0)), torch.full((5, 2), 4.0))
+    assert torch.equal(_Routed()(torch.full((1500, 2), 3.0)), torch.full((1500, 2), 6.0))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_Routed(), fullgraph=True, dynamic=True, backend="eager")
+    for rows in (5, 9, 1500, 1700):
+        x = torch.full((rows, 2), 3.0)
+        assert torch.equal(compiled(x), x * 2 if rows >= THRESHOLD else x + 1), rows
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+def test_engine_launch_refuses_sizes_past_its_counts():
+    """A program exported at smaller sizes may route a call past the
+    convolution engine's 32-bit counts to it: the launch refuses it before
+    anything runs (meta tensors: no memory, no device)."""
+    x = torch.empty((2**20, 64, 64, 64), device="meta")
+    weight = torch.empty((4096, 64, 7, 7), device="meta")
+    vec = torch.empty((4096,), device="meta")
+    assert not CBR._engine_bounds(x.shape, weight.shape)
+    with pytest.raises(ValueError, match="exceed the convolution engine's 32-bit counts"):
+        CBR._launch_engine(x, weight, vec, vec, plan=(CBR.NCHW, torch.float32, torch.float32, False))
+
+
+# ---------------------------------------------------------------- GPU tier
+
+MODES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+         "amp-bf16": (torch.float32, torch.bfloat16)}
+
+
+def _ctx(amp):
+    return torch.autocast("cuda", dtype=amp) if amp else contextlib.nullcontext()
+
+
+def _export(model, x, amp, min_batch=1):
+    with _ctx(amp):
+        return torch.export.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=min_batch,
+                                                                          max=MAX_BATCH)},))
+
+
+def _targets(ep):
+    return {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+
+
+def _step(model, x, dy, amp):
+    """{name: tensor}: the output, x's gradient and each parameter's."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    with _ctx(amp):
+        out = model(x)
+    out.backward(dy)
+    return {"out": out.detach(), "x.grad": x.grad,
+            **{f"{n}.grad": p.grad for n, p in model.named_parameters() if p.requires_grad}}
+
+
+def _same_step(model, program, x, dy, amp):
+    """The program's training step against the module's: every tensor bitwise
+    equal."""
+    want, have = _step(model, x, dy, amp), _step(program, x, dy, amp)
+    assert sorted(want) == sorted(have), (sorted(want), sorted(have))
+    for name, w in want.items():
+        assert have[name] is not None and torch.equal(have[name], w), name
+
+
+def _tolerance(dtype, amp):
+    return 1e-5 if dtype == torch.float32 and amp is None else 8e-3
+
+
+@pytest.mark.gpu
+@needs_is_exporting
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("problem", sorted(models.MODELS))
+def test_exported_model_serves_every_batch(problem, mode, device):
+    """Exported at the small shapes with a batch from 1 to 2^20: the program
+    runs at other batches as the module does, its output and every
+    gradient at the example's batch bitwise the module's, and a saved and
+    loaded copy gives the same output."""
+    dtype, amp = MODES[mode]
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    _, ours = build_pair(problem, args, device, dtype)
+    example = torch.rand(shape, device=device, dtype=dtype)
+    ep = _export(ours, example, amp)
+    program = ep.module()
+    assert any(t.startswith("cupy_fused.") for t in _targets(ep)), _targets(ep)
+    for batch in (shape[0], 1, 2 * shape[0] + 1):
+        x = torch.rand((batch,) + tuple(shape[1:]), device=device, dtype=dtype)
+        with torch.no_grad(), _ctx(amp):
+            want, have = ours(x), program(x)
+        assert have.dtype == want.dtype and have.shape == want.shape, batch
+        if batch == shape[0]:
+            assert torch.equal(have, want), batch
+        assert rel_error(have, want) <= _tolerance(dtype, amp), (batch, rel_error(have, want))
+    with torch.no_grad(), _ctx(amp):
+        dy = torch.randn_like(ours(example))
+    _same_step(ours, program, example, dy, amp)
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    with torch.no_grad(), _ctx(amp):
+        assert torch.equal(torch.export.load(buffer).module()(example), ours(example))
+
+
+def _conv_model(device, dtype, grad):
+    """Problem 1's module at a shape whose output rows fill the engine's
+    tiles (98 of 128 pixels) with 128 output channels: the engine's from
+    2^24 output values in float32, and in training."""
+    model = models.MODELS[1](16, 128, 3, (128, 1, 1)).to(device=device, dtype=dtype)
+    for p in model.parameters():
+        p.requires_grad_(grad)
+    return model
+
+
+def _conv_x(batch, device, dtype):
+    return torch.rand(batch, 16, 12, 100, device=device, dtype=dtype)  # 125,440 outputs an image
+
+
+def _reference_step(model, x, dy, dtype):
+    """{name: tensor} of problem 1's step computed by PyTorch in ``dtype``
+    on the module's parameters (as :func:`_step` names them)."""
+    conv = model.conv
+    leaves = {n: p.detach().to(dtype).requires_grad_(True)
+              for n, p in (("x", x), ("conv.weight", conv.weight), ("conv.bias", conv.bias),
+                           ("bias", model.bias))}
+    out = (torch.nn.functional.conv2d(leaves["x"], leaves["conv.weight"], leaves["conv.bias"]).relu()
+           + leaves["bias"])
+    out.backward(dy.to(dtype))
+    return {"out": out.detach(), **{f"{n}.grad": t.grad for n, t in leaves.items()}}
+
+
+def _route_of(model, x):
+    conv = model.conv
+    return CBR.route(x, conv.weight, conv.bias, model.bias.view(-1))
+
+
+@pytest.mark.gpu
+@needs_is_exporting
+@pytest.mark.parametrize("min_batch", [1, 140])
+def test_exported_float32_convolution_keeps_cudnn(min_batch, device):
+    """Whether float32 may run in TF32 is the exported program's caller's
+    setting (torch.backends.cudnn.allow_tf32), read as it runs: an exported
+    program keeps cuDNN for float32 convolutions, even over a range where
+    the module itself takes the TF32 engine (from 134 images here)."""
+    model = _conv_model(device, torch.float32, grad=False)
+    big, small = _conv_x(140, device, torch.float32), _conv_x(3, device, torch.float32)
+    assert (_route_of(model, big), _route_of(model, small)) == ("engine", "cudnn")
+    ep = _export(model, big, None, min_batch=min_batch)
+    assert "cupy_fused.conv_bias_relu_engine.default" not in _targets(ep), _targets(ep)
+    with torch.no_grad():
+        for x in (big, small) if min_batch == 1 else (big,):
+            have, want = ep.module()(x), model(x)
+            # (cuDNN's TF32 against the engine's TF32; cuDNN's own bits)
+            assert rel_error(have, want) <= 2e-3 if x is big else torch.equal(have, want)
+        allowed, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+        try:
+            want = torch.nn.functional.conv2d(big.double(), model.conv.weight.double(),
+                                              model.conv.bias.double()).relu() + model.bias.double()
+            assert rel_error(ep.module()(big), want) <= 1e-5  # float32, as the caller asked
+        finally:
+            torch.backends.cudnn.allow_tf32 = allowed
+
+
+@pytest.mark.gpu
+@needs_is_exporting
+def test_exported_routes_serve_sizes_across_their_thresholds(device):
+    """Rules on speed alone take the example's route at every size: problem
+    1's training engine (from 2^24 output values) run at one image, 37's
+    one-launch forward run at a few rows, 76's float32-weight product under
+    autocast (512 to 1024 rows) run outside those rows; each as the module
+    computes it within the dtype's tolerance."""
+    model = _conv_model(device, torch.bfloat16, grad=True)
+    big = _conv_x(140, device, torch.bfloat16)
+    assert _route_of(model, big) == "engine"
+    ep = _export(model, big, None)
+    assert any("conv_bias_relu_engine_train" in t for t in _targets(ep)), _targets(ep)
+    x = big
+    with torch.no_grad():
+        dy = torch.randn_like(model(x))
+    _same_step(model, ep.module(), x, dy, None)
+    # At one image the module takes cuDNN, the program the engine: each
+    # within 1.5x eager PyTorch's error against float64.
+    x = _conv_x(1, device, torch.bfloat16)
+    dy = torch.randn_like(model(x)).detach()
+    have = _step(ep.module(), x, dy, None)
+    truth, eager = (_reference_step(model, x, dy, dtype) for dtype in (torch.float64, torch.bfloat16))
+    for name, t in truth.items():
+        assert rel_error(have[name], t) <= 1.5 * rel_error(eager[name], t) + 2.0**-7, name
+
+    _, args, shape = reference.SMALL_PROBLEMS[37]
+    _, ours = build_pair(37, args, device, torch.bfloat16)
+    rows = 528 * 128  # 1,056 tiles of 128 x 128: 8 a SM on 132 SMs
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if not LG.fusion_pays(rows, args[1], args[0], sms):
+        pytest.skip("this GPU's one-launch rule does not take 37's small layer at 67,584 rows")
+    ep = _export(ours, torch.rand(rows, shape[1], device=device, dtype=torch.bfloat16), None)
+    assert "cupy_fused.linear_gn_chain.default" in _targets(ep), _targets(ep)
+    x = torch.rand(5, shape[1], device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert rel_error(ep.module()(x), ours(x)) <= 8e-3
+
+    ours = models.MODELS[76](64, 8192, (8192,)).to(device)
+    for p in ours.parameters():
+        p.requires_grad_(False)
+    ep = _export(ours, torch.rand(768, 64, device=device), torch.bfloat16)
+    assert "cupy_fused.linear_float32_weight.default" in _targets(ep), _targets(ep)
+    for batch in (3, 768, 3000):
+        x = torch.rand(batch, 64, device=device)
+        with torch.no_grad(), _ctx(torch.bfloat16):
+            assert rel_error(ep.module()(x), ours(x)) <= 8e-3, batch
