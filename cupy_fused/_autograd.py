@@ -102,16 +102,20 @@ def on_example_sizes(rule: Callable[[], _Result], *tensors: Optional[torch.Tenso
     correct at any size.  Elsewhere (eager; torch.compile, whose guards
     recompile a graph where a size crosses a threshold; a strict export,
     traced by TorchDynamo, which keeps its guards) it is ``rule()``.  A
-    symbolic truth value the rule returns is made a bool here, where no
-    guard is recorded."""
+    symbolic value in what the rule returns is made a Python one here,
+    where no guard is recorded."""
     if not is_exporting() or (_dynamo_compiling is not None and _dynamo_compiling()):
         return rule()
     env = _shape_env(tensors)
     if env is None:
         return rule()
+    from torch.utils._pytree import tree_map
+
+    def concrete(v):
+        return bool(v) if isinstance(v, torch.SymBool) else int(v) if isinstance(v, torch.SymInt) else v
+
     with env.suppress_guards():
-        result = rule()
-        return bool(result) if isinstance(result, torch.SymBool) else result
+        return tree_map(concrete, rule())
 
 
 def assume_constant_result(fn: Callable) -> Callable:

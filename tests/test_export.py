@@ -41,13 +41,54 @@ def test_routing_reads_the_example_sizes_while_exporting():
     takes the example's side at every size, with no guard narrowing the
     range (without on_example_sizes export refuses the range)."""
     for example, times in ((10, False), (2000, True)):
-        ep = torch.export.export(_Routed(), (torch.ones(example, 3),),
+        ep = torch.export.export(_Routed(), (torch.ones(example, 3),), strict=False,
                                  dynamic_shapes=({0: Dim("batch", min=2, max=MAX_BATCH)},))
         for rows in (2, example, 5000):
             got = ep.module()(torch.full((rows, 3), 3.0))
             assert torch.equal(got, torch.full((rows, 3), 6.0 if times else 4.0)), rows
         ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
         assert any(("mul" if times else "add") in o for o in ops), ops
+
+
+@needs_is_exporting
+def test_strict_export_keeps_the_guards():
+    """A strict export (traced by TorchDynamo, torch.export's default before
+    torch 2.7) keeps the rule's guard: the range is refused, as before."""
+    with pytest.raises(Exception, match="Constraints violated"):
+        torch.export.export(_Routed(), (torch.ones(10, 3),), strict=True,
+                            dynamic_shapes=({0: Dim("batch", min=2, max=MAX_BATCH)},))
+
+
+@needs_is_exporting
+def test_symbolic_values_a_rule_returns_come_back_concrete():
+    """What a rule returns, nested too, holds no symbolic size after it (one
+    would guard where it is read)."""
+    seen = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            rows, big = on_example_sizes(lambda: (x.shape[0] * 2, [x.shape[0] >= THRESHOLD]), x)
+            seen.append((type(rows), type(big[0])))
+            return x * 2 if big[0] else x + rows
+
+    torch.export.export(Model(), (torch.ones(10, 3),), strict=False,
+                        dynamic_shapes=({0: Dim("batch", min=2, max=MAX_BATCH)},))
+    assert seen == [(int, bool)], seen
+
+
+def test_exported_float32_plans_keep_cudnn(monkeypatch):
+    """While exporting, a float32 convolution is planned on cuDNN even where
+    an eager call of its size takes the engine: TF32 is the exported
+    program's caller's setting (meta tensors: the plan's rules on the CPU)."""
+    x = torch.empty((140, 16, 12, 100), device="meta")
+    weight = torch.empty((128, 16, 3, 3), device="meta")
+    vec = torch.empty((128,), device="meta")
+    if not CBR._cudnn_tf32():
+        pytest.skip("cuDNN or its TF32 is off in this process")
+    assert CBR._plan(x, weight, vec, vec, x.shape, padded=False) == (CBR.NCHW, torch.float32,
+                                                                     torch.float32, False)
+    monkeypatch.setattr(CBR, "is_exporting", lambda: True)
+    assert CBR._plan(x, weight, vec, vec, x.shape, padded=False) is None
 
 
 def test_routing_context_changes_nothing_outside_export():
@@ -65,18 +106,6 @@ def test_routing_context_changes_nothing_outside_export():
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
-def test_engine_launch_refuses_sizes_past_its_counts():
-    """A program exported at smaller sizes may route a call past the
-    convolution engine's 32-bit counts to it: the launch refuses it before
-    anything runs (meta tensors: no memory, no device)."""
-    x = torch.empty((2**20, 64, 64, 64), device="meta")
-    weight = torch.empty((4096, 64, 7, 7), device="meta")
-    vec = torch.empty((4096,), device="meta")
-    assert not CBR._engine_bounds(x.shape, weight.shape)
-    with pytest.raises(ValueError, match="exceed the convolution engine's 32-bit counts"):
-        CBR._launch_engine(x, weight, vec, vec, plan=(CBR.NCHW, torch.float32, torch.float32, False))
-
-
 # ---------------------------------------------------------------- GPU tier
 
 MODES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
@@ -89,8 +118,8 @@ def _ctx(amp):
 
 def _export(model, x, amp, min_batch=1):
     with _ctx(amp):
-        return torch.export.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=min_batch,
-                                                                          max=MAX_BATCH)},))
+        return torch.export.export(model, (x,), strict=False,
+                                   dynamic_shapes=({0: Dim("batch", min=min_batch, max=MAX_BATCH)},))
 
 
 def _targets(ep):
@@ -217,11 +246,11 @@ def test_exported_float32_convolution_keeps_cudnn(min_batch, device):
 @pytest.mark.gpu
 @needs_is_exporting
 def test_exported_routes_serve_sizes_across_their_thresholds(device):
-    """Rules on speed alone take the example's route at every size: problem
-    1's training engine (from 2^24 output values) run at one image, 37's
-    one-launch forward run at a few rows, 76's float32-weight product under
-    autocast (512 to 1024 rows) run outside those rows; each as the module
-    computes it within the dtype's tolerance."""
+    """Rules on speed alone record the example's route for every size:
+    problem 1's training engine (from 2^24 output values) run at one image,
+    37's one-launch op run at a few rows (where the op itself runs two
+    launches), 76's float32-weight product under autocast (512 to 1024
+    rows) run outside those rows; each within the module's error bounds."""
     model = _conv_model(device, torch.bfloat16, grad=True)
     big = _conv_x(140, device, torch.bfloat16)
     assert _route_of(model, big) == "engine"
@@ -252,7 +281,7 @@ def test_exported_routes_serve_sizes_across_their_thresholds(device):
     with torch.no_grad():
         assert rel_error(ep.module()(x), ours(x)) <= 8e-3
 
-    ours = models.MODELS[76](64, 8192, (8192,)).to(device)
+    ours = models.MODELS[76](64, 8192, (8192,)).to(device)  # (its float32 weight: 2 MiB)
     for p in ours.parameters():
         p.requires_grad_(False)
     ep = _export(ours, torch.rand(768, 64, device=device), torch.bfloat16)
@@ -261,3 +290,20 @@ def test_exported_routes_serve_sizes_across_their_thresholds(device):
         x = torch.rand(batch, 64, device=device)
         with torch.no_grad(), _ctx(torch.bfloat16):
             assert rel_error(ep.module()(x), ours(x)) <= 8e-3, batch
+
+
+@pytest.mark.gpu
+@needs_is_exporting
+def test_exported_engine_inference_takes_either_layout(device):
+    """An exported program does not check its input's strides: the engine's
+    inference op, planned for an NCHW x, reads a channels-last one in the
+    plan's layout (the same bits as from its NCHW copy)."""
+    model = _conv_model(device, torch.bfloat16, grad=False)
+    x = _conv_x(140, device, torch.bfloat16)
+    assert _route_of(model, x) == "engine"
+    ep = _export(model, x, None)
+    assert "cupy_fused.conv_bias_relu_engine.default" in _targets(ep), _targets(ep)
+    with torch.no_grad():
+        want = ep.module()(x)
+        assert torch.equal(want, model(x))
+        assert torch.equal(ep.module()(x.contiguous(memory_format=torch.channels_last)), want)

@@ -595,6 +595,19 @@ def _engine_bounds(x_shape: Sequence[int], weight_shape: Sequence[int]) -> bool:
             and n * h * cdiv(w, box_m) * cdiv(cout, box_n) * kh * kw * cdiv(cin, 32) < 2**32)
 
 
+def _size_limits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The engine's limits on the sizes of a call (not rules on speed),
+    which :func:`_engine_plan` asks of every route it plans: its 32-bit
+    counts (:func:`_engine_bounds`, on x's channels as the engine reads
+    them, :func:`_padded_channels`) and the transposing copies' grid for x
+    and y (:func:`_transposes_shape`)."""
+    n, cin, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    x_shape = (n, cin if cin % 8 == 0 else _padded_channels(cin), h, w)
+    return (_engine_bounds(x_shape, (cout, x_shape[1], kh, kw)) and _transposes_shape(x_shape)
+            and _transposes_shape(_out_shape(x, weight)))
+
+
 def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> Optional[_Plan]:
     """How the engine runs a call (:func:`engine_layout`,
@@ -607,12 +620,15 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     ops copy one off it when the graph runs, :func:`_on_the_grid`).  Where
     C_in is not a multiple of 8, the plan of the call on channels padded
     with zeros (:func:`_padded_plan`: the caller pads).  While torch.export
-    traces, the rules on sizes read the example's
-    (:func:`on_example_sizes`; an empty call takes cuDNN, guarded as ever),
-    and a float32 call keeps cuDNN: whether the reference may run in TF32
-    is the exported program's caller's setting, read when it runs (export
-    traces with cuDNN off)."""
+    traces, the rules on speed read the example's sizes
+    (:func:`on_example_sizes`), while the engine's limits on sizes
+    (:func:`_size_limits`) and an empty call's route are guarded as ever, so
+    that export holds them over its whole range of sizes (or refuses the
+    range); and a float32 call keeps cuDNN: whether the reference may run
+    in TF32 is the exported program's caller's setting, read when it runs."""
     if not (x.numel() > 0 and weight.shape[0] > 0):
+        return None
+    if is_exporting() and not _size_limits(x, weight):
         return None
 
     def plan() -> Optional[_Plan]:
@@ -923,13 +939,6 @@ def _launch_engine(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     n, cin, h, w = x.shape
     cout, _, kh, kw = weight.shape
     oh, ow = _out_shape(x, weight)[2:]
-    if not _engine_bounds(x.shape, weight.shape):
-        # Eager calls never come here so (:func:`_engine_plan`); a program
-        # exported at smaller sizes routes every size as its example's.
-        raise ValueError(f"x of shape {tuple(x.shape)} and a weight of shape {tuple(weight.shape)} "
-                         f"exceed the convolution engine's 32-bit counts; a program exported "
-                         f"with torch.export takes its example's route at every size: export it "
-                         f"with an example this large")
     layout, dtype, out_dtype, _ = plan or _engine_plan(x, weight, conv_bias, bias)
     if mask is not None and layout == CHANNELS_LAST and cout % 32:
         # That store writes whole words of 32 channels into a mask it does
@@ -1583,6 +1592,10 @@ def _on_the_grid(x: torch.Tensor) -> torch.Tensor:
 def _engine_inference(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
                       bias: Optional[torch.Tensor], layout: str, dtype: torch.dtype,
                       out_dtype: torch.dtype) -> torch.Tensor:
+    # x in the layout the plan was made for (a program exported by
+    # torch.export does not check its input's strides; no copy where x is).
+    fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
+    x = x.contiguous(memory_format=fmt)
     return _launch_engine(_on_the_grid(x), weight, conv_bias, bias, plan=(layout, dtype, out_dtype, False))
 
 
