@@ -7,6 +7,7 @@ CPU too."""
 import contextlib
 import importlib
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,7 +74,50 @@ def test_symbolic_values_a_rule_returns_come_back_concrete():
 
     torch.export.export(Model(), (torch.ones(10, 3),), strict=False,
                         dynamic_shapes=({0: Dim("batch", min=2, max=MAX_BATCH)},))
-    assert seen == [(int, bool)], seen
+    assert seen and set(seen) == {(int, bool)}, seen
+
+
+def test_size_limits_are_the_engines_bounds():
+    """The limits export holds over its range are, at plain sizes, the
+    engine's bounds on x's channels as it reads them and the transposing
+    copies' grid for x and y."""
+    import random
+
+    rng, seen = random.Random(0), set()
+    for _ in range(2000):
+        n, cin, cout = rng.choice((1, 7, 2**10, 2**21, 2**30)), rng.randint(1, 5000), rng.randint(1, 5000)
+        kh, kw = rng.randint(1, 9), rng.randint(1, 9)
+        h, w = kh + rng.choice((0, 5, 300, 70000)), kw + rng.choice((0, 3, 127, 4000))
+        c = cin if cin % 8 == 0 else CBR._padded_channels(cin)
+        want = (CBR._engine_bounds((n, c, h, w), (cout, c, kh, kw)) and CBR._transposes_shape((n, c, h, w))
+                and CBR._transposes_shape((n, cout, h - kh + 1, w - kw + 1)))
+        got = all(CBR._size_limits((n, cin, h, w), (cout, cin, kh, kw)))
+        assert got == want, (n, cin, h, w, cout, kh, kw)
+        seen.add(want)
+    assert seen == {True, False}
+
+
+class _Limits(torch.nn.Module):
+    """Doubles x where the engine's limits hold over the exported range for a
+    call on x with a weight of 2^20 channels out and 8 x 8 taps (1,023
+    images of 8 x 8 x 8 at most), else adds one."""
+
+    def forward(self, x):
+        shapes = SimpleNamespace(shape=x.shape), SimpleNamespace(shape=(2**20, 8, 8, 8))
+        return x * 2 if CBR._limits_hold_over_the_range(*shapes) else x + 1
+
+
+@needs_is_exporting
+def test_engine_limits_must_hold_over_the_exported_range():
+    """The engine's limits are asked of the whole range, with no guard: a
+    batch Dim whose max keeps within them keeps the engine's side, one
+    past them (or without a max) takes the other, and both export."""
+    for hi, within in ((1000, True), (1023, True), (1024, False), (None, False)):
+        dim = Dim("batch", min=2, max=hi) if hi else Dim("batch", min=2)
+        ep = torch.export.export(_Limits(), (torch.ones(4, 8, 8, 8),), strict=False,
+                                 dynamic_shapes=({0: dim},))
+        got = ep.module()(torch.full((3, 8, 8, 8), 3.0))
+        assert torch.equal(got, torch.full((3, 8, 8, 8), 6.0 if within else 4.0)), hi
 
 
 def test_exported_float32_plans_keep_cudnn(monkeypatch):

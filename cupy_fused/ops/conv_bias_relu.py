@@ -595,17 +595,32 @@ def _engine_bounds(x_shape: Sequence[int], weight_shape: Sequence[int]) -> bool:
             and n * h * cdiv(w, box_m) * cdiv(cout, box_n) * kh * kw * cdiv(cin, 32) < 2**32)
 
 
-def _size_limits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The engine's limits on the sizes of a call (not rules on speed),
-    which :func:`_engine_plan` asks of every route it plans: its 32-bit
-    counts (:func:`_engine_bounds`, on x's channels as the engine reads
-    them, :func:`_padded_channels`) and the transposing copies' grid for x
-    and y (:func:`_transposes_shape`)."""
-    n, cin, h, w = x.shape
-    cout, _, kh, kw = weight.shape
-    x_shape = (n, cin if cin % 8 == 0 else _padded_channels(cin), h, w)
-    return (_engine_bounds(x_shape, (cout, x_shape[1], kh, kw)) and _transposes_shape(x_shape)
-            and _transposes_shape(_out_shape(x, weight)))
+def _size_limits(x_shape: Sequence, weight_shape: Sequence) -> Tuple:
+    """The engine's limits on the sizes of a call (not rules on speed), as
+    conditions each to hold (symbolic ones left unevaluated, no guard):
+    :func:`_engine_bounds` on x's channels as the engine reads them
+    (:func:`_padded_channels`) and the transposing copies' grid
+    (:func:`_transposes_shape`) for x and y, the batch's bounds written as
+    whole numbers."""
+    n, cin, h, w = x_shape
+    cout, _, kh, kw = weight_shape
+    c = cin if cin % 8 == 0 else _padded_channels(cin)
+    oh, ow = h - kh + 1, w - kw + 1
+    box_m, box_n = gemm.HALF_TILE
+    k_tiles = h * cdiv(w, box_m) * cdiv(cout, box_n) * kh * kw * cdiv(c, 32)  # an image's
+    return (c < 2**31, h < 2**31, w < 2**31, kh * kw * cdiv(c, 64) * 64 < 2**31,
+            cdiv(c, 64) <= 65535, cdiv(cout, 64) <= 65535,
+            n <= (2**32 - 1) // k_tiles, n <= (2**31 - 1) // (h * cdiv(w, 64)),
+            n <= (2**31 - 1) // (oh * cdiv(ow, 64)))
+
+
+def _limits_hold_over_the_range(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """While torch.export traces: whether :func:`_size_limits` hold at every
+    size of the traced range (without a guard: where they cannot be shown
+    to, the call keeps cuDNN, correct at any size)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(statically_known_true(c) for c in _size_limits(x.shape, weight.shape))
 
 
 def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
@@ -621,14 +636,13 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
     C_in is not a multiple of 8, the plan of the call on channels padded
     with zeros (:func:`_padded_plan`: the caller pads).  While torch.export
     traces, the rules on speed read the example's sizes
-    (:func:`on_example_sizes`), while the engine's limits on sizes
-    (:func:`_size_limits`) and an empty call's route are guarded as ever, so
-    that export holds them over its whole range of sizes (or refuses the
-    range); and a float32 call keeps cuDNN: whether the reference may run
-    in TF32 is the exported program's caller's setting, read when it runs."""
+    (:func:`on_example_sizes`); the engine is planned only where its limits
+    on sizes hold over the whole traced range
+    (:func:`_limits_hold_over_the_range`: a batch Dim with a max); an empty
+    call's route is guarded as ever; and a float32 call keeps cuDNN:
+    whether the reference may run in TF32 is the exported program's
+    caller's setting, read when it runs."""
     if not (x.numel() > 0 and weight.shape[0] > 0):
-        return None
-    if is_exporting() and not _size_limits(x, weight):
         return None
 
     def plan() -> Optional[_Plan]:
@@ -639,7 +653,10 @@ def _engine_plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor,
             return _padded_plan(x, weight, conv_bias, bias)
         return _plan(x, weight, conv_bias, bias, x.shape, padded=False)
 
-    return on_example_sizes(plan, x)
+    planned = on_example_sizes(plan, x)
+    if planned is not None and is_exporting() and not _limits_hold_over_the_range(x, weight):
+        return None
+    return planned
 
 
 def _plan(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor, bias: Optional[torch.Tensor],
