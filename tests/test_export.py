@@ -19,6 +19,7 @@ from cupy_fused._autograd import on_example_sizes
 from cupy_fused.testing import build_pair, rel_error
 
 CBR = importlib.import_module("cupy_fused.ops.conv_bias_relu")
+G = importlib.import_module("cupy_fused.ops.gemm")
 LG = importlib.import_module("cupy_fused.ops.linear_gn_chain")
 
 needs_is_exporting = pytest.mark.skipif(not hasattr(torch.compiler, "_is_exporting_flag"),
@@ -118,6 +119,37 @@ def test_engine_limits_must_hold_over_the_exported_range():
                                  dynamic_shapes=({0: dim},))
         got = ep.module()(torch.full((3, 8, 8, 8), 3.0))
         assert torch.equal(got, torch.full((3, 8, 8, 8), 6.0 if within else 4.0)), hi
+
+
+class _Ruled(torch.nn.Module):
+    """Doubles x where ``rule(x)`` holds, else adds one."""
+
+    def __init__(self, rule):
+        super().__init__()
+        self.rule = rule
+
+    def forward(self, x):
+        return x * 2 if self.rule(x) else x + 1
+
+
+@needs_is_exporting
+def test_linear_routing_rules_read_the_example_sizes_while_exporting(monkeypatch):
+    """linear_gn_chain's one-launch rule (from 67,584 rows of a 256-channel
+    layer on 132 SMs) and the autocast float32-weight product's rows (512 to
+    1024) record the example's side for a batch range that crosses them
+    (the device's answers stubbed: a Hopper GPU of 132 SMs)."""
+    monkeypatch.setattr(G, "sm_count", lambda index: 132)
+    monkeypatch.setattr(G, "has_wgmma", lambda index: True)
+    w16, w32 = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(8192, 64)
+    rules = {"one launch": (lambda x: LG._takes_one_launch(x, w16, 8, torch.bfloat16, False), 528 * 128),
+             "float32 weight": (lambda x: G._routes_float32_weight(x, w32), 768)}
+    for name, (rule, rows) in rules.items():
+        for example, taken in ((96, False), (rows, True)):
+            ep = torch.export.export(_Ruled(rule), (torch.ones(example, 64, dtype=torch.bfloat16),),
+                                     strict=False, dynamic_shapes=({0: Dim("batch", min=2, max=MAX_BATCH)},))
+            got = ep.module()(torch.full((5, 64), 3.0, dtype=torch.bfloat16))
+            assert torch.equal(got, torch.full((5, 64), 6.0 if taken else 4.0, dtype=torch.bfloat16)), (
+                name, example)
 
 
 def test_exported_float32_plans_keep_cudnn(monkeypatch):
