@@ -581,6 +581,16 @@ def _out_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int, int, in
     return n, cout, h - kh + 1, w - kw + 1
 
 
+def _engine_bound_conditions(x_shape: Sequence, weight_shape: Sequence) -> Tuple:
+    """:func:`_engine_bounds` as conditions, each to hold (on symbolic sizes,
+    left unevaluated: no guard)."""
+    n, cin, h, w = x_shape
+    cout, _, kh, kw = weight_shape
+    box_m, box_n = gemm.HALF_TILE
+    return (n < 2**31, cin < 2**31, h < 2**31, w < 2**31, kh * kw * cdiv(cin, 64) * 64 < 2**31,
+            n * h * cdiv(w, box_m) * cdiv(cout, box_n) * kh * kw * cdiv(cin, 32) < 2**32)
+
+
 def _engine_bounds(x_shape: Sequence[int], weight_shape: Sequence[int]) -> bool:
     """Whether the engine's 32-bit counts hold for x [N, C_in, H, W] and the
     weight [C_out, C_in, KH, KW]: the copy engine's coordinates; K; and the
@@ -588,11 +598,7 @@ def _engine_bounds(x_shape: Sequence[int], weight_shape: Sequence[int]) -> bool:
     cdiv(ow, 128) rows of them, fewer than x's, by 128 output channels;
     k-tiles of at most 32 input channels, float32's), which a block counts
     in an unsigned 32-bit counter (a bound on the tiles' count too)."""
-    n, cin, h, w = x_shape
-    cout, _, kh, kw = weight_shape
-    box_m, box_n = gemm.HALF_TILE
-    return (max(x_shape) < 2**31 and kh * kw * cdiv(cin, 64) * 64 < 2**31
-            and n * h * cdiv(w, box_m) * cdiv(cout, box_n) * kh * kw * cdiv(cin, 32) < 2**32)
+    return all(_engine_bound_conditions(x_shape, weight_shape))
 
 
 def _size_limits(x_shape: Sequence, weight_shape: Sequence) -> Tuple:
@@ -600,18 +606,12 @@ def _size_limits(x_shape: Sequence, weight_shape: Sequence) -> Tuple:
     conditions each to hold (symbolic ones left unevaluated, no guard):
     :func:`_engine_bounds` on x's channels as the engine reads them
     (:func:`_padded_channels`) and the transposing copies' grid
-    (:func:`_transposes_shape`) for x and y, the batch's bounds written as
-    whole numbers."""
+    (:func:`_transposes_shape`) for x and y."""
     n, cin, h, w = x_shape
     cout, _, kh, kw = weight_shape
     c = cin if cin % 8 == 0 else _padded_channels(cin)
-    oh, ow = h - kh + 1, w - kw + 1
-    box_m, box_n = gemm.HALF_TILE
-    k_tiles = h * cdiv(w, box_m) * cdiv(cout, box_n) * kh * kw * cdiv(c, 32)  # an image's
-    return (c < 2**31, h < 2**31, w < 2**31, kh * kw * cdiv(c, 64) * 64 < 2**31,
-            cdiv(c, 64) <= 65535, cdiv(cout, 64) <= 65535,
-            n <= (2**32 - 1) // k_tiles, n <= (2**31 - 1) // (h * cdiv(w, 64)),
-            n <= (2**31 - 1) // (oh * cdiv(ow, 64)))
+    return (_engine_bound_conditions((n, c, h, w), (cout, c, kh, kw))
+            + _transpose_conditions((n, c, h, w)) + _transpose_conditions((n, cout, h - kh + 1, w - kw + 1)))
 
 
 def _limits_hold_over_the_range(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -824,9 +824,16 @@ def _transposes(t: torch.Tensor) -> bool:
     return _transposes_shape(t.shape)
 
 
-def _transposes_shape(shape) -> bool:
+def _transpose_conditions(shape) -> Tuple:
+    """:func:`_transposes_shape` as conditions, each to hold (on symbolic
+    sizes, left unevaluated: no guard)."""
     n, c, h, w = shape
-    return n * h * cdiv(w, 64) < 2**31 and cdiv(c, 64) <= 65535
+    return (n * h * cdiv(w, 64) < 2**31, cdiv(c, 64) <= 65535)
+
+
+def _transposes_shape(shape) -> bool:
+    """Whether the transposing copies' grid takes a tensor of ``shape``."""
+    return all(_transpose_conditions(shape))
 
 
 def _vector_transposes(t: torch.Tensor, out: torch.Tensor) -> bool:

@@ -341,8 +341,8 @@ def _takes_one_launch(x: torch.Tensor, weight: torch.Tensor, num_groups: int,
     run time if its operands turn out unaligned.  While torch.export traces,
     the rules read the example's sizes (:func:`on_example_sizes`: either
     route is the same product, at any size)."""
-    if x.dtype == compute and not is_compiling():
-        return on_example_sizes(lambda: bool(_half_engine_fuses(x, weight, num_groups, float_out)), x)
+    if x.dtype == compute and not is_compiling():  # (never while exporting: export traces)
+        return _half_engine_fuses(x, weight, num_groups, float_out)
     return on_example_sizes(lambda: bool(_shape_fuses(x, weight, num_groups, float_out)), x)
 
 
