@@ -216,23 +216,22 @@ __device__ __forceinline__ float swish_and_grad(float x, float& grad) {
   grad = s + xs * (1.0f - s);
   return xs;
 }
-// mish(x) and its derivative sharing one tanh(softplus(x)):
+// mish(x) and its derivative sharing one tanh(softplus(x)), for x within
+// [-1, 1] or NaN (hardtanh's output, the only input mish has here):
 // tanh(log1p(e)) = n / (n + 2) with n = e (e + 2), e = exp(x), one exp for
 // both.  Fast: the hardware's exp2 and reciprocal; else expf and
 // rcp_of_denominator, about as accurate as libm's tanhf(log1pf(expf(x)))
-// in a fraction of its instructions (docs/performance.md).  Above x = 15
-// tanh is 1 in float, so the sigmoid's term of the derivative is
-// multiplied by 1 - t^2 = 0 and both are taken as 1.  The exp's argument
-// is clamped there, so that n stays finite and both branches are computed
-// and selected, not jumped over.
+// in a fraction of its instructions (docs/performance.md).  On that range
+// n stays finite, so there is no clamp and no branch for large x (n
+// overflows past x = 44, where t would become inf / inf); a NaN stays a
+// NaN.  t is rounded (__fmul_rn) before the derivative's final
+// add, so that the output and the derivative use the same t.
 template <bool kFast>
-__device__ __forceinline__ float mish_and_grad(float x, float& grad) {
-  const float xc = fminf(x, 15.0f);
-  const float e = kFast ? exp_ftz(xc) : expf(xc);
+__device__ __forceinline__ float mish_and_grad_unit(float x, float& grad) {
+  const float e = kFast ? exp_ftz(x) : expf(x);
   const float n = e * (e + 2.0f);
-  const bool big = x > 15.0f;
-  const float t = big ? 1.0f : n * (kFast ? rcp_ftz(n + 2.0f) : rcp_of_denominator(n + 2.0f));
-  const float s = big ? 1.0f : e * (kFast ? rcp_ftz(1.0f + e) : rcp_of_denominator(1.0f + e));
+  const float t = __fmul_rn(n, kFast ? rcp_ftz(n + 2.0f) : rcp_of_denominator(n + 2.0f));
+  const float s = e * (kFast ? rcp_ftz(1.0f + e) : rcp_of_denominator(1.0f + e));
   grad = t + x * (1.0f - t * t) * s;
   return __fmul_rn(x, t);
 }

@@ -348,8 +348,8 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
     const float lin = p.lin(c), extra = p.extra(c);
     const float u = __fadd_rn(__fadd_rn(z, lin), extra);
     float mg;
-    const float m = mish_and_grad<P::kFast>(hardtanhf(eager_round<T, kEagerRounding>(u)), mg);
-    if (kEagerRounding) mish_and_grad<P::kFast>(hardtanhf(u), mg);
+    const float m = mish_and_grad_unit<P::kFast>(hardtanhf(eager_round<T, kEagerRounding>(u)), mg);
+    if (kEagerRounding) mish_and_grad_unit<P::kFast>(hardtanhf(u), mg);
     const float eager_sum =
         eager_round<T, true>(__fadd_rn(eager_round<T, true>(__fadd_rn(z, lin)), extra));
     grad = hardtanh_grad(eager_sum) * mg;
@@ -364,7 +364,7 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
     const float eager_sum =
         eager_round<T, true>(__fadd_rn(eager_round<T, true>(__fadd_rn(z, p.lin(c))), p.extra(c)));
     float mg;
-    return eager_round<T, true>(mish_and_grad<false>(hardtanhf(eager_sum), mg));
+    return eager_round<T, true>(mish_and_grad_unit<false>(hardtanhf(eager_sum), mg));
   }
 };
 
