@@ -258,14 +258,16 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
 __device__ __forceinline__ unsigned to_tf32_keep_nan(float x) {
   return x != x ? 0x7fffe000u : to_tf32(x);
 }
-// fminf/fmaxf return the other operand for a NaN: NaN must come through, as
-// in torch.nn.functional.hardtanh.
+// NaN must come through, as in torch.nn.functional.hardtanh (fminf/fmaxf
+// would return the bound).  Written as relu_keep_nan is, each bound is one
+// NaN-propagating min/max (FMNMX.NAN), without a separate NaN test.
 __device__ __forceinline__ float hardtanhf(float x) {
-  return x != x ? x : fminf(fmaxf(x, -1.0f), 1.0f);
+  const float lo = x <= -1.0f ? -1.0f : x;
+  return lo >= 1.0f ? 1.0f : lo;
 }
 // PyTorch's hardtanh_backward zeroes the gradient where x <= -1 or x >= 1
-// and passes it elsewhere, at a NaN too.
-__device__ __forceinline__ float hardtanh_grad(float x) { return (x <= -1.0f || x >= 1.0f) ? 0.0f : 1.0f; }
+// and passes it elsewhere, at a NaN too (|NaN| >= 1 is false): one compare.
+__device__ __forceinline__ float hardtanh_grad(float x) { return fabsf(x) >= 1.0f ? 0.0f : 1.0f; }
 
 // The 32-bit shared-window address of a shared-memory pointer.
 __device__ __forceinline__ unsigned shared_addr(const void* p) {
