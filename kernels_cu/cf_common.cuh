@@ -222,9 +222,9 @@ __device__ __forceinline__ float swish_and_grad(float x, float& grad) {
 // both.  Fast: the hardware's exp2 and reciprocal; else expf and
 // rcp_of_denominator, about as accurate as libm's tanhf(log1pf(expf(x)))
 // in a fraction of its instructions (docs/performance.md).  On that range
-// n stays finite, so there is no clamp and no branch for large x (n
-// overflows past x = 44, where t would become inf / inf); a NaN stays a
-// NaN.  t is rounded (__fmul_rn) before the derivative's final
+// n stays finite, so there is no clamp and no branch for large x (past
+// x = 43.7 the reciprocal of n + 2 flushes to 0 and t with it, past 44.4 n
+// overflows and t is NaN); a NaN stays a NaN.  t is rounded (__fmul_rn) before the derivative's final
 // add, so that the output and the derivative use the same t.
 template <bool kFast>
 __device__ __forceinline__ float mish_and_grad_unit(float x, float& grad) {
@@ -260,7 +260,8 @@ __device__ __forceinline__ unsigned to_tf32_keep_nan(float x) {
 }
 // NaN must come through, as in torch.nn.functional.hardtanh (fminf/fmaxf
 // would return the bound).  Written as relu_keep_nan is, each bound is one
-// NaN-propagating min/max (FMNMX.NAN), without a separate NaN test.
+// NaN-propagating min/max (FMNMX.NAN), without a separate NaN test; a NaN
+// comes out as the canonical NaN, and a subnormal x is not flushed.
 __device__ __forceinline__ float hardtanhf(float x) {
   const float lo = x <= -1.0f ? -1.0f : x;
   return lo >= 1.0f ? 1.0f : lo;

@@ -20,12 +20,12 @@ def sigmoid(x):
     return 1.0 / (1.0 + torch.exp(-x))
 
 
-def swish_grad(x):  # cf::swish_grad
+def swish_grad(x):  # cf::swish_and_grad's derivative
     s = sigmoid(x)
     return s + x * s * (1.0 - s)
 
 
-def mish_grad(x):  # cf::mish_grad
+def mish_grad(x):  # cf::mish_and_grad_unit's derivative
     t = torch.tanh(torch.log1p(torch.exp(x)))
     return t + x * (1.0 - t * t) * sigmoid(x)
 
