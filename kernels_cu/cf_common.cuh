@@ -224,8 +224,9 @@ __device__ __forceinline__ float swish_and_grad(float x, float& grad) {
 // in a fraction of its instructions (docs/performance.md).  On that range
 // n stays finite, so there is no clamp and no branch for large x (past
 // x = 43.7 the reciprocal of n + 2 flushes to 0 and t with it, past 44.4 n
-// overflows and t is NaN); a NaN stays a NaN.  t is rounded (__fmul_rn) before the derivative's final
-// add, so that the output and the derivative use the same t.
+// overflows and t is NaN); a NaN stays a NaN.  t is rounded (__fmul_rn)
+// rather than contracted into the derivative's final add, so that the
+// output and the derivative use the same t.
 template <bool kFast>
 __device__ __forceinline__ float mish_and_grad_unit(float x, float& grad) {
   const float e = kFast ? exp_ftz(x) : expf(x);
