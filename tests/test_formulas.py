@@ -30,8 +30,8 @@ def mish_grad(x):  # cf::mish_and_grad_unit's derivative
     return t + x * (1.0 - t * t) * sigmoid(x)
 
 
-def hardtanh_grad(x):  # cf::hardtanh_grad
-    return ((x > -1.0) & (x < 1.0)).to(x.dtype)
+def hardtanh_grad(x):  # cf::hardtanh_grad (1 at a NaN, as CUDA's hardtanh_backward)
+    return (x.abs() >= 1.0).logical_not().to(x.dtype)
 
 
 def autograd_derivative(fn, x):
