@@ -685,15 +685,20 @@ def test_float32_weight_product_is_the_cast_weights_product(shape, dtype, device
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e38], ids=str)
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_float32_weight_non_finite_lands_where_the_cast_puts_it(value, dtype, device):
-    """A non-finite (or, in float16, overflowing) element of W and of x:
-    NaN / +inf / -inf where cuBLAS on the cast weight puts them."""
+    """A non-finite element of W and of x, or a large one (1e38: inf in
+    float16, a sum past float32's range in bfloat16): NaN / +inf / -inf
+    where cuBLAS on the cast weight puts them."""
     x, _, _ = _half_operands(300, 72, 264, dtype, device)
     w = torch.randn(264, 72, device=device) / 8
     _needs_float32_weight_engine(x, w)
     w[100, 3] = value
     w[7, 70] = -value
-    x[17, 5] = value if value != 1e38 else 1.0
+    if value == 1e38:  # 4 x 1e38 overflows float32's sums: +inf at (17, 100) in bfloat16 too
+        x[17, 3] = 4.0
+    else:
+        x[17, 5] = value
     want = torch.mm(x, w.to(dtype).t())
+    assert not torch.isfinite(want).all()  # (the case has a non-finite output to place)
     got = G._linear_float32_weight(x, w)
     assert_non_finite_where(got, want)
 
