@@ -609,7 +609,7 @@ def _size_limits(x_shape: Sequence, weight_shape: Sequence) -> Tuple:
     (:func:`_transposes_shape`) for x and y."""
     n, cin, h, w = x_shape
     cout, _, kh, kw = weight_shape
-    c = cin if cin % 8 == 0 else _padded_channels(cin)
+    c = _padded_channels(cin)  # (C_in itself where it is a multiple of 8)
     return (_engine_bound_conditions((n, c, h, w), (cout, c, kh, kw))
             + _transpose_conditions((n, c, h, w)) + _transpose_conditions((n, cout, h - kh + 1, w - kw + 1)))
 
