@@ -343,12 +343,17 @@ __device__ __forceinline__ void team_sums(float (&a)[N], int team) {
   }
 }
 
-// team_sums of two named values.
+// Two named values' team sums, as team_sums<2> sums them.  Its own loop
+// rather than that call through an array of the two, which NVRTC 13.0
+// compiled into a slower float32 GroupNorm backward for problem 37
+// (docs/performance.md, "Memory-bound kernels").
 __device__ __forceinline__ void team_sum2(float& a, float& b, int team) {
-  float s[2] = {a, b};
-  team_sums(s, team);
-  a = s[0];
-  b = s[1];
+  for (int offset = team >> 1; offset > 0; offset >>= 1) {
+    const float oa = __shfl_xor_sync(0xffffffffu, a, offset);
+    const float ob = __shfl_xor_sync(0xffffffffu, b, offset);
+    a += oa;
+    b += ob;
+  }
 }
 
 // Block-wide sum in double, for blockDim.x a multiple of 32 (<= 1024):
