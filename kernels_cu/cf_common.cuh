@@ -260,12 +260,12 @@ __device__ __forceinline__ unsigned to_tf32_keep_nan(float x) {
   return x != x ? 0x7fffe000u : to_tf32(x);
 }
 // NaN must come through, as in torch.nn.functional.hardtanh (fminf/fmaxf
-// would return the bound).  Written as relu_keep_nan is, each bound is one
-// NaN-propagating min/max (FMNMX.NAN), without a separate NaN test; a NaN
-// comes out as the canonical NaN, and a subnormal x is not flushed.
+// would return the bound).  Not written as relu_keep_nan is (selects that
+// compile to NaN-propagating min/max, no NaN test): fewer instructions, but
+// from NVRTC 13.0 a slower kernel for 94's forward under autocast
+// (docs/performance.md, "Memory-bound kernels").
 __device__ __forceinline__ float hardtanhf(float x) {
-  const float lo = x <= -1.0f ? -1.0f : x;
-  return lo >= 1.0f ? 1.0f : lo;
+  return x != x ? x : fminf(fmaxf(x, -1.0f), 1.0f);
 }
 // PyTorch's hardtanh_backward zeroes the gradient where x <= -1 or x >= 1
 // and passes it elsewhere, at a NaN too (|NaN| >= 1 is false): one compare.
