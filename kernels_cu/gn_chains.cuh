@@ -105,6 +105,14 @@ __device__ __forceinline__ float eager_round(float v) {
   return kEagerRounding ? to_float(from_float<T>(v)) : v;
 }
 
+// The least float that rounds (to nearest, ties to even) to 1 or more in
+// T: the midpoint below 1 (1 - 2^-9 in bfloat16, 1 - 2^-12 in half), which
+// rounds up to 1's even significand.  So |round_T(s)| >= 1 exactly where
+// |s| >= it, and a NaN fails both.
+template <typename T> constexpr float kUnitRoundingThreshold = 1.0f;
+template <> constexpr float kUnitRoundingThreshold<bfloat16> = 0.998046875f;
+template <> constexpr float kUnitRoundingThreshold<half> = 0.999755859375f;
+
 // Chain::pre must give bit-identical values in the forward and in the
 // backward, which recomputes x^ = (pre(z) - mean) * rstd from the saved
 // statistics (with one channel per group x^ is exactly 0 only then).  Plain
@@ -350,9 +358,11 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
     float mg;
     const float m = mish_and_grad_unit<P::kFast>(hardtanhf(eager_round<T, kEagerRounding>(u)), mg);
     if (kEagerRounding) mish_and_grad_unit<P::kFast>(hardtanhf(u), mg);
-    const float eager_sum =
-        eager_round<T, true>(__fadd_rn(eager_round<T, true>(__fadd_rn(z, lin)), extra));
-    grad = hardtanh_grad(eager_sum) * mg;
+    // Eager's last rounding folded into the gate: |round_T(s)| >= 1 exactly
+    // where |s| >= kUnitRoundingThreshold<T>.  mg > 0 wherever it is
+    // finite, so the select gives hardtanh_grad(eager_sum) * mg's bits.
+    const float s = __fadd_rn(eager_round<T, true>(__fadd_rn(z, lin)), extra);
+    grad = fabsf(s) >= kUnitRoundingThreshold<T> ? 0.0f : mg;
     return eager_round<T, kEagerRounding>(m);
   }
   // v as the reference holds it: with 16-bit vectors, the accurate mish of

@@ -2,6 +2,8 @@
 float64 exactly as kernels_cu/cf_common.cuh and gn_chain.cuh compute them, and
 checked against torch.autograd on the reference expressions; and the rounding
 points of the chains' eager-rounding variant against half-precision eager."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,6 +190,32 @@ def test_eager_rounding_points_reproduce_half_precision_eager(chain, dtype):
     diff = (ours.double() - eager.double()).abs()
     assert (diff > 0).double().mean().item() < 1e-3
     torch.testing.assert_close(ours, eager, atol=1e-2, rtol=1e-2)
+
+
+def _unit_rounding_thresholds():
+    """kUnitRoundingThreshold<T> as gn_chains.cuh defines it, by dtype."""
+    from cupy_fused import _runtime
+
+    src = (_runtime.kernel_dir() / "gn_chains.cuh").read_text()
+    found = dict(re.findall(r"constexpr float kUnitRoundingThreshold<(\w+)> = ([0-9.]+)f;", src))
+    return {torch.bfloat16: float(found["bfloat16"]), torch.float16: float(found["half"])}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_unit_rounding_threshold_is_where_rounding_reaches_one(dtype):
+    """94's hardtanh gate compares the unrounded float32 sum with
+    kUnitRoundingThreshold<T> in place of rounding it to T and comparing
+    with 1: the two agree on every float32 near +-1, and at NaN, +-inf and
+    past T's range."""
+    threshold = torch.tensor(_unit_rounding_thresholds()[dtype], dtype=torch.float32)
+    lo, hi = (torch.tensor([0.99, 1.01], dtype=torch.float32).view(torch.int32)).tolist()
+    near_one = torch.arange(lo, hi + 1, dtype=torch.int32).view(torch.float32)
+    special = torch.tensor([0.0, 0.5, 2.0, 65504.0, 65520.0, 3.4e38, float("inf"), float("nan")],
+                           dtype=torch.float32)
+    s = torch.cat([near_one, -near_one, special, -special])
+    rounded = s.to(dtype).to(torch.float32).abs() >= 1
+    assert torch.equal(s.abs() >= threshold, rounded)
+    assert rounded.any() and not rounded.all()
 
 
 # ---- a non-finite upstream gradient: where NaN and +-inf land ----
