@@ -165,23 +165,36 @@ def test_ieee_precision_keeps_infinities(problem, value, device):
 @pytest.mark.parametrize("problem", PROBLEMS)
 def test_compiled_under_autocast(problem, model_dtype, amp, device):
     """torch.compile(fullgraph=True) of a module under autocast (also to
-    float32, a bfloat16 model): the eager module's dtypes and values."""
+    float32, a bfloat16 model): the output, x's gradient and every
+    parameter's gradient bit for bit those of the same module run eagerly
+    under the same autocast, in the same dtypes: the compiled graph runs the
+    same custom ops on the same routes and values, and adds only casts
+    around them, which round as eager's do."""
     _, args, shape = reference.SMALL_PROBLEMS[problem]
     _, ours = build_pair(problem, args, device, model_dtype)
-    compiled = torch.compile(copy.deepcopy(ours), fullgraph=True)
-    x = torch.rand(shape, device=device)
+    twin = copy.deepcopy(ours)
+    torch._dynamo.reset()  # (no earlier test's graphs count against the recompile limit)
+    compiled = torch.compile(twin, fullgraph=True)
+    gen = torch.Generator().manual_seed(problem)
+    x = torch.rand(shape, generator=gen).to(device)
     g = None
     results = []
-    for model in (ours, compiled):
+    for module, fn in ((ours, ours), (twin, compiled)):
         xi = x.clone().requires_grad_(True)
         with _autocast(amp):
-            y = model(xi)
-        g = torch.randn_like(y) if g is None else g  # (not ones: GroupNorm's dx would vanish)
+            y = fn(xi)
+        if g is None:  # (not ones: GroupNorm's dx would vanish)
+            g = torch.randn(y.shape, generator=gen).to(device, y.dtype)
         y.backward(g)
-        results.append((y.detach(), xi.grad))
-    (y0, dx0), (y1, dx1) = results
-    assert y1.dtype == y0.dtype == torch.float32 and dx1.dtype == dx0.dtype == torch.float32
-    assert rel_error(y1, y0) < 1e-2 and rel_error(dx1, dx0) < 1e-2
+        results.append([("y", y.detach()), ("x", xi.grad)]
+                       + [(name, p.grad) for name, p in module.named_parameters()])
+    eager, got = results
+    assert eager[0][1].dtype == torch.float32 and eager[1][1].dtype == torch.float32
+    assert [name for name, _ in got] == [name for name, _ in eager]
+    for (name, a), (_, b) in zip(eager, got):
+        assert a is not None and b is not None, name
+        assert b.dtype == a.dtype and torch.equal(a, b), (name, rel_error(b, a))
+    assert all(p.grad.dtype == model_dtype for p in twin.parameters())
 
 
 @pytest.mark.parametrize("value", [None, float("nan"), float("inf"), float("-inf")], ids=str)

@@ -770,25 +770,46 @@ def test_counters_stream_without_deprecated_cupy_calls(device):
 
 
 @pytest.mark.gpu
-def test_reduce_overhead_compile_over_several_shapes(device):
+def test_reduce_overhead_compile_over_several_shapes(device, launches):
     """torch.compile(mode="reduce-overhead"): CUDA-graph trees warm up,
-    record and replay a graph per shape, in private pools they reset; the
-    rows backward's last-block reduce (under 32 chunks) gives eager's
-    gradients throughout."""
+    record and replay a graph per shape, in private pools they reset.  From
+    the third call of a shape on the graph is replayed (no kernel launched
+    from Python, no graph skipped), and every call, each on new values
+    copied into the same z and output gradient, gives eager's output and
+    gradients bit for bit; the rows backward's last-block reduce (under 32
+    chunks) included."""
+    from torch._dynamo.utils import counters
+
     gen = torch.Generator(device=device).manual_seed(11)
     bias = torch.randn(1288, device=device, generator=gen, requires_grad=True)
 
     def step(fn, z, dy):
         bias.grad = None
         z = z.detach().requires_grad_(True)
-        fn(z, bias).backward(dy)
-        return z.grad.clone(), bias.grad.clone()
+        y = fn(z, bias)
+        y.backward(dy)
+        # (clones: a replay writes its outputs into the graph's own memory)
+        return y.detach().clone(), z.grad.clone(), bias.grad.clone()
 
     torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(lambda z, b: ops.bias_relu(z, b), mode="reduce-overhead")
-    for rows in (200, 300, 200, 416, 300, 416, 200):
-        z = torch.randn(rows, 1288, device=device, generator=gen)
-        dy = torch.randn(rows, 1288, device=device, generator=gen)
-        for a, b in zip(step(compiled, z, dy), step(ops.bias_relu, z, dy)):
-            assert torch.equal(a, b), rows
+    # A shape seen again after others: its graph, or a new one recorded
+    # for it on the graph of symbolic rows, replayed by its third call.
+    for rows in (200, 300, 416, 200):
+        z, dy = (torch.empty(rows, 1288, device=device) for _ in range(2))
+        for call in range(4):  # warm-up, recording, then replays
+            z.copy_(torch.randn(rows, 1288, device=device, generator=gen))
+            dy.copy_(torch.randn(rows, 1288, device=device, generator=gen))
+            torch.compiler.cudagraph_mark_step_begin()
+            launches.clear()
+            got = step(compiled, z, dy)
+            from_python = [launch.name for launch in launches]
+            launches.clear()
+            want = step(ops.bias_relu, z, dy)
+            assert launches  # (the record sees the op's launches: an empty one is a replay)
+            assert call < 2 or not from_python, (rows, call, from_python)
+            for name, a, b in zip(("y", "z", "bias"), got, want):
+                assert torch.equal(a, b), (rows, call, name)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     torch._dynamo.reset()

@@ -385,12 +385,15 @@ def test_padded_input_channels_against_float64(shape, fmt, mode, device, monkeyp
 def test_padded_input_channels_route(device, monkeypatch):
     """Where C_in is not a multiple of 8 the engine pads it under the
     conditions of any call, asked of the padded shape (an NCHW or
-    channels-last x, the size thresholds, the rule); the gradients of x and
-    the weight are the padded ones' first C_in channels."""
+    channels-last x, the size thresholds, the rule); in training the
+    gradients of x and the weight are the padded ones' first C_in channels:
+    y and every gradient within 1.5x eager's error against float64, in
+    eager's layouts."""
     _engine_device(device)
-    x = torch.randn(2, 3, 20, 18, device=device, dtype=torch.bfloat16)
-    wt = torch.randn(64, 3, 3, 3, device=device, dtype=torch.bfloat16)
-    cb, b = torch.randn(64, device=device, dtype=torch.bfloat16), None
+    gen = torch.Generator().manual_seed(2)
+    x, wt, cb = (torch.randn(*shape, generator=gen).to(device, torch.bfloat16)
+                 for shape in ((2, 3, 20, 18), (64, 3, 3, 3), (64,)))
+    b = None
     assert CB.route(x, wt, cb, b) == "engine"
     assert CB.route(x.contiguous(memory_format=torch.channels_last), wt, cb, b) == "engine"
     assert CB.route(x[:, :, :, 1:], wt, cb, b) == "cudnn"  # neither layout
@@ -402,10 +405,28 @@ def test_padded_input_channels_route(device, monkeypatch):
     assert CB.route(leaf, wt, cb, b) == "cudnn"  # below ENGINE_TRAINING_MIN_ELEMENTS
     _lift_engine_thresholds(monkeypatch)
     assert CB.route(*f32) == "engine" and CB.route(leaf, wt, cb, b) == "engine"
-    w_leaf = wt.detach().requires_grad_(True)
-    y = ops.conv_bias_relu(leaf, w_leaf, cb, b)
-    y.backward(torch.ones_like(y))
-    assert leaf.grad.shape == x.shape and w_leaf.grad.shape == wt.shape
+    leaves = [leaf, wt.detach().requires_grad_(True), cb.detach().requires_grad_(True)]
+    assert CB.route(*leaves, b) == "engine"
+    y = ops.conv_bias_relu(*leaves, b)
+    g = torch.randn(y.shape, generator=gen).to(device, y.dtype)
+    y.backward(g)
+    # The padded channels add 0 x 0 to every sum, and their gradients are
+    # dropped: the padded call's first C_in channels are the unpadded
+    # reference's gradients.
+    ref = [t.detach().double().requires_grad_(True) for t in (x, wt, cb)]
+    want = _reference(*ref, b)
+    want.backward(g.double())
+    theirs = [t.detach().clone().requires_grad_(True) for t in (x, wt, cb)]
+    ey = _reference(*theirs, b)
+    ey.backward(g)
+    eps = torch.finfo(torch.bfloat16).eps
+    got = [y.detach()] + [t.grad for t in leaves]
+    eager = [ey.detach()] + [t.grad for t in theirs]
+    truth = [want.detach()] + [t.grad for t in ref]
+    for name, a, e, t in zip(("y", "x", "weight", "conv_bias"), got, eager, truth):
+        assert a.dtype == e.dtype and a.stride() == e.stride(), (name, a.stride(), e.stride())
+        err, eager_err = rel_error(a, t), rel_error(e, t)
+        assert err <= 1.5 * eager_err + eps, (name, err, eager_err)
     seen = []
     monkeypatch.setattr(CB, "_engine_pays", lambda *args: seen.append(args) or False)
     assert CB.route(x, wt, cb, b) == "cudnn"  # the rule, asked of the padded shape
@@ -1245,11 +1266,12 @@ def _engine_case(case, device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["nchw-bf16", "channels_last-fp32", "nchw-amp"])
-def test_reduce_overhead_training_replays_the_engine(case, device, monkeypatch):
+def test_reduce_overhead_training_replays_the_engine(case, device, monkeypatch, launches):
     """torch.compile(mode="reduce-overhead") of a training step (CUDA graphs
-    over the traced engine ops): the steps after the graphs are recorded,
-    each on new x and output gradient, give y and every gradient bit for
-    bit as the eager step on the same values."""
+    over the traced engine ops): every step, each on new x and output
+    gradient, gives y and every gradient bit for bit as the eager step on
+    the same values; the steps after the graphs are recorded replay them
+    (no kernel launched from Python, no graph skipped)."""
     from torch._dynamo.utils import counters
 
     dtype, fmt, amp = _engine_case(case, device, monkeypatch)
@@ -1264,18 +1286,23 @@ def test_reduce_overhead_training_replays_the_engine(case, device, monkeypatch):
         with amp:
             y = fn(*leaves)
         y.backward(torch.randn(y.shape, generator=g).to(y).contiguous(memory_format=fmt))
-        return [y.detach().clone()] + [t.grad for t in leaves]
+        # (clones: a replay writes its outputs into the graph's own memory)
+        return [y.detach().clone()] + [t.grad.clone() for t in leaves]
 
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(ops.conv_bias_relu, mode="reduce-overhead", fullgraph=True)
-    for seed in range(4):  # (warm-up, recording, then replays)
+    for seed in range(5):  # (warm-up, recording, then replays)
         torch.compiler.cudagraph_mark_step_begin()
+        launches.clear()
         got = step(compiled, seed)
-        if seed >= 2:
-            want = step(ops.conv_bias_relu, seed)
-            for name, g, w in zip(("y", "x", "weight", "conv_bias", "bias"), got, want):
-                assert torch.equal(g, w), (seed, name)
+        from_python = [launch.name for launch in launches]
+        launches.clear()
+        want = step(ops.conv_bias_relu, seed)
+        assert launches  # (the record sees the engine's launches: an empty one is a replay)
+        assert seed < 2 or not from_python, (seed, from_python)
+        for name, g, w in zip(("y", "x", "weight", "conv_bias", "bias"), got, want):
+            assert torch.equal(g, w), (seed, name)
     assert not counters["inductor"]["cudagraph_skips"]  # (graphs it did run)
 
 

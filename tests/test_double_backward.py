@@ -48,9 +48,8 @@ def test_first_order_training_unchanged_by_create_graph(problem, dtype, device):
         dy = torch.randn_like(model(x))
     expected = _first_order(model, x, dy, create_graph=False)
     got = _first_order(model, x, dy, create_graph=True)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
-    for a, b in zip(expected, got):
-        torch.testing.assert_close(b, a, **tol)
+    for i, (a, b) in enumerate(zip(expected, got)):  # the same kernels on the same values
+        assert b.dtype == a.dtype and torch.equal(b, a), i
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -155,6 +154,5 @@ def test_gradient_penalty_is_refused_in_other_settings(problem, case, device, mo
         y.backward(dy.to(y.dtype), create_graph=create_graph)
         results.append([xx.grad.detach()] + [p.grad.detach() for p in trained])
         model.zero_grad(set_to_none=True)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
-    for a, b in zip(*results):
-        torch.testing.assert_close(b, a, **tol)
+    for i, (a, b) in enumerate(zip(*results)):  # the same kernels on the same values
+        assert b.dtype == a.dtype and torch.equal(b, a), i
