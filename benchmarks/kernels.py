@@ -41,12 +41,20 @@ time the GPU's work, not the host's issue of it (``harness.time_queued``).
 Where a kernel's input is smaller than the L2 cache, calls rotate over
 copies of it (together at least twice the L2), so that no call finds its
 input in L2 from the one before; the same-size copy rotates its sources so.
+
+``--baseline`` names an earlier run's JSON: the rows slower than that
+run's same row by more than the machine's run-to-run spread are listed at
+the end (each time over its own run's copy of the same bytes), so that a
+kernel change that slows a dtype or a direction it was not timed in shows.
+
+    python benchmarks/kernels.py --baseline results/NVIDIA_H200-2026-12-02-kernels-gate.json
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import itertools
+import json
 import math
 import os
 import sys
@@ -65,6 +73,11 @@ LOW_FRACTION = 0.8
 
 # The same-size copy's source sizes: a multiple of this many bytes.
 COPY_GRAIN = 16
+
+# Rows whose time against the copy of their bytes grew by more than this
+# factor over a baseline run's are listed (--baseline): past the ~5% that
+# two runs of the same kernels differ by on one machine.
+SLOWER_THAN_BASELINE = 1.05
 
 
 class Case(NamedTuple):
@@ -368,6 +381,40 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
     return rows
 
 
+def row_key(row: dict) -> tuple:
+    """What identifies a row across runs: (kernel, dtype, direction)."""
+    return row["kernel"], row["dtype"], row["direction"]
+
+
+def slower_than_baseline(rows, baseline_rows, limit: float = SLOWER_THAN_BASELINE) -> list:
+    """The rows slower than the same row of an earlier run.
+
+    A row's slowdown is the baseline's fraction of the same-size copy over
+    this run's: its time over the baseline's, each set against the copy of
+    its bytes timed in its own run, so that a machine's or a clock's
+    difference between the two runs cancels.
+
+    Args:
+        rows: this run's rows (:func:`bench_case`).
+        baseline_rows: an earlier run's rows (its JSON's ``rows``).
+        limit: the slowdown past which a row is listed.
+
+    Returns:
+        ``[(row, slowdown)]`` in this run's order, for the timed rows whose
+        baseline row was timed too and whose slowdown exceeds ``limit``.
+    """
+    before = {row_key(r): r for r in baseline_rows if r.get("status") == "ok"}
+    out = []
+    for r in rows:
+        old = before.get(row_key(r))
+        if r.get("status") != "ok" or old is None:
+            continue
+        slowdown = old["same_size_fraction"] / r["same_size_fraction"]
+        if slowdown > limit:
+            out.append((r, slowdown))
+    return out
+
+
 def _flag(row: dict) -> str:
     return f"below {100 * LOW_FRACTION:.0f}%" if row.get("low") else ""
 
@@ -463,6 +510,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (10 after 3)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON")
     parser.add_argument("--md", metavar="PATH", default=None, help="write a Markdown page")
+    parser.add_argument("--baseline", metavar="JSON", default=None,
+                        help="an earlier run's JSON: list the rows slower than its own")
     args = parser.parse_args(argv)
     if args.quick:
         args.iters, args.warmup = 10, 3
@@ -472,13 +521,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = parse_args(argv)
     cases = select_cases(args.kernels)
+    baseline = None
+    if args.baseline:  # (read before the run: a wrong path fails at once)
+        with open(args.baseline) as f:
+            baseline = json.load(f)["rows"]
     import cupy_fused  # noqa: F401  (after --help: the kernels need a GPU)
 
     ceiling = copy_ceiling_gbps(args.iters, args.warmup)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 cuda=torch.version.cuda, date=str(datetime.date.today()),
                 argv=sys.argv[1:] if argv is None else list(argv), iters=args.iters,
-                warmup=args.warmup, l2_bytes=l2_bytes(), copy_gbps=ceiling)
+                warmup=args.warmup, l2_bytes=l2_bytes(), copy_gbps=ceiling,
+                baseline=args.baseline)
     print(f"copy ceiling (1 GiB): {ceiling:.0f} GB/s", flush=True)
     rows = []
     for name, case in cases.items():
@@ -489,6 +543,14 @@ def main(argv=None):
         print(text_table(mine, name), flush=True)
         rows += mine
     write_run(args.json, args.md, meta, rows, markdown)
+    if baseline is not None:
+        slower = slower_than_baseline(rows, baseline)
+        print(f"rows slower than {args.baseline} by more than "
+              f"{100 * (SLOWER_THAN_BASELINE - 1):.0f}%: {len(slower) or 'none'}")
+        for r, slowdown in slower:
+            print(f"  {r['kernel']} {r['dtype']} {r['direction']}: {slowdown:.3f}x "
+                  f"({r['median_ms']:.4f} ms, {100 * r['same_size_fraction']:.0f}% of the "
+                  f"same-size copy)")
 
 
 if __name__ == "__main__":

@@ -1032,6 +1032,29 @@ def test_kernel_rows_are_flagged_against_the_copy_of_their_bytes():
     assert not bench_kernels.is_low(dict(ceiling_fraction=0.7, same_size_fraction=0.95))
 
 
+def test_kernel_rows_slower_than_a_baseline_run_are_listed():
+    """--baseline: a row is listed where its time against its own run's
+    same-size copy grew past SLOWER_THAN_BASELINE; a faster machine (every
+    copy faster too) moves nothing, and rows missing or untimed in either
+    run are skipped."""
+    def row(kernel, dtype, direction, fraction, status="ok"):
+        return dict(kernel=kernel, dtype=dtype, direction=direction, status=status,
+                    same_size_fraction=fraction, median_ms=0.1, copy_same_ms=0.1 * fraction)
+
+    base = [row("k37", "fp32", "backward", 0.95), row("k37", "fp32", "forward", 0.90),
+            row("k94", "amp-bf16", "forward", 0.87), row("k94", "bf16", "forward", 0.5, "error")]
+    now = [row("k37", "fp32", "backward", 0.79), row("k37", "fp32", "forward", 0.87),
+           row("k94", "amp-bf16", "forward", 0.87), row("k94", "bf16", "forward", 0.6),
+           row("k88", "fp16", "backward", 0.5), row("k37", "bf16", "backward", 0.9, "unsupported")]
+    slower = bench_kernels.slower_than_baseline(now, base)
+    assert [(bench_kernels.row_key(r), round(x, 3)) for r, x in slower] == \
+        [(("k37", "fp32", "backward"), round(0.95 / 0.79, 3))]
+    assert bench_kernels.slower_than_baseline(now, base, limit=1.03)[1][0] is now[1]  # 0.90 / 0.87
+    assert bench_kernels.slower_than_baseline(base, base) == []
+    assert bench_kernels.parse_args(["--baseline", "old.json"]).baseline == "old.json"
+    assert bench_kernels.SLOWER_THAN_BASELINE == 1.05
+
+
 def test_same_size_copy_reads_half_the_bytes_on_a_16_byte_grid():
     read = bench_kernels.copy_read_bytes
     assert read(N76 * 4) == N76 * 2  # problem 88's 16-bit forward
