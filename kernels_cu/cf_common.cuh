@@ -267,9 +267,6 @@ __device__ __forceinline__ unsigned to_tf32_keep_nan(float x) {
 __device__ __forceinline__ float hardtanhf(float x) {
   return x != x ? x : fminf(fmaxf(x, -1.0f), 1.0f);
 }
-// PyTorch's hardtanh_backward zeroes the gradient where x <= -1 or x >= 1
-// and passes it elsewhere, at a NaN too (|NaN| >= 1 is false): one compare.
-__device__ __forceinline__ float hardtanh_grad(float x) { return fabsf(x) >= 1.0f ? 0.0f : 1.0f; }
 
 // The 32-bit shared-window address of a shared-memory pointer.
 __device__ __forceinline__ unsigned shared_addr(const void* p) {

@@ -358,9 +358,12 @@ struct ChainBiasHardtanhMishGN : PostIdentity,
     float mg;
     const float m = mish_and_grad_unit<P::kFast>(hardtanhf(eager_round<T, kEagerRounding>(u)), mg);
     if (kEagerRounding) mish_and_grad_unit<P::kFast>(hardtanhf(u), mg);
-    // Eager's last rounding folded into the gate: |round_T(s)| >= 1 exactly
-    // where |s| >= kUnitRoundingThreshold<T>.  mg > 0 wherever it is
-    // finite, so the select gives hardtanh_grad(eager_sum) * mg's bits.
+    // PyTorch's hardtanh_backward zeroes the gradient where its input is at
+    // or past +-1 and passes it elsewhere, at a NaN too (|NaN| >= thr is
+    // false).  Eager's last rounding of that input, s, is folded into the
+    // gate: |round_T(s)| >= 1 exactly where |s| >= kUnitRoundingThreshold<T>.
+    // Where the gate closes s is not NaN, so neither is u, and mg (mish' on
+    // [-1, 1]) is finite and > 0: the select gives the product's bits.
     const float s = __fadd_rn(eager_round<T, true>(__fadd_rn(z, lin)), extra);
     grad = fabsf(s) >= kUnitRoundingThreshold<T> ? 0.0f : mg;
     return eager_round<T, kEagerRounding>(m);
