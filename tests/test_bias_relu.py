@@ -794,9 +794,9 @@ def test_reduce_overhead_compile_over_several_shapes(device, launches):
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(lambda z, b: ops.bias_relu(z, b), mode="reduce-overhead")
-    # A shape seen again after others: its graph, or a new one recorded
+    # Shapes seen again after others: each one's graph, or a new one recorded
     # for it on the graph of symbolic rows, replayed by its third call.
-    for rows in (200, 300, 416, 200):
+    for rows in (200, 300, 200, 416, 300):
         z, dy = (torch.empty(rows, 1288, device=device) for _ in range(2))
         for call in range(4):  # warm-up, recording, then replays
             z.copy_(torch.randn(rows, 1288, device=device, generator=gen))

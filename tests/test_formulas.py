@@ -32,7 +32,7 @@ def mish_grad(x):  # cf::mish_and_grad_unit's derivative
     return t + x * (1.0 - t * t) * sigmoid(x)
 
 
-def hardtanh_grad(x):  # cf::hardtanh_grad (1 at a NaN, as CUDA's hardtanh_backward)
+def hardtanh_grad(x):  # 94's gate in pre_with_grad (1 at a NaN, as CUDA's hardtanh_backward)
     return (x.abs() >= 1.0).logical_not().to(x.dtype)
 
 
@@ -197,8 +197,10 @@ def _unit_rounding_thresholds():
     from cupy_fused import _runtime
 
     src = (_runtime.kernel_dir() / "gn_chains.cuh").read_text()
-    found = dict(re.findall(r"constexpr float kUnitRoundingThreshold<(\w+)> = ([0-9.]+)f;", src))
-    return {torch.bfloat16: float(found["bfloat16"]), torch.float16: float(found["half"])}
+    found = dict(re.findall(r"constexpr float kUnitRoundingThreshold<(\w+)> = ([^;]+);", src))
+    assert {"bfloat16", "half"} <= found.keys(), found
+    value = lambda literal: float(literal.strip().rstrip("fF"))  # noqa: E731  (a decimal literal)
+    return {torch.bfloat16: value(found["bfloat16"]), torch.float16: value(found["half"])}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
