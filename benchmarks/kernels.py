@@ -382,8 +382,8 @@ def bench_case(name: str, case: Case, dtype: str, directions, iters: int, warmup
 
 
 def row_key(row: dict) -> tuple:
-    """What identifies a row across runs: (kernel, dtype, direction)."""
-    return row["kernel"], row["dtype"], row["direction"]
+    """What identifies a row across runs: (kernel, shape, dtype, direction)."""
+    return row["kernel"], tuple(row["shape"]), row["dtype"], row["direction"]
 
 
 def slower_than_baseline(rows, baseline_rows, limit: float = SLOWER_THAN_BASELINE) -> list:

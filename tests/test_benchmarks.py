@@ -1037,18 +1037,20 @@ def test_kernel_rows_slower_than_a_baseline_run_are_listed():
     same-size copy grew past SLOWER_THAN_BASELINE; a faster machine (every
     copy faster too) moves nothing, and rows missing or untimed in either
     run are skipped."""
-    def row(kernel, dtype, direction, fraction, status="ok"):
+    def row(kernel, dtype, direction, fraction, status="ok", shape=(1024, 8192)):
         return dict(kernel=kernel, dtype=dtype, direction=direction, status=status,
-                    same_size_fraction=fraction, median_ms=0.1, copy_same_ms=0.1 * fraction)
+                    shape=list(shape), same_size_fraction=fraction, median_ms=0.1,
+                    copy_same_ms=0.1 * fraction)
 
     base = [row("k37", "fp32", "backward", 0.95), row("k37", "fp32", "forward", 0.90),
             row("k94", "amp-bf16", "forward", 0.87), row("k94", "bf16", "forward", 0.5, "error")]
     now = [row("k37", "fp32", "backward", 0.79), row("k37", "fp32", "forward", 0.87),
            row("k94", "amp-bf16", "forward", 0.87), row("k94", "bf16", "forward", 0.6),
-           row("k88", "fp16", "backward", 0.5), row("k37", "bf16", "backward", 0.9, "unsupported")]
+           row("k88", "fp16", "backward", 0.5), row("k37", "bf16", "backward", 0.9, "unsupported"),
+           row("k37", "fp32", "backward", 0.5, shape=(512, 8192))]  # (another shape: no baseline)
     slower = bench_kernels.slower_than_baseline(now, base)
     assert [(bench_kernels.row_key(r), round(x, 3)) for r, x in slower] == \
-        [(("k37", "fp32", "backward"), round(0.95 / 0.79, 3))]
+        [(("k37", (1024, 8192), "fp32", "backward"), round(0.95 / 0.79, 3))]
     assert bench_kernels.slower_than_baseline(now, base, limit=1.03)[1][0] is now[1]  # 0.90 / 0.87
     assert bench_kernels.slower_than_baseline(base, base) == []
     assert bench_kernels.parse_args(["--baseline", "old.json"]).baseline == "old.json"
