@@ -42,10 +42,11 @@ Where a kernel's input is smaller than the L2 cache, calls rotate over
 copies of it (together at least twice the L2), so that no call finds its
 input in L2 from the one before; the same-size copy rotates its sources so.
 
-``--baseline`` names an earlier run's JSON: the rows slower than that
-run's same row by more than the machine's run-to-run spread are listed at
-the end (each time over its own run's copy of the same bytes), so that a
-kernel change that slows a dtype or a direction it was not timed in shows.
+``--baseline`` names an earlier run's JSON on the same GPU model: the
+rows slower than that run's same row by more than the machine's
+run-to-run spread are listed at the end (each time over its own run's
+copy of the same bytes), so that a kernel change that slows a dtype or a
+direction it was not timed in shows.
 
     python benchmarks/kernels.py --baseline results/NVIDIA_H200-2026-12-02-kernels-gate.json
 """
@@ -386,6 +387,26 @@ def row_key(row: dict) -> tuple:
     return row["kernel"], tuple(row["shape"]), row["dtype"], row["direction"]
 
 
+def read_baseline(path: str, device: str) -> Optional[list]:
+    """The rows of an earlier run's JSON to compare with, or None (saying
+    why) where that run was on another GPU, whose rates are not this one's.
+
+    Args:
+        path: the run's JSON (``--json`` of this script).
+        device: this run's GPU name (``torch.cuda.get_device_name()``).
+
+    Returns:
+        Its ``rows``, or None.
+    """
+    with open(path) as f:
+        run = json.load(f)
+    theirs = run.get("meta", {}).get("device")
+    if theirs != device:
+        print(f"--baseline {path} ran on {theirs}, this run on {device}: not compared")
+        return None
+    return run["rows"]
+
+
 def slower_than_baseline(rows, baseline_rows, limit: float = SLOWER_THAN_BASELINE) -> list:
     """The rows slower than the same row of an earlier run.
 
@@ -521,11 +542,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = parse_args(argv)
     cases = select_cases(args.kernels)
+    import cupy_fused  # noqa: F401  (after --help: the kernels need a GPU)
+
     baseline = None
     if args.baseline:  # (read before the run: a wrong path fails at once)
-        with open(args.baseline) as f:
-            baseline = json.load(f)["rows"]
-    import cupy_fused  # noqa: F401  (after --help: the kernels need a GPU)
+        baseline = read_baseline(args.baseline, torch.cuda.get_device_name())
 
     ceiling = copy_ceiling_gbps(args.iters, args.warmup)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

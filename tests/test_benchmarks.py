@@ -1057,6 +1057,14 @@ def test_kernel_rows_slower_than_a_baseline_run_are_listed():
     assert bench_kernels.SLOWER_THAN_BASELINE == 1.05
 
 
+def test_a_baseline_run_on_another_gpu_is_not_compared(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(dict(meta=dict(device="NVIDIA H100"), rows=[dict(kernel="k")])))
+    assert bench_kernels.read_baseline(str(path), "NVIDIA H100") == [dict(kernel="k")]
+    assert bench_kernels.read_baseline(str(path), "NVIDIA H200") is None
+    assert "ran on NVIDIA H100, this run on NVIDIA H200: not compared" in capsys.readouterr().out
+
+
 def test_same_size_copy_reads_half_the_bytes_on_a_16_byte_grid():
     read = bench_kernels.copy_read_bytes
     assert read(N76 * 4) == N76 * 2  # problem 88's 16-bit forward
