@@ -9,6 +9,7 @@ against float64.
     python benchmarks/gemm.py --half-layouts [--products grad_weight]   # its three products
     python benchmarks/gemm.py --float32-weight   # autocast's product, float32 W (Hopper)
     python benchmarks/gemm.py --conv-wgrad [--conv-shapes 128x64x128x128-128x3]   # problem 1's dW
+    python benchmarks/gemm.py --small-outputs    # 3xTF32 against SGEMM on outputs of few tiles
 
 A shape MxKxN is batch x in_features x out_features: forward y = x W^T with
 x [M, K], W [N, K]; grad_input dx = dy W; grad_weight dW = dy^T x.  Error:
@@ -129,6 +130,62 @@ def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256)
                           f"3xtf32 {row['3xtf32']:.2e} sgemm {row['sgemm']:.2e} "
                           f"tf32 {row['tf32']:.2e}", flush=True)
     return out
+
+
+DEFAULT_SMALL_SIZES = ("33x40", "64x256", "128x128", "200x300", "256x256", "64x1024",
+                       "1024x256", "512x512", "1024x1024")
+DEFAULT_SMALL_KS = (32, 64, 128, 256, 512, 1024)
+
+
+def small_outputs_run(sizes=DEFAULT_SMALL_SIZES, ks=DEFAULT_SMALL_KS, seeds: int = 8,
+                      iters: int = 20):
+    """The forward product of outputs of few 128 x 128 tiles: the 3xTF32
+    kernel (``G._gemm``, whatever ``G.uses_sgemm`` routes) against cuBLAS
+    SGEMM (TF32 off), on the models' own data (x uniform in [0, 1), W
+    uniform in +-1/sqrt(k)).  Error: max |C - C64| / max |C64| per seed;
+    each row gives the median and largest ratio ours / SGEMM over
+    ``seeds`` seeds, the two timed in turns on the first seed's operands,
+    and whether ``G.uses_sgemm`` sends the product to SGEMM."""
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for size in sizes:
+        m, n = map(int, size.split("x"))
+        for k in ks:
+            ratios, ops = [], None
+            for seed in range(seeds):
+                g = torch.Generator(device=device).manual_seed(seed * 7919 + m * 31 + n * 17 + k)
+                x = torch.rand(m, k, device=device, generator=g)
+                w = (torch.rand(n, k, device=device, generator=g) * 2 - 1) / k ** 0.5
+                c64 = x.double() @ w.double().t()
+                scale = c64.abs().max().item()
+                err = lambda c: (c.double() - c64).abs().max().item() / scale  # noqa: E731
+                ratios.append(err(G._gemm(x, w, "forward", 3)) / max(err(x @ w.t()), 1e-300))
+                ops = ops or (x, w)
+            x, w = ops
+            times = time_interleaved({"ours": lambda: G._gemm(x, w, "forward", 3),
+                                      "sgemm": lambda: x @ w.t()}, iters, warmup=3)
+            ratios.sort()
+            row = {"size": size, "k": k, "tiles": G.cdiv(m, 128) * G.cdiv(n, 128),
+                   "error ratio median": ratios[len(ratios) // 2], "error ratio max": ratios[-1],
+                   "ours ms": times["ours"][0], "sgemm ms": times["sgemm"][0],
+                   "routed to sgemm": G.uses_sgemm(3, k, m, n, sms)}
+            rows.append(row)
+            print(f"small {size:>9s} k={k:5d} tiles={row['tiles']:3d} error ours/SGEMM median "
+                  f"{row['error ratio median']:.2f} max {row['error ratio max']:.2f}  time "
+                  f"{row['ours ms'] / row['sgemm ms']:.2f}  routed to SGEMM: "
+                  f"{row['routed to sgemm']}", flush=True)
+    return rows
+
+
+def small_outputs_markdown(rows) -> str:
+    lines = ["| m x n | k | tiles | error ours / SGEMM (median, max) | time ours / SGEMM | route |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['k']} | {r['tiles']} | {r['error ratio median']:.2f}, "
+                     f"{r['error ratio max']:.2f} | {r['ours ms'] / r['sgemm ms']:.2f} | "
+                     f"{'SGEMM' if r['routed to sgemm'] else 'ours'} |")
+    return "\n".join(lines) + "\n"
 
 
 def _timed_entries(impls, iters: int, flops: float, error) -> dict:
@@ -365,7 +422,22 @@ def main(argv=None):
                    help="problem 1's 16-bit weight gradient on our Hopper engine against cuDNN's")
     p.add_argument("--conv-shapes", nargs="+", default=list(DEFAULT_CONV_SHAPES),
                    help="with --conv-wgrad: convolutions NxC_inxHxW-C_outxK")
+    p.add_argument("--small-outputs", action="store_true",
+                   help="the error and time of the 3xTF32 kernel against SGEMM over outputs of "
+                        "few tiles (the routing rule's data)")
+    p.add_argument("--seeds", type=int, default=8, help="with --small-outputs: seeds a row")
     args = p.parse_args(argv)
+    if args.small_outputs:
+        rows = small_outputs_run(seeds=args.seeds, iters=args.iters)
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        md = small_outputs_markdown(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"meta": meta, "small_outputs": rows}, indent=1))
+        if args.md:
+            Path(args.md).write_text(f"Small outputs on {meta['device']}, torch {meta['torch']}\n\n"
+                                     + md)
+        print(md)
+        return
     if args.half or args.float32_weight or args.half_layouts or args.conv_wgrad:
         if args.conv_wgrad:
             key, markdown_ = "conv_wgrad", conv_wgrad_markdown

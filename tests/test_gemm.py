@@ -128,13 +128,17 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
 
 def test_long_sums_over_small_outputs_take_sgemm_under_3xtf32_only():
     """Fewer 128 x 128 tiles than SMs and at least SPLIT_K_PER_TILE k-values
-    a tile, from SPLIT_K_INNER on: cuBLAS (split-k) is faster and more
-    accurate there (docs/gemm.md).  Outputs that fill the GPU keep the
-    kernel (problem 37's weight gradient: 4096 x 1024 over 32768 rows)."""
+    a tile, from SPLIT_K_INNER on: cuBLAS (split-k) is more accurate there
+    (docs/gemm.md).  Outputs that fill the GPU keep the kernel (problem
+    37's weight gradient: 4096 x 1024 over 32768 rows)."""
     assert G.uses_sgemm(3, 1024, 64, 256, 132) and G.uses_sgemm(3, 1024, 1024, 256, 132)
     assert G.uses_sgemm(3, 4096, 1024, 1024, 132)  # 64 tiles: 2048 <= 4096
     assert not G.uses_sgemm(3, 1024, 1024, 1024, 132)  # 64 tiles: 2048 > 1024
-    assert not G.uses_sgemm(3, 512, 64, 256, 132)  # below SPLIT_K_INNER
+    assert G.uses_sgemm(3, 256, 33, 40, 132) and G.uses_sgemm(3, 512, 256, 256, 132)
+    assert G.uses_sgemm(3, 256, 64, 1024, 132)  # 8 tiles: 256 <= 256
+    assert not G.uses_sgemm(3, 256, 512, 512, 132)  # 16 tiles: 512 > 256
+    assert not G.uses_sgemm(3, 255, 33, 40, 132)  # below SPLIT_K_INNER
+    assert not G.uses_sgemm(3, 4096, 64, 256, 2)  # 2 tiles fill a GPU of 2 SMs
     assert G.uses_sgemm(3, 64, 16, 256, 132) and G.uses_sgemm(3, 64, 256, 1, 132)  # few rows / cols
     assert not G.uses_sgemm(3, 64, 17, 256, 132) and not G.uses_sgemm(1, 64, 1, 256, 132)
     assert not G.uses_sgemm(3, 32768, 4096, 1024, 132)  # 256 tiles: fills the GPU
@@ -366,7 +370,8 @@ def test_short_sums_run_on_sgemm_per_product(device):
 def test_long_sums_over_small_outputs_run_on_sgemm(device):
     """2048 rows of 40 features into 24: the weight gradient (a sum of 2048
     terms over one tile) is cuBLAS's, the forward (40 terms) the kernel's;
-    a forward of 1024 features over a 64 x 256 output is cuBLAS's."""
+    forwards of 1024 features over a 64 x 256 output and of 256 over 33 x
+    40 (where the kernel erred up to 2.2x SGEMM's) are cuBLAS's."""
     gen = torch.Generator(device=device).manual_seed(6)
     x = torch.rand(2048, 40, device=device, generator=gen).requires_grad_(True)
     w = (torch.randn(24, 40, device=device, generator=gen) / 6).requires_grad_(True)
@@ -379,6 +384,10 @@ def test_long_sums_over_small_outputs_run_on_sgemm(device):
     x2 = torch.rand(64, 1024, device=device, generator=gen)
     w2 = torch.randn(256, 1024, device=device, generator=gen) / 32
     assert torch.equal(ops.linear(x2, w2), x2 @ w2.t())
+    x3 = torch.rand(33, 256, device=device, generator=gen)
+    w3 = torch.randn(40, 256, device=device, generator=gen) / 16
+    assert torch.equal(ops.linear(x3, w3), x3 @ w3.t())
+    assert not torch.equal(G._gemm(x3, w3, "forward", 3), x3 @ w3.t())  # the test bites
 
 
 @gpu

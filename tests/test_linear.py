@@ -367,13 +367,18 @@ def test_linear_keeps_leading_dimensions_and_compiles(device):
 
 
 @gpu
+@pytest.mark.parametrize("in_features", [96, 20, 300])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_fused_relu_store_matches_the_training_path(with_bias, device):
+def test_fused_relu_store_matches_the_training_path(with_bias, in_features, device):
     """Without autograd, bias + ReLU run in the GEMM's store; with it, in the
-    bias_relu kernel (1-bit mask for the backward): the same float32 sums."""
+    bias_relu kernel (1-bit mask for the backward): the same float32 sums.
+    So on the SGEMM routes (a short sum, 20; a long one over few tiles,
+    300: ops.gemm.uses_sgemm): cuBLAS's product, then the bias."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    assert ops.gemm.uses_sgemm(3, in_features, 70, 130, sms) == (in_features != 96)
     gen = torch.Generator(device=device).manual_seed(5)
-    x = torch.rand(70, 96, device=device, generator=gen) - 0.5
-    w = torch.randn(130, 96, device=device, generator=gen)
+    x = torch.rand(70, in_features, device=device, generator=gen) - 0.5
+    w = torch.randn(130, in_features, device=device, generator=gen)
     b = torch.randn(130, device=device, generator=gen) if with_bias else None
     with torch.no_grad():
         fused = ops.linear(x, w, b, activation="relu")

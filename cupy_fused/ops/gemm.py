@@ -190,10 +190,12 @@ SGEMM_BELOW_INNER = 32
 # SPLIT_K_PER_TILE k-values per 128 x 128 tile of the output) over an
 # output of fewer such tiles than the GPU has SMs runs on cuBLAS SGEMM too:
 # there cuBLAS splits the sum over several blocks, so that its float32
-# chains are short, and it is both faster and more accurate than the
-# kernel's one chain per tile, which leaves most SMs idle (the grid in
-# docs/gemm.md, "Small outputs, long sums").
-SPLIT_K_INNER = 1024
+# chains are short, and the kernel's one chain per tile, which leaves most
+# SMs idle, was up to 2.2x less accurate from 256 k-values on, and as slow
+# or slower from 512.  Below 256 the kernel was as accurate as SGEMM in the
+# median, and at 64 to 128 k-values over two tiles or more about twice as
+# accurate (the grids in docs/gemm.md, "Small outputs, long sums").
+SPLIT_K_INNER = 256
 SPLIT_K_PER_TILE = 32
 
 # Under "3xtf32", an output with at most this many rows or columns runs on
@@ -307,7 +309,13 @@ def _product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
             passes, k, *_product_shape(a, b, layout), sm_count(a.device.index))):
         return _gemm(a, b, layout, passes, bias, activation)
     if layout == "forward":
-        out = torch.addmm(bias, a, b.t()) if bias is not None else a @ b.t()
+        # The bias added to the rounded product, as the training path's
+        # bias_relu adds it (addmm's epilogue may run another cuBLAS
+        # kernel): a forward without autograd gives the training forward's
+        # bits, which a reentrant checkpoint's recompute relies on.
+        out = a @ b.t()
+        if bias is not None:
+            out += bias
     else:
         if bias is not None:
             raise ValueError("a bias is only fused into the forward product")
