@@ -1195,6 +1195,24 @@ def test_gemm_conv_wgrad_markdown():
         assert len(image.split("x")) == 4 and len(kernel.split("x")) == 2
 
 
+def test_gemm_small_outputs_markdown_and_seeds():
+    """benchmarks/gemm.py --small-outputs's table: one line per output and
+    k, the kernel's error ratio to SGEMM (median, max), their GPU-time ratio
+    and the route; a run of no seed is refused before any GPU work."""
+    spec = importlib.util.spec_from_file_location("bench_gemm", REPO / "benchmarks/gemm.py")
+    bench_gemm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gemm)
+    row = {"size": "33x40", "k": 256, "tiles": 1, "error ratio median": 1.316,
+           "error ratio max": 2.174, "kernel ms": 0.0046, "sgemm ms": 0.005, "routed to sgemm": True}
+    kept = dict(row, k=32, **{"routed to sgemm": False})
+    lines = bench_gemm.small_outputs_markdown([row, kept]).splitlines()
+    assert len(lines) == 4 and lines[0].count("|") == lines[2].count("|") == 7
+    assert lines[2] == "| 33x40 | 256 | 1 | 1.32, 2.17 | 0.92 | SGEMM |"
+    assert lines[3].endswith("| kernel |")
+    with pytest.raises(ValueError, match="seeds must be at least 1"):
+        bench_gemm.small_outputs_run(seeds=0)
+
+
 def _bench_ab():
     spec = importlib.util.spec_from_file_location("bench_ab", REPO / "benchmarks/ab.py")
     module = importlib.util.module_from_spec(spec)

@@ -17,7 +17,7 @@ process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
   own ~2^-22 representation error would dominate (up to 8x SGEMM's error at
   one product), run on cuBLAS SGEMM instead, and so do outputs of at most
   16 rows or columns and long sums over outputs too small to fill the GPU,
-  where cuBLAS's kernels are more accurate and about as fast or faster: see
+  where the kernel's error was up to 2-4x cuBLAS's: see
   :func:`uses_sgemm`.  This applies per product, so a batch of 20 rows
   takes SGEMM for the weight gradient (a sum over the batch) and 3xTF32
   for the rest.
@@ -64,6 +64,7 @@ from .._autograd import FusedOp, is_compiling, on_example_sizes, product_operand
 from .._validation import cxx_type
 from ..settings import get_gemm_wgmma
 from ._common import BLOCK, cdiv, elementwise_grid, _ptr_or_null, sm_count
+from .bias_relu import bias_relu
 
 # Tensor-core passes of each precision that runs on our kernels ("ieee"
 # runs on cuBLAS).
@@ -191,10 +192,10 @@ SGEMM_BELOW_INNER = 32
 # output of fewer such tiles than the GPU has SMs runs on cuBLAS SGEMM too:
 # there cuBLAS splits the sum over several blocks, so that its float32
 # chains are short, and the kernel's one chain per tile, which leaves most
-# SMs idle, was up to 2.2x less accurate from 256 k-values on, and as slow
-# or slower from 512.  Below 256 the kernel was as accurate as SGEMM in the
-# median, and at 64 to 128 k-values over two tiles or more about twice as
-# accurate (the grids in docs/gemm.md, "Small outputs, long sums").
+# SMs idle, erred up to 2.2x SGEMM's from 256 k-values on and took
+# 1.3-2.3x its GPU time.  Below 256 the kernel's median error was at most
+# 1.23x SGEMM's, and 0.40-0.68x of it at 64 to 128 k-values over two tiles
+# or more (the grids in docs/gemm.md, "Small outputs, long sums").
 SPLIT_K_INNER = 256
 SPLIT_K_PER_TILE = 32
 
@@ -309,13 +310,14 @@ def _product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
             passes, k, *_product_shape(a, b, layout), sm_count(a.device.index))):
         return _gemm(a, b, layout, passes, bias, activation)
     if layout == "forward":
-        # The bias added to the rounded product, as the training path's
-        # bias_relu adds it (addmm's epilogue may run another cuBLAS
-        # kernel): a forward without autograd gives the training forward's
-        # bits, which a reentrant checkpoint's recompute relies on.
-        out = a @ b.t()
-        if bias is not None:
-            out += bias
+        if bias is not None and activation == 1:
+            # The product, then bias + ReLU in bias_relu, as the training
+            # forward computes them (linear.py, _run_linear): addmm's
+            # epilogue may run another cuBLAS kernel, and a forward without
+            # autograd must give the training forward's bits (a reentrant
+            # checkpoint recomputes the one with the other).
+            return bias_relu(a @ b.t(), bias)
+        out = torch.addmm(bias, a, b.t()) if bias is not None else a @ b.t()
     else:
         if bias is not None:
             raise ValueError("a bias is only fused into the forward product")
