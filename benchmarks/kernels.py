@@ -48,7 +48,8 @@ run-to-run spread are listed at the end (each time over its own run's
 copy of the same bytes), so that a kernel change that slows a dtype or a
 direction it was not timed in shows.
 
-    python benchmarks/kernels.py --baseline results/NVIDIA_H200-2026-12-02-kernels-gate.json
+    git show d306678:results/NVIDIA_H200-2026-12-02-kernels-gate.json > /tmp/gate.json
+    python benchmarks/kernels.py --baseline /tmp/gate.json
 """
 from __future__ import annotations
 
