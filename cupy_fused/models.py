@@ -251,6 +251,10 @@ class ConvReluBiasAdd(nn.Module):
         if isinstance(x, torch.Tensor) and x.dim() != 4:
             refuse_transforms(type(self).__name__, x)  # (a vmapped x has one dim less)
             check_tensor("x", x, ndim=(3, 4))  # (3-D: one image, as nn.Conv2d takes it)
+            in_channels = _plain(self.conv, nn.Conv2d, self, "conv").in_channels
+            if x.shape[0] != in_channels:  # (named on x as given, not on its batch of one)
+                raise ValueError(f"x must have {in_channels} input channels (dim 0 of one image "
+                                 f"[C, H, W]), got shape {tuple(x.shape)}")
             y = self.forward(x.unsqueeze(0))
             return y if self.bias.dim() == 4 else y.squeeze(0)
         conv = _plain(self.conv, nn.Conv2d, self, "conv")

@@ -139,6 +139,9 @@ def set_fp32_matmul_precision(precision: str) -> None:
             cores), ``"tf32"`` (one TF32 pass, fastest) or ``"ieee"`` (cuBLAS
             SGEMM).
 
+    Returns:
+        None.
+
     Raises:
         ValueError: any other value (the setting is then unchanged).
     """
@@ -197,6 +200,9 @@ def set_gemm_wgmma(enabled: bool) -> None:
 
     Args:
         enabled: True or False.
+
+    Returns:
+        None.
 
     Raises:
         TypeError: any other value (the setting is then unchanged).

@@ -33,7 +33,9 @@ def build_pair(problem: int, ctor_args: tuple, device, dtype: torch.dtype, seed:
     Returns:
         (reference module, fused module).
     """
-    ref_cls = {p: c for p, (c, _, _) in reference.PROBLEMS.items()}[problem]
+    if problem not in reference.PROBLEMS or problem not in models.MODELS:
+        raise ValueError(f"problem must be one of {sorted(reference.PROBLEMS)}, got {problem!r}")
+    ref_cls = reference.PROBLEMS[problem][0]
     torch.manual_seed(seed)
     ref = ref_cls(*ctor_args)
     torch.manual_seed(seed)
@@ -51,7 +53,14 @@ def poison_allocator(device, nbytes: int) -> None:
         nbytes: the bytes of each of the four NaN blocks (allocated, then
             freed): at least the outputs', so that outputs are carved from
             them.
+
+    Returns:
+        None.
     """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be non-negative, got {nbytes}")
     blocks = [torch.full((nbytes // 4 + 1,), float("nan"), device=device) for _ in range(4)]
     del blocks
 
@@ -112,15 +121,29 @@ def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
 
     Returns:
         ``max |value - truth| / max |truth|`` (the absolute error where truth
-        is all zeros); inf where either holds a NaN (an unwritten or broken
-        element).
+        is all zeros; 0 for empty tensors); inf where either holds a NaN (an
+        unwritten or broken element).  Raises TypeError / ValueError unless
+        both are tensors of one shape (a broadcast would measure another
+        tensor).
     """
+    _check_same_shape("value", value, "truth", truth)
+    if value.numel() == 0:
+        return 0.0
     truth = truth.double()
     scale = truth.abs().max().item()
     err = (value.double() - truth).abs().max().item()
     if err != err:  # NaN: an unwritten or broken element
         return float("inf")
     return err / scale if scale > 0 else err
+
+
+def _check_same_shape(name: str, value, other_name: str, other) -> None:
+    for n, t in ((name, value), (other_name, other)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+    if value.shape != other.shape:
+        raise ValueError(f"{name} and {other_name} must have one shape, got "
+                         f"{tuple(value.shape)} and {tuple(other.shape)}")
 
 
 def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn) -> float:
@@ -138,6 +161,7 @@ def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn)
         holds a NaN (an unwritten element).
     """
     truth = ref_fn(a.double(), b.double())
+    _check_same_shape("c", c, "ref_fn(a, b)", truth)
     bound = ref_fn(a.double().abs(), b.double().abs()).clamp_min(1e-300)
     err = (c.double() - truth).abs() / bound
     if torch.isnan(err).any():
@@ -163,8 +187,17 @@ def _run(model, x, dy, grad_mode: str, autocast: Optional[torch.dtype] = None,
 
 def assert_non_finite_where(got: torch.Tensor, want: torch.Tensor, *what) -> None:
     """Asserts that ``got`` holds NaN, +inf and -inf exactly where ``want``
-    does (tensors of one shape and device); a failure names ``what``, the
-    kind and both counts."""
+    does.
+
+    Args:
+        got, want: tensors of one shape and device, any dtypes.
+        what: named in the AssertionError of a failure, with the kind of
+            value and both counts.
+
+    Returns:
+        None.
+    """
+    _check_same_shape("got", got, "want", want)
     for test in (torch.isnan, torch.isposinf, torch.isneginf):
         a, b = test(got), test(want)
         assert torch.equal(a, b), (*what, test.__name__, int(a.sum()), int(b.sum()))
@@ -232,6 +265,8 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
         another dtype or shape than eager's, or is missing, or where ours
         gives a gradient that the float64 run does not.
     """
+    if grad_mode not in ("random", "sum"):
+        raise ValueError(f"grad_mode must be 'random' or 'sum', got {grad_mode!r}")
     ref, ours = build_pair(problem, ctor_args, device, dtype, seed)
     if mutate is not None:
         mutate(ref)

@@ -762,3 +762,56 @@ def test_models_under_float32_autocast_run_in_float32(past_device_check):
     with pytest.raises(TypeError, match=r"x must have the dtype of the model.s parameters"):
         model(torch.rand(2, 8))  # outside autocast: the parameters' dtype
 
+
+
+def test_bias_relu_names_the_vector_it_refuses(past_device_check):
+    """A float64 vector is named on its own; a missing or non-tensor bias
+    beside a float64 bias2 is named too (no AttributeError on its dtype)."""
+    z, f32, f64 = torch.rand(4, C), torch.rand(C), torch.rand(C, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"^bias2 must be float32, float16 or bfloat16, got torch.float64$"):
+        ops.bias_relu(z, f32, f64)
+    with pytest.raises(TypeError, match=r"^bias must be float32, float16 or bfloat16, got torch.float64$"):
+        ops.bias_relu(z, f64, f32)
+    for bias in (None, [1.0] * C):
+        with pytest.raises(TypeError, match=r"^bias2 must be float32, float16 or bfloat16, "
+                                            r"got torch.float64$"):
+            ops.bias_relu(z, bias, f64)
+    with pytest.raises(TypeError, match=r"^bias is required, got None$"):
+        ops.bias_relu(z, None, f32)
+    with pytest.raises(TypeError, match=r"^bias must be a torch.Tensor, got list"):
+        ops.bias_relu(z, [1.0] * C, f32)
+
+
+def test_one_image_is_checked_as_given(past_device_check):
+    model = cupy_fused.ConvReluBiasAdd(3, 8, 3, (8, 1, 1))
+    with pytest.raises(ValueError, match=r"x must have 3 input channels \(dim 0 of one image "
+                                         r"\[C, H, W\]\), got shape \(2, 4, 5\)"):
+        model(torch.rand(2, 4, 5))
+
+
+def test_testing_helpers_refuse_what_they_cannot_measure():
+    """cupy_fused.testing's errors: no broadcast between shapes (it would
+    measure another tensor), tensors only, 0 for empty ones; unknown
+    problems and gradient modes are named."""
+    from cupy_fused import testing
+
+    with pytest.raises(ValueError, match=r"value and truth must have one shape, got \(3, 1\) and \(1, 3\)"):
+        testing.rel_error(torch.zeros(3, 1), torch.ones(1, 3))
+    with pytest.raises(TypeError, match=r"value must be a torch.Tensor, got list"):
+        testing.rel_error([1.0, 2.0], torch.ones(2))
+    assert testing.rel_error(torch.empty(0, 3), torch.empty(0, 3)) == 0.0
+    assert testing.rel_error(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0])) == 0.5
+    a, b = torch.rand(3, 2), torch.rand(4, 2)
+    with pytest.raises(ValueError, match=r"c and ref_fn\(a, b\) must have one shape, "
+                                         r"got \(1,\) and \(3, 4\)"):
+        testing.scaled_gemm_error(torch.zeros(1), a, b, lambda p, q: p @ q.t())
+    with pytest.raises(ValueError, match=r"got and want must have one shape"):
+        testing.assert_non_finite_where(torch.zeros(2), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"problem must be one of \[1, 37, 76, 88, 94\], got 2"):
+        testing.build_pair(2, (), "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"grad_mode must be 'random' or 'sum', got 'bogus'"):
+        testing.compare(76, (8, 16, (16,)), (4, 8), torch.float32, "cpu", grad_mode="bogus")
+    with pytest.raises(ValueError, match=r"nbytes must be non-negative, got -8"):
+        testing.poison_allocator("cpu", -8)
+    with pytest.raises(TypeError, match=r"nbytes must be an int, got float"):
+        testing.poison_allocator("cpu", 8.0)

@@ -364,13 +364,12 @@ def _bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor
     check_tensor("z", z, ndim=(2, 4))
     channels = z.shape[1]
     out_dtype = z.dtype
-    if isinstance(bias, torch.Tensor) and bias.dtype != out_dtype:
-        out_dtype = promoted(out_dtype, bias.dtype)
-    if isinstance(bias2, torch.Tensor) and bias2.dtype != out_dtype:
-        out_dtype = promoted(out_dtype, bias2.dtype)
-    if out_dtype != z.dtype and out_dtype != torch.float32:  # e.g. float64 biases
-        raise TypeError(f"bias and bias2 must be float32, float16 or bfloat16, got "
-                        f"{bias.dtype} and {None if bias2 is None else bias2.dtype}")
+    for name, vector in (("bias", bias), ("bias2", bias2)):
+        # (a vector that is no tensor, or None, is check_vector's to name)
+        if isinstance(vector, torch.Tensor) and vector.dtype != out_dtype:
+            out_dtype = promoted(out_dtype, vector.dtype)
+            if out_dtype != z.dtype and out_dtype != torch.float32:  # e.g. a float64 vector
+                raise TypeError(f"{name} must be float32, float16 or bfloat16, got {vector.dtype}")
     bias = check_vector("bias", cast(bias, out_dtype), channels, z, "z", optional=False,
                         dtype=out_dtype, one=True)
     bias2 = check_vector("bias2", cast(bias2, out_dtype), channels, z, "z", dtype=out_dtype,
