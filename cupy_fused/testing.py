@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import operator
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -57,8 +58,12 @@ def poison_allocator(device, nbytes: int) -> None:
     Returns:
         None.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    if isinstance(nbytes, bool):
+        raise TypeError("nbytes must be an int, got bool")
+    try:
+        nbytes = operator.index(nbytes)  # (NumPy's ints too)
+    except TypeError:
+        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}") from None
     if nbytes < 0:
         raise ValueError(f"nbytes must be non-negative, got {nbytes}")
     blocks = [torch.full((nbytes // 4 + 1,), float("nan"), device=device) for _ in range(4)]
@@ -122,9 +127,11 @@ def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
     Returns:
         ``max |value - truth| / max |truth|`` (the absolute error where truth
         is all zeros; 0 for empty tensors); inf where either holds a NaN (an
-        unwritten or broken element).  Raises TypeError / ValueError unless
-        both are tensors of one shape (a broadcast would measure another
-        tensor).
+        unwritten or broken element).
+
+    Raises:
+        TypeError, ValueError: unless both are tensors of one shape (a
+            broadcast would measure another tensor).
     """
     _check_same_shape("value", value, "truth", truth)
     if value.numel() == 0:
@@ -159,6 +166,9 @@ def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn)
         ``max |C - C64| / (|A| |B|)`` over the elements (C64 and the bound
         ``|A| |B|`` from ref_fn in float64).  Raises AssertionError where C
         holds a NaN (an unwritten element).
+
+    Raises:
+        TypeError, ValueError: unless c is a tensor of ref_fn(a, b)'s shape.
     """
     truth = ref_fn(a.double(), b.double())
     _check_same_shape("c", c, "ref_fn(a, b)", truth)

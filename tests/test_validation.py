@@ -763,7 +763,6 @@ def test_models_under_float32_autocast_run_in_float32(past_device_check):
         model(torch.rand(2, 8))  # outside autocast: the parameters' dtype
 
 
-
 def test_bias_relu_names_the_vector_it_refuses(past_device_check):
     """A float64 vector is named on its own; a missing or non-tensor bias
     beside a float64 bias2 is named too (no AttributeError on its dtype)."""
@@ -815,3 +814,6 @@ def test_testing_helpers_refuse_what_they_cannot_measure():
         testing.poison_allocator("cpu", -8)
     with pytest.raises(TypeError, match=r"nbytes must be an int, got float"):
         testing.poison_allocator("cpu", 8.0)
+    import numpy as np
+
+    testing.poison_allocator("cpu", np.int64(8))  # NumPy's ints count as ints
