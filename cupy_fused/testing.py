@@ -112,6 +112,8 @@ def off_the_grid(t: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
         A view of ``t``'s shape, strides, dtype and device, equal to ``t``,
         whose start is one element past a fresh allocation's.
     """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
     buf = torch.full((t.numel() + 2,), fill, dtype=t.dtype, device=t.device)
     return buf[1:-1].as_strided(t.shape, t.stride()).copy_(t)
 
@@ -336,6 +338,8 @@ def worse_than_eager(errors: Dict[str, Tuple[float, float]], dtype: torch.dtype,
     Returns:
         The names whose error exceeds ``factor`` x eager's plus that unit.
     """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     ulp = torch.finfo(dtype).eps
     return [n for n, (mine, theirs) in errors.items() if not mine <= factor * theirs + ulp]
 

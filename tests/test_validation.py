@@ -817,3 +817,8 @@ def test_testing_helpers_refuse_what_they_cannot_measure():
     import numpy as np
 
     testing.poison_allocator("cpu", np.int64(8))  # NumPy's ints count as ints
+    with pytest.raises(TypeError, match=r"t must be a torch.Tensor, got list"):
+        testing.off_the_grid([1.0, 2.0])
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype, got torch.int32"):
+        testing.worse_than_eager({"out": (1.0, 1.0)}, torch.int32)
+    assert testing.worse_than_eager({"out": (2.0, 1.0), "x.grad": (1.0, 1.0)}, torch.float32) == ["out"]
