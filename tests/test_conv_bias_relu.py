@@ -151,6 +151,7 @@ def test_engine_bounds_keep_the_kernels_32_bit_counts():
     assert not CB._engine_bounds((2**23, 1, 512, 128), (8, 1, 1, 1))  # 2^32 tile rows, a k-tile each
     assert CB._engine_bounds((2**23 - 1, 1, 512, 128), (8, 1, 1, 1))
     assert not CB._engine_bounds((1, 8, 2**31, 8), (8, 8, 1, 1))  # a coordinate of 2^31
+    assert not CB._engine_bounds((1, 64, 2, 128), (2**31 + 128, 64, 1, 1))  # C_out past 2^31
     assert not CB._engine_bounds((1, 2**20, 1, 2**11), (8, 2**20, 1, 2**11))  # K = 2^31
     assert CB._engine_bounds((1, 2**20 - 64, 1, 2**11), (8, 2**20 - 64, 1, 2**11))
     # Every bound but the k-tiles' holds: 170460 tile rows x 16 channel tiles

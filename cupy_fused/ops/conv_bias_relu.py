@@ -587,17 +587,19 @@ def _engine_bound_conditions(x_shape: Sequence, weight_shape: Sequence) -> Tuple
     n, cin, h, w = x_shape
     cout, _, kh, kw = weight_shape
     box_m, box_n = gemm.HALF_TILE
-    return (n < 2**31, cin < 2**31, h < 2**31, w < 2**31, kh * kw * cdiv(cin, 64) * 64 < 2**31,
+    return (n < 2**31, cin < 2**31, cout < 2**31, h < 2**31, w < 2**31,
+            kh * kw * cdiv(cin, 64) * 64 < 2**31,
             n * h * cdiv(w, box_m) * cdiv(cout, box_n) * kh * kw * cdiv(cin, 32) < 2**32)
 
 
 def _engine_bounds(x_shape: Sequence[int], weight_shape: Sequence[int]) -> bool:
     """Whether the engine's 32-bit counts hold for x [N, C_in, H, W] and the
-    weight [C_out, C_in, KH, KW]: the copy engine's coordinates; K; and the
-    k-tiles of all output tiles (tiles of 128 pixels of a row, n * oh *
-    cdiv(ow, 128) rows of them, fewer than x's, by 128 output channels;
-    k-tiles of at most 32 input channels, float32's), which a block counts
-    in an unsigned 32-bit counter (a bound on the tiles' count too)."""
+    weight [C_out, C_in, KH, KW]: the copy engine's coordinates (C_out's
+    too); K; and the k-tiles of all output tiles (tiles of 128 pixels of a
+    row, n * oh * cdiv(ow, 128) rows of them, fewer than x's, by 128 output
+    channels; k-tiles of at most 32 input channels, float32's), which a
+    block counts in an unsigned 32-bit counter (a bound on the tiles' count
+    too)."""
     return all(_engine_bound_conditions(x_shape, weight_shape))
 
 
