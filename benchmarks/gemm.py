@@ -192,6 +192,18 @@ def small_outputs_markdown(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_outputs(json_path, md_path, title: str, meta: dict, payload: dict, md: str) -> None:
+    """A run's results: ``{"meta": meta, **payload}`` as JSON at
+    ``json_path`` and ``md`` under a line naming ``title``, the device and
+    torch (from ``meta``) at ``md_path`` (each skipped where None), and
+    ``md`` printed."""
+    if json_path:
+        Path(json_path).write_text(json.dumps({"meta": meta, **payload}, indent=1))
+    if md_path:
+        Path(md_path).write_text(f"{title} on {meta['device']}, torch {meta['torch']}\n\n" + md)
+    print(md)
+
+
 def _timed_entries(impls, iters: int, flops: float, error) -> dict:
     """Times ``impls`` (name -> a call returning its product) in turns, not
     one after another (see ``time_interleaved``), and gives each name's row
@@ -438,13 +450,8 @@ def main(argv=None):
                 "sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count,
                 "SPLIT_K_INNER": G.SPLIT_K_INNER, "SPLIT_K_PER_TILE": G.SPLIT_K_PER_TILE,
                 "SGEMM_AT_MOST_ROWS": G.SGEMM_AT_MOST_ROWS}
-        md = small_outputs_markdown(rows)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"meta": meta, "small_outputs": rows}, indent=1))
-        if args.md:
-            Path(args.md).write_text(f"Small outputs on {meta['device']}, torch {meta['torch']}\n\n"
-                                     + md)
-        print(md)
+        write_outputs(args.json, args.md, "Small outputs", meta, {"small_outputs": rows},
+                      small_outputs_markdown(rows))
         return
     if args.half or args.float32_weight or args.half_layouts or args.conv_wgrad:
         if args.conv_wgrad:
@@ -458,13 +465,8 @@ def main(argv=None):
         else:
             key, run_, markdown_ = "half", half_run, half_markdown
         rows = run_(args.iters) if args.conv_wgrad else run_(args.shapes, args.iters)
-        md = markdown_(rows)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-        if args.json:
-            Path(args.json).write_text(json.dumps({"meta": meta, key: rows}, indent=1))
-        if args.md:
-            Path(args.md).write_text(f"16-bit GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)
-        print(md)
+        write_outputs(args.json, args.md, "16-bit GEMM", meta, {key: rows}, markdown_(rows))
         return
     if args.tiles and not args.no_timing:
         runnable = G.available_tiles(torch.cuda.current_device())
@@ -476,8 +478,6 @@ def main(argv=None):
     accuracy = accuracy_sweep(sizes=sizes) if args.accuracy else []
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "python": platform.python_version(), "tiles": {k: vars(v) for k, v in G.TILES.items()}}
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "accuracy": accuracy}, indent=1))
     md = markdown(rows)
     if accuracy:
         md += ("\n| result | product | k | data | error 3xTF32 | error SGEMM | error TF32 |\n"
@@ -485,9 +485,7 @@ def main(argv=None):
                "".join(f"| {r['size']} | {r['layout']} | {r['k']} | "
                        f"{'x 2^±20' if r['spread'] else 'uniform'} | "
                        f"{r['3xtf32']:.1e} | {r['sgemm']:.1e} | {r['tf32']:.1e} |\n" for r in accuracy))
-    if args.md:
-        Path(args.md).write_text(f"GEMM on {meta['device']}, torch {meta['torch']}\n\n" + md)
-    print(md)
+    write_outputs(args.json, args.md, "GEMM", meta, {"rows": rows, "accuracy": accuracy}, md)
 
 
 if __name__ == "__main__":

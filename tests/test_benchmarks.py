@@ -1213,6 +1213,24 @@ def test_gemm_small_outputs_markdown_and_seeds():
         bench_gemm.small_outputs_run(seeds=0)
 
 
+def test_gemm_modes_write_their_results_alike(tmp_path, capsys):
+    """benchmarks/gemm.py's modes write their JSON ({"meta": ..., rows by
+    key}) and Markdown (a line naming the run, the device and torch) through
+    one function, and print the Markdown."""
+    spec = importlib.util.spec_from_file_location("bench_gemm", REPO / "benchmarks/gemm.py")
+    bench_gemm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gemm)
+    meta = {"device": "NVIDIA H200", "torch": "2.11.0"}
+    j, m = tmp_path / "r.json", tmp_path / "r.md"
+    bench_gemm.write_outputs(str(j), str(m), "Small outputs", meta, {"small_outputs": [{"k": 32}]},
+                             "| table |\n")
+    assert json.loads(j.read_text()) == {"meta": meta, "small_outputs": [{"k": 32}]}
+    assert m.read_text() == "Small outputs on NVIDIA H200, torch 2.11.0\n\n| table |\n"
+    assert capsys.readouterr().out == "| table |\n\n"
+    bench_gemm.write_outputs(None, None, "GEMM", meta, {"rows": []}, "md")  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
+
+
 def _bench_ab():
     spec = importlib.util.spec_from_file_location("bench_ab", REPO / "benchmarks/ab.py")
     module = importlib.util.module_from_spec(spec)
