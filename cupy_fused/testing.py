@@ -19,6 +19,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from . import models, reference
+from ._validation import check_same_shape
 
 
 def build_pair(problem: int, ctor_args: tuple, device, dtype: torch.dtype, seed: int = 0):
@@ -147,12 +148,12 @@ def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
 
 
 def _check_same_shape(name: str, value, other_name: str, other) -> None:
+    """Both tensors (of any dtypes and devices), ``value`` of ``other``'s
+    shape (:func:`cupy_fused._validation.check_same_shape`)."""
     for n, t in ((name, value), (other_name, other)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
-    if value.shape != other.shape:
-        raise ValueError(f"{name} and {other_name} must have one shape, got "
-                         f"{tuple(value.shape)} and {tuple(other.shape)}")
+    check_same_shape(name, value, other, other_name)
 
 
 def scaled_gemm_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref_fn) -> float:

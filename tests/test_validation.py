@@ -794,17 +794,17 @@ def test_testing_helpers_refuse_what_they_cannot_measure():
     problems and gradient modes are named."""
     from cupy_fused import testing
 
-    with pytest.raises(ValueError, match=r"value and truth must have one shape, got \(3, 1\) and \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"value must have the shape of truth \(1, 3\), got \(3, 1\)"):
         testing.rel_error(torch.zeros(3, 1), torch.ones(1, 3))
     with pytest.raises(TypeError, match=r"value must be a torch.Tensor, got list"):
         testing.rel_error([1.0, 2.0], torch.ones(2))
     assert testing.rel_error(torch.empty(0, 3), torch.empty(0, 3)) == 0.0
     assert testing.rel_error(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0])) == 0.5
     a, b = torch.rand(3, 2), torch.rand(4, 2)
-    with pytest.raises(ValueError, match=r"c and ref_fn\(a, b\) must have one shape, "
-                                         r"got \(1,\) and \(3, 4\)"):
+    with pytest.raises(ValueError, match=r"c must have the shape of ref_fn\(a, b\) \(3, 4\), "
+                                         r"got \(1,\)"):
         testing.scaled_gemm_error(torch.zeros(1), a, b, lambda p, q: p @ q.t())
-    with pytest.raises(ValueError, match=r"got and want must have one shape"):
+    with pytest.raises(ValueError, match=r"got must have the shape of want \(3,\), got \(2,\)"):
         testing.assert_non_finite_where(torch.zeros(2), torch.zeros(3))
     with pytest.raises(ValueError, match=r"problem must be one of \[1, 37, 76, 88, 94\], got 2"):
         testing.build_pair(2, (), "cpu", torch.float32)
