@@ -132,9 +132,11 @@ def accuracy_sweep(ks=(1, 8, 32, 128, 512, 2048, 8192, 32768), sizes=((256, 256)
     return out
 
 
-DEFAULT_SMALL_SIZES = ("33x40", "64x256", "128x128", "200x300", "256x256", "64x1024",
-                       "1024x256", "512x512", "1024x1024")
-DEFAULT_SMALL_KS = (32, 64, 128, 256, 512, 1024)
+# Outputs of one tile to 64 (1024 x 1024), and 4096 x 4096 (1024 tiles: what
+# the short-sum rule costs where the kernel fills the GPU).
+DEFAULT_SMALL_SIZES = ("33x40", "64x64", "100x100", "128x128", "33x200", "64x256", "200x300",
+                       "256x256", "64x1024", "1024x256", "512x512", "1024x1024", "4096x4096")
+DEFAULT_SMALL_KS = (32, 40, 48, 64, 96, 128, 192, 256, 512, 1024)
 
 
 def small_outputs_run(sizes=DEFAULT_SMALL_SIZES, ks=DEFAULT_SMALL_KS, seeds: int = 8,
@@ -183,12 +185,20 @@ def small_outputs_run(sizes=DEFAULT_SMALL_SIZES, ks=DEFAULT_SMALL_KS, seeds: int
 
 
 def small_outputs_markdown(rows) -> str:
+    """The table of :func:`small_outputs_run`, then the largest error ratios
+    of the rows the rule leaves on the kernel (what its users get)."""
     lines = ["| m x n | k | tiles | error kernel / SGEMM (median, max) | GPU time kernel / SGEMM "
              "| route |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['size']} | {r['k']} | {r['tiles']} | {r['error ratio median']:.2f}, "
                      f"{r['error ratio max']:.2f} | {r['kernel ms'] / r['sgemm ms']:.2f} | "
                      f"{'SGEMM' if r['routed to sgemm'] else 'kernel'} |")
+    kept = [r for r in rows if not r["routed to sgemm"]]
+    if kept:
+        worst = max(kept, key=lambda r: r["error ratio max"])
+        lines += ["", f"On the kernel's route ({len(kept)} of {len(rows)} rows): error ratio "
+                      f"median at most {max(r['error ratio median'] for r in kept):.2f}, max at most "
+                      f"{worst['error ratio max']:.2f} ({worst['size']}, k = {worst['k']})."]
     return "\n".join(lines) + "\n"
 
 
@@ -442,14 +452,19 @@ def main(argv=None):
                    help="the error and time of the 3xTF32 kernel against SGEMM over outputs of "
                         "few tiles (the routing rule's data)")
     p.add_argument("--seeds", type=int, default=8, help="with --small-outputs: seeds a row")
+    p.add_argument("--small-sizes", nargs="+", default=list(DEFAULT_SMALL_SIZES),
+                   help="with --small-outputs: outputs MxN")
+    p.add_argument("--small-ks", nargs="+", type=int, default=list(DEFAULT_SMALL_KS),
+                   help="with --small-outputs: inner sizes")
     args = p.parse_args(argv)
     if args.small_outputs:
-        rows = small_outputs_run(seeds=args.seeds, iters=args.iters)
+        rows = small_outputs_run(args.small_sizes, args.small_ks, seeds=args.seeds, iters=args.iters)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "seeds": args.seeds, "iters": args.iters,
                 "sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count,
                 "SPLIT_K_INNER": G.SPLIT_K_INNER, "SPLIT_K_PER_TILE": G.SPLIT_K_PER_TILE,
-                "SGEMM_AT_MOST_ROWS": G.SGEMM_AT_MOST_ROWS}
+                "SGEMM_AT_MOST_ROWS": G.SGEMM_AT_MOST_ROWS, "SGEMM_BELOW_INNER": G.SGEMM_BELOW_INNER,
+                "SHORT_SUM_INNER": G.SHORT_SUM_INNER}
         write_outputs(args.json, args.md, "Small outputs", meta, {"small_outputs": rows},
                       small_outputs_markdown(rows))
         return

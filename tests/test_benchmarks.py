@@ -1204,11 +1204,17 @@ def test_gemm_small_outputs_markdown_and_seeds():
     spec.loader.exec_module(bench_gemm)
     row = {"size": "33x40", "k": 256, "tiles": 1, "error ratio median": 1.316,
            "error ratio max": 2.174, "kernel ms": 0.0046, "sgemm ms": 0.005, "routed to sgemm": True}
-    kept = dict(row, k=32, **{"routed to sgemm": False})
-    lines = bench_gemm.small_outputs_markdown([row, kept]).splitlines()
-    assert len(lines) == 4 and lines[0].count("|") == lines[2].count("|") == 7
+    kept = dict(row, k=32, **{"routed to sgemm": False, "error ratio median": 1.1,
+                              "error ratio max": 1.5})
+    lines = bench_gemm.small_outputs_markdown([row, kept, dict(kept, k=64, **{
+        "error ratio median": 0.9, "error ratio max": 1.2})]).splitlines()
+    assert len(lines) == 7 and lines[0].count("|") == lines[2].count("|") == 7
     assert lines[2] == "| 33x40 | 256 | 1 | 1.32, 2.17 | 0.92 | SGEMM |"
-    assert lines[3].endswith("| kernel |")
+    assert lines[3].endswith("| kernel |") and lines[5] == ""
+    # the summary: the kernel's rows only (the SGEMM row's 1.32 and 2.17 left out)
+    assert lines[6] == ("On the kernel's route (2 of 3 rows): error ratio median at most 1.10, "
+                        "max at most 1.50 (33x40, k = 32).")
+    assert len(bench_gemm.small_outputs_markdown([row]).splitlines()) == 3  # no kernel row
     with pytest.raises(ValueError, match="seeds must be at least 1"):
         bench_gemm.small_outputs_run(seeds=0)
 

@@ -137,10 +137,18 @@ def test_long_sums_over_small_outputs_take_sgemm_under_3xtf32_only():
     assert G.uses_sgemm(3, 256, 33, 40, 132) and G.uses_sgemm(3, 512, 256, 256, 132)
     assert G.uses_sgemm(3, 256, 64, 1024, 132)  # 8 tiles: 256 <= 256
     assert not G.uses_sgemm(3, 256, 512, 512, 132)  # 16 tiles: 512 > 256
-    assert not G.uses_sgemm(3, 255, 33, 40, 132)  # below SPLIT_K_INNER
+    assert not G.uses_sgemm(3, 255, 33, 140, 132)  # below SPLIT_K_INNER
     assert not G.uses_sgemm(3, 4096, 64, 256, 2)  # 2 tiles fill a GPU of 2 SMs
     assert G.uses_sgemm(3, 64, 16, 256, 132) and G.uses_sgemm(3, 64, 256, 1, 132)  # few rows / cols
     assert not G.uses_sgemm(3, 64, 17, 256, 132) and not G.uses_sgemm(1, 64, 1, 256, 132)
+    # one 128 x 128 tile, whatever k; two tiles keep the kernel
+    assert G.uses_sgemm(3, 64, 33, 40, 132) and G.uses_sgemm(3, 255, 128, 128, 132)
+    assert not G.uses_sgemm(3, 64, 129, 128, 132) and not G.uses_sgemm(3, 64, 128, 129, 132)
+    assert not G.uses_sgemm(1, 64, 33, 40, 132) and not G.uses_sgemm(3, 64)
+    # sums below SHORT_SUM_INNER over fewer tiles than SMs; outputs that fill the GPU keep the kernel
+    assert G.uses_sgemm(3, 32, 200, 300, 132) and G.uses_sgemm(3, G.SHORT_SUM_INNER - 1, 1024, 1024, 132)
+    assert not G.uses_sgemm(3, G.SHORT_SUM_INNER, 200, 300, 132)
+    assert not G.uses_sgemm(3, 32, 4096, 4096, 132) and not G.uses_sgemm(3, 32, 200, 300, 6)
     assert not G.uses_sgemm(3, 32768, 4096, 1024, 132)  # 256 tiles: fills the GPU
     assert not G.uses_sgemm(1, 4096, 64, 256, 132)  # one TF32 pass keeps the kernel
     assert not G.uses_sgemm(3, 4096)  # no output size given: the short-sum rule alone
@@ -349,16 +357,16 @@ def test_bitwise_reproducible(layout, device):
 
 @gpu
 def test_short_sums_run_on_sgemm_per_product(device):
-    """in_features 20: the forward and input-gradient products (sums of 20
-    and 24 terms) are cuBLAS's; the weight gradient (a sum over 40 rows, of
-    a 24 x 20 output) is the kernel's."""
+    """in_features 20: the forward product (sums of 20 terms) and the input
+    gradient (a 64 x 20 output: one tile) are cuBLAS's; the weight gradient
+    (a sum over 64 rows, of a 140 x 20 output: two tiles) is the kernel's."""
     gen = torch.Generator(device=device).manual_seed(4)
-    x = torch.rand(40, 20, device=device, generator=gen).requires_grad_(True)
-    w = torch.randn(24, 20, device=device, generator=gen).requires_grad_(True)
-    b = torch.randn(24, device=device, generator=gen).requires_grad_(True)
+    x = torch.rand(64, 20, device=device, generator=gen).requires_grad_(True)
+    w = torch.randn(140, 20, device=device, generator=gen).requires_grad_(True)
+    b = torch.randn(140, device=device, generator=gen).requires_grad_(True)
     y = ops.linear(x, w, b, activation="relu")
     assert torch.equal(y, torch.relu(x @ w.t() + b))  # the GEMM, then bias_relu
-    dy = torch.randn(40, 24, device=device, generator=gen)
+    dy = torch.randn(64, 140, device=device, generator=gen)
     y.backward(dy)
     dz = torch.where(y > 0, dy, 0.0)
     assert torch.equal(x.grad, dz @ w.detach())
@@ -368,13 +376,14 @@ def test_short_sums_run_on_sgemm_per_product(device):
 
 @gpu
 def test_long_sums_over_small_outputs_run_on_sgemm(device):
-    """2048 rows of 40 features into 24: the weight gradient (a sum of 2048
-    terms over one tile) is cuBLAS's, the forward (40 terms) the kernel's;
-    forwards of 1024 features over a 64 x 256 output and of 256 over 33 x
-    40 (where the kernel erred up to 2.2x SGEMM's) are cuBLAS's."""
+    """2048 rows of 64 features into 24: the weight gradient (a sum of 2048
+    terms over one tile) is cuBLAS's, the forward (64 terms over 16 tiles)
+    the kernel's; forwards of 1024 features over a 64 x 256 output and of
+    256 or 64 over 33 x 40 (one tile, where the kernel erred up to 2.2x
+    SGEMM's) and of 32 over 200 x 300 (6 tiles) are cuBLAS's."""
     gen = torch.Generator(device=device).manual_seed(6)
-    x = torch.rand(2048, 40, device=device, generator=gen).requires_grad_(True)
-    w = (torch.randn(24, 40, device=device, generator=gen) / 6).requires_grad_(True)
+    x = torch.rand(2048, 64, device=device, generator=gen).requires_grad_(True)
+    w = (torch.randn(24, 64, device=device, generator=gen) / 8).requires_grad_(True)
     y = ops.linear(x, w)
     assert torch.equal(y, G._gemm(x.detach(), w.detach(), "forward", 3))
     dy = torch.randn(2048, 24, device=device, generator=gen)
@@ -388,6 +397,13 @@ def test_long_sums_over_small_outputs_run_on_sgemm(device):
     w3 = torch.randn(40, 256, device=device, generator=gen) / 16
     assert torch.equal(ops.linear(x3, w3), x3 @ w3.t())
     assert not torch.equal(G._gemm(x3, w3, "forward", 3), x3 @ w3.t())  # the test bites
+    x4, w4 = x3[:, :64].contiguous(), w3[:, :64].contiguous()
+    assert torch.equal(ops.linear(x4, w4), x4 @ w4.t())
+    assert not torch.equal(G._gemm(x4, w4, "forward", 3), x4 @ w4.t())
+    x5 = torch.rand(200, 32, device=device, generator=gen)
+    w5 = torch.randn(300, 32, device=device, generator=gen) / 4
+    assert torch.equal(ops.linear(x5, w5), x5 @ w5.t())
+    assert not torch.equal(G._gemm(x5, w5, "forward", 3), x5 @ w5.t())
 
 
 @gpu

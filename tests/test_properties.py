@@ -646,8 +646,8 @@ def _product_slack(mode, precision, k):
     """The error allowed on a float32 product, as a fraction of its terms'
     magnitude (sum |a_i b_i|), carried through the ops after it; None in
     the half-precision modes (their rounding unit is the slack).  3xTF32
-    (the default precision, sums of 32 terms or more: see
-    ops.gemm.uses_sgemm) errs by the split's representation error, about
+    (the default precision, sums of ops.gemm.SGEMM_BELOW_INNER terms or
+    more: see ops.gemm.uses_sgemm) errs by the split's representation error, about
     2^-21 of the terms (the documented precision), so 2^-20.  Float32 sums
     (cuBLAS SGEMM, in another order than eager's where the layouts or the
     epilogue differ) err by about sqrt(k) roundings of the terms (a random
@@ -655,7 +655,9 @@ def _product_slack(mode, precision, k):
     few times eager's error on a handful of outputs."""
     if mode != "fp32":
         return None
-    return 2**-20 if precision in (None, "3xtf32") and k >= 32 else math.sqrt(max(k, 1)) * 2**-24
+    if precision in (None, "3xtf32") and k >= ops.gemm.SGEMM_BELOW_INNER:
+        return 2**-20
+    return math.sqrt(max(k, 1)) * 2**-24
 
 
 def _chain_inputs(chain, present):

@@ -13,11 +13,12 @@ process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
 * ``"3xtf32"`` (default): each operand split into two TF32 parts, three
   tensor-core products, accumulated in float32 chunks of 16 k-values.  On
   sums of 32 products or more it is about as accurate as cuBLAS SGEMM or
-  more (see the accuracy table in docs/gemm.md).  Shorter sums, where the split's
-  own ~2^-22 representation error would dominate (up to 8x SGEMM's error at
+  more (see the accuracy tables in docs/gemm.md).  Shorter sums, where the split's
+  own ~2^-22 representation error dominates (up to 8x SGEMM's error at
   one product), run on cuBLAS SGEMM instead, and so do outputs of at most
-  16 rows or columns and long sums over outputs too small to fill the GPU,
-  where the kernel's error was up to 2-4x cuBLAS's: see
+  16 rows or columns or of one 128 x 128 tile, and sums of under 40 or
+  of 256 terms and more into outputs too small to fill the GPU, where the
+  kernel's error reached 1.35-4x cuBLAS's at some seeds: see
   :func:`uses_sgemm`.  This applies per product, so a batch of 20 rows
   takes SGEMM for the weight gradient (a sum over the batch) and 3xTF32
   for the rest.
@@ -187,6 +188,14 @@ SPLIT_IMAGE_KERNELS = _runtime.KernelFamily("gemm_tf32.cu", {
 # accurate or more (the accuracy table in docs/gemm.md).
 SGEMM_BELOW_INNER = 32
 
+# Under "3xtf32", an output of fewer 128 x 128 tiles than the GPU has SMs
+# that sums fewer k-values than this runs on cuBLAS SGEMM too: at 32 terms
+# the kernel's error there was up to 1.35-1.5x SGEMM's over some seeds, and
+# SGEMM took less GPU time; from 40 on at most about 1.2x.  Outputs that fill
+# the GPU keep the kernel at 32 terms, as accurate as SGEMM there and
+# faster (docs/gemm.md, "Small outputs, long sums").
+SHORT_SUM_INNER = 40
+
 # Under "3xtf32", a long sum (k of at least SPLIT_K_INNER, and at least
 # SPLIT_K_PER_TILE k-values per 128 x 128 tile of the output) over an
 # output of fewer such tiles than the GPU has SMs runs on cuBLAS SGEMM too:
@@ -204,7 +213,9 @@ SPLIT_K_PER_TILE = 32
 # accurately than the kernel's chunked chain (its error 1.1-2x cuBLAS's in
 # the median, up to 4x at worst, from k = 32 to 512), at the same time
 # (both a launch's few microseconds; docs/gemm.md, "Small outputs, long
-# sums").
+# sums").  So does an output of one 128 x 128 tile: there the kernel's
+# error reached 1.6-2.6x SGEMM's at some seed at every k from 32 to 192,
+# for a few microseconds of GPU time either way.
 SGEMM_AT_MOST_ROWS = 16
 
 
@@ -282,7 +293,9 @@ def uses_sgemm(passes: int, k: int, m: Optional[int] = None, n: Optional[int] = 
         True for an empty sum (k = 0: no tensor-core kernel is launched
         for one), and under 3 passes for a short sum (k below
         SGEMM_BELOW_INNER), an output of few rows or columns
-        (SGEMM_AT_MOST_ROWS) or a long sum over few tiles (SPLIT_K_INNER).
+        (SGEMM_AT_MOST_ROWS) or of one 128 x 128 tile, or a short sum
+        (SHORT_SUM_INNER) or a long one (SPLIT_K_INNER) over fewer tiles
+        than SMs.
     """
     if k == 0:
         return True
@@ -292,12 +305,12 @@ def uses_sgemm(passes: int, k: int, m: Optional[int] = None, n: Optional[int] = 
         return True
     if m is None or n is None or sms is None:
         return False
-    if min(m, n) <= SGEMM_AT_MOST_ROWS:
-        return True
-    if k < SPLIT_K_INNER:
-        return False
     tiles = cdiv(m, 128) * cdiv(n, 128)
-    return tiles < sms and tiles * SPLIT_K_PER_TILE <= k
+    if min(m, n) <= SGEMM_AT_MOST_ROWS or tiles == 1:
+        return True
+    if tiles >= sms:
+        return False
+    return k < SHORT_SUM_INNER or (k >= SPLIT_K_INNER and tiles * SPLIT_K_PER_TILE <= k)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, layout: str, passes: int,
