@@ -93,3 +93,26 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(_bridge, "launch", record)
     return seen
+
+
+@pytest.fixture
+def beside_eager(launches):
+    """A function ``run(compiled, eager)`` for CUDA-graph steps
+    (``torch.compile(mode="reduce-overhead")``): one call of each, in that
+    order, on the same values, returning (compiled's result, eager's
+    result, the names of the kernels the compiled call launched from
+    Python: none once it replays its graph).  The eager call must launch
+    something, so that an empty record means a replay, not a record that
+    sees nothing."""
+
+    def run(compiled, eager):
+        torch.compiler.cudagraph_mark_step_begin()
+        launches.clear()
+        got = compiled()
+        from_python = [launch.name for launch in launches]
+        launches.clear()
+        want = eager()
+        assert launches
+        return got, want, from_python
+
+    return run

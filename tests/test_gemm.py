@@ -126,11 +126,14 @@ def test_short_sums_take_sgemm_under_3xtf32_only():
     assert G._inner_size(a, "grad_weight") == 5
 
 
-def test_long_sums_over_small_outputs_take_sgemm_under_3xtf32_only():
+def test_small_outputs_take_sgemm_under_3xtf32_only():
     """Fewer 128 x 128 tiles than SMs and at least SPLIT_K_PER_TILE k-values
-    a tile, from SPLIT_K_INNER on: the kernel erred up to 2.2x cuBLAS's
-    (split-k) there (docs/gemm.md).  Outputs that fill the GPU keep the
-    kernel (problem 37's weight gradient: 4096 x 1024 over 32768 rows)."""
+    a tile, from SPLIT_K_INNER on (the kernel erred up to 2.2x cuBLAS's
+    there), or below SHORT_SUM_INNER; an output of at most
+    SGEMM_AT_MOST_ROWS rows or columns, or that fits one tile, whatever k
+    (docs/gemm.md, "Small outputs, long sums").  Outputs that fill the GPU
+    keep the kernel (problem 37's weight gradient: 4096 x 1024 over 32768
+    rows)."""
     assert G.uses_sgemm(3, 1024, 64, 256, 132) and G.uses_sgemm(3, 1024, 1024, 256, 132)
     assert G.uses_sgemm(3, 4096, 1024, 1024, 132)  # 64 tiles: 2048 <= 4096
     assert not G.uses_sgemm(3, 1024, 1024, 1024, 132)  # 64 tiles: 2048 > 1024
@@ -393,6 +396,7 @@ def test_long_sums_over_small_outputs_run_on_sgemm(device):
     x2 = torch.rand(64, 1024, device=device, generator=gen)
     w2 = torch.randn(256, 1024, device=device, generator=gen) / 32
     assert torch.equal(ops.linear(x2, w2), x2 @ w2.t())
+    assert not torch.equal(G._gemm(x2, w2, "forward", 3), x2 @ w2.t())
     x3 = torch.rand(33, 256, device=device, generator=gen)
     w3 = torch.randn(40, 256, device=device, generator=gen) / 16
     assert torch.equal(ops.linear(x3, w3), x3 @ w3.t())

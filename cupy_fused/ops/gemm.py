@@ -16,12 +16,12 @@ process-wide default of :func:`cupy_fused.settings.fp32_matmul_precision`):
   more (see the accuracy tables in docs/gemm.md).  Shorter sums, where the split's
   own ~2^-22 representation error dominates (up to 8x SGEMM's error at
   one product), run on cuBLAS SGEMM instead, and so do outputs of at most
-  16 rows or columns or of one 128 x 128 tile, and sums of under 40 or
-  of 256 terms and more into outputs too small to fill the GPU, where the
-  kernel's error reached 1.35-4x cuBLAS's at some seeds: see
-  :func:`uses_sgemm`.  This applies per product, so a batch of 20 rows
-  takes SGEMM for the weight gradient (a sum over the batch) and 3xTF32
-  for the rest.
+  16 rows or columns or that fit one 128 x 128 tile, and sums of under 40
+  terms, or of 256 and more with at least 32 a tile, into outputs too
+  small to fill the GPU, where the kernel's error reached 1.35-4x
+  cuBLAS's at some seeds: see :func:`uses_sgemm`.  This applies per
+  product: a batch of 20 rows takes SGEMM for the weight gradient (a sum
+  over the batch), while the layer's other two products may keep 3xTF32.
 * ``"tf32"``: one TF32 product (about 1e-3 relative error), fastest.
 * ``"ieee"``: cuBLAS SGEMM (``torch.nn.functional.linear``).  This is also
   the path of float16 / bfloat16 inputs, whose tensor-core GEMMs are
@@ -202,9 +202,9 @@ SHORT_SUM_INNER = 40
 # there cuBLAS splits the sum over several blocks, so that its float32
 # chains are short, and the kernel's one chain per tile, which leaves most
 # SMs idle, erred up to 2.2x SGEMM's from 256 k-values on and took
-# 1.3-2.3x its GPU time.  Below 256 the kernel's median error was at most
-# 1.23x SGEMM's, and 0.40-0.68x of it at 64 to 128 k-values over two tiles
-# or more (the grids in docs/gemm.md, "Small outputs, long sums").
+# 1.3-2.3x its GPU time.  Below 256, over two tiles or more, the kernel's
+# median error was at most SGEMM's from 32 k-values on, and 0.36-0.75x of
+# it from 48 (the grids in docs/gemm.md, "Small outputs, long sums").
 SPLIT_K_INNER = 256
 SPLIT_K_PER_TILE = 32
 
@@ -213,9 +213,9 @@ SPLIT_K_PER_TILE = 32
 # accurately than the kernel's chunked chain (its error 1.1-2x cuBLAS's in
 # the median, up to 4x at worst, from k = 32 to 512), at the same time
 # (both a launch's few microseconds; docs/gemm.md, "Small outputs, long
-# sums").  So does an output of one 128 x 128 tile: there the kernel's
-# error reached 1.6-2.6x SGEMM's at some seed at every k from 32 to 192,
-# for a few microseconds of GPU time either way.
+# sums").  So does an output that fits one 128 x 128 tile: there the
+# kernel's error reached 1.6-2.6x SGEMM's at some seed at every k from 32
+# to 192, for a few microseconds of GPU time either way.
 SGEMM_AT_MOST_ROWS = 16
 
 
@@ -286,16 +286,15 @@ def uses_sgemm(passes: int, k: int, m: Optional[int] = None, n: Optional[int] = 
         passes: 3 (``"3xtf32"``) or 1 (``"tf32"``).
         k: the products each output element sums.
         m, n, sms: the output's rows and columns and the GPU's SM count,
-            for the rule of small outputs with long sums (left out: not
-            applied).
+            for the rules on the output's size (left out: none applied).
 
     Returns:
         True for an empty sum (k = 0: no tensor-core kernel is launched
         for one), and under 3 passes for a short sum (k below
         SGEMM_BELOW_INNER), an output of few rows or columns
-        (SGEMM_AT_MOST_ROWS) or of one 128 x 128 tile, or a short sum
-        (SHORT_SUM_INNER) or a long one (SPLIT_K_INNER) over fewer tiles
-        than SMs.
+        (SGEMM_AT_MOST_ROWS) or that fits one 128 x 128 tile, or a short
+        sum (SHORT_SUM_INNER) or a long one (SPLIT_K_INNER, at least
+        SPLIT_K_PER_TILE a tile) over fewer tiles than SMs.
     """
     if k == 0:
         return True
