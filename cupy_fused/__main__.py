@@ -25,13 +25,18 @@ def _report_cupy():
     """Prints CuPy's and NVRTC's versions; returns (cupy module or None,
     whether NVRTC loads)."""
     from . import _runtime
-    from ._cupy import cupy_available, INSTALL_HINT
+    from ._cupy import INSTALL_HINT, cupy_available, require_cupy
 
-    if not cupy_available():
+    try:
+        available = cupy_available()
+    except OSError as exc:  # installed, but its import failed (its cache folder: the message says)
+        _line("CuPy", f"import failed ({exc})")
+        return None, False
+    if not available:
         _line("CuPy", "NOT INSTALLED")
         print(INSTALL_HINT)
         return None, False
-    import cupy
+    cupy = require_cupy()
 
     _line("CuPy", f"{cupy.__version__} ({_runtime.cupy_distribution() or 'unknown distribution'})")
     nvrtc_ok = True
@@ -44,6 +49,7 @@ def _report_cupy():
         nvrtc_ok = False
     except Exception as exc:  # noqa: BLE001 - report, don't crash
         _line("NVRTC", f"unavailable ({exc})")
+        nvrtc_ok = False
     _line("kernel cache", os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")))
     return cupy, nvrtc_ok
 

@@ -200,12 +200,12 @@ def launch(kernel, grid: Tuple[int, int, int], block: int, args: tuple, device_i
     (by torch's guard, which sets no device back whose context the process
     has not made: CuPy's would make one).
     (This runs on every launch, so it is written for few Python operations.)"""
-    if shared_mem and shared_mem > kernel.shared_limit:
-        kernel.allow_shared(shared_mem)
     try:
         buf = _local.buffer
-    except AttributeError:  # this thread's first launch
+    except AttributeError:  # this thread's first launch (binds a context: first)
         buf = _first_launch_of_thread()
+    if shared_mem and shared_mem > kernel.shared_limit:  # (cuFuncSetAttribute takes the context)
+        kernel.allow_shared(shared_mem)
     layout = kernel.params or _param_struct(kernel, args)
     try:
         layout.pack_into(buf.data, 0, *args)

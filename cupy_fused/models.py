@@ -34,12 +34,16 @@ in float32 and rounds once, closer to the exact result.
 The bias and multiplier parameters (``bias_shape``,
 ``multiply_weight_shape``) may have any shape that the reference broadcasts
 against its output one value per channel: the reference's own (C,) or
-(C, 1, 1), a leading 1, or a single value.  Other shapes broadcast along
-another dim there (a (C,) bias of problem 1 along the image's width): the
-forward refuses them with a ValueError.  A submodule may have other options
-than the reference's (a convolution's padding or stride, its bias or
-problem 76's GEMM bias dropped or added): the forward computes what the
-reference computes with them, on the fused route where it covers them.
+(C, 1, 1), a leading 1, or a single value.  Leading 1s past the output's
+own dims give the output as many, as the reference's broadcast does (76's
+and 88's parameters, problem 1's bias; 37's and 94's bias, which the
+reference adds before its GroupNorm, is refused so shaped).  Other shapes
+broadcast along another dim there (a (C,) bias of problem 1 along the
+image's width): the forward refuses them with a ValueError.  A submodule
+may have other options than the reference's (a convolution's padding or
+stride, its bias or problem 76's GEMM bias dropped or added): the forward
+computes what the reference computes with them, on the fused route where
+it covers them.
 
 Under ``torch.autocast("cuda", dtype=d)`` each module computes what its
 reference computes there: the GEMM or convolution in d (inputs and weights
@@ -62,6 +66,7 @@ from ._autograd import refuse_tangents, refuse_transforms
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
 from .ops.linear import _linear_prechecked
+from .ops.linear_gn_chain import _linear_gn_chain
 from .settings import check_flag, check_precision
 
 
@@ -72,6 +77,9 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str,
     device.  Under torch.vmap or torch.func's gradient transforms, refused
     naming ``module``'s class (a vmapped x has one dim less: the rank's
     error would not say why)."""
+    # First, on the common path too: torch.func's wrappers pass for CUDA
+    # tensors of the right rank below (one call outside the transforms).
+    refuse_transforms(type(module).__name__, x)
     # The common case in one expression: this runs on every forward, and a
     # half-precision step of problem 76 is as long as its host work.
     if (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == weight.dtype
@@ -79,17 +87,15 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str,
             and x.dim() == ndim and x.shape[1] == features
             and weight.is_cuda and x.get_device() == weight.get_device()):
         return x
-    refuse_transforms(type(module).__name__, x)
+    if weight.dtype not in FLOAT_DTYPES:  # (before x's dtype is set against it, or refused)
+        raise TypeError(f"the model's parameters must be float32, float16 or bfloat16, got "
+                        f"{weight.dtype} (a model cast with .double() is not supported)")
     check_tensor("x", x, ndim=(ndim,))
     if weight.device.type not in _validation.DEVICE_TYPES:
         raise ValueError(f"the model's parameters must be on a CUDA device, got {weight.device}; "
                          f"move the model there (model.cuda() or model.to(device))")
-    if x.dtype != weight.dtype:
-        if not autocast_enabled():
-            check_like("x", x, weight, "the model's parameters")
-        elif weight.dtype not in FLOAT_DTYPES:  # autocast casts only these, as the reference
-            raise TypeError(f"the model's parameters must be float32, float16 or bfloat16 under "
-                            f"autocast, got {weight.dtype}")
+    if x.dtype != weight.dtype and not autocast_enabled():
+        check_like("x", x, weight, "the model's parameters")
     if x.device != weight.device:
         raise ValueError(f"x must be on the model's device ({weight.device}), got {x.device}")
     if x.shape[1] != features:
@@ -184,6 +190,13 @@ def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str,
             and all(s == 1 for i, s in enumerate(padded) if i != channel_dim)):
         return param.reshape(1) if padded[channel_dim] != channels else param.reshape(channels)
     dims = {(4, 1): "[N, C, H, W]", (2, 1): "[M, C]"}.get((out_ndim, channel_dim), "[*, C]")
+    if len(shape) > out_ndim:  # (37's and 94's: the modules that take leading 1s ask for them)
+        raise ValueError(
+            f"{what} has shape {shape}, of more dims than the reference's {dims} output there: "
+            f"its broadcast would add leading dims before the GroupNorm, which would then take "
+            f"another dim for the channels; the fused module takes one value per channel (C = "
+            f"{channels}): shape {(channels,) + (1,) * (out_ndim - 1 - channel_dim)} or a single "
+            "value")
     raise ValueError(
         f"{what} has shape {shape}, which the reference broadcasts against its {dims} output "
         f"other than per channel; the fused module takes one value per channel (C = "
@@ -256,11 +269,21 @@ class ConvReluBiasAdd(nn.Module):
                 raise ValueError(f"x must have {in_channels} input channels (dim 0 of one image "
                                  f"[C, H, W]), got shape {tuple(x.shape)}")
             y = self.forward(x.unsqueeze(0))
-            return y if self.bias.dim() == 4 else y.squeeze(0)
+            return y if self.bias.dim() >= 4 else y.squeeze(0)
         conv = _plain(self.conv, nn.Conv2d, self, "conv")
         weight = conv.weight
         _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)", self)
-        bias = _per_channel(self.bias, weight.shape[0], 4, "bias")
+        # A bias of more dims than 4 (leading 1s) gives the reference's
+        # output as many: y [N, C, OH, OW] behind them.
+        out_ndim = max(4, self.bias.dim())
+        bias = _per_channel(self.bias, weight.shape[0], out_ndim, "bias", channel_dim=out_ndim - 3)
+        y = self._forward_4d(x, conv, weight, bias)
+        return y if out_ndim == 4 else y.view((1,) * (out_ndim - 4) + tuple(y.shape))
+
+    def _forward_4d(self, x: torch.Tensor, conv: nn.Conv2d, weight: torch.Tensor,
+                    bias: torch.Tensor) -> torch.Tensor:
+        """forward of a checked 4-D x, with ``bias`` as :func:`_per_channel`
+        gives it."""
         conv_bias = conv.bias
         if conv_bias is not None and conv_bias.dtype != bias.dtype and autocast_enabled():
             conv_bias = _autocast_conv_bias(conv_bias, bias)
@@ -275,6 +298,7 @@ class ConvReluBiasAdd(nn.Module):
         if conv_bias is not None:
             check_vector("conv.bias", conv_bias, weight.shape[0], x, "x", dtype=FLOAT_DTYPES)
         check_like("bias", bias, x, "x", FLOAT_DTYPES)
+        refuse_tangents(x, weight, conv_bias, bias)  # (forward-mode AD, before cuDNN runs)
         z = conv._conv_forward(x, weight, None)
         # Under autocast z is in the autocast dtype and the biases float32:
         # bias_relu promotes, as the reference's add does.  Without a conv
@@ -328,12 +352,11 @@ class MatmulSwishSumGroupNorm(nn.Module):
         gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features", self)
-        return ops.linear_gn_chain(x, weight, linear.bias,
-                                   "swish_bias_gn", gn.num_groups,
-                                   extra_bias=_per_channel(self.bias, weight.shape[0], 2, "bias"),
-                                   gn_weight=gn.weight, gn_bias=gn.bias,
-                                   eps=gn.eps, precision=self.precision,
-                                   eager_rounding=self.eager_rounding)
+        return _linear_gn_chain(x, weight, linear.bias, "swish_bias_gn", gn.num_groups,
+                                _per_channel(self.bias, weight.shape[0], 2, "bias"), gn.weight,
+                                gn.bias, None, gn.eps, self.precision, self.eager_rounding,
+                                ("matmul.bias", "bias", "group_norm.weight", "group_norm.bias",
+                                 "mul_weight"))
 
     def extra_repr(self) -> str:
         return _fields(in_features=getattr(self.matmul, "in_features", None),
@@ -393,7 +416,8 @@ class GemmAddRelu(nn.Module):
         # ops.linear's internal entry point: x and the weight are checked
         # above, and ops.linear would check them again on every call (see
         # _linear_prechecked).
-        if amp is not None or gemm_bias is not None or bias.shape[0] != weight.shape[0]:
+        if (amp is not None or gemm_bias is not None or bias.shape[0] != weight.shape[0]
+                or bias.dtype != x.dtype):
             # The GEMM, then bias + ReLU in one pass (ops.bias_relu): under
             # autocast, the GEMM in the autocast dtype (gradients written in
             # x's and the weight's own dtypes by the backward's products)
@@ -402,7 +426,9 @@ class GemmAddRelu(nn.Module):
             # as it rounds them (the two biases summed into one vector
             # first would be rounded to x's dtype and move ReLU's mask where
             # the sum is near 0); a one-value bias, whose gradient
-            # bias_relu sums whole.
+            # bias_relu sums whole; a bias of another float dtype than x's
+            # (a float32 bias in a half-precision model), whose add
+            # bias_relu promotes as the reference's does.
             # Both biases are checked here, before the GEMM runs: bias_relu,
             # which takes a bias of any of the three float dtypes (promoting),
             # runs after it; under autocast the product casts gemm.bias.
@@ -476,13 +502,18 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
         gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features", self)
-        return ops.linear_gn_chain(x, weight, linear.bias,
-                                   "gn_swish_mul_swish", gn.num_groups,
-                                   gn_weight=gn.weight, gn_bias=gn.bias,
-                                   mul_weight=_per_channel(self.multiply_weight, weight.shape[0], 2,
-                                                           "multiply_weight"),
-                                   eps=gn.eps,
-                                   precision=self.precision, eager_rounding=self.eager_rounding)
+        # A multiply_weight of more dims than 2 (leading 1s; the multiply
+        # comes after the GroupNorm) gives the reference's output as many.
+        mul = self.multiply_weight
+        out_ndim = max(2, mul.dim())
+        y = _linear_gn_chain(x, weight, linear.bias, "gn_swish_mul_swish", gn.num_groups, None,
+                             gn.weight, gn.bias,
+                             _per_channel(mul, weight.shape[0], out_ndim, "multiply_weight",
+                                          channel_dim=out_ndim - 1),
+                             gn.eps, self.precision, self.eager_rounding,
+                             ("gemm.bias", "extra_bias", "group_norm.weight", "group_norm.bias",
+                              "multiply_weight"))
+        return y if out_ndim == 2 else y.view((1,) * (out_ndim - 2) + tuple(y.shape))
 
     def extra_repr(self) -> str:
         return _fields(in_features=getattr(self.gemm, "in_features", None),
@@ -534,12 +565,11 @@ class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
                              f"[{hardtanh.min_val}, {hardtanh.max_val}]")
         weight = linear.weight
         _check_input(x, weight, 2, weight.shape[1], "features", self)
-        return ops.linear_gn_chain(x, weight, linear.bias,
-                                   "bias_hardtanh_mish_gn", gn.num_groups,
-                                   extra_bias=_per_channel(self.bias, weight.shape[0], 2, "bias"),
-                                   gn_weight=gn.weight,
-                                   gn_bias=gn.bias, eps=gn.eps, precision=self.precision,
-                                   eager_rounding=self.eager_rounding)
+        return _linear_gn_chain(x, weight, linear.bias, "bias_hardtanh_mish_gn", gn.num_groups,
+                                _per_channel(self.bias, weight.shape[0], 2, "bias"), gn.weight,
+                                gn.bias, None, gn.eps, self.precision, self.eager_rounding,
+                                ("gemm.bias", "bias", "groupnorm.weight", "groupnorm.bias",
+                                 "mul_weight"))
 
     def extra_repr(self) -> str:
         return _fields(in_features=getattr(self.gemm, "in_features", None),

@@ -9,6 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from cupy_fused import reference
+from cupy_fused.models import MODELS
 from cupy_fused.testing import build_pair, compare, held_bytes, worse_than_eager
 
 pytestmark = pytest.mark.gpu
@@ -55,6 +56,9 @@ CASES = [(p, a, s) for p, (_, a, s) in reference.SMALL_PROBLEMS.items()] + [
     (76, (100, 200, (1, 200)), (100,)),
     (76, (100, 200, (1, 1, 200)), (2, 129, 100)),
     (76, (100, 200, (1, 1, 1)), (257, 100)),
+    (88, (16, 64, 4, (1, 1, 64)), (9, 16)),    # 88's multiplier, after its GroupNorm
+    (1, (3, 7, 3, (1, 1, 7, 1, 1)), (2, 3, 9, 8)),
+    (1, (3, 7, 3, (1, 1, 1, 1, 1)), (3, 9, 8)),  # one image: [1, 1, C, OH, OW]
 ]
 
 
@@ -116,6 +120,12 @@ def _conv_without_bias(model):
     model.conv.bias = None
 
 
+def _float32_bias(model):
+    """``bias`` float32 in a model of any dtype: the reference's add
+    promotes, and so does its output."""
+    model.bias = torch.nn.Parameter(model.bias.detach().float())
+
+
 def _weight_norm(name):
     """The submodule's weight parametrized by weight_norm (its class then
     torch's parametrized subclass; the gradients go to original0 / 1)."""
@@ -139,6 +149,8 @@ VARIANTS = {
     "conv-reflect-padding": (1, _conv_padded("reflect")),
     "conv-zero-padding": (1, _conv_padded("zeros")),
     "conv-without-bias": (1, _conv_without_bias),
+    "float32-bias-76": (76, _float32_bias),
+    "float32-bias-1": (1, _float32_bias),
     "weight-norm-1": (1, _weight_norm("conv")),
     "weight-norm-37": (37, _weight_norm("matmul")),
     "weight-norm-76": (76, _weight_norm("gemm")),
@@ -559,3 +571,19 @@ def test_more_than_2_pow_31_elements(device):
         g = torch.nn.functional.group_norm(zp, 8, eps=1e-5)
         m = torch.nn.functional.silu(g) * w.float()
         torch.testing.assert_close(out[pick].float(), torch.nn.functional.silu(m), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_torch_func_transforms_are_refused_naming_the_module(problem, device):
+    """torch.func's wrappers of CUDA tensors pass the modules' quick check
+    of x (the CPU tier's test takes the slow one): the refusal still comes
+    first and names the module, not an op inside it."""
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    model = MODELS[problem](*args).to(device)
+    name = type(model).__name__
+    x = torch.rand((3,) + tuple(shape), device=device)
+    with pytest.raises(RuntimeError, match=f"cupy_fused::{name} does not support torch.vmap"):
+        torch.vmap(model)(x)
+    with pytest.raises(RuntimeError, match=f"cupy_fused::{name} does not support torch.func's "
+                                           "gradient transforms"):
+        torch.func.grad(lambda t: model(t).sum())(x[0])

@@ -166,7 +166,6 @@ def test_gemm_add_relu_is_ops_linear(dtype, past_device_check):
 @pytest.mark.parametrize("problem, args, shape", [
     (1, (3, 6, 3, (6,)), (2, 3, 8, 8)),        # (C,): the reference adds it along the width
     (1, (3, 6, 3, (1, 1, 6, 1)), (2, 3, 8, 8)),  # along the height
-    (1, (3, 6, 3, (1, 1, 1, 1, 1)), (2, 3, 8, 8)),  # a 5-D output in the reference
     (76, (8, 16, (16, 1)), (16, 8)),           # along the batch
     (37, (8, 16, 4, (2, 8)), (4, 8)),
     (88, (8, 16, 4, (16, 1)), (16, 8)),
@@ -180,4 +179,45 @@ def test_parameters_broadcast_other_than_per_channel_are_refused(problem, args, 
     function."""
     model = models.MODELS[problem](*args)
     with pytest.raises(ValueError, match="other than per channel"):
+        model(torch.rand(shape))
+
+
+@pytest.mark.parametrize("problem, args", [(37, (8, 16, 4, (1, 1, 16))), (94, (8, 16, (1, 1, 16), 4))])
+def test_leading_ones_before_a_group_norm_are_refused(problem, args, past_device_check):
+    """A bias of more dims than [M, C] gives the reference's output leading
+    dims before its GroupNorm, which then takes another dim for the
+    channels: refused, saying so (88's multiplier and problem 1's bias,
+    after the GroupNorm or with none, take leading 1s: test_models.py)."""
+    model = models.MODELS[problem](*args)
+    with pytest.raises(ValueError, match=r"bias has shape \(1, 1, 16\), of more dims than the "
+                                         r"reference's \[M, C\] output there"):
+        model(torch.rand(5, 8))
+
+
+def test_a_float64_model_is_refused_naming_its_parameters(past_device_check):
+    """model.double(): the parameters' dtype is named, whatever x's (float32
+    x was refused for not being float64, float64 x for being it)."""
+    model = models.GemmAddRelu(8, 16, (16,)).double()
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(TypeError, match="the model's parameters must be float32, float16 or "
+                                            "bfloat16, got torch.float64"):
+            model(torch.rand(4, 8, dtype=dtype))
+
+
+@pytest.mark.parametrize("problem, path", [
+    (37, "matmul.bias"), (37, "bias"), (37, "group_norm.weight"), (37, "group_norm.bias"),
+    (88, "gemm.bias"), (88, "group_norm.weight"), (88, "multiply_weight"),
+    (94, "gemm.bias"), (94, "bias"), (94, "groupnorm.weight"), (94, "groupnorm.bias")])
+def test_group_norm_modules_name_their_parameters_in_errors(problem, path, past_device_check):
+    """A parameter of another dtype than x's (or on another device) is
+    refused naming the module's parameter, not the op's argument it is
+    passed as (lin_bias, extra_bias, gn_weight, ...)."""
+    from cupy_fused import reference
+
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    model = models.MODELS[problem](*args)
+    *owner, attr = path.split(".")
+    module = getattr(model, owner[0]) if owner else model
+    setattr(module, attr, torch.nn.Parameter(getattr(module, attr).detach().double()))
+    with pytest.raises(TypeError, match=rf"^{path.replace('.', '[.]')} must have the dtype of x "):
         model(torch.rand(shape))

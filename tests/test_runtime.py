@@ -631,6 +631,31 @@ def test_cupy_that_cannot_make_its_cache_folder_is_named(monkeypatch):
         _cupy.require_cupy()
 
 
+def test_the_report_names_a_cupy_import_or_nvrtc_failure_without_a_traceback(monkeypatch, capsys):
+    """python -m cupy_fused is the tool for a broken setup: CuPy that cannot
+    make its cache folder, and an NVRTC that fails to load with a message
+    not naming libnvrtc (a Windows DLL), are reported as such and the job
+    fails (exit 1), not with a traceback."""
+    from cupy_fused import _cupy
+
+    def unwritable():
+        raise PermissionError("importing CuPy failed: ... set CUPY_CACHE_DIR to a writable folder")
+
+    with monkeypatch.context() as m:
+        m.setattr(_cupy, "require_cupy", unwritable)
+        assert main_job.main(["--no-compile-check"]) == 1
+    out = capsys.readouterr().out
+    assert "CuPy                   import failed (importing CuPy failed" in out, out
+
+    def no_dll():
+        raise ImportError("DLL load failed while importing nvrtc: the module could not be found")
+
+    monkeypatch.setattr(_runtime, "nvrtc_version", no_dll)
+    assert main_job.main(["--no-compile-check"]) == 1
+    out = capsys.readouterr().out
+    assert "NVRTC                  unavailable (DLL load failed" in out, out
+
+
 def test_a_kernel_folder_that_is_not_there_is_named(monkeypatch, tmp_path, capsys):
     missing = str(tmp_path / "nowhere")
     monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", missing)

@@ -370,7 +370,7 @@ def test_models_check_inputs_and_parameters_before_anything_runs(past_device_che
         x = torch.rand(2, 8)
         for name, dtype, message in [
                 ("gemm.weight", torch.float64, "the model's parameters must be float32, float16 or "
-                                               "bfloat16 under autocast, got torch.float64"),
+                                               "bfloat16, got torch.float64"),
                 ("gemm.bias", torch.float64, "gemm.bias must have dtype float32, float16 or bfloat16"),
                 ("bias", torch.float64, "bias must have dtype float32, float16 or bfloat16")]:
             model = cupy_fused.GemmAddRelu(8, C, (C,))

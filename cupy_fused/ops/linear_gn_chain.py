@@ -57,7 +57,8 @@ from . import gemm
 from ._common import call_with_cupy_arrays, cdiv, _ptr_or_null, _spread
 from .gn_chain import (CHAINS, _launch_backward as _gn_chain_backward,
                        _launch_forward as _gn_chain_forward, _parameter_grads,
-                       _run_gn_chain, _stats_pointers, check_chain, check_chain_vectors)
+                       _run_gn_chain, _stats_pointers, check_chain, check_chain_vectors,
+                       VECTOR_NAMES)
 from .linear import _cublas_operand, _mm_to, _run_autocast_linear, _run_linear
 
 # ---------------------------------------------------------------- 16-bit, one launch (Hopper)
@@ -393,6 +394,17 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
             linear_gn_chain, "x", x, weight, lin_bias, chain, num_groups, extra_bias=extra_bias,
             gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight, eps=eps,
             precision=precision, eager_rounding=eager_rounding)
+    return _linear_gn_chain(x, weight, lin_bias, chain, num_groups, extra_bias, gn_weight,
+                            gn_bias, mul_weight, eps, precision, eager_rounding, VECTOR_NAMES)
+
+
+def _linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias, chain: str,
+                     num_groups: int, extra_bias, gn_weight, gn_bias, mul_weight, eps: float,
+                     precision: Optional[str], eager_rounding: bool,
+                     names: Tuple[str, ...]) -> torch.Tensor:
+    """:func:`linear_gn_chain` on torch tensors, its errors naming the five
+    vectors (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight) as
+    ``names`` (the fused modules': their parameters' names)."""
     check_chain(chain)
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))
@@ -413,7 +425,8 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
     eps = check_eps(eps)
     eager_rounding = check_flag("eager_rounding", eager_rounding)
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
-        chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None)
+        chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None,
+        names)
     precision = resolve_precision(precision)
     # Every tensor, before the GEMM (the two-launch routes' GEMM asks about x
     # and the weight only).
