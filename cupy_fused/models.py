@@ -107,7 +107,8 @@ def _check_kernel_size(kernel_size) -> None:
     """nn.Conv2d's kernel_size: an int, or a pair of ints, each at least 1
     (nn.Conv2d fails on others deep inside, naming no argument, or takes 0)."""
     expected = "an int or a pair of ints"
-    if not 1 <= len(_check_ints("kernel_size", kernel_size, 1, expected)) <= 2:
+    sizes = _check_ints("kernel_size", kernel_size, 1, expected)
+    if len(sizes) != (2 if isinstance(kernel_size, (tuple, list, torch.Size)) else 1):
         raise ValueError(f"kernel_size must be {expected}, got {kernel_size!r}")
 
 

@@ -323,6 +323,8 @@ def test_models_check_their_sizes_at_construction():
          "kernel_size must be an int or a pair of ints, got str"),
         (lambda: M.ConvReluBiasAdd(3, 4, (3, 3, 3), (4, 1, 1)), ValueError,
          r"kernel_size must be an int or a pair of ints, got \(3, 3, 3\)"),
+        (lambda: M.ConvReluBiasAdd(3, 4, (3,), (4, 1, 1)), ValueError,  # (nn.Conv2d: a 3-D weight)
+         r"kernel_size must be an int or a pair of ints, got \(3,\)"),
         (lambda: M.ConvReluBiasAdd(3, 4, 3, (4, -1, 1)), ValueError, "bias_shape must be at least 0, got -1"),
         (lambda: M.GemmAddRelu(8, 16, (16.0,)), TypeError, "bias_shape must be an int or a tuple of ints"),
         (lambda: M.MatmulSwishSumGroupNorm(8, 16, 4, None), TypeError, "bias_shape must be an int or"),
