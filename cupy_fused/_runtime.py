@@ -454,9 +454,12 @@ def _env_true(name: str) -> bool:
 def _own_disk_cache(cupy, arch: str) -> bool:
     """Whether kernels for ``arch`` go through the run time's own disk
     cache: where CuPy's does not give them back, unless CuPy is told to
-    keep its builds in memory (``CUPY_CACHE_IN_MEMORY``) or the installed
-    NVRTC cannot target ``arch`` (CuPy then compiles PTX for the driver)."""
-    if _cupy_caches_templates(cupy) or _env_true("CUPY_CACHE_IN_MEMORY"):
+    keep its builds in memory (``CUPY_CACHE_IN_MEMORY``) or to compile with
+    debug information (``CUPY_CUDA_COMPILE_WITH_DEBUG``: its options, which
+    this cache's builds would not have), or the installed NVRTC cannot
+    target ``arch`` (CuPy then compiles PTX for the driver)."""
+    if (_cupy_caches_templates(cupy) or _env_true("CUPY_CACHE_IN_MEMORY")
+            or _env_true("CUPY_CUDA_COMPILE_WITH_DEBUG")):
         return False
     return int(_ARCH_NAME.match(arch).group(1)) in _supported_arch_numbers()
 
@@ -867,7 +870,13 @@ def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
                     "no CUDA GPU is visible; to check that the kernels compile without one, "
                     "pass an architecture, e.g. precompile(device='sm_90a')") from exc
         index = int(device)
-        arch = device_arch(index)
+        try:
+            arch = device_arch(index)
+        except require_cupy().cuda.runtime.CUDARuntimeError as exc:
+            raise RuntimeError(
+                f"CUDA device {index} is not visible ({exc}); to check that the kernels "
+                "compile without it, pass an architecture, e.g. precompile(device='sm_90a')"
+            ) from exc
 
         def build(source: str, expr: str):
             return get_function(source, expr, index)

@@ -278,11 +278,13 @@ def test_before_cupy_14_2_kernels_load_from_the_run_times_own_disk_cache(fake_cu
     """CuPy before 14.2 does not read back a module built from name
     expressions: the run time builds the cubin into its own cache and has
     CuPy load it, for architectures the installed NVRTC targets; others,
-    CuPy 14.2 on, and CUPY_CACHE_IN_MEMORY go through CuPy."""
+    CuPy 14.2 on, CUPY_CACHE_IN_MEMORY and CUPY_CUDA_COMPILE_WITH_DEBUG go
+    through CuPy."""
     fake = fake_cupy()
     fake.__version__ = "14.1.1"
     monkeypatch.setattr(_runtime, "_supported_arch_numbers", lambda: (80, 90))
     monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    monkeypatch.delenv("CUPY_CUDA_COMPILE_WITH_DEBUG", raising=False)
     built = []
 
     def cached_cubin(source, expr, arch, options):
@@ -313,9 +315,14 @@ def test_before_cupy_14_2_kernels_load_from_the_run_times_own_disk_cache(fake_cu
     family.get(("64x64", 3, "grad_input", True), 0)
     assert len(built) == 3 and len(fake.programs) == 2
     monkeypatch.delenv("CUPY_CACHE_IN_MEMORY")
+    # CuPy's debug build (its own options, which the own cache's builds lack)
+    monkeypatch.setenv("CUPY_CUDA_COMPILE_WITH_DEBUG", "1")
+    family.get(("64x64", 3, "forward", False), 0)
+    assert len(built) == 3 and len(fake.programs) == 3
+    monkeypatch.delenv("CUPY_CUDA_COMPILE_WITH_DEBUG")
     fake.__version__ = "14.2.0"  # CuPy caches them itself
     family.get(("64x64", 3, "grad_weight", True), 0)
-    assert len(built) == 3 and len(fake.programs) == 3
+    assert len(built) == 3 and len(fake.programs) == 4
 
 
 def test_an_unwritable_own_cache_falls_back_to_cupys_route(fake_cupy, monkeypatch, caplog):
@@ -586,6 +593,15 @@ def test_main_job_announces_the_compile_check_then_runs_it(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"compile check of {count} instantiations for sm_80" in out
     assert "this takes a few minutes" in out
+
+
+def test_precompile_on_a_device_that_is_not_there_is_named():
+    """An explicit device index that no GPU answers to (none here, or 99 on
+    a machine with GPUs): a RuntimeError naming it and the way to compile
+    without it, not CuPy's runtime error."""
+    with pytest.raises(RuntimeError, match=r"CUDA device 99 is not visible \(.*\); to check that "
+                                           r"the kernels compile without it, pass an architecture"):
+        cupy_fused.precompile(["scale_add.cu"], device=99)
 
 
 def test_main_job_precompile_without_a_gpu_says_nothing_was_cached(monkeypatch, capsys):
