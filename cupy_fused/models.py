@@ -61,7 +61,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from . import _validation, ops
-from ._amp import autocast_dtype, autocast_enabled, float32_casts
+from ._amp import autocast_dtype, autocast_enabled, cast, float32_autocast, float32_casts
 from ._autograd import refuse_tangents, refuse_transforms
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
@@ -79,7 +79,9 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str,
     error would not say why)."""
     # First, on the common path too: torch.func's wrappers pass for CUDA
     # tensors of the right rank below (one call outside the transforms).
-    refuse_transforms(type(module).__name__, x)
+    # The weight too: a transform over the parameters (torch.func's
+    # functional_call) wraps them and not x.
+    refuse_transforms(type(module).__name__, x, weight)
     # The common case in one expression: this runs on every forward, and a
     # half-precision step of problem 76 is as long as its host work.
     if (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == weight.dtype
@@ -190,7 +192,8 @@ def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str,
     if (len(shape) <= out_ndim and padded[channel_dim] in (1, channels)
             and all(s == 1 for i, s in enumerate(padded) if i != channel_dim)):
         return param.reshape(1) if padded[channel_dim] != channels else param.reshape(channels)
-    dims = {(4, 1): "[N, C, H, W]", (2, 1): "[M, C]"}.get((out_ndim, channel_dim), "[*, C]")
+    dims = ("[..., C, H, W]" if out_ndim >= 4 and channel_dim == out_ndim - 3
+            else "[M, C]" if (out_ndim, channel_dim) == (2, 1) else "[*, C]")
     if len(shape) > out_ndim:  # (37's and 94's: the modules that take leading 1s ask for them)
         raise ValueError(
             f"{what} has shape {shape}, of more dims than the reference's {dims} output there: "
@@ -203,6 +206,21 @@ def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str,
         f"other than per channel; the fused module takes one value per channel (C = "
         f"{channels}): shape {(channels,) + (1,) * (out_ndim - 1 - channel_dim)} or a single "
         "value")
+
+
+def _scalar_cast(param: torch.Tensor, vector: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``vector`` (``param`` as :func:`_per_channel` gives it), cast to the
+    dtype the reference's output has without it where ``param`` is 0-dim
+    (a ``bias_shape`` of ()): torch's promotion lets a 0-dim tensor change
+    no dimensioned tensor's float dtype (a float32 one added to a float16
+    output gives float16), where the ops promote over every vector.  That
+    dtype: the autocast dtype, float32 under autocast to float32, else x's.
+    (An autograd cast: the gradient comes back in the parameter's dtype.)"""
+    if param.dim() != 0:
+        return vector
+    amp = autocast_dtype()
+    return cast(vector, amp if amp is not None else
+                torch.float32 if float32_autocast() else x.dtype)
 
 
 def _gemm_precision(precision):
@@ -257,10 +275,12 @@ class ConvReluBiasAdd(nn.Module):
         Returns:
             y [N, out_channels, OH, OW] (the convolution's output size: H -
             KH + 1, W - KW + 1 for nn.Conv2d's defaults), or [out_channels,
-            OH, OW] for one image (unless ``bias`` is 4-D, whose broadcast
-            keeps the batch dim, as the reference's), in x's memory format
-            and dtype; under autocast the autocast dtype promoted with
-            ``bias``'s, as the reference's.
+            OH, OW] for one image (unless ``bias`` has 4 dims or more,
+            whose broadcast keeps the batch dim, as the reference's), behind
+            the leading 1s of a ``bias`` of more than 4 dims; in x's memory
+            format, and x's dtype (the autocast dtype under autocast)
+            promoted with ``bias``'s unless ``bias`` is 0-dim, as the
+            reference's.
         """
         if isinstance(x, torch.Tensor) and x.dim() != 4:
             refuse_transforms(type(self).__name__, x)  # (a vmapped x has one dim less)
@@ -274,10 +294,12 @@ class ConvReluBiasAdd(nn.Module):
         conv = _plain(self.conv, nn.Conv2d, self, "conv")
         weight = conv.weight
         _check_input(x, weight, 4, conv.in_channels, "input channels (dim 1)", self)
+        param = self.bias  # (a Module.__getattr__ call: read once)
         # A bias of more dims than 4 (leading 1s) gives the reference's
         # output as many: y [N, C, OH, OW] behind them.
-        out_ndim = max(4, self.bias.dim())
-        bias = _per_channel(self.bias, weight.shape[0], out_ndim, "bias", channel_dim=out_ndim - 3)
+        out_ndim = max(4, param.dim())
+        bias = _scalar_cast(param, _per_channel(param, weight.shape[0], out_ndim, "bias",
+                                                channel_dim=out_ndim - 3), x)
         y = self._forward_4d(x, conv, weight, bias)
         return y if out_ndim == 4 else y.view((1,) * (out_ndim - 4) + tuple(y.shape))
 
@@ -299,7 +321,9 @@ class ConvReluBiasAdd(nn.Module):
         if conv_bias is not None:
             check_vector("conv.bias", conv_bias, weight.shape[0], x, "x", dtype=FLOAT_DTYPES)
         check_like("bias", bias, x, "x", FLOAT_DTYPES)
-        refuse_tangents(x, weight, conv_bias, bias)  # (forward-mode AD, before cuDNN runs)
+        # Forward-mode AD and torch.func over any of them, before cuDNN runs.
+        refuse_tangents(x, weight, conv_bias, bias)
+        refuse_transforms(type(self).__name__, x, weight, conv_bias, bias)
         z = conv._conv_forward(x, weight, None)
         # Under autocast z is in the autocast dtype and the biases float32:
         # bias_relu promotes, as the reference's add does.  Without a conv
@@ -393,15 +417,19 @@ class GemmAddRelu(nn.Module):
                 their CUDA device.
 
         Returns:
-            y [*, out_features] (x's leading dims), in x's dtype; float32
-            under autocast, as the reference's.
+            y [*, out_features] (x's leading dims, behind the leading 1s of
+            a ``bias`` of more dims), in x's dtype (the autocast dtype under
+            autocast) promoted with ``bias``'s unless ``bias`` is 0-dim, as
+            the reference's: float32 under autocast for a float32 model.
         """
         linear = _plain(self.gemm, nn.Linear, self, "gemm")
         weight = linear.weight
         if isinstance(x, torch.Tensor) and (x.dim() != 2 or self.bias.dim() > 2):
             return self._rows(x, linear, weight)
         _check_input(x, weight, 2, weight.shape[1], "features", self)
-        return self._forward_2d(x, linear, weight, _per_channel(self.bias, weight.shape[0], 2, "bias"))
+        param = self.bias
+        return self._forward_2d(x, linear, weight, _scalar_cast(
+            param, _per_channel(param, weight.shape[0], 2, "bias"), x))
 
     def _forward_2d(self, x: torch.Tensor, linear: nn.Linear, weight: torch.Tensor,
                     bias: torch.Tensor) -> torch.Tensor:
@@ -455,8 +483,10 @@ class GemmAddRelu(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(lead.numel(), x.shape[-1])
         _check_input(rows, weight, 2, weight.shape[1], "features", self)
-        out_ndim = max(x.dim(), self.bias.dim())
-        bias = _per_channel(self.bias, weight.shape[0], out_ndim, "bias", channel_dim=out_ndim - 1)
+        param = self.bias
+        out_ndim = max(x.dim(), param.dim())
+        bias = _scalar_cast(param, _per_channel(param, weight.shape[0], out_ndim, "bias",
+                                                channel_dim=out_ndim - 1), x)
         y = self._forward_2d(rows, linear, weight, bias)
         return y.reshape(*(1,) * (out_ndim - x.dim()), *lead, y.shape[-1])
 
@@ -496,8 +526,9 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
                 any of float32, float16 and bfloat16), on their CUDA device.
 
         Returns:
-            y [M, out_features], in x's dtype; float32 under autocast, as the
-            reference's.
+            y [M, out_features] (behind the leading 1s of a
+            ``multiply_weight`` of more dims), in x's dtype; float32 under
+            autocast, as the reference's.
         """
         linear = _plain(self.gemm, nn.Linear, self, "gemm")
         gn = _plain(self.group_norm, nn.GroupNorm, self, "group_norm")

@@ -304,6 +304,34 @@ def test_bias_relu_promotes_under_autocast(z_dtype, amp, device):
     assert not worse_than_eager(errors, amp), errors
 
 
+@pytest.mark.parametrize("amp", AMP, ids=str)
+def test_a_0_dim_bias_changes_no_float_dtype(amp, device):
+    """torch's promotion lets a 0-dim tensor change no dimensioned tensor's
+    float dtype (a float16 z plus a 0-dim float32 bias is float16): so do
+    bias_relu and conv_bias_relu, and problems 76 and 1 built with
+    ``bias_shape=()``, as float32 models under autocast and as half models
+    with a float32 bias; dtypes as eager's, errors within 1.5x."""
+    scalar = _rand(1, seed=1).reshape(())  # float32
+    z, b2 = _rand(2, 6, 5, 7, dtype=amp), _rand(6, 1, 1, seed=2, dtype=amp)
+    errors = _op_errors(ops.bias_relu, lambda z, b, b2: torch.relu(z + b) + b2, [z, scalar, b2], amp)
+    assert not worse_than_eager(errors, amp), errors
+    x, w, cb = _rand(2, 3, 9, 8, dtype=amp), _rand(6, 3, 3, 3, seed=3, dtype=amp), _rand(6, seed=4)
+    errors = _op_errors(ops.conv_bias_relu, lambda x, w, cb, b: torch.relu(F.conv2d(x, w, cb)) + b,
+                        [x, w, cb.to(amp), scalar], amp)
+    assert not worse_than_eager(errors, amp), errors
+
+    def float32_scalar_bias(model):
+        model.bias = torch.nn.Parameter(model.bias.detach().float())
+
+    for problem in (76, 1):
+        _, args, shape = reference.SMALL_PROBLEMS[problem]
+        args = args[:-1] + ((),)
+        errors = compare(problem, args, shape, torch.float32, device, autocast=amp)
+        assert not worse_than_eager(errors, amp), (problem, errors)
+        errors = compare(problem, args, shape, amp, device, mutate=float32_scalar_bias)
+        assert not worse_than_eager(errors, amp), (problem, errors)
+
+
 def _gn_reference(chain, groups):
     def ref(z, lin_bias, extra_or_mul, gn_weight, gn_bias):
         z = z if lin_bias is None else z + lin_bias

@@ -209,9 +209,9 @@ def test_a_float64_model_is_refused_naming_its_parameters(past_device_check):
     (88, "gemm.bias"), (88, "group_norm.weight"), (88, "multiply_weight"),
     (94, "gemm.bias"), (94, "bias"), (94, "groupnorm.weight"), (94, "groupnorm.bias")])
 def test_group_norm_modules_name_their_parameters_in_errors(problem, path, past_device_check):
-    """A parameter of another dtype than x's (or on another device) is
-    refused naming the module's parameter, not the op's argument it is
-    passed as (lin_bias, extra_bias, gn_weight, ...)."""
+    """A parameter of another dtype than x's is refused naming the module's
+    parameter, not the op's argument it is passed as (lin_bias, extra_bias,
+    gn_weight, ...)."""
     from cupy_fused import reference
 
     _, args, shape = reference.SMALL_PROBLEMS[problem]

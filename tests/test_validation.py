@@ -511,6 +511,26 @@ def test_models_under_torch_func_transforms_are_refused_naming_them(problem, pas
         torch.func.grad(lambda t: model(t).sum())(x[0])
 
 
+def test_problem_1_refuses_forward_ad_and_transforms_before_cudnn_runs(past_device_check, monkeypatch):
+    """A convolution the engine does not take (padding 1) runs cuDNN first,
+    then bias_relu: forward-mode AD, and torch.func over the parameters
+    (functional_call, which wraps them and not x), are refused before the
+    convolution, the latter naming the module."""
+    import torch.autograd.forward_ad as fwAD
+
+    model = cupy_fused.ConvReluBiasAdd(3, 4, 3, (4, 1, 1))
+    model.conv.padding = (1, 1)
+    monkeypatch.setattr(model.conv, "_conv_forward", lambda *a: pytest.fail("the convolution ran"))
+    x = torch.rand(2, 3, 8, 8)
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="forward-mode AD"):
+            model(fwAD.make_dual(x, torch.rand_like(x)))
+    params = dict(model.named_parameters())
+    with pytest.raises(RuntimeError, match="cupy_fused::ConvReluBiasAdd does not support torch.func's "
+                                           "gradient transforms"):
+        torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
+
+
 @pytest.mark.parametrize("op", ["scale_add", "bias_relu", "gn_chain"])
 def test_ops_under_functionalize_launch_on_real_memory(op, past_device_check, monkeypatch):
     """torch.func.functionalize's tensors have no memory of their own

@@ -365,8 +365,9 @@ def _bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor
     channels = z.shape[1]
     out_dtype = z.dtype
     for name, vector in (("bias", bias), ("bias2", bias2)):
-        # (a vector that is no tensor, or None, is check_vector's to name)
-        if isinstance(vector, torch.Tensor) and vector.dtype != out_dtype:
+        # (a vector that is no tensor, or None, is check_vector's to name; a
+        # 0-dim one changes no float dtype in torch's promotion: cast below)
+        if isinstance(vector, torch.Tensor) and vector.dtype != out_dtype and vector.dim():
             out_dtype = promoted(out_dtype, vector.dtype)
             if out_dtype != z.dtype and out_dtype != torch.float32:  # e.g. a float64 vector
                 raise TypeError(f"{name} must be float32, float16 or bfloat16, got {vector.dtype}")

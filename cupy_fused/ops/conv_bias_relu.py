@@ -105,7 +105,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _bridge, _runtime
-from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
+from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts, promoted
 from .._autograd import (HAS_CUSTOM_OP, FusedOp, assume_constant_result, check_unchanged, graph_anchors,
                          inference_op, is_compiling, is_exporting, needs_grad, on_example_sizes,
                          refuse_tangents, refuse_transforms, version_of)
@@ -1853,6 +1853,11 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     conv_bias = check_vector("conv_bias", check_tensor("conv_bias", conv_bias), cout, x, "x",
                              optional=False, dtype=conv_bias.dtype)
     if bias is not None:
+        if bias.dim() == 0:
+            # A 0-dim bias changes no float dtype in torch's promotion: in
+            # the dtype y has without it (an autograd cast).
+            base = amp if amp is not None else x.dtype
+            bias = cast(check_tensor("bias", bias), promoted(base, conv_bias.dtype))
         bias = check_vector("bias", check_tensor("bias", bias), cout, x, "x", dtype=bias.dtype,
                             one=True)
     refuse_transforms("conv_bias_relu", x, weight, conv_bias, bias)  # (the routes read alignments)
