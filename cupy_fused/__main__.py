@@ -25,18 +25,17 @@ def _report_cupy():
     """Prints CuPy's and NVRTC's versions; returns (cupy module or None,
     whether NVRTC loads)."""
     from . import _runtime
-    from ._cupy import INSTALL_HINT, cupy_available, require_cupy
+    from ._cupy import INSTALL_HINT, CupyNotInstalledError, require_cupy
 
     try:
-        available = cupy_available()
-    except OSError as exc:  # installed, but its import failed (its cache folder: the message says)
-        _line("CuPy", f"import failed ({exc})")
-        return None, False
-    if not available:
+        cupy = require_cupy()
+    except CupyNotInstalledError:
         _line("CuPy", "NOT INSTALLED")
         print(INSTALL_HINT)
         return None, False
-    cupy = require_cupy()
+    except (ImportError, OSError) as exc:  # installed, but its import failed: the message says why
+        _line("CuPy", f"import failed ({exc})")
+        return None, False
 
     _line("CuPy", f"{cupy.__version__} ({_runtime.cupy_distribution() or 'unknown distribution'})")
     nvrtc_ok = True

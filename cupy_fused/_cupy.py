@@ -20,14 +20,27 @@ INSTALL_HINT = (
 _cupy = None
 
 
+class CupyNotInstalledError(ImportError):
+    """No ``cupy`` module to import (its message: :data:`INSTALL_HINT`)."""
+
+
 def require_cupy():
-    """Returns the ``cupy`` module, importing it on first use."""
+    """Returns the ``cupy`` module, importing it on first use.  Raises
+    :class:`CupyNotInstalledError` where there is none, ImportError naming
+    CuPy's own error where one is installed but does not import (a CUDA
+    library it cannot load, a missing dependency), OSError where it cannot
+    make its cache folder."""
     global _cupy
     if _cupy is None:
         try:
             _cupy = importlib.import_module("cupy")
-        except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
-            raise ImportError(INSTALL_HINT) from exc
+        except ImportError as exc:
+            if isinstance(exc, ModuleNotFoundError) and exc.name == "cupy":
+                raise CupyNotInstalledError(INSTALL_HINT) from exc
+            raise ImportError(
+                f"CuPy is installed but importing it failed: {exc}.  Check that the installed "
+                "CuPy is the one of torch's CUDA major (cupy-cuda12x for CUDA 12, cupy-cuda13x "
+                "for 13) and that only one of them is installed") from exc
         except OSError as exc:
             # CuPy makes its kernel cache's folder when it is imported.
             raise type(exc)(
@@ -39,6 +52,8 @@ def require_cupy():
 
 
 def cupy_available() -> bool:
+    """Whether CuPy imports (False where it is not installed or its import
+    fails; OSError where it cannot make its cache folder)."""
     try:
         require_cupy()
     except ImportError:

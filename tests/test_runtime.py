@@ -672,6 +672,34 @@ def test_the_report_names_a_cupy_import_or_nvrtc_failure_without_a_traceback(mon
     assert "NVRTC                  unavailable (DLL load failed" in out, out
 
 
+def test_a_cupy_that_is_installed_but_does_not_import_is_not_called_missing(monkeypatch, capsys):
+    """CuPy installed for another CUDA than the machine's (a library it
+    cannot load): the error and the report say its import failed, with
+    CuPy's own message, not that it is missing (which a cupy module absent
+    still says)."""
+    from cupy_fused import _cupy
+
+    def broken(name):
+        raise ImportError("libcudart.so.12: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(_cupy, "_cupy", None)
+    monkeypatch.setattr(_cupy.importlib, "import_module", broken)
+    with pytest.raises(ImportError, match=r"^CuPy is installed but importing it failed: "
+                                          r"libcudart\.so\.12: cannot open"):
+        _cupy.require_cupy()
+    assert main_job.main(["--no-compile-check"]) == 1
+    out = capsys.readouterr().out
+    assert "CuPy                   import failed (CuPy is installed" in out and "NOT INSTALLED" not in out
+
+    def missing(name):
+        raise ModuleNotFoundError("No module named 'cupy'", name="cupy")
+
+    monkeypatch.setattr(_cupy.importlib, "import_module", missing)
+    with pytest.raises(_cupy.CupyNotInstalledError, match="cupy-fused needs CuPy"):
+        _cupy.require_cupy()
+    assert not _cupy.cupy_available()
+
+
 def test_a_kernel_folder_that_is_not_there_is_named(monkeypatch, tmp_path, capsys):
     missing = str(tmp_path / "nowhere")
     monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", missing)
