@@ -49,13 +49,3 @@ def require_cupy():
                 "that folder cannot be made or written, set CUPY_CACHE_DIR to a writable "
                 "folder before CuPy is imported") from exc
     return _cupy
-
-
-def cupy_available() -> bool:
-    """Whether CuPy imports (False where it is not installed or its import
-    fails; OSError where it cannot make its cache folder)."""
-    try:
-        require_cupy()
-    except ImportError:
-        return False
-    return True

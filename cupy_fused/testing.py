@@ -13,13 +13,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import operator
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from . import models, reference
-from ._validation import check_same_shape
+from ._validation import check_int, check_same_shape
 
 
 def build_pair(problem: int, ctor_args: tuple, device, dtype: torch.dtype, seed: int = 0):
@@ -59,14 +58,7 @@ def poison_allocator(device, nbytes: int) -> None:
     Returns:
         None.
     """
-    if isinstance(nbytes, bool):
-        raise TypeError("nbytes must be an int, got bool")
-    try:
-        nbytes = operator.index(nbytes)  # (NumPy's ints too)
-    except TypeError:
-        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}") from None
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be non-negative, got {nbytes}")
+    nbytes = check_int("nbytes", nbytes, 0)  # (NumPy's ints too)
     blocks = [torch.full((nbytes // 4 + 1,), float("nan"), device=device) for _ in range(4)]
     del blocks
 

@@ -832,7 +832,7 @@ def test_testing_helpers_refuse_what_they_cannot_measure():
         testing.build_pair(2, (), "cpu", torch.float32)
     with pytest.raises(ValueError, match=r"grad_mode must be 'random' or 'sum', got 'bogus'"):
         testing.compare(76, (8, 16, (16,)), (4, 8), torch.float32, "cpu", grad_mode="bogus")
-    with pytest.raises(ValueError, match=r"nbytes must be non-negative, got -8"):
+    with pytest.raises(ValueError, match=r"nbytes must be at least 0, got -8"):
         testing.poison_allocator("cpu", -8)
     with pytest.raises(TypeError, match=r"nbytes must be an int, got float"):
         testing.poison_allocator("cpu", 8.0)
