@@ -61,7 +61,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from . import _validation, ops
-from ._amp import autocast_dtype, autocast_enabled, cast, float32_autocast, float32_casts
+from ._amp import autocast_dtype, autocast_enabled, float32_casts
 from ._autograd import refuse_tangents, refuse_transforms
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
@@ -179,13 +179,15 @@ def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str,
     linear layer's [*, C]) adds or multiplies one value per channel: a
     shape such as (C,) for a [M, C] output or (C, 1, 1) for [N, C, H, W], as
     C values; one value for every channel, as shape (1,) (the op spreads
-    it, and gives it the whole sum of its gradients, rounded once).  Any
+    it, and gives it the whole sum of its gradients, rounded once), or 0-dim
+    as given (see below).  Any
     other shape broadcasts along another dim (a (C,) bias of problem 1
     along the image's width) and is refused."""
     # The reference's own shapes, (C,) and (C, 1, 1), cheaply: this runs on
-    # every forward.
+    # every forward.  A 0-dim param as it is: torch's promotion lets it
+    # change no float dtype, and the ops apply that rule to 0-dim vectors.
     if (param.dim() == out_ndim - channel_dim and param.shape[0] == channels
-            and param.numel() == channels):
+            and param.numel() == channels) or param.dim() == 0:
         return param
     shape = tuple(param.shape)
     padded = (1,) * (out_ndim - len(shape)) + shape
@@ -208,21 +210,6 @@ def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str,
         "value")
 
 
-def _scalar_cast(param: torch.Tensor, vector: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``vector`` (``param`` as :func:`_per_channel` gives it), cast to the
-    dtype the reference's output has without it where ``param`` is 0-dim
-    (a ``bias_shape`` of ()): torch's promotion lets a 0-dim tensor change
-    no dimensioned tensor's float dtype (a float32 one added to a float16
-    output gives float16), where the ops promote over every vector.  That
-    dtype: the autocast dtype, float32 under autocast to float32, else x's.
-    (An autograd cast: the gradient comes back in the parameter's dtype.)"""
-    if param.dim() != 0:
-        return vector
-    amp = autocast_dtype()
-    return cast(vector, amp if amp is not None else
-                torch.float32 if float32_autocast() else x.dtype)
-
-
 def _gemm_precision(precision):
     """The ``precision`` ctor argument: None (process default, read at each
     call) or one of ``ops.PRECISIONS``."""
@@ -237,13 +224,15 @@ def _fields(**values) -> str:
 
 
 def _autocast_conv_bias(conv_bias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Problem 1's conv bias under autocast where its dtype is not bias's:
-    cast to the autocast dtype d where bias is in d (an autograd cast).
-    The reference's convolution casts its bias to d, so that only bias's
-    dtype promotes y's; the ops add conv_bias after the convolution and
-    promote over both (a float32 conv bias would make y float32)."""
+    """Problem 1's float32 conv bias under autocast, cast to the autocast
+    dtype d (an autograd cast) where y would otherwise be float32 against
+    the reference's d: where bias is in d, or 0-dim (torch's promotion lets
+    it change no float dtype).  The reference's convolution casts its bias
+    to d, so that only bias's dtype promotes y's; the ops add conv_bias
+    after the convolution and promote over both."""
     amp = autocast_dtype()
-    if amp is not None and bias.dtype == amp and conv_bias.dtype == torch.float32:
+    if (amp is not None and conv_bias.dtype == torch.float32
+            and (bias.dtype == amp or bias.dim() == 0)):
         return conv_bias.to(amp)
     return conv_bias
 
@@ -298,8 +287,7 @@ class ConvReluBiasAdd(nn.Module):
         # A bias of more dims than 4 (leading 1s) gives the reference's
         # output as many: y [N, C, OH, OW] behind them.
         out_ndim = max(4, param.dim())
-        bias = _scalar_cast(param, _per_channel(param, weight.shape[0], out_ndim, "bias",
-                                                channel_dim=out_ndim - 3), x)
+        bias = _per_channel(param, weight.shape[0], out_ndim, "bias", channel_dim=out_ndim - 3)
         y = self._forward_4d(x, conv, weight, bias)
         return y if out_ndim == 4 else y.view((1,) * (out_ndim - 4) + tuple(y.shape))
 
@@ -308,7 +296,7 @@ class ConvReluBiasAdd(nn.Module):
         """forward of a checked 4-D x, with ``bias`` as :func:`_per_channel`
         gives it."""
         conv_bias = conv.bias
-        if conv_bias is not None and conv_bias.dtype != bias.dtype and autocast_enabled():
+        if conv_bias is not None and autocast_enabled():
             conv_bias = _autocast_conv_bias(conv_bias, bias)
         if (conv.stride == (1, 1) and conv.padding == (0, 0) and conv.dilation == (1, 1)
                 and conv.groups == 1 and conv_bias is not None):  # (no padding: its mode is moot)
@@ -428,8 +416,7 @@ class GemmAddRelu(nn.Module):
             return self._rows(x, linear, weight)
         _check_input(x, weight, 2, weight.shape[1], "features", self)
         param = self.bias
-        return self._forward_2d(x, linear, weight, _scalar_cast(
-            param, _per_channel(param, weight.shape[0], 2, "bias"), x))
+        return self._forward_2d(x, linear, weight, _per_channel(param, weight.shape[0], 2, "bias"))
 
     def _forward_2d(self, x: torch.Tensor, linear: nn.Linear, weight: torch.Tensor,
                     bias: torch.Tensor) -> torch.Tensor:
@@ -445,7 +432,7 @@ class GemmAddRelu(nn.Module):
         # ops.linear's internal entry point: x and the weight are checked
         # above, and ops.linear would check them again on every call (see
         # _linear_prechecked).
-        if (amp is not None or gemm_bias is not None or bias.shape[0] != weight.shape[0]
+        if (amp is not None or gemm_bias is not None or bias.numel() != weight.shape[0]
                 or bias.dtype != x.dtype):
             # The GEMM, then bias + ReLU in one pass (ops.bias_relu): under
             # autocast, the GEMM in the autocast dtype (gradients written in
@@ -485,8 +472,7 @@ class GemmAddRelu(nn.Module):
         _check_input(rows, weight, 2, weight.shape[1], "features", self)
         param = self.bias
         out_ndim = max(x.dim(), param.dim())
-        bias = _scalar_cast(param, _per_channel(param, weight.shape[0], out_ndim, "bias",
-                                                channel_dim=out_ndim - 1), x)
+        bias = _per_channel(param, weight.shape[0], out_ndim, "bias", channel_dim=out_ndim - 1)
         y = self._forward_2d(rows, linear, weight, bias)
         return y.reshape(*(1,) * (out_ndim - x.dim()), *lead, y.shape[-1])
 

@@ -310,7 +310,9 @@ def test_a_0_dim_bias_changes_no_float_dtype(amp, device):
     float dtype (a float16 z plus a 0-dim float32 bias is float16): so do
     bias_relu and conv_bias_relu, and problems 76 and 1 built with
     ``bias_shape=()``, as float32 models under autocast and as half models
-    with a float32 bias; dtypes as eager's, errors within 1.5x."""
+    with a float32 bias (problem 1's other convolutions too), and 37, 88 and
+    94 as half models with a float32 0-dim bias or multiply_weight; dtypes
+    as eager's, errors within 1.5x."""
     scalar = _rand(1, seed=1).reshape(())  # float32
     z, b2 = _rand(2, 6, 5, 7, dtype=amp), _rand(6, 1, 1, seed=2, dtype=amp)
     errors = _op_errors(ops.bias_relu, lambda z, b, b2: torch.relu(z + b) + b2, [z, scalar, b2], amp)
@@ -323,12 +325,27 @@ def test_a_0_dim_bias_changes_no_float_dtype(amp, device):
     def float32_scalar_bias(model):
         model.bias = torch.nn.Parameter(model.bias.detach().float())
 
-    for problem in (76, 1):
+    def strided(model):  # problem 1's other convolutions: cuDNN, then bias_relu
+        model.conv.stride = (2, 2)
+
+    for problem, shape_of, mutate in ((76, None, None), (1, None, None), (1, None, strided),
+                                      (76, lambda s: (2,) + s, None)):  # (76's rows of a 3-D x)
         _, args, shape = reference.SMALL_PROBLEMS[problem]
-        args = args[:-1] + ((),)
-        errors = compare(problem, args, shape, torch.float32, device, autocast=amp)
+        args, shape = args[:-1] + ((),), shape if shape_of is None else shape_of(shape)
+        errors = compare(problem, args, shape, torch.float32, device, autocast=amp, mutate=mutate)
         assert not worse_than_eager(errors, amp), (problem, errors)
-        errors = compare(problem, args, shape, amp, device, mutate=float32_scalar_bias)
+        errors = compare(problem, args, shape, amp, device,
+                         mutate=lambda m: (float32_scalar_bias(m), mutate and mutate(m)))
+        assert not worse_than_eager(errors, amp), (problem, errors)
+
+    def float32_scalar(model):  # (the GroupNorm problems' one parameter of a settable shape)
+        name = "multiply_weight" if hasattr(model, "multiply_weight") else "bias"
+        setattr(model, name, torch.nn.Parameter(getattr(model, name).detach().float()))
+
+    for problem, where in ((37, 3), (88, 3), (94, 2)):  # half models: the chain in their dtype
+        _, args, shape = reference.SMALL_PROBLEMS[problem]
+        args = args[:where] + ((),) + args[where + 1:]
+        errors = compare(problem, args, shape, amp, device, mutate=float32_scalar)
         assert not worse_than_eager(errors, amp), (problem, errors)
 
 

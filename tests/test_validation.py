@@ -246,6 +246,16 @@ def test_one_value_vectors_where_the_ops_take_them(past_device_check):
     assert [None if v is None else tuple(v.shape) for v in vectors] == [None, None, (1,), (1,), (1,)]
     with pytest.raises(ValueError, match="lin_bias must hold one value per channel"):
         GN.check_chain_vectors("swish_bias_gn", C, z, "z", one, one, None, None, None)
+    # A 0-dim float32 vector in a float16 chain promotes nothing (torch's
+    # rule): cast to z's dtype; one of (1,) keeps the refusal of a mixed dtype.
+    half = z.half()
+    scalar = torch.rand((), requires_grad=True)
+    vectors = GN.check_chain_vectors("swish_bias_gn", C, half, "z", None, scalar, None, None, None)
+    assert vectors[1].dtype == torch.float16 and vectors[1].shape == (1,)
+    vectors[1].float().sum().backward()
+    assert scalar.grad.dtype == torch.float32
+    with pytest.raises(TypeError, match=r"extra_bias must have the dtype of z \(torch.float16\)"):
+        GN.check_chain_vectors("swish_bias_gn", C, half, "z", None, one, None, None, None)
     x = torch.rand(2, 3, 6, 6)
     with pytest.raises(ValueError, match="conv_bias must have C_out = 4 values"):
         ops.conv_bias_relu(x, torch.rand(4, 3, 3, 3), one, torch.rand(4))
@@ -766,6 +776,9 @@ def test_problem_1_conv_bias_under_autocast_takes_the_autocast_dtype(past_device
     with _cuda_autocast(torch.bfloat16):  # the conv bias's gradient in its own dtype
         cb = torch.rand(4, requires_grad=True)
         M._autocast_conv_bias(cb, torch.rand(4, dtype=torch.bfloat16)).sum().backward()
+        # a 0-dim float32 bias promotes nothing: y in bfloat16, as the reference's
+        assert M._autocast_conv_bias(cb, torch.rand(())).dtype == torch.bfloat16
+        assert M._autocast_conv_bias(cb, torch.rand(1)) is cb  # (a float32 y, as the reference's)
     assert cb.grad.dtype == torch.float32
 
 

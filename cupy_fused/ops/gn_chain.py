@@ -563,7 +563,10 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
     A vector the chain has no place for (extra_bias in 88's, mul_weight in
     37's and 94's) is refused: it would be ignored.  ``autocast``: float32,
     float16 and bfloat16 vectors cast to float32 (autograd ops), the dtype
-    autocast runs the GroupNorm in; others (float64) refused.  ``names``:
+    autocast runs the GroupNorm in; others (float64) refused.  Outside
+    autocast a 0-dim vector is cast to ``like``'s dtype (torch's promotion
+    lets it change no float dtype: a float32 one in a float16 chain gives
+    float16).  ``names``:
     the vectors' argument names in the caller's signature, for the
     errors."""
     spec = CHAINS[chain]
@@ -577,6 +580,10 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
         dtype = FLOAT_DTYPES
         lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
             cast(v, torch.float32) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
+    else:  # a 0-dim vector changes no float dtype in torch's promotion: in like's
+        lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
+            cast(v, like.dtype) if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+            for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
     # (Each vector but the linear bias, which a GEMM's epilogue may add, may
     # be one value for every channel: see check_vector.)
     return (check_vector(names[0], lin_bias, channels, like, like_name, dtype=dtype),
