@@ -210,6 +210,12 @@ def _per_channel(param: torch.Tensor, channels: int, out_ndim: int, what: str,
         "value")
 
 
+def _leading_ones(y: torch.Tensor, count: int) -> torch.Tensor:
+    """y behind ``count`` leading 1s (a view): the shape the reference's
+    broadcast against a parameter of more dims than its output gives."""
+    return y if count <= 0 else y.view((1,) * count + tuple(y.shape))
+
+
 def _gemm_precision(precision):
     """The ``precision`` ctor argument: None (process default, read at each
     call) or one of ``ops.PRECISIONS``."""
@@ -288,8 +294,7 @@ class ConvReluBiasAdd(nn.Module):
         # output as many: y [N, C, OH, OW] behind them.
         out_ndim = max(4, param.dim())
         bias = _per_channel(param, weight.shape[0], out_ndim, "bias", channel_dim=out_ndim - 3)
-        y = self._forward_4d(x, conv, weight, bias)
-        return y if out_ndim == 4 else y.view((1,) * (out_ndim - 4) + tuple(y.shape))
+        return _leading_ones(self._forward_4d(x, conv, weight, bias), out_ndim - 4)
 
     def _forward_4d(self, x: torch.Tensor, conv: nn.Conv2d, weight: torch.Tensor,
                     bias: torch.Tensor) -> torch.Tensor:
@@ -474,7 +479,7 @@ class GemmAddRelu(nn.Module):
         out_ndim = max(x.dim(), param.dim())
         bias = _per_channel(param, weight.shape[0], out_ndim, "bias", channel_dim=out_ndim - 1)
         y = self._forward_2d(rows, linear, weight, bias)
-        return y.reshape(*(1,) * (out_ndim - x.dim()), *lead, y.shape[-1])
+        return _leading_ones(y.reshape(*lead, y.shape[-1]), out_ndim - x.dim())
 
     def extra_repr(self) -> str:
         return _fields(in_features=getattr(self.gemm, "in_features", None),
@@ -531,7 +536,7 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
                              gn.eps, self.precision, self.eager_rounding,
                              ("gemm.bias", "extra_bias", "group_norm.weight", "group_norm.bias",
                               "multiply_weight"))
-        return y if out_ndim == 2 else y.view((1,) * (out_ndim - 2) + tuple(y.shape))
+        return _leading_ones(y, out_ndim - 2)
 
     def extra_repr(self) -> str:
         return _fields(in_features=getattr(self.gemm, "in_features", None),
