@@ -28,6 +28,28 @@ def cxx_type(dtype: torch.dtype) -> str:
 
 
 _STRIDED = torch.strided
+# The tensor types the common paths pass without a second look; others go
+# to the checks in full (check_plain).
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+
+try:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper
+except ImportError:  # pragma: no cover - torch without it: nothing to tell
+    def _is_wrapper(value) -> bool:
+        return False
+
+
+def check_plain(name: str, value: torch.Tensor) -> None:
+    """Refuses a tensor subclass that wraps others (a DTensor, say): it
+    passes for a strided CUDA tensor of its shape, but has no memory of its
+    own (its data pointer is 0), so a kernel would read and write address 0
+    and leave the CUDA context unusable."""
+    if type(value) is not _TENSOR and type(value) is not _PARAMETER and _is_wrapper(value):
+        kind = type(value).__name__
+        raise TypeError(
+            f"{name} is a {kind}, a tensor subclass that wraps others and has no memory of its "
+            f"own for the kernels to read; pass a plain tensor"
+            + (" (a DTensor's .to_local() or .full_tensor())" if kind == "DTensor" else ""))
 
 
 def _check_dense(name: str, value: torch.Tensor) -> None:
@@ -38,13 +60,14 @@ def _check_dense(name: str, value: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
     if value.layout is not _STRIDED:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
+    check_plain(name, value)
 
 
 def check_tensor(name: str, value, *, ndim: Optional[Sequence[int]] = None) -> torch.Tensor:
     """A dense CUDA float tensor (float32, float16 or bfloat16)."""
     # One expression for the common case (this runs on every call of every op).
-    if (isinstance(value, torch.Tensor) and value.is_cuda and value.dtype in FLOAT_DTYPES
-            and value.layout is _STRIDED and not value.is_nested
+    if ((type(value) is _TENSOR or type(value) is _PARAMETER) and value.is_cuda
+            and value.dtype in FLOAT_DTYPES and value.layout is _STRIDED and not value.is_nested
             and (ndim is None or value.dim() in ndim)):
         return value
     if not isinstance(value, torch.Tensor):
@@ -219,7 +242,7 @@ def check_same(name: str, value, like: torch.Tensor, like_name: str) -> torch.Te
     """Same dtype, device and shape as ``like`` (itself already checked),
     dense.  One comparison of each on the common path: this runs on every
     call."""
-    if (isinstance(value, torch.Tensor) and value.dtype == like.dtype
+    if ((type(value) is _TENSOR or type(value) is _PARAMETER) and value.dtype == like.dtype
             and value.layout is _STRIDED and not value.is_nested and value.is_cuda
             and value.get_device() == like.get_device() and value.shape == like.shape):
         return value
@@ -234,8 +257,9 @@ def check_pair(name: str, value, other_name: str, other) -> None:
     in one call and one expression on the common path: the elementwise ops
     run it on every call, where each Python call is a measurable share of
     the op's host time."""
-    if (isinstance(value, torch.Tensor) and value.is_cuda and value.dtype in FLOAT_DTYPES
-            and isinstance(other, torch.Tensor) and other.dtype == value.dtype
+    if ((type(value) is _TENSOR or type(value) is _PARAMETER) and value.is_cuda
+            and value.dtype in FLOAT_DTYPES
+            and (type(other) is _TENSOR or type(other) is _PARAMETER) and other.dtype == value.dtype
             and value.layout is _STRIDED and other.layout is _STRIDED
             and not (value.is_nested or other.is_nested)
             and other.shape == value.shape and other.is_cuda

@@ -84,11 +84,13 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str,
     refuse_transforms(type(module).__name__, x, weight)
     # The common case in one expression: this runs on every forward, and a
     # half-precision step of problem 76 is as long as its host work.
-    if (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == weight.dtype
+    if (type(x) is torch.Tensor and x.is_cuda and x.dtype == weight.dtype
             and x.dtype in FLOAT_DTYPES and x.layout is torch.strided and not x.is_nested
             and x.dim() == ndim and x.shape[1] == features
-            and weight.is_cuda and x.get_device() == weight.get_device()):
+            and weight.is_cuda and x.get_device() == weight.get_device()
+            and (type(weight) is nn.Parameter or type(weight) is torch.Tensor)):
         return x
+    _validation.check_plain("the model's weight", weight)
     if weight.dtype not in FLOAT_DTYPES:  # (before x's dtype is set against it, or refused)
         raise TypeError(f"the model's parameters must be float32, float16 or bfloat16, got "
                         f"{weight.dtype} (a model cast with .double() is not supported)")

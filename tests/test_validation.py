@@ -306,6 +306,49 @@ def test_sparse_and_nested_tensors_are_refused(past_device_check):
                 call()
 
 
+def test_tensors_that_wrap_others_are_refused(past_device_check):
+    """A tensor subclass that wraps others (a DTensor, torch's TwoTensor)
+    passes for a strided tensor of its shape and device, but its data
+    pointer is 0: refused by every kind of check, naming the argument,
+    before anything is launched (a kernel would write to address 0)."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    x, b = torch.rand(4, C), torch.rand(C)
+    two = two_tensor.TwoTensor(x, x.clone())
+    wrapped = r"is a TwoTensor, a tensor subclass that wraps others"
+    cases = [
+        (lambda: ops.scale_add(two, x), "x " + wrapped),
+        (lambda: ops.scale_add(x, two), "y " + wrapped),
+        (lambda: ops.bias_relu(two, b), "z " + wrapped),
+        (lambda: ops.bias_relu(x, two_tensor.TwoTensor(b, b)), "bias " + wrapped),
+        (lambda: ops.linear(x, two_tensor.TwoTensor(torch.rand(C, C), torch.rand(C, C))),
+         "weight " + wrapped),
+    ]
+    model = cupy_fused.GemmAddRelu(C, 8, (8,))
+    cases.append((lambda: model(two), "x " + wrapped))
+    other = cupy_fused.GemmAddRelu(C, 8, (8,))
+    weight = torch.rand(8, C)
+    other.gemm.weight = torch.nn.Parameter(two_tensor.TwoTensor(weight, weight.clone()))
+    cases.append((lambda: other(x), "the model's weight " + wrapped))
+    for call, message in cases:
+        with pytest.raises(TypeError, match=message):
+            call()
+
+
+def test_a_dtensor_is_refused(past_device_check):
+    """As a DTensor (a one-process mesh on the CPU), naming its local form."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = distribute_tensor(torch.rand(4, C), init_device_mesh("cpu", (1,)), [Replicate()])
+        with pytest.raises(TypeError, match=r"x is a DTensor, .*\.to_local\(\) or \.full_tensor"):
+            ops.scale_add(x, x)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_gn_model_rejects_groups_at_construction():
     with pytest.raises(ValueError, match=r"num_groups \(4\) must divide the number of channels \(10\)"):
         cupy_fused.MatmulSwishSumGroupNorm(8, 10, 4, (10,))
