@@ -145,6 +145,8 @@ _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _unwrap_if_dead = getattr(_functorch, "unwrap_if_dead", None)
 _is_functional_tensor = getattr(_functorch, "is_functionaltensor", None)
 _is_batched = getattr(_functorch, "is_batchedtensor", None)
+# The batches of gradients of torch.autograd.grad(..., is_grads_batched=True).
+_is_legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", None)
 _is_grad_tracking = getattr(_functorch, "is_gradtrackingtensor", None)
 _FunctionBase = getattr(torch._C, "_FunctionBase", None)
 
@@ -256,6 +258,24 @@ def _grad_transform_error(name: str) -> RuntimeError:
                         "Tensor.backward")
 
 
+_tracing_state = getattr(torch._C, "_get_tracing_state", None)
+
+
+def refuse_jit(name: str) -> None:
+    """torch.jit.trace, refused naming ``name`` (an op, or a module) before
+    anything runs: the kernels are launched from Python, which a TorchScript
+    graph does not record (sizes turn into tensors under its tracer, and the
+    launch planning fails on them, naming nothing).  One call."""
+    if _tracing_state is not None and _tracing_state() is not None:
+        raise RuntimeError(jit_message(name))
+
+
+def jit_message(name: str) -> str:
+    return (f"{name} cannot be compiled to TorchScript (torch.jit.trace, torch.jit.script): "
+            "its kernels are launched from Python, which a TorchScript graph does not record; "
+            "use torch.compile, or torch.export for a graph")
+
+
 def refuse_transforms(name: str, *tensors: Optional[torch.Tensor]) -> None:
     """torch.vmap and torch.func's gradient transforms, refused naming
     ``name`` (an op, or a module) before anything runs, as
@@ -265,9 +285,11 @@ def refuse_transforms(name: str, *tensors: Optional[torch.Tensor]) -> None:
     x's rank (a vmapped x has one dim less).  Outside torch.func's
     transforms, one call.  Not while torch.compile traces, where
     :meth:`FusedOp.run` records its custom op without asking either (and
-    torch 2.4's TorchDynamo cannot trace the query: a graph break)."""
+    torch 2.4's TorchDynamo cannot trace the query: a graph break).
+    torch.jit.trace too (:func:`refuse_jit`)."""
     if is_compiling():
         return
+    refuse_jit(name)
     if _transforms_active is not None and _transforms_active():
         if _vmapped(tensors):
             raise _vmap_error(name)
@@ -487,6 +509,45 @@ class _SavedOnce:
         setattr(self._ctx, name, value)
 
 
+def _backward_body(name: str, formula: Callable, ctx, grads, run_backward):
+    """The eager node's backward: ``formula`` on ``grads``, refusing a
+    double backward with grad mode on (``create_graph=True``).  On a batch
+    of gradients (torch.autograd.grad's ``is_grads_batched``), where a
+    kernel reads the gradient's memory, which a batch does not have, the
+    error says so, naming the op (torch's names neither)."""
+    grad = grads[0]  # (the formulas read the first output's gradient only)
+    if grad is not None and _is_legacy_batched is not None and (
+            _is_legacy_batched(grad) or _is_batched(grad)):
+        try:
+            return _run_formula(name, formula, ctx, grads, run_backward)
+        except RuntimeError as error:
+            if "doesn't have storage" not in str(error):
+                raise
+            raise RuntimeError(
+                f"cupy_fused::{name} cannot take a batch of gradients in one backward "
+                "(torch.autograd.grad(..., is_grads_batched=True), torch.autograd.functional."
+                "jacobian / hessian with vectorize=True, or torch.vmap over a gradient): its "
+                "kernels read each gradient's memory; compute them one at a time "
+                "(vectorize=False)") from error
+    return _run_formula(name, formula, ctx, grads, run_backward)
+
+
+def _run_formula(name: str, formula: Callable, ctx, grads, run_backward):
+    if torch.is_grad_enabled():  # create_graph=True
+        return _formula_with_graph(name, formula, ctx, grads, run_backward)
+    return formula(ctx, grads, run_backward)
+
+
+def _eager_backward(*args):
+    """:func:`_backward_body` with TorchDynamo off (while it traces, a graph
+    break): made on first use, as ``torch._dynamo.disable`` imports
+    TorchDynamo, which importing this package does not."""
+    global _eager_backward
+    import torch._dynamo
+    _eager_backward = torch._dynamo.disable(_backward_body)
+    return _eager_backward(*args)
+
+
 def _formula_with_graph(name: str, formula: Callable, ctx, grads, run_backward):
     """``formula`` run by a backward with grad mode on (``create_graph=True``):
     its results refuse to be differentiated (:func:`first_order_only`), as
@@ -633,9 +694,13 @@ class FusedOp:
 
             @staticmethod
             def backward(ctx, *grads):
-                if torch.is_grad_enabled():  # create_graph=True
-                    return _formula_with_graph(name, formula, ctx, grads, run_backward)
-                return formula(ctx, grads, run_backward)
+                if is_compiling():
+                    # Compiled autograd traces the eager graph's backward:
+                    # this node's formula reads what the eager forward kept
+                    # on ctx and launches kernels, so it runs as it is (a
+                    # graph break), as outside.
+                    return _eager_backward(name, formula, ctx, grads, run_backward)
+                return _backward_body(name, formula, ctx, grads, run_backward)
 
         Function.__name__ = Function.__qualname__ = f"{self.name}_function"
         return Function

@@ -62,7 +62,7 @@ from torch.nn.utils import parametrize
 
 from . import _validation, ops
 from ._amp import autocast_dtype, autocast_enabled, float32_casts
-from ._autograd import refuse_tangents, refuse_transforms
+from ._autograd import jit_message, refuse_tangents, refuse_transforms
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
 from .ops.linear import _linear_prechecked
@@ -245,7 +245,16 @@ def _autocast_conv_bias(conv_bias: torch.Tensor, bias: torch.Tensor) -> torch.Te
     return conv_bias
 
 
-class ConvReluBiasAdd(nn.Module):
+class _FusedModule(nn.Module):
+    """What the fused modules share: their refusal of TorchScript."""
+
+    def __prepare_scriptable__(self):
+        # (torch.jit.script calls it first; left alone, scripting fails on
+        # the forward's Python, naming a type it cannot read)
+        raise RuntimeError(jit_message(type(self).__name__))
+
+
+class ConvReluBiasAdd(_FusedModule):
     """Problem 1: ``relu(conv(x)) + bias`` (the reference's
     ``Conv2dReLUBiasAdd``).
 
@@ -334,7 +343,7 @@ class ConvReluBiasAdd(nn.Module):
                        bias_shape=tuple(self.bias.shape))
 
 
-class MatmulSwishSumGroupNorm(nn.Module):
+class MatmulSwishSumGroupNorm(_FusedModule):
     """Problem 37: ``group_norm(swish(matmul(x)) + bias)``.
 
     Args:
@@ -386,7 +395,7 @@ class MatmulSwishSumGroupNorm(nn.Module):
                        eager_rounding=self.eager_rounding)
 
 
-class GemmAddRelu(nn.Module):
+class GemmAddRelu(_FusedModule):
     """Problem 76: ``relu(gemm(x) + bias)`` (the reference's ``GemmAddReLU``).
 
     Args:
@@ -489,7 +498,7 @@ class GemmAddRelu(nn.Module):
                        bias_shape=tuple(self.bias.shape), precision=self.precision)
 
 
-class GemmGroupNormSwishMultiplySwish(nn.Module):
+class GemmGroupNormSwishMultiplySwish(_FusedModule):
     """Problem 88: ``g = group_norm(gemm(x)); m = swish(g) * multiply_weight;
     swish(m)``.
 
@@ -548,7 +557,7 @@ class GemmGroupNormSwishMultiplySwish(nn.Module):
                        precision=self.precision, eager_rounding=self.eager_rounding)
 
 
-class GemmBiasAddHardtanhMishGroupNorm(nn.Module):
+class GemmBiasAddHardtanhMishGroupNorm(_FusedModule):
     """Problem 94: ``groupnorm(mish(hardtanh(gemm(x) + bias)))``.
 
     Args:

@@ -384,6 +384,31 @@ def test_vmap_is_refused_naming_the_op():
         torch.vmap(lambda t: _SCALE.run(True, t, 3.0))(x.requires_grad_(True))
 
 
+def _reads_memory_formula(ctx, grads, run_backward):
+    grads[0].data_ptr()  # (as a kernel's launch takes it)
+    return grads[0] * ctx.scale, None
+
+
+_READS_MEMORY = FusedOp("test_autograd_reads_memory", _scale_forward, _scale_fake,
+                        _scale_setup_context, _reads_memory_formula)
+
+
+def test_a_batch_of_gradients_is_refused_naming_the_op_where_a_kernel_reads_it():
+    """torch.autograd.grad(..., is_grads_batched=True) hands each backward
+    a batch of gradients with no memory of its own: where the formula reads
+    it (a kernel's launch), the error names the op and the way out; a
+    formula of torch ops takes the batch."""
+    x = torch.rand(4, 5, requires_grad=True)
+    batch = torch.rand(3, 4, 5)
+    with pytest.raises(RuntimeError, match=f"cupy_fused::{_READS_MEMORY.name} cannot take a "
+                                           r"batch of gradients.*vectorize=False"):
+        torch.autograd.grad(_READS_MEMORY.run(True, x, 2.0), x, batch, is_grads_batched=True)
+    (grad,) = torch.autograd.grad(_SCALE.run(True, x, 2.0), x, batch, is_grads_batched=True)
+    assert torch.equal(grad, batch * 2.0)
+    (grad,) = torch.autograd.grad(_READS_MEMORY.run(True, x, 2.0), x, batch[0])
+    assert torch.equal(grad, batch[0] * 2.0)
+
+
 def test_importing_the_package_leaves_dynamo_unimported():
     """``import cupy_fused`` does not import TorchDynamo (about a second of
     import time): the constant-result mark of problem 1's precision read

@@ -221,3 +221,70 @@ def test_group_norm_modules_name_their_parameters_in_errors(problem, path, past_
     setattr(module, attr, torch.nn.Parameter(getattr(module, attr).detach().double()))
     with pytest.raises(TypeError, match=rf"^{path.replace('.', '[.]')} must have the dtype of x "):
         model(torch.rand(shape))
+
+
+def test_compiled_autograd_over_an_eager_forward(past_device_check):
+    """Compiled autograd (as FSDP2-style training turns on) traces the eager
+    graph's backward: each node's formula, which reads what the eager
+    forward kept on its ctx, runs as it is (a graph break) and gives eager's
+    gradients.  Problem 76 in bfloat16 (cuBLAS and torch ops here): its
+    traced version check of the kept output said it had changed in place."""
+    ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+    enable = getattr(ca, "_enable", None) or getattr(ca, "enable", None)
+    if enable is None:
+        pytest.skip("this torch has no compiled autograd")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = models.GemmAddRelu(64, 256, (256,)).bfloat16()
+    x = torch.randn(96, 64, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(96, 256, dtype=torch.bfloat16)
+    leaves = (x, *model.parameters())
+    (model(x) * g).sum().backward()
+    want = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    y = model(x)
+    with enable(torch.compile(backend="aot_eager")):
+        (y * g).sum().backward()
+    for got, ref in zip((t.grad for t in leaves), want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("problem", sorted(reference.SMALL_PROBLEMS))
+def test_torchscript_is_refused_naming_the_module(problem, past_device_check):
+    """torch.jit.trace and torch.jit.script: the kernels launch from
+    Python, which TorchScript does not record; refused naming the module
+    (tracing failed inside the launch planning, scripting on a type name)."""
+    import warnings
+
+    _, args, shape = reference.SMALL_PROBLEMS[problem]
+    model = models.MODELS[problem](*args)
+    name = type(model).__name__
+    with pytest.raises(RuntimeError, match=f"{name} cannot be compiled to TorchScript"):
+        torch.jit.script(model)
+    with warnings.catch_warnings(), pytest.raises(
+            RuntimeError, match=f"{name} cannot be compiled to TorchScript.*torch.compile"):
+        warnings.simplefilter("ignore")
+        torch.jit.trace(model, torch.rand(shape), check_trace=False)
+
+
+def test_torchscript_tracing_of_the_ops_is_refused_naming_them(past_device_check):
+    import warnings
+
+    from cupy_fused import ops
+
+    z, b = torch.rand(4, 8), torch.rand(8)
+    calls = {
+        "scale_add": lambda z: ops.scale_add(z, z),
+        "bias_relu": lambda z: ops.bias_relu(z, b),
+        "gn_chain": lambda z: ops.gn_chain(z, "swish_bias_gn", 2),
+        "linear": lambda z: ops.linear(z, torch.rand(8, 8)),
+        "linear_gn_chain": lambda z: ops.linear_gn_chain(z, torch.rand(8, 8), None, "swish_bias_gn", 2),
+        "conv_bias_relu": lambda z: ops.conv_bias_relu(z.view(1, 2, 4, 4), torch.rand(3, 2, 2, 2),
+                                                       torch.rand(3)),
+    }
+    for name, call in calls.items():
+        with warnings.catch_warnings(), pytest.raises(RuntimeError, match=f"{name} cannot be compiled"):
+            warnings.simplefilter("ignore")
+            torch.jit.trace(call, (z,), check_trace=False)

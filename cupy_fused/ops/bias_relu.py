@@ -25,7 +25,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, cast, promoted
-from .._autograd import FusedOp, launches_directly, needs_grad
+from .._autograd import FusedOp, launches_directly, needs_grad, refuse_jit
 from .._validation import FLOAT_DTYPES, check_tensor, check_vector, cxx_type, dense_layout
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, _column_counters,
                       fast_divisor, _ptr_or_null, _one_value_rows, _reduce_partials, _spread,
@@ -353,6 +353,7 @@ def bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor]
     """
     if not isinstance(z, torch.Tensor):
         return call_with_cupy_arrays(bias_relu, "z", z, bias, bias2)
+    refuse_jit("bias_relu")
     return _bias_relu(z, bias, bias2, False)
 
 

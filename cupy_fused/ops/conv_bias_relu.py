@@ -108,7 +108,7 @@ from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts, promoted
 from .._autograd import (HAS_CUSTOM_OP, FusedOp, assume_constant_result, check_unchanged, graph_anchors,
                          inference_op, is_compiling, is_exporting, needs_grad, on_example_sizes,
-                         refuse_tangents, refuse_transforms, version_of)
+                         refuse_jit, refuse_tangents, refuse_transforms, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector, cxx_type
 from . import gemm
 from ._common import (BLOCK, _one_value_rows, _ptr_or_null, _spread, _vector_grads, call_with_cupy_arrays,
@@ -1816,6 +1816,7 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(conv_bias_relu, "x", x, weight, conv_bias, bias)
+    refuse_jit("conv_bias_relu")
     check_tensor("x", x, ndim=(4,))
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor [C_out, C_in, KH, KW], got "

@@ -23,7 +23,7 @@ import torch
 
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_enabled, cast
-from .._autograd import FusedOp, needs_grad
+from .._autograd import FusedOp, needs_grad, refuse_jit
 from .._validation import FLOAT_DTYPES, check_eps, check_groups, check_tensor, check_vector, cxx_type
 from ..settings import check_flag
 from ._common import (BLOCK, _broadcast_or_dense, call_with_cupy_arrays, cdiv, elementwise_grid,
@@ -663,6 +663,7 @@ def _gn_chain_entry(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bi
         return call_with_cupy_arrays(
             _gn_chain_entry, "z", z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
             mul_weight, eps, linear_bias_in_z, eager_rounding, names)
+    refuse_jit("gn_chain")
     check_chain(chain)
     check_tensor("z", z, ndim=(2,))
     channels = z.shape[1]

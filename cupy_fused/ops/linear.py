@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .._amp import autocast_dtype, float32_casts
 from .._autograd import (FusedOp, check_unchanged, graph_anchors, inference_op, is_compiling,
                          keep_output, keeps_for_one_use, launches_directly, needs_grad, product_operands,
-                         refuse_transforms, take_output, version_of)
+                         refuse_jit, refuse_transforms, take_output, version_of)
 from .._validation import FLOAT_DTYPES, check_like, check_tensor, check_vector
 from ..settings import resolve_precision
 from ._common import call_with_cupy_arrays
@@ -446,6 +446,7 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(linear, "x", x, weight, bias, activation, precision)
+    refuse_jit("linear")
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (the features), got a scalar")

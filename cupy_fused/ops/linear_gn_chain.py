@@ -50,7 +50,7 @@ import torch
 from .. import _bridge, _runtime
 from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
 from .._autograd import (FusedOp, graph_anchors, is_compiling, needs_grad, product_operands,
-                         on_example_sizes, refuse_tangents, refuse_transforms)
+                         on_example_sizes, refuse_jit, refuse_tangents, refuse_transforms)
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
 from ..settings import check_flag, resolve_precision
 from . import gemm
@@ -394,6 +394,7 @@ def linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias: Optional[to
             linear_gn_chain, "x", x, weight, lin_bias, chain, num_groups, extra_bias=extra_bias,
             gn_weight=gn_weight, gn_bias=gn_bias, mul_weight=mul_weight, eps=eps,
             precision=precision, eager_rounding=eager_rounding)
+    refuse_jit("linear_gn_chain")
     return _linear_gn_chain(x, weight, lin_bias, chain, num_groups, extra_bias, gn_weight,
                             gn_bias, mul_weight, eps, precision, eager_rounding, VECTOR_NAMES)
 

@@ -7,7 +7,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from .. import _bridge, _runtime
-from .._autograd import FusedOp, launches_directly, refuse_tangents
+from .._autograd import FusedOp, launches_directly, refuse_jit, refuse_tangents
 from .._validation import FLOAT32_MAX, FLOAT_DTYPES, check_finite_scalar, check_pair, cxx_type
 from ._common import BLOCK, call_with_cupy_arrays, elementwise_grid
 
@@ -63,6 +63,7 @@ def scale_add(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Ten
     """
     if not isinstance(x, torch.Tensor):
         return call_with_cupy_arrays(scale_add, "x", x, y, alpha)
+    refuse_jit("scale_add")
     check_pair("x", x, "y", y)
     alpha = check_finite_scalar("alpha", alpha, FLOAT32_MAX)
     x = x if x.is_contiguous() else x.contiguous()
