@@ -516,8 +516,8 @@ def _backward_body(name: str, formula: Callable, ctx, grads, run_backward):
     kernel reads the gradient's memory, which a batch does not have, the
     error says so, naming the op (torch's names neither)."""
     grad = grads[0]  # (the formulas read the first output's gradient only)
-    if grad is not None and _is_legacy_batched is not None and (
-            _is_legacy_batched(grad) or _is_batched(grad)):
+    if grad is not None and ((_is_legacy_batched is not None and _is_legacy_batched(grad))
+                             or (_is_batched is not None and _is_batched(grad))):
         try:
             return _run_formula(name, formula, ctx, grads, run_backward)
         except RuntimeError as error:
