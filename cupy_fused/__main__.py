@@ -185,10 +185,20 @@ def _checks(args, cupy, torch) -> int:
                   "cupy-cuda13x for 13) and a driver that supports it.")
             return 1
     else:
+        if torch.version.cuda is None:
+            # A CPU build of torch on a machine with a GPU: nothing of ours
+            # can run there, though the compile check would pass.
+            try:
+                n_cupy = cupy.cuda.runtime.getDeviceCount()
+            except Exception:  # noqa: BLE001 - no driver: no GPU to name
+                n_cupy = 0
+            if n_cupy:
+                print(f"\nCuPy sees {n_cupy} CUDA GPU(s), but this torch is a CPU build "
+                      f"({torch.__version__}): install a CUDA build of torch.")
+                return 1
         if args.no_compile_check:
             print("\nNo CUDA GPU is visible (compile check skipped: --no-compile-check).")
-            return 0
-        ok = _compile_check(args.arch)
+        ok = args.no_compile_check or _compile_check(args.arch)
         if args.precompile:
             print("Nothing was cached: precompiling loads each kernel on the GPU it is for, "
                   "and no GPU is visible.")

@@ -331,7 +331,9 @@ def _nvrtc_build(source: str, exprs: Sequence[str], arch: str,
     what = f"{source}: {', '.join(exprs)}"
     options = list(nvrtc_options() if options is None else options) + list(CUPY_NVRTC_OPTIONS)
     with _naming_missing_nvrtc():
-        prog = nvrtc.createProgram(_read_source(source), source, [], [])
+        # (named by its path: a quoted include is looked up beside the
+        # program first, which a bare name puts in the working folder)
+        prog = nvrtc.createProgram(_read_source(source), str(kernel_dir() / source), [], [])
         try:
             for expr in exprs:
                 nvrtc.addNameExpression(prog, expr)
@@ -852,6 +854,7 @@ def precompile(families=None, device: Union[int, str, None] = None, dtypes=None,
                          f"'cuda'), an architecture name such as 'sm_90a', or None; got {device!r}")
     _check_run_options(progress, workers)
     jobs = _selection(families, dtypes)
+    kernel_dir()  # (a missing folder named once, not by every job)
     if isinstance(device, str):
         arch = device
         _check_arch(arch)
@@ -894,24 +897,31 @@ def compile_check(arch: str, sources: Optional[Iterable[str]] = None, *,
         arch: e.g. ``"sm_90"``, or ``"sm_90a"`` for the Hopper-only kernel
             bodies.
         sources: ``.cu`` file names (or one); None for every file in the kernel
-            folder.
+            folder, which must hold every declared source.
         progress: show progress on stderr (see :func:`precompile`).
         workers: compiles in flight at once; None for :func:`default_workers`.
 
     Returns:
         ``{source: total cubin size in bytes}``.  Raises :class:`CompileError`
         with the NVRTC logs when any instantiation fails (after trying all),
-        or when a ``.cu`` file has no declared instantiation (every kernel
-        must be covered); ``ValueError`` for an architecture NVRTC does not
-        know, TypeError or ValueError for progress or workers of another
-        kind.
+        when a ``.cu`` file has no declared instantiation (every kernel
+        must be covered) or a declared source is not in the folder;
+        ``ValueError`` for an architecture NVRTC does not know, TypeError or
+        ValueError for progress or workers of another kind.
     """
     _check_arch(arch)
     _check_run_options(progress, workers)
     table = declared()
     if isinstance(sources, str):  # one file name, not its characters
         sources = [sources]
-    names = list(sources) if sources is not None else source_files()
+    if sources is None:
+        names = source_files()
+        missing = sorted(set(table) - set(names))
+        if missing:  # (a broken install, or a kernel folder of one's own lacking files)
+            raise CompileError(f"declared kernel sources missing from {kernel_dir()}: "
+                               f"{', '.join(missing)}")
+    else:
+        names = list(sources)
     jobs: List[_Job] = []
     for source in names:
         exprs = table.get(source)

@@ -48,6 +48,8 @@ the new value.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 from typing import Any, Dict, Optional
 
@@ -96,6 +98,42 @@ class _Setting(contextlib.ContextDecorator):
     def __exit__(self, *exc) -> bool:
         _values[self.name] = self._previous.pop()
         return False
+
+    def __call__(self, func):
+        """As a decorator: each call of ``func`` under the setting; for a
+        generator function each of its steps (the caller's code between
+        them under the caller's setting), for a coroutine function the
+        whole coroutine."""
+        if inspect.isgeneratorfunction(func):
+            @functools.wraps(func)
+            def steps(*args, **kwargs):
+                gen = func(*args, **kwargs)
+                try:
+                    with self:
+                        request = gen.send(None)
+                    while True:
+                        try:
+                            response = yield request
+                        except GeneratorExit:
+                            with self:
+                                gen.close()
+                            raise
+                        except BaseException as exc:
+                            with self:
+                                request = gen.throw(exc)
+                        else:
+                            with self:
+                                request = gen.send(response)
+                except StopIteration as stop:
+                    return stop.value
+            return steps
+        if inspect.iscoroutinefunction(func):
+            @functools.wraps(func)
+            async def whole(*args, **kwargs):
+                with self:
+                    return await func(*args, **kwargs)
+            return whole
+        return super().__call__(func)
 
 
 def check_flag(name: str, value: object) -> bool:

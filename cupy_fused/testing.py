@@ -59,7 +59,10 @@ def poison_allocator(device, nbytes: int) -> None:
         None.
     """
     nbytes = check_int("nbytes", nbytes, 0)  # (NumPy's ints too)
-    blocks = [torch.full((nbytes // 4 + 1,), float("nan"), device=device) for _ in range(4)]
+    # Every byte 0xFF: NaN read as float32, float16, bfloat16 and float64
+    # alike (a float32 NaN's bytes, read as 16-bit values, alternate 0 and NaN).
+    blocks = [torch.full((nbytes // 4 + 1,), -1, dtype=torch.int32, device=device)
+              for _ in range(4)]
     del blocks
 
 
@@ -294,7 +297,10 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
     dy = torch.randn(out_shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
     truth_out, truth_grads = _run(ref64, x64, dy.double(), grad_mode, input_grad=input_grad)
     eager_out, eager_grads = _run(ref, x, dy, grad_mode, autocast, input_grad)
-    poison_allocator(device, 4 * max(truth_out.numel(), x.numel()))
+    # (blocks the size of the largest tensor ours writes: the output, x's
+    # gradient or a weight's)
+    poison_allocator(device, 4 * max(truth_out.numel(), x.numel(),
+                                     *(p.numel() for p in ours.parameters())))
     our_out, our_grads = _run(ours, x, dy, grad_mode, autocast, input_grad)
     if our_out.dtype != eager_out.dtype or our_out.shape != eager_out.shape:
         raise AssertionError(f"output {our_out.dtype} {tuple(our_out.shape)}, eager's "

@@ -24,7 +24,7 @@
 // be (z[1:]): each kernel tests its pointers once and, where one is not
 // aligned, reads and writes the same vectors one value at a time (a branch
 // uniform over the grid), so every input takes the same kernel.
-#include "column_reduce.cuh"
+#include <column_reduce.cuh>  // (<>: the include path alone, not the working folder)
 
 namespace cf {
 

@@ -10,7 +10,7 @@
 // few columns and many chunks (a channels-last convolution's: 256 sums of
 // 528 chunks) would otherwise run a few blocks whose every thread waits for
 // hundreds of loads from L2 in turn.
-#include "column_reduce.cuh"
+#include <column_reduce.cuh>  // (<>: the include path alone, not the working folder)
 
 namespace cf {
 

@@ -20,7 +20,7 @@
 // its k in the same (kh, kw, c) order, c padded with zeros to a multiple of
 // a k-tile's channels (Cpad: 64 16-bit values, 32 float32 ones), so that a
 // k-tile is one (kh, kw) and one block of channels.
-#include "gemm.cuh"
+#include <gemm.cuh>  // (<>: the include path alone, not the working folder)
 
 namespace cf {
 

@@ -4,7 +4,7 @@
 // in benchmarks/gemm.py --half), and the same product with a float32
 // W rounded to 16 bits inside the engine (ops.gemm._linear_float32_weight;
 // benchmarks/gemm.py --float32-weight).
-#include "gemm.cuh"
+#include <gemm.cuh>  // (<>: the include path alone, not the working folder)
 
 namespace cf {
 

@@ -4,7 +4,7 @@
 // `gemm_tf32` (mma.sync, sm_80+) and, on Hopper, `gemm_tf32_engine` (the
 // GEMM engine of gemm.cuh; B split in the kernel, or beforehand by
 // `gemm_tf32_split_image`).
-#include "gemm_tf32.cuh"
+#include <gemm_tf32.cuh>  // (<>: the include path alone, not the working folder)
 
 namespace cf {
 

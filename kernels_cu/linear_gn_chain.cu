@@ -1,8 +1,8 @@
 // Kernel family "linear_gn_chain" (cupy_fused/ops/linear_gn_chain.py): a
 // linear layer whose GEMM applies a GroupNorm op chain (gn_chains.cuh) in
 // its store, on the Hopper GEMM engine of gemm.cuh (float16 / bfloat16).
-#include "gemm.cuh"
-#include "gn_chain.cuh"
+#include <gemm.cuh>  // (<>: the include path alone, not the working folder)
+#include <gn_chain.cuh>  // (<>: the include path alone, not the working folder)
 
 namespace cf {
 

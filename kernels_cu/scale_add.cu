@@ -1,6 +1,6 @@
 // Kernel family "scale_add": out = alpha * x + y, elementwise.  The smallest fused op: used
 // by `python -m cupy_fused`, the runtime tests and the host-overhead benchmark.
-#include "cf_common.cuh"
+#include <cf_common.cuh>  // (<>: the include path alone, not the working folder)
 
 namespace cf {
 

@@ -14,7 +14,7 @@ import torch
 from cupy_fused import _runtime, ops
 from cupy_fused.ops import _common
 from cupy_fused.ops._common import BLOCK
-from cupy_fused.testing import assert_non_finite_where
+from cupy_fused.testing import assert_non_finite_where, poison_allocator
 
 # The module (``cupy_fused.ops.bias_relu`` as an attribute is the op itself).
 BR = importlib.import_module("cupy_fused.ops.bias_relu")
@@ -258,11 +258,12 @@ def _shape_id(case):
 
 
 def _poison_allocator(device, nbytes):
-    """Leaves NaN in the caching allocator's free blocks of about ``nbytes``,
-    so that outputs the op allocates next start as NaN: an element the
-    kernel never writes shows."""
+    """Leaves NaN in the caching allocator's free blocks of about ``nbytes``
+    and larger (:func:`cupy_fused.testing.poison_allocator`), so that outputs
+    the op allocates next start as NaN: an element the kernel never writes
+    shows."""
     for n in (nbytes, 2 * nbytes, 4 * nbytes):
-        torch.full((max(1, n // 4),), float("nan"), device=device)
+        poison_allocator(device, n)
 
 
 def _in_layout(flat, shape, channels_last):

@@ -642,8 +642,15 @@ def test_cupy_that_cannot_make_its_cache_folder_is_named(monkeypatch):
         raise PermissionError(13, "Permission denied", "/nonexistent")
 
     monkeypatch.setattr(_cupy, "_cupy", None)
+    monkeypatch.setattr(_cupy, "_failed", None)
     monkeypatch.setattr(_cupy.importlib, "import_module", unwritable)
     with pytest.raises(PermissionError, match="set CUPY_CACHE_DIR to a writable folder"):
+        _cupy.require_cupy()
+    # CuPy's modules are left half-imported: a second import in the process
+    # would fail on them, naming none of this, so the error stays, and says
+    # to restart (a later call does not import again).
+    monkeypatch.setattr(_cupy.importlib, "import_module", lambda name: pytest.fail("imported"))
+    with pytest.raises(PermissionError, match="set CUPY_CACHE_DIR.*restart Python after the fix"):
         _cupy.require_cupy()
 
 
@@ -683,6 +690,7 @@ def test_a_cupy_that_is_installed_but_does_not_import_is_not_called_missing(monk
         raise ImportError("libcudart.so.12: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(_cupy, "_cupy", None)
+    monkeypatch.setattr(_cupy, "_failed", None)
     monkeypatch.setattr(_cupy.importlib, "import_module", broken)
     with pytest.raises(ImportError, match=r"^CuPy is installed but importing it failed: "
                                           r"libcudart\.so\.12: cannot open"):
@@ -694,6 +702,7 @@ def test_a_cupy_that_is_installed_but_does_not_import_is_not_called_missing(monk
     def missing(name):
         raise ModuleNotFoundError("No module named 'cupy'", name="cupy")
 
+    monkeypatch.setattr(_cupy, "_failed", None)
     monkeypatch.setattr(_cupy.importlib, "import_module", missing)
     with pytest.raises(_cupy.CupyNotInstalledError, match="cupy-fused needs CuPy"):
         _cupy.require_cupy()
@@ -829,3 +838,54 @@ def test_stray_files_beside_the_kernels_are_not_sources(tmp_path, monkeypatch):
                              _runtime._sources_hash(), _runtime.source_files())
     _bridge._declarations.cache_clear()
     assert seen["clean"] == seen["messy"]
+
+
+def test_a_header_in_the_working_folder_is_not_compiled_in(tmp_path, monkeypatch):
+    """A header of the kernels' name in the working folder (a user's own
+    cf_common.cuh) is not what the kernels include: the program is named by
+    its path, and the .cu files include the headers with <>.  (Its cubin
+    would go to the own disk cache under the key of the real sources.)"""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    expr = _runtime.declared()["scale_add.cu"][0]
+    shadow = tmp_path / "project"
+    shadow.mkdir()
+    real = (_runtime.kernel_dir() / "cf_common.cuh").read_text()
+    (shadow / "cf_common.cuh").write_text(real + "\n__device__ int cf_shadow_marker = 1;\n")
+    monkeypatch.chdir(shadow)
+    cubin, _ = _runtime._cached_cubin("scale_add.cu", expr, "sm_80", _runtime.nvrtc_options())
+    assert b"cf_shadow_marker" not in cubin.read_bytes()
+    for path in _runtime.source_paths(_runtime.kernel_dir()):
+        if path.suffix == ".cu":
+            assert '#include "' not in path.read_text(), path.name
+
+
+def test_the_compile_check_and_precompile_name_a_missing_kernel_source_at_once(tmp_path,
+                                                                               monkeypatch):
+    """A kernel folder lacking a declared source (a broken install, a
+    CUPY_FUSED_KERNEL_DIR of one's own) fails the compile check, which
+    walked the folder's files and passed; a missing folder is named once by
+    precompile, not by each of its compiles."""
+    for name in ("cf_common.cuh", "scale_add.cu"):
+        (tmp_path / name).write_text((_runtime.kernel_dir() / name).read_text())
+    monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", str(tmp_path))
+    with pytest.raises(_runtime.CompileError, match=r"declared kernel sources missing from .*gemm\.cu"):
+        _runtime.compile_check("sm_80")
+    monkeypatch.setenv("CUPY_FUSED_KERNEL_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        cupy_fused.precompile(device="sm_80", progress=False)
+
+
+def test_the_report_without_a_usable_gpu(monkeypatch, capsys):
+    """--precompile without a GPU fails with --no-compile-check too (nothing
+    was cached); a CPU build of torch where CuPy sees a GPU is named, and
+    fails, where it said no GPU was visible."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main_job.main(["--precompile", "--no-compile-check"]) == 1
+    assert "Nothing was cached" in capsys.readouterr().out
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 1)
+    monkeypatch.setattr(_runtime, "compile_check", lambda *a, **k: pytest.fail("compile check ran"))
+    assert main_job.main(["--arch", "sm_80"]) == 1
+    out = capsys.readouterr().out
+    assert "CuPy sees 1 CUDA GPU(s), but this torch is a CPU build" in out, out

@@ -67,6 +67,46 @@ def test_precision_context_manager_as_a_decorator():
     assert settings.get_fp32_matmul_precision() == "3xtf32"
 
 
+def test_the_decorator_covers_generators_and_coroutines():
+    """A decorated generator runs each of its steps under the setting, and
+    its caller's code between them under the caller's (as torch's
+    decorators); a decorated coroutine runs whole under it.  Both ran with
+    the default before."""
+    import asyncio
+
+    get = settings.get_fp32_matmul_precision
+    default = get()
+
+    @cupy_fused.fp32_matmul_precision("ieee")
+    def steps():
+        sent = yield get()
+        assert sent == "sent"
+        try:
+            yield get()
+        except KeyError:
+            yield "caught " + get()
+        return "done"
+
+    gen = steps()
+    assert next(gen) == "ieee" and get() == default
+    assert gen.send("sent") == "ieee" and get() == default
+    assert gen.throw(KeyError("k")) == "caught ieee" and get() == default
+    with pytest.raises(StopIteration) as stop:
+        next(gen)
+    assert stop.value.value == "done" and get() == default
+    gen = steps()
+    next(gen)
+    gen.close()
+    assert get() == default
+
+    @cupy_fused.fp32_matmul_precision("ieee")
+    async def whole():
+        await asyncio.sleep(0)
+        return get()
+
+    assert asyncio.run(whole()) == "ieee" and get() == default
+
+
 @pytest.mark.parametrize("manager, get, set_", SWITCHES, ids=lambda f: f.__name__)
 def test_switches_set_get_and_restore(manager, get, set_):
     before = get()

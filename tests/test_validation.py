@@ -895,6 +895,17 @@ def test_testing_helpers_refuse_what_they_cannot_measure():
     import numpy as np
 
     testing.poison_allocator("cpu", np.int64(8))  # NumPy's ints count as ints
+    # Its blocks are NaN read as any float dtype (a float32 NaN's bytes read
+    # as 16-bit values alternate 0 and NaN).
+    blocks = []
+    real_full = torch.full
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(testing.torch, "full", lambda *a, **k: blocks.append(real_full(*a, **k)) or blocks[-1])
+        testing.poison_allocator("cpu", 64)
+    assert len(blocks) == 4
+    for block in blocks:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            assert block[:16].view(dtype).isnan().all(), dtype
     with pytest.raises(TypeError, match=r"t must be a torch.Tensor, got list"):
         testing.off_the_grid([1.0, 2.0])
     with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype, got torch.int32"):
