@@ -142,7 +142,8 @@ def moved_bytes(op: str, direction: str, numel: int, z_dtype: torch.dtype,
     Forward: read z, write y, and, when it ``saves`` for a backward,
     bias_relu's mask (1 bit per element) or gn_chain's statistics (a
     float32 mean and 1/std per (row, group): 8 bytes each).  Backward: read
-    what the forward saved (bias_relu: the mask; gn_chain: z), read dy (y's
+    what the forward saved (bias_relu: the mask; gn_chain: z and the
+    statistics), read dy (y's
     dtype), write dz (z's dtype).  The per-channel vectors and their
     gradients are a few KiB: left out.
 
@@ -166,7 +167,8 @@ def moved_bytes(op: str, direction: str, numel: int, z_dtype: torch.dtype,
             saved = mask_bytes(numel) if op == "bias_relu" else 8 * row_groups
         return numel * (z_size + y_size) + saved
     if direction == "backward":
-        saved = mask_bytes(numel) if op == "bias_relu" else numel * z_size
+        # (the GroupNorm's: z and the forward's float32 mean and 1/std)
+        saved = mask_bytes(numel) if op == "bias_relu" else numel * z_size + 8 * row_groups
         return saved + numel * y_size + numel * z_size
     raise ValueError(f"direction must be forward or backward, got {direction!r}")
 
@@ -437,6 +439,12 @@ def slower_than_baseline(rows, baseline_rows, limit: float = SLOWER_THAN_BASELIN
     return out
 
 
+def _percent(fraction: float) -> int:
+    """A fraction as the whole percent below it (79.6 % reads 79 %: rounded,
+    a row flagged below 80 % would read 80 %)."""
+    return math.floor(100 * fraction + 1e-9)  # (0.57 * 100 is 56.99...)
+
+
 def _flag(row: dict) -> str:
     return f"below {100 * LOW_FRACTION:.0f}%" if row.get("low") else ""
 
@@ -457,7 +465,7 @@ def text_table(rows, name: str) -> str:
             continue
         lines.append(f"  {shape:<22}{r['dtype']:<10}{r['direction']:<10}{r['median_ms']:9.3f}"
                      f"{r['gbps']:9.0f}{100 * r['ceiling_fraction']:7.0f}%"
-                     f"{r['copy_same_ms']:9.3f}{100 * r['same_size_fraction']:7.0f}%  {_flag(r)}")
+                     f"{r['copy_same_ms']:9.3f}{_percent(r['same_size_fraction']):7d}%  {_flag(r)}")
     return "\n".join(lines)
 
 
@@ -496,7 +504,7 @@ def markdown(rows, meta: dict) -> str:
             out.append(f"| {shape} | {dts} | {r['direction']} | {r['median_ms']:.3f} | "
                        f"{r['bytes'] / 1e6:.0f} | {r['gbps']:.0f} | "
                        f"{100 * r['ceiling_fraction']:.0f}% | {r['copy_same_ms']:.3f} | "
-                       f"{100 * r['same_size_fraction']:.0f}% | {_flag(r)} |")
+                       f"{_percent(r['same_size_fraction'])}% | {_flag(r)} |")
         out.append("")
     return "\n".join(out)
 

@@ -250,6 +250,12 @@ def _lead(latest: dict, rows) -> tuple:
     return devices, date, names
 
 
+def _source_note(meta: dict) -> str:
+    """A source file's date, and the commit it measured where it says."""
+    date = meta.get("date", "?")
+    return f"{date}, commit {meta['commit']}" if meta.get("commit") else date
+
+
 def performance_section(latest: dict) -> str:
     """The "Latest run" section of docs/performance.md (between its markers):
     heading, the files the rows come from, the table of the autocast modes
@@ -258,7 +264,7 @@ def performance_section(latest: dict) -> str:
     devices, date, names = _lead(latest, rows)
     amp = [r for r in rows if r["dtype"].startswith("amp-")]
     model = [r for r in rows if not r["dtype"].startswith("amp-")]
-    files = ",\n".join(f"`{n}` ({latest['sources'][n].get('date', '?')})" for n in names)
+    files = ",\n".join(f"`{n}` ({_source_note(latest['sources'][n])})" for n in names)
     parts = [f"## Latest run ({devices}, {date})", "",
              f"Rows of {files};\nmerged in `results/latest.json`."]
     if amp:
@@ -403,7 +409,9 @@ def publish(result_paths, root: str = REPO, history: bool = True, commit=None, r
             data = json.load(f)
         name = _source_name(path, root)
         meta = data.get("meta", {})
-        latest["sources"][name] = {k: meta[k] for k in ("device", "date", "torch", "cuda")
+        if meta.get("quick"):  # (its rows would replace the benchmark shapes' by their keys)
+            raise ValueError(f"{path}: a run of small shapes (--quick), not published")
+        latest["sources"][name] = {k: meta[k] for k in ("device", "date", "torch", "cuda", "commit")
                                    if k in meta}
         rows = [dict(r, source=name) for r in data["rows"]]
         latest["rows"] = merge(latest["rows"], rows)
@@ -433,7 +441,8 @@ def publish(result_paths, root: str = REPO, history: bool = True, commit=None, r
         row = dict(date=max(m.get("date", "") for m in metas), run=run or "+".join(labels),
                    device=" / ".join(dict.fromkeys(m.get("device", "?") for m in metas)),
                    commit=commit if commit is not None else (
-                       "+".join(measured) if len(measured) == len(metas) else git_commit(root)))
+                       "+".join(measured) if all(m.get("commit") for m in metas)
+                       else git_commit(root)))
         if versions:
             row["versions"] = versions
         row["headline"] = history_ratios(new_rows)

@@ -435,6 +435,17 @@ def run_count(jobs, modes, impls, sweep_impls) -> int:
                if impl != "gemm" or mode == "forward")
 
 
+def fresh_stem(stem: str) -> str:
+    """``stem``, or ``stem-2``, ``stem-3``, ... where a run's file of that
+    name is there already (an earlier run of the same day, which a new run
+    would overwrite)."""
+    candidate, n = stem, 1
+    while os.path.exists(candidate + ".json"):
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
 def _write_json(path: str, data: dict) -> None:
     # (atomic: a run stopped mid-write keeps the previous file)
     publish._write(path, json.dumps(data, indent=1))
@@ -489,11 +500,12 @@ def main(argv=None):
     else:
         os.makedirs(args.out, exist_ok=True)
         name = torch.cuda.get_device_name().replace(" ", "_")
-        stem = os.path.join(args.out, f"{name}-{datetime.date.today()}")
+        stem = fresh_stem(os.path.join(args.out, f"{name}-{datetime.date.today()}"))
         peaks = ceilings()
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     cuda=torch.version.cuda, date=str(datetime.date.today()), ceilings=peaks,
-                    commit=args.commit or publish.tree_commit(), invocations=[])
+                    commit=args.commit or publish.tree_commit(), quick=bool(args.quick),
+                    invocations=[])
         rows = []
     meta["invocations"].append(invocation)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))
