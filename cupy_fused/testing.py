@@ -34,7 +34,8 @@ def build_pair(problem: int, ctor_args: tuple, device, dtype: torch.dtype, seed:
     Returns:
         (reference module, fused module).
     """
-    if problem not in reference.PROBLEMS or problem not in models.MODELS:
+    if (isinstance(problem, bool) or problem not in reference.PROBLEMS  # (True == 1)
+            or problem not in models.MODELS):
         raise ValueError(f"problem must be one of {sorted(reference.PROBLEMS)}, got {problem!r}")
     ref_cls = reference.PROBLEMS[problem][0]
     torch.manual_seed(seed)

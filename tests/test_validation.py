@@ -886,6 +886,8 @@ def test_testing_helpers_refuse_what_they_cannot_measure():
         testing.assert_non_finite_where(torch.zeros(2), torch.zeros(3))
     with pytest.raises(ValueError, match=r"problem must be one of \[1, 37, 76, 88, 94\], got 2"):
         testing.build_pair(2, (), "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"problem must be one of \[1, 37, 76, 88, 94\], got True"):
+        testing.build_pair(True, (), "cpu", torch.float32)
     with pytest.raises(ValueError, match=r"grad_mode must be 'random' or 'sum', got 'bogus'"):
         testing.compare(76, (8, 16, (16,)), (4, 8), torch.float32, "cpu", grad_mode="bogus")
     with pytest.raises(ValueError, match=r"nbytes must be at least 0, got -8"):
