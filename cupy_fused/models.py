@@ -8,7 +8,9 @@ the float32 GEMM (``"3xtf32"``, ``"tf32"``, ``"ieee"``; None = the process defau
 * GEMM problems (37, 76, 88, 94): float32 GEMMs run on our tensor-core
   kernel, float16/bfloat16 and ``"ieee"`` on cuBLAS.  76 is
   :func:`cupy_fused.ops.linear` with ``activation="relu"`` (where the bias
-  and ReLU run on each route: see :mod:`cupy_fused.ops.linear`);
+  and ReLU run on each route: see :mod:`cupy_fused.ops.linear`), or
+  :func:`cupy_fused.ops.linear` then :func:`cupy_fused.ops.bias_relu`
+  (under autocast, and for a bias of one value or of another dtype);
   37, 88 and 94 are :func:`cupy_fused.ops.linear_gn_chain`: the GEMM, then
   one fused kernel for the linear bias and the GroupNorm chain; in float16 /
   bfloat16 (and under autocast) on Hopper, one launch where that pays
