@@ -60,9 +60,16 @@ def poison_allocator(device, nbytes: int) -> None:
         None.
     """
     nbytes = check_int("nbytes", nbytes, 0)  # (NumPy's ints too)
+    if torch.device(device).type == "cuda":
+        # Cached free blocks of other sizes go back to the driver first: the
+        # allocator serves a request from the best-fitting free block, which
+        # would otherwise often be one of those, never poisoned.
+        torch.cuda.empty_cache()
     # Every byte 0xFF: NaN read as float32, float16, bfloat16 and float64
-    # alike (a float32 NaN's bytes, read as 16-bit values, alternate 0 and NaN).
-    blocks = [torch.full((nbytes // 4 + 1,), -1, dtype=torch.int32, device=device)
+    # alike (a float32 NaN's bytes, read as 16-bit values, alternate 0 and
+    # NaN).  Exactly nbytes (rounded up to 4), so that an output of that size
+    # fits a poisoned block as well as any.
+    blocks = [torch.full((-(-nbytes // 4),), -1, dtype=torch.int32, device=device)
               for _ in range(4)]
     del blocks
 
@@ -270,9 +277,12 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
         ``{tensor name: (our error, eager error)}`` (:func:`rel_error`
         against float64) for the output and the gradient of the input and
         of every parameter that gets one (the float64 run's: not a frozen
-        parameter).  Raises AssertionError when our output or a gradient has
-        another dtype or shape than eager's, or is missing, or where ours
-        gives a gradient that the float64 run does not.
+        parameter).  Raises AssertionError when our output has another
+        dtype or shape than eager's, when a gradient is missing, or where
+        ours gives a gradient that the float64 run does not.  (A leaf's
+        gradient always has the leaf's dtype and shape: autograd casts what
+        a backward returns, so the dtypes a backward writes are the ops'
+        own tests' to check.)
     """
     if grad_mode not in ("random", "sum"):
         raise ValueError(f"grad_mode must be 'random' or 'sum', got {grad_mode!r}")
@@ -306,11 +316,6 @@ def compare(problem: int, ctor_args: tuple, input_shape: tuple, dtype: torch.dty
     if our_out.dtype != eager_out.dtype or our_out.shape != eager_out.shape:
         raise AssertionError(f"output {our_out.dtype} {tuple(our_out.shape)}, eager's "
                              f"{eager_out.dtype} {tuple(eager_out.shape)}")
-    for name, g in our_grads.items():
-        theirs = eager_grads.get(name)
-        if g is not None and theirs is not None and (g.dtype, g.shape) != (theirs.dtype, theirs.shape):
-            raise AssertionError(f"{name}: {g.dtype} {tuple(g.shape)}, eager's {theirs.dtype} "
-                                 f"{tuple(theirs.shape)}")
     result = {"out": (rel_error(our_out, truth_out), rel_error(eager_out, truth_out))}
     for name, truth in truth_grads.items():
         mine, theirs = our_grads.get(name), eager_grads.get(name)

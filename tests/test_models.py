@@ -494,8 +494,10 @@ def test_cuda_graph_capture_and_replay(problem, device):
         static_x.copy_(new_x)
     graph.replay()
     torch.cuda.synchronize()
+    # What the replay wrote, copied before the eager step below writes the
+    # parameters' .grad anew (read after it, they would be its own).
+    got = [t.clone() for t in [static_out, static_x.grad] + [p.grad for p in ours.parameters()]]
     expected = _train_step(ours, new_x, static_dy)
-    got = [static_out, static_x.grad] + [p.grad for p in ours.parameters()]
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 

@@ -913,3 +913,41 @@ def test_testing_helpers_refuse_what_they_cannot_measure():
     with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype, got torch.int32"):
         testing.worse_than_eager({"out": (1.0, 1.0)}, torch.int32)
     assert testing.worse_than_eager({"out": (2.0, 1.0), "x.grad": (1.0, 1.0)}, torch.float32) == ["out"]
+
+
+def test_the_testing_helpers_flag_what_the_gpu_tests_rely_on_them_for(past_device_check,
+                                                                      monkeypatch):
+    """The yardsticks of the GPU tier, on the CPU: compare() measures every
+    gradient, so an 'ours' whose weight gradient is 10% off (its forward
+    the reference's) is flagged on that gradient alone; rel_error and
+    scaled_gemm_error flag a NaN (an unwritten element); off_the_grid's
+    neighbours hold its fill."""
+    from cupy_fused import models, reference, testing
+
+    class WrongWeightGrad(reference.PROBLEMS[76][0]):
+        def forward(self, x):
+            y = super().forward(x)
+            w = self.gemm.weight
+            extra = torch.nn.functional.linear(x, w) - torch.nn.functional.linear(x, w.detach())
+            return y + 0.1 * extra * (y > 0)  # (the value of y; the weight's gradient 1.1x)
+
+    monkeypatch.setitem(models.MODELS, 76, WrongWeightGrad)
+    _, args, shape = reference.SMALL_PROBLEMS[76]
+    errors = testing.compare(76, args, shape, torch.float32, "cpu")
+    assert {"out", "x.grad", "gemm.weight.grad", "bias.grad"} <= set(errors), sorted(errors)
+    assert testing.worse_than_eager(errors, torch.float32) == ["gemm.weight.grad"], errors
+
+    value = torch.rand(5, dtype=torch.float64)
+    assert testing.rel_error(value, value) == 0.0
+    assert testing.rel_error(torch.tensor([float("nan"), 1.0]), torch.ones(2)) == float("inf")
+    a, b = torch.rand(4, 3), torch.rand(5, 3)
+    c = a @ b.t()
+    assert testing.scaled_gemm_error(c, a, b, lambda p, q: p @ q.t()) < 1e-6
+    c[1, 2] = float("nan")
+    with pytest.raises(AssertionError, match="unwritten"):
+        testing.scaled_gemm_error(c, a, b, lambda p, q: p @ q.t())
+    t = torch.rand(3, 4)
+    view = testing.off_the_grid(t, fill=-7.0)
+    assert torch.equal(view, t) and view.stride() == t.stride()
+    base = view.as_strided((t.numel() + 2,), (1,), view.storage_offset() - 1)
+    assert base[0] == -7.0 and base[-1] == -7.0
