@@ -448,9 +448,10 @@ def test_steps_keep_their_output_for_a_caller_that_asks():
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["float32", "amp_bf16"])
 def test_graphed_steps_compute_the_module_s_step(amp, device):
     """ours+graphed's steps (harness.graphed_step_fns: the module's forward
-    and backward as CUDA graphs) on rotated inputs: each step's output,
+    and backward as CUDA graphs) on rotated inputs: each training step's
     input gradient and parameter gradients bit for bit those of the module
-    itself on that input, in a training step; the forward's output too."""
+    itself on that input (the step keeps no output to compare); the
+    forward's output too."""
     import cupy_fused
 
     torch.manual_seed(0)
