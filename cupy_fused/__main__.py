@@ -168,34 +168,34 @@ def main(argv=None) -> int:
         return 1
 
 
+def _cupy_devices(cupy) -> tuple:
+    """(the GPUs CuPy sees, why none where none: its error, or that it
+    counts none)."""
+    try:
+        n_cupy = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - reported (no driver: no GPU)
+        return 0, f"{type(exc).__name__}: {exc}"
+    return n_cupy, "it counts no device"
+
+
 def _checks(args, cupy, torch) -> int:
     gpu = torch.cuda.is_available()
+    n_cupy, reason = _cupy_devices(cupy)
     if gpu:
         # torch sees a GPU: CuPy must too (a CuPy for another CUDA major than
         # the driver's, say), or nothing of ours can run on it.
-        try:
-            n_cupy = cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # noqa: BLE001 - reported
-            n_cupy, reason = 0, f"{type(exc).__name__}: {exc}"
-        else:
-            reason = "it counts no device"
         if n_cupy == 0:
             print(f"\ntorch sees {torch.cuda.device_count()} CUDA GPU(s), CuPy none ({reason}). "
                   "Install the CuPy of torch's CUDA major (cupy-cuda12x for CUDA 12, "
                   "cupy-cuda13x for 13) and a driver that supports it.")
             return 1
     else:
-        if torch.version.cuda is None:
+        if torch.version.cuda is None and n_cupy:
             # A CPU build of torch on a machine with a GPU: nothing of ours
             # can run there, though the compile check would pass.
-            try:
-                n_cupy = cupy.cuda.runtime.getDeviceCount()
-            except Exception:  # noqa: BLE001 - no driver: no GPU to name
-                n_cupy = 0
-            if n_cupy:
-                print(f"\nCuPy sees {n_cupy} CUDA GPU(s), but this torch is a CPU build "
-                      f"({torch.__version__}): install a CUDA build of torch.")
-                return 1
+            print(f"\nCuPy sees {n_cupy} CUDA GPU(s), but this torch is a CPU build "
+                  f"({torch.__version__}): install a CUDA build of torch.")
+            return 1
         if args.no_compile_check:
             print("\nNo CUDA GPU is visible (compile check skipped: --no-compile-check).")
         ok = args.no_compile_check or _compile_check(args.arch)

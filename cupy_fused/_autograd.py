@@ -285,11 +285,9 @@ def refuse_transforms(name: str, *tensors: Optional[torch.Tensor]) -> None:
     x's rank (a vmapped x has one dim less).  Outside torch.func's
     transforms, one call.  Not while torch.compile traces, where
     :meth:`FusedOp.run` records its custom op without asking either (and
-    torch 2.4's TorchDynamo cannot trace the query: a graph break).
-    torch.jit.trace too (:func:`refuse_jit`)."""
+    torch 2.4's TorchDynamo cannot trace the query: a graph break)."""
     if is_compiling():
         return
-    refuse_jit(name)
     if _transforms_active is not None and _transforms_active():
         if _vmapped(tensors):
             raise _vmap_error(name)

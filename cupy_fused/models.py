@@ -64,7 +64,7 @@ from torch.nn.utils import parametrize
 
 from . import _validation, ops
 from ._amp import autocast_dtype, autocast_enabled, float32_casts
-from ._autograd import jit_message, refuse_tangents, refuse_transforms
+from ._autograd import jit_message, refuse_jit, refuse_tangents, refuse_transforms
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
 from .ops.linear import _linear_prechecked
@@ -78,7 +78,8 @@ def _check_input(x, weight: torch.Tensor, ndim: int, features: int, what: str,
     dimension 1, in the parameters' dtype (any under autocast) and on their
     device.  Under torch.vmap or torch.func's gradient transforms, refused
     naming ``module``'s class (a vmapped x has one dim less: the rank's
-    error would not say why)."""
+    error would not say why); so is torch.jit.trace."""
+    refuse_jit(type(module).__name__)
     # First, on the common path too: torch.func's wrappers pass for CUDA
     # tensors of the right rank below (one call outside the transforms).
     # The weight too: a transform over the parameters (torch.func's
