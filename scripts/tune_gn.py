@@ -1,13 +1,14 @@
-"""Times the GroupNorm epilogue forward and backward (float32, CUDA events)
-at problem 37's benchmark size, the same with 128-channel groups, and 88's,
-for each (team, values per lane) shape and each pair of launch bounds (the
-minimum resident blocks per SM of the scalar forward and backward, which
-cap the registers per thread; ptxas -v shows what spills under each).  The
+"""Times the scalar GroupNorm kernels, forward and backward (CUDA events,
+in turns), at problem 37's benchmark size, the same with 128-channel
+groups, 256-channel groups and 88's, for each (team, values per lane)
+shape and each pair of launch bounds (the minimum resident blocks per SM
+of the scalar forward and backward, which cap the registers per thread;
+ptxas -v shows what spills under each).  The
 candidates run as gn_chain.LaunchShapes under gn_chain.launch_shapes; the
 shipped shapes are gn_chain.SHIPPED_SHAPES with team_shape and
 forward_team_shape's rule.
 
-    python scripts/tune_gn.py [--bounds 8,4 6,3 4,2]
+    python scripts/tune_gn.py [--bounds 8,4 6,3 4,2] [--dtype bfloat16] [--shipped-teams]
 """
 import argparse
 import dataclasses
@@ -23,32 +24,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from harness import time_interleaved  # noqa: E402  (benchmarks/harness.py)
 
 SHAPES = ((32768, 4096, 64, "swish_bias_gn"), (32768, 4096, 32, "swish_bias_gn"),
-          (1024, 8192, 256, "gn_swish_mul_swish"))
+          (16384, 4096, 16, "bias_hardtanh_mish_gn"), (1024, 8192, 256, "gn_swish_mul_swish"))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bounds", nargs="+", default=["8,4", "6,3", "4,2"],
                         help="forward,backward minimum blocks per SM")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                        help="z's dtype (the vectors and the output in it too)")
+    parser.add_argument("--shipped-teams", action="store_true",
+                        help="only the (team, values per lane) the shipped rule picks, the "
+                             "backward's and the forward's")
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     bounds = [tuple(map(int, b.split(","))) for b in args.bounds]
     for rows, channels, groups, chain in SHAPES:
         cpg = channels // groups
         # z and dy off the 16-byte grid: the scalar kernels, whose shapes
         # these are (aligned float32 groups of these widths take the
         # vectorised kernels).
-        z = torch.randn(rows * channels + 1, device="cuda")[1:].view(rows, channels)
-        v = [torch.randn(channels, device="cuda") for _ in range(5)]
-        dy = torch.randn(rows * channels + 1, device="cuda")[1:].view(rows, channels)
-        gb = z.numel() * 4 * 2 / 1e9
-        for team, vals in ((32, 4), (16, 4), (8, 8), (16, 8), (32, 8), (4, 8)):
+        z = torch.randn(rows * channels + 1, device="cuda", dtype=dtype)[1:].view(rows, channels)
+        v = [torch.randn(channels, device="cuda", dtype=dtype) for _ in range(5)]
+        dy = torch.randn(rows * channels + 1, device="cuda", dtype=dtype)[1:].view(rows, channels)
+        gb = z.numel() * z.element_size() * 2 / 1e9
+        teams = ((32, 4), (16, 4), (8, 8), (16, 8), (32, 8), (4, 8))
+        if args.shipped_teams:
+            teams = sorted({gn.team_shape(cpg), gn.forward_team_shape(cpg)})
+        for team, vals in teams:
             if team * vals < cpg or team > 32:
                 continue
             runs = {}
             for fwd_blocks, bwd_blocks in bounds:
                 shapes = dataclasses.replace(gn.SHIPPED_SHAPES, team=(team, vals),
                                              forward_min_blocks=fwd_blocks,
-                                             backward_min_blocks=bwd_blocks)
+                                             backward_min_blocks=bwd_blocks,
+                                             backward_min_blocks_float_wide=bwd_blocks)
 
                 def fwd(shapes=shapes):
                     with gn.launch_shapes(shapes):
@@ -67,7 +78,7 @@ def main(argv=None):
             times = time_interleaved(runs, 20, 2)
             for (fwd_blocks, bwd_blocks, kind), (ms, _) in times.items():
                 traffic = gb if kind == "forward" else 1.5 * gb
-                print(f"{chain:<20} cpg {cpg:>4} team {team:>2} vals {vals} bounds "
+                print(f"{args.dtype} {chain:<21} cpg {cpg:>4} team {team:>2} vals {vals} bounds "
                       f"{fwd_blocks},{bwd_blocks}: {kind:<8} {ms:.3f} ms "
                       f"({traffic / ms:.2f} TB/s)", flush=True)
 

@@ -751,6 +751,17 @@ def test_launch_shapes_are_data_in_the_kernel_names():
     half = gn_chain_module._family(torch.bfloat16, False, False, True).expressions
     assert half[("backward_vec", torch.bfloat16, "swish_bias_gn", 8)].endswith(
         f", {shipped.backward_vec_min_blocks_half}>")
+    # The scalar backward's bounds: float32 with 8 values per lane its own
+    # (it spills most at the others'), the rest backward_min_blocks.
+    exprs = gn_chain_module._family(torch.float32, False, False).expressions
+    assert exprs[("backward", torch.float32, "swish_bias_gn", 8)].endswith(
+        f", 8, float, {shipped.backward_min_blocks_float_wide}>")
+    assert exprs[("backward", torch.float32, "swish_bias_gn", 4)].endswith(
+        f", 4, float, {shipped.backward_min_blocks}>")
+    half = gn_chain_module._family(torch.bfloat16, False, False).expressions
+    assert half[("backward", torch.bfloat16, "swish_bias_gn", 8)].endswith(
+        f", 8, cf::bfloat16, {shipped.backward_min_blocks}>")
+    assert shipped.backward_min_blocks_float_wide != shipped.backward_min_blocks
     with pytest.raises(TypeError, match="LaunchShapes"):
         with gn_chain_module.launch_shapes({"forward_min_blocks": 6}):
             pass

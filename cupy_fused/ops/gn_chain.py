@@ -102,6 +102,10 @@ class LaunchShapes:
     Attributes:
         forward_min_blocks: the scalar forward.
         backward_min_blocks: the scalar backward.
+        backward_min_blocks_float_wide: the scalar backward on a float32 z
+            with 8 values per lane (groups of 129 to 256 channels), which
+            spills most at 4 (docs/performance.md, "The scalar GroupNorm
+            kernels' launch bounds").
         forward_vec_min_blocks_half: the vectorised forward on a float16 /
             bfloat16 z, which holds two rows of loads and its columns'
             vectors per lane.
@@ -119,6 +123,7 @@ class LaunchShapes:
     """
     forward_min_blocks: int = 8
     backward_min_blocks: int = 4
+    backward_min_blocks_float_wide: int = 3
     forward_vec_min_blocks_half: int = 3
     forward_vec_min_blocks_float: int = 4
     backward_vec_min_blocks_half: int = 2
@@ -126,9 +131,12 @@ class LaunchShapes:
     backward_vec_bytes: int = 16
     team: Optional[Tuple[int, int]] = None
 
-    def min_blocks(self, kernel: str, dtype: torch.dtype) -> int:
+    def min_blocks(self, kernel: str, dtype: torch.dtype, vals: int = 0) -> int:
         """kMinBlocks of ``kernel`` ("forward", "backward", "forward_vec" or
-        "backward_vec") on a z of ``dtype``."""
+        "backward_vec") on a z of ``dtype``, ``vals`` values per lane (the
+        scalar kernels')."""
+        if kernel == "backward" and dtype == torch.float32 and vals > VALS_PER_LANE[0]:
+            return self.backward_min_blocks_float_wide
         if kernel.endswith("_vec"):
             return getattr(self, f"{kernel}_min_blocks_"
                            f"{'half' if dtype in HALF_DTYPES else 'float'}")
@@ -142,7 +150,7 @@ def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int, eager_rounding
           out_dtype: Optional[torch.dtype], shapes: LaunchShapes) -> str:
     out = cxx_type(out_dtype or dtype)
     return (f"cf::gn_chain_{kernel}<{cxx_type(dtype)}, {CHAINS[chain].type(eager_rounding)}, "
-            f"{vals}, {out}, {shapes.min_blocks(kernel, dtype)}>")
+            f"{vals}, {out}, {shapes.min_blocks(kernel, dtype, vals)}>")
 
 
 # The vectorised kernels (``gn_chain_forward_vec`` / ``gn_chain_backward_vec``
