@@ -10,9 +10,9 @@ that gradients come back in each tensor's own dtype.
 
 ``torch.autocast("cuda", dtype=torch.float32)`` runs those products in
 float32 (float16 and bfloat16 operands cast up) and ``group_norm`` in
-float32 as before: the entry points cast their half-precision tensors up
-(:func:`float32_casts`) and go on as outside autocast, where every tensor
-is then float32; the GroupNorm chains ask :func:`autocast_enabled`.  Other
+float32 as before: the entry points, once every argument is checked,
+cast their half-precision tensors up (:func:`float32_casts`) and go on as
+outside autocast, where every tensor is then float32; the GroupNorm chains ask :func:`autocast_enabled`.  Other
 autocast dtypes are refused.  Under
 ``torch.compile`` both are traced (dynamo folds the autocast state into the
 graph), so the custom ops themselves only ever see operands already cast.
@@ -79,8 +79,9 @@ def float32_casts(*tensors):
     """Under ``torch.autocast("cuda", dtype=torch.float32)``: ``tensors``
     with each float16 / bfloat16 tensor cast to float32 (autograd casts, as
     autocast's, so that gradients come back in each tensor's own dtype);
-    others, and every tensor outside that autocast, as given (for the
-    validation that follows to name them).  Returns a tuple."""
+    others, and every tensor outside that autocast, as given.  The entry
+    points check every argument first (a cast is a launch).  Returns a
+    tuple."""
     if not float32_autocast():
         return tensors
     return tuple(t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES

@@ -63,7 +63,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from . import _validation, ops
-from ._amp import autocast_dtype, autocast_enabled, float32_casts
+from ._amp import autocast_dtype, autocast_enabled, float32_autocast, float32_casts
 from ._autograd import jit_message, refuse_jit, refuse_tangents, refuse_transforms
 from ._validation import (FLOAT_DTYPES, check_groups, check_int, check_like, check_tensor,
                           check_vector)
@@ -444,9 +444,15 @@ class GemmAddRelu(_FusedModule):
         gemm_bias = linear.bias
         refuse_tangents(x, weight, gemm_bias, bias)  # (before the GEMM, which asks about x and W)
         amp = autocast_dtype()
-        if amp is None:
+        if amp is None and float32_autocast():
             # Autocast to float32: every tensor float32, as the reference's
-            # linear casts its own and its add promotes.
+            # linear casts its own and its add promotes; the biases checked
+            # first (any float dtype each), as a cast is a launch.
+            if gemm_bias is not None:
+                check_vector("gemm.bias", gemm_bias, weight.shape[0], x, "x", optional=False,
+                             dtype=FLOAT_DTYPES)
+            check_vector("bias", bias, weight.shape[0], x, "x", optional=False, dtype=FLOAT_DTYPES,
+                         one=True)
             x, weight, gemm_bias, bias = float32_casts(x, weight, gemm_bias, bias)
         # ops.linear's internal entry point: x and the weight are checked
         # above, and ops.linear would check them again on every call (see

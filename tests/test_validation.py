@@ -951,3 +951,45 @@ def test_the_testing_helpers_flag_what_the_gpu_tests_rely_on_them_for(past_devic
     assert torch.equal(view, t) and view.stride() == t.stride()
     base = view.as_strided((t.numel() + 2,), (1,), view.storage_offset() - 1)
     assert base[0] == -7.0 and base[-1] == -7.0
+
+
+@pytest.mark.parametrize("autocast_to", [torch.float32, torch.bfloat16])
+def test_autocast_casts_come_after_every_check(autocast_to, past_device_check, monkeypatch):
+    """Under autocast (to float32: half tensors cast up; to a half dtype:
+    the GroupNorm's vectors cast to float32) a bad argument is refused
+    before any tensor is cast: a cast is a launch."""
+    from cupy_fused import _amp
+
+    monkeypatch.setattr(_amp, "_cuda_autocast", lambda: autocast_to)
+    casts = []
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: casts.append(a) or to(self, *a, **k))
+    bf = torch.bfloat16
+
+    def rand(*shape):
+        return torch.rand(*shape, dtype=bf)
+
+    x, w, v = rand(4, 8), rand(C, 8), rand(C)
+    cases = [(ValueError, "activation", lambda: ops.linear(x, w, v, activation="gelu")),
+             (ValueError, "bias must hold one value per channel", lambda: ops.linear(x, w, rand(C + 1))),
+             (ValueError, "gn_weight must hold one value per channel",
+              lambda: ops.linear_gn_chain(x, w, v, "swish_bias_gn", 4, extra_bias=v,
+                                          gn_weight=rand(C + 1), gn_bias=v)),
+             (ValueError, "precision", lambda: ops.linear_gn_chain(
+                 x, w, v, "swish_bias_gn", 4, extra_bias=v, gn_weight=v, gn_bias=v, precision="fp8")),
+             (ValueError, "gn_bias must hold one value per channel",
+              lambda: ops.gn_chain(rand(4, C), "swish_bias_gn", 4, lin_bias=v, extra_bias=v,
+                                   gn_weight=v, gn_bias=rand(C + 1))),
+             (TypeError, "eager_rounding", lambda: ops.gn_chain(
+                 rand(4, C), "swish_bias_gn", 4, lin_bias=v, extra_bias=v, gn_weight=v, gn_bias=v,
+                 eager_rounding="yes")),
+             (ValueError, "conv_bias must have C_out", lambda: ops.conv_bias_relu(
+                 rand(2, 3, 6, 6), rand(C, 3, 3, 3), rand(C + 1), v))]
+    model = cupy_fused.GemmAddRelu(8, C, (C,)).to(bf)
+    model.gemm.bias = torch.nn.Parameter(rand(C + 1))
+    cases.append((ValueError, "gemm.bias must hold one value per channel", lambda: model(x)))
+    casts.clear()  # (the model's .to)
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()
+        assert casts == [], (message, casts)

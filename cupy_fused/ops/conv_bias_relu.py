@@ -105,7 +105,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _bridge, _runtime
-from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts, promoted
+from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_autocast, float32_casts, promoted
 from .._autograd import (HAS_CUSTOM_OP, FusedOp, assume_constant_result, check_unchanged, graph_anchors,
                          inference_op, is_compiling, is_exporting, needs_grad, on_example_sizes,
                          refuse_jit, refuse_tangents, refuse_transforms, version_of)
@@ -1825,11 +1825,10 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     if weight.dim() != 4:
         raise ValueError(f"weight must be 4-D [C_out, C_in, KH, KW], got shape {tuple(weight.shape)}")
     amp = autocast_dtype()
-    if amp is None:
-        # Under autocast to float32: every tensor float32 from here on (the
-        # reference's conv2d casts its own; its add promotes).
-        x, weight, conv_bias, bias = float32_casts(x, weight, conv_bias, bias)
-    check_like("weight", weight, x, "x", dtype=FLOAT_DTYPES if amp else None)
+    # Under autocast to float32: every tensor float32 once checked (the
+    # reference's conv2d casts its own; its add promotes).
+    up = amp is None and float32_autocast()
+    check_like("weight", weight, x, "x", dtype=FLOAT_DTYPES if amp or up else None)
     cout, cin, kh, kw = weight.shape
     if cin != x.shape[1]:
         raise ValueError(f"weight must have x's {x.shape[1]} input channels in dim 1, got "
@@ -1853,15 +1852,18 @@ def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tenso
     # rules in engine_dtypes); flat from here on.
     conv_bias = check_vector("conv_bias", check_tensor("conv_bias", conv_bias), cout, x, "x",
                              optional=False, dtype=conv_bias.dtype)
+    # A 0-dim bias changes no float dtype in torch's promotion: in the dtype
+    # y has without it (an autograd cast, once every tensor is checked).
+    flat_bias = bias is not None and bias.dim() == 0
     if bias is not None:
-        if bias.dim() == 0:
-            # A 0-dim bias changes no float dtype in torch's promotion: in
-            # the dtype y has without it (an autograd cast).
-            base = amp if amp is not None else x.dtype
-            bias = cast(check_tensor("bias", bias), promoted(base, conv_bias.dtype))
         bias = check_vector("bias", check_tensor("bias", bias), cout, x, "x", dtype=bias.dtype,
                             one=True)
     refuse_transforms("conv_bias_relu", x, weight, conv_bias, bias)  # (the routes read alignments)
+    if up:
+        x, weight, conv_bias, bias = float32_casts(x, weight, conv_bias, bias)
+    if flat_bias:
+        base = amp if amp is not None else x.dtype
+        bias = cast(bias, promoted(base, conv_bias.dtype))
     plan = _engine_plan(x, weight, conv_bias, bias)
     if plan and cin % 8:  # on channels padded with zeros (_padded_plan)
         x, weight = _pad_input_channels(x, weight, plan[0])

@@ -574,7 +574,7 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
     autocast runs the GroupNorm in; others (float64) refused.  Outside
     autocast a 0-dim vector is cast to ``like``'s dtype (torch's promotion
     lets it change no float dtype: a float32 one in a float16 chain gives
-    float16).  ``names``:
+    float16).  Every vector is checked before any is cast.  ``names``:
     the vectors' argument names in the caller's signature, for the
     errors."""
     spec = CHAINS[chain]
@@ -583,23 +583,21 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
         if slot is None and value is not None:
             raise ValueError(f"{name} must be None for chain {chain!r}, which has no such "
                              f"vector (it would be ignored)")
-    dtype = None
-    if autocast:  # (checked as any of the three: after the casts, each that passes is float32)
-        dtype = FLOAT_DTYPES
-        lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
-            cast(v, torch.float32) for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
-    else:  # a 0-dim vector changes no float dtype in torch's promotion: in like's
-        lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = (
-            cast(v, like.dtype) if isinstance(v, torch.Tensor) and v.dim() == 0 else v
-            for v in (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight))
+    vectors = (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+    # Each vector's dtype after its cast: float32 under autocast (any of the
+    # three then); outside it a 0-dim vector in like's (torch's promotion
+    # lets it change no float dtype), any other in like's already.  Every
+    # vector is checked before any is cast (a cast is a launch).
+    targets = [torch.float32 if autocast
+               else like.dtype if isinstance(v, torch.Tensor) and v.dim() == 0 else None
+               for v in vectors]
     # (Each vector but the linear bias, which a GEMM's epilogue may add, may
     # be one value for every channel: see check_vector.)
-    return (check_vector(names[0], lin_bias, channels, like, like_name, dtype=dtype),
-            check_vector(names[1], extra_bias, channels, like, like_name, dtype=dtype, one=True),
-            check_vector(names[2], gn_weight, channels, like, like_name, dtype=dtype, one=True),
-            check_vector(names[3], gn_bias, channels, like, like_name, dtype=dtype, one=True),
-            check_vector(names[4], mul_weight, channels, like, like_name,
-                         optional=spec.mul_weight is None, dtype=dtype, one=True))
+    checked = [check_vector(names[i], v, channels, like, like_name,
+                            optional=i != 4 or spec.mul_weight is None,
+                            dtype=None if target is None else FLOAT_DTYPES, one=i > 0)
+               for i, (v, target) in enumerate(zip(vectors, targets))]
+    return tuple(v if target is None else cast(v, target) for v, target in zip(checked, targets))
 
 
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
@@ -677,12 +675,14 @@ def _gn_chain_entry(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bi
     channels = z.shape[1]
     num_groups = check_groups(num_groups, channels)
     eps = check_eps(eps)
+    linear_bias_in_z = check_flag("linear_bias_in_z", linear_bias_in_z)
+    eager_rounding = check_flag("eager_rounding", eager_rounding)
     amp = autocast_enabled()  # (to any dtype: group_norm runs in float32 under each)
+    # (last: the vectors' casts, once all are checked)
     lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
         chain, channels, z, "z", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp, names)
     return _run_gn_chain(z, chain, num_groups, lin_bias, extra_bias, gn_weight, gn_bias,
-                         mul_weight, eps, check_flag("linear_bias_in_z", linear_bias_in_z),
-                         check_flag("eager_rounding", eager_rounding),
+                         mul_weight, eps, linear_bias_in_z, eager_rounding,
                          amp and z.dtype != torch.float32)
 
 

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._amp import autocast_dtype, float32_casts
+from .._amp import autocast_dtype, float32_autocast, float32_casts
 from .._autograd import (FusedOp, check_unchanged, graph_anchors, inference_op, is_compiling,
                          keep_output, keeps_for_one_use, launches_directly, needs_grad, product_operands,
                          refuse_jit, refuse_transforms, take_output, version_of)
@@ -452,11 +452,10 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
         raise ValueError("x must have at least 1 dimension (the features), got a scalar")
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
-    if amp is None:  # (under autocast to float32, half tensors cast up)
-        x, weight, bias = float32_casts(x, weight, bias)
+    up = amp is None and float32_autocast()  # half tensors cast up, after the checks
     # Under autocast, x, weight and bias may each be any of the three (cast to
-    # amp by the op), as autocast's F.linear takes them.
-    any_float = FLOAT_DTYPES if amp is not None else None
+    # amp by the op, or up to float32), as autocast's F.linear takes them.
+    any_float = FLOAT_DTYPES if amp is not None or up else None
     check_like("weight", weight, x, "x", any_float)
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -465,6 +464,8 @@ def linear(x, weight, bias=None, activation: Optional[str] = None,
     bias = check_vector("bias", bias, n, x, "x", dtype=any_float)
     act = _activation_code(activation)
     precision = resolve_precision(precision)
+    if up:  # (checked: a cast is a launch)
+        x, weight, bias = float32_casts(x, weight, bias)
     # (2-D x: no reshape, a view is one more autograd node per call)
     x2 = x if x.dim() == 2 else x.reshape(x.shape[:-1].numel(), k)  # (not -1: k may be 0)
     y = _linear_2d(x2, weight, bias, act, precision, amp)

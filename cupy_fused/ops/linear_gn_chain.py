@@ -48,7 +48,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _bridge, _runtime
-from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_casts
+from .._amp import HALF_DTYPES, autocast_dtype, cast, float32_autocast, float32_casts
 from .._autograd import (FusedOp, graph_anchors, is_compiling, needs_grad, product_operands,
                          on_example_sizes, refuse_jit, refuse_tangents, refuse_transforms)
 from .._validation import check_eps, check_groups, check_like, check_tensor, cxx_type
@@ -410,13 +410,12 @@ def _linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias, chain: str
     check_tensor("x", x, ndim=(2,))
     check_tensor("weight", weight, ndim=(2,))
     amp = autocast_dtype()
-    if amp is not None:  # x and weight in any float dtypes, cast to amp by the GEMM's op
+    # Under autocast to float32: every tensor float32 once checked (the
+    # reference's linear and group_norm cast theirs; its adds promote).
+    up = amp is None and float32_autocast()
+    if amp is not None or up:  # x and weight in any float dtypes, cast by the GEMM's op or below
         check_like("weight", weight, x, "x", weight.dtype)  # the device
     else:
-        # Under autocast to float32: every tensor float32 from here on (the
-        # reference's linear and group_norm cast theirs; its adds promote).
-        x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = float32_casts(
-            x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
         check_like("weight", weight, x, "x")
     n, k = weight.shape
     if x.shape[1] != k:
@@ -425,14 +424,17 @@ def _linear_gn_chain(x: torch.Tensor, weight: torch.Tensor, lin_bias, chain: str
     num_groups = check_groups(num_groups, n)
     eps = check_eps(eps)
     eager_rounding = check_flag("eager_rounding", eager_rounding)
-    lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
-        chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight, amp is not None,
-        names)
     precision = resolve_precision(precision)
+    # (last: under autocast, to any dtype, the vectors cast to float32 once all are checked)
+    lin_bias, extra_bias, gn_weight, gn_bias, mul_weight = check_chain_vectors(
+        chain, n, x, "x", lin_bias, extra_bias, gn_weight, gn_bias, mul_weight,
+        amp is not None or up, names)
     # Every tensor, before the GEMM (the two-launch routes' GEMM asks about x
     # and the weight only).
     refuse_tangents(x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
     refuse_transforms("linear_gn_chain", x, weight, lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+    if up:
+        x, weight = float32_casts(x, weight)
     hopper = not eager_rounding and gemm.has_wgmma(x.device.index)
     if amp is not None:
         if hopper and _takes_one_launch(x, weight, num_groups, amp, True):
