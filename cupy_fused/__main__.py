@@ -6,7 +6,9 @@ compile check of every kernel instead.
   python -m cupy_fused --precompile        report, then compile every kernel for this GPU
                                            (CuPy's disk cache keeps them for later processes)
   python -m cupy_fused --no-compile-check  without a GPU: the report only
-  python -m cupy_fused --arch sm_90a       without a GPU: check these architectures only
+  python -m cupy_fused --arch sm_90a       check that the kernels compile for these
+                                           architectures (without a GPU: these only; with
+                                           one: first, then the checks above)
 """
 from __future__ import annotations
 
@@ -84,7 +86,10 @@ def _models(device: int) -> bool:
     return ok
 
 
-def _compile_check(archs) -> bool:
+def _compile_check(archs, gpu: bool = False) -> bool:
+    """The compile check for ``archs`` (None: the default architectures),
+    announced as asked for beside a GPU (``gpu``) or as the check a machine
+    without one runs."""
     from . import _runtime
 
     archs = archs or _runtime.check_architectures()
@@ -96,7 +101,8 @@ def _compile_check(archs) -> bool:
             return False
     count = sum(len(v) for v in _runtime.declared().values())
     major, minor = _runtime.nvrtc_version()
-    print(f"\nNo CUDA GPU is visible: compile check of {count} instantiations for "
+    lead = "Compile check (--arch)" if gpu else "No CUDA GPU is visible: compile check"
+    print(f"\n{lead} of {count} instantiations for "
           f"{', '.join(archs)} with NVRTC {major}.{minor} (this takes a few minutes).")
     ok = True
     for arch in archs:
@@ -137,10 +143,12 @@ def main(argv=None) -> int:
                              "(without a GPU: the compile check, then exit 1: nothing is "
                              "cached)")
     parser.add_argument("--no-compile-check", action="store_true",
-                        help="without a GPU, print the report only")
+                        help="without a GPU, print the report only (with one, no compile check "
+                             "runs unless --arch asks for it)")
     parser.add_argument("--arch", nargs="+", metavar="ARCH",
-                        help="without a GPU, check these architectures (default: sm_75, sm_80, "
-                             "sm_90, sm_90a, and sm_70 where NVRTC supports it)")
+                        help="check that every kernel compiles for these architectures (without "
+                             "a GPU the default is sm_75, sm_80, sm_90, sm_90a, and sm_70 where "
+                             "NVRTC supports it; with one, first, then the GPU's own checks)")
     args = parser.parse_args(argv)
     if hasattr(sys.stdout, "reconfigure"):  # each line as it comes, also into a pipe (CI logs)
         sys.stdout.reconfigure(line_buffering=True)
@@ -188,6 +196,10 @@ def _checks(args, cupy, torch) -> int:
             print(f"\ntorch sees {torch.cuda.device_count()} CUDA GPU(s), CuPy none ({reason}). "
                   "Install the CuPy of torch's CUDA major (cupy-cuda12x for CUDA 12, "
                   "cupy-cuda13x for 13) and a driver that supports it.")
+            return 1
+        # Architectures asked for by name (e.g. the ones a build ships for,
+        # beside this GPU's): checked first, as without a GPU.
+        if args.arch and not _compile_check(args.arch, gpu=True):
             return 1
     else:
         if torch.version.cuda is None and n_cupy:

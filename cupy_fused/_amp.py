@@ -12,10 +12,11 @@ that gradients come back in each tensor's own dtype.
 float32 (float16 and bfloat16 operands cast up) and ``group_norm`` in
 float32 as before: the entry points, once every argument is checked,
 cast their half-precision tensors up (:func:`float32_casts`) and go on as
-outside autocast, where every tensor is then float32; the GroupNorm chains ask :func:`autocast_enabled`.  Other
-autocast dtypes are refused.  Under
-``torch.compile`` both are traced (dynamo folds the autocast state into the
-graph), so the custom ops themselves only ever see operands already cast.
+outside autocast, where every tensor is then float32; the GroupNorm
+chains ask :func:`autocast_enabled`.  Other autocast dtypes are refused.
+Under ``torch.compile`` both are traced (dynamo folds the autocast state
+into the graph), so the custom ops themselves only ever see operands
+already cast.
 """
 from __future__ import annotations
 

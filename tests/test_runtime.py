@@ -900,3 +900,24 @@ def test_the_report_without_a_usable_gpu(monkeypatch, capsys):
     assert main_job.main(["--arch", "sm_80"]) == 1
     out = capsys.readouterr().out
     assert "CuPy sees 1 CUDA GPU(s), but this torch is a CPU build" in out, out
+
+
+def test_main_job_checks_the_named_architectures_beside_a_gpu(monkeypatch, capsys):
+    """--arch on a machine with a GPU runs the compile check of those
+    architectures first (it was ignored), announced as asked for; a
+    failure there fails the job before the GPU's own checks."""
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 1)
+    checked = []
+
+    def fake_check(arch, progress=False):
+        checked.append(arch)
+        raise _runtime.CompileError("gemm.cu: ... failed")
+
+    monkeypatch.setattr(_runtime, "compile_check", fake_check)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("went on past the failure"))
+    assert main_job.main(["--arch", "sm_80"]) == 1
+    assert checked == ["sm_80"]
+    out = capsys.readouterr().out
+    assert "Compile check (--arch) of" in out and "No CUDA GPU is visible" not in out, out
