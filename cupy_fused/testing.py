@@ -131,9 +131,11 @@ def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
             (float64, say).
 
     Returns:
-        ``max |value - truth| / max |truth|`` (the absolute error where truth
-        is all zeros; 0 for empty tensors); inf where either holds a NaN (an
-        unwritten or broken element).
+        ``max |value - truth| / max |truth|`` over truth's finite elements
+        (the absolute error where those are all zeros; 0 for empty
+        tensors), an infinity of truth matched by the same infinity adding
+        no error; inf where either holds a NaN (an unwritten or broken
+        element) or where only one holds an infinity.
 
     Raises:
         TypeError, ValueError: unless both are tensors of one shape (a
@@ -143,8 +145,11 @@ def rel_error(value: torch.Tensor, truth: torch.Tensor) -> float:
     if value.numel() == 0:
         return 0.0
     truth = truth.double()
-    scale = truth.abs().max().item()
-    err = (value.double() - truth).abs().max().item()
+    value = value.double()
+    finite = truth.isfinite()
+    scale = truth[finite].abs().max().item() if finite.any() else 0.0
+    # (inf - inf is NaN: equal infinities set apart; a lone one gives inf)
+    err = torch.where(value == truth, 0.0, (value - truth).abs()).max().item()
     if err != err:  # NaN: an unwritten or broken element
         return float("inf")
     return err / scale if scale > 0 else err

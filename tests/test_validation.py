@@ -940,6 +940,15 @@ def test_the_testing_helpers_flag_what_the_gpu_tests_rely_on_them_for(past_devic
     value = torch.rand(5, dtype=torch.float64)
     assert testing.rel_error(value, value) == 0.0
     assert testing.rel_error(torch.tensor([float("nan"), 1.0]), torch.ones(2)) == float("inf")
+    # Infinities: the same one where truth has it adds no error, and does not
+    # scale the others; any other value there is an infinite error.
+    inf = float("inf")
+    truth = torch.tensor([inf, -inf, 2.0, 4.0], dtype=torch.float64)
+    assert testing.rel_error(torch.tensor([inf, -inf, 3.0, 4.0]), truth) == 0.25
+    for wrong in ([-inf, -inf, 2.0, 4.0], [1e30, -inf, 2.0, 4.0], [inf, -inf, inf, 4.0],
+                  [inf, float("nan"), 2.0, 4.0]):
+        assert testing.rel_error(torch.tensor(wrong), truth) == inf, wrong
+    assert testing.rel_error(torch.tensor([inf, 1.0]), torch.tensor([inf, 0.0])) == 1.0
     a, b = torch.rand(4, 3), torch.rand(5, 3)
     c = a @ b.t()
     assert testing.scaled_gemm_error(c, a, b, lambda p, q: p @ q.t()) < 1e-6
