@@ -372,10 +372,10 @@ def _bias_relu(z: torch.Tensor, bias: torch.Tensor, bias2: Optional[torch.Tensor
             out_dtype = promoted(out_dtype, vector.dtype)
             if out_dtype != z.dtype and out_dtype != torch.float32:  # e.g. a float64 vector
                 raise TypeError(f"{name} must be float32, float16 or bfloat16, got {vector.dtype}")
-    bias = check_vector("bias", cast(bias, out_dtype), channels, z, "z", optional=False,
-                        dtype=out_dtype, one=True)
-    bias2 = check_vector("bias2", cast(bias2, out_dtype), channels, z, "z", dtype=out_dtype,
-                         one=True)
+    # Both checked, then cast to out_dtype (a cast is a launch).
+    bias = check_vector("bias", bias, channels, z, "z", optional=False, dtype=FLOAT_DTYPES, one=True)
+    bias2 = check_vector("bias2", bias2, channels, z, "z", dtype=FLOAT_DTYPES, one=True)
+    bias, bias2 = cast(bias, out_dtype), cast(bias2, out_dtype)
     z = dense_layout(z)
     grad = needs_grad(z, bias, bias2)
     if grad or not launches_directly():
