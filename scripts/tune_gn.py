@@ -1,6 +1,6 @@
 """Times the scalar GroupNorm kernels, forward and backward (CUDA events,
 in turns), at problem 37's benchmark size, the same with 128-channel
-groups, 256-channel groups and 88's, for each (team, values per lane)
+groups, 256-, 512- and 4096-channel groups and 88's, for each (team, values per lane)
 shape and each pair of launch bounds (the minimum resident blocks per SM
 of the scalar forward and backward, which cap the registers per thread;
 ptxas -v shows what spills under each).  The
@@ -9,6 +9,7 @@ shipped shapes are gn_chain.SHIPPED_SHAPES with team_shape and
 forward_team_shape's rule.
 
     python scripts/tune_gn.py [--bounds 8,4 6,3 4,2] [--dtype bfloat16] [--shipped-teams]
+                              [--cpg 512 4096]
 """
 import argparse
 import dataclasses
@@ -24,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from harness import time_interleaved  # noqa: E402  (benchmarks/harness.py)
 
 SHAPES = ((32768, 4096, 64, "swish_bias_gn"), (32768, 4096, 32, "swish_bias_gn"),
-          (16384, 4096, 16, "bias_hardtanh_mish_gn"), (1024, 8192, 256, "gn_swish_mul_swish"))
+          (16384, 4096, 16, "bias_hardtanh_mish_gn"), (1024, 8192, 256, "gn_swish_mul_swish"),
+          # groups wider than a team's registers hold (32 x 8 values): two
+          # sweeps per row, the second reading z again
+          (8192, 8192, 16, "bias_hardtanh_mish_gn"), (8192, 4096, 1, "swish_bias_gn"))
 
 
 def main(argv=None):
@@ -33,6 +37,8 @@ def main(argv=None):
                         help="forward,backward minimum blocks per SM")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="z's dtype (the vectors and the output in it too)")
+    parser.add_argument("--cpg", nargs="+", type=int,
+                        help="only the shapes with these channels per group")
     parser.add_argument("--shipped-teams", action="store_true",
                         help="only the (team, values per lane) the shipped rule picks, the "
                              "backward's and the forward's")
@@ -41,6 +47,8 @@ def main(argv=None):
     bounds = [tuple(map(int, b.split(","))) for b in args.bounds]
     for rows, channels, groups, chain in SHAPES:
         cpg = channels // groups
+        if args.cpg and cpg not in args.cpg:
+            continue
         # z and dy off the 16-byte grid: the scalar kernels, whose shapes
         # these are (aligned float32 groups of these widths take the
         # vectorised kernels).
@@ -52,8 +60,8 @@ def main(argv=None):
         if args.shipped_teams:
             teams = sorted({gn.team_shape(cpg), gn.forward_team_shape(cpg)})
         for team, vals in teams:
-            if team * vals < cpg or team > 32:
-                continue
+            if team > 32 or (team * vals < cpg and not args.shipped_teams):
+                continue  # (the shipped shape of a wider group runs in sweeps: timed too)
             runs = {}
             for fwd_blocks, bwd_blocks in bounds:
                 shapes = dataclasses.replace(gn.SHIPPED_SHAPES, team=(team, vals),

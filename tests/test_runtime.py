@@ -123,6 +123,14 @@ def test_team_shape_covers_every_group_width():
     assert gn_chain_module.forward_team_shape(128) == (16, 8)
     assert gn_chain_module.forward_team_shape(33) == (8, 8)
     assert gn_chain_module.forward_team_shape(32) == (8, 4)
+    # The backward's: a float32 group wider than 32 x 8 channels (swept, not
+    # held) on the kernel with 4 values per lane, not the 8-value one's bound.
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert gn_chain_module.backward_team_shape(256, f32) == (32, 8)
+    assert gn_chain_module.backward_team_shape(257, f32) == (32, 4)
+    assert gn_chain_module.backward_team_shape(4096, f32) == (32, 4)
+    assert gn_chain_module.backward_team_shape(4096, bf16) == (32, 8)
+    assert gn_chain_module.backward_team_shape(64, f32) == gn_chain_module.team_shape(64)
     assert gn_chain_module.forward_team_shape(4096) == (32, 8)
 
 

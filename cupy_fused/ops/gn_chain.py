@@ -101,11 +101,8 @@ class LaunchShapes:
 
     Attributes:
         forward_min_blocks: the scalar forward.
-        backward_min_blocks: the scalar backward.
-        backward_min_blocks_float_wide: the scalar backward on a float32 z
-            with 8 values per lane (groups of 129 to 256 channels), which
-            spills most at 4 (docs/performance.md, "The scalar GroupNorm
-            kernels' launch bounds").
+        backward_min_blocks: the scalar backward, but the float32 one with 8
+            values per lane (``backward_min_blocks_float_wide``).
         forward_vec_min_blocks_half: the vectorised forward on a float16 /
             bfloat16 z, which holds two rows of loads and its columns'
             vectors per lane.
@@ -120,16 +117,21 @@ class LaunchShapes:
         team: a fixed (team lanes, values per lane) for the scalar kernels
             instead of :func:`team_shape` / :func:`forward_team_shape`'s
             rule (tuning only), or None.
+        backward_min_blocks_float_wide: the scalar backward on a float32 z
+            with 8 values per lane (groups of 129 to 256 channels; wider
+            ones take the kernel with 4: :func:`backward_team_shape`), which
+            spills most at 4 (docs/performance.md, "The scalar GroupNorm
+            kernels' launch bounds").
     """
     forward_min_blocks: int = 8
     backward_min_blocks: int = 4
-    backward_min_blocks_float_wide: int = 3
     forward_vec_min_blocks_half: int = 3
     forward_vec_min_blocks_float: int = 4
     backward_vec_min_blocks_half: int = 2
     backward_vec_min_blocks_float: int = 2
     backward_vec_bytes: int = 16
     team: Optional[Tuple[int, int]] = None
+    backward_min_blocks_float_wide: int = 3
 
     def min_blocks(self, kernel: str, dtype: torch.dtype, vals: int = 0) -> int:
         """kMinBlocks of ``kernel`` ("forward", "backward", "forward_vec" or
@@ -323,6 +325,19 @@ def team_shape(channels_per_group: int) -> Tuple[int, int]:
     return team, vals
 
 
+def backward_team_shape(channels_per_group: int, dtype: torch.dtype) -> Tuple[int, int]:
+    """The scalar backward's (team, values per lane) on a z of ``dtype``:
+    :func:`team_shape`'s, except for a float32 group wider than a team's
+    registers hold (more than 32 x 8 channels), which runs in two sweeps
+    per row whatever the values per lane: on the kernel with 4, whose
+    launch bound suits the sweeps (the same bits; LaunchShapes'
+    ``backward_min_blocks_float_wide`` is for 8 values held in registers)."""
+    team, vals = team_shape(channels_per_group)
+    if dtype == torch.float32 and _shapes[0].team is None and channels_per_group > team * vals:
+        return team, VALS_PER_LANE[0]
+    return team, vals
+
+
 def forward_team_shape(channels_per_group: int) -> Tuple[int, int]:
     """The forward's (team, values per lane): as :func:`team_shape`, but
     where that gives teams of 16 or 32 lanes with 4 values each, half the
@@ -407,7 +422,7 @@ def _backward_plan(key: tuple) -> tuple:
             fn = _family(dtype, False, float_out, True).get(
                 ("backward_vec", dtype, chain, values), dev)
             return _keep(_backward_plans, key, (fn, grid_x, chunks, per, team))
-    team, vals = team_shape(channels // num_groups)
+    team, vals = backward_team_shape(channels // num_groups, dtype)
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
     return _keep(_backward_plans, key, (
