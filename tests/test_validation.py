@@ -962,12 +962,12 @@ def test_the_testing_helpers_flag_what_the_gpu_tests_rely_on_them_for(past_devic
     assert base[0] == -7.0 and base[-1] == -7.0
 
 
-@pytest.mark.parametrize("autocast_to", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast_to", [None, torch.float32, torch.bfloat16])
 def test_autocast_casts_come_after_every_check(autocast_to, past_device_check, monkeypatch):
     """Under autocast (to float32: half tensors cast up; to a half dtype:
-    the GroupNorm's vectors cast to float32), and in bias_relu's type
-    promotion, a bad argument is refused before any tensor is cast: a cast
-    is a launch."""
+    the GroupNorm's vectors cast to float32), and outside it in bias_relu's
+    type promotion and for a 0-dim GroupNorm vector, a bad argument is
+    refused before any tensor is cast: a cast is a launch."""
     from cupy_fused import _amp
 
     monkeypatch.setattr(_amp, "_cuda_autocast", lambda: autocast_to)
@@ -995,6 +995,10 @@ def test_autocast_casts_come_after_every_check(autocast_to, past_device_check, m
                  eager_rounding="yes")),
              (ValueError, "conv_bias must have C_out", lambda: ops.conv_bias_relu(
                  rand(2, 3, 6, 6), rand(C, 3, 3, 3), rand(C + 1), v))]
+    # (a 0-dim float32 gn_weight: cast to z's bfloat16 outside autocast)
+    cases.append((ValueError, "gn_bias must hold one value per channel",
+                  lambda: ops.gn_chain(rand(4, C), "swish_bias_gn", 4, lin_bias=v, extra_bias=v,
+                                       gn_weight=torch.tensor(1.0), gn_bias=rand(C + 1))))
     # (bias_relu: a float32 bias2 promotes y, so bias is cast to float32)
     cases.append((ValueError, "bias2 must hold one value per channel",
                   lambda: ops.bias_relu(rand(4, C), v, torch.rand(C + 1))))

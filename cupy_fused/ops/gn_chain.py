@@ -577,6 +577,11 @@ def check_chain(chain) -> None:
 VECTOR_NAMES = ("lin_bias", "extra_bias", "gn_weight", "gn_bias", "mul_weight")
 
 
+def _zero_dim(v) -> bool:
+    """Whether ``v`` is a 0-dim tensor."""
+    return isinstance(v, torch.Tensor) and v.dim() == 0
+
+
 def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name: str, lin_bias,
                         extra_bias, gn_weight, gn_bias, mul_weight,
                         autocast: bool = False, names: Tuple[str, ...] = VECTOR_NAMES) -> tuple:
@@ -598,21 +603,38 @@ def check_chain_vectors(chain: str, channels: int, like: torch.Tensor, like_name
         if slot is None and value is not None:
             raise ValueError(f"{name} must be None for chain {chain!r}, which has no such "
                              f"vector (it would be ignored)")
-    vectors = (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
-    # Each vector's dtype after its cast: float32 under autocast (any of the
-    # three then); outside it a 0-dim vector in like's (torch's promotion
-    # lets it change no float dtype), any other in like's already.  Every
-    # vector is checked before any is cast (a cast is a launch).
-    targets = [torch.float32 if autocast
-               else like.dtype if isinstance(v, torch.Tensor) and v.dim() == 0 else None
-               for v in vectors]
     # (Each vector but the linear bias, which a GEMM's epilogue may add, may
-    # be one value for every channel: see check_vector.)
+    # be one value for every channel: see check_vector.)  Every vector is
+    # checked before any is cast (a cast is a launch).  The common cases are
+    # written out: this runs on every call.
+    if not (autocast or _zero_dim(lin_bias) or _zero_dim(extra_bias) or _zero_dim(gn_weight)
+            or _zero_dim(gn_bias) or _zero_dim(mul_weight)):
+        # Each in like's dtype, nothing to cast.
+        return (check_vector(names[0], lin_bias, channels, like, like_name),
+                check_vector(names[1], extra_bias, channels, like, like_name, one=True),
+                check_vector(names[2], gn_weight, channels, like, like_name, one=True),
+                check_vector(names[3], gn_bias, channels, like, like_name, one=True),
+                check_vector(names[4], mul_weight, channels, like, like_name,
+                             optional=spec.mul_weight is None, one=True))
+    if autocast:  # each any of the three, then float32 (all checked first)
+        any_float, f32 = FLOAT_DTYPES, torch.float32
+        a = check_vector(names[0], lin_bias, channels, like, like_name, dtype=any_float)
+        b = check_vector(names[1], extra_bias, channels, like, like_name, dtype=any_float, one=True)
+        c = check_vector(names[2], gn_weight, channels, like, like_name, dtype=any_float, one=True)
+        d = check_vector(names[3], gn_bias, channels, like, like_name, dtype=any_float, one=True)
+        e = check_vector(names[4], mul_weight, channels, like, like_name,
+                         optional=spec.mul_weight is None, dtype=any_float, one=True)
+        return cast(a, f32), cast(b, f32), cast(c, f32), cast(d, f32), cast(e, f32)
+    # A 0-dim vector outside autocast: any of the three, then like's dtype
+    # (torch's promotion lets it change no float dtype); the others in
+    # like's dtype.
+    vectors = (lin_bias, extra_bias, gn_weight, gn_bias, mul_weight)
+    zero = [_zero_dim(v) for v in vectors]
     checked = [check_vector(names[i], v, channels, like, like_name,
                             optional=i != 4 or spec.mul_weight is None,
-                            dtype=None if target is None else FLOAT_DTYPES, one=i > 0)
-               for i, (v, target) in enumerate(zip(vectors, targets))]
-    return tuple(v if target is None else cast(v, target) for v, target in zip(checked, targets))
+                            dtype=FLOAT_DTYPES if zero[i] else None, one=i > 0)
+               for i, v in enumerate(vectors)]
+    return tuple(cast(v, like.dtype) if z else v for v, z in zip(checked, zero))
 
 
 def gn_chain(z: torch.Tensor, chain: str, num_groups: int, *, lin_bias=None, extra_bias=None,
