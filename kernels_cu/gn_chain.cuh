@@ -149,23 +149,37 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, 
         v[j] = (valid && c < cpg) ? Chain::pre(to_float(z[first + c]), p, col0 + c) : 0.0f;
       }
     };
-    float sum = 0.0f;
-    for (int s = 0; s < nslices; ++s) {
-      load_slice(s);
+    // A lane's sum of add(sum, j, c) over its values (j: the value's index
+    // in v, c: its channel in the group); reload: load the one slice again
+    // (a group of many slices is loaded slice by slice in any case).  A
+    // wide group's lane holds many slices: their values are summed a slice
+    // at a time, and the slices' sums added with compensation (one running
+    // sum of all a lane's values was 3x eager's error at 4096 channels a
+    // group).
+    auto lane_sum = [&](bool reload, auto add) {
+      float sum = 0.0f;
+      if (nslices == 1) {
+        if (reload) load_slice(0);
 #pragma unroll
-      for (int j = 0; j < kMaxVals; ++j) sum += v[j];
-    }
-    float mean = team_sum(sum, t) * inv_cpg;
-    float sq = 0.0f;
-    for (int s = 0; s < nslices; ++s) {
-      if (nslices > 1) load_slice(s);
-#pragma unroll
-      for (int j = 0; j < kMaxVals; ++j) {
-        const int c = s * slice + team_lane + j * t;
-        const float d = v[j] - mean;
-        if (c < cpg) sq += d * d;
+        for (int j = 0; j < kMaxVals; ++j) add(sum, j, team_lane + j * t);
+        return sum;
       }
-    }
+      CompensatedSum slices;
+      for (int s = 0; s < nslices; ++s) {
+        load_slice(s);
+        float part = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kMaxVals; ++j) add(part, j, s * slice + team_lane + j * t);
+        slices.add(part);
+      }
+      return slices.sum + slices.comp;
+    };
+    const float sum = lane_sum(true, [&](float& acc, int j, int) { acc += v[j]; });
+    float mean = team_sum(sum, t) * inv_cpg;
+    const float sq = lane_sum(false, [&](float& acc, int j, int c) {
+      const float d = v[j] - mean;
+      if (c < cpg) acc += d * d;
+    });
     float rstd;
     finish_statistics<T, Chain>(team_sum(sq, t), inv_cpg, feps, round_stats, mean, rstd);
     for (int s = 0; s < nslices; ++s) {

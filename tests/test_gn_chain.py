@@ -131,7 +131,9 @@ SHAPES = [(37, 256, 4, 0), (5, 96, 3, 0), (1, 64, 2, 0), (33, 128, 16, 0), (9, 2
           (1031, 384, 6, 0), (2500, 40, 5, 0),
           # Idle lanes in every team (3 vectors of a 16-bit z: a team of 4;
           # 6 of float32: a team of 8); whole warps over two slices.
-          (6, 72, 3, 0), (64, 512, 8, 0)]
+          (6, 72, 3, 0), (64, 512, 8, 0),
+          # One group of 4096 channels: the forward's lanes hold 16 slices.
+          (70, 4096, 1, 0)]
 
 
 @pytest.mark.gpu
