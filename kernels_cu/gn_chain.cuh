@@ -18,6 +18,7 @@
 // A "team" of `team` lanes (power of two <= 32) handles one (row, group) pair;
 // each lane keeps up to kMaxVals values of its group in registers.  Groups
 // wider than team*kMaxVals are processed in slices, re-reading z (from cache).
+// The scalar backward's teams may also span warps (see wide_team_sums).
 #pragma once
 #include "gn_chains.cuh"
 
@@ -295,10 +296,70 @@ __device__ __forceinline__ void slot_values_exact(float (&out)[Chain::kSlots], f
 // holding none of the exact rows' work, and the second is a call
 // (__noinline__), so that it takes none of the first's registers.
 
-// The scalar backward's walk (kExact: see above).  Returns false where the warp's
-// sums show a group that is not finite; the walk has then not written its
-// column sums (or wrote sums that the exact walk replaces).
-template <bool kExact, typename T, typename Chain, int kMaxVals, typename TO>
+// The scalar backward's teams: up to 32 lanes, or, in gn_chain_backward's
+// kWide instantiations, team / 32 adjacent warps that share each row's
+// group: where a block has more warps than its groups fill (few groups of
+// many channels: backward_team_shape in gn_chain.py), which would
+// otherwise idle.  A wide team's sums meet in shared memory, its warps'
+// sums added in warp order (the same in every lane).  Every lane of the
+// block calls them (the team width is the same in the whole block, and so
+// are its row walks).  A template parameter rather than a branch on the
+// team: the branch's registers made the kernels with teams within a warp
+// spill more.
+template <int N>
+__device__ __forceinline__ void wide_team_sums(float (&v)[N], int team) {
+  __shared__ float scratch[N][32];
+  const int warp = threadIdx.x >> 5, first = warp & ~(team / 32 - 1);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    v[i] = team_sum(v[i], 32);
+    if ((threadIdx.x & 31) == 0) scratch[i][warp] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.0f;
+    for (int w = first; w < first + team / 32; ++w) s += scratch[i][w];
+    v[i] = s;
+  }
+  __syncthreads();  // (the next call writes scratch again)
+}
+// A row's group sums: sd = sum dx^, then s1 = sd / cpg and s2 = (sum dx^ x^)
+// / cpg in place.  Returns sd.
+template <bool kWide>
+__device__ __forceinline__ float backward_group_sums(float& s1, float& s2, int team,
+                                                     float inv_cpg) {
+  if (!kWide) {
+    const float sd = team_sum(s1, team);
+    s1 = sd * inv_cpg;
+    s2 = team_sum(s2, team) * inv_cpg;
+    return sd;
+  }
+  float v[2] = {s1, s2};
+  wide_team_sums(v, team);
+  s1 = v[0] * inv_cpg;
+  s2 = v[1] * inv_cpg;
+  return v[0];
+}
+template <bool kWide>
+__device__ __forceinline__ float backward_team_sum(float a, int team) {
+  if (!kWide) return team_sum(a, team);
+  float v[1] = {a};
+  wide_team_sums(v, team);
+  return v[0];
+}
+// Whether every lane's walk was finite: the warp's lanes, or the block's
+// where teams span warps, so that an exact walk is taken by whole teams.
+template <bool kWide>
+__device__ __forceinline__ bool walk_finite(bool finite) {
+  return kWide ? __syncthreads_and(finite) != 0 : __all_sync(0xffffffffu, finite);
+}
+
+// The scalar backward's walk (kExact: see above; kWide: teams spanning
+// warps).  Returns false where the warp's sums (the block's, kWide) show a
+// group that is not finite; the walk has then not written its column sums
+// (or wrote sums that the exact walk replaces).
+template <bool kExact, bool kWide, typename T, typename Chain, int kMaxVals, typename TO>
 __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
   constexpr int S = Chain::kSlots;
   constexpr bool kFast = fast_math<T, Chain>();
@@ -351,13 +412,11 @@ __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
           }
         }
       }
-      const float sd = team_sum(s1, t);
-      s1 = sd * inv_cpg;
-      s2 = team_sum(s2, t) * inv_cpg;
+      const float sd = backward_group_sums<kWide>(s1, s2, t, inv_cpg);
       UncentredGroup u = {};
       bool uncentred = false;
       if (kExact) {
-        u = uncentred_group(sd, team_sum(sdv, t), mu, rs, inv_cpg);
+        u = uncentred_group(sd, backward_team_sum<kWide>(sdv, t), mu, rs, inv_cpg);
         uncentred = !group_sums_finite(s1, s2);
       }
 #pragma unroll
@@ -384,7 +443,7 @@ __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
       for (int s = 0; s < S; ++s)
 #pragma unroll
         for (int j = 0; j < kMaxVals; ++j) finite = finite && isfinite(acc[s][j].sum);
-      if (!__all_sync(0xffffffffu, finite)) return false;
+      if (!walk_finite<kWide>(finite)) return false;
     }
 #pragma unroll
     for (int j = 0; j < kMaxVals; ++j) {
@@ -426,14 +485,12 @@ __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
       s2 += dxh * xh;
       if (kExact) sdv += dxh * v;
     }
-    const float sd = team_sum(s1, t);
-    s1 = sd * inv_cpg;
-    s2 = team_sum(s2, t) * inv_cpg;
+    const float sd = backward_group_sums<kWide>(s1, s2, t, inv_cpg);
     non_finite += s1 * s2;
     UncentredGroup u = {};
     bool uncentred = false;
     if (kExact) {
-      u = uncentred_group(sd, team_sum(sdv, t), mu, rs, inv_cpg);
+      u = uncentred_group(sd, backward_team_sum<kWide>(sdv, t), mu, rs, inv_cpg);
       uncentred = !group_sums_finite(s1, s2);
     }
     for (int c = team_lane; c < cpg; c += t) {
@@ -455,12 +512,12 @@ __device__ __forceinline__ bool gn_chain_backward_rows(CF_GN_BACKWARD_PARAMS) {
     }
   };
   for (i64 r = row0; r < row1; ++r) wide_row(r);
-  return kExact || __all_sync(0xffffffffu, isfinite(non_finite));
+  return kExact || walk_finite<kWide>(isfinite(non_finite));
 }
 
-template <typename T, typename Chain, int kMaxVals, typename TO>
+template <bool kWide, typename T, typename Chain, int kMaxVals, typename TO>
 __device__ __noinline__ void gn_chain_backward_exact(CF_GN_BACKWARD_PARAMS) {
-  gn_chain_backward_rows<true, T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS);
+  gn_chain_backward_rows<true, kWide, T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS);
 }
 
 // Backward.  grid = (ceil(groups / teams_per_block), chunks); block y-index
@@ -468,7 +525,9 @@ __device__ __noinline__ void gn_chain_backward_exact(CF_GN_BACKWARD_PARAMS) {
 // partial[chunk][slot][channels] (double) that reduce_column_partials folds
 // in order.
 // dy_dense == 0: dy is a single value broadcast to every element.
-template <typename T, typename Chain, int kMaxVals, typename TO, int kMinBlocks>
+// kWide: teams of team / 32 > 1 whole warps (see wide_team_sums).
+template <typename T, typename Chain, int kMaxVals, typename TO, int kMinBlocks,
+          bool kWide = false>
 __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(
     const T* __restrict__ z, const TO* __restrict__ dy, i64 dy_dense,
     const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -476,10 +535,9 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_backward(
     const TO* __restrict__ gn_weight, const TO* __restrict__ gn_bias,
     const TO* __restrict__ mul_weight, T* __restrict__ dz_out, double* __restrict__ partial,
     i64 rows, i64 channels, i64 groups, i64 team, i64 rows_per_chunk) {
-  if (!gn_chain_backward_rows<false, T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS))
-    gn_chain_backward_exact<T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS);
+  if (!gn_chain_backward_rows<false, kWide, T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS))
+    gn_chain_backward_exact<kWide, T, Chain, kMaxVals, TO>(CF_GN_BACKWARD_ARGS);
 }
-
 
 // ---- Vectorised kernels ----
 // The same computation with every access 16 bytes wide (kE values of z), in

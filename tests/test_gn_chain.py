@@ -132,8 +132,11 @@ SHAPES = [(37, 256, 4, 0), (5, 96, 3, 0), (1, 64, 2, 0), (33, 128, 16, 0), (9, 2
           # Idle lanes in every team (3 vectors of a 16-bit z: a team of 4;
           # 6 of float32: a team of 8); whole warps over two slices.
           (6, 72, 3, 0), (64, 512, 8, 0),
-          # One group of 4096 channels: the forward's lanes hold 16 slices.
-          (70, 4096, 1, 0)]
+          # One group of 4096 channels: the forward's lanes hold 16 slices,
+          # the backward's team is 8 warps, swept (gn_chain_backward, kWide);
+          # the backward's teams of 2 warps, in registers: one group, and
+          # three with a block's fourth team idle.
+          (70, 4096, 1, 0), (45, 250, 1, 0), (11, 1200, 3, 0)]
 
 
 @pytest.mark.gpu
@@ -196,10 +199,12 @@ def _models_chain(chain, groups, z, lin_bias, v, gw, gb):
 
 
 # The vectorised kernels; the in-register ones (a z off the 16-byte grid, a
-# group of 10 channels); the wide-group ones (600 channels).  In each, the
-# three non-finite values leave group 1 alone, so that every gradient has
-# finite values to hold to the float64 run.
-NON_FINITE_SHAPES = [(9, 256, 4, 0), (9, 256, 4, 1), (7, 60, 6, 0), (5, 2400, 4, 0)]
+# group of 10 channels); the wide-group ones (600 channels, two warps a
+# team, swept); teams of two warps in registers (300 channels).  In each,
+# the three non-finite values leave group 1 alone, so that every gradient
+# has finite values to hold to the float64 run.
+NON_FINITE_SHAPES = [(9, 256, 4, 0), (9, 256, 4, 1), (7, 60, 6, 0), (5, 2400, 4, 0),
+                     (5, 1200, 4, 0)]
 
 
 @pytest.mark.gpu
@@ -458,6 +463,28 @@ def test_broadcast_gradient_is_the_dense_one(offset, mode, device, monkeypatch):
             for a, b in zip(broadcast[1:], dense[1:]):
                 assert torch.equal(a.isnan(), b.isnan()), (chain, value)
                 assert torch.equal(a.nan_to_num(), b.nan_to_num()), (chain, value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_teams_of_several_warps(dtype, device):
+    """One group a row, wider than a warp's values: the backward takes
+    the kernel whose teams span warps (the whole block here), and two runs
+    of it are bitwise equal (test_against_float64 holds its values to a
+    float64 run)."""
+    rows, channels = 300, 4096
+    gen = torch.Generator().manual_seed(7)
+    z = torch.randn(rows, channels, generator=gen).to(device, dtype)
+    vectors = [torch.randn(channels, generator=gen).to(device, dtype) for _ in range(4)]
+    g = torch.randn(rows, channels, generator=gen).to(device, dtype)
+    chain = "bias_hardtanh_mish_gn"
+    G.clear_launch_plans()
+    first = _run(lambda *t: _ours(chain, 1, *t), [z] + vectors, g, None)
+    (team, *_), = [plan[4:] for key, plan in G._backward_plans.items() if key[0] == rows]
+    assert team == G.BLOCK
+    again = _run(lambda *t: _ours(chain, 1, *t), [z] + vectors, g, None)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -126,11 +126,37 @@ def test_team_shape_covers_every_group_width():
     # The backward's: a float32 group wider than 32 x 8 channels (swept, not
     # held) on the kernel with 4 values per lane, not the 8-value one's bound.
     f32, bf16 = torch.float32, torch.bfloat16
-    assert gn_chain_module.backward_team_shape(256, f32) == (32, 8)
-    assert gn_chain_module.backward_team_shape(257, f32) == (32, 4)
-    assert gn_chain_module.backward_team_shape(4096, f32) == (32, 4)
-    assert gn_chain_module.backward_team_shape(4096, bf16) == (32, 8)
-    assert gn_chain_module.backward_team_shape(64, f32) == gn_chain_module.team_shape(64)
+    assert gn_chain_module.backward_team_shape(256, f32, 8) == (32, 8)
+    assert gn_chain_module.backward_team_shape(257, f32, 8) == (32, 4)
+    assert gn_chain_module.backward_team_shape(4096, f32, 16) == (32, 4)
+    assert gn_chain_module.backward_team_shape(4096, bf16, 16) == (32, 8)
+    assert gn_chain_module.backward_team_shape(64, f32, 1) == gn_chain_module.team_shape(64)
+    # Fewer groups than a block's warps, wider than 32 x 4 channels: teams
+    # of several warps, as many as the groups leave idle, with no lane
+    # holding fewer than 4 of its group's values.
+    assert gn_chain_module.backward_team_shape(4096, f32, 1) == (256, 4)
+    assert gn_chain_module.backward_team_shape(4096, bf16, 2) == (128, 8)
+    assert gn_chain_module.backward_team_shape(4096, bf16, 3) == (64, 8)
+    assert gn_chain_module.backward_team_shape(4096, bf16, 5) == (32, 8)
+    assert gn_chain_module.backward_team_shape(300, f32, 1) == (128, 4)
+    assert gn_chain_module.backward_team_shape(600, bf16, 2) == (128, 8)
+    assert gn_chain_module.backward_team_shape(128, f32, 1) == (32, 4)
+    block = gn_chain_module.BLOCK
+    for groups in range(1, 12):
+        for cpg in range(1, 1100, 7):
+            for dtype in (f32, bf16):
+                team, vals = gn_chain_module.backward_team_shape(cpg, dtype, groups)
+                assert team & (team - 1) == 0 and team <= block and vals in (4, 8)
+                if team > 32:
+                    # teams of whole warps, each lane with 4 or more values, and
+                    # no wider than leaves a block a team for each group
+                    assert team % 32 == 0 and cpg >= team // 2 * 4 + 1
+                    assert block // team >= groups
+    # launch shapes fixing a team of several warps: the backward's alone
+    with gn_chain_module.launch_shapes(gn_chain_module.LaunchShapes(team=(64, 4))):
+        assert gn_chain_module.backward_team_shape(4096, f32, 16) == (64, 4)
+        with pytest.raises(ValueError, match="at most 32 lanes"):
+            gn_chain_module.forward_team_shape(4096)
     assert gn_chain_module.forward_team_shape(4096) == (32, 8)
 
 

@@ -82,10 +82,10 @@ CHAINS: Dict[str, Chain] = {
 _GRAD_ROW_OF = {name: chain.grad_row_of for name, chain in CHAINS.items()}
 
 # Values of a group each lane holds in registers (template parameter
-# kMaxVals).  A team of up to 32 lanes shares one (row, group); each lane
-# holds at least 4 values so that several loads per thread are in flight
-# (the kernels are bound by memory latency otherwise).  Groups wider than
-# 32 * 8 channels are processed in slices.
+# kMaxVals).  A team of up to 32 lanes (the backward's: up to BLOCK) shares
+# one (row, group); each lane holds at least 4 values so that several loads
+# per thread are in flight (the kernels are bound by memory latency
+# otherwise).  Groups wider than team * 8 channels are processed in slices.
 VALS_PER_LANE = (4, 8)
 
 
@@ -115,8 +115,10 @@ class LaunchShapes:
         backward_vec_bytes: the vectorised backward's accesses of z, 8 or
             16 bytes (its values per lane, and so its registers).
         team: a fixed (team lanes, values per lane) for the scalar kernels
-            instead of :func:`team_shape` / :func:`forward_team_shape`'s
-            rule (tuning only), or None.
+            instead of :func:`team_shape` / :func:`forward_team_shape` /
+            :func:`backward_team_shape`'s rules (tuning only), or None.
+            Teams of more than 32 lanes (up to BLOCK) run the backward
+            only: the forward's teams are within a warp.
         backward_min_blocks_float_wide: the scalar backward on a float32 z
             with 8 values per lane (groups of 129 to 256 channels; wider
             ones take the kernel with 4: :func:`backward_team_shape`), which
@@ -134,9 +136,11 @@ class LaunchShapes:
     backward_min_blocks_float_wide: int = 3
 
     def min_blocks(self, kernel: str, dtype: torch.dtype, vals: int = 0) -> int:
-        """kMinBlocks of ``kernel`` ("forward", "backward", "forward_vec" or
-        "backward_vec") on a z of ``dtype``, ``vals`` values per lane (the
-        scalar kernels')."""
+        """kMinBlocks of ``kernel`` ("forward", "backward", "backward_wide",
+        "forward_vec" or "backward_vec") on a z of ``dtype``, ``vals``
+        values per lane (the scalar kernels')."""
+        if kernel == "backward_wide":  # (the same registers per lane)
+            kernel = "backward"
         if kernel == "backward" and dtype == torch.float32 and vals > VALS_PER_LANE[0]:
             return self.backward_min_blocks_float_wide
         if kernel.endswith("_vec"):
@@ -151,8 +155,10 @@ SHIPPED_SHAPES = LaunchShapes()
 def _expr(kernel: str, dtype: torch.dtype, chain: str, vals: int, eager_rounding: bool,
           out_dtype: Optional[torch.dtype], shapes: LaunchShapes) -> str:
     out = cxx_type(out_dtype or dtype)
-    return (f"cf::gn_chain_{kernel}<{cxx_type(dtype)}, {CHAINS[chain].type(eager_rounding)}, "
-            f"{vals}, {out}, {shapes.min_blocks(kernel, dtype, vals)}>")
+    # "backward_wide": gn_chain_backward with teams spanning warps (kWide)
+    name, wide = ("backward", ", true") if kernel == "backward_wide" else (kernel, "")
+    return (f"cf::gn_chain_{name}<{cxx_type(dtype)}, {CHAINS[chain].type(eager_rounding)}, "
+            f"{vals}, {out}, {shapes.min_blocks(kernel, dtype, vals)}{wide}>")
 
 
 # The vectorised kernels (``gn_chain_forward_vec`` / ``gn_chain_backward_vec``
@@ -189,7 +195,7 @@ def _families(shapes: LaunchShapes) -> Dict[str, _runtime.KernelFamily]:
     eager-rounding variants (float16 / bfloat16 only: rounding to float32
     is the identity); "amp": z in float16 / bfloat16, the output, its
     gradient and the vectors in float32 (autocast), scalar and vectorised."""
-    scalar = [(k, d, c, v) for k in ("forward", "backward") for d in FLOAT_DTYPES
+    scalar = [(k, d, c, v) for k in ("forward", "backward", "backward_wide") for d in FLOAT_DTYPES
               for c in CHAINS for v in VALS_PER_LANE]
     return {
         "plain": _runtime.KernelFamily("gn_chain.cu", {
@@ -325,15 +331,31 @@ def team_shape(channels_per_group: int) -> Tuple[int, int]:
     return team, vals
 
 
-def backward_team_shape(channels_per_group: int, dtype: torch.dtype) -> Tuple[int, int]:
-    """The scalar backward's (team, values per lane) on a z of ``dtype``:
-    :func:`team_shape`'s, except for a float32 group wider than a team's
-    registers hold (more than 32 x 8 channels), which runs in two sweeps
-    per row whatever the values per lane: on the kernel with 4, whose
-    launch bound suits the sweeps (the same bits; LaunchShapes'
-    ``backward_min_blocks_float_wide`` is for 8 values held in registers)."""
+def backward_team_shape(channels_per_group: int, dtype: torch.dtype,
+                        num_groups: int) -> Tuple[int, int]:
+    """The scalar backward's (team, values per lane) on a z of ``dtype``
+    with ``num_groups`` groups: :func:`team_shape`'s, but for two cases.
+
+    * Fewer groups than a block (BLOCK threads) has warps, of more than
+      32 x 4 channels: a team of up to BLOCK lanes, adjacent warps that
+      share each row's group (gn_chain.cuh, ``wide_team_sums``), as many
+      as the groups leave idle, but no more than leave each lane 4 of the
+      group's values.  With 32-lane teams, the warps of a block that had
+      no group of their own idled.
+    * A float32 group wider than the team's registers hold (more than team
+      x 8 channels) runs in two sweeps per row whatever the values per lane:
+      on the kernel with 4, whose launch bound suits the sweeps (the same
+      bits; LaunchShapes' ``backward_min_blocks_float_wide`` is for 8
+      values held in registers).
+    """
     team, vals = team_shape(channels_per_group)
-    if dtype == torch.float32 and _shapes[0].team is None and channels_per_group > team * vals:
+    if _shapes[0].team is not None:
+        return team, vals
+    if team == 32:
+        team = max(32, min(BLOCK // _next_pow2(num_groups),
+                           _next_pow2(cdiv(channels_per_group, VALS_PER_LANE[0]))))
+        vals = VALS_PER_LANE[0] if channels_per_group <= team * VALS_PER_LANE[0] else VALS_PER_LANE[1]
+    if dtype == torch.float32 and channels_per_group > team * vals:
         return team, VALS_PER_LANE[0]
     return team, vals
 
@@ -347,6 +369,9 @@ def forward_team_shape(channels_per_group: int) -> Tuple[int, int]:
     per-column sums spill out of registers."""
     team, vals = team_shape(channels_per_group)
     if _shapes[0].team is not None:
+        if team > 32:
+            raise ValueError(f"the scalar forward takes teams of at most 32 lanes, but the launch "
+                             f"shapes in use fix {team}")
         return team, vals
     if vals == VALS_PER_LANE[0] and team >= 16:
         return team // 2, VALS_PER_LANE[1]
@@ -422,11 +447,12 @@ def _backward_plan(key: tuple) -> tuple:
             fn = _family(dtype, False, float_out, True).get(
                 ("backward_vec", dtype, chain, values), dev)
             return _keep(_backward_plans, key, (fn, grid_x, chunks, per, team))
-    team, vals = backward_team_shape(channels // num_groups, dtype)
+    team, vals = backward_team_shape(channels // num_groups, dtype, num_groups)
     grid_x = cdiv(num_groups, BLOCK // team)
     chunks, rows_per_chunk = row_chunks(rows, grid_x, dev)
+    kernel = "backward_wide" if team > 32 else "backward"  # (teams spanning warps)
     return _keep(_backward_plans, key, (
-        _family(dtype, eager_rounding, float_out).get(("backward", dtype, chain, vals), dev), grid_x,
+        _family(dtype, eager_rounding, float_out).get((kernel, dtype, chain, vals), dev), grid_x,
         chunks, rows_per_chunk, team))
 
 
