@@ -298,6 +298,8 @@ struct CompensatedSum {
   __device__ __forceinline__ double total() const {
     return isfinite(sum) ? static_cast<double>(sum) + static_cast<double>(comp) : static_cast<double>(sum);
   }
+  // The same total rounded to float.
+  __device__ __forceinline__ float total_float() const { return isfinite(sum) ? sum + comp : sum; }
 };
 
 // A plain float running sum with CompensatedSum's interface, for sums of a

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, 
         for (int j = 0; j < kMaxVals; ++j) add(part, j, s * slice + team_lane + j * t);
         slices.add(part);
       }
-      return slices.sum + slices.comp;
+      return slices.total_float();
     };
     const float sum = lane_sum(true, [&](float& acc, int j, int) { acc += v[j]; });
     float mean = team_sum(sum, t) * inv_cpg;
@@ -289,8 +289,9 @@ __device__ __forceinline__ void slot_values_exact(float (&out)[Chain::kSlots], f
 // or dv and dz (a gn_weight that is not finite; where every dz of such a
 // group is gated to 0, the two forms below agree).  So a kernel walks its
 // rows as always, and where a warp's sums then show one (an overflow of
-// finite sums only costs time), the warp walks its rows again as exact
-// rows (see UncentredGroup), with autograd's forms where they differ, and
+// finite sums only costs time), the warp (the block, where the scalar
+// backward's teams span warps) walks its rows again as exact rows (see
+// UncentredGroup), with autograd's forms where they differ, and
 // what the first walk stored and summed is replaced.  The walks are one
 // function with kExact a constant: the first is inlined into the kernel,
 // holding none of the exact rows' work, and the second is a call
@@ -306,6 +307,8 @@ __device__ __forceinline__ void slot_values_exact(float (&out)[Chain::kSlots], f
 // are its row walks).  A template parameter rather than a branch on the
 // team: the branch's registers made the kernels with teams within a warp
 // spill more.
+// team: a multiple of 32 (the kWide instantiations only: a team within a
+// warp would find no warps here).
 template <int N>
 __device__ __forceinline__ void wide_team_sums(float (&v)[N], int team) {
   __shared__ float scratch[N][32];

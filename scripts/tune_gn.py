@@ -122,8 +122,8 @@ def main(argv=None):
             teams = sorted({gn.team_shape(cpg), gn.forward_team_shape(cpg),
                             gn.backward_team_shape(cpg, dtype, groups)})
         for team, vals in teams:
-            if team > gn.BLOCK // gn._next_pow2(groups) or (team * vals < cpg
-                                                             and not args.shipped_teams):
+            if ((team > 32 and team > gn.BLOCK // gn._next_pow2(groups))  # (no group to share)
+                    or (team * vals < cpg and not args.shipped_teams)):
                 continue  # (the shipped shape of a wider group runs in sweeps: timed too)
             runs = {}
             for fwd_blocks, bwd_blocks in bounds:

@@ -131,9 +131,9 @@ def test_team_shape_covers_every_group_width():
     assert gn_chain_module.backward_team_shape(4096, f32, 16) == (32, 4)
     assert gn_chain_module.backward_team_shape(4096, bf16, 16) == (32, 8)
     assert gn_chain_module.backward_team_shape(64, f32, 1) == gn_chain_module.team_shape(64)
-    # Fewer groups than a block's warps, wider than 32 x 4 channels: teams
-    # of several warps, as many as the groups leave idle, with no lane
-    # holding fewer than 4 of its group's values.
+    # One to four groups, wider than 32 x 4 channels: teams of several
+    # warps, as many as the groups leave idle, with no more lanes than the
+    # group's channels / 4 rounded up to a power of two.
     assert gn_chain_module.backward_team_shape(4096, f32, 1) == (256, 4)
     assert gn_chain_module.backward_team_shape(4096, bf16, 2) == (128, 8)
     assert gn_chain_module.backward_team_shape(4096, bf16, 3) == (64, 8)
@@ -148,7 +148,7 @@ def test_team_shape_covers_every_group_width():
                 team, vals = gn_chain_module.backward_team_shape(cpg, dtype, groups)
                 assert team & (team - 1) == 0 and team <= block and vals in (4, 8)
                 if team > 32:
-                    # teams of whole warps, each lane with 4 or more values, and
+                    # teams of whole warps, each lane with more than 2 values, and
                     # no wider than leaves a block a team for each group
                     assert team % 32 == 0 and cpg >= team // 2 * 4 + 1
                     assert block // team >= groups
@@ -157,6 +157,9 @@ def test_team_shape_covers_every_group_width():
         assert gn_chain_module.backward_team_shape(4096, f32, 16) == (64, 4)
         with pytest.raises(ValueError, match="at most 32 lanes"):
             gn_chain_module.forward_team_shape(4096)
+    for bad in ((48, 4), (512, 4), (0, 4), (32, 6), (32.0, 4)):
+        with pytest.raises(ValueError, match="team must be"):
+            gn_chain_module.LaunchShapes(team=bad)
     assert gn_chain_module.forward_team_shape(4096) == (32, 8)
 
 

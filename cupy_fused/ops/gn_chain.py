@@ -120,10 +120,12 @@ class LaunchShapes:
             Teams of more than 32 lanes (up to BLOCK) run the backward
             only: the forward's teams are within a warp.
         backward_min_blocks_float_wide: the scalar backward on a float32 z
-            with 8 values per lane (groups of 129 to 256 channels; wider
-            ones take the kernel with 4: :func:`backward_team_shape`), which
-            spills most at 4 (docs/performance.md, "The scalar GroupNorm
-            kernels' launch bounds").
+            with 8 values per lane (groups held in registers of more than 4
+            values a lane: of 129 to 256 channels with 32-lane teams, and
+            wider with teams spanning warps; swept ones take the kernel
+            with 4: :func:`backward_team_shape`), which spills most at 4
+            (docs/performance.md, "The scalar GroupNorm kernels' launch
+            bounds").
     """
     forward_min_blocks: int = 8
     backward_min_blocks: int = 4
@@ -134,6 +136,14 @@ class LaunchShapes:
     backward_vec_bytes: int = 16
     team: Optional[Tuple[int, int]] = None
     backward_min_blocks_float_wide: int = 3
+
+    def __post_init__(self):
+        if self.team is not None:
+            lanes, vals = self.team
+            if not (isinstance(lanes, int) and 1 <= lanes <= BLOCK and lanes & (lanes - 1) == 0
+                    and vals in VALS_PER_LANE):
+                raise ValueError(f"team must be (lanes: a power of two <= {BLOCK}, values per "
+                                 f"lane: one of {VALS_PER_LANE}), got {self.team!r}")
 
     def min_blocks(self, kernel: str, dtype: torch.dtype, vals: int = 0) -> int:
         """kMinBlocks of ``kernel`` ("forward", "backward", "backward_wide",
@@ -336,12 +346,13 @@ def backward_team_shape(channels_per_group: int, dtype: torch.dtype,
     """The scalar backward's (team, values per lane) on a z of ``dtype``
     with ``num_groups`` groups: :func:`team_shape`'s, but for two cases.
 
-    * Fewer groups than a block (BLOCK threads) has warps, of more than
-      32 x 4 channels: a team of up to BLOCK lanes, adjacent warps that
-      share each row's group (gn_chain.cuh, ``wide_team_sums``), as many
-      as the groups leave idle, but no more than leave each lane 4 of the
-      group's values.  With 32-lane teams, the warps of a block that had
-      no group of their own idled.
+    * One to four groups of more than 32 x 4 channels (at most half
+      a block's warps: BLOCK threads): a team of 64 to BLOCK lanes,
+      adjacent warps that share each row's group (gn_chain.cuh,
+      ``wide_team_sums``), as many as the groups leave idle, but no more
+      lanes than the group's channels / 4 rounded up to a power of two
+      (2 to 4 values a lane).  With 32-lane teams, the warps of a block
+      that had no group of their own idled.
     * A float32 group wider than the team's registers hold (more than team
       x 8 channels) runs in two sweeps per row whatever the values per lane:
       on the kernel with 4, whose launch bound suits the sweeps (the same
