@@ -155,8 +155,8 @@ __global__ void __launch_bounds__(256, kMinBlocks) gn_chain_forward(const T* z, 
     // (a group of many slices is loaded slice by slice in any case).  A
     // wide group's lane holds many slices: their values are summed a slice
     // at a time, and the slices' sums added with compensation (one running
-    // sum of all a lane's values was 3x eager's error at 4096 channels a
-    // group).
+    // sum of all a lane's values, at thousands of channels a group, fell
+    // outside the error the library holds to).
     auto lane_sum = [&](bool reload, auto add) {
       float sum = 0.0f;
       if (nslices == 1) {

@@ -83,9 +83,10 @@ _GRAD_ROW_OF = {name: chain.grad_row_of for name, chain in CHAINS.items()}
 
 # Values of a group each lane holds in registers (template parameter
 # kMaxVals).  A team of up to 32 lanes (the backward's: up to BLOCK) shares
-# one (row, group); each lane holds at least 4 values so that several loads
-# per thread are in flight (the kernels are bound by memory latency
-# otherwise).  Groups wider than team * 8 channels are processed in slices.
+# one (row, group); each lane holds at least 4 values (a team spanning
+# warps: 2 to 4) so that several loads per thread are in flight (the
+# kernels are bound by memory latency otherwise).  Groups wider than team *
+# 8 channels are processed in slices.
 VALS_PER_LANE = (4, 8)
 
 
