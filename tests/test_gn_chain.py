@@ -134,10 +134,10 @@ SHAPES = [(37, 256, 4, 0), (5, 96, 3, 0), (1, 64, 2, 0), (33, 128, 16, 0), (9, 2
           (6, 72, 3, 0), (64, 512, 8, 0),
           # One group of 4096 channels: the forward's lanes hold 16 slices,
           # the backward's team is 8 warps, swept (gn_chain_backward, kWide);
-          # a team of 8 warps in registers (2048 channels); teams of 2 warps
-          # in registers: one group, and three with a block's fourth team
+          # a team of 8 warps in registers (1000 channels); teams of 2 warps:
+          # one group in registers, three swept with a block's fourth team
           # idle; 32-lane teams, swept (8 groups of 300 channels).
-          (70, 4096, 1, 0), (7, 2048, 1, 0), (45, 250, 1, 0), (11, 1200, 3, 0),
+          (70, 4096, 1, 0), (7, 1000, 1, 0), (45, 250, 1, 0), (11, 1200, 3, 0),
           (9, 2400, 8, 0)]
 
 
@@ -203,11 +203,11 @@ def _models_chain(chain, groups, z, lin_bias, v, gw, gb):
 # The vectorised kernels; the in-register ones (a z off the 16-byte grid, a
 # group of 10 channels); the wide-group ones (600 channels, two warps a
 # team, swept; 300 channels, 32 lanes a team, swept); teams of two warps in
-# registers (300 channels).  In each, the three non-finite values leave
+# registers (250 channels).  In each, the three non-finite values leave
 # group 1 alone, so that every gradient has finite values to hold to the
 # float64 run.
 NON_FINITE_SHAPES = [(9, 256, 4, 0), (9, 256, 4, 1), (7, 60, 6, 0), (5, 2400, 4, 0),
-                     (9, 2400, 8, 0), (5, 1200, 4, 0)]
+                     (9, 2400, 8, 0), (5, 1000, 4, 0)]
 
 
 @pytest.mark.gpu

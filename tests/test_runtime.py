@@ -133,13 +133,14 @@ def test_team_shape_covers_every_group_width():
     assert gn_chain_module.backward_team_shape(64, f32, 1) == gn_chain_module.team_shape(64)
     # One to four groups, wider than 32 x 4 channels: teams of several
     # warps, as many as the groups leave idle, with no more lanes than the
-    # group's channels / 4 rounded up to a power of two.
+    # group's channels / 4 rounded up to a power of two, on the kernel with
+    # 4 values per lane (swept where wider).
     assert gn_chain_module.backward_team_shape(4096, f32, 1) == (256, 4)
-    assert gn_chain_module.backward_team_shape(4096, bf16, 2) == (128, 8)
-    assert gn_chain_module.backward_team_shape(4096, bf16, 3) == (64, 8)
+    assert gn_chain_module.backward_team_shape(4096, bf16, 2) == (128, 4)
+    assert gn_chain_module.backward_team_shape(4096, bf16, 3) == (64, 4)
     assert gn_chain_module.backward_team_shape(4096, bf16, 5) == (32, 8)
     assert gn_chain_module.backward_team_shape(300, f32, 1) == (128, 4)
-    assert gn_chain_module.backward_team_shape(600, bf16, 2) == (128, 8)
+    assert gn_chain_module.backward_team_shape(600, bf16, 2) == (128, 4)
     assert gn_chain_module.backward_team_shape(128, f32, 1) == (32, 4)
     block = gn_chain_module.BLOCK
     for groups in range(1, 12):
@@ -150,14 +151,14 @@ def test_team_shape_covers_every_group_width():
                 if team > 32:
                     # teams of whole warps, each lane with more than 2 values, and
                     # no wider than leaves a block a team for each group
-                    assert team % 32 == 0 and cpg >= team // 2 * 4 + 1
+                    assert team % 32 == 0 and cpg >= team // 2 * 4 + 1 and vals == 4
                     assert block // team >= groups
     # launch shapes fixing a team of several warps: the backward's alone
     with gn_chain_module.launch_shapes(gn_chain_module.LaunchShapes(team=(64, 4))):
         assert gn_chain_module.backward_team_shape(4096, f32, 16) == (64, 4)
         with pytest.raises(ValueError, match="at most 32 lanes"):
             gn_chain_module.forward_team_shape(4096)
-    for bad in ((48, 4), (512, 4), (0, 4), (32, 6), (32.0, 4)):
+    for bad in ((48, 4), (512, 4), (0, 4), (32, 6), (32.0, 4), (64, 8)):
         with pytest.raises(ValueError, match="team must be"):
             gn_chain_module.LaunchShapes(team=bad)
     assert gn_chain_module.forward_team_shape(4096) == (32, 8)

@@ -86,7 +86,7 @@ _GRAD_ROW_OF = {name: chain.grad_row_of for name, chain in CHAINS.items()}
 # one (row, group); each lane holds at least 4 values (a team spanning
 # warps: 2 to 4) so that several loads per thread are in flight (the
 # kernels are bound by memory latency otherwise).  Groups wider than team *
-# 8 channels are processed in slices.
+# kMaxVals channels are processed in slices.
 VALS_PER_LANE = (4, 8)
 
 
@@ -121,10 +121,9 @@ class LaunchShapes:
             Teams of more than 32 lanes (up to BLOCK) run the backward
             only: the forward's teams are within a warp.
         backward_min_blocks_float_wide: the scalar backward on a float32 z
-            with 8 values per lane (groups held in registers of more than 4
-            values a lane: of 129 to 256 channels with 32-lane teams, and
-            wider with teams spanning warps; swept ones take the kernel
-            with 4: :func:`backward_team_shape`), which spills most at 4
+            with 8 values per lane (groups of 129 to 256 channels; wider
+            ones, and teams spanning warps, take the kernel with 4:
+            :func:`backward_team_shape`), which spills most at 4
             (docs/performance.md, "The scalar GroupNorm kernels' launch
             bounds").
     """
@@ -142,9 +141,10 @@ class LaunchShapes:
         if self.team is not None:
             lanes, vals = self.team
             if not (isinstance(lanes, int) and 1 <= lanes <= BLOCK and lanes & (lanes - 1) == 0
-                    and vals in VALS_PER_LANE):
+                    and vals in (VALS_PER_LANE if lanes <= 32 else VALS_PER_LANE[:1])):
                 raise ValueError(f"team must be (lanes: a power of two <= {BLOCK}, values per "
-                                 f"lane: one of {VALS_PER_LANE}), got {self.team!r}")
+                                 f"lane: one of {VALS_PER_LANE}, {VALS_PER_LANE[0]} for more "
+                                 f"than 32 lanes), got {self.team!r}")
 
     def min_blocks(self, kernel: str, dtype: torch.dtype, vals: int = 0) -> int:
         """kMinBlocks of ``kernel`` ("forward", "backward", "backward_wide",
@@ -207,7 +207,8 @@ def _families(shapes: LaunchShapes) -> Dict[str, _runtime.KernelFamily]:
     is the identity); "amp": z in float16 / bfloat16, the output, its
     gradient and the vectors in float32 (autocast), scalar and vectorised."""
     scalar = [(k, d, c, v) for k in ("forward", "backward", "backward_wide") for d in FLOAT_DTYPES
-              for c in CHAINS for v in VALS_PER_LANE]
+              for c in CHAINS for v in VALS_PER_LANE
+              if k != "backward_wide" or v == VALS_PER_LANE[0]]  # (backward_team_shape)
     return {
         "plain": _runtime.KernelFamily("gn_chain.cu", {
             key: _expr(*key, False, None, shapes) for key in scalar}),
@@ -353,7 +354,10 @@ def backward_team_shape(channels_per_group: int, dtype: torch.dtype,
       ``wide_team_sums``), as many as the groups leave idle, but no more
       lanes than the group's channels / 4 rounded up to a power of two
       (2 to 4 values a lane).  With 32-lane teams, the warps of a block
-      that had no group of their own idled.
+      that had no group of their own idled.  Such teams take the kernel
+      with 4 values per lane, swept where the group is wider: with 8 held
+      in registers, whose column sums spill, they were slower
+      (docs/performance.md, "Fewer groups than a block has warps").
     * A float32 group wider than the team's registers hold (more than team
       x 8 channels) runs in two sweeps per row whatever the values per lane:
       on the kernel with 4, whose launch bound suits the sweeps (the same
@@ -366,7 +370,8 @@ def backward_team_shape(channels_per_group: int, dtype: torch.dtype,
     if team == 32:
         team = max(32, min(BLOCK // _next_pow2(num_groups),
                            _next_pow2(cdiv(channels_per_group, VALS_PER_LANE[0]))))
-        vals = VALS_PER_LANE[0] if channels_per_group <= team * VALS_PER_LANE[0] else VALS_PER_LANE[1]
+        if team > 32:
+            return team, VALS_PER_LANE[0]
     if dtype == torch.float32 and channels_per_group > team * vals:
         return team, VALS_PER_LANE[0]
     return team, vals
